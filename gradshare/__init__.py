@@ -1,0 +1,29 @@
+"""gradshare: data-parallel PyTorch training on Spark with Strom threshold-encoded updates over UDP.
+
+The public surface is re-exported here; everything else is internal.
+"""
+
+from gradshare.errors import (
+    ConsistencyError,
+    DecodeError,
+    GradshareError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    TrainingError,
+    TransportTimeout,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "GradshareError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "DecodeError",
+    "TransportTimeout",
+    "ConsistencyError",
+    "TrainingError",
+]

@@ -1,0 +1,1 @@
+"""Command-line benchmarks (`gradshare bench ...`); scripts in benchmarks/ call these too."""

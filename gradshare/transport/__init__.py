@@ -1,0 +1,1 @@
+"""UDP transport: wire format, AEAD, sans-I/O relay/peer cores, relay server, peer client."""
