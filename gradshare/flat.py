@@ -1,0 +1,51 @@
+"""One contiguous float32 buffer holding every trainable parameter of a module.
+
+The module's parameters become views into the buffer, so the encoding kernels see the whole model as
+one 1-D NumPy array (`FlatParams.array`) without copies, and applying a decoded message changes the
+module in place (DESIGN.md, "One training step").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class FlatParams:
+    """Rebinds `module`'s trainable parameters onto one float32 buffer; `array` is that buffer."""
+
+    def __init__(self, module: nn.Module):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                f"model {type(module).__name__} has no trainable parameters (none with requires_grad=True); "
+                "there is nothing to train or share"
+            )
+        for name, p in named:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise TypeError(
+                    f"parameter {name!r} is {p.dtype} on {p.device}; gradshare trains float32 CPU parameters "
+                    "(call model.float() first)"
+                )
+        self.names = [name for name, _ in named]
+        self.n_params = sum(p.numel() for _, p in named)
+        self.buffer = torch.empty(self.n_params, dtype=torch.float32)
+        offset = 0
+        with torch.no_grad():
+            for _, p in named:
+                view = self.buffer[offset : offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view  # the Parameter object stays (optimizers keep working); its storage moves
+                offset += p.numel()
+        self.params = [p for _, p in named]
+        self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
+
+    def load(self, values: np.ndarray) -> None:
+        """Overwrite every parameter with `values` (a flat float32 array of n_params)."""
+        values = np.asarray(values)
+        if values.shape != (self.n_params,):
+            raise ValueError(f"parameter array has shape {values.shape}, the model needs ({self.n_params},)")
+        np.copyto(self.array, values, casting="same_kind")

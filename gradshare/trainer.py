@@ -1,0 +1,398 @@
+"""SharedTrainer: the driver side of gradient-sharing training on Spark (issue 4).
+
+    trainer = SharedTrainer(model, threshold=1e-3, port=40123)
+    result = trainer.fit(rdd)            # RDD of (features, label) rows
+    result.model.state_dict()            # the relay's authoritative parameters, torch conventions
+
+`fit` checks the data and the barrier slots, starts the relay (the master) with a fresh job key, ships
+the key and the initial parameters inside the Spark job closure (never over UDP), runs ONE barrier
+stage with one worker per partition, feeds a progress bar from the relay, then stops the relay and
+verifies that every replica's parameter hash equals the relay's (a mismatch raises ConsistencyError).
+
+Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a worker process dies.
+The new attempt joins the relay with a higher attempt number and continues from the relay's
+parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
+optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
+sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
+
+
+def default_optimizer(params):
+    """Adam, lr 1e-3: the default `optimizer` factory (the adaptive threshold copes with its even-sized
+    updates by raising τ until the target sparsity holds)."""
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@dataclass
+class FitResult:
+    """What `fit` returns. `history` has one dict per epoch (see `SharedTrainer.fit`)."""
+
+    model: Any
+    history: list[dict]
+    counters: dict  # the relay's transport counters
+    worker_reports: list[dict]
+    param_hash: str
+    world_size: int
+    n_params: int
+    steps: int  # steps of the longest-running rank
+    resumed_from: int  # 0, or the step a retried stage continued from
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        """UDP bytes the workers sent (datagrams incl. headers, acks and retransmits)."""
+        from gradshare.worker import _bytes_out
+
+        return sum(_bytes_out(r["counters"]) for r in self.worker_reports)
+
+    @property
+    def bytes_received(self) -> int:
+        from gradshare.worker import _bytes_in
+
+        return sum(_bytes_in(r["counters"]) for r in self.worker_reports)
+
+    @property
+    def dense_bytes(self) -> int:
+        """What dense float32 sharing would move for the same steps: each worker sends 4·N bytes per
+        step and receives every other worker's 4·N (a parameter-server / relay layout)."""
+        steps = sum(r["last_step"] + 1 for r in self.worker_reports)
+        return 4 * self.n_params * steps * self.world_size
+
+    @property
+    def traffic_ratio(self) -> float:
+        """dense bytes ÷ bytes actually moved (sent + received by the workers)."""
+        moved = self.bytes_sent + self.bytes_received
+        return self.dense_bytes / moved if moved else math.inf
+
+
+class SharedTrainer:
+    """Data-parallel training of a PyTorch model on Spark with threshold-encoded shared updates.
+
+    model: an ``nn.Module`` or a zero-argument factory returning one (called once on the driver, after
+        ``torch.manual_seed(seed)``; every replica starts from those same parameters).
+    loss: ``(outputs, labels) -> tensor``; default CrossEntropyLoss for int labels, MSELoss for floats.
+    optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3)`` (`default_optimizer`).
+        Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
+    threshold: τ, the initial threshold (Strom 2015); threshold_algorithm: "adaptive" (default: τ moves
+        to keep the share of sent entries near a target), "fixed", or a threshold-rule object.
+    residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
+    port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
+        executors use to reach it (default: spark.driver.host).
+    batch_size: rows per step per worker; epochs: passes over each partition.
+    num_workers: barrier tasks (default: the RDD's partitions; otherwise the RDD is re-partitioned).
+    staleness: k ≥ 0; before step t a worker has applied the whole log through t-1-k.
+    validation_data: optional ``(X, y)`` arrays; rank 0 evaluates `metric` (default: accuracy for int
+        labels, else the loss) on its replica after every epoch.
+    verbose: 0 quiet, 1 a progress bar fed by the relay.
+    timeout: seconds any single wait (join, receive, snapshot) may take before a clear error.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        loss: Callable | None = None,
+        optimizer: Callable | None = None,
+        *,
+        threshold: float = 1e-3,
+        port: int = 40123,
+        bind: str = "0.0.0.0",
+        advertise_host: str | None = None,
+        threshold_algorithm: Any = "adaptive",
+        batch_size: int = 32,
+        epochs: int = 1,
+        num_workers: int | None = None,
+        staleness: int = 0,
+        residual_clip: float | None = 5.0,
+        seed: int = 0,
+        verbose: int = 1,
+        validation_data: tuple | None = None,
+        metric: Callable | None = None,
+        label_dtype: str | None = None,
+        datagram_size: int = 1400,
+        timeout: float = 60.0,
+        liveness_timeout: float = 30.0,
+        spill_bytes: int = 256 << 20,
+        insecure: bool = False,
+    ):
+        if not (isinstance(threshold, (int, float)) and threshold > 0 and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        for name, value in (("batch_size", batch_size), ("epochs", epochs)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ValueError(f"num_workers must be None or an int >= 1, got {num_workers!r}")
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
+        if residual_clip is not None and not residual_clip > 0:
+            raise ValueError(f"residual_clip must be None or > 0, got {residual_clip!r}")
+        if label_dtype not in (None, "int64", "float32"):
+            raise ValueError(f"label_dtype must be None, 'int64' or 'float32', got {label_dtype!r}")
+        if timeout <= 0 or liveness_timeout <= 0:
+            raise ValueError(f"timeout and liveness_timeout must be > 0, got {timeout!r}, {liveness_timeout!r}")
+        if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
+            raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
+        if optimizer is not None and not callable(optimizer):
+            raise TypeError("optimizer must be a factory taking the parameter list, e.g. "
+                            "lambda p: torch.optim.SGD(p, lr=0.1)")
+        self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
+        self.threshold, self.threshold_algorithm = float(threshold), threshold_algorithm
+        self.port, self.bind, self.advertise_host = port, bind, advertise_host
+        self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
+        self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
+        self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
+        self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
+        self.spill_bytes, self.insecure = spill_bytes, insecure
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _build_model(self):
+        import torch
+        from torch import nn
+
+        if isinstance(self.model, nn.Module):
+            return copy.deepcopy(self.model)
+        if callable(self.model):
+            torch.manual_seed(self.seed)
+            model = self.model()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model factory returned {type(model).__name__}, not a torch.nn.Module")
+            return model
+        raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(self.model).__name__}")
+
+    def _threshold_rule(self):
+        from gradshare import encoding
+
+        algo = self.threshold_algorithm
+        if algo == "fixed":
+            return encoding.FixedThreshold(self.threshold)
+        if algo == "adaptive":
+            return encoding.AdaptiveThreshold(self.threshold)
+        if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
+            raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
+        return copy.deepcopy(algo)
+
+    def _clipping(self):
+        if self.residual_clip is None:
+            return None
+        from gradshare.encoding import ResidualClipping
+
+        return ResidualClipping(clip=float(self.residual_clip))
+
+    @staticmethod
+    def _to_rdd(data, features_col, label_col):
+        from gradshare.spark import dataframe_to_rdd
+
+        if hasattr(data, "columns") and hasattr(data, "rdd"):  # a DataFrame
+            if features_col is None or label_col is None:
+                raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
+            return dataframe_to_rdd(data, features_col, label_col)
+        if features_col is not None or label_col is not None:
+            raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows")
+        if not (hasattr(data, "mapPartitionsWithIndex") and hasattr(data, "barrier")):
+            raise TypeError(f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, "
+                            f"got {type(data).__name__}")
+        return data
+
+    # ------------------------------------------------------------------------------------ fit
+    def fit(self, data, features_col: str | None = None, label_col: str | None = None) -> FitResult:
+        """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
+
+        History rows: epoch, steps, loss (mean over workers' steps), sparsity (sent entries ÷ params),
+        payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean), seconds (slowest
+        worker), val_metric (None without validation_data).
+        """
+        import torch
+
+        from gradshare.flat import FlatParams
+        from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
+        from gradshare.transport import Relay, new_job_key
+        from gradshare.worker import WorkerConfig, accuracy
+
+        t_start = time.monotonic()
+        rdd = self._to_rdd(data, features_col, label_col)
+        sc = rdd.context
+        if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
+            n = self.num_workers
+            rdd = rdd.coalesce(n) if n < rdd.getNumPartitions() else rdd.repartition(n)
+        world = rdd.getNumPartitions()
+        check_barrier_slots(sc, world)
+
+        # Pre-pass: validate every partition and count its rows (errors come back as data, so the
+        # driver names partition and row instead of Spark retrying a failing task).
+        summaries = rdd.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)]).collect()
+        layout = check_summaries(summaries)
+        int_labels = layout.label_kind == "int" and layout.label_shape == ()
+        label_dtype = self.label_dtype or ("int64" if int_labels else "float32")
+        loss = self.loss or (torch.nn.CrossEntropyLoss() if label_dtype == "int64" else torch.nn.MSELoss())
+        metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
+
+        model = self._build_model()
+        flat = FlatParams(model)  # raises on a model with no trainable parameters
+        initial = flat.array.copy()
+        rows = {s.index: s.rows for s in summaries}
+        steps_per_epoch = tuple(math.ceil(rows[r] / self.batch_size) for r in range(world))
+        rule, clip = self._threshold_rule(), self._clipping()
+
+        key, job_id = new_job_key(), secrets.randbits(31)
+        relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
+                      datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
+                      insecure=self.insecure).start()
+        try:
+            host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
+            cfg = WorkerConfig(
+                relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
+                model=model, loss=loss, optimizer=self.optimizer, initial_params=initial,
+                threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
+                epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
+                label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
+                insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
+                metric=metric,
+            )
+            reports = self._run_job(sc, rdd, cfg, relay)
+            relay.wait_finished(self.timeout)
+            final = relay.params
+            relay_hash = relay.param_hash()
+            counters = dict(relay.counters())
+        finally:
+            relay.close()
+
+        bad = [(r["rank"], r["param_hash"]) for r in reports if r["param_hash"] != relay_hash]
+        if bad:
+            raise ConsistencyError(f"replicas diverged from the relay (hash {relay_hash}): "
+                                   + ", ".join(f"rank {r} has {h}" for r, h in bad))
+        flat.load(final)
+        reports.sort(key=lambda r: r["rank"])
+        return FitResult(
+            model=model, history=_merge_history(reports), counters=counters, worker_reports=reports,
+            param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=cfg.final_step + 1,
+            resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
+        )
+
+    def _run_job(self, sc, rdd, cfg, relay) -> list[dict]:
+        """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
+        from functools import partial
+
+        from pyspark import InheritableThread
+
+        from gradshare.worker import train_partition
+
+        group = f"gradshare-{cfg.job_id}"
+        # A shuffle after the barrier stage makes it a shuffle-map stage, which Spark retries as a
+        # whole when a task dies; a barrier *result* stage is never retried.
+        job = rdd.barrier().mapPartitions(partial(train_partition, cfg)).repartition(1)
+        out: dict = {}
+
+        def target() -> None:
+            sc.setJobGroup(group, "gradshare SharedTrainer.fit", interruptOnCancel=True)
+            try:
+                out["reports"] = job.collect()
+            except BaseException as e:  # noqa: BLE001 - handed to the driver thread below
+                out["error"] = e
+
+        thread = InheritableThread(target=target, name="gradshare-fit", daemon=True)
+        thread.start()
+        bar = _ProgressBar(cfg.final_step + 1, enabled=self.verbose > 0)
+        try:
+            while thread.is_alive():
+                thread.join(0.25)
+                bar.update(relay.progress())
+        except BaseException:
+            sc.cancelJobGroup(group)
+            thread.join(30.0)
+            raise
+        finally:
+            bar.close()
+        if "error" in out:
+            raise _driver_error(out["error"], relay) from out["error"]
+        return out["reports"]
+
+
+class _ProgressBar:
+    """tqdm on the driver: step (the relay's complete_through + 1), loss, sparsity, τ, KB/step."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="gradshare", unit="step")
+
+    def update(self, progress: dict) -> None:
+        if self.bar is None or not progress:
+            return
+        done = int(progress.get("complete_through", -1)) + 1
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+        metas = [m for m in (progress.get("ranks") or progress.get("meta") or {}).values() if isinstance(m, dict)]
+        if metas:
+            def mean(k):
+                vals = [float(m[k]) for m in metas if m.get(k) is not None]
+                return sum(vals) / len(vals) if vals else float("nan")
+
+            self.bar.set_postfix(loss=f"{mean('loss'):.4f}", sparsity=f"{mean('sparsity'):.2e}",
+                                 tau=f"{mean('tau'):.2e}", kb_step=f"{mean('bytes') / 1024:.2f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+_TAGGED = re.compile(r"\[gradshare rank (\d+)\] (\w+): ([^\n]*)")
+
+
+def _driver_error(exc: BaseException, relay) -> Exception:
+    """Turn Spark's job failure into one clear error naming the rank and the cause."""
+    text = str(exc)
+    found = _TAGGED.findall(text)
+    if found:
+        rank, kind, message = found[-1]  # the most recent failure
+        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(kind)
+        if cls is None:
+            cls = TransportTimeout if kind == "TransportTimeout" else TrainingError
+        return cls(f"worker rank {rank} failed: {kind}: {message}")
+    if isinstance(exc, GradshareError):
+        return exc
+    first = next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300])
+    return TrainingError(f"the Spark training job failed: {first.strip()}")
+
+
+def _merge_history(reports: list[dict]) -> list[dict]:
+    """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time."""
+    epochs = sorted({h["epoch"] for r in reports for h in r["history"]})
+    merged = []
+    for e in epochs:
+        rows = [h for r in reports for h in r["history"] if h["epoch"] == e]
+        steps = sum(h["steps"] for h in rows)
+        val = [h["val_metric"] for h in rows if h["val_metric"] is not None]
+        merged.append({
+            "epoch": e,
+            "steps": steps,
+            "loss": sum(h["loss"] * h["steps"] for h in rows) / max(steps, 1),
+            "sparsity": sum(h["sparsity"] * h["steps"] for h in rows) / max(steps, 1),
+            "payload_bytes": sum(h["payload_bytes"] for h in rows),
+            "bytes_sent": sum(h["bytes_sent"] for h in rows),
+            "bytes_received": sum(h["bytes_received"] for h in rows),
+            "tau": float(np.mean([h["tau"] for h in rows])),
+            "seconds": max(h["seconds"] for h in rows),
+            "val_metric": val[0] if val else None,
+        })
+    return merged

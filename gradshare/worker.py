@@ -1,0 +1,301 @@
+"""What runs inside one Spark barrier task: a model replica, its residual, the step loop, the apply log.
+
+One step t on rank w (DESIGN.md, "One training step"):
+
+    batch → forward/backward → optimizer.step() on the flat buffer P
+    u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
+    m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
+    send m as (t, w)
+    P changes only by applying decoded messages of the log, in (step, sender) order, own included
+
+Staleness k: before step t the log is applied through step t-1-k, and never further, so the trajectory
+of every replica is a function of the data and the seed alone (k = 0 is synchronous). The residual and
+the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
+them from zero — that is what a restart loses.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from gradshare.errors import TrainingError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a task needs, shipped inside the Spark job closure (the job key never goes over UDP)."""
+
+    relay_address: tuple[str, int]
+    key: bytes
+    job_id: int
+    world_size: int
+    model: Any  # an nn.Module (copied per task); its parameters are overwritten by initial_params
+    loss: Callable
+    optimizer: Callable  # factory: params -> torch.optim.Optimizer
+    initial_params: np.ndarray
+    threshold_rule: Any  # FixedThreshold / AdaptiveThreshold / ... (deep-copied per worker)
+    residual_clip: Any  # ResidualClipping or None
+    steps_per_epoch: tuple[int, ...]  # per rank
+    epochs: int
+    batch_size: int
+    staleness: int
+    seed: int
+    label_dtype: str
+    datagram_size: int = 1400
+    timeout: float = 60.0
+    insecure: bool = False
+    spill_bytes: int = 256 << 20
+    validation: tuple[np.ndarray, np.ndarray] | None = None
+    metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
+    extra: dict = field(default_factory=dict)
+
+    def total_steps(self, rank: int) -> int:
+        return self.steps_per_epoch[rank] * self.epochs
+
+    @property
+    def final_step(self) -> int:
+        """The last step any rank takes: the log is complete when it is applied through this."""
+        return max(self.total_steps(r) for r in range(self.world_size)) - 1
+
+
+def accuracy(outputs, labels) -> float:
+    """Share of rows whose arg-max output is the label (the default metric for int labels)."""
+    return float((outputs.argmax(dim=1) == labels).float().mean())
+
+
+class ApplyLog:
+    """Applies delivered messages to the replica in canonical (step, sender) order, never past a bound.
+
+    `peer.receive` may hand over messages beyond the step we need; they wait in `pending` (bounded by
+    the staleness window times the world size) until their turn, so applying is deterministic.
+    """
+
+    def __init__(self, peer, params: np.ndarray, start_step: int, timeout: float):
+        from gradshare.encoding import Message, apply
+
+        self._message, self._apply = Message, apply
+        self.peer, self.params, self.timeout = peer, params, timeout
+        self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
+        self.start_step = start_step
+        self.pending: deque = deque()
+        self.applied = 0
+
+    def _take(self, updates) -> None:
+        for u in updates:
+            if u.step >= self.start_step:  # older ones are inside the snapshot we resumed from
+                self.pending.append(u)
+
+    def apply_through(self, step: int) -> None:
+        if step <= self.applied_through:
+            return
+        if not self.pending or self.pending[-1].step < step:
+            self._take(self.peer.receive(until_step=step, timeout=self.timeout))
+        n = len(self.params)
+        while self.pending and self.pending[0].step <= step:
+            u = self.pending.popleft()
+            self._apply(self._message.from_bytes(u.payload, max_params=n), self.params)
+            self.applied += 1
+        self.applied_through = step
+
+
+def _counter(counters: dict, *names: str) -> int:
+    for name in names:
+        if name in counters:
+            return int(counters[name])
+    return 0
+
+
+def _bytes_out(counters: dict) -> int:
+    return _counter(counters, "bytes_out", "bytes_sent", "tx_bytes")
+
+
+def _bytes_in(counters: dict) -> int:
+    return _counter(counters, "bytes_in", "bytes_received", "rx_bytes")
+
+
+class Worker:
+    """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
+
+    def __init__(self, cfg: WorkerConfig, rank: int, data):
+        import torch
+
+        from gradshare.flat import FlatParams
+
+        self.cfg, self.rank, self.data = cfg, rank, data
+        torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
+        self.model = copy.deepcopy(cfg.model)
+        self.flat = FlatParams(self.model)
+        self.flat.load(cfg.initial_params)
+        self.optimizer = cfg.optimizer(self.flat.params)
+        self.rule = copy.deepcopy(cfg.threshold_rule)
+        self.clip = cfg.residual_clip
+        n = self.flat.n_params
+        self.residual = np.zeros(n, dtype=np.float32)
+        self.before = np.empty(n, dtype=np.float32)
+        self.update = np.empty(n, dtype=np.float32)
+        if len(data.labels) and cfg.label_dtype == "int64":
+            self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
+        else:
+            self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.float32))
+
+    def _batch(self, epoch: int, b: int):
+        import torch
+
+        from gradshare.spark import epoch_order
+
+        if b == 0 or self._order_epoch != epoch:
+            self._order = epoch_order(len(self.data), self.cfg.seed, self.rank, epoch)
+            self._order_epoch = epoch
+        idx = np.sort(self._order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size])
+        x = torch.from_numpy(np.ascontiguousarray(self.data.features[idx], dtype=np.float32))
+        return x, self.labels[torch.from_numpy(idx)]
+
+    def _evaluate(self) -> float | None:
+        import torch
+
+        if self.cfg.validation is None or self.rank != 0:
+            return None
+        xv, yv = self.cfg.validation
+        metric = self.cfg.metric
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model(torch.as_tensor(np.asarray(xv, dtype=np.float32)))
+            y = torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype))
+            value = metric(out, y) if metric is not None else float(self.cfg.loss(out, y))
+        self.model.train(was_training)
+        return float(value)
+
+    def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
+        from gradshare.encoding import encode
+
+        x, y = self._batch(epoch, b)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.cfg.loss(self.model(x), y)
+        loss.backward()
+        P = self.flat.array
+        np.copyto(self.before, P)
+        self.optimizer.step()
+        np.subtract(P, self.before, out=self.update)
+        np.copyto(P, self.before)  # P changes only through the log (DESIGN.md, consistency model)
+        tau = float(self.rule.threshold)
+        msg = encode(self.residual, self.update, tau)
+        payload = msg.to_bytes()
+        loss_value = float(loss.detach())
+        peer.send_update(t, payload, {
+            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": tau,
+            "bytes": float(len(payload)), "epoch": float(epoch),
+        })
+        self.rule.update(msg.n_entries, self.flat.n_params)
+        if self.clip is not None:
+            self.clip.apply(self.residual, float(self.rule.threshold), t)
+        return loss_value, msg.n_entries, len(payload)
+
+    def run(self, peer, start_step: int) -> dict:
+        cfg, rank = self.cfg, self.rank
+        spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
+        self._order_epoch = -1
+        log = ApplyLog(peer, self.flat.array, start_step, cfg.timeout)
+        history: list[dict] = []
+        acc = self._fresh_epoch(peer)
+        t0 = time.monotonic()
+        for t in range(start_step, total):
+            log.apply_through(t - 1 - cfg.staleness)
+            epoch, b = divmod(t, spe)
+            loss, entries, nbytes = self._step(peer, t, epoch, b)
+            acc["loss"] += loss
+            acc["entries"] += entries
+            acc["payload"] += nbytes
+            acc["steps"] += 1
+            if b == spe - 1:
+                history.append(self._close_epoch(peer, epoch, acc))
+                acc = self._fresh_epoch(peer)
+        peer.finish(total - 1)
+        log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
+        return {
+            "rank": rank,
+            "start_step": start_step,
+            "last_step": total - 1,
+            "history": history,
+            "applied": log.applied,
+            "train_seconds": time.monotonic() - t0,
+        }
+
+    def _fresh_epoch(self, peer) -> dict:
+        c = peer.counters()
+        return {"loss": 0.0, "entries": 0, "payload": 0, "steps": 0, "t0": time.monotonic(),
+                "out0": _bytes_out(c), "in0": _bytes_in(c)}
+
+    def _close_epoch(self, peer, epoch: int, acc: dict) -> dict:
+        c = peer.counters()
+        steps = max(acc["steps"], 1)
+        return {
+            "epoch": epoch,
+            "steps": acc["steps"],
+            "loss": acc["loss"] / steps,
+            "sparsity": acc["entries"] / (steps * self.flat.n_params),
+            "payload_bytes": acc["payload"],
+            "bytes_sent": _bytes_out(c) - acc["out0"],
+            "bytes_received": _bytes_in(c) - acc["in0"],
+            "tau": float(self.rule.threshold),
+            "seconds": time.monotonic() - acc["t0"],
+            "val_metric": self._evaluate(),
+        }
+
+
+def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
+    """The barrier task body: materialise rows, join the relay (resuming if it says so), train, report.
+
+    Any failure is re-raised as TrainingError tagged "[gradshare rank R]" so the driver can name the
+    rank and the cause from Spark's job error.
+    """
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
+    # every rank and grows with every retry, which is all the relay needs of `attempt`.
+    attempt = min(int(i) for i in ctx.allGather(str(ctx.taskAttemptId())))
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (DESIGN.md, Spark)
+        report = _run(cfg, rank, attempt, rows)
+    except BaseException as e:  # noqa: BLE001 - re-raised with the rank named, cause chained
+        raise TrainingError(f"[gradshare rank {rank}] {type(e).__name__}: {e}") from e
+    report["attempt"] = attempt
+    return [report]
+
+
+def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
+    from gradshare.spark import PartitionData
+    from gradshare.transport import Peer, param_hash
+
+    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank)
+    try:
+        expected = math.ceil(len(data) / cfg.batch_size)
+        if expected != cfg.steps_per_epoch[rank]:
+            raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
+                             "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
+        worker = Worker(cfg, rank, data)
+        with Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
+                  job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
+                  timeout=cfg.timeout, insecure=cfg.insecure) as peer:
+            info = peer.join(cfg.timeout)
+            start = int(info.start_step)
+            if start > 0:  # a retried stage: continue from the relay's parameters, not from scratch
+                _, params = peer.fetch_snapshot(cfg.timeout)
+                worker.flat.load(params)
+            report = worker.run(peer, start)
+            report["param_hash"] = param_hash(worker.flat.array)
+            report["counters"] = dict(peer.counters())
+        return report
+    finally:
+        data.close()

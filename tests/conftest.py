@@ -1,0 +1,33 @@
+"""The ONE shared Spark session of the test suite (real local Spark, loopback, small).
+
+Every test that needs Spark takes the session-scoped `spark` fixture; starting a JVM costs seconds, so
+nobody starts their own (the single local-cluster test is the documented exception).
+"""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def spark():
+    # Executors must run this interpreter (torch lives there) and import THIS tree's gradshare.
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+    from gradshare.spark import session_builder
+
+    session = session_builder(
+        "local[2]",
+        app_name="gradshare-tests",
+        extra_conf={"spark.driver.memory": "768m", "spark.default.parallelism": "2"},
+    ).getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
