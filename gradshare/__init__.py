@@ -3,6 +3,7 @@
 The public surface is re-exported here; everything else is internal.
 """
 
+from gradshare.encoding import Message, apply, encode
 from gradshare.errors import (
     ConsistencyError,
     DecodeError,
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "encode",
+    "apply",
+    "Message",
     "GradshareError",
     "ProtocolError",
     "LocalProtocolError",

@@ -1,1 +1,23 @@
-"""Threshold encoding (Strom 2015): fused accumulate+encode kernels, message forms, thresholds."""
+"""Threshold encoding (Strom 2015): fused accumulate+encode kernels, message forms, thresholds.
+
+    m = encode(residual, update, threshold)   # residual updated in place
+    data = m.to_bytes()
+    m2 = Message.from_bytes(data, max_params=n)
+    apply(m2, params, scale=1.0)
+"""
+
+from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode
+from gradshare.encoding.message import BITMAP, EMPTY, FORMS, SPARSE, Message
+
+__all__ = [
+    "encode",
+    "apply",
+    "decode",
+    "decode_entries",
+    "convert",
+    "Message",
+    "FORMS",
+    "EMPTY",
+    "SPARSE",
+    "BITMAP",
+]

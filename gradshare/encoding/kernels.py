@@ -1,0 +1,276 @@
+"""Numba kernels of the threshold codec (private; the validating wrappers are in codec.py/message.py).
+
+Conventions shared by every kernel here:
+- An *entry* is one emitted ±τ at parameter index i, held as the int64 code ``(i << 1) | neg``
+  (neg = 1 for −τ). Codes come out of the encoder sorted by index, one per index at most.
+- Kernels validate nothing and allocate nothing: callers pass preallocated outputs (STYLE item 7).
+  The only exceptions are the ``_check_*`` kernels, which are read-only validation passes that run
+  on untrusted bytes BEFORE any kernel writes memory from them (issue 2, "Bad input").
+- ``cache=True`` so a fresh process loads machine code from ``__pycache__`` instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# Block of the fused accumulate+encode pass. Adding u to r and counting |r| >= τ over a block is
+# branch-free and vectorises; only blocks that hold an entry are scanned again, while they are still
+# in L1. A naive loop with the emit branch inside the add loop does not vectorise (~3-4x numpy.add).
+BLOCK = 256
+SUB = 32
+
+# Status codes of _accumulate_encode.
+OK = 0
+FULL = 1  # the entry buffer cannot hold the current block's entries: grow it and resume
+NONFINITE = 2  # a residual value became NaN or ±inf in the block starting at the returned position
+
+_FLT_MAX = np.float32(3.4028234663852886e38)
+
+# Error codes of the read-only validation passes (0 = valid). message.py maps them to text.
+CHECK_OK = 0
+CHECK_TRUNCATED = 1  # a varint runs past the end of the payload
+CHECK_OVERLONG = 2  # a varint longer than 9 bytes or not in its shortest form
+CHECK_INDEX = 3  # an index >= n_params
+CHECK_TRAILING = 4  # bytes left over after n_entries entries
+CHECK_RESERVED = 5  # bitmap code 0b11
+CHECK_PADDING = 6  # bitmap bits set past n_params
+CHECK_COUNT = 7  # bitmap holds a different number of entries than the header says
+
+
+@njit(nogil=True, cache=True)
+def _accumulate_encode(r, u, tau, out, k, start, added_end):
+    """r[i] += u[i] for i >= added_end, then emit every |r[i]| >= tau into ``out`` from ``k`` on.
+
+    Blocks start at ``start`` (a multiple of BLOCK). Blocks below ``added_end`` were accumulated by an
+    earlier call that stopped with FULL, so they are only counted again. Returns (k, pos, status):
+    OK with pos == r.size; FULL/NONFINITE with pos = start of the block that stopped the pass.
+    """
+    n = r.size
+    pos = start
+    while pos < n:
+        stop = min(pos + BLOCK, n)
+        # Work on block views: loops over range(view.size) have provably non-negative indices, which
+        # lets LLVM drop Numba's wraparound checks and vectorise (range(pos, stop) does not).
+        rb = r[pos:stop]
+        cnt = np.int32(0)
+        bad = np.int32(0)
+        if pos >= added_end:
+            ub = u[pos:stop]
+            for j in range(rb.size):
+                x = rb[j] + ub[j]
+                rb[j] = x
+                a = abs(x)
+                cnt += np.int32(a >= tau)
+                bad += np.int32(not (a <= _FLT_MAX))  # NaN compares false, inf is > FLT_MAX
+        else:
+            for j in range(rb.size):
+                a = abs(rb[j])
+                cnt += np.int32(a >= tau)
+                bad += np.int32(not (a <= _FLT_MAX))
+        if bad:
+            return k, pos, NONFINITE
+        if cnt:
+            if k + cnt > out.size:
+                return k, pos, FULL
+            # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
+            # and stop once all `cnt` entries of the block are out.
+            for s0 in range(0, rb.size, SUB):
+                sb = rb[s0 : s0 + SUB]
+                c = np.int32(0)
+                for j in range(sb.size):
+                    c += np.int32(abs(sb[j]) >= tau)
+                if c:
+                    base = pos + s0
+                    for j in range(sb.size):
+                        x = sb[j]
+                        if x >= tau:
+                            out[k] = (base + j) << 1
+                            sb[j] = x - tau
+                            k += 1
+                        elif x <= -tau:
+                            out[k] = ((base + j) << 1) | 1
+                            sb[j] = x + tau
+                            k += 1
+                    cnt -= c
+                    if cnt == 0:
+                        break
+        pos = stop
+    return k, n, OK
+
+
+# --- sparse form: LEB128 varints of ((gap << 1) | neg), gap = index - previous index - 1 ----------------
+
+
+@njit(nogil=True, cache=True)
+def _sparse_size(codes):
+    """Bytes the sparse form of ``codes`` takes."""
+    size = 0
+    prev = -1
+    for e in range(codes.size):
+        c = codes[e]
+        i = c >> 1
+        v = ((i - prev - 1) << 1) | (c & 1)
+        prev = i
+        size += 1
+        v >>= 7
+        while v:
+            size += 1
+            v >>= 7
+    return size
+
+
+@njit(nogil=True, cache=True)
+def _sparse_write(codes, out):
+    """Write the sparse form of ``codes`` into ``out`` (exactly _sparse_size(codes) bytes)."""
+    pos = 0
+    prev = -1
+    for e in range(codes.size):
+        c = codes[e]
+        i = c >> 1
+        v = ((i - prev - 1) << 1) | (c & 1)
+        prev = i
+        while v >= 0x80:
+            out[pos] = (v & 0x7F) | 0x80
+            pos += 1
+            v >>= 7
+        out[pos] = v
+        pos += 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def _check_sparse(p, n_entries, n_params):
+    """Read-only validation of an untrusted sparse payload. Returns a CHECK_* code."""
+    m = p.size
+    pos = 0
+    prev = -1
+    for _ in range(n_entries):
+        v = 0
+        shift = 0
+        while True:
+            if pos >= m:
+                return CHECK_TRUNCATED
+            b = np.int64(p[pos])
+            pos += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                if b == 0 and shift > 0:
+                    return CHECK_OVERLONG
+                break
+            shift += 7
+            if shift > 56:
+                return CHECK_OVERLONG
+        gap = v >> 1
+        if gap >= n_params - prev - 1:  # index = prev + 1 + gap must stay < n_params
+            return CHECK_INDEX
+        prev = prev + 1 + gap
+    if pos != m:
+        return CHECK_TRAILING
+    return CHECK_OK
+
+
+@njit(nogil=True, cache=True)
+def _sparse_decode(p, n_entries, out):
+    """Codes of a VALIDATED sparse payload into out[:n_entries]."""
+    pos = 0
+    prev = -1
+    for e in range(n_entries):
+        v = 0
+        shift = 0
+        while True:
+            b = np.int64(p[pos])
+            pos += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        i = prev + 1 + (v >> 1)
+        out[e] = (i << 1) | (v & 1)
+        prev = i
+
+
+@njit(nogil=True, cache=True)
+def _sparse_apply(p, n_entries, steps, params):
+    """params[i] += steps[neg] for every entry of a VALIDATED sparse payload.
+
+    ``steps`` = [+s, -s]: indexing by the sign bit keeps the loop free of an unpredictable branch.
+    """
+    pos = 0
+    prev = -1
+    for _ in range(n_entries):
+        b = np.int64(p[pos])
+        pos += 1
+        v = b & 0x7F
+        shift = 7
+        while b >= 0x80:
+            b = np.int64(p[pos])
+            pos += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+        i = prev + 1 + (v >> 1)
+        params[i] += steps[v & 1]
+        prev = i
+
+
+# --- bitmap form: 2 bits per parameter, 4 parameters per byte, parameter i at bits 2*(i & 3) of byte i >> 2 ---
+# code 0b00 = nothing, 0b01 = +τ, 0b10 = −τ, 0b11 = reserved (rejected by the decoder).
+
+
+@njit(nogil=True, cache=True)
+def _bitmap_write(codes, out):
+    """Set the 2-bit codes of ``codes`` into the ZEROED bitmap ``out``."""
+    for e in range(codes.size):
+        c = codes[e]
+        i = c >> 1
+        out[i >> 2] |= np.uint8((1 + (c & 1)) << ((i & 3) << 1))
+
+
+@njit(nogil=True, cache=True)
+def _check_bitmap(p, n_params, n_entries):
+    """Read-only validation of an untrusted bitmap payload (size already checked). Returns CHECK_*."""
+    count = 0
+    for q in range(p.size):
+        b = np.int64(p[q])
+        if b & (b >> 1) & 0x55:
+            return CHECK_RESERVED
+        marks = (b | (b >> 1)) & 0x55
+        # popcount of the 4 possible marks (bits 0, 2, 4, 6)
+        count += (marks & 1) + ((marks >> 2) & 1) + ((marks >> 4) & 1) + ((marks >> 6) & 1)
+    tail = n_params & 3
+    if tail and p.size and (np.int64(p[p.size - 1]) >> (tail << 1)):
+        return CHECK_PADDING
+    if count != n_entries:
+        return CHECK_COUNT
+    return CHECK_OK
+
+
+@njit(nogil=True, cache=True)
+def _bitmap_decode(p, out):
+    """Codes of a VALIDATED bitmap payload into ``out`` (sized to its entry count)."""
+    k = 0
+    for q in range(p.size):
+        b = np.int64(p[q])
+        if b:
+            for s in range(4):
+                c = (b >> (s << 1)) & 3
+                if c:
+                    out[k] = (((q << 2) + s) << 1) | (c >> 1)
+                    k += 1
+
+
+@njit(nogil=True, cache=True)
+def _bitmap_apply(p, steps3, params):
+    """params[i] += steps3[code_i] over a VALIDATED bitmap; steps3 = [0, +s, -s].
+
+    Zero bytes (four untouched parameters) are skipped: a bitmap is chosen only for dense steps, but
+    most bytes are still zero at densities around its break-even point.
+    """
+    for q in range(p.size):
+        b = np.int64(p[q])
+        if b:
+            base = q << 2
+            for s in range(4):
+                c = (b >> (s << 1)) & 3
+                if c:
+                    params[base + s] += steps3[c]

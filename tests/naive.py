@@ -1,0 +1,71 @@
+"""Naive NumPy/Python oracles for the encoding kernels (STYLE item 8).
+
+Written for obviousness, not speed: element-wise definitions and plain loops, sharing no code with
+gradshare.encoding.kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def accumulate_encode(residual: np.ndarray, update: np.ndarray | None, tau: float):
+    """(new residual, entry codes) of Strom's rule: r += u; every |r_i| >= τ emits ±i and r_i -= ±τ."""
+    t = np.float32(tau)
+    x = residual.copy() if update is None else (residual + update).astype(np.float32)
+    new = x.copy()
+    codes = []
+    for i in np.flatnonzero(np.abs(x) >= t):  # NaN never passes >=, so it never becomes an entry
+        if x[i] >= t:
+            new[i] = np.float32(x[i] - t)
+            codes.append(2 * int(i))
+        else:
+            new[i] = np.float32(x[i] + t)
+            codes.append(2 * int(i) + 1)
+    return new, np.array(codes, dtype=np.int64)
+
+
+def leb128(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def sparse_payload(codes: np.ndarray) -> bytes:
+    """Gaps (index - previous - 1, previous starting at -1) shifted left once, sign in bit 0, LEB128."""
+    out = b""
+    prev = -1
+    for c in codes.tolist():
+        i, neg = c >> 1, c & 1
+        out += leb128(((i - prev - 1) << 1) | neg)
+        prev = i
+    return out
+
+
+def bitmap_payload(codes: np.ndarray, n_params: int) -> bytes:
+    """2 bits per parameter, parameter i at bits 2*(i%4) of byte i//4: 01 = +τ, 10 = −τ."""
+    out = bytearray((n_params + 3) // 4)
+    for c in codes.tolist():
+        i, neg = c >> 1, c & 1
+        out[i // 4] |= (2 if neg else 1) << (2 * (i % 4))
+    return bytes(out)
+
+
+def apply(codes: np.ndarray, tau: float, params: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """params with ±float32(τ·scale) added at each entry, one float32 addition per entry."""
+    out = params.copy()
+    step = np.float32(float(tau) * float(scale))
+    for c in codes.tolist():
+        i, neg = c >> 1, c & 1
+        out[i] = np.float32(out[i] - step) if neg else np.float32(out[i] + step)
+    return out
+
+
+def dense(codes: np.ndarray, tau: float, n_params: int) -> np.ndarray:
+    return apply(codes, tau, np.zeros(n_params, np.float32))
