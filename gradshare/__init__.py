@@ -14,11 +14,14 @@ from gradshare.errors import (
     TrainingError,
     TransportTimeout,
 )
+from gradshare.trainer import FitResult, SharedTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "SharedTrainer",
+    "FitResult",
     "encode",
     "apply",
     "Message",

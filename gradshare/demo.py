@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive")
     parser.add_argument("--staleness", type=int, default=0, help="k: apply the log through t-1-k before step t")
     parser.add_argument("--port", type=int, default=40123, help="relay UDP port on the driver (0: ephemeral)")
+    parser.add_argument("--bind", default="0.0.0.0", help="relay bind address (127.0.0.1: loopback only)")
     parser.add_argument("--master", default=None,
                         help="Spark master (default: an active session, else embedded local[workers]); "
                              "e.g. local-cluster[2,1,1024] or spark://host:7077")
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = digits_experiment(spark, workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
                                 threshold=args.threshold, threshold_algorithm=args.threshold_algorithm,
-                                staleness=args.staleness, port=args.port, seed=args.seed,
+                                staleness=args.staleness, port=args.port, seed=args.seed, bind=args.bind,
                                 verbose=0 if args.quiet else 1)
     finally:
         if created:

@@ -270,7 +270,11 @@ def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
         report = _run(cfg, rank, attempt, rows)
     except BaseException as e:  # noqa: BLE001 - re-raised with the rank named, cause chained
         raise TrainingError(f"[gradshare rank {rank}] {type(e).__name__}: {e}") from e
-    report["attempt"] = attempt
+    import os
+
+    import gradshare
+
+    report.update(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__))
     return [report]
 
 

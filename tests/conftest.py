@@ -26,7 +26,13 @@ def spark():
     session = session_builder(
         "local[2]",
         app_name="gradshare-tests",
-        extra_conf={"spark.driver.memory": "768m", "spark.default.parallelism": "2"},
+        extra_conf={
+            "spark.driver.memory": "768m",
+            "spark.default.parallelism": "2",
+            # One retry of a failed barrier stage is what the restart test needs; Spark's default of 4
+            # attempts would only make the failure tests (user exception, unreachable relay) slower.
+            "spark.stage.maxConsecutiveAttempts": "2",
+        },
     ).getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session

@@ -1,0 +1,242 @@
+"""SharedTrainer end to end on the real local Spark session (issue 4): acceptance, determinism,
+staleness, DataFrames, bad input and failures (each a clear driver-side error, nothing left running),
+a worker killed mid-training, and local-cluster in a subprocess (a JVM holds one SparkContext)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from pyspark import cloudpickle
+from torch import nn
+
+from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
+from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
+
+# Executors cannot import this test module: ship its model classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.spark
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+
+
+@pytest.fixture(scope="module")
+def digits_rdd(spark):
+    X_train, X_test, y_train, y_test = digits_split(0)
+    rows = list(zip(X_train, (int(v) for v in y_train)))
+    return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)
+
+
+def _threads():
+    return {t.ident for t in threading.enumerate()}
+
+
+def assert_nothing_left(spark, before_threads):
+    """No Spark job, no gradshare thread left (relay/peer threads end when closed)."""
+    sc = spark.sparkContext
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t.ident not in before_threads and t.is_alive()]
+        ours = [t for t in extra if not t.name.startswith(("Thread-", "py4j", "pyspark"))]
+        if not sc.statusTracker().getActiveJobsIds() and not ours:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"left running: jobs {sc.statusTracker().getActiveJobsIds()}, threads {ours}")
+
+
+# ------------------------------------------------------------------------------------ acceptance
+def test_digits_two_workers_match_single_process_at_a_fraction_of_the_traffic(spark):
+    out = digits_experiment(spark, workers=2, epochs=20, port=0, bind="127.0.0.1")
+    r = out["result"]
+    assert abs(out["gp_accuracy"] - out["single_accuracy"]) <= 0.015, out
+    assert out["gp_accuracy"] > 0.9
+    assert r.traffic_ratio >= 50, (r.bytes_sent, r.bytes_received, r.dense_bytes)
+    assert r.bytes_sent > 0 and r.bytes_received > 0  # measured, not assumed
+    assert [h["epoch"] for h in r.history] == list(range(20))
+    assert r.history[-1]["loss"] < r.history[0]["loss"]
+    assert all(rep["param_hash"] == r.param_hash for rep in r.worker_reports)
+    assert r.history[-1]["val_metric"] is not None and r.resumed_from == 0
+
+
+def _fit_digits(digits_rdd, **kw):
+    rdd, (X_test, y_test) = digits_rdd
+    result = SharedTrainer(mlp, batch_size=32, epochs=kw.pop("epochs", 6), seed=3, **LOOPBACK, **kw).fit(rdd)
+    return result, evaluate_accuracy(result.model, X_test, y_test)
+
+
+def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_identical(digits_rdd):
+    a, acc_a = _fit_digits(digits_rdd)
+    b, _ = _fit_digits(digits_rdd)
+    assert a.param_hash == b.param_hash
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    s2, acc_s2 = _fit_digits(digits_rdd, staleness=2)
+    # fit() itself raises ConsistencyError unless every replica's hash equals the relay's
+    assert all(rep["param_hash"] == s2.param_hash for rep in s2.worker_reports)
+    assert s2.history[-1]["loss"] < 0.5 * s2.history[0]["loss"]
+    assert acc_a > 0.85 and acc_s2 > 0.85
+    assert s2.param_hash != a.param_hash  # a different trajectory, not a no-op option
+
+
+def test_dataframe_with_vector_and_array_columns(spark):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(int)
+    vec = spark.createDataFrame([(Vectors.dense(x.tolist()), float(v)) for x, v in zip(X, y)], ["features", "label"])
+    arr = spark.createDataFrame([(x.tolist(), int(v)) for x, v in zip(X, y)], ["f", "y"])
+    model = lambda: nn.Linear(4, 2)  # noqa: E731
+    for df, cols, dtype in ((vec, ("features", "label"), "int64"), (arr, ("f", "y"), None)):
+        r = SharedTrainer(model, label_dtype=dtype, epochs=2, batch_size=8, **LOOPBACK).fit(
+            df.repartition(2), features_col=cols[0], label_col=cols[1])
+        assert r.world_size == 2 and r.steps == 2 * 4
+    with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
+        SharedTrainer(model, **LOOPBACK).fit(arr, features_col="nope", label_col="y")
+    with pytest.raises(ValueError, match="features_col= and label_col="):
+        SharedTrainer(model, **LOOPBACK).fit(arr)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def small_rdd(spark, rows=None, parts=2):
+    if rows is None:
+        rows = [(np.full(3, i, np.float32), i % 2) for i in range(16)]
+    return spark.sparkContext.parallelize(rows, parts)
+
+
+def tiny_model():
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, 2), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class Exploding(nn.Module):
+    """Raises inside the task on its third forward pass (on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("user model exploded on purpose")
+        return self.lin(x)
+
+
+def _bad_cases(spark):
+    good = [(np.zeros(3, np.float32), 1)] * 8
+    return [
+        ("slots", dict(num_workers=3), small_rdd(spark), ValueError, r"3 workers need 3 free slots.*2 slots"),
+        ("empty", {}, small_rdd(spark, good, 1).union(spark.sparkContext.parallelize([], 1)), ValueError,
+         "partition 1 is empty"),
+        ("shapes", {}, small_rdd(spark, good[:7] + [(np.zeros(5, np.float32), 1)], 2), ValueError,
+         r"partition 1 row 3: features of shape \(5,\)"),
+        ("label", {}, small_rdd(spark, good[:5] + [(np.zeros(3, np.float32), "seven")] + good[:2], 2), TypeError,
+         "partition 1 row 1: label 'seven'"),
+        ("frozen", dict(model=Frozen), small_rdd(spark), ValueError, "no trainable parameters"),
+        ("user", dict(model=Exploding), small_rdd(spark), TrainingError,
+         r"worker rank \d failed: RuntimeError: user model exploded on purpose"),
+        ("unreachable", dict(advertise_host="127.0.0.2", timeout=2.0), small_rdd(spark), TransportTimeout,
+         r"worker rank \d failed: TransportTimeout: .*127\.0\.0\.2"),
+    ]
+
+
+@pytest.mark.parametrize("case", ["slots", "empty", "shapes", "label", "frozen", "user", "unreachable"])
+def test_bad_input_and_failures_are_clear_driver_errors(spark, case):
+    name, kw, rdd, exc, pattern = next(c for c in _bad_cases(spark) if c[0] == case)
+    kw = {**LOOPBACK, "batch_size": 2, **kw}
+    model = kw.pop("model", tiny_model)
+    before = _threads()
+    with pytest.raises(exc, match=pattern):
+        SharedTrainer(model, **kw).fit(rdd)
+    assert_nothing_left(spark, before)
+
+
+def test_port_in_use_is_named_and_nothing_is_left(spark):
+    busy = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    busy.bind(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+    before = _threads()
+    try:
+        with pytest.raises(OSError, match=str(port)):
+            SharedTrainer(tiny_model, port=port, bind="127.0.0.1", verbose=0).fit(small_rdd(spark))
+    finally:
+        busy.close()
+    assert_nothing_left(spark, before)
+
+
+# ------------------------------------------------------------------------------------ restart
+class DiesOnce(nn.Module):
+    """Rank 1's Python worker calls os._exit on its 8th forward pass, on the first attempt only."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.net = mlp()
+        self.marker, self.calls = marker, 0
+
+    def forward(self, x):
+        from pyspark import TaskContext
+
+        self.calls += 1
+        ctx = TaskContext.get()
+        if ctx is not None and ctx.partitionId() == 1 and self.calls == 8 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(17)
+        return self.net(x)
+
+
+def test_worker_killed_mid_training_resumes_from_the_relay(digits_rdd, tmp_path):
+    rdd, (X_test, y_test) = digits_rdd
+    marker = str(tmp_path / "died")
+    result = SharedTrainer(lambda: DiesOnce(marker), epochs=3, batch_size=32, **LOOPBACK).fit(rdd)
+    assert os.path.exists(marker)  # the first attempt really died
+    per_epoch = max(result.worker_reports, key=lambda r: r["last_step"])["last_step"] // 3 + 1
+    assert result.resumed_from >= 1  # the retried stage continued, it did not start over
+    assert all(r["start_step"] == result.resumed_from for r in result.worker_reports)
+    assert result.steps == 3 * per_epoch  # the step count continued to the planned end
+    assert all(r["param_hash"] == result.param_hash for r in result.worker_reports)
+    assert evaluate_accuracy(result.model, X_test, y_test) > 0.5
+
+
+# ------------------------------------------------------------------------------------ local-cluster
+LOCAL_CLUSTER = r"""
+import json, sys
+from gradshare.spark import get_or_create_session
+from gradshare.demo import digits_experiment
+spark, _ = get_or_create_session(master="local-cluster[2,1,1024]")
+try:
+    out = digits_experiment(spark, workers=2, epochs=2, port=0, bind="127.0.0.1", single=False)
+    r = out["result"]
+    print(json.dumps({"acc": out["gp_accuracy"], "packages": [w["package"] for w in r.worker_reports],
+                      "pids": [w["pid"] for w in r.worker_reports], "steps": r.steps}))
+finally:
+    spark.stop()
+"""
+
+
+def test_local_cluster_separate_executor_jvms():
+    env = {**os.environ, "PYTHONPATH": ROOT, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    proc = subprocess.run([sys.executable, "-c", LOCAL_CLUSTER], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["packages"] == [os.path.join(ROOT, "gradshare")] * 2  # executors run this tree
+    assert len(set(out["pids"])) == 2 and out["steps"] > 0
+    assert out["acc"] > 0.5
