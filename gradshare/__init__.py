@@ -3,7 +3,16 @@
 The public surface is re-exported here; everything else is internal.
 """
 
-from gradshare.encoding import Message, apply, encode
+from gradshare.encoding import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    Message,
+    ResidualClipping,
+    TargetSparsityThreshold,
+    apply,
+    encode,
+    residual_stats,
+)
 from gradshare.errors import (
     ConsistencyError,
     DecodeError,
@@ -25,6 +34,11 @@ __all__ = [
     "encode",
     "apply",
     "Message",
+    "FixedThreshold",
+    "AdaptiveThreshold",
+    "TargetSparsityThreshold",
+    "ResidualClipping",
+    "residual_stats",
     "GradshareError",
     "ProtocolError",
     "LocalProtocolError",

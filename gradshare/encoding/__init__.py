@@ -8,6 +8,14 @@
 
 from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, SPARSE, Message
+from gradshare.encoding.stats import residual_stats
+from gradshare.encoding.threshold import (
+    AdaptiveThreshold,
+    FixedThreshold,
+    ResidualClipping,
+    TargetSparsityThreshold,
+    encode_step,
+)
 
 __all__ = [
     "encode",
@@ -20,4 +28,10 @@ __all__ = [
     "EMPTY",
     "SPARSE",
     "BITMAP",
+    "FixedThreshold",
+    "AdaptiveThreshold",
+    "TargetSparsityThreshold",
+    "ResidualClipping",
+    "encode_step",
+    "residual_stats",
 ]

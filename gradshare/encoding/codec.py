@@ -42,6 +42,8 @@ def _threshold_value(threshold: object) -> float:
     return to_float32_threshold(value)  # type: ignore[arg-type]
 
 
+_APPLY_BATCH = 1024  # codes decoded per batch in _sparse_apply (see there)
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -187,7 +189,9 @@ def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
     if not np.isfinite(step):
         raise ValueError(f"scale {scale!r} times threshold {message.threshold!r} is not finite in float32")
     if message.form == SPARSE:
-        _k._sparse_apply(np.frombuffer(message.payload, np.uint8), message.n_entries, np.array([step, -step]), params)
+        steps = np.array([step, -step], np.float32)
+        buf = np.empty(min(message.n_entries, _APPLY_BATCH), np.int64)
+        _k._sparse_apply(np.frombuffer(message.payload, np.uint8), message.n_entries, steps, params, buf)
     elif message.form == BITMAP:
         _k._bitmap_apply(np.frombuffer(message.payload, np.uint8), np.array([0, step, -step], np.float32), params)
 

@@ -191,26 +191,36 @@ def _sparse_decode(p, n_entries, out):
 
 
 @njit(nogil=True, cache=True)
-def _sparse_apply(p, n_entries, steps, params):
+def _sparse_apply(p, n_entries, steps, params, buf):
     """params[i] += steps[neg] for every entry of a VALIDATED sparse payload.
 
-    ``steps`` = [+s, -s]: indexing by the sign bit keeps the loop free of an unpredictable branch.
+    Decodes a batch of ``buf.size`` codes first, then applies the batch in a tight loop: the scattered
+    params updates (one cache/TLB miss each on a large model) are then independent of the serial varint
+    chain and overlap in the CPU (measured at 100 M params: ~60 M entries/s unbatched, >200 M batched).
+    ``steps`` = [+s, -s]: indexing by the sign bit avoids an unpredictable branch.
     """
     pos = 0
     prev = -1
-    for _ in range(n_entries):
-        b = np.int64(p[pos])
-        pos += 1
-        v = b & 0x7F
-        shift = 7
-        while b >= 0x80:
+    done = 0
+    while done < n_entries:
+        cnt = min(buf.size, n_entries - done)
+        for t in range(cnt):
             b = np.int64(p[pos])
             pos += 1
-            v |= (b & 0x7F) << shift
-            shift += 7
-        i = prev + 1 + (v >> 1)
-        params[i] += steps[v & 1]
-        prev = i
+            v = b & 0x7F
+            shift = 7
+            while b >= 0x80:
+                b = np.int64(p[pos])
+                pos += 1
+                v |= (b & 0x7F) << shift
+                shift += 7
+            i = prev + 1 + (v >> 1)
+            buf[t] = (i << 1) | (v & 1)
+            prev = i
+        for t in range(cnt):
+            c = buf[t]
+            params[c >> 1] += steps[c & 1]
+        done += cnt
 
 
 # --- bitmap form: 2 bits per parameter, 4 parameters per byte, parameter i at bits 2*(i & 3) of byte i >> 2 ---
