@@ -13,7 +13,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="barrier tasks / Spark partitions (default 2)")
-    parser.add_argument("--epochs", type=int, default=20, help="passes over each partition (default 20)")
+    parser.add_argument("--epochs", type=int, default=30, help="passes over each partition (default 30)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per step per worker (default 32)")
     parser.add_argument("--threshold", type=float, default=1e-3, help="initial τ (default 1e-3)")
     parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive")
@@ -77,7 +77,7 @@ def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, s
     return model
 
 
-def digits_experiment(spark, *, workers=2, epochs=20, batch_size=32, threshold=1e-3,
+def digits_experiment(spark, *, workers=2, epochs=30, batch_size=32, threshold=1e-3,
                       threshold_algorithm="adaptive", staleness=0, port=0, seed=0, verbose=0,
                       bind="0.0.0.0", single=True) -> dict:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""

@@ -185,7 +185,7 @@ class SharedTrainer:
         if algo == "fixed":
             return encoding.FixedThreshold(self.threshold)
         if algo == "adaptive":
-            return encoding.AdaptiveThreshold(self.threshold)
+            return encoding.AdaptiveThreshold(initial=self.threshold)
         if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
             raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
         return copy.deepcopy(algo)

@@ -174,7 +174,7 @@ class Worker:
         return float(value)
 
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
-        from gradshare.encoding import encode
+        from gradshare.encoding import encode_step
 
         x, y = self._batch(epoch, b)
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,17 +185,14 @@ class Worker:
         self.optimizer.step()
         np.subtract(P, self.before, out=self.update)
         np.copyto(P, self.before)  # P changes only through the log (DESIGN.md, consistency model)
-        tau = float(self.rule.threshold)
-        msg = encode(self.residual, self.update, tau)
+        # encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
+        msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
         payload = msg.to_bytes()
         loss_value = float(loss.detach())
         peer.send_update(t, payload, {
-            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": tau,
+            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
             "bytes": float(len(payload)), "epoch": float(epoch),
         })
-        self.rule.update(msg.n_entries, self.flat.n_params)
-        if self.clip is not None:
-            self.clip.apply(self.residual, float(self.rule.threshold), t)
         return loss_value, msg.n_entries, len(payload)
 
     def run(self, peer, start_step: int) -> dict:
