@@ -1,0 +1,83 @@
+"""Sealing and opening datagrams for one endpoint: header, AEAD, replay window, drop counting.
+
+Shared by the relay and the peer cores; pure (no sockets, no clock). Every refused datagram is counted
+under a reason in ``drops`` (DESIGN.md: "dropped and counted, never applied, never a crash").
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from gradshare.errors import DecodeError
+from gradshare.transport import wire
+from gradshare.transport.crypto import MAX_COUNTER, ReplayGuard, Sealer
+from gradshare.transport.wire import HEADER_BYTES, Header
+
+
+class Channel:
+    def __init__(self, *, key: bytes | None, insecure: bool, job: int, sender: int, attempt: int,
+                 datagram_size: int, max_chunks: int, max_windows: int, session: int | None = None) -> None:
+        self.sealer = Sealer(key, insecure)
+        self.job = job
+        self.sender = sender
+        self.attempt = attempt
+        self.session = int.from_bytes(os.urandom(4), "little") if session is None else session
+        self.counter = 0
+        self.datagram_size = wire.check_datagram_size(datagram_size)
+        self.chunk_bytes = datagram_size - HEADER_BYTES - self.sealer.tag_bytes
+        self.max_chunks = max_chunks
+        self.replay = ReplayGuard(max_windows)
+        self.drops: Counter[str] = Counter()
+
+    # --- out --------------------------------------------------------------------------------------
+    def seal(self, kind: int, body: bytes, origin: int = 0, step: int = 0, index: int = 0,
+             count: int = 1) -> bytes:
+        c = self.counter
+        if c >= MAX_COUNTER:
+            raise OverflowError("nonce counter exhausted; start a new session")
+        self.counter = c + 1
+        header = wire.encode_header(Header(kind, self.sender, self.attempt, self.job, self.session, c,
+                                           origin, step, index, count))
+        return self.sealer.seal(header, self.sender, self.session, c, body)
+
+    def seal_control(self, msg: object) -> bytes:
+        kind, body = wire.encode_control(msg)
+        return self.seal(kind, body)
+
+    def seal_chunks(self, kind: int, body: bytes, origin: int, step: int,
+                    only: tuple[int, ...] | None = None) -> list[bytes]:
+        chunks = wire.split(body, self.chunk_bytes)
+        n = len(chunks)
+        idx = range(n) if not only else [i for i in only if i < n]
+        return [self.seal(kind, chunks[i], origin, step, i, n) for i in idx]
+
+    # --- in ---------------------------------------------------------------------------------------
+    def parse(self, data: bytes, max_size: int | None = None) -> Header | None:
+        """The header if the datagram is plausibly ours (before authentication), else None (counted)."""
+        if len(data) > (max_size or self.datagram_size):
+            self.drops["oversized"] += 1
+            return None
+        try:
+            h = wire.decode_header(data, self.max_chunks)
+        except DecodeError:
+            self.drops["malformed"] += 1
+            return None
+        if h.job != self.job:
+            self.drops["wrong_job"] += 1
+            return None
+        return h
+
+    def open(self, h: Header, data: bytes) -> bytes | None:
+        """The authenticated body, or None (counted: auth_failed / replayed / too_old)."""
+        who = (h.sender, h.attempt, h.session)
+        reason = self.replay.check(who, h.counter)
+        if reason is not None:
+            self.drops[reason] += 1
+            return None
+        body = self.sealer.open(data[:HEADER_BYTES], h.sender, h.session, h.counter, data[HEADER_BYTES:])
+        if body is None:
+            self.drops["auth_failed"] += 1
+            return None
+        self.replay.accept(who, h.counter)
+        return body

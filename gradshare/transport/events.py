@@ -1,0 +1,257 @@
+"""Control messages on the wire and events out of the protocol cores: small frozen dataclasses.
+
+Messages are validated in their constructors, so a decoded message is a valid one (h11 ``_events.py``,
+aioquic ``quic/events.py``). Their byte codecs live in :mod:`gradshare.transport.wire`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_WORLD_SIZE = 128        # a STATUS (one entry per rank) must fit in one datagram
+MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
+MAX_NAK_ITEMS = 64
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if type(value) is not int or not lo <= value <= hi:  # noqa: E721 - bool is not an int here
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}] (got {value!r})")
+
+
+def _check_step(name: str, value: object) -> None:
+    _check_int(name, value, -1, MAX_STEP)
+
+
+# --- control messages -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Join:
+    n_params: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        _check_int("n_params", self.n_params, 1, 1 << 40)
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    n_params: int
+    world_size: int
+    start_step: int          # first step of this attempt's log (0 fresh, complete_through+1 on resume)
+    complete_through: int
+
+    def __post_init__(self) -> None:
+        _check_int("n_params", self.n_params, 1, 1 << 40)
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _check_int("start_step", self.start_step, 0, MAX_STEP)
+        _check_step("complete_through", self.complete_through)
+
+
+@dataclass(frozen=True)
+class Reject:
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or len(self.reason) > 400:
+            raise ValueError("reason must be a str of at most 400 characters")
+
+
+@dataclass(frozen=True)
+class Ack:
+    steps: tuple[int, ...]   # steps of the receiver's own updates that the relay holds completely
+
+    def __post_init__(self) -> None:
+        if len(self.steps) > MAX_NAK_ITEMS:
+            raise ValueError(f"at most {MAX_NAK_ITEMS} steps per ACK")
+        for s in self.steps:
+            _check_int("step", s, 0, MAX_STEP)
+
+
+@dataclass(frozen=True)
+class NakItem:
+    step: int
+    origin: int
+    chunks: tuple[int, ...]  # missing chunk indices; empty = the whole message
+
+    def __post_init__(self) -> None:
+        _check_int("step", self.step, 0, MAX_STEP)
+        _check_int("origin", self.origin, 0, MAX_WORLD_SIZE - 1)
+        if len(self.chunks) > MAX_NAK_ITEMS:
+            raise ValueError(f"at most {MAX_NAK_ITEMS} chunk indices per NAK item")
+        for c in self.chunks:
+            _check_int("chunk", c, 0, (1 << 32) - 1)
+
+
+@dataclass(frozen=True)
+class Nak:
+    items: tuple[NakItem, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.items) <= MAX_NAK_ITEMS:
+            raise ValueError(f"a NAK holds 1..{MAX_NAK_ITEMS} items")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    delivered_through: int   # the peer has delivered its log completely through this step
+    sent_through: int        # last step the peer has sent
+
+    def __post_init__(self) -> None:
+        _check_step("delivered_through", self.delivered_through)
+        _check_step("sent_through", self.sent_through)
+
+
+@dataclass(frozen=True)
+class Ended:
+    rank: int
+    last_step: int           # messages (t, rank) exist exactly for t <= last_step
+    gone: bool               # declared gone by the relay (else: FINISHED)
+
+    def __post_init__(self) -> None:
+        _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
+        _check_step("last_step", self.last_step)
+
+
+@dataclass(frozen=True)
+class Status:
+    start_step: int
+    complete_through: int
+    have: tuple[int, ...]    # per rank: the relay holds (t, rank) for every start_step <= t <= have[rank]
+    ended: tuple[Ended, ...]
+
+    def __post_init__(self) -> None:
+        _check_int("start_step", self.start_step, 0, MAX_STEP)
+        _check_step("complete_through", self.complete_through)
+        if not 1 <= len(self.have) <= MAX_WORLD_SIZE:
+            raise ValueError(f"have must list 1..{MAX_WORLD_SIZE} ranks")
+        for h in self.have:
+            _check_step("have", h)
+        if len(self.ended) > len(self.have):
+            raise ValueError("more ended ranks than ranks")
+        for e in self.ended:
+            if e.rank >= len(self.have):
+                raise ValueError(f"ended rank {e.rank} is outside world size {len(self.have)}")
+
+
+@dataclass(frozen=True)
+class Finished:
+    last_step: int
+
+    def __post_init__(self) -> None:
+        _check_step("last_step", self.last_step)
+
+
+@dataclass(frozen=True)
+class Leave:
+    pass
+
+
+@dataclass(frozen=True)
+class SnapRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class SnapInfo:
+    snap_id: int
+    step: int                # the parameters hold the log applied through this step
+    n_params: int
+    n_chunks: int
+    chunk_bytes: int
+    digest: str              # param_hash of the snapshot, checked after reassembly
+
+    def __post_init__(self) -> None:
+        _check_int("snap_id", self.snap_id, 0, (1 << 32) - 1)
+        _check_step("step", self.step)
+        _check_int("n_params", self.n_params, 1, 1 << 40)
+        _check_int("n_chunks", self.n_chunks, 1, (1 << 32) - 1)
+        _check_int("chunk_bytes", self.chunk_bytes, 4, 1 << 16)
+        if self.chunk_bytes % 4:
+            raise ValueError("chunk_bytes must be a multiple of 4 (whole float32 values)")
+        if not isinstance(self.digest, str) or len(self.digest) > 128:
+            raise ValueError("digest must be a str of at most 128 characters")
+
+
+@dataclass(frozen=True)
+class SnapNak:
+    snap_id: int
+    ranges: tuple[tuple[int, int], ...]   # missing chunk ranges [start, stop)
+
+    def __post_init__(self) -> None:
+        _check_int("snap_id", self.snap_id, 0, (1 << 32) - 1)
+        if not 1 <= len(self.ranges) <= MAX_NAK_ITEMS:
+            raise ValueError(f"a SNAP_NAK holds 1..{MAX_NAK_ITEMS} ranges")
+        for a, b in self.ranges:
+            _check_int("range start", a, 0, (1 << 32) - 1)
+            _check_int("range stop", b, a + 1, 1 << 32)
+
+
+@dataclass(frozen=True)
+class SnapDone:
+    snap_id: int
+
+    def __post_init__(self) -> None:
+        _check_int("snap_id", self.snap_id, 0, (1 << 32) - 1)
+
+
+# --- events out of the cores --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Update:
+    """One message of the apply log, delivered in canonical (step, sender) order."""
+
+    step: int
+    sender: int
+    payload: bytes
+    meta: dict | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("step", self.step, 0, MAX_STEP)
+        _check_int("sender", self.sender, 0, MAX_WORLD_SIZE - 1)
+        if not isinstance(self.payload, bytes):
+            raise TypeError("payload must be bytes")
+
+
+@dataclass(frozen=True)
+class PeerJoined:
+    rank: int
+    attempt: int
+    address: tuple
+
+
+@dataclass(frozen=True)
+class PeerEnded:
+    rank: int
+    last_step: int
+    gone: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class AttemptStarted:
+    attempt: int
+    start_step: int
+
+
+@dataclass(frozen=True)
+class Welcomed:
+    info: Welcome
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotReady:
+    step: int
+    params: object           # np.ndarray float32
+
+
+@dataclass(frozen=True)
+class LogComplete:
+    """Relay: every rank ended and the whole log is applied."""
+
+    complete_through: int

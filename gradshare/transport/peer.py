@@ -1,0 +1,237 @@
+"""A peer (one Spark task) as a receiver thread around :class:`PeerCore` (STYLE 2: a thin I/O shell).
+
+The receiver thread drains the socket into the core and runs its timer; the training thread calls
+``send_update``/``receive``/``finish`` which take the same lock. Every wait has a timeout whose error names
+what did not answer: the relay's address, or the (step, sender) the log is waiting for.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
+from gradshare.transport import udp
+from gradshare.transport.events import Update, Welcome
+from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+DRAIN_BATCH = 512
+MAX_WAIT = 0.02
+LINGER = 2.0          # close() waits this long (at most) for the relay to acknowledge our last updates
+
+
+class Peer:
+    def __init__(self, relay_address: tuple[str, int], rank: int, world_size: int, attempt: int,
+                 key: bytes | None, job_id: int | str, n_params: int,
+                 datagram_size: int = DEFAULT_DATAGRAM_SIZE, timeout: float = 60.0, insecure: bool = False,
+                 bind: str | None = None, **core_options: Any) -> None:
+        host, port = relay_address
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds (got {timeout!r})")
+        self.timeout = float(timeout)
+        self._core = PeerCore(rank, world_size, attempt, key, job_id, n_params, now=time.monotonic(),
+                              datagram_size=datagram_size, insecure=insecure, **core_options)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"relay_address {host}:{port} does not resolve: {exc}") from None
+        self.relay_address = (host, port)
+        self._relay_sockaddr = infos[0][4]
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        self._io_drops: Counter[str] = Counter()
+        self._sock = udp.open_udp(bind if bind is not None else udp.local_bind_for(infos[0][4][0]), 0,
+                                  f"peer rank {rank}")
+        self.address = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(target=self._run, name=f"gradshare-peer-{rank}", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            self._sock.close()
+            raise
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    def _where(self) -> str:
+        return f"relay {self.relay_address[0]}:{self.relay_address[1]}"
+
+    # --- the I/O loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core, sock, lock = self._core, self._sock, self._lock
+        try:
+            while not self._stop.is_set():
+                with lock:
+                    wait = core.next_timer() - time.monotonic()
+                if wait > 0:
+                    udp.wait_readable(sock, min(wait, MAX_WAIT))
+                with lock:
+                    got = 0
+                    for _ in range(DRAIN_BATCH):
+                        try:
+                            data, addr = sock.recvfrom(udp.RECV_BYTES)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError:
+                            self._io_drops["recv_error"] += 1
+                            continue
+                        if addr[:2] != self._relay_sockaddr[:2]:
+                            self._io_drops["not_from_relay"] += 1
+                            continue
+                        core.receive_datagram(data, addr, time.monotonic())
+                        got += 1
+                    now = time.monotonic()
+                    if now >= core.next_timer():
+                        core.handle_timer(now)
+                    out = core.datagrams_to_send()
+                    while core.next_event() is not None:
+                        got += 1
+                    if got:
+                        self._changed.notify_all()
+                self._send(out)
+        except BaseException as exc:
+            with lock:
+                self._failure = exc
+                self._changed.notify_all()
+
+    def _send(self, out: list[bytes]) -> None:
+        if out:
+            udp.send_all(self._sock, ((d, self._relay_sockaddr) for d in out), self._io_drops)
+
+    def _flush_locked(self) -> list[bytes]:
+        return self._core.datagrams_to_send()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise GradshareError(f"peer rank {self.rank}: receiver thread failed: {self._failure!r}") \
+                from self._failure
+        if self._core.error:
+            raise ProtocolError(f"peer rank {self.rank}: {self._core.error}")
+        if self._closed:
+            raise GradshareError(f"peer rank {self.rank} is closed")
+
+    def _wait(self, done, timeout: float, describe) -> None:
+        """Wait (lock held) until ``done()``; TransportTimeout with ``describe()`` otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check()
+            if done():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(describe())
+            self._changed.wait(min(left, 0.05))
+
+    # --- API ----------------------------------------------------------------------------------------
+    def join(self, timeout: float | None = None) -> Welcome:
+        """Join the relay; returns its WELCOME (``start_step`` 0 fresh, > 0 resume from a snapshot)."""
+        timeout = self.timeout if timeout is None else timeout
+        with self._changed:
+            self._check()
+            self._core.join(time.monotonic())
+            out = self._flush_locked()
+        self._send(out)
+        with self._changed:
+            self._wait(lambda: self._core.welcome is not None, timeout,
+                       lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
+                               f"(is the relay running and reachable from {self.address[0]}?)")
+            return self._core.welcome
+
+    def fetch_snapshot(self, timeout: float | None = None) -> tuple[int, np.ndarray]:
+        """(step, params): the relay's authoritative parameters with the log applied through ``step``."""
+        timeout = self.timeout if timeout is None else timeout
+        with self._changed:
+            self._check()
+            self._core.request_snapshot(time.monotonic())
+            out = self._flush_locked()
+        self._send(out)
+        with self._changed:
+            def describe() -> str:
+                s = self._core.snap
+                got = "no SNAP_INFO" if s is None else f"{s.got.count()}/{s.info.n_chunks} chunks"
+                return f"{self._where()}: snapshot for rank {self.rank} incomplete after {timeout:g} s ({got})"
+            self._wait(lambda: self._core.snapshot is not None, timeout, describe)
+            return self._core.snapshot
+
+    def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
+        with self._changed:
+            self._check()
+            self._core.send_update(step, payload, meta, time.monotonic())
+            out = self._flush_locked()
+            self._changed.notify_all()
+        self._send(out)
+
+    def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
+        """Every deliverable update not returned before, in canonical (step, sender) order. With
+        ``until_step``: first wait until the log is complete through ``until_step``."""
+        timeout = self.timeout if timeout is None else timeout
+        with self._changed:
+            self._check()
+            if self._core.cursor is None:
+                raise GradshareError(f"peer rank {self.rank}: receive() before join()")
+            if until_step is not None:
+                def describe() -> str:
+                    key = self._core.blocking_key()
+                    what = "nothing" if key is None else f"update (step {key[0]}, sender {key[1]})"
+                    heard = self._core.last_heard
+                    ago = "never" if heard is None else f"{time.monotonic() - heard:.1f} s ago"
+                    return (f"peer rank {self.rank}: log not complete through step {until_step} after "
+                            f"{timeout:g} s; waiting for {what} from {self._where()} (last heard {ago})")
+                self._wait(lambda: self._core.complete_through >= until_step or self._core.cursor.finished(),
+                           timeout, describe)
+            return self._core.pop_ready()
+
+    def finish(self, last_step: int) -> None:
+        with self._changed:
+            self._check()
+            self._core.finish(last_step, time.monotonic())
+            out = self._flush_locked()
+        self._send(out)
+
+    @property
+    def complete_through(self) -> int:
+        with self._lock:
+            return self._core.complete_through
+
+    def counters(self) -> dict:
+        with self._lock:
+            d = self._core.counters()
+            d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
+            return d
+
+    def close(self, linger: float = LINGER) -> None:
+        """Wait up to ``linger`` s for our updates to be acknowledged, say LEAVE, stop the thread, close."""
+        if self._closed:
+            return
+        try:
+            if self._thread.is_alive() and self._core.state == "joined" and not self._core.error:
+                deadline = time.monotonic() + linger
+                with self._changed:
+                    while not self._core.idle() and time.monotonic() < deadline and self._failure is None:
+                        self._changed.wait(0.02)
+            with self._lock:
+                self._core.leave()
+                out = self._flush_locked()
+            self._send(out)
+        finally:
+            self._closed = True
+            self._stop.set()
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=5.0)
+            self._sock.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

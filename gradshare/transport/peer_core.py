@@ -1,0 +1,464 @@
+"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time.
+
+A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
+re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
+missing (from STATUS ``have`` and from later steps it already saw), and releases the apply log in canonical
+(step, rank) order, its own updates included (DESIGN.md, Consistency). It can also fetch a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+import numpy as np
+
+from gradshare.errors import DecodeError, LocalProtocolError
+from gradshare.transport import events as ev
+from gradshare.transport import wire
+from gradshare.transport.channel import Channel
+from gradshare.transport.cursor import LogCursor
+from gradshare.transport.history import History
+from gradshare.transport.rangeset import RangeSet
+from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.relay_core import param_hash
+from gradshare.transport.wire import RELAY_ID, Kind
+
+
+class SnapshotDownload:
+    __slots__ = ("info", "buf", "got", "last_chunk", "total")
+
+    def __init__(self, info: ev.SnapInfo, now: float) -> None:
+        self.info = info
+        self.total = info.n_params * 4
+        self.buf = bytearray(self.total)
+        self.got = RangeSet()
+        self.last_chunk = now
+
+
+class PeerCore:
+    def __init__(self, rank: int, world_size: int, attempt: int, key: bytes | None, job_id: int | str,
+                 n_params: int, *, now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
+                 insecure: bool = False, heartbeat_interval: float = 0.05, rto: float = 0.2,
+                 nak_delay: float = 0.01, nak_interval: float = 0.05, tick: float = 0.005,
+                 max_unacked: int = 4096, max_unacked_bytes: int = 1 << 28,
+                 inbox_messages: int = 1 << 16, inbox_bytes: int = 1 << 30, max_ahead: int = 4096) -> None:
+        if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
+        if type(rank) is not int or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}) (got {rank!r})")
+        if type(attempt) is not int or not 0 <= attempt < 1 << 16:
+            raise ValueError(f"attempt must be an int in [0, 65535] (got {attempt!r})")
+        if type(n_params) is not int or n_params < 1:
+            raise ValueError(f"n_params must be a positive int (got {n_params!r})")
+        self.rank, self.world_size, self.attempt, self.n_params = rank, world_size, attempt, n_params
+        max_message = 8 * n_params + 65536
+        self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=rank,
+                            attempt=attempt, datagram_size=datagram_size,
+                            max_chunks=max(16, -(-max_message // 64)), max_windows=4)
+        self.reasm = Reassembler(4096, 1 << 28, max_message)
+        self.heartbeat_interval, self.rto, self.tick = heartbeat_interval, rto, tick
+        self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
+        self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
+        self.max_unacked = max_unacked
+        self.state = "new"                # new → joining → joined → (rejected | closed)
+        self.welcome: ev.Welcome | None = None
+        self.error: str | None = None
+        self.cursor: LogCursor | None = None
+        self.inbox: dict[tuple[int, int], ev.Update] = {}
+        self.inbox_nbytes = 0
+        self.ready: deque[ev.Update] = deque()
+        self.unacked = History(max_unacked, max_unacked_bytes)
+        self.sent_at: dict[int, float] = {}
+        self.next_step: int | None = None
+        self.finish_step: int | None = None
+        self.finish_acked = False
+        self.known_high = [-1] * world_size
+        self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK]
+        self.snap_requested = False
+        self.snap: SnapshotDownload | None = None
+        self.snapshot: tuple[int, np.ndarray] | None = None
+        self.last_heard: float | None = None
+        self._last_join = self._last_hb = self._last_snap_req = -1e18
+        self._last_tick = now
+        self._out: list[bytes] = []
+        self._events: deque = deque()
+        self.c: Counter[str] = Counter()
+
+    # --- application calls --------------------------------------------------------------------------
+    def join(self, now: float) -> None:
+        if self.state != "new":
+            raise LocalProtocolError(f"join() called in state {self.state}")
+        self.state = "joining"
+        self._send_join(now)
+
+    def send_update(self, step: int, payload: bytes, meta: dict | None, now: float) -> None:
+        self._check_usable("send_update")
+        if self.finish_step is not None:
+            raise LocalProtocolError(f"rank {self.rank} already sent FINISHED({self.finish_step})")
+        if type(step) is not int or step != self.next_step:
+            raise LocalProtocolError(f"rank {self.rank} must send step {self.next_step} next (got {step!r}): "
+                                     f"every step produces exactly one message, in order")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes (got {type(payload).__name__})")
+        if len(self.unacked) >= self.max_unacked:
+            raise LocalProtocolError(f"the relay has not acknowledged {len(self.unacked)} updates of rank "
+                                     f"{self.rank}; refusing to buffer more")
+        payload = bytes(payload)
+        body = wire.encode_update_body(payload, meta)
+        _, clean_meta = wire.decode_update_body(body)
+        self._store(ev.Update(step, self.rank, payload, clean_meta))
+        self.unacked.put(step, body)
+        self.sent_at[step] = now
+        self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
+        self.next_step = step + 1
+        self.c["updates_sent"] += 1
+        self._advance()
+
+    def finish(self, last_step: int, now: float) -> None:
+        self._check_usable("finish")
+        if last_step != self.next_step - 1:
+            raise LocalProtocolError(f"FINISHED({last_step}) but rank {self.rank}'s last sent step is "
+                                     f"{self.next_step - 1}")
+        if self.finish_step is None:
+            self.finish_step = last_step
+            self.cursor.end(self.rank, last_step)
+            self._drop_after_end(self.rank, last_step)
+            self._advance()
+        self._out.append(self.chan.seal_control(ev.Finished(last_step)))
+
+    def leave(self) -> None:
+        if self.state in ("joined", "joining"):
+            self._out.append(self.chan.seal_control(ev.Leave()))
+        self.state = "closed"
+
+    def request_snapshot(self, now: float) -> None:
+        self._check_usable("fetch_snapshot")
+        self.snap_requested = True
+        self.snap = None
+        self.snapshot = None
+        self._last_snap_req = now
+        self._out.append(self.chan.seal_control(ev.SnapRequest()))
+
+    def pop_ready(self) -> list[ev.Update]:
+        out = list(self.ready)
+        self.ready.clear()
+        for u in out:
+            self.inbox_nbytes -= len(u.payload)
+        return out
+
+    def blocking_key(self) -> tuple[int, int] | None:
+        """The (step, rank) the log waits for, or None."""
+        return None if self.cursor is None else self.cursor.next_key()
+
+    @property
+    def complete_through(self) -> int:
+        return -1 if self.cursor is None else self.cursor.complete_through
+
+    def idle(self) -> bool:
+        """Nothing of ours is still unacknowledged (safe to leave)."""
+        return not len(self.unacked) and (self.finish_step is None or self.finish_acked)
+
+    def datagrams_to_send(self) -> list[bytes]:
+        out, self._out = self._out, []
+        self.c["datagrams_out"] += len(out)
+        self.c["bytes_out"] += sum(len(d) for d in out)
+        return out
+
+    def next_event(self) -> Any | None:
+        return self._events.popleft() if self._events else None
+
+    def next_timer(self) -> float:
+        if self.state == "joining":
+            return self._last_join + self.rto
+        if self.state != "joined":
+            return self._last_tick + 1.0
+        nxt = self._last_hb + self.heartbeat_interval
+        busy = (self.state == "joining" or len(self.unacked) or self.missing or len(self.reasm)
+                or self.snap_requested or (self.finish_step is not None and not self.finish_acked))
+        if busy:
+            nxt = min(nxt, self._last_tick + self.tick)
+        return nxt
+
+    def counters(self) -> dict:
+        d = dict(self.c)
+        d["drops"] = dict(self.chan.drops)
+        d["unacked"] = len(self.unacked)
+        d["complete_through"] = self.complete_through
+        return d
+
+    # --- input ---------------------------------------------------------------------------------------
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        self.c["datagrams_in"] += 1
+        self.c["bytes_in"] += len(data)
+        h = self.chan.parse(data, wire.MAX_DATAGRAM_SIZE)
+        if h is None:
+            return
+        if h.sender != RELAY_ID:
+            self.chan.drops["bad_sender"] += 1
+            return
+        if h.attempt != self.attempt and h.kind != Kind.REJECT:
+            self.chan.drops["other_attempt"] += 1
+            return
+        body = self.chan.open(h, data)
+        if body is None:
+            return
+        self.last_heard = now
+        if self.state in ("closed", "rejected"):
+            self.chan.drops["after_close"] += 1
+            return
+        if h.kind == Kind.UPDATE:
+            self._on_update_chunk(h, body, now)
+            return
+        if h.kind == Kind.SNAP_CHUNK:
+            self._on_snap_chunk(h, body, now)
+            return
+        try:
+            msg = wire.decode_control(h.kind, body)
+        except DecodeError:
+            self.chan.drops["bad_body"] += 1
+            return
+        if isinstance(msg, ev.Reject):
+            self.error = f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}"
+            self.state = "rejected"
+            self._events.append(ev.Rejected(msg.reason))
+        elif isinstance(msg, ev.Welcome):
+            self._on_welcome(msg)
+        elif self.cursor is None:
+            self.chan.drops["before_welcome"] += 1
+        elif isinstance(msg, ev.Ack):
+            for s in msg.steps:
+                self._acked(s)
+        elif isinstance(msg, ev.Nak):
+            for item in msg.items:
+                body = self.unacked.get(item.step) if item.origin == self.rank else None
+                if body is None:
+                    continue
+                ds = self.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
+                self._out.extend(ds)
+                self.c["retransmits"] += len(ds)
+        elif isinstance(msg, ev.Status):
+            self._on_status(msg)
+        elif isinstance(msg, ev.SnapInfo):
+            self._on_snap_info(msg, now)
+        else:
+            self.chan.drops["unexpected_kind"] += 1
+
+    def _on_welcome(self, msg: ev.Welcome) -> None:
+        if self.state != "joining" or self.welcome is not None:
+            return                                     # a duplicate WELCOME (our JOIN was retransmitted)
+        if msg.n_params != self.n_params or msg.world_size != self.world_size:
+            self.error = (f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
+                          f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
+            self.state = "rejected"
+            return
+        self.welcome = msg
+        self.state = "joined"
+        self.cursor = LogCursor(self.world_size, msg.start_step)
+        self.next_step = msg.start_step
+        self._events.append(ev.Welcomed(msg))
+
+    def _on_status(self, msg: ev.Status) -> None:
+        if msg.start_step != self.cursor.start_step or len(msg.have) != self.world_size:
+            self.chan.drops["stale_status"] += 1
+            return
+        for r, h in enumerate(msg.have):
+            if h > self.known_high[r]:
+                self.known_high[r] = h
+        for s in [s for s in self.unacked if s <= msg.have[self.rank]]:
+            self._acked(s)
+        for e in msg.ended:
+            if e.rank == self.rank:
+                if e.gone:
+                    self.error = f"the relay declared rank {self.rank} gone at step {e.last_step}"
+                elif self.finish_step == e.last_step:
+                    self.finish_acked = True
+                continue
+            if e.rank not in self.cursor.ends:
+                self.cursor.end(e.rank, e.last_step)
+                self._drop_after_end(e.rank, e.last_step)
+                self._events.append(ev.PeerEnded(e.rank, e.last_step, e.gone,
+                                                 "declared gone" if e.gone else "finished"))
+        self._advance()
+
+    def _on_update_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
+        cur = self.cursor
+        if cur is None:
+            self.chan.drops["before_welcome"] += 1
+            return
+        key = (h.step, h.origin)
+        if h.origin >= self.world_size or h.origin == self.rank:
+            self.chan.drops["bad_origin"] += 1
+            return
+        if key in self.inbox or h.step < cur.start_step or cur.done_before(*key):
+            self.chan.drops["duplicate"] += 1
+            return
+        if cur.exists(*key) is False:
+            self.chan.drops["after_end"] += 1
+            return
+        if h.step > cur.step + self.max_ahead:
+            self.chan.drops["too_far_ahead"] += 1
+            return
+        if h.step > self.known_high[h.origin] and h.index == 0:
+            self.known_high[h.origin] = h.step - 1     # everything before a step we see exists too
+        if len(self.inbox) + len(self.ready) >= self.inbox_messages or self.inbox_nbytes >= self.inbox_bytes:
+            self.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
+            return
+        whole, reason = self.reasm.add(key, h.index, h.count, body, now)
+        if reason is not None:
+            self.chan.drops[reason] += 1
+            return
+        if whole is None:
+            return
+        try:
+            payload, meta = wire.decode_update_body(whole)
+        except DecodeError:
+            self.chan.drops["bad_update"] += 1
+            return
+        self.known_high[h.origin] = max(self.known_high[h.origin], h.step)
+        self._store(ev.Update(h.step, h.origin, payload, meta))
+        self.c["updates_received"] += 1
+        self._advance()
+
+    def _store(self, u: ev.Update) -> None:
+        key = (u.step, u.sender)
+        self.inbox[key] = u
+        self.inbox_nbytes += len(u.payload)
+        self.missing.pop(key, None)
+
+    def _drop_after_end(self, rank: int, last_step: int) -> None:
+        for key in [k for k in self.inbox if k[1] == rank and k[0] > last_step]:
+            self.inbox_nbytes -= len(self.inbox.pop(key).payload)
+        self.reasm.discard_where(lambda k: k[1] == rank and k[0] > last_step)
+        for key in [k for k in self.missing if k[1] == rank and k[0] > last_step]:
+            del self.missing[key]
+
+    def _advance(self) -> None:
+        cur = self.cursor
+        while True:
+            key = cur.next_key()
+            if key is None:
+                return
+            u = self.inbox.pop(key, None)
+            if u is None:
+                return
+            self.ready.append(u)
+            self.c["delivered"] += 1
+            cur.advance()
+
+    def _acked(self, step: int) -> None:
+        self.unacked.pop(step)
+        self.sent_at.pop(step, None)
+
+    # --- snapshots -----------------------------------------------------------------------------------
+    def _on_snap_info(self, msg: ev.SnapInfo, now: float) -> None:
+        if not self.snap_requested or (self.snap is not None and self.snap.info.snap_id == msg.snap_id):
+            return
+        total = self.n_params * 4
+        if (msg.n_params != self.n_params or msg.n_chunks * msg.chunk_bytes < total
+                or (msg.n_chunks - 1) * msg.chunk_bytes >= total):
+            self.chan.drops["bad_snapshot_info"] += 1
+            return
+        self.snap = SnapshotDownload(msg, now)
+
+    def _on_snap_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
+        s = self.snap
+        if s is None or h.step != s.info.snap_id or h.count != s.info.n_chunks:
+            self.chan.drops["stale_snapshot"] += 1
+            return
+        start = h.index * s.info.chunk_bytes
+        expected = min(s.info.chunk_bytes, s.total - start)
+        if len(body) != expected:
+            self.chan.drops["bad_snapshot_chunk"] += 1
+            return
+        s.last_chunk = now
+        if not s.got.add(h.index):
+            self.chan.drops["duplicate"] += 1
+            return
+        s.buf[start:start + expected] = body
+        if s.got.covers(0, s.info.n_chunks):
+            params = np.frombuffer(s.buf, dtype=np.float32).copy()
+            self._out.append(self.chan.seal_control(ev.SnapDone(s.info.snap_id)))
+            if param_hash(params) != s.info.digest:
+                self.error = f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check"
+                return
+            self.snapshot = (s.info.step, params)
+            self.snap = None
+            self.snap_requested = False
+            self._events.append(ev.SnapshotReady(s.info.step, params))
+
+    # --- timers --------------------------------------------------------------------------------------
+    def handle_timer(self, now: float) -> None:
+        self._last_tick = now
+        if self.state == "joining":
+            if now >= self._last_join + self.rto:
+                self._send_join(now)
+            return
+        if self.state != "joined":
+            return
+        if now >= self._last_hb + self.heartbeat_interval:
+            self._last_hb = now
+            self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1)))
+            if self.finish_step is not None and not self.finish_acked:
+                self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
+        for step in list(self.unacked):
+            if now - self.sent_at.get(step, now) >= self.rto:
+                ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
+                self._out.extend(ds)
+                self.sent_at[step] = now
+                self.c["retransmits"] += len(ds)
+        self._nak_missing(now)
+        self.reasm.expire(now, 30.0)
+        if self.snap_requested:
+            if self.snap is None and now - self._last_snap_req >= self.rto:
+                self._last_snap_req = now
+                self._out.append(self.chan.seal_control(ev.SnapRequest()))
+            elif self.snap is not None and now - self.snap.last_chunk >= 2 * self.nak_interval:
+                self.snap.last_chunk = now
+                gaps = self.snap.got.gaps(0, self.snap.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
+                for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
+                    self._out.append(self.chan.seal_control(
+                        ev.SnapNak(self.snap.info.snap_id, tuple(gaps[i:i + ev.MAX_NAK_ITEMS]))))
+                self.c["snapshot_naks"] += 1
+
+    def _nak_missing(self, now: float) -> None:
+        cur = self.cursor
+        if cur is None:
+            return
+        items: list[ev.NakItem] = []
+        limit = cur.step + self.max_ahead
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            end = cur.ends.get(r)
+            hi = end if end is not None else self.known_high[r]
+            t = cur.step if r >= cur.rank else cur.step + 1
+            while t <= min(hi, limit) and len(items) < ev.MAX_NAK_ITEMS:
+                key = (t, r)
+                t += 1
+                if key in self.inbox:
+                    continue
+                m = self.missing.get(key)
+                if m is None:
+                    self.missing[key] = [now, -1e18]
+                    continue
+                p = self.reasm.partials.get(key)
+                if now - m[0] < self.nak_delay or now - m[1] < self.nak_interval or (
+                        p is not None and now - p.last_seen < self.nak_delay):
+                    continue
+                m[1] = now
+                items.append(ev.NakItem(key[0], r, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
+        if items:
+            self._out.append(self.chan.seal_control(ev.Nak(tuple(items))))
+            self.c["naks_sent"] += 1
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def _send_join(self, now: float) -> None:
+        self._last_join = now
+        self._out.append(self.chan.seal_control(ev.Join(self.n_params, self.world_size)))
+
+    def _check_usable(self, what: str) -> None:
+        if self.error:
+            raise LocalProtocolError(f"{what}: {self.error}")
+        if self.state != "joined":
+            raise LocalProtocolError(f"{what} needs a joined peer (state {self.state}); call join() first")

@@ -1,0 +1,165 @@
+"""The relay (master) as a background thread around :class:`RelayCore` (STYLE 2: a thin I/O shell).
+
+The thread only moves datagrams between the socket and the core, arms one timer, and hands events to
+waiters. Every public accessor takes the core's lock, so ``params``/``counters`` are consistent snapshots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from typing import Any
+
+import numpy as np
+
+from gradshare.errors import GradshareError, TransportTimeout
+from gradshare.transport import udp
+from gradshare.transport.relay_core import RelayCore, param_hash
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+DRAIN_BATCH = 512
+MAX_WAIT = 0.02
+
+
+class Relay:
+    """``Relay(params, world_size=W, key=key, job_id=J, port=0).start()``; a context manager."""
+
+    def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
+                 port: int = 40123, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
+                 liveness_timeout: float = 30.0, insecure: bool = False, **core_options: Any) -> None:
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
+        self._core = RelayCore(initial_params, world_size, key, job_id, now=time.monotonic(),
+                               datagram_size=datagram_size, liveness_timeout=liveness_timeout,
+                               insecure=insecure, **core_options)
+        self._port, self._bind = port, bind
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._sock = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        self._io_drops: Counter[str] = Counter()
+        self.events: deque = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
+        self.address: tuple[str, int] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> Relay:
+        if self._thread is not None:
+            raise GradshareError("relay already started")
+        self._sock = udp.open_udp(self._bind, self._port, "relay")
+        try:
+            host, port = self._sock.getsockname()[:2]
+            self.address = (host, port)
+            self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self._sock.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> Relay:
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the I/O loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core, sock, lock = self._core, self._sock, self._lock
+        try:
+            while not self._stop.is_set():
+                with lock:
+                    wait = core.next_timer() - time.monotonic()
+                if wait > 0:
+                    udp.wait_readable(sock, min(wait, MAX_WAIT))
+                with lock:
+                    for _ in range(DRAIN_BATCH):
+                        try:
+                            data, addr = sock.recvfrom(udp.RECV_BYTES)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError:          # e.g. ICMP errors surfaced on some platforms
+                            self._io_drops["recv_error"] += 1
+                            continue
+                        core.receive_datagram(data, addr, time.monotonic())
+                    now = time.monotonic()
+                    if now >= core.next_timer():
+                        core.handle_timer(now)
+                    out = core.datagrams_to_send()
+                    changed = False
+                    while (e := core.next_event()) is not None:
+                        self.events.append(e)
+                        changed = True
+                    if changed:
+                        self._changed.notify_all()
+                udp.send_all(sock, out, self._io_drops)
+        except BaseException as exc:   # the thread must not die silently: waiters re-raise this
+            with lock:
+                self._failure = exc
+                self._changed.notify_all()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise GradshareError(f"relay thread failed: {self._failure!r}") from self._failure
+
+    # --- accessors ----------------------------------------------------------------------------------
+    @property
+    def params(self) -> np.ndarray:
+        with self._lock:
+            return self._core.params.copy()
+
+    @property
+    def complete_through(self) -> int:
+        with self._lock:
+            return self._core.complete_through
+
+    def param_hash(self) -> str:
+        with self._lock:
+            return param_hash(self._core.params)
+
+    def progress(self) -> dict:
+        with self._lock:
+            return self._core.progress()
+
+    def counters(self) -> dict:
+        with self._lock:
+            d = self._core.counters()
+            d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
+            return d
+
+    def wait_finished(self, timeout: float) -> None:
+        """Return when every rank sent FINISHED or was declared gone and the log is applied."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self._core.finished():
+                self._check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [r.rank for r in self._core.ranks if r.ended is None]
+                    raise TransportTimeout(
+                        f"relay {self.address}: ranks {waiting} neither FINISHED nor declared gone within "
+                        f"{timeout:g} s (log complete through step {self._core.complete_through})")
+                self._changed.wait(min(left, 0.1))
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        """Wait (with the lock held between checks) until ``predicate(core)`` is true."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate(self._core):
+                self._check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout(f"relay {self.address}: {what} did not happen within {timeout:g} s")
+                self._changed.wait(min(left, 0.05))
+
+
+__all__ = ["Relay"]

@@ -1,0 +1,594 @@
+"""The relay's protocol state machine, sans I/O (STYLE 1; aioquic ``quic/connection.py``, h11).
+
+``receive_datagram(data, addr, now)`` consumes one datagram; ``datagrams_to_send()`` returns
+``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.
+No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``.
+
+What the relay does (issue 3, DESIGN.md Transport + Consistency):
+- admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
+  a higher attempt cuts the log at ``complete_through`` and restarts it at ``complete_through + 1``;
+- reassembles updates, validates them (``decode_update``) BEFORE they enter the log, acknowledges them,
+  and forwards each complete update once to every other joined peer (sealed once, sent to each);
+- applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
+- answers NAKs from a bounded history; NAKs its own partial inbound updates;
+- declares a rank silent for ``liveness_timeout`` gone, cut at the last step it holds contiguously;
+- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gradshare.errors import DecodeError
+from gradshare.transport import events as ev
+from gradshare.transport import wire
+from gradshare.transport.channel import Channel
+from gradshare.transport.cursor import LogCursor
+from gradshare.transport.history import History
+from gradshare.transport.rangeset import RangeSet
+from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.wire import RELAY_ID, Kind
+
+
+def param_hash(array: np.ndarray) -> str:
+    """Hash of a float32 parameter vector (blake2b-128 of its bytes): equal hashes = bit-identical."""
+    import hashlib
+
+    a = np.asarray(array)
+    if a.dtype != np.float32:
+        raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
+    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+
+
+def default_decode_update(payload: bytes, n_params: int) -> Any:
+    """Decode with the encoding package, requiring exactly ``n_params`` (every index is validated there)."""
+    from gradshare.encoding import Message
+
+    msg = Message.from_bytes(payload, max_params=n_params)
+    if msg.n_params != n_params:
+        raise DecodeError(f"update is for {msg.n_params} parameters, the job has {n_params}")
+    return msg
+
+
+def default_apply_update(decoded: Any, params: np.ndarray) -> None:
+    from gradshare.encoding import apply
+
+    apply(decoded, params)
+
+
+class RankState:
+    __slots__ = ("rank", "addr", "session", "joined", "left", "last_heard", "received", "ended",
+                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in")
+
+    def __init__(self, rank: int, now: float) -> None:
+        self.rank = rank
+        self.addr: Any = None
+        self.session: int | None = None
+        self.joined = False
+        self.left = False
+        self.last_heard = now
+        self.received = RangeSet()          # steps whose update the relay holds completely
+        self.ended: ev.Ended | None = None
+        self.delivered_through = -1
+        self.sent_through = -1
+        self.meta: dict | None = None
+        self.bytes_in = 0
+        self.updates_in = 0
+
+
+class Snapshot:
+    __slots__ = ("snap_id", "step", "data", "digest", "n_params")
+
+    def __init__(self, snap_id: int, step: int, params: np.ndarray) -> None:
+        self.snap_id = snap_id
+        self.step = step
+        self.n_params = params.size
+        self.data = params.astype(np.float32, copy=True).tobytes()
+        self.digest = param_hash(params)
+
+
+class Transfer:
+    """One paced snapshot transfer to one rank: a first pass in order, then NAKed ranges."""
+
+    __slots__ = ("snap", "next_index", "n_chunks", "resend", "last_activity", "chunk_bytes")
+
+    def __init__(self, snap: Snapshot, chunk_bytes: int, now: float) -> None:
+        self.snap = snap
+        self.chunk_bytes = chunk_bytes
+        self.n_chunks = max(1, -(-len(snap.data) // chunk_bytes))
+        self.next_index = 0
+        self.resend = RangeSet()
+        self.last_activity = now
+
+    def info(self) -> ev.SnapInfo:
+        return ev.SnapInfo(self.snap.snap_id, self.snap.step, self.snap.n_params, self.n_chunks,
+                           self.chunk_bytes, self.snap.digest)
+
+    def take(self, budget: int) -> list[int]:
+        out: list[int] = []
+        for a, b in list(self.resend):
+            for i in range(a, min(b, a + budget - len(out))):
+                out.append(i)
+            if len(out) >= budget:
+                break
+        if out:
+            # remove what we took from the resend set (it is sorted; we took a prefix of it)
+            self.resend.discard_below(out[-1] + 1)
+        while len(out) < budget and self.next_index < self.n_chunks:
+            out.append(self.next_index)
+            self.next_index += 1
+        return out
+
+    def chunk(self, i: int) -> bytes:
+        return self.snap.data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+
+
+class RelayCore:
+    def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
+                 now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, liveness_timeout: float = 30.0,
+                 insecure: bool = False,
+                 decode_update: Callable[[bytes, int], Any] = default_decode_update,
+                 apply_update: Callable[[Any, np.ndarray], None] = default_apply_update,
+                 history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
+                 reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
+                 max_ahead: int = 4096, nak_delay: float = 0.02, tick: float = 0.005,
+                 snapshot_rate: float = 50e6, max_snapshots: int = 2) -> None:
+        params = np.asarray(params)
+        if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
+            raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
+                             f"shape {params.shape})")
+        if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
+        if not liveness_timeout > 0:
+            raise ValueError(f"liveness_timeout must be > 0 (got {liveness_timeout})")
+        self.params = np.array(params, dtype=np.float32, copy=True)
+        self.n_params = int(params.size)
+        self.world_size = world_size
+        self.liveness_timeout = float(liveness_timeout)
+        self.decode_update = decode_update
+        self.apply_update = apply_update
+        # the largest message an update can be: a dense float32 vector plus framing (encoder forms are smaller)
+        max_message = 8 * self.n_params + 65536
+        self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=RELAY_ID,
+                            attempt=0, datagram_size=datagram_size,
+                            max_chunks=max(16, -(-max_message // 64)), max_windows=4 * world_size + 8)
+        self.max_chunks_update = -(-max_message // self.chan.chunk_bytes)
+        self.snap_chunk_bytes = self.chan.chunk_bytes - self.chan.chunk_bytes % 4
+        self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message)
+        self.history = History(history_entries, history_bytes)
+        self.max_ahead = max_ahead
+        self.nak_delay = nak_delay
+        self.tick = tick
+        self.snapshot_rate = snapshot_rate
+        self.max_snapshots = max_snapshots
+        self.attempt = -1                      # no attempt yet; the first JOIN starts one
+        self.attempt_started: float | None = None
+        self.cursor = LogCursor(world_size, 0)
+        self.ranks = [RankState(r, now) for r in range(world_size)]
+        self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
+        self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
+        self.snapshots: dict[int, Snapshot] = {}
+        self.transfers: dict[int, Transfer] = {}         # rank -> transfer
+        self._snap_seq = 0
+        self._out: list[tuple[bytes, Any]] = []
+        self._events: deque = deque()
+        self._acks: dict[int, list[int]] = {}
+        self._last_tick = now
+        self._log_complete_sent = False
+        self.c: Counter[str] = Counter()                # counters (drops live in chan.drops)
+
+    # --- public surface of the core ----------------------------------------------------------------
+    @property
+    def complete_through(self) -> int:
+        return self.cursor.complete_through
+
+    @property
+    def drops(self) -> Counter:
+        return self.chan.drops
+
+    def datagrams_to_send(self) -> list[tuple[bytes, Any]]:
+        self._flush_acks()
+        out, self._out = self._out, []
+        for data, _ in out:
+            self.c["datagrams_out"] += 1
+            self.c["bytes_out"] += len(data)
+        return out
+
+    def next_event(self) -> Any | None:
+        return self._events.popleft() if self._events else None
+
+    def next_timer(self) -> float:
+        busy = self.transfers or len(self.reasm) or self.attempt_started is not None
+        return self._last_tick + (self.tick if busy else 0.1)
+
+    def finished(self) -> bool:
+        return self.cursor.finished()
+
+    def counters(self) -> dict:
+        d = dict(self.c)
+        d["drops"] = dict(self.chan.drops)
+        d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
+        d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
+        d["last_step"] = max((r.received.contiguous_from(self.cursor.start_step) - 1 for r in self.ranks),
+                             default=-1)
+        d["complete_through"] = self.complete_through
+        d["attempt"] = self.attempt
+        d["history_entries"] = len(self.history)
+        d["history_bytes"] = self.history.nbytes
+        return d
+
+    def progress(self) -> dict:
+        return {
+            "complete_through": self.complete_through,
+            "attempt": self.attempt,
+            "start_step": self.cursor.start_step,
+            "ranks": {r.rank: {"joined": r.joined, "have": r.received.contiguous_from(self.cursor.start_step) - 1,
+                               "ended": None if r.ended is None else
+                               {"last_step": r.ended.last_step, "gone": r.ended.gone},
+                               "meta": dict(r.meta) if r.meta else None}
+                      for r in self.ranks},
+        }
+
+    # --- input ---------------------------------------------------------------------------------------
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        self.c["datagrams_in"] += 1
+        self.c["bytes_in"] += len(data)
+        h = self.chan.parse(data)
+        if h is None:
+            return
+        if h.sender >= self.world_size:
+            self.chan.drops["bad_sender"] += 1
+            return
+        if h.attempt < self.attempt:
+            self.chan.drops["old_attempt"] += 1
+            return
+        if h.kind != Kind.JOIN and h.attempt != self.attempt:
+            self.chan.drops["unknown_attempt"] += 1
+            return
+        body = self.chan.open(h, data)
+        if body is None:
+            return
+        rs = self.ranks[h.sender] if h.attempt == self.attempt else None
+        if h.kind == Kind.JOIN:
+            self._on_join(h, body, addr, now)
+            return
+        if rs is None or not rs.joined or rs.session != h.session:
+            self.chan.drops["not_joined"] += 1
+            return
+        if rs.left:
+            self.chan.drops["after_leave"] += 1
+            return
+        rs.last_heard = now
+        rs.addr = addr                         # authenticated: follow a NAT rebinding
+        if h.kind == Kind.UPDATE:
+            self._on_update_chunk(rs, h, body, now)
+            return
+        try:
+            msg = wire.decode_control(h.kind, body)
+        except DecodeError:
+            self.chan.drops["bad_body"] += 1
+            return
+        if isinstance(msg, ev.Heartbeat):
+            rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
+            rs.sent_through = max(rs.sent_through, msg.sent_through)
+            self._send(rs, self._status())
+            self._trim_history()
+        elif isinstance(msg, ev.Nak):
+            self._on_nak(rs, msg)
+        elif isinstance(msg, ev.Finished):
+            self._on_finished(rs, msg.last_step)
+        elif isinstance(msg, ev.Leave):
+            self._on_leave(rs)
+        elif isinstance(msg, ev.SnapRequest):
+            self._on_snap_request(rs, now)
+        elif isinstance(msg, ev.SnapNak):
+            t = self.transfers.get(rs.rank)
+            if t is None or t.snap.snap_id != msg.snap_id:
+                self.chan.drops["stale_snapshot"] += 1
+                return
+            for a, b in msg.ranges:
+                if b <= t.n_chunks:
+                    t.resend.add(a, b)
+            t.last_activity = now
+        elif isinstance(msg, ev.SnapDone):
+            t = self.transfers.get(rs.rank)
+            if t is not None and t.snap.snap_id == msg.snap_id:
+                del self.transfers[rs.rank]
+                self._free_snapshots()
+        else:
+            self.chan.drops["unexpected_kind"] += 1
+
+    # --- join / attempts -----------------------------------------------------------------------------
+    def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
+        try:
+            msg = wire.decode_control(Kind.JOIN, body)
+        except DecodeError:
+            self.chan.drops["bad_body"] += 1
+            return
+        reject = None
+        if msg.world_size != self.world_size:
+            reject = f"world_size {msg.world_size} does not match the relay's {self.world_size}"
+        elif msg.n_params != self.n_params:
+            reject = f"n_params {msg.n_params} does not match the relay's {self.n_params}"
+        if reject:
+            self._send_to(addr, ev.Reject(f"rank {h.sender}: {reject}"))
+            self.c["rejects"] += 1
+            return
+        if h.attempt > self.attempt:
+            self._start_attempt(h.attempt, now)
+        rs = self.ranks[h.sender]
+        if rs.session is not None and rs.session != h.session:
+            if rs.ended is not None or len(rs.received):
+                self._send_to(addr, ev.Reject(
+                    f"rank {h.sender} of attempt {h.attempt} already joined and sent updates; "
+                    f"a restarted task must join with a higher attempt"))
+                self.c["rejects"] += 1
+                return
+        if rs.ended is not None and rs.ended.gone:
+            self._send_to(addr, ev.Reject(f"rank {h.sender} was declared gone at step {rs.ended.last_step}; "
+                                          f"a retried stage must join with a higher attempt"))
+            self.c["rejects"] += 1
+            return
+        first = not rs.joined or rs.session != h.session
+        rs.session = h.session
+        rs.addr = addr
+        rs.joined = True
+        rs.left = False
+        rs.last_heard = now
+        self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
+                                  self.complete_through))
+        self._send(rs, self._status())
+        if first:
+            self._events.append(ev.PeerJoined(rs.rank, h.attempt, addr))
+
+    def _start_attempt(self, attempt: int, now: float) -> None:
+        """A retried stage: drop everything after complete_through and restart the log after it."""
+        base = self.complete_through + 1
+        self.attempt = attempt
+        self.chan.attempt = attempt
+        self.attempt_started = now
+        self.cursor = LogCursor(self.world_size, base)
+        self.ranks = [RankState(r, now) for r in range(self.world_size)]
+        self.pending.clear()
+        self.evicted.clear()
+        self.history = History(self.history.max_entries, self.history.max_bytes)
+        self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes)
+        self.transfers.clear()
+        self.snapshots.clear()
+        self._acks.clear()
+        self._log_complete_sent = False
+        self.c["attempts"] += 1
+        self._events.append(ev.AttemptStarted(attempt, base))
+
+    # --- updates -------------------------------------------------------------------------------------
+    def _on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, now: float) -> None:
+        step = h.step
+        if h.origin != rs.rank:
+            self.chan.drops["bad_origin"] += 1
+            return
+        if step in rs.received:
+            if h.index == 0 or h.count == 1:
+                self._acks.setdefault(rs.rank, []).append(step)
+            self.chan.drops["duplicate"] += 1
+            return
+        if rs.ended is not None and step > rs.ended.last_step:
+            self.chan.drops["after_end"] += 1
+            return
+        if step < self.cursor.start_step:
+            self.chan.drops["before_start"] += 1
+            return
+        if step > rs.received.contiguous_from(self.cursor.start_step) + self.max_ahead:
+            self.chan.drops["too_far_ahead"] += 1
+            return
+        if h.count > self.max_chunks_update:
+            self.chan.drops["too_many_chunks"] += 1
+            return
+        whole, reason = self.reasm.add((rs.rank, step), h.index, h.count, body, now)
+        if reason is not None:
+            self.chan.drops[reason] += 1
+            return
+        if whole is None:
+            return
+        try:
+            payload, meta = wire.decode_update_body(whole)
+            decoded = self.decode_update(payload, self.n_params)
+        except DecodeError as exc:
+            self._refuse_update(rs, step, str(exc))
+            return
+        rs.received.add(step)
+        rs.updates_in += 1
+        rs.bytes_in += len(whole)
+        if meta is not None:
+            rs.meta = dict(meta, step=float(step))
+        self.pending[(step, rs.rank)] = decoded
+        self.c["updates_in"] += 1
+        self._acks.setdefault(rs.rank, []).append(step)
+        for key in self.history.put((step, rs.rank), whole):
+            self.evicted.add(key)
+            self.c["history_evicted"] += 1
+        self._forward(rs.rank, step, whole)
+        self._advance()
+
+    def _refuse_update(self, rs: RankState, step: int, why: str) -> None:
+        """An authenticated peer sent an update that does not decode: it must never enter the log.
+        The rank is declared gone at its contiguous prefix so that the log can go on (and told why)."""
+        self.chan.drops["bad_update"] += 1
+        self._send(rs, ev.Reject(f"update (step {step}, rank {rs.rank}) refused: {why[:200]}"))
+        self._declare_gone(rs, f"sent an invalid update at step {step}")
+
+    def _forward(self, origin: int, step: int, whole: bytes) -> None:
+        targets = [r.addr for r in self.ranks if r.rank != origin and r.joined and not r.left
+                   and not (r.ended is not None and r.ended.gone)]
+        if not targets:
+            return
+        for dgram in self.chan.seal_chunks(Kind.UPDATE, whole, origin, step):
+            for addr in targets:
+                self._out.append((dgram, addr))
+                self.c["forwarded"] += 1
+
+    def _on_nak(self, rs: RankState, msg: ev.Nak) -> None:
+        for item in msg.items:
+            key = (item.step, item.origin)
+            whole = self.history.get(key)
+            if whole is None:
+                if key in self.evicted:
+                    self._send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
+                                             f"from the relay's bounded history before this peer had it"))
+                    self.c["nak_evicted"] += 1
+                continue
+            dgrams = self.chan.seal_chunks(Kind.UPDATE, whole, item.origin, item.step, item.chunks or None)
+            for d in dgrams:
+                self._out.append((d, rs.addr))
+            self.c["retransmits"] += len(dgrams)
+
+    def _on_finished(self, rs: RankState, last_step: int) -> None:
+        if rs.ended is None:
+            if last_step < self.cursor.start_step - 1:
+                self._send(rs, ev.Reject(f"FINISHED({last_step}) is before this attempt's start step "
+                                         f"{self.cursor.start_step}"))
+                return
+            self._end(rs, last_step, gone=False, reason="finished")
+        self._send(rs, self._status())
+
+    def _on_leave(self, rs: RankState) -> None:
+        if rs.ended is None:
+            self._declare_gone(rs, "left before FINISHED")
+        rs.left = True
+        self._trim_history()
+
+    def _declare_gone(self, rs: RankState, reason: str) -> None:
+        if rs.ended is not None:
+            return
+        cut = rs.received.contiguous_from(self.cursor.start_step) - 1
+        self._end(rs, cut, gone=True, reason=reason)
+
+    def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
+        rs.ended = ev.Ended(rs.rank, last_step, gone)
+        self.cursor.end(rs.rank, last_step)
+        # anything held beyond the end does not exist in the log (never applied: it is after the cut)
+        for key in [k for k in self.pending if k[1] == rs.rank and k[0] > last_step]:
+            del self.pending[key]
+        self.history.discard_where(lambda k: k[1] == rs.rank and k[0] > last_step)
+        self.reasm.discard_where(lambda k: k[0] == rs.rank)
+        self.c["gone" if gone else "finished"] += 1
+        self._events.append(ev.PeerEnded(rs.rank, last_step, gone, reason))
+        status = self._status()
+        for r in self.ranks:
+            if r.joined and not r.left:
+                self._send(r, status)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Apply every update whose turn has come, in canonical (step, rank) order."""
+        cur = self.cursor
+        while True:
+            key = cur.next_key()
+            if key is None:
+                break
+            decoded = self.pending.pop(key, None)
+            if decoded is None:
+                break
+            self.apply_update(decoded, self.params)
+            self.c["applied"] += 1
+            cur.advance()
+        if cur.finished() and not self._log_complete_sent:
+            self._log_complete_sent = True
+            self._events.append(ev.LogComplete(cur.complete_through))
+
+    # --- snapshots -----------------------------------------------------------------------------------
+    def _on_snap_request(self, rs: RankState, now: float) -> None:
+        t = self.transfers.get(rs.rank)
+        if t is None:
+            snap = next((s for s in self.snapshots.values() if s.step == self.complete_through), None)
+            if snap is None:
+                if len(self.snapshots) >= self.max_snapshots:
+                    self._free_snapshots()
+                if len(self.snapshots) >= self.max_snapshots:
+                    self.chan.drops["snapshot_busy"] += 1
+                    return                       # the peer asks again; an in-flight transfer finishes first
+                self._snap_seq += 1
+                snap = self.snapshots[self._snap_seq] = Snapshot(self._snap_seq, self.complete_through,
+                                                                 self.params)
+            t = self.transfers[rs.rank] = Transfer(snap, self.snap_chunk_bytes, now)
+            self.c["snapshots"] += 1
+        t.last_activity = now
+        self._send(rs, t.info())
+
+    def _free_snapshots(self) -> None:
+        used = {t.snap.snap_id for t in self.transfers.values()}
+        for sid in [s for s in self.snapshots if s not in used]:
+            del self.snapshots[sid]
+
+    def _pace(self, now: float) -> None:
+        if not self.transfers:
+            return
+        dt = min(max(now - self._last_tick, 0.0), 0.05)
+        budget = max(1, int(self.snapshot_rate * dt / self.snap_chunk_bytes / len(self.transfers)))
+        for rank, t in list(self.transfers.items()):
+            rs = self.ranks[rank]
+            if now - t.last_activity > max(10.0, self.liveness_timeout) or rs.left or rs.ended:
+                del self.transfers[rank]
+                self._free_snapshots()
+                continue
+            for i in t.take(budget):
+                self._out.append((self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i,
+                                                 t.n_chunks), rs.addr))
+                self.c["snapshot_chunks"] += 1
+
+    # --- timers --------------------------------------------------------------------------------------
+    def handle_timer(self, now: float) -> None:
+        self._pace(now)
+        self._last_tick = now
+        # NAK our own partial inbound updates (the peer resends just the missing chunks)
+        naks: dict[int, list[ev.NakItem]] = {}
+        for (rank, step), p in self.reasm.stale(now, self.nak_delay):
+            items = naks.setdefault(rank, [])
+            if len(items) < ev.MAX_NAK_ITEMS:
+                items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
+                p.last_seen = now
+        for rank, items in naks.items():
+            self._send(self.ranks[rank], ev.Nak(tuple(items)))
+            self.c["naks_sent"] += 1
+        self.reasm.expire(now, max(30.0, self.liveness_timeout))
+        # liveness: counted from the first JOIN of the attempt, so a slow Spark launch is not a death
+        if self.attempt_started is not None:
+            for rs in self.ranks:
+                if rs.ended is None and now - max(rs.last_heard, self.attempt_started) > self.liveness_timeout:
+                    self._declare_gone(rs, f"silent for more than {self.liveness_timeout:g} s")
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def _status(self) -> ev.Status:
+        start = self.cursor.start_step
+        return ev.Status(start, self.complete_through,
+                         tuple(r.received.contiguous_from(start) - 1 for r in self.ranks),
+                         tuple(r.ended for r in self.ranks if r.ended is not None))
+
+    def _send(self, rs: RankState, msg: object) -> None:
+        if rs.addr is not None:
+            self._out.append((self.chan.seal_control(msg), rs.addr))
+
+    def _send_to(self, addr: Any, msg: object) -> None:
+        self._out.append((self.chan.seal_control(msg), addr))
+
+    def _flush_acks(self) -> None:
+        for rank, steps in self._acks.items():
+            rs = self.ranks[rank]
+            uniq = sorted(set(steps))
+            for i in range(0, len(uniq), ev.MAX_NAK_ITEMS):
+                self._send(rs, ev.Ack(tuple(uniq[i:i + ev.MAX_NAK_ITEMS])))
+        self._acks.clear()
+
+    def _trim_history(self) -> None:
+        """Forget forwarded updates that every peer still in the job has delivered and the relay applied."""
+        live = [r.delivered_through for r in self.ranks if r.joined and not r.left
+                and not (r.ended is not None and r.ended.gone)]
+        unjoined = any(not r.joined and r.ended is None for r in self.ranks)
+        if unjoined:
+            return
+        floor = min(live + [self.complete_through]) if live else self.complete_through
+        if self.history and floor >= self.cursor.start_step:
+            self.history.discard_where(lambda k: k[0] <= floor)

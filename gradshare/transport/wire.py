@@ -1,0 +1,300 @@
+"""Datagram layout and the byte codecs of every message (symmetric ``encode_x``/``decode_x`` pairs).
+
+Every datagram::
+
+    header (42 bytes, little-endian, authenticated as AEAD associated data)
+      magic "GS" | version u8 | kind u8 | sender u16 | attempt u16 | job u64 | session u32 | counter u64
+      | origin u16 | step u32 | index u32 | count u32
+    body (sealed): a msgpack list for control kinds; one chunk of an update or snapshot otherwise
+    tag (16 bytes, absent with insecure=True)
+
+``sender`` is who sent the datagram (a rank, or RELAY_ID); ``origin`` is the rank whose update this is
+(a forwarded update keeps its origin); ``step``/``index``/``count`` place a chunk; ``session`` + ``counter``
+make the nonce (see crypto.py). An update message is ``u16 meta length | msgpack meta | encoder payload``,
+split into ``count`` chunks of at most ``datagram_size - header - tag`` bytes.
+
+Decoders are bounded: msgpack limits are explicit and every field is range-checked; anything invalid raises
+:class:`~gradshare.errors.DecodeError` (msgpack ``Unpacker`` limits, aioquic ``quic/packet.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NamedTuple
+
+import msgpack
+
+from gradshare.errors import DecodeError
+from gradshare.transport import events as ev
+
+MAGIC = b"GS"
+VERSION = 1
+RELAY_ID = 0xFFFF
+HEADER = struct.Struct("<2sBBHHQIQHIII")
+HEADER_BYTES = HEADER.size
+DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
+MIN_DATAGRAM_SIZE = 256
+MAX_DATAGRAM_SIZE = 65000
+MAX_META_BYTES = 1024
+MAX_META_KEYS = 32
+
+
+class Kind:
+    JOIN = 1
+    WELCOME = 2
+    REJECT = 3
+    UPDATE = 4
+    ACK = 5
+    NAK = 6
+    HEARTBEAT = 7
+    STATUS = 8
+    FINISHED = 9
+    LEAVE = 10
+    SNAP_REQUEST = 11
+    SNAP_INFO = 12
+    SNAP_CHUNK = 13
+    SNAP_NAK = 14
+    SNAP_DONE = 15
+
+
+CHUNKED_KINDS = frozenset({Kind.UPDATE, Kind.SNAP_CHUNK})
+
+
+class Header(NamedTuple):
+    kind: int
+    sender: int
+    attempt: int
+    job: int
+    session: int
+    counter: int
+    origin: int = 0
+    step: int = 0
+    index: int = 0
+    count: int = 1
+
+
+def encode_header(h: Header) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, h.kind, h.sender, h.attempt, h.job, h.session, h.counter,
+                       h.origin, h.step, h.index, h.count)
+
+
+def decode_header(data: bytes, max_chunks: int) -> Header:
+    """Parse and range-check the header of a datagram; raises DecodeError naming the bad field."""
+    if len(data) < HEADER_BYTES:
+        raise DecodeError(f"truncated: {len(data)} bytes < {HEADER_BYTES}-byte header")
+    (magic, version, kind, sender, attempt, job, session, counter,
+     origin, step, index, count) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise DecodeError("bad magic")
+    if version != VERSION:
+        raise DecodeError(f"unsupported version {version}")
+    if not Kind.JOIN <= kind <= Kind.SNAP_DONE:
+        raise DecodeError(f"unknown kind {kind}")
+    if counter >= 1 << 48:
+        raise DecodeError("nonce counter out of range")
+    if kind in CHUNKED_KINDS:
+        if not 1 <= count <= max_chunks or index >= count:
+            raise DecodeError(f"chunk {index}/{count} out of range (max {max_chunks} chunks)")
+    elif index != 0 or count != 1 or step != 0 or origin != 0:
+        raise DecodeError("control datagram with chunk fields set")
+    return Header(kind, sender, attempt, job, session, counter, origin, step, index, count)
+
+
+def job_id_to_int(job_id: int | str | bytes) -> int:
+    """Jobs are told apart by a 64-bit id; strings/bytes (e.g. a Spark job group) are hashed to one."""
+    if isinstance(job_id, bool):
+        raise TypeError("job_id must be an int, str or bytes (got bool)")
+    if isinstance(job_id, int):
+        if not 0 <= job_id < 1 << 64:
+            raise ValueError(f"job_id must be in [0, 2**64) (got {job_id})")
+        return job_id
+    if isinstance(job_id, str):
+        job_id = job_id.encode()
+    if isinstance(job_id, (bytes, bytearray)):
+        return int.from_bytes(hashlib.blake2b(bytes(job_id), digest_size=8).digest(), "little")
+    raise TypeError(f"job_id must be an int, str or bytes (got {type(job_id).__name__})")
+
+
+def check_datagram_size(datagram_size: int) -> int:
+    if type(datagram_size) is not int or not MIN_DATAGRAM_SIZE <= datagram_size <= MAX_DATAGRAM_SIZE:
+        raise ValueError(f"datagram_size must be an int in [{MIN_DATAGRAM_SIZE}, {MAX_DATAGRAM_SIZE}] "
+                         f"(got {datagram_size!r})")
+    return datagram_size
+
+
+def split(body: bytes, chunk_bytes: int) -> list[bytes]:
+    """Chunks of at most ``chunk_bytes``; an empty body is one empty chunk (it still has to arrive)."""
+    if not body:
+        return [b""]
+    mv = memoryview(body)
+    return [bytes(mv[i:i + chunk_bytes]) for i in range(0, len(body), chunk_bytes)]
+
+
+# --- update bodies ------------------------------------------------------------------------------------
+
+def encode_update_body(payload: bytes, meta: dict | None) -> bytes:
+    if meta is None:
+        packed = b""
+    else:
+        if not isinstance(meta, dict) or len(meta) > MAX_META_KEYS:
+            raise ValueError(f"meta must be a dict of at most {MAX_META_KEYS} str -> float entries")
+        clean = {}
+        for k, v in meta.items():
+            if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"meta entry {k!r}: {v!r} is not str -> float")
+            clean[k] = float(v)
+        packed = msgpack.packb(clean, use_bin_type=True)
+        if len(packed) > MAX_META_BYTES:
+            raise ValueError(f"meta packs to {len(packed)} bytes > {MAX_META_BYTES}")
+    return len(packed).to_bytes(2, "little") + packed + bytes(payload)
+
+
+def decode_update_body(body: bytes) -> tuple[bytes, dict | None]:
+    if len(body) < 2:
+        raise DecodeError("update body shorter than its meta length")
+    n = int.from_bytes(body[:2], "little")
+    if n > MAX_META_BYTES or 2 + n > len(body):
+        raise DecodeError(f"meta length {n} out of range")
+    meta = None
+    if n:
+        try:
+            meta = msgpack.unpackb(body[2:2 + n], max_str_len=64, max_bin_len=0, max_array_len=0,
+                                   max_map_len=MAX_META_KEYS, max_ext_len=0, raw=False)
+        except Exception as exc:  # msgpack raises several types for bad input; all mean the same here
+            raise DecodeError(f"bad meta: {exc}") from None
+        if not isinstance(meta, dict) or not all(
+                isinstance(k, str) and isinstance(v, float) for k, v in meta.items()):
+            raise DecodeError("meta is not a str -> float map")
+    return body[2 + n:], meta
+
+
+# --- control bodies -----------------------------------------------------------------------------------
+
+def _pack(fields: list) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _unpack(body: bytes) -> list:
+    try:
+        obj = msgpack.unpackb(body, max_str_len=400, max_bin_len=0, max_array_len=ev.MAX_NAK_ITEMS * 2,
+                              max_map_len=0, max_ext_len=0, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises ValueError/ExtraData/FormatError/StackError...
+        raise DecodeError(f"bad control body: {exc}") from None
+    if not isinstance(obj, list):
+        raise DecodeError("control body is not a list")
+    return obj
+
+
+def encode_control(msg: object) -> tuple[int, bytes]:
+    """(kind, body bytes) for a control message."""
+    if isinstance(msg, ev.Join):
+        return Kind.JOIN, _pack([msg.n_params, msg.world_size])
+    if isinstance(msg, ev.Welcome):
+        return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through])
+    if isinstance(msg, ev.Reject):
+        return Kind.REJECT, _pack([msg.reason])
+    if isinstance(msg, ev.Ack):
+        return Kind.ACK, _pack(list(msg.steps))
+    if isinstance(msg, ev.Nak):
+        return Kind.NAK, _pack([[i.step, i.origin, list(i.chunks)] for i in msg.items])
+    if isinstance(msg, ev.Heartbeat):
+        return Kind.HEARTBEAT, _pack([msg.delivered_through, msg.sent_through])
+    if isinstance(msg, ev.Status):
+        return Kind.STATUS, _pack([msg.start_step, msg.complete_through, list(msg.have),
+                                   [[e.rank, e.last_step, e.gone] for e in msg.ended]])
+    if isinstance(msg, ev.Finished):
+        return Kind.FINISHED, _pack([msg.last_step])
+    if isinstance(msg, ev.Leave):
+        return Kind.LEAVE, _pack([])
+    if isinstance(msg, ev.SnapRequest):
+        return Kind.SNAP_REQUEST, _pack([])
+    if isinstance(msg, ev.SnapInfo):
+        return Kind.SNAP_INFO, _pack([msg.snap_id, msg.step, msg.n_params, msg.n_chunks, msg.chunk_bytes,
+                                      msg.digest])
+    if isinstance(msg, ev.SnapNak):
+        return Kind.SNAP_NAK, _pack([msg.snap_id, [list(r) for r in msg.ranges]])
+    if isinstance(msg, ev.SnapDone):
+        return Kind.SNAP_DONE, _pack([msg.snap_id])
+    raise TypeError(f"not a control message: {type(msg).__name__}")
+
+
+def _ints(obj: object, name: str) -> tuple[int, ...]:
+    if not isinstance(obj, list) or not all(type(x) is int for x in obj):
+        raise DecodeError(f"{name} must be a list of ints")
+    return tuple(obj)
+
+
+def decode_control(kind: int, body: bytes) -> object:
+    """The validated control message of ``kind`` in ``body``; DecodeError on anything else."""
+    f = _unpack(body)
+    try:
+        if kind == Kind.JOIN:
+            n, w = f
+            return ev.Join(n, w)
+        if kind == Kind.WELCOME:
+            n, w, s, c = f
+            return ev.Welcome(n, w, s, c)
+        if kind == Kind.REJECT:
+            (reason,) = f
+            return ev.Reject(reason)
+        if kind == Kind.ACK:
+            return ev.Ack(_ints(f, "steps"))
+        if kind == Kind.NAK:
+            items = []
+            for item in f:
+                if not isinstance(item, list):
+                    raise DecodeError("NAK item is not a list")
+                step, origin, chunks = item
+                items.append(ev.NakItem(step, origin, _ints(chunks, "chunks")))
+            return ev.Nak(tuple(items))
+        if kind == Kind.HEARTBEAT:
+            d, s = f
+            return ev.Heartbeat(d, s)
+        if kind == Kind.STATUS:
+            start, complete, have, ended = f
+            if not isinstance(ended, list):
+                raise DecodeError("ended is not a list")
+            out = []
+            for e in ended:
+                if not isinstance(e, list):
+                    raise DecodeError("ended entry is not a list")
+                r, last, gone = e
+                if not isinstance(gone, bool):
+                    raise DecodeError("gone is not a bool")
+                out.append(ev.Ended(r, last, gone))
+            return ev.Status(start, complete, _ints(have, "have"), tuple(out))
+        if kind == Kind.FINISHED:
+            (last,) = f
+            return ev.Finished(last)
+        if kind == Kind.LEAVE:
+            if f:
+                raise DecodeError("LEAVE has no fields")
+            return ev.Leave()
+        if kind == Kind.SNAP_REQUEST:
+            if f:
+                raise DecodeError("SNAP_REQUEST has no fields")
+            return ev.SnapRequest()
+        if kind == Kind.SNAP_INFO:
+            return ev.SnapInfo(*f) if len(f) == 6 else _bad_arity(kind)
+        if kind == Kind.SNAP_NAK:
+            snap_id, ranges = f
+            if not isinstance(ranges, list):
+                raise DecodeError("ranges is not a list")
+            rs = []
+            for r in ranges:
+                a, b = _ints(r, "range")
+                rs.append((a, b))
+            return ev.SnapNak(snap_id, tuple(rs))
+        if kind == Kind.SNAP_DONE:
+            (snap_id,) = f
+            return ev.SnapDone(snap_id)
+    except DecodeError:
+        raise
+    except (ValueError, TypeError) as exc:  # wrong arity (unpacking) or a constructor's range check
+        raise DecodeError(f"bad kind-{kind} body: {exc}") from None
+    raise DecodeError(f"kind {kind} has no control body")
+
+
+def _bad_arity(kind: int):
+    raise DecodeError(f"bad kind-{kind} body: wrong number of fields")

@@ -1,0 +1,168 @@
+"""Relay and Peer over real loopback sockets (relays on port 0)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradshare.errors import ProtocolError, TransportTimeout
+from gradshare.transport import Peer, Relay, new_job_key, param_hash
+from transport_util import TOY, random_update, toy_apply_payload
+
+N = 2000
+
+
+def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1):
+    """W peers (threads) send `steps` updates each; returns each peer's applied params and log."""
+    peers = [Peer(relay.address, r, W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
+    params = [np.zeros(N, np.float32) for _ in range(W)]
+    logs: list[list] = [[] for _ in range(W)]
+    sent = {}
+    errors = []
+    payloads = {(t, r): random_update(rng, N, int(rng.choice(entries))) for t in range(steps) for r in range(W)}
+
+    def work(r):
+        try:
+            p = peers[r]
+            p.join(10)
+            for t in range(steps):
+                if t - 1 - staleness >= 0:
+                    for u in p.receive(until_step=t - 1 - staleness, timeout=20):
+                        logs[r].append((u.step, u.sender))
+                        toy_apply_payload(u.payload, params[r])
+                p.send_update(t, payloads[(t, r)], {"loss": 1.0 / (t + 1)})
+                sent[(t, r)] = payloads[(t, r)]
+            p.finish(steps - 1)
+            for u in p.receive(until_step=steps - 1, timeout=20):
+                logs[r].append((u.step, u.sender))
+                toy_apply_payload(u.payload, params[r])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        relay.wait_finished(20)
+    finally:
+        counters = [p.counters() for p in peers]
+        for p in peers:
+            p.close()
+    return params, logs, sorted(payloads), counters
+
+
+def test_exchange_is_exactly_once_and_bit_identical():
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1", **TOY) as relay:
+        params, logs, expected, _ = exchange(relay, key, 3, 30, np.random.default_rng(1))
+        for r in range(3):
+            assert logs[r] == expected
+            assert param_hash(params[r]) == relay.param_hash()
+        assert relay.complete_through == 29
+        c = relay.counters()
+        assert c["applied"] == 90 and c["updates_in"] == 90 and c["drops"] == {}
+        prog = relay.progress()
+        assert prog["ranks"][1]["meta"]["loss"] == pytest.approx(1 / 30)
+
+
+def test_relay_port_in_use_names_the_port():
+    key = new_job_key()
+    with Relay(np.zeros(4, np.float32), 1, key, 1, port=0, bind="127.0.0.1") as relay:
+        port = relay.address[1]
+        with pytest.raises(OSError, match=str(port)):
+            Relay(np.zeros(4, np.float32), 1, key, 1, port=port, bind="127.0.0.1").start()
+
+
+def test_unreachable_relay_names_the_address_within_timeout():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                   # nothing listens there now
+    before = threading.active_count()
+    with Peer(("127.0.0.1", port), 0, 1, 0, new_job_key(), 1, 10, timeout=5) as peer:
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout, match=f"127.0.0.1:{port}"):
+            peer.join(timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+    assert threading.active_count() == before
+
+
+def test_rank_outside_world_and_wrong_size_are_rejected_with_reason():
+    key = new_job_key()
+    with Relay(np.zeros(10, np.float32), 2, key, 3, port=0, bind="127.0.0.1") as relay:
+        with Peer(relay.address, 1, 3, 0, key, 3, 10, timeout=5) as p:
+            with pytest.raises(ProtocolError, match="world_size 3 does not match"):
+                p.join(3)
+        with Peer(relay.address, 0, 2, 0, key, 3, 11, timeout=5) as p:
+            with pytest.raises(ProtocolError, match="n_params 11"):
+                p.join(3)
+        with pytest.raises(ValueError, match="rank"):
+            Peer(relay.address, 2, 2, 0, key, 3, 10)
+        with Peer(relay.address, 0, 2, 0, new_job_key(), 3, 10, timeout=5) as p:   # wrong key: silence
+            with pytest.raises(TransportTimeout):
+                p.join(0.5)
+        assert relay.counters()["drops"]["auth_failed"] >= 1
+
+
+def test_no_threads_or_sockets_leak_after_close_and_errors():
+    import os
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    key = new_job_key()
+    before_t, before_fd = threading.active_count(), fds()
+    for _ in range(3):
+        relay = Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="127.0.0.1").start()
+        p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
+        p.join(3)
+        with pytest.raises(Exception):
+            p.send_update(5, b"")               # wrong step: LocalProtocolError
+        p.close()
+        p.close()                                # idempotent
+        relay.close()
+    with pytest.raises(OSError):
+        with Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7"):   # not local
+            pass
+    assert threading.active_count() == before_t
+    assert fds() == before_fd
+
+
+def test_real_encoding_messages_make_bit_identical_replicas():
+    """The default relay codec is gradshare.encoding: workers encode, everyone applies the same log."""
+    from gradshare.encoding import Message, apply, encode
+
+    n, W, steps = 20_000, 2, 12
+    key = new_job_key()
+    p0 = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    with Relay(p0, W, key, "job-enc", port=0, bind="127.0.0.1") as relay:
+        peers = [Peer(relay.address, r, W, 0, key, "job-enc", n, timeout=10) for r in range(W)]
+        try:
+            for p in peers:
+                assert p.join(5).start_step == 0
+            params = [p0.copy() for _ in range(W)]
+            residual = [np.zeros(n, np.float32) for _ in range(W)]
+            rng = np.random.default_rng(1)
+            for t in range(steps):
+                for r, p in enumerate(peers):
+                    m = encode(residual[r], (rng.standard_normal(n) * 0.01).astype(np.float32), 0.02)
+                    p.send_update(t, m.to_bytes(), {"n_entries": float(m.n_entries)})
+                for r, p in enumerate(peers):
+                    for u in p.receive(until_step=t, timeout=10):
+                        apply(Message.from_bytes(u.payload, max_params=n), params[r])
+            for p in peers:
+                p.finish(steps - 1)
+            relay.wait_finished(10)
+            assert relay.complete_through == steps - 1
+            assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
+            assert not np.array_equal(relay.params, p0)
+        finally:
+            for p in peers:
+                p.close()
