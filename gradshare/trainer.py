@@ -342,7 +342,8 @@ class _ProgressBar:
         done = int(progress.get("complete_through", -1)) + 1
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
-        metas = [m for m in (progress.get("ranks") or progress.get("meta") or {}).values() if isinstance(m, dict)]
+        ranks = (progress.get("ranks") or {}).values()
+        metas = [r["meta"] for r in ranks if isinstance(r, dict) and isinstance(r.get("meta"), dict)]
         if metas:
             def mean(k):
                 vals = [float(m[k]) for m in metas if m.get(k) is not None]
