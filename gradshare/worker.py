@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.errors import TrainingError
+from gradshare.errors import ProtocolError, TrainingError
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,22 @@ class ApplyLog:
         self.start_step = start_step
         self.pending: deque = deque()
         self.applied = 0
+        self.last_key = (-1, -1)
 
     def _take(self, updates) -> None:
         for u in updates:
+            key = (u.step, u.sender)
+            if key <= self.last_key:  # the transport promises canonical order, each exactly once
+                raise ProtocolError(f"update {key} delivered after {self.last_key}: not canonical order")
+            self.last_key = key
             if u.step >= self.start_step:  # older ones are inside the snapshot we resumed from
                 self.pending.append(u)
 
     def apply_through(self, step: int) -> None:
         if step <= self.applied_through:
             return
-        if not self.pending or self.pending[-1].step < step:
-            self._take(self.peer.receive(until_step=step, timeout=self.timeout))
+        # Always ask: messages of `step` may already be pending from some senders but not from all.
+        self._take(self.peer.receive(until_step=step, timeout=self.timeout))
         n = len(self.params)
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
@@ -286,9 +291,10 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         worker = Worker(cfg, rank, data)
-        with Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                  job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
-                  timeout=cfg.timeout, insecure=cfg.insecure) as peer:
+        peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
+                    job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
+                    timeout=cfg.timeout, insecure=cfg.insecure)
+        try:
             info = peer.join(cfg.timeout)
             start = int(info.start_step)
             if start > 0:  # a retried stage: continue from the relay's parameters, not from scratch
@@ -297,6 +303,22 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
             report = worker.run(peer, start)
             report["param_hash"] = param_hash(worker.flat.array)
             report["counters"] = dict(peer.counters())
+        except BaseException:
+            _abort(peer)
+            raise
+        peer.close()
         return report
     finally:
         data.close()
+
+
+def _abort(peer) -> None:
+    """Close `peer` WITHOUT saying LEAVE. A LEAVE before FINISHED makes the relay declare the rank gone
+    and let the log go on without it, so the other ranks would train past the failed step and the
+    retried stage would skip this rank's data (and a deterministic error would vanish). Silent, the
+    rank stays expected: the others wait, Spark retries the stage, and it resumes at the failed step
+    (or, if no retry comes, the relay's liveness timeout declares the rank gone)."""
+    core = getattr(peer, "_core", None)
+    if core is not None and hasattr(core, "state"):
+        core.state = "aborted"  # Peer.close() lingers and says LEAVE only in the "joined" state
+    peer.close(linger=0.0)

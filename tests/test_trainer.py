@@ -125,16 +125,14 @@ class Frozen(nn.Module):
 
 
 class Exploding(nn.Module):
-    """Raises inside the task on its third forward pass (on every rank)."""
+    """Raises inside the task whenever a batch holds the row of value 5, so every retried attempt fails too."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 2)
-        self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls == 3:
+        if bool((x == 5).any()):
             raise RuntimeError("user model exploded on purpose")
         return self.lin(x)
 
