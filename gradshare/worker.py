@@ -143,6 +143,7 @@ class Worker:
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
+        self.encode_seconds = 0.0
         self.before = np.empty(n, dtype=np.float32)
         self.update = np.empty(n, dtype=np.float32)
         if len(data.labels) and cfg.label_dtype == "int64":
@@ -191,8 +192,10 @@ class Worker:
         np.subtract(P, self.before, out=self.update)
         np.copyto(P, self.before)  # P changes only through the log (DESIGN.md, consistency model)
         # encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
+        e0 = time.perf_counter()
         msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
         payload = msg.to_bytes()
+        self.encode_seconds += time.perf_counter() - e0
         loss_value = float(loss.detach())
         peer.send_update(t, payload, {
             "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
@@ -208,8 +211,11 @@ class Worker:
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
+        wait = 0.0  # time blocked on / applying the log: what sharing costs beyond the local step
         for t in range(start_step, total):
+            w0 = time.perf_counter()
             log.apply_through(t - 1 - cfg.staleness)
+            wait += time.perf_counter() - w0
             epoch, b = divmod(t, spe)
             loss, entries, nbytes = self._step(peer, t, epoch, b)
             acc["loss"] += loss
@@ -228,6 +234,9 @@ class Worker:
             "history": history,
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
+            "steps_run": max(total - start_step, 0),
+            "log_seconds": wait,
+            "encode_seconds": self.encode_seconds,
         }
 
     def _fresh_epoch(self, peer) -> dict:
