@@ -131,6 +131,7 @@ class SharedTrainer:
         liveness_timeout: float = 30.0,
         spill_bytes: int = 256 << 20,
         insecure: bool = False,
+        worker_options: dict | None = None,
     ):
         if not (isinstance(threshold, (int, float)) and threshold > 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
@@ -162,6 +163,7 @@ class SharedTrainer:
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
+        self.worker_options = dict(worker_options or {})  # e.g. {"step_times": True} for benchmarks
 
     # ------------------------------------------------------------------------------------ helpers
     def _build_model(self):
@@ -265,7 +267,7 @@ class SharedTrainer:
                 epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
-                metric=metric,
+                metric=metric, extra=self.worker_options,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

@@ -212,12 +212,15 @@ class Worker:
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
         wait = 0.0  # time blocked on / applying the log: what sharing costs beyond the local step
+        step_times = [] if cfg.extra.get("step_times") else None  # benchmarks only
         for t in range(start_step, total):
             w0 = time.perf_counter()
             log.apply_through(t - 1 - cfg.staleness)
             wait += time.perf_counter() - w0
             epoch, b = divmod(t, spe)
             loss, entries, nbytes = self._step(peer, t, epoch, b)
+            if step_times is not None:
+                step_times.append(time.perf_counter() - w0)
             acc["loss"] += loss
             acc["entries"] += entries
             acc["payload"] += nbytes
@@ -237,6 +240,7 @@ class Worker:
             "steps_run": max(total - start_step, 0),
             "log_seconds": wait,
             "encode_seconds": self.encode_seconds,
+            "step_times": step_times,
         }
 
     def _fresh_epoch(self, peer) -> dict:
