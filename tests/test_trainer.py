@@ -2,6 +2,7 @@
 staleness, DataFrames, bad input and failures (each a clear driver-side error, nothing left running),
 a worker killed mid-training, and local-cluster in a subprocess (a JVM holds one SparkContext)."""
 
+import io
 import json
 import os
 import socket
@@ -63,6 +64,14 @@ def test_digits_two_workers_match_single_process_at_a_fraction_of_the_traffic(sp
     assert r.history[-1]["loss"] < r.history[0]["loss"]
     assert all(rep["param_hash"] == r.param_hash for rep in r.worker_reports)
     assert r.history[-1]["val_metric"] is not None and r.resumed_from == 0
+    # the trained model saves and loads the torch way
+    buf = io.BytesIO()
+    torch.save(r.model.state_dict(), buf)
+    buf.seek(0)
+    fresh = mlp()
+    fresh.load_state_dict(torch.load(buf))
+    X_test = torch.from_numpy(digits_split(0)[1])
+    assert torch.equal(fresh(X_test), r.model(X_test))
 
 
 def _fit_digits(digits_rdd, **kw):
@@ -176,6 +185,29 @@ def test_port_in_use_is_named_and_nothing_is_left(spark):
             SharedTrainer(tiny_model, port=port, bind="127.0.0.1", verbose=0).fit(small_rdd(spark))
     finally:
         busy.close()
+    assert_nothing_left(spark, before)
+
+
+class MutatesItself(nn.Module):
+    """A user bug: rank 1 changes a weight in place outside the optimizer, so its replica leaves the log."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        from pyspark import TaskContext
+
+        if TaskContext.get().partitionId() == 1:
+            with torch.no_grad():
+                self.lin.bias += 0.5
+        return self.lin(x)
+
+
+def test_replica_that_diverges_is_a_consistency_error(spark):
+    before = _threads()
+    with pytest.raises(ConsistencyError, match=r"replicas diverged from the relay .*rank 1 has"):
+        SharedTrainer(MutatesItself, batch_size=4, **LOOPBACK).fit(small_rdd(spark))
     assert_nothing_left(spark, before)
 
 
