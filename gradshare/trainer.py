@@ -218,6 +218,11 @@ class SharedTrainer:
     def fit(self, data, features_col: str | None = None, label_col: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
 
+        The data is read twice: a validation pass (row counts, shapes, label types; errors name the
+        partition and row) before anything starts, then once by the training tasks, which keep their
+        partition in memory or a spill file for every epoch. Cache an expensive RDD first; its
+        partitions must be deterministic (a retried stage re-reads them).
+
         History rows: epoch, steps, loss (mean over workers' steps), sparsity (sent entries ÷ params),
         payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean), seconds (slowest
         worker), val_metric (None without validation_data).

@@ -77,11 +77,11 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer, params: np.ndarray, start_step: int, timeout: float):
+    def __init__(self, peer, flat, start_step: int, timeout: float):
         from gradshare.encoding import Message, apply
 
         self._message, self._apply = Message, apply
-        self.peer, self.params, self.timeout = peer, params, timeout
+        self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.array: the live buffer
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
         self.pending: deque = deque()
@@ -102,10 +102,11 @@ class ApplyLog:
             return
         # Always ask: messages of `step` may already be pending from some senders but not from all.
         self._take(self.peer.receive(until_step=step, timeout=self.timeout))
-        n = len(self.params)
+        params = self.flat.array
+        n = len(params)
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
-            self._apply(self._message.from_bytes(u.payload, max_params=n), self.params)
+            self._apply(self._message.from_bytes(u.payload, max_params=n), params)
             self.applied += 1
         self.applied_through = step
 
@@ -144,7 +145,7 @@ class Worker:
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
         self.encode_seconds = 0.0
-        self.before = np.empty(n, dtype=np.float32)
+        self.spare = torch.empty(n, dtype=torch.float32)  # receives P_before; then becomes the live buffer
         self.update = np.empty(n, dtype=np.float32)
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
@@ -186,11 +187,14 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
-        P = self.flat.array
-        np.copyto(self.before, P)
+        live, before = self.flat.buffer, self.spare
+        np.copyto(before.numpy(), self.flat.array)
         self.optimizer.step()
-        np.subtract(P, self.before, out=self.update)
-        np.copyto(P, self.before)  # P changes only through the log (DESIGN.md, consistency model)
+        np.subtract(self.flat.array, before.numpy(), out=self.update)
+        # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
+        # buffers saves copying P_before back over the whole model every step.
+        self.flat.rebind(before)
+        self.spare = live
         # encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
         e0 = time.perf_counter()
         msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
@@ -207,7 +211,7 @@ class Worker:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         self._order_epoch = -1
-        log = ApplyLog(peer, self.flat.array, start_step, cfg.timeout)
+        log = ApplyLog(peer, self.flat, start_step, cfg.timeout)
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
@@ -297,7 +301,11 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
     from gradshare.spark import PartitionData
     from gradshare.transport import Peer, param_hash
 
-    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank)
+    from pyspark import SparkFiles
+
+    # a large partition spills into the executor's Spark scratch space, not the system temp dir
+    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
+                                   spill_dir=SparkFiles.getRootDirectory())
     try:
         expected = math.ceil(len(data) / cfg.batch_size)
         if expected != cfg.steps_per_epoch[rank]:
