@@ -253,6 +253,9 @@ class SharedTrainer:
         metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
 
         model = self._build_model()
+        # The job ships this copy: its parameters are the initial ones, each in its own storage (a
+        # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
+        shipped = copy.deepcopy(model)
         flat = FlatParams(model)  # raises on a model with no trainable parameters
         initial = flat.array.copy()
         rows = {s.index: s.rows for s in summaries}
@@ -267,7 +270,7 @@ class SharedTrainer:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
             cfg = WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
-                model=model, loss=loss, optimizer=self.optimizer, initial_params=initial,
+                model=shipped, loss=loss, optimizer=self.optimizer,
                 threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
                 epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
@@ -287,6 +290,9 @@ class SharedTrainer:
             raise ConsistencyError(f"replicas diverged from the relay (hash {relay_hash}): "
                                    + ", ".join(f"rank {r} has {h}" for r, h in bad))
         flat.load(final)
+        with torch.no_grad():  # give the result its own per-parameter storages (see `shipped`)
+            for p in flat.params:
+                p.data = p.data.clone()
         reports.sort(key=lambda r: r["rank"])
         return FitResult(
             model=model, history=_merge_history(reports), counters=counters, worker_reports=reports,

@@ -36,10 +36,9 @@ class WorkerConfig:
     key: bytes
     job_id: int
     world_size: int
-    model: Any  # an nn.Module (copied per task); its parameters are overwritten by initial_params
+    model: Any  # an nn.Module whose parameters are the initial ones (every replica starts from them)
     loss: Callable
     optimizer: Callable  # factory: params -> torch.optim.Optimizer
-    initial_params: np.ndarray
     threshold_rule: Any  # FixedThreshold / AdaptiveThreshold / ... (deep-copied per worker)
     residual_clip: Any  # ResidualClipping or None
     steps_per_epoch: tuple[int, ...]  # per rank
@@ -111,19 +110,13 @@ class ApplyLog:
         self.applied_through = step
 
 
-def _counter(counters: dict, *names: str) -> int:
-    for name in names:
-        if name in counters:
-            return int(counters[name])
-    return 0
-
-
 def _bytes_out(counters: dict) -> int:
-    return _counter(counters, "bytes_out", "bytes_sent", "tx_bytes")
+    """UDP bytes sent, from a Peer's counters (datagrams incl. headers, acks, retransmits)."""
+    return int(counters.get("bytes_out", 0))
 
 
 def _bytes_in(counters: dict) -> int:
-    return _counter(counters, "bytes_in", "bytes_received", "rx_bytes")
+    return int(counters.get("bytes_in", 0))
 
 
 class Worker:
@@ -138,7 +131,6 @@ class Worker:
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
-        self.flat.load(cfg.initial_params)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.rule = copy.deepcopy(cfg.threshold_rule)
         self.clip = cfg.residual_clip
