@@ -48,6 +48,23 @@ def sparse_payload(codes: np.ndarray) -> bytes:
     return out
 
 
+def rice_payload(codes: np.ndarray, k: int) -> bytes:
+    """Byte k, then per entry: gap >> k zeros, a one, the k low bits of gap, the sign; LSB-first bits."""
+    bits = []
+    prev = -1
+    for c in codes.tolist():
+        i, neg = c >> 1, c & 1
+        gap = i - prev - 1
+        prev = i
+        bits += [0] * (gap >> k) + [1]
+        bits += [(gap >> b) & 1 for b in range(k)] + [neg]
+    bits += [0] * (-len(bits) % 8)
+    out = bytearray([k])
+    for j in range(0, len(bits), 8):
+        out.append(sum(bit << b for b, bit in enumerate(bits[j : j + 8])))
+    return bytes(out)
+
+
 def bitmap_payload(codes: np.ndarray, n_params: int) -> bytes:
     """2 bits per parameter, parameter i at bits 2*(i%4) of byte i//4: 01 = +τ, 10 = −τ."""
     out = bytearray((n_params + 3) // 4)

@@ -34,22 +34,25 @@ def test_json_keys_and_consistency(capsys):
     assert res["params"] == 1_000_000 and res["repeat"] == 3 and res["threads"] == 1
     assert 700 <= res["entries"] <= 1300  # density asked 1e-3 of 1e6: binomial, sd ~32
     assert res["density"] == res["entries"] / res["params"]
-    assert res["form"] == "sparse"
+    assert res["form"] == "rice"  # Golomb-Rice beats varints on random gaps
     assert res["dense_bytes"] == 4_000_000
     assert res["compression_ratio"] == pytest.approx(res["dense_bytes"] / res["message_bytes"])
     # wire size at 1e-3 (issue 2 target: <= 2.2 bytes per entry; the 32-byte header included)
     assert res["bytes_per_entry"]["sparse"] <= 2.2
+    assert res["bytes_per_entry"]["rice"] < res["bytes_per_entry"]["sparse"]
+    assert res["message_bytes"] == round(res["bytes_per_entry"]["rice"] * res["entries"])
     assert res["bytes_per_entry"]["bitmap"] == pytest.approx((32 + 250_000) / res["entries"])
     assert res["apply_entries_per_s"] == pytest.approx(res["entries"] / res["apply_s"])
     assert res["encode_s"] > 0 and res["numpy_add_s"] > 0 and res["encode_over_numpy_add"] > 0
     assert res["cold_start_s"] is None
 
 
-def test_dense_density_picks_the_bitmap_and_threads(capsys):
+def test_dense_step_with_threads(capsys):
     res = _json_run(capsys, "--params", "200000", "--density", "0.5", "--repeat", "1", "--threads", "2")
-    assert res["form"] == "bitmap" and res["threads"] == 2
-    assert 0.45 < res["density"] < 0.55
-    assert res["message_bytes"] == 32 + 50_000
+    assert res["threads"] == 2 and 0.45 < res["density"] < 0.55
+    sizes = {form: round(bpe * res["entries"]) for form, bpe in res["bytes_per_entry"].items()}
+    assert sizes["bitmap"] == 32 + 50_000
+    assert res["message_bytes"] == min(sizes.values()) and sizes[res["form"]] == res["message_bytes"]
 
 
 def test_table_output(capsys):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import naive
-from gradshare.encoding import BITMAP, EMPTY, SPARSE, Message, apply, convert, decode, decode_entries, encode
+from gradshare.encoding import BITMAP, EMPTY, RICE, SPARSE, Message, apply, convert, decode, decode_entries, encode
 from gradshare.encoding import kernels as K
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,7 +114,7 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
     n = r.size
     m = encode(r, u, tau)
     codes = (decode_entries(m)[0] << 1) | (decode_entries(m)[1] < 0)
-    forms = [SPARSE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])
+    forms = [SPARSE, RICE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])
     base = np.linspace(-1, 1, n, dtype=np.float32)
     want = naive.apply(codes, m.threshold, base, scale)
     for form in forms:
@@ -126,6 +126,8 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
     assert len(convert(m, SPARSE).payload) == len(naive.sparse_payload(codes))
     assert convert(m, SPARSE).payload == naive.sparse_payload(codes)
     assert convert(m, BITMAP).payload == naive.bitmap_payload(codes, n)
+    rice = convert(m, RICE).payload
+    assert rice == naive.rice_payload(codes, rice[0])
 
 
 @SETTINGS
@@ -133,7 +135,7 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
 def test_encode_picks_the_smallest_form(data):
     r, u, tau = data
     m = encode(r, u, tau)
-    sizes = {f: len(convert(m, f).payload) for f in (SPARSE, BITMAP)}
+    sizes = {f: len(convert(m, f).payload) for f in (SPARSE, RICE, BITMAP)}
     if m.n_entries == 0:
         assert m.form == EMPTY and m.payload == b""
     else:
@@ -202,7 +204,7 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "import numpy as np, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import naive\n"
-        "from gradshare.encoding import encode, decode, convert, Message, BITMAP, SPARSE\n"
+        "from gradshare.encoding import encode, decode, convert, Message, BITMAP, RICE, SPARSE\n"
         "rng = np.random.default_rng(3)\n"
         "n = 5000\n"
         "r = (rng.standard_normal(n) * 0.5).astype(np.float32); u = rng.standard_normal(n).astype(np.float32)\n"
@@ -210,7 +212,7 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "m = encode(r, u, 1.5)\n"
         "assert r.tobytes() == want_r.tobytes()\n"
         "ref = naive.dense(want_codes, 1.5, n).tobytes()\n"
-        "for f in (SPARSE, BITMAP):\n"
+        "for f in (SPARSE, RICE, BITMAP):\n"
         "    c = Message.from_bytes(convert(m, f).to_bytes(), max_params=n)\n"
         "    assert decode(c).tobytes() == ref, f\n"
         "print('ok', m.n_entries)\n"

@@ -90,7 +90,7 @@ def measure(
     import numba
     import numpy as np
 
-    from gradshare.encoding import BITMAP, SPARSE, apply, convert, decode_entries, encode
+    from gradshare.encoding import BITMAP, RICE, SPARSE, apply, convert, decode_entries, encode
 
     # τ such that a standard normal update crosses it with probability `density` (both tails).
     tau = statistics.NormalDist().inv_cdf(1.0 - density / 2.0)
@@ -156,7 +156,7 @@ def measure(
     apply_s = statistics.median(t_apply)
     warm_s = statistics.median(t_warm)
     decode_s = statistics.median(t_decode)
-    wire = {SPARSE: convert(m, SPARSE).nbytes, BITMAP: convert(m, BITMAP).nbytes}
+    wire = {form: convert(m, form).nbytes for form in (SPARSE, RICE, BITMAP)}
 
     def per_s(seconds: float) -> float | None:
         return k / seconds if k and seconds > 0 else None

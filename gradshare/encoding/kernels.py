@@ -32,12 +32,12 @@ _FLT_MAX = np.float32(3.4028234663852886e38)
 
 # Error codes of the read-only validation passes (0 = valid). message.py maps them to text.
 CHECK_OK = 0
-CHECK_TRUNCATED = 1  # a varint runs past the end of the payload
-CHECK_OVERLONG = 2  # a varint longer than 9 bytes or not in its shortest form
+CHECK_TRUNCATED = 1  # an entry runs past the end of the payload
+CHECK_OVERLONG = 2  # a varint longer than 9 bytes or not in its shortest form; rice k > RICE_MAX_K
 CHECK_INDEX = 3  # an index >= n_params
 CHECK_TRAILING = 4  # bytes left over after n_entries entries
 CHECK_RESERVED = 5  # bitmap code 0b11
-CHECK_PADDING = 6  # bitmap bits set past n_params
+CHECK_PADDING = 6  # bits set past the last parameter (bitmap) or the last entry (rice)
 CHECK_COUNT = 7  # bitmap holds a different number of entries than the header says
 
 
