@@ -32,19 +32,17 @@ __version__ = "0.1.0"
 
 # The encoding names load on first use (PEP 562): importing gradshare (the CLI, gradshare.errors)
 # must not pay ~0.5 s of NumPy + Numba start-up.
-_LAZY = {
-    name: "gradshare.encoding"
-    for name in (
-        "encode",
-        "apply",
-        "Message",
-        "FixedThreshold",
-        "AdaptiveThreshold",
-        "TargetSparsityThreshold",
-        "ResidualClipping",
-        "residual_stats",
-    )
-}
+_ENCODING_NAMES = (
+    "encode",
+    "apply",
+    "Message",
+    "FixedThreshold",
+    "AdaptiveThreshold",
+    "TargetSparsityThreshold",
+    "ResidualClipping",
+    "residual_stats",
+)
+_LAZY = dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding")
 
 
 def __getattr__(name: str) -> object:
@@ -63,14 +61,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__",
-    "encode",
-    "apply",
-    "Message",
-    "FixedThreshold",
-    "AdaptiveThreshold",
-    "TargetSparsityThreshold",
-    "ResidualClipping",
-    "residual_stats",
+    *_ENCODING_NAMES,
     "GradshareError",
     "ProtocolError",
     "LocalProtocolError",

@@ -229,3 +229,17 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
 
 def test_block_constants_are_consistent():
     assert K.BLOCK % K.SUB == 0 and K.BLOCK >= K.SUB > 0
+
+
+def test_clustered_entries_pick_varints_and_random_ones_pick_rice():
+    # A run of neighbours plus one far entry: Rice's k follows the mean gap and wastes bits on the run,
+    # varints spend one byte per neighbour. Random gaps are near geometric: Rice wins.
+    n = 1_000_000
+    r = np.zeros(n, np.float32)
+    r[:100] = 2.0
+    r[-1] = -2.0
+    m = encode(r, None, 1.0)
+    assert m.form == SPARSE and len(m.payload) < len(convert(m, RICE).payload)
+    u = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    m = encode(np.zeros(n, np.float32), u, 3.3)
+    assert m.form == RICE and len(m.payload) < 0.85 * len(convert(m, SPARSE).payload)

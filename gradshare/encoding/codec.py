@@ -92,7 +92,8 @@ def _build(codes: np.ndarray, tau: float, n_params: int, form: str | None) -> Me
         form = EMPTY
     sizes = {}
     if form in (None, SPARSE):
-        sizes[SPARSE] = _k._sparse_size(codes)
+        varints = np.empty(_k.SPARSE_MAX_BYTES * k, np.uint8)
+        sizes[SPARSE] = _k._sparse_write(codes, varints)
     if form in (None, RICE):
         rice_k, bits = _rice._rice_best_k(codes, n_params)
         sizes[RICE] = 1 + (bits + 7) // 8
@@ -103,8 +104,7 @@ def _build(codes: np.ndarray, tau: float, n_params: int, form: str | None) -> Me
     if form == EMPTY:
         buf = np.empty(0, np.uint8)
     elif form == SPARSE:
-        buf = np.empty(sizes[SPARSE], np.uint8)
-        _k._sparse_write(codes, buf)
+        buf = varints[: sizes[SPARSE]]
     elif form == RICE:
         buf = np.zeros(sizes[RICE], np.uint8)
         _rice._rice_write(codes, rice_k, buf)

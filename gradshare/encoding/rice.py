@@ -28,6 +28,7 @@ from gradshare.encoding.kernels import (
     CHECK_PADDING,
     CHECK_TRAILING,
     CHECK_TRUNCATED,
+    _apply_batch,
     _prefetch_write,
 )
 
@@ -213,37 +214,38 @@ def _rice_next(words, bitpos, k, umask):
     return (q << k) | np.int64(v & umask), np.int64((v >> np.uint64(k)) & _U1), bitpos + k + 1
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rice_decode_batch(words, bitpos, prev, out, cnt, params):
+    """Decode ``cnt`` codes of a VALIDATED rice stream from ``bitpos`` into out[:cnt]; (bitpos, last index).
+
+    Prefetches each target in ``params`` unless it is empty, as _sparse_decode_batch.
+    """
+    k = np.int64(words[0] & np.uint64(0xFF))
+    umask = (_U1 << np.uint64(k)) - _U1
+    for t in range(cnt):
+        gap, neg, bitpos = _rice_next(words, bitpos, k, umask)
+        i = prev + 1 + gap
+        out[t] = (i << 1) | neg
+        if params.size:
+            _prefetch_write(params, i)
+        prev = i
+    return bitpos, prev
+
+
 @njit(nogil=True, cache=True)
 def _rice_decode(words, n_entries, out):
     """Codes of a VALIDATED rice payload (as `padded_words`) into out[:n_entries]."""
-    k = np.int64(words[0] & np.uint64(0xFF))
-    umask = (_U1 << np.uint64(k)) - _U1
-    bitpos = 8
-    prev = -1
-    for e in range(n_entries):
-        gap, neg, bitpos = _rice_next(words, bitpos, k, umask)
-        i = prev + 1 + gap
-        out[e] = (i << 1) | neg
-        prev = i
+    _rice_decode_batch(words, 8, -1, out, n_entries, np.empty(0, np.float32))
 
 
 @njit(nogil=True, cache=True)
 def _rice_apply(words, n_entries, steps, params, batch):
-    """params[i] += steps[neg] over a VALIDATED rice payload; batched and prefetched like _sparse_apply."""
-    k = np.int64(words[0] & np.uint64(0xFF))
-    umask = (_U1 << np.uint64(k)) - _U1
-    bitpos = 8
+    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as _sparse_apply)."""
+    bitpos = 8  # after the k byte
     prev = -1
     done = 0
     while done < n_entries:
         cnt = min(batch.size, n_entries - done)
-        for t in range(cnt):
-            gap, neg, bitpos = _rice_next(words, bitpos, k, umask)
-            i = prev + 1 + gap
-            batch[t] = (i << 1) | neg
-            _prefetch_write(params, i)
-            prev = i
-        for t in range(cnt):
-            c = batch[t]
-            params[c >> 1] += steps[c & 1]
+        bitpos, prev = _rice_decode_batch(words, bitpos, prev, batch, cnt, params)
+        _apply_batch(batch, cnt, steps, params)
         done += cnt
