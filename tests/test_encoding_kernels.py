@@ -68,6 +68,7 @@ def test_fused_encode_matches_oracle(data, with_update):
     want_r, want_codes = naive.accumulate_encode(r, u, tau)
     got_r = r.copy()
     m = encode(got_r, u, tau)
+    assert Message(m.threshold, m.n_params, m.n_entries, m.form, m.payload) == m
     idx, signs = decode_entries(m)
     codes = (idx << 1) | (signs < 0)
     np.testing.assert_array_equal(codes, want_codes)
@@ -120,6 +121,8 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
     for form in forms:
         other = convert(m, form)
         assert other.form == form and other.n_entries == m.n_entries
+        # built without the validation pass, yet exactly what the validating constructor accepts
+        assert Message(other.threshold, other.n_params, other.n_entries, other.form, other.payload) == other
         got = base.copy()
         apply(other, got, scale)
         assert got.tobytes() == want.tobytes(), form

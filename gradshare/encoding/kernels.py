@@ -129,15 +129,10 @@ else:
 
 # --- sparse form: LEB128 varints of ((gap << 1) | neg), gap = index - previous index - 1 ----------------
 
-SPARSE_MAX_BYTES = 9
-
 
 @njit(nogil=True, cache=True)
 def _sparse_write(codes, out):
-    """Write the sparse form of ``codes`` into ``out`` and return its size in bytes.
-
-    ``out`` needs SPARSE_MAX_BYTES bytes per entry at most: a varint of (gap << 1 | sign) < 2**62.
-    """
+    """Write the sparse form of ``codes`` into ``out`` (sized by _form_sizes) and return its size."""
     pos = 0
     prev = -1
     for e in range(codes.size):

@@ -118,6 +118,17 @@ class Message:
         padded = _check_payload(self.form, self.payload, self.n_params, self.n_entries)
         object.__setattr__(self, "_padded", padded)
 
+    @classmethod
+    def _trusted(cls, threshold: float, n_params: int, n_entries: int, form: str, payload: bytes) -> Message:
+        """A Message from the encoder's own kernels: same fields, without the payload validation pass."""
+        m = object.__new__(cls)
+        for name, value in (
+            ("threshold", threshold), ("n_params", n_params), ("n_entries", n_entries), ("form", form),
+            ("payload", payload), ("_padded", _rice.padded_words(payload) if form == RICE else None),
+        ):
+            object.__setattr__(m, name, value)
+        return m
+
     def __repr__(self) -> str:
         return (
             f"Message(threshold={self.threshold!r}, n_params={self.n_params}, n_entries={self.n_entries}, "

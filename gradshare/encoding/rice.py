@@ -77,33 +77,46 @@ def _window(words, bitpos):
 
 
 @njit(nogil=True, cache=True)
-def _rice_bits(codes, k):
-    """Bits of the rice stream of ``codes`` with parameter k (payload = 1 + ceil(bits / 8) bytes)."""
-    bits = 0
-    prev = -1
-    for e in range(codes.size):
-        i = codes[e] >> 1
-        bits += ((i - prev - 1) >> k) + k + 2
-        prev = i
-    return bits
+def _form_sizes(codes, n_params):
+    """One pass over the codes: (sparse form bytes, best rice k, rice stream bits for that k).
 
-
-@njit(nogil=True, cache=True)
-def _rice_best_k(codes, n_params):
-    """The k in [0, RICE_MAX_K] near log2(mean gap) that gives the fewest bits, and those bits."""
+    Rice candidates are the four k around log2 of the mean gap (the optimum for geometric gaps is
+    near log2(mean · ln 2)); each costs sum(gap >> k) + n·(k + 2) bits.
+    """
     n = codes.size
     mean = (n_params - n) / max(n, 1)  # upper bound on the mean gap: entries can sit anywhere
-    guess = 0
-    while guess < RICE_MAX_K and (1 << (guess + 1)) <= mean:
-        guess += 1
-    best_k = 0
-    best = -1
-    for k in range(max(0, guess - 2), min(RICE_MAX_K, guess + 1) + 1):
-        bits = _rice_bits(codes, k)
-        if best < 0 or bits < best:
+    k0 = 0
+    while k0 < RICE_MAX_K and (1 << (k0 + 1)) <= mean:
+        k0 += 1
+    k0 = min(max(0, k0 - 2), RICE_MAX_K - 3)
+    q0 = 0
+    q1 = 0
+    q2 = 0
+    q3 = 0
+    varint_bytes = 0
+    prev = -1
+    for e in range(n):
+        c = codes[e]
+        i = c >> 1
+        gap = i - prev - 1
+        prev = i
+        q0 += gap >> k0
+        q1 += gap >> (k0 + 1)
+        q2 += gap >> (k0 + 2)
+        q3 += gap >> (k0 + 3)
+        v = ((gap << 1) | (c & 1)) >> 7
+        varint_bytes += 1
+        while v:
+            varint_bytes += 1
+            v >>= 7
+    best_k = k0
+    best = q0 + n * (k0 + 2)
+    for j, q in enumerate((q1, q2, q3)):
+        bits = q + n * (k0 + j + 3)
+        if bits < best:
             best = bits
-            best_k = k
-    return best_k, best
+            best_k = k0 + j + 1
+    return varint_bytes, best_k, best
 
 
 @njit(nogil=True, cache=True)
