@@ -43,7 +43,7 @@ def _threshold_value(threshold: object) -> float:
     return to_float32_threshold(value)  # type: ignore[arg-type]
 
 
-_APPLY_BATCH = 1024  # codes decoded per batch in _sparse_apply (see there)
+_APPLY_BATCH = 1024  # codes decoded per batch before they are applied (see kernels._apply_batch)
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()

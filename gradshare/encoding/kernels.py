@@ -20,6 +20,7 @@ from numba.extending import intrinsic
 # Block of the fused accumulate+encode pass. Adding u to r and counting |r| >= τ over a block is
 # branch-free and vectorises; only blocks that hold an entry are scanned again, while they are still
 # in L1. A naive loop with the emit branch inside the add loop does not vectorise (~3-4x numpy.add).
+# 256/32 measured best of BLOCK 128..4096 and SUB 16..64 at density 1e-3 (~1.1-1.3x numpy.add).
 BLOCK = 256
 SUB = 32
 
