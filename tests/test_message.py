@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import naive
-from gradshare.encoding import BITMAP, EMPTY, RICE, SPARSE, Message, apply, convert, decode, encode
+from gradshare.encoding import BITMAP, EMPTY, RICE, SPARSE, Message, apply, convert, decode, decode_entries, encode
 from gradshare.encoding.message import HEADER, HEADER_SIZE
 from gradshare.errors import DecodeError
 
@@ -205,3 +205,36 @@ def test_header_layout_is_little_endian_and_fixed():
     m = Message(0.5, 10, 1, SPARSE, b"\x06")  # index 3, +τ
     assert m.to_bytes() == b"GS\x01\x01" + struct.pack("<f", 0.5) + struct.pack("<QQQ", 10, 1, 1) + b"\x06"
     assert "1 bytes" in repr(m)
+
+
+PARSERS = {SPARSE: naive.parse_sparse, RICE: naive.parse_rice, BITMAP: naive.parse_bitmap}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([SPARSE, RICE, BITMAP]),
+    st.binary(max_size=24),
+    st.integers(0, 12),
+    st.integers(0, 80),
+    st.data(),
+)
+def test_validation_kernels_accept_exactly_what_the_naive_parsers_accept(form, payload, n_entries, n_params, data):
+    # Seed half the cases with a valid payload so acceptance is exercised, not only rejection.
+    if data.draw(st.booleans()) and n_params:
+        idx = sorted(data.draw(st.sets(st.integers(0, n_params - 1), max_size=min(n_params, 12))))
+        codes = np.array([(i << 1) | data.draw(st.integers(0, 1)) for i in idx], np.int64)
+        m = convert(Message(1.0, n_params, len(idx), BITMAP, naive.bitmap_payload(codes, n_params)), form)
+        payload, n_entries = bytearray(m.payload), m.n_entries
+        if payload and data.draw(st.booleans()):
+            payload[data.draw(st.integers(0, len(payload) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        payload = bytes(payload)
+    n_entries = min(n_entries, n_params)
+    want = PARSERS[form](payload, n_entries, n_params)
+    try:
+        m = Message(1.0, n_params, n_entries, form, payload)
+    except ValueError:
+        assert want is None
+        return
+    assert want is not None
+    idx, signs = decode_entries(m)
+    assert ((idx << 1) | (signs < 0)).tolist() == want
