@@ -86,7 +86,7 @@ class Message:
     threshold: τ (float32 precision); every entry means ±τ at one index.
     n_params:  length of the parameter vector the message applies to.
     n_entries: number of ±τ entries.
-    form:      "empty", "sparse" or "bitmap" (see module docstring).
+    form:      "empty", "sparse", "rice" or "bitmap" (see module docstring).
     payload:   the form's bytes.
     """
 
