@@ -181,7 +181,8 @@ class PeerCore:
         return nxt
 
     def counters(self) -> dict:
-        d = dict(self.c)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
+        d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["unacked"] = len(self.unacked)
         d["complete_through"] = self.complete_through

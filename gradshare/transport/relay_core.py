@@ -209,7 +209,8 @@ class RelayCore:
         return self.cursor.finished()
 
     def counters(self) -> dict:
-        d = dict(self.c)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded", "updates_in", "applied", "naks_sent"), 0)
+        d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
@@ -483,18 +484,24 @@ class RelayCore:
         self._advance()
 
     def _advance(self) -> None:
-        """Apply every update whose turn has come, in canonical (step, rank) order."""
+        """Apply the log in canonical (step, rank) order, one whole step at a time.
+
+        Whole steps only: the authoritative parameters then always equal "the log applied through
+        complete_through", which is what a snapshot and a new attempt's cut promise (issue 3)."""
         cur = self.cursor
-        while True:
-            key = cur.next_key()
-            if key is None:
+        while not cur.finished():
+            t = cur.step
+            row = [(t, r) for r in range(cur.rank, self.world_size) if cur.exists(t, r) is not False]
+            if any(k not in self.pending for k in row):
                 break
-            decoded = self.pending.pop(key, None)
-            if decoded is None:
-                break
-            self.apply_update(decoded, self.params)
-            self.c["applied"] += 1
-            cur.advance()
+            for k in row:
+                self.apply_update(self.pending.pop(k), self.params)
+                self.c["applied"] += 1
+            while cur.step == t:
+                if cur.next_key() is None:
+                    break
+                if cur.step == t:
+                    cur.advance()
         if cur.finished() and not self._log_complete_sent:
             self._log_complete_sent = True
             self._events.append(ev.LogComplete(cur.complete_through))
