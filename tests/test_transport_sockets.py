@@ -16,9 +16,11 @@ from transport_util import TOY, random_update, toy_apply_payload
 N = 2000
 
 
-def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1):
-    """W peers (threads) send `steps` updates each; returns each peer's applied params and log."""
-    peers = [Peer(relay.address, r, W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
+def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
+             world_size=None):
+    """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
+    `world_size` (default W) ranks; returns each peer's applied params and log."""
+    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
     params = [np.zeros(N, np.float32) for _ in range(W)]
     logs: list[list] = [[] for _ in range(W)]
     sent = {}
