@@ -68,35 +68,46 @@ class Peer:
 
     # --- the I/O loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        core, sock, lock = self._core, self._sock, self._lock
+        core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
+        relay = self._relay_sockaddr[:2]
         try:
             while not self._stop.is_set():
                 with lock:
                     wait = core.next_timer() - time.monotonic()
                 if wait > 0:
                     udp.wait_readable(sock, min(wait, MAX_WAIT))
-                with lock:
-                    got = 0
-                    for _ in range(DRAIN_BATCH):
-                        try:
-                            data, addr = sock.recvfrom(udp.RECV_BYTES)
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        except OSError:
-                            self._io_drops["recv_error"] += 1
-                            continue
-                        if addr[:2] != self._relay_sockaddr[:2]:
-                            self._io_drops["not_from_relay"] += 1
-                            continue
+                # one datagram at a time under the lock: the training thread gets each update as soon
+                # as it is complete instead of after a whole batch
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        data, addr = sock.recvfrom(udp.RECV_BYTES)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        drops["recv_error"] += 1
+                        continue
+                    if addr[:2] != relay:
+                        drops["not_from_relay"] += 1
+                        continue
+                    with lock:
                         core.receive_datagram(data, addr, time.monotonic())
-                        got += 1
+                        out = core.datagrams_to_send()
+                        news = bool(core.ready)
+                        while core.next_event() is not None:
+                            news = True
+                        if news:
+                            self._changed.notify_all()
+                    if out:
+                        self._send(out)
+                with lock:
                     now = time.monotonic()
                     if now >= core.next_timer():
                         core.handle_timer(now)
                     out = core.datagrams_to_send()
+                    news = bool(core.error)
                     while core.next_event() is not None:
-                        got += 1
-                    if got:
+                        news = True
+                    if news:
                         self._changed.notify_all()
                 self._send(out)
         except BaseException as exc:
@@ -190,6 +201,19 @@ class Peer:
                 self._wait(lambda: self._core.complete_through >= until_step or self._core.cursor.finished(),
                            timeout, describe)
             return self._core.pop_ready()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until at least one update is deliverable (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                self._check()
+                if self._core.ready:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
 
     def finish(self, last_step: int) -> None:
         with self._changed:

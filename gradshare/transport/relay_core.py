@@ -136,7 +136,7 @@ class RelayCore:
                  history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
                  reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
                  max_ahead: int = 4096, nak_delay: float = 0.02, tick: float = 0.005,
-                 snapshot_rate: float = 50e6, max_snapshots: int = 2) -> None:
+                 snapshot_rate: float = 50e6, max_snapshots: int = 2, defer_apply: bool = False) -> None:
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
             raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
@@ -165,6 +165,10 @@ class RelayCore:
         self.tick = tick
         self.snapshot_rate = snapshot_rate
         self.max_snapshots = max_snapshots
+        # defer_apply: receive_datagram only forwards; apply_pending() applies (the shell calls it after
+        # sending, so applying to the authoritative copy never delays a forward)
+        self.defer_apply = defer_apply
+        self._apply_due = False
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
@@ -206,7 +210,7 @@ class RelayCore:
         return self._last_tick + (self.tick if busy else 0.1)
 
     def finished(self) -> bool:
-        return self.cursor.finished()
+        return self.cursor.finished() and not self._apply_due
 
     def counters(self) -> dict:
         d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded", "updates_in", "applied", "naks_sent"), 0)
@@ -412,7 +416,7 @@ class RelayCore:
             self.evicted.add(key)
             self.c["history_evicted"] += 1
         self._forward(rs.rank, step, whole)
-        self._advance()
+        self._request_apply()
 
     def _refuse_update(self, rs: RankState, step: int, why: str) -> None:
         """An authenticated peer sent an update that does not decode: it must never enter the log.
@@ -481,7 +485,18 @@ class RelayCore:
         for r in self.ranks:
             if r.joined and not r.left:
                 self._send(r, status)
-        self._advance()
+        self._request_apply()
+
+    def _request_apply(self) -> None:
+        self._apply_due = True
+        if not self.defer_apply:
+            self.apply_pending()
+
+    def apply_pending(self) -> None:
+        """Apply every update whose turn has come (called inline unless ``defer_apply``)."""
+        if self._apply_due:
+            self._apply_due = False
+            self._advance()
 
     def _advance(self) -> None:
         """Apply the log in canonical (step, rank) order, one whole step at a time.
@@ -548,6 +563,7 @@ class RelayCore:
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
+        self.apply_pending()
         self._pace(now)
         self._last_tick = now
         # NAK our own partial inbound updates (the peer resends just the missing chunks)
