@@ -168,3 +168,64 @@ def test_real_encoding_messages_make_bit_identical_replicas():
         finally:
             for p in peers:
                 p.close()
+
+
+def test_silent_peer_is_declared_gone_over_sockets():
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", liveness_timeout=0.5,
+               **TOY) as relay:
+        a = Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10)
+        b = Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10)
+        try:
+            a.join(5)
+            b.join(5)
+            a.send_update(0, random_update(np.random.default_rng(0), N, 4))
+            b.send_update(0, random_update(np.random.default_rng(1), N, 4))
+            assert [(u.step, u.sender) for u in a.receive(until_step=0, timeout=5)] == [(0, 0), (0, 1)]
+            b._stop.set()                       # rank 1's process hangs: no heartbeat, no FINISHED
+            b._thread.join(5)
+            a.send_update(1, random_update(np.random.default_rng(2), N, 4))
+            t0 = time.monotonic()
+            got = a.receive(until_step=1, timeout=5)    # completes once rank 1 is cut at step 0
+            assert [(u.step, u.sender) for u in got] == [(1, 0)]
+            assert 0.4 < time.monotonic() - t0 < 3.0
+            ended = relay.progress()["ranks"][1]["ended"]
+            assert ended == {"last_step": 0, "gone": True}
+            a.finish(1)
+            relay.wait_finished(5)
+            assert relay.complete_through == 1 and relay.counters()["gone"] == 1
+        finally:
+            a.close()
+            b.close()
+
+
+def test_receive_timeout_names_the_missing_update_and_wait():
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", **TOY) as relay:
+        with Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10) as a, \
+                Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10) as b:
+            a.join(5)
+            b.join(5)
+            a.send_update(0, random_update(np.random.default_rng(0), N, 4))
+            with pytest.raises(TransportTimeout, match=r"step 0, sender 1"):
+                a.receive(until_step=0, timeout=0.3)
+            assert b.wait(2)                    # (0, 0) is first in canonical order: deliverable at b
+            assert [(u.step, u.sender) for u in b.receive()] == [(0, 0)]
+            assert not b.wait(0.05)
+            b.send_update(0, random_update(np.random.default_rng(1), N, 4))
+            assert b.wait(2)                    # its own update is next
+            assert [(u.step, u.sender) for u in b.receive()] == [(0, 1)]
+
+
+def test_relay_command_line(tmp_path, capsys):
+    from gradshare.cli import main
+
+    key_path = tmp_path / "job.key"
+    assert main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10",
+                 "--new-key", str(key_path), "--duration", "0.3"]) == 0
+    assert len(bytes.fromhex(key_path.read_text())) == 32
+    assert (key_path.stat().st_mode & 0o777) == 0o600
+    out = capsys.readouterr().out
+    assert "relay listening on 127.0.0.1:" in out
+    with pytest.raises(SystemExit, match="key"):
+        main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10"])

@@ -72,20 +72,10 @@ class Peer:
         relay = self._relay_sockaddr[:2]
         try:
             while not self._stop.is_set():
-                with lock:
-                    wait = core.next_timer() - time.monotonic()
-                if wait > 0:
-                    udp.wait_readable(sock, min(wait, MAX_WAIT))
+                udp.wait_for_work(sock, lock, core, MAX_WAIT)
                 # one datagram at a time under the lock: the training thread gets each update as soon
                 # as it is complete instead of after a whole batch
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        data, addr = sock.recvfrom(udp.RECV_BYTES)
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    except OSError:
-                        drops["recv_error"] += 1
-                        continue
+                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
                     if addr[:2] != relay:
                         drops["not_from_relay"] += 1
                         continue
@@ -122,6 +112,15 @@ class Peer:
     def _flush_locked(self) -> list[bytes]:
         return self._core.datagrams_to_send()
 
+    def _call(self, method, *args) -> None:
+        """Run a core method under the lock (after the usual checks), then send what it produced."""
+        with self._changed:
+            self._check()
+            method(*args, time.monotonic())
+            out = self._flush_locked()
+            self._changed.notify_all()
+        self._send(out)
+
     def _check(self) -> None:
         if self._failure is not None:
             raise GradshareError(f"peer rank {self.rank}: receiver thread failed: {self._failure!r}") \
@@ -147,11 +146,7 @@ class Peer:
     def join(self, timeout: float | None = None) -> Welcome:
         """Join the relay; returns its WELCOME (``start_step`` 0 fresh, > 0 resume from a snapshot)."""
         timeout = self.timeout if timeout is None else timeout
-        with self._changed:
-            self._check()
-            self._core.join(time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+        self._call(self._core.join)
         with self._changed:
             self._wait(lambda: self._core.welcome is not None, timeout,
                        lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
@@ -161,11 +156,7 @@ class Peer:
     def fetch_snapshot(self, timeout: float | None = None) -> tuple[int, np.ndarray]:
         """(step, params): the relay's authoritative parameters with the log applied through ``step``."""
         timeout = self.timeout if timeout is None else timeout
-        with self._changed:
-            self._check()
-            self._core.request_snapshot(time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+        self._call(self._core.request_snapshot)
         with self._changed:
             def describe() -> str:
                 s = self._core.snap
@@ -175,12 +166,7 @@ class Peer:
             return self._core.snapshot
 
     def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
-        with self._changed:
-            self._check()
-            self._core.send_update(step, payload, meta, time.monotonic())
-            out = self._flush_locked()
-            self._changed.notify_all()
-        self._send(out)
+        self._call(self._core.send_update, step, payload, meta)
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
         """Every deliverable update not returned before, in canonical (step, sender) order. With
@@ -216,11 +202,8 @@ class Peer:
                 self._changed.wait(left)
 
     def finish(self, last_step: int) -> None:
-        with self._changed:
-            self._check()
-            self._core.finish(last_step, time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+        """FINISHED(last_step): peers stop expecting this rank after it (retransmitted until confirmed)."""
+        self._call(self._core.finish, last_step)
 
     @property
     def complete_through(self) -> int:

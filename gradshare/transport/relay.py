@@ -78,19 +78,9 @@ class Relay:
         core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
         try:
             while not self._stop.is_set():
-                with lock:
-                    wait = core.next_timer() - time.monotonic()
-                if wait > 0:
-                    udp.wait_readable(sock, min(wait, MAX_WAIT))
+                udp.wait_for_work(sock, lock, core, MAX_WAIT)
                 # one datagram at a time under the lock, and forward at once: latency before batching
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        data, addr = sock.recvfrom(udp.RECV_BYTES)
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    except OSError:          # e.g. ICMP errors surfaced on some platforms
-                        drops["recv_error"] += 1
-                        continue
+                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
                     with lock:
                         core.receive_datagram(data, addr, time.monotonic())
                         out = core.datagrams_to_send()
