@@ -113,7 +113,9 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
         peer.finish(t - 1)
         consume(1 << 31)                         # until every rank ended and the whole log is here
         out.update(t0=t0, t1=time.monotonic(), send_t=send_t, deliver_t=deliver_t, last_step=t - 1,
-                   hash=param_hash(params), retransmits=peer.counters()["retransmits"])
+                   hash=param_hash(params), **{k: peer.counters().get(k, 0)
+                                               for k in ("retransmits", "timeouts", "naks_sent")})
+        out["naks"] = out.pop("naks_sent")
     except BaseException as exc:  # reported to the parent
         out["error"] = f"rank {rank}: {exc!r}"
         barrier.abort()
@@ -193,7 +195,8 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
                     lat.append(max(got) - ts)
         res = {"t0": min(o["t0"] for o in outs), "t1": max(o["t1"] for o in outs), "sent": sent,
                "latencies": lat, "complete": complete, "hashes": [o["hash"] for o in outs],
-               "retransmits": sum(o["retransmits"] for o in outs)}
+               "retransmits": sum(o["retransmits"] for o in outs),
+               "timeouts": sum(o["timeouts"] for o in outs), "naks": sum(o["naks"] for o in outs)}
         elapsed = max(res["t1"] - res["t0"], 1e-9)
         lat = np.array(res["latencies"]) * 1e3
         hashes_equal = len(set(res["hashes"])) == 1 and res["hashes"][0] == relay.param_hash()
@@ -205,6 +208,8 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
             "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
             "retransmits": c["retransmits"] + res["retransmits"],
             "exactly_once": bool(res["complete"] and c["applied"] == res["sent"] and hashes_equal),
+            "relay_retransmits": c["retransmits"], "relay_naks": c["naks_sent"],
+            "peer_timeouts": res["timeouts"], "peer_naks": res["naks"],
             "relay_drops": c["drops"], "proxy": stats,
         }
     finally:

@@ -234,6 +234,7 @@ class RelayCore:
             "ranks": {r.rank: {"joined": r.joined, "have": r.received.contiguous_from(self.cursor.start_step) - 1,
                                "ended": None if r.ended is None else
                                {"last_step": r.ended.last_step, "gone": r.ended.gone},
+                               "updates_in": r.updates_in, "bytes_in": r.bytes_in,
                                "meta": dict(r.meta) if r.meta else None}
                       for r in self.ranks},
         }
@@ -569,10 +570,13 @@ class RelayCore:
         # NAK our own partial inbound updates (the peer resends just the missing chunks)
         naks: dict[int, list[ev.NakItem]] = {}
         for (rank, step), p in self.reasm.stale(now, self.nak_delay):
+            if now - p.last_seen < self.nak_delay * (1 << min(p.naks, 6)):
+                continue                                  # back off: the answer may just be late
             items = naks.setdefault(rank, [])
             if len(items) < ev.MAX_NAK_ITEMS:
                 items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
                 p.last_seen = now
+                p.naks += 1
         for rank, items in naks.items():
             self._send(self.ranks[rank], ev.Nak(tuple(items)))
             self.c["naks_sent"] += 1
