@@ -142,3 +142,18 @@ def test_snapshot_survives_loss_and_reordering():
     drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
     assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
     drive(sim, lambda: not sim.relay.transfers)      # SNAP_DONE freed the transfer (or it will expire)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0, 0.3), st.floats(0, 0.2), st.floats(0, 0.02),
+       st.integers(1, 4), st.integers(0, 2))
+def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, staleness):
+    sim = Sim(world_size=world, seed=seed, loss=loss, dup=dup, max_delay=delay, staleness=staleness)
+    for r in range(world):
+        sim.add_peer(r)
+    sim.run(steps=8)
+    check_consistent(sim)

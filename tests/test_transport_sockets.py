@@ -229,3 +229,50 @@ def test_relay_command_line(tmp_path, capsys):
     assert "relay listening on 127.0.0.1:" in out
     with pytest.raises(SystemExit, match="key"):
         main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10"])
+
+
+def test_retried_stage_resumes_from_snapshot_over_sockets():
+    """Attempt 0 dies after step 3 (rank 1 never sends step 4); attempt 1 cuts (4, 0) and resumes at 4
+    from a snapshot of the parameters through step 3."""
+    key = new_job_key()
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(N).astype(np.float32)
+    with Relay(p0, 2, key, 8, port=0, bind="127.0.0.1", **TOY) as relay:
+        old = [Peer(relay.address, r, 2, 0, key, 8, N, timeout=10) for r in range(2)]
+        try:
+            for p in old:
+                p.join(5)
+            for t in range(4):
+                for p in old:
+                    p.send_update(t, random_update(rng, N, 30))
+            old[0].send_update(4, random_update(rng, N, 30))
+            old[0].receive(until_step=3, timeout=5)
+            relay.wait_for(lambda core: core.complete_through == 3 and len(core.pending) == 1, 5,
+                           "steps 0..3 applied and (4, 0) pending")
+        finally:
+            for p in old:
+                p.close(leave=False)            # killed tasks: no FINISHED, no LEAVE
+        new = [Peer(relay.address, r, 2, 1, key, 8, N, timeout=10) for r in range(2)]
+        try:
+            params = []
+            for p in new:
+                assert p.join(5).start_step == 4
+                step, snap = p.fetch_snapshot(10)
+                assert step == 3 and param_hash(snap) == relay.param_hash()
+                params.append(snap)
+            for t in range(4, 7):
+                for p in new:
+                    p.send_update(t, random_update(rng, N, 30))
+            for p in new:
+                p.finish(6)
+            for r, p in enumerate(new):
+                got = p.receive(until_step=6, timeout=10)
+                assert [(u.step, u.sender) for u in got] == [(t, s) for t in range(4, 7) for s in range(2)]
+                for u in got:
+                    toy_apply_payload(u.payload, params[r])
+            relay.wait_finished(10)
+            assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
+            assert relay.counters()["attempt"] == 1 and relay.complete_through == 6
+        finally:
+            for p in new:
+                p.close()

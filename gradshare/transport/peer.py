@@ -216,11 +216,14 @@ class Peer:
             d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
             return d
 
-    def close(self, linger: float = LINGER) -> None:
-        """Wait up to ``linger`` s for our updates to be acknowledged, say LEAVE, stop the thread, close."""
+    def close(self, linger: float = LINGER, leave: bool = True) -> None:
+        """Wait up to ``linger`` s for our updates to be acknowledged, say LEAVE, stop the thread, close.
+        ``leave=False`` vanishes silently, like a killed task (the relay's liveness timeout then applies)."""
         if self._closed:
             return
         try:
+            if not leave:
+                return
             if self._thread.is_alive() and self._core.state == "joined" and not self._core.error:
                 deadline = time.monotonic() + linger
                 with self._changed:

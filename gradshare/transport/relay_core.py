@@ -353,6 +353,7 @@ class RelayCore:
 
     def _start_attempt(self, attempt: int, now: float) -> None:
         """A retried stage: drop everything after complete_through and restart the log after it."""
+        self.apply_pending()                   # complete_through must be current before it becomes the cut
         base = self.complete_through + 1
         self.attempt = attempt
         self.chan.attempt = attempt
@@ -524,6 +525,7 @@ class RelayCore:
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:
+        self.apply_pending()
         t = self.transfers.get(rs.rank)
         if t is None:
             snap = next((s for s in self.snapshots.values() if s.step == self.complete_through), None)
