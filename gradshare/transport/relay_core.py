@@ -621,3 +621,5 @@ class RelayCore:
         floor = min(live + [self.complete_through]) if live else self.complete_through
         if self.history and floor >= self.cursor.start_step:
             self.history.discard_where(lambda k: k[0] <= floor)
+        if self.evicted:                  # nobody can still NAK what every peer has delivered
+            self.evicted = {k for k in self.evicted if k[0] > floor}
