@@ -472,8 +472,14 @@ class PeerCore:
                     self.missing[key] = [now, -1e18]
                     continue
                 p = self.reasm.partials.get(key)
-                if now - m[0] < self.nak_delay or now - m[1] < renak or (
-                        p is not None and now - p.last_seen < self.nak_delay):
+                if now - m[0] < self.nak_delay:
+                    continue                        # maybe just reordered: give it a moment
+                if p is not None:
+                    if now - p.last_seen < self.nak_delay:
+                        continue                    # chunks are still arriving
+                    if p.last_seen < m[1] and now - m[1] < renak:
+                        continue                    # nothing new since our last NAK: its answer may be late
+                elif now - m[1] < renak:
                     continue
                 m[1] = now
                 items.append(ev.NakItem(key[0], r, p.missing(ev.MAX_NAK_ITEMS) if p else ()))

@@ -69,6 +69,7 @@ class Reassembler:
         p.chunks[index] = data
         p.nbytes += len(data)
         p.last_seen = now
+        p.naks = 0                 # progress: a later NAK need not back off
         self.nbytes += len(data)
         if len(p.chunks) < p.count:
             return None, None
