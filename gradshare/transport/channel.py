@@ -82,3 +82,11 @@ class Channel:
             return None
         self.replay.accept(who, h.counter)
         return body
+
+    def control(self, kind: int, body: bytes) -> object | None:
+        """The control message in an authenticated body, or None (counted as bad_body)."""
+        try:
+            return wire.decode_control(kind, body)
+        except DecodeError:
+            self.drops["bad_body"] += 1
+            return None

@@ -219,10 +219,8 @@ class PeerCore:
         if h.kind == Kind.SNAP_CHUNK:
             self._on_snap_chunk(h, body, now)
             return
-        try:
-            msg = wire.decode_control(h.kind, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(h.kind, body)
+        if msg is None:
             return
         if isinstance(msg, ev.Reject):
             self.error = f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}"

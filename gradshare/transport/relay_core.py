@@ -273,10 +273,8 @@ class RelayCore:
         if h.kind == Kind.UPDATE:
             self._on_update_chunk(rs, h, body, now)
             return
-        try:
-            msg = wire.decode_control(h.kind, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(h.kind, body)
+        if msg is None:
             return
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
@@ -310,10 +308,8 @@ class RelayCore:
 
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
-        try:
-            msg = wire.decode_control(Kind.JOIN, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(Kind.JOIN, body)
+        if msg is None:
             return
         reject = None
         if msg.world_size != self.world_size:
