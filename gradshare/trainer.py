@@ -14,6 +14,9 @@ The new attempt joins the relay with a higher attempt number and continues from 
 parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
 optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
 sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
+
+Only trainable parameters are shared. Module buffers (e.g. BatchNorm running statistics) stay local
+to each replica and the result model carries the initial ones.
 """
 
 from __future__ import annotations
