@@ -317,21 +317,14 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
             report["param_hash"] = param_hash(worker.flat.array)
             report["counters"] = dict(peer.counters())
         except BaseException:
-            _abort(peer)
+            # Vanish WITHOUT saying LEAVE: a LEAVE before FINISHED makes the relay declare the rank gone
+            # and let the log go on without it, so the others would train past the failed step and the
+            # retried stage would skip this rank's data (a deterministic error would vanish). Silent, the
+            # rank stays expected: Spark retries the stage, which resumes at the failed step (with no
+            # retry, the relay's liveness timeout declares the rank gone).
+            peer.close(linger=0.0, leave=False)
             raise
         peer.close()
         return report
     finally:
         data.close()
-
-
-def _abort(peer) -> None:
-    """Close `peer` WITHOUT saying LEAVE. A LEAVE before FINISHED makes the relay declare the rank gone
-    and let the log go on without it, so the other ranks would train past the failed step and the
-    retried stage would skip this rank's data (and a deterministic error would vanish). Silent, the
-    rank stays expected: the others wait, Spark retries the stage, and it resumes at the failed step
-    (or, if no retry comes, the relay's liveness timeout declares the rank gone)."""
-    core = getattr(peer, "_core", None)
-    if core is not None and hasattr(core, "state"):
-        core.state = "aborted"  # Peer.close() lingers and says LEAVE only in the "joined" state
-    peer.close(linger=0.0)
