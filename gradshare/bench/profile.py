@@ -9,8 +9,9 @@ duration of one `fit`, in the benchmark process only:
 - in each task, `profiled_train_partition` runs the ordinary `train_partition` with `Worker` and
   `ApplyLog` replaced by `ProfiledWorker` / `TimedApplyLog`, which time the same code paths.
 
-`ProfiledWorker._step` repeats `Worker._step` with timers between its phases (kept in step with it by
-hand: a hook in worker.py would remove that duplication, see the issue-5 report). Each rank's report gets
+`ProfiledWorker._step` runs `Worker._step` unchanged; a wrapped `encode_step` and the peer proxy's
+`send_update` stamp when the encode and the send begin (a timing hook in worker.py would make these
+swaps unnecessary, see the issue-5 report). Each rank's report gets
 a "profile" entry: per-step seconds of every phase, the step wall time (evaluation excluded), the
 accuracy curve on rank 0 against training wall-clock, and the `lo` transmit counter over the steps.
 """
@@ -22,10 +23,12 @@ import time
 
 import numpy as np
 
+from gradshare import encoding as _encoding
 from gradshare import worker as _worker
 
 PHASES = ("compute", "encode", "send", "wait", "apply")
 _ORIGINAL_TRAIN_PARTITION = _worker.train_partition
+_ORIGINAL_ENCODE_STEP = _encoding.encode_step
 
 
 def lo_tx_bytes() -> int | None:
@@ -43,11 +46,23 @@ def lo_tx_bytes() -> int | None:
     return None
 
 
+_MARKS: dict[str, float] = {}  # when the current step's encode / send began (one task per process)
+
+
+def _timed_encode_step(*args, **kwargs):
+    _MARKS["encode"] = time.perf_counter()
+    return _ORIGINAL_ENCODE_STEP(*args, **kwargs)
+
+
 class _TimingPeer:
-    """Delegates to the real Peer; time blocked in `receive` is the step's "wait"."""
+    """Delegates to the real Peer; time blocked in `receive` is the step's "wait"; stamps the send."""
 
     def __init__(self, peer, current: dict):
         self._peer, self._current = peer, current
+
+    def send_update(self, *args, **kwargs):
+        _MARKS["send"] = time.perf_counter()
+        return self._peer.send_update(*args, **kwargs)
 
     def receive(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -87,32 +102,15 @@ class ProfiledWorker(_worker.Worker):
         return super()._fresh_epoch(peer)
 
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
-        # Worker._step, phase by phase (keep in step with gradshare/worker.py).
-        from gradshare.encoding import encode_step
-
+        # Worker._step unchanged; the encode_step wrapper and _TimingPeer.send_update stamp when the
+        # encode and the send begin, which splits the step into compute | encode | send.
         cur = self._current
         t0 = time.perf_counter()
-        x, y = self._batch(epoch, b)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.cfg.loss(self.model(x), y)
-        loss.backward()
-        P = self.flat.array
-        np.copyto(self.before, P)
-        self.optimizer.step()
-        np.subtract(P, self.before, out=self.update)
-        np.copyto(P, self.before)
-        loss_value = float(loss.detach())
-        t1 = time.perf_counter()
-        msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
-        payload = msg.to_bytes()
-        t2 = time.perf_counter()
-        peer.send_update(t, payload, {
-            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
-            "bytes": float(len(payload)), "epoch": float(epoch),
-        })
+        out = super()._step(peer, t, epoch, b)
         t3 = time.perf_counter()
-        cur["compute"] += t1 - t0
-        cur["encode"] += t2 - t1
+        t1, t2 = _MARKS.pop("encode"), _MARKS.pop("send")
+        cur["compute"] += t1 - t0  # batch, forward, backward, optimizer step, update extraction
+        cur["encode"] += t2 - t1  # encode_step (τ rule, clipping) + to_bytes
         cur["send"] += t3 - t2
         wall = t3 - self._mark
         self._mark = t3
@@ -123,7 +121,7 @@ class ProfiledWorker(_worker.Worker):
         self._steps["wall"].append(wall)
         if t == self.cfg.total_steps(self.rank) - 1:
             self._lo[1] = lo_tx_bytes()
-        return loss_value, msg.n_entries, len(payload)
+        return out
 
     def _close_epoch(self, peer, epoch: int, acc: dict) -> dict:
         row = super()._close_epoch(peer, epoch, acc)  # rank 0 evaluates here
@@ -142,13 +140,14 @@ class ProfiledWorker(_worker.Worker):
 
 
 def profiled_train_partition(cfg, rows):
-    """`train_partition` with the profiled Worker/ApplyLog (runs inside the Spark task)."""
-    saved = _worker.Worker, _worker.ApplyLog
-    _worker.Worker, _worker.ApplyLog = ProfiledWorker, TimedApplyLog
+    """`train_partition` with the profiled Worker/ApplyLog/encode_step (runs inside the Spark task;
+    Worker._step imports encode_step from gradshare.encoding when it runs)."""
+    saved = _worker.Worker, _worker.ApplyLog, _encoding.encode_step
+    _worker.Worker, _worker.ApplyLog, _encoding.encode_step = ProfiledWorker, TimedApplyLog, _timed_encode_step
     try:
         return _ORIGINAL_TRAIN_PARTITION(cfg, rows)
     finally:
-        _worker.Worker, _worker.ApplyLog = saved
+        _worker.Worker, _worker.ApplyLog, _encoding.encode_step = saved
 
 
 @contextlib.contextmanager

@@ -215,7 +215,6 @@ def plot(path: str, rows: list[dict], title: str = "") -> None:
             if target:
                 ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")
             ax.set_title(f"{w}, {link}", fontsize=9)
-            ax.set_xscale("symlog", linthresh=10)
             ax.set_xlabel("training wall-clock (s)", fontsize=8)
             if j == 0:
                 ax.set_ylabel("test accuracy (%)", fontsize=8)
