@@ -73,7 +73,8 @@ def test_fresh_namespace_has_only_loopback_and_counts_its_bytes():
     code = ("from gradshare.bench.netns import interfaces; from gradshare.bench.profile import lo_tx_bytes;"
             "import socket; a=lo_tx_bytes(); s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
             "s.sendto(b'x'*1000, ('127.0.0.1', 9)); print(interfaces(), lo_tx_bytes()-a)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(netns.wrap([sys.executable, "-c", code], "100mbit"), capture_output=True, text=True,
                        timeout=30, env=env)
     assert p.returncode == 0, p.stderr

@@ -157,7 +157,8 @@ def targets_table(checks: list[dict]) -> str:
 
 
 def machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg()}  # the machine may be shared: say how busy it was
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
