@@ -3,16 +3,8 @@
 The public surface is re-exported here; everything else is internal.
 """
 
-from gradshare.encoding import (
-    AdaptiveThreshold,
-    FixedThreshold,
-    Message,
-    ResidualClipping,
-    TargetSparsityThreshold,
-    apply,
-    encode,
-    residual_stats,
-)
+from typing import TYPE_CHECKING
+
 from gradshare.errors import (
     ConsistencyError,
     DecodeError,
@@ -23,14 +15,25 @@ from gradshare.errors import (
     TrainingError,
     TransportTimeout,
 )
-from gradshare.trainer import FitResult, SharedTrainer
+
+if TYPE_CHECKING:
+    from gradshare.trainer import FitResult, SharedTrainer
+    from gradshare.encoding import (
+        AdaptiveThreshold,
+        FixedThreshold,
+        Message,
+        ResidualClipping,
+        TargetSparsityThreshold,
+        apply,
+        encode,
+        residual_stats,
+    )
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "SharedTrainer",
-    "FitResult",
+# The encoding names load on first use (PEP 562): importing gradshare (the CLI, gradshare.errors)
+# must not pay ~0.5 s of NumPy + Numba start-up.
+_ENCODING_NAMES = (
     "encode",
     "apply",
     "Message",
@@ -39,6 +42,29 @@ __all__ = [
     "TargetSparsityThreshold",
     "ResidualClipping",
     "residual_stats",
+)
+_TRAINER_NAMES = ("SharedTrainer", "FitResult")
+_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.trainer")}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gradshare' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "__version__",
+    *_TRAINER_NAMES,
+    *_ENCODING_NAMES,
     "GradshareError",
     "ProtocolError",
     "LocalProtocolError",

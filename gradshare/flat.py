@@ -43,6 +43,19 @@ class FlatParams:
         self.params = [p for _, p in named]
         self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
 
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Point every parameter at the same place in another flat buffer (no copy; the Parameter
+        objects, and so the optimizer's state, stay). The worker swaps two buffers instead of copying
+        P_before back after every step."""
+        if buffer.shape != (self.n_params,) or buffer.dtype != torch.float32 or not buffer.is_contiguous():
+            raise ValueError(f"buffer must be a contiguous float32 tensor of ({self.n_params},)")
+        offset = 0
+        for p in self.params:
+            p.data = buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.buffer = buffer
+        self.array = buffer.numpy()
+
     def load(self, values: np.ndarray) -> None:
         """Overwrite every parameter with `values` (a flat float32 array of n_params)."""
         values = np.asarray(values)

@@ -14,6 +14,9 @@ The new attempt joins the relay with a higher attempt number and continues from 
 parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
 optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
 sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
+
+Only trainable parameters are shared. Module buffers (e.g. BatchNorm running statistics) stay local
+to each replica and the result model carries the initial ones.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class SharedTrainer:
         liveness_timeout: float = 30.0,
         spill_bytes: int = 256 << 20,
         insecure: bool = False,
+        worker_options: dict | None = None,
     ):
         if not (isinstance(threshold, (int, float)) and threshold > 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
@@ -162,6 +166,7 @@ class SharedTrainer:
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
+        self.worker_options = dict(worker_options or {})  # e.g. {"step_times": True} for benchmarks
 
     # ------------------------------------------------------------------------------------ helpers
     def _build_model(self):
@@ -216,6 +221,11 @@ class SharedTrainer:
     def fit(self, data, features_col: str | None = None, label_col: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
 
+        The data is read twice: a validation pass (row counts, shapes, label types; errors name the
+        partition and row) before anything starts, then once by the training tasks, which keep their
+        partition in memory or a spill file for every epoch. Cache an expensive RDD first; its
+        partitions must be deterministic (a retried stage re-reads them).
+
         History rows: epoch, steps, loss (mean over workers' steps), sparsity (sent entries ÷ params),
         payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean), seconds (slowest
         worker), val_metric (None without validation_data).
@@ -246,6 +256,9 @@ class SharedTrainer:
         metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
 
         model = self._build_model()
+        # The job ships this copy: its parameters are the initial ones, each in its own storage (a
+        # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
+        shipped = copy.deepcopy(model)
         flat = FlatParams(model)  # raises on a model with no trainable parameters
         initial = flat.array.copy()
         rows = {s.index: s.rows for s in summaries}
@@ -260,12 +273,12 @@ class SharedTrainer:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
             cfg = WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
-                model=model, loss=loss, optimizer=self.optimizer, initial_params=initial,
+                model=shipped, loss=loss, optimizer=self.optimizer,
                 threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
                 epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
-                metric=metric,
+                metric=metric, extra=self.worker_options,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -280,6 +293,9 @@ class SharedTrainer:
             raise ConsistencyError(f"replicas diverged from the relay (hash {relay_hash}): "
                                    + ", ".join(f"rank {r} has {h}" for r, h in bad))
         flat.load(final)
+        with torch.no_grad():  # give the result its own per-parameter storages (see `shipped`)
+            for p in flat.params:
+                p.data = p.data.clone()
         reports.sort(key=lambda r: r["rank"])
         return FitResult(
             model=model, history=_merge_history(reports), counters=counters, worker_reports=reports,

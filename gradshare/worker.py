@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.errors import TrainingError
+from gradshare.errors import ProtocolError, TrainingError
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,9 @@ class WorkerConfig:
     key: bytes
     job_id: int
     world_size: int
-    model: Any  # an nn.Module (copied per task); its parameters are overwritten by initial_params
+    model: Any  # an nn.Module whose parameters are the initial ones (every replica starts from them)
     loss: Callable
     optimizer: Callable  # factory: params -> torch.optim.Optimizer
-    initial_params: np.ndarray
     threshold_rule: Any  # FixedThreshold / AdaptiveThreshold / ... (deep-copied per worker)
     residual_clip: Any  # ResidualClipping or None
     steps_per_epoch: tuple[int, ...]  # per rank
@@ -77,47 +76,47 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer, params: np.ndarray, start_step: int, timeout: float):
+    def __init__(self, peer, flat, start_step: int, timeout: float):
         from gradshare.encoding import Message, apply
 
         self._message, self._apply = Message, apply
-        self.peer, self.params, self.timeout = peer, params, timeout
+        self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.array: the live buffer
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
         self.pending: deque = deque()
         self.applied = 0
+        self.last_key = (-1, -1)
 
     def _take(self, updates) -> None:
         for u in updates:
+            key = (u.step, u.sender)
+            if key <= self.last_key:  # the transport promises canonical order, each exactly once
+                raise ProtocolError(f"update {key} delivered after {self.last_key}: not canonical order")
+            self.last_key = key
             if u.step >= self.start_step:  # older ones are inside the snapshot we resumed from
                 self.pending.append(u)
 
     def apply_through(self, step: int) -> None:
         if step <= self.applied_through:
             return
-        if not self.pending or self.pending[-1].step < step:
-            self._take(self.peer.receive(until_step=step, timeout=self.timeout))
-        n = len(self.params)
+        # Always ask: messages of `step` may already be pending from some senders but not from all.
+        self._take(self.peer.receive(until_step=step, timeout=self.timeout))
+        params = self.flat.array
+        n = len(params)
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
-            self._apply(self._message.from_bytes(u.payload, max_params=n), self.params)
+            self._apply(self._message.from_bytes(u.payload, max_params=n), params)
             self.applied += 1
         self.applied_through = step
 
 
-def _counter(counters: dict, *names: str) -> int:
-    for name in names:
-        if name in counters:
-            return int(counters[name])
-    return 0
-
-
 def _bytes_out(counters: dict) -> int:
-    return _counter(counters, "bytes_out", "bytes_sent", "tx_bytes")
+    """UDP bytes sent, from a Peer's counters (datagrams incl. headers, acks, retransmits)."""
+    return int(counters.get("bytes_out", 0))
 
 
 def _bytes_in(counters: dict) -> int:
-    return _counter(counters, "bytes_in", "bytes_received", "rx_bytes")
+    return int(counters.get("bytes_in", 0))
 
 
 class Worker:
@@ -132,13 +131,13 @@ class Worker:
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
-        self.flat.load(cfg.initial_params)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.rule = copy.deepcopy(cfg.threshold_rule)
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
-        self.before = np.empty(n, dtype=np.float32)
+        self.encode_seconds = 0.0
+        self.spare = torch.empty(n, dtype=torch.float32)  # receives P_before; then becomes the live buffer
         self.update = np.empty(n, dtype=np.float32)
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
@@ -180,14 +179,19 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
-        P = self.flat.array
-        np.copyto(self.before, P)
+        live, before = self.flat.buffer, self.spare
+        np.copyto(before.numpy(), self.flat.array)
         self.optimizer.step()
-        np.subtract(P, self.before, out=self.update)
-        np.copyto(P, self.before)  # P changes only through the log (DESIGN.md, consistency model)
+        np.subtract(self.flat.array, before.numpy(), out=self.update)
+        # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
+        # buffers saves copying P_before back over the whole model every step.
+        self.flat.rebind(before)
+        self.spare = live
         # encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
+        e0 = time.perf_counter()
         msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
         payload = msg.to_bytes()
+        self.encode_seconds += time.perf_counter() - e0
         loss_value = float(loss.detach())
         peer.send_update(t, payload, {
             "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
@@ -199,14 +203,20 @@ class Worker:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         self._order_epoch = -1
-        log = ApplyLog(peer, self.flat.array, start_step, cfg.timeout)
+        log = ApplyLog(peer, self.flat, start_step, cfg.timeout)
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
+        wait = 0.0  # time blocked on / applying the log: what sharing costs beyond the local step
+        step_times = [] if cfg.extra.get("step_times") else None  # benchmarks only
         for t in range(start_step, total):
+            w0 = time.perf_counter()
             log.apply_through(t - 1 - cfg.staleness)
+            wait += time.perf_counter() - w0
             epoch, b = divmod(t, spe)
             loss, entries, nbytes = self._step(peer, t, epoch, b)
+            if step_times is not None:
+                step_times.append(time.perf_counter() - w0)
             acc["loss"] += loss
             acc["entries"] += entries
             acc["payload"] += nbytes
@@ -223,6 +233,10 @@ class Worker:
             "history": history,
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
+            "steps_run": max(total - start_step, 0),
+            "log_seconds": wait,
+            "encode_seconds": self.encode_seconds,
+            "step_times": step_times,
         }
 
     def _fresh_epoch(self, peer) -> dict:
@@ -279,16 +293,21 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
     from gradshare.spark import PartitionData
     from gradshare.transport import Peer, param_hash
 
-    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank)
+    from pyspark import SparkFiles
+
+    # a large partition spills into the executor's Spark scratch space, not the system temp dir
+    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
+                                   spill_dir=SparkFiles.getRootDirectory())
     try:
         expected = math.ceil(len(data) / cfg.batch_size)
         if expected != cfg.steps_per_epoch[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         worker = Worker(cfg, rank, data)
-        with Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                  job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
-                  timeout=cfg.timeout, insecure=cfg.insecure) as peer:
+        peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
+                    job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
+                    timeout=cfg.timeout, insecure=cfg.insecure)
+        try:
             info = peer.join(cfg.timeout)
             start = int(info.start_step)
             if start > 0:  # a retried stage: continue from the relay's parameters, not from scratch
@@ -297,6 +316,22 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
             report = worker.run(peer, start)
             report["param_hash"] = param_hash(worker.flat.array)
             report["counters"] = dict(peer.counters())
+        except BaseException:
+            _abort(peer)
+            raise
+        peer.close()
         return report
     finally:
         data.close()
+
+
+def _abort(peer) -> None:
+    """Close `peer` WITHOUT saying LEAVE. A LEAVE before FINISHED makes the relay declare the rank gone
+    and let the log go on without it, so the other ranks would train past the failed step and the
+    retried stage would skip this rank's data (and a deterministic error would vanish). Silent, the
+    rank stays expected: the others wait, Spark retries the stage, and it resumes at the failed step
+    (or, if no retry comes, the relay's liveness timeout declares the rank gone)."""
+    core = getattr(peer, "_core", None)
+    if core is not None and hasattr(core, "state"):
+        core.state = "aborted"  # Peer.close() lingers and says LEAVE only in the "joined" state
+    peer.close(linger=0.0)

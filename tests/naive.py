@@ -48,6 +48,23 @@ def sparse_payload(codes: np.ndarray) -> bytes:
     return out
 
 
+def rice_payload(codes: np.ndarray, k: int) -> bytes:
+    """Byte k, then per entry: gap >> k zeros, a one, the k low bits of gap, the sign; LSB-first bits."""
+    bits = []
+    prev = -1
+    for c in codes.tolist():
+        i, neg = c >> 1, c & 1
+        gap = i - prev - 1
+        prev = i
+        bits += [0] * (gap >> k) + [1]
+        bits += [(gap >> b) & 1 for b in range(k)] + [neg]
+    bits += [0] * (-len(bits) % 8)
+    out = bytearray([k])
+    for j in range(0, len(bits), 8):
+        out.append(sum(bit << b for b, bit in enumerate(bits[j : j + 8])))
+    return bytes(out)
+
+
 def bitmap_payload(codes: np.ndarray, n_params: int) -> bytes:
     """2 bits per parameter, parameter i at bits 2*(i%4) of byte i//4: 01 = +τ, 10 = −τ."""
     out = bytearray((n_params + 3) // 4)
@@ -69,3 +86,69 @@ def apply(codes: np.ndarray, tau: float, params: np.ndarray, scale: float = 1.0)
 
 def dense(codes: np.ndarray, tau: float, n_params: int) -> np.ndarray:
     return apply(codes, tau, np.zeros(n_params, np.float32))
+
+
+def parse_sparse(payload: bytes, n_entries: int, n_params: int) -> list[int] | None:
+    """Entry codes of a sparse payload, or None if invalid (varints of at most 9 bytes, shortest form)."""
+    codes, pos, prev = [], 0, -1
+    for _ in range(n_entries):
+        start, v, shift = pos, 0, 0
+        while True:
+            if pos >= len(payload) or pos - start >= 9:
+                return None
+            b = payload[pos]
+            pos += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                if b == 0 and pos - start > 1:
+                    return None
+                break
+        i = prev + 1 + (v >> 1)
+        if i >= n_params:
+            return None
+        codes.append((i << 1) | (v & 1))
+        prev = i
+    return codes if pos == len(payload) else None
+
+
+def parse_rice(payload: bytes, n_entries: int, n_params: int) -> list[int] | None:
+    """Entry codes of a rice payload, or None if invalid (k <= 40, no extra bytes, zero padding)."""
+    if not payload or payload[0] > 40:
+        return None
+    k = payload[0]
+    bits = [(byte >> b) & 1 for byte in payload[1:] for b in range(8)]
+    codes, pos, prev = [], 0, -1
+    for _ in range(n_entries):
+        q = 0
+        while pos < len(bits) and bits[pos] == 0:
+            q += 1
+            pos += 1
+        if pos + 1 + k + 1 > len(bits):
+            return None
+        pos += 1
+        rem = sum(bits[pos + b] << b for b in range(k))
+        neg = bits[pos + k]
+        pos += k + 1
+        i = prev + 1 + ((q << k) | rem)
+        if i >= n_params:
+            return None
+        codes.append((i << 1) | neg)
+        prev = i
+    if len(bits) - pos >= 8 or any(bits[pos:]):
+        return None
+    return codes
+
+
+def parse_bitmap(payload: bytes, n_entries: int, n_params: int) -> list[int] | None:
+    """Entry codes of a bitmap payload, or None if invalid (size, code 0b11, bits past n_params, count)."""
+    if len(payload) != (n_params + 3) // 4:
+        return None
+    codes = []
+    for i in range(4 * len(payload)):
+        code = (payload[i // 4] >> (2 * (i % 4))) & 3
+        if code == 3 or (code and i >= n_params):
+            return None
+        if code:
+            codes.append((i << 1) | (code >> 1))
+    return codes if len(codes) == n_entries else None

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import naive
-from gradshare.encoding import BITMAP, EMPTY, SPARSE, Message, apply, convert, decode, decode_entries, encode
+from gradshare.encoding import BITMAP, EMPTY, RICE, SPARSE, Message, apply, convert, decode, decode_entries, encode
 from gradshare.encoding import kernels as K
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -68,6 +68,7 @@ def test_fused_encode_matches_oracle(data, with_update):
     want_r, want_codes = naive.accumulate_encode(r, u, tau)
     got_r = r.copy()
     m = encode(got_r, u, tau)
+    assert Message(m.threshold, m.n_params, m.n_entries, m.form, m.payload) == m
     idx, signs = decode_entries(m)
     codes = (idx << 1) | (signs < 0)
     np.testing.assert_array_equal(codes, want_codes)
@@ -114,18 +115,22 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
     n = r.size
     m = encode(r, u, tau)
     codes = (decode_entries(m)[0] << 1) | (decode_entries(m)[1] < 0)
-    forms = [SPARSE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])
+    forms = [SPARSE, RICE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])
     base = np.linspace(-1, 1, n, dtype=np.float32)
     want = naive.apply(codes, m.threshold, base, scale)
     for form in forms:
         other = convert(m, form)
         assert other.form == form and other.n_entries == m.n_entries
+        # built without the validation pass, yet exactly what the validating constructor accepts
+        assert Message(other.threshold, other.n_params, other.n_entries, other.form, other.payload) == other
         got = base.copy()
         apply(other, got, scale)
         assert got.tobytes() == want.tobytes(), form
     assert len(convert(m, SPARSE).payload) == len(naive.sparse_payload(codes))
     assert convert(m, SPARSE).payload == naive.sparse_payload(codes)
     assert convert(m, BITMAP).payload == naive.bitmap_payload(codes, n)
+    rice = convert(m, RICE).payload
+    assert rice == naive.rice_payload(codes, rice[0])
 
 
 @SETTINGS
@@ -133,7 +138,7 @@ def test_every_form_decodes_to_the_same_vector_as_the_oracle(data, scale):
 def test_encode_picks_the_smallest_form(data):
     r, u, tau = data
     m = encode(r, u, tau)
-    sizes = {f: len(convert(m, f).payload) for f in (SPARSE, BITMAP)}
+    sizes = {f: len(convert(m, f).payload) for f in (SPARSE, RICE, BITMAP)}
     if m.n_entries == 0:
         assert m.form == EMPTY and m.payload == b""
     else:
@@ -202,7 +207,7 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "import numpy as np, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import naive\n"
-        "from gradshare.encoding import encode, decode, convert, Message, BITMAP, SPARSE\n"
+        "from gradshare.encoding import encode, decode, convert, Message, BITMAP, RICE, SPARSE\n"
         "rng = np.random.default_rng(3)\n"
         "n = 5000\n"
         "r = (rng.standard_normal(n) * 0.5).astype(np.float32); u = rng.standard_normal(n).astype(np.float32)\n"
@@ -210,7 +215,7 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "m = encode(r, u, 1.5)\n"
         "assert r.tobytes() == want_r.tobytes()\n"
         "ref = naive.dense(want_codes, 1.5, n).tobytes()\n"
-        "for f in (SPARSE, BITMAP):\n"
+        "for f in (SPARSE, RICE, BITMAP):\n"
         "    c = Message.from_bytes(convert(m, f).to_bytes(), max_params=n)\n"
         "    assert decode(c).tobytes() == ref, f\n"
         "print('ok', m.n_entries)\n"
@@ -227,3 +232,17 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
 
 def test_block_constants_are_consistent():
     assert K.BLOCK % K.SUB == 0 and K.BLOCK >= K.SUB > 0
+
+
+def test_clustered_entries_pick_varints_and_random_ones_pick_rice():
+    # A run of neighbours plus one far entry: Rice's k follows the mean gap and wastes bits on the run,
+    # varints spend one byte per neighbour. Random gaps are near geometric: Rice wins.
+    n = 1_000_000
+    r = np.zeros(n, np.float32)
+    r[:100] = 2.0
+    r[-1] = -2.0
+    m = encode(r, None, 1.0)
+    assert m.form == SPARSE and len(m.payload) < len(convert(m, RICE).payload)
+    u = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    m = encode(np.zeros(n, np.float32), u, 3.3)
+    assert m.form == RICE and len(m.payload) < 0.85 * len(convert(m, SPARSE).payload)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import naive
-from gradshare.encoding import BITMAP, EMPTY, SPARSE, Message, apply, convert, decode, encode
+from gradshare.encoding import BITMAP, EMPTY, RICE, SPARSE, Message, apply, convert, decode, decode_entries, encode
 from gradshare.encoding.message import HEADER, HEADER_SIZE
 from gradshare.errors import DecodeError
 
@@ -27,7 +27,7 @@ def messages(draw):
     u = (rng.standard_normal(n) * rng.random(n).__lt__(density) * 3).astype(np.float32)
     tau = draw(st.sampled_from([1e-3, 0.7, 1.0, 2.5]))
     m = encode(np.zeros(n, np.float32), u, tau)
-    form = draw(st.sampled_from([None, SPARSE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])))
+    form = draw(st.sampled_from([None, SPARSE, RICE, BITMAP] + ([EMPTY] if m.n_entries == 0 else [])))
     return m if form is None else convert(m, form)
 
 
@@ -118,9 +118,17 @@ def _header(form: int, tau: float, n_params: int, n_entries: int, length: int) -
         (_header(1, 1.0, 2**61, 1, 10) + b"\xff" * 9 + b"\x01", "cannot hold"),
         (_header(1, 1.0, 2**61, 1, 9) + b"\xff" * 9, "longer than 9 bytes"),
         (_header(2, 1.0, 8, 1, 2) + b"\x03\x00", "reserved"),
-        (_header(2, 1.0, 6, 1, 2) + b"\x00\x10", "past n_params"),
+        (_header(2, 1.0, 6, 1, 2) + b"\x00\x10", "past the last parameter"),
         (_header(2, 1.0, 8, 2, 2) + b"\x01\x00", "different number"),
         (_header(2, 1.0, 8, 1, 3) + b"\x01\x00\x00", "bitmap payload"),
+        (_header(3, 1.0, 10, 1, 2) + b"\x29\x08", "rice k is > 40"),
+        (_header(3, 1.0, 1000, 1, 2) + b"\x00\x00", "past the end"),
+        (_header(3, 1.0, 10, 1, 2) + b"\x00\x00", "index"),  # 64 zeros: the gap is past n_params already
+        (_header(3, 1.0, 10, 1, 3) + b"\x00\x00\x04", "index"),  # gap 10 at n_params 10
+        (_header(3, 1.0, 10, 1, 3) + b"\x00\x08\x00", "left over"),
+        (_header(3, 1.0, 10, 1, 2) + b"\x00\x48", "bits are set past"),
+        (_header(3, 1.0, 10, 9, 2) + b"\x00\x08", "cannot hold"),
+        (_header(3, 1.0, 10, 0, 0), "cannot hold"),
     ],
 )
 def test_bad_bytes_raise_decode_error_naming_the_problem(data, why):
@@ -186,7 +194,47 @@ def test_constructor_validates_like_the_decoder():
     assert Message.from_bytes(m.to_bytes(), max_params=4) == m
 
 
+def test_rice_payload_by_hand():
+    m = Message.from_bytes(_header(3, 1.0, 10, 1, 2) + b"\x00\x08", max_params=10)  # k=0: 0001, sign 0
+    assert decode(m).tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+    m = Message.from_bytes(_header(3, 1.0, 10, 2, 2) + b"\x00\x3c", max_params=10)  # 0,0 | 1,1 | 1,1
+    assert decode(m).tolist() == [0, 0, -1, -1, 0, 0, 0, 0, 0, 0]
+
+
 def test_header_layout_is_little_endian_and_fixed():
     m = Message(0.5, 10, 1, SPARSE, b"\x06")  # index 3, +τ
     assert m.to_bytes() == b"GS\x01\x01" + struct.pack("<f", 0.5) + struct.pack("<QQQ", 10, 1, 1) + b"\x06"
     assert "1 bytes" in repr(m)
+
+
+PARSERS = {SPARSE: naive.parse_sparse, RICE: naive.parse_rice, BITMAP: naive.parse_bitmap}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from([SPARSE, RICE, BITMAP]),
+    st.binary(max_size=24),
+    st.integers(0, 12),
+    st.integers(0, 80),
+    st.data(),
+)
+def test_validation_kernels_accept_exactly_what_the_naive_parsers_accept(form, payload, n_entries, n_params, data):
+    # Seed half the cases with a valid payload so acceptance is exercised, not only rejection.
+    if data.draw(st.booleans()) and n_params:
+        idx = sorted(data.draw(st.sets(st.integers(0, n_params - 1), max_size=min(n_params, 12))))
+        codes = np.array([(i << 1) | data.draw(st.integers(0, 1)) for i in idx], np.int64)
+        m = convert(Message(1.0, n_params, len(idx), BITMAP, naive.bitmap_payload(codes, n_params)), form)
+        payload, n_entries = bytearray(m.payload), m.n_entries
+        if payload and data.draw(st.booleans()):
+            payload[data.draw(st.integers(0, len(payload) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        payload = bytes(payload)
+    n_entries = min(n_entries, n_params)
+    want = PARSERS[form](payload, n_entries, n_params)
+    try:
+        m = Message(1.0, n_params, n_entries, form, payload)
+    except ValueError:
+        assert want is None
+        return
+    assert want is not None
+    idx, signs = decode_entries(m)
+    assert ((idx << 1) | (signs < 0)).tolist() == want

@@ -108,6 +108,11 @@ def test_flat_params_are_views_into_one_buffer():
     assert not np.array_equal(flat.array, before.numpy() + 1.0)
     with pytest.raises(ValueError, match=r"shape \(3,\), the model needs \(23,\)"):
         flat.load(np.zeros(3, np.float32))
+    other = torch.arange(23, dtype=torch.float32)
+    flat.rebind(other)  # the same Parameter objects now live in `other`
+    assert model[0].weight.data_ptr() == other.data_ptr() and flat.array[5] == 5.0
+    model[2].bias.data += 100
+    assert other[-1] == 122.0
 
 
 def test_flat_params_reject_frozen_and_float64_models():

@@ -2,6 +2,7 @@
 staleness, DataFrames, bad input and failures (each a clear driver-side error, nothing left running),
 a worker killed mid-training, and local-cluster in a subprocess (a JVM holds one SparkContext)."""
 
+import io
 import json
 import os
 import socket
@@ -63,6 +64,14 @@ def test_digits_two_workers_match_single_process_at_a_fraction_of_the_traffic(sp
     assert r.history[-1]["loss"] < r.history[0]["loss"]
     assert all(rep["param_hash"] == r.param_hash for rep in r.worker_reports)
     assert r.history[-1]["val_metric"] is not None and r.resumed_from == 0
+    # the trained model saves and loads the torch way
+    buf = io.BytesIO()
+    torch.save(r.model.state_dict(), buf)
+    buf.seek(0)
+    fresh = mlp()
+    fresh.load_state_dict(torch.load(buf))
+    X_test = torch.from_numpy(digits_split(0)[1])
+    assert torch.equal(fresh(X_test), r.model(X_test))
 
 
 def _fit_digits(digits_rdd, **kw):
@@ -73,7 +82,7 @@ def _fit_digits(digits_rdd, **kw):
 
 def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_identical(digits_rdd):
     a, acc_a = _fit_digits(digits_rdd)
-    b, _ = _fit_digits(digits_rdd)
+    b, _ = _fit_digits(digits_rdd, spill_bytes=4096)  # the spilled partition trains the same
     assert a.param_hash == b.param_hash
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
@@ -125,16 +134,14 @@ class Frozen(nn.Module):
 
 
 class Exploding(nn.Module):
-    """Raises inside the task on its third forward pass (on every rank)."""
+    """Raises inside the task whenever a batch holds the row of value 5, so every retried attempt fails too."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 2)
-        self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls == 3:
+        if bool((x == 5).any()):
             raise RuntimeError("user model exploded on purpose")
         return self.lin(x)
 
@@ -178,6 +185,29 @@ def test_port_in_use_is_named_and_nothing_is_left(spark):
             SharedTrainer(tiny_model, port=port, bind="127.0.0.1", verbose=0).fit(small_rdd(spark))
     finally:
         busy.close()
+    assert_nothing_left(spark, before)
+
+
+class MutatesItself(nn.Module):
+    """A user bug: rank 1 changes a weight in place outside the optimizer, so its replica leaves the log."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        from pyspark import TaskContext
+
+        if TaskContext.get().partitionId() == 1:
+            with torch.no_grad():
+                self.lin.bias += 0.5
+        return self.lin(x)
+
+
+def test_replica_that_diverges_is_a_consistency_error(spark):
+    before = _threads()
+    with pytest.raises(ConsistencyError, match=r"replicas diverged from the relay .*rank 1 has"):
+        SharedTrainer(MutatesItself, batch_size=4, **LOOPBACK).fit(small_rdd(spark))
     assert_nothing_left(spark, before)
 
 

@@ -50,3 +50,110 @@ def test_synchronous_staleness_zero():
         sim.add_peer(r)
     sim.run(steps=15)
     check_consistent(sim)
+
+
+def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
+    for _ in range(max_iters):
+        if until():
+            return
+        sim.step_time()
+    raise AssertionError("condition not reached")
+
+
+def test_silent_peer_is_declared_gone_and_the_log_goes_on():
+    sim = Sim(world_size=3, seed=12, loss=0.02, liveness_timeout=0.5)
+    for r in range(3):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    for t in range(4):
+        for r, p in sim.peers.items():
+            payload = b"\x00\x00\x80\x3f" + np.int32(t * 3 + r + 1).tobytes()
+            sim.sent[(t, r)] = payload
+            p.send_update(t, payload, None, sim.now)
+        drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
+    sim.silent.add(2)                                 # rank 2 goes quiet (no FINISHED, no LEAVE)
+    for t in range(4, 8):
+        for r in (0, 1):
+            payload = b"\x00\x00\x80\x3f" + np.int32(t * 3 + r + 1).tobytes()
+            sim.sent[(t, r)] = payload
+            sim.peers[r].send_update(t, payload, None, sim.now)
+    t0 = sim.now
+    drive(sim, lambda: 2 in sim.relay.cursor.ends)
+    assert sim.now - t0 <= 0.7 and sim.now - sim.relay.ranks[2].last_heard > 0.5
+    assert sim.relay.cursor.ends[2] == 3 and sim.relay.ranks[2].ended.gone
+    for r in (0, 1):
+        sim.peers[r].finish(7, sim.now)
+    drive(sim, lambda: sim.relay.finished() and all(sim.peers[r].cursor.finished() for r in (0, 1)))
+    check_consistent(sim)
+    assert sim.relay.complete_through == 7
+
+
+def test_new_attempt_cuts_log_and_resumes_from_snapshot():
+    sim = Sim(world_size=2, seed=21, loss=0.05, dup=0.02, max_delay=0.002)
+    for r in range(2):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    rng = np.random.default_rng(3)
+    from transport_util import random_update
+
+    for t in range(6):
+        for r, p in sim.peers.items():
+            if t == 5 and r == 1:
+                continue                              # rank 1 fails before sending step 5
+            payload = random_update(rng, sim.N, 40)
+            sim.sent[(t, r)] = payload
+            p.send_update(t, payload, None, sim.now)
+        drive(sim, lambda: sim.relay.complete_through >= min(t, 4))
+    drive(sim, lambda: (5, 0) in sim.relay.pending or sim.relay.ranks[0].received.contiguous_from(0) == 6)
+    assert sim.relay.complete_through == 4
+    # Spark retries the stage: attempt 1 joins; the old attempt's datagrams are refused from now on
+    old = dict(sim.peers)
+    applied_before = sim.relay.c["applied"]
+    assert applied_before == 10
+    for r in range(2):
+        sim.add_peer(r, attempt=1)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    assert all(p.welcome.start_step == 5 for p in sim.peers.values())
+    old[0].send_update(6, random_update(rng, sim.N, 5), None, sim.now)   # a straggler of attempt 0
+    for d in old[0].datagrams_to_send():
+        sim.relay.receive_datagram(d, 0, sim.now)
+    for p in sim.peers.values():
+        p.request_snapshot(sim.now)
+    drive(sim, lambda: all(p.snapshot is not None for p in sim.peers.values()))
+    assert sim.relay.drops["old_attempt"] >= 1
+    for r, p in sim.peers.items():
+        step, snap = p.snapshot
+        assert step == 4 and param_hash(snap) == param_hash(sim.relay.params)
+        sim.params[r] = snap.copy()
+    sim.sent = {k: v for k, v in sim.sent.items() if k[0] < 5}   # (5, 0) of attempt 0 is cut
+    before = set(sim.sent)
+    sim.run(steps=4)
+    sim.sent = {k: v for k, v in sim.sent.items() if k not in before}
+    sim.relay.c["applied"] -= applied_before
+    check_consistent(sim)
+    assert sim.relay.complete_through == 8
+
+
+def test_snapshot_survives_loss_and_reordering():
+    sim = Sim(world_size=1, n_params=30_000, seed=31, loss=0.1, dup=0.05, max_delay=0.005)
+    p = sim.add_peer(0)
+    drive(sim, lambda: p.state == "joined")
+    p.request_snapshot(sim.now)
+    drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
+    assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
+    drive(sim, lambda: not sim.relay.transfers)      # SNAP_DONE freed the transfer (or it will expire)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0, 0.3), st.floats(0, 0.2), st.floats(0, 0.02),
+       st.integers(1, 4), st.integers(0, 2))
+def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, staleness):
+    sim = Sim(world_size=world, seed=seed, loss=loss, dup=dup, max_delay=delay, staleness=staleness)
+    for r in range(world):
+        sim.add_peer(r)
+    sim.run(steps=8)
+    check_consistent(sim)

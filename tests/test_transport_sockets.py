@@ -16,9 +16,11 @@ from transport_util import TOY, random_update, toy_apply_payload
 N = 2000
 
 
-def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1):
-    """W peers (threads) send `steps` updates each; returns each peer's applied params and log."""
-    peers = [Peer(relay.address, r, W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
+def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
+             world_size=None):
+    """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
+    `world_size` (default W) ranks; returns each peer's applied params and log."""
+    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
     params = [np.zeros(N, np.float32) for _ in range(W)]
     logs: list[list] = [[] for _ in range(W)]
     sent = {}
@@ -165,4 +167,112 @@ def test_real_encoding_messages_make_bit_identical_replicas():
             assert not np.array_equal(relay.params, p0)
         finally:
             for p in peers:
+                p.close()
+
+
+def test_silent_peer_is_declared_gone_over_sockets():
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", liveness_timeout=0.5,
+               **TOY) as relay:
+        a = Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10)
+        b = Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10)
+        try:
+            a.join(5)
+            b.join(5)
+            a.send_update(0, random_update(np.random.default_rng(0), N, 4))
+            b.send_update(0, random_update(np.random.default_rng(1), N, 4))
+            assert [(u.step, u.sender) for u in a.receive(until_step=0, timeout=5)] == [(0, 0), (0, 1)]
+            b._stop.set()                       # rank 1's process hangs: no heartbeat, no FINISHED
+            b._thread.join(5)
+            a.send_update(1, random_update(np.random.default_rng(2), N, 4))
+            t0 = time.monotonic()
+            got = a.receive(until_step=1, timeout=5)    # completes once rank 1 is cut at step 0
+            assert [(u.step, u.sender) for u in got] == [(1, 0)]
+            assert 0.4 < time.monotonic() - t0 < 3.0
+            ended = relay.progress()["ranks"][1]["ended"]
+            assert ended == {"last_step": 0, "gone": True}
+            a.finish(1)
+            relay.wait_finished(5)
+            assert relay.complete_through == 1 and relay.counters()["gone"] == 1
+        finally:
+            a.close()
+            b.close()
+
+
+def test_receive_timeout_names_the_missing_update_and_wait():
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", **TOY) as relay:
+        with Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10) as a, \
+                Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10) as b:
+            a.join(5)
+            b.join(5)
+            a.send_update(0, random_update(np.random.default_rng(0), N, 4))
+            with pytest.raises(TransportTimeout, match=r"step 0, sender 1"):
+                a.receive(until_step=0, timeout=0.3)
+            assert b.wait(2)                    # (0, 0) is first in canonical order: deliverable at b
+            assert [(u.step, u.sender) for u in b.receive()] == [(0, 0)]
+            assert not b.wait(0.05)
+            b.send_update(0, random_update(np.random.default_rng(1), N, 4))
+            assert b.wait(2)                    # its own update is next
+            assert [(u.step, u.sender) for u in b.receive()] == [(0, 1)]
+
+
+def test_relay_command_line(tmp_path, capsys):
+    from gradshare.cli import main
+
+    key_path = tmp_path / "job.key"
+    assert main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10",
+                 "--new-key", str(key_path), "--duration", "0.3"]) == 0
+    assert len(bytes.fromhex(key_path.read_text())) == 32
+    assert (key_path.stat().st_mode & 0o777) == 0o600
+    out = capsys.readouterr().out
+    assert "relay listening on 127.0.0.1:" in out
+    with pytest.raises(SystemExit, match="key"):
+        main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10"])
+
+
+def test_retried_stage_resumes_from_snapshot_over_sockets():
+    """Attempt 0 dies after step 3 (rank 1 never sends step 4); attempt 1 cuts (4, 0) and resumes at 4
+    from a snapshot of the parameters through step 3."""
+    key = new_job_key()
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(N).astype(np.float32)
+    with Relay(p0, 2, key, 8, port=0, bind="127.0.0.1", **TOY) as relay:
+        old = [Peer(relay.address, r, 2, 0, key, 8, N, timeout=10) for r in range(2)]
+        try:
+            for p in old:
+                p.join(5)
+            for t in range(4):
+                for p in old:
+                    p.send_update(t, random_update(rng, N, 30))
+            old[0].send_update(4, random_update(rng, N, 30))
+            old[0].receive(until_step=3, timeout=5)
+            relay.wait_for(lambda core: core.complete_through == 3 and len(core.pending) == 1, 5,
+                           "steps 0..3 applied and (4, 0) pending")
+        finally:
+            for p in old:
+                p.close(leave=False)            # killed tasks: no FINISHED, no LEAVE
+        new = [Peer(relay.address, r, 2, 1, key, 8, N, timeout=10) for r in range(2)]
+        try:
+            params = []
+            for p in new:
+                assert p.join(5).start_step == 4
+                step, snap = p.fetch_snapshot(10)
+                assert step == 3 and param_hash(snap) == relay.param_hash()
+                params.append(snap)
+            for t in range(4, 7):
+                for p in new:
+                    p.send_update(t, random_update(rng, N, 30))
+            for p in new:
+                p.finish(6)
+            for r, p in enumerate(new):
+                got = p.receive(until_step=6, timeout=10)
+                assert [(u.step, u.sender) for u in got] == [(t, s) for t in range(4, 7) for s in range(2)]
+                for u in got:
+                    toy_apply_payload(u.payload, params[r])
+            relay.wait_finished(10)
+            assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
+            assert relay.counters()["attempt"] == 1 and relay.complete_through == 6
+        finally:
+            for p in new:
                 p.close()

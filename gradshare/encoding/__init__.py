@@ -7,7 +7,7 @@
 """
 
 from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode
-from gradshare.encoding.message import BITMAP, EMPTY, FORMS, SPARSE, Message
+from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message
 from gradshare.encoding.stats import residual_stats
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
@@ -27,6 +27,7 @@ __all__ = [
     "FORMS",
     "EMPTY",
     "SPARSE",
+    "RICE",
     "BITMAP",
     "FixedThreshold",
     "AdaptiveThreshold",

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from gradshare.encoding import kernels as _k
-from gradshare.encoding.message import BITMAP, EMPTY, FORMS, SPARSE, Message, bitmap_size, to_float32_threshold
+from gradshare.encoding import rice as _rice
+from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message, bitmap_size, to_float32_threshold
 
 
 def _check_vector(name: str, array: object, *, writable: bool, n: int | None = None) -> np.ndarray:
@@ -42,7 +43,7 @@ def _threshold_value(threshold: object) -> float:
     return to_float32_threshold(value)  # type: ignore[arg-type]
 
 
-_APPLY_BATCH = 1024  # codes decoded per batch in _sparse_apply (see there)
+_APPLY_BATCH = 1024  # codes decoded per batch before they are applied (see kernels._apply_batch)
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -83,26 +84,30 @@ class _NonFinite(Exception):
 def _build(codes: np.ndarray, tau: float, n_params: int, form: str | None) -> Message:
     """A Message holding ``codes`` (sorted entry codes) in ``form`` (None: the smallest form)."""
     k = codes.size
-    if form is None:
-        if k == 0:
-            form = EMPTY
-        else:
-            form = SPARSE if _k._sparse_size(codes) <= bitmap_size(n_params) else BITMAP
-    if form == EMPTY:
-        if k:
-            raise ValueError(f"form 'empty' cannot hold {k} entries")
-        payload = b""
-    elif form == SPARSE:
-        buf = np.empty(_k._sparse_size(codes), np.uint8)
-        _k._sparse_write(codes, buf)
-        payload = buf.tobytes()
-    elif form == BITMAP:
-        buf = np.zeros(bitmap_size(n_params), np.uint8)
-        _k._bitmap_write(codes, buf)
-        payload = buf.tobytes()
-    else:
+    if form is not None and form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
-    return Message(tau, n_params, k, form, payload)
+    if form == EMPTY and k:
+        raise ValueError(f"form 'empty' cannot hold {k} entries")
+    if form is None and k == 0:
+        form = EMPTY
+    varint_bytes, rice_k, rice_bits = _rice._form_sizes(codes, n_params)
+    sizes = {SPARSE: varint_bytes, RICE: 1 + (rice_bits + 7) // 8, BITMAP: bitmap_size(n_params)}
+    if form is None:
+        form = min(sizes, key=lambda f: (sizes[f], FORMS.index(f)))  # smallest; ties by FORMS order
+    if form == EMPTY:
+        buf = np.empty(0, np.uint8)
+    elif form == SPARSE:
+        buf = np.empty(sizes[SPARSE], np.uint8)
+        _k._sparse_write(codes, buf)
+    elif form == RICE:
+        buf = np.zeros(sizes[RICE], np.uint8)
+        _rice._rice_write(codes, rice_k, buf)
+    else:
+        buf = np.zeros(sizes[BITMAP], np.uint8)
+        _k._bitmap_write(codes, buf)
+    # Built here from the kernels' own output, so the constructor's validation pass is skipped
+    # (tests check that every encode result also passes the validating constructor).
+    return Message._trusted(tau, n_params, k, form, buf.tobytes())
 
 
 def encode(
@@ -120,7 +125,7 @@ def encode(
     update: float32 array of the same shape, or None to encode ``residual`` as it is.
     threshold: τ > 0 (rounded to float32, the precision of the kernels), or a threshold rule object
         (its current ``.threshold`` is used; the rule is not advanced, see `encode_step`).
-    form: None picks the smallest of empty/sparse/bitmap; a form name forces it (benchmarks, tests).
+    form: None picks the smallest of empty/sparse/rice/bitmap; a form name forces it (benchmarks, tests).
     threads: split the vector into this many contiguous ranges encoded in parallel (the kernels release
         the GIL). The message is identical for every thread count.
 
@@ -188,10 +193,13 @@ def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
         step = np.float32(message.threshold * scale)
     if not np.isfinite(step):
         raise ValueError(f"scale {scale!r} times threshold {message.threshold!r} is not finite in float32")
-    if message.form == SPARSE:
+    if message.form in (SPARSE, RICE):
         steps = np.array([step, -step], np.float32)
-        buf = np.empty(min(message.n_entries, _APPLY_BATCH), np.int64)
-        _k._sparse_apply(np.frombuffer(message.payload, np.uint8), message.n_entries, steps, params, buf)
+        batch = np.empty(min(message.n_entries, _APPLY_BATCH), np.int64)
+        if message.form == SPARSE:
+            _k._sparse_apply(np.frombuffer(message.payload, np.uint8), message.n_entries, steps, params, batch)
+        else:
+            _rice._rice_apply(message._padded, message.n_entries, steps, params, batch)
     elif message.form == BITMAP:
         _k._bitmap_apply(np.frombuffer(message.payload, np.uint8), np.array([0, step, -step], np.float32), params)
 
@@ -219,6 +227,8 @@ def _codes(message: Message) -> np.ndarray:
     payload = np.frombuffer(message.payload, np.uint8)
     if message.form == SPARSE:
         _k._sparse_decode(payload, message.n_entries, out)
+    elif message.form == RICE:
+        _rice._rice_decode(message._padded, message.n_entries, out)
     elif message.form == BITMAP:
         _k._bitmap_decode(payload, out)
     return out

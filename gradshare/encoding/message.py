@@ -5,15 +5,16 @@ Wire format (little endian), a fixed 32-byte header followed by the payload:
     offset size field
     0      2    magic b"GS"
     2      1    version (1)
-    3      1    form: 0 empty, 1 sparse, 2 bitmap
+    3      1    form: 0 empty, 1 sparse, 2 bitmap, 3 rice
     4      4    τ, float32 (the kernels compute in float32, so this is exactly the τ that was used)
     8      8    n_params, uint64
     16     8    n_entries, uint64
     24     8    payload length in bytes, uint64 (must equal the bytes that follow)
 
 Forms (issue 2): *sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128
-varints with the sign folded into bit 0; *bitmap* = 2 bits per parameter (00 none, 01 +τ, 10 −τ,
-11 reserved); *empty* = no payload. Every form of the same entries decodes to the identical vector.
+varints with the sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (see rice.py);
+*bitmap* = 2 bits per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every
+form of the same entries decodes to the identical vector.
 
 A `Message` is validated completely in its constructor (payload included, by a read-only Numba pass),
 so any `Message` that exists can be applied without further checks: no index >= n_params can reach a
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradshare.encoding import kernels as _k
+from gradshare.encoding import rice as _rice
 from gradshare.errors import DecodeError
 
 MAGIC = b"GS"
@@ -40,20 +42,21 @@ HEADER_SIZE = HEADER.size  # 32
 EMPTY = "empty"
 SPARSE = "sparse"
 BITMAP = "bitmap"
-FORMS = (EMPTY, SPARSE, BITMAP)
-_FORM_CODE = {EMPTY: 0, SPARSE: 1, BITMAP: 2}
+RICE = "rice"
+FORMS = (EMPTY, SPARSE, RICE, BITMAP)  # also the preference order when two forms are the same size
+_FORM_CODE = {EMPTY: 0, SPARSE: 1, BITMAP: 2, RICE: 3}
 _CODE_FORM = {v: k for k, v in _FORM_CODE.items()}
 
 # Indices travel as (index << 1) | sign in int64: keep n_params well inside that.
 MAX_N_PARAMS = 1 << 61
 
 _CHECK_TEXT = {
-    _k.CHECK_TRUNCATED: "a varint runs past the end of the payload",
-    _k.CHECK_OVERLONG: "a varint is longer than 9 bytes or not in shortest form",
+    _k.CHECK_TRUNCATED: "an entry runs past the end of the payload",
+    _k.CHECK_OVERLONG: "a varint is longer than 9 bytes or not in shortest form, or the rice k is > 40",
     _k.CHECK_INDEX: "an index is >= n_params",
     _k.CHECK_TRAILING: "bytes are left over after n_entries entries",
+    _k.CHECK_PADDING: "bits are set past the last parameter (bitmap) or the last entry (rice)",
     _k.CHECK_RESERVED: "the bitmap holds the reserved code 0b11",
-    _k.CHECK_PADDING: "the bitmap has bits set past n_params",
     _k.CHECK_COUNT: "the bitmap holds a different number of entries than n_entries",
 }
 
@@ -83,7 +86,7 @@ class Message:
     threshold: τ (float32 precision); every entry means ±τ at one index.
     n_params:  length of the parameter vector the message applies to.
     n_entries: number of ±τ entries.
-    form:      "empty", "sparse" or "bitmap" (see module docstring).
+    form:      "empty", "sparse", "rice" or "bitmap" (see module docstring).
     payload:   the form's bytes.
     """
 
@@ -91,7 +94,9 @@ class Message:
     n_params: int
     n_entries: int
     form: str
-    payload: bytes = field(repr=False)  # can be MBs; the repr shows its length instead
+    payload: bytes
+    # rice payload as zero-padded uint64 words for the kernels' bit reader (made while validating)
+    _padded: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "threshold", to_float32_threshold(self.threshold))
@@ -110,7 +115,19 @@ class Message:
             if not isinstance(self.payload, (bytearray, memoryview)):
                 raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
             object.__setattr__(self, "payload", bytes(self.payload))
-        _check_payload(self.form, self.payload, self.n_params, self.n_entries)
+        padded = _check_payload(self.form, self.payload, self.n_params, self.n_entries)
+        object.__setattr__(self, "_padded", padded)
+
+    @classmethod
+    def _trusted(cls, threshold: float, n_params: int, n_entries: int, form: str, payload: bytes) -> Message:
+        """A Message from the encoder's own kernels: same fields, without the payload validation pass."""
+        m = object.__new__(cls)
+        for name, value in (
+            ("threshold", threshold), ("n_params", n_params), ("n_entries", n_entries), ("form", form),
+            ("payload", payload), ("_padded", _rice.padded_words(payload) if form == RICE else None),
+        ):
+            object.__setattr__(m, name, value)
+        return m
 
     def __repr__(self) -> str:
         return (
@@ -169,21 +186,32 @@ class Message:
             raise DecodeError(str(exc)) from None
 
 
-def _check_payload(form: str, payload: bytes, n_params: int, n_entries: int) -> None:
-    """Validate a payload against its header fields (ValueError naming the problem)."""
+def _check_payload(form: str, payload: bytes, n_params: int, n_entries: int) -> np.ndarray | None:
+    """Validate a payload against its header fields (ValueError naming the problem).
+
+    Returns the padded copy the rice kernels read (None for the other forms).
+    """
     size = len(payload)
+    padded = None
     if form == EMPTY:
         if n_entries or size:
             raise ValueError(f"empty form needs n_entries == 0 and no payload, got {n_entries} / {size} bytes")
-        return
+        return None
     if form == BITMAP:
         if size != bitmap_size(n_params):
             raise ValueError(f"bitmap payload is {size} bytes, expected {bitmap_size(n_params)} for {n_params} params")
         code = _k._check_bitmap(np.frombuffer(payload, np.uint8), n_params, n_entries)
-    else:
+    elif form == SPARSE:
         # Each entry takes 1..9 bytes; reject impossible sizes before scanning.
         if not n_entries <= size <= 9 * n_entries:
             raise ValueError(f"sparse payload of {size} bytes cannot hold {n_entries} entries")
         code = _k._check_sparse(np.frombuffer(payload, np.uint8), n_entries, n_params)
+    else:
+        # k byte, then >= 2 bits per entry.
+        if not 1 + (2 * n_entries + 7) // 8 <= size:
+            raise ValueError(f"rice payload of {size} bytes cannot hold {n_entries} entries")
+        padded = _rice.padded_words(payload)  # bounded by the bytes actually present
+        code = _rice._check_rice(padded, size, n_entries, n_params)
     if code != _k.CHECK_OK:
         raise ValueError(f"invalid {form} payload: {_CHECK_TEXT[code]}")
+    return padded

@@ -58,7 +58,12 @@ def _sparsity(n_entries: int, n_params: int) -> float | None:
     return n_entries / n_params if n_params else None  # no parameters: nothing to adapt to
 
 
-def _clamp(tau: float) -> float:
+def _adapt(tau: float, n_entries: int, n_params: int, low: float, high: float, decay: float) -> float:
+    """τ after a step of the given sparsity: × decay below [low, high], ÷ decay above, kept inside."""
+    s = _sparsity(n_entries, n_params)
+    if s is None or low <= s <= high:
+        return tau
+    tau = tau * decay if s < low else tau / decay
     return min(max(tau, MIN_THRESHOLD), MAX_THRESHOLD)
 
 
@@ -80,8 +85,27 @@ class FixedThreshold:
         return self.tau
 
 
+class _SparsityRule:
+    """τ moves by ``decay`` per step toward the sparsity band ``_band()`` (shared by the adaptive rules)."""
+
+    tau: float
+    decay: float
+
+    def _band(self) -> tuple[float, float]:
+        raise NotImplementedError
+
+    @property
+    def threshold(self) -> float:
+        return self.tau
+
+    def update(self, n_entries: int, n_params: int) -> float:
+        low, high = self._band()
+        self.tau = _adapt(self.tau, n_entries, n_params, low, high, self.decay)
+        return self.tau
+
+
 @dataclass
-class AdaptiveThreshold:
+class AdaptiveThreshold(_SparsityRule):
     """Keep the sparsity inside [min_sparsity, max_sparsity] (DL4J `AdaptiveThresholdAlgorithm`).
 
     Below the band τ is multiplied by ``decay`` (more entries next step), above it divided by it,
@@ -105,22 +129,12 @@ class AdaptiveThreshold:
         self.decay = _check_decay(self.decay)
         self.tau = self.initial
 
-    @property
-    def threshold(self) -> float:
-        return self.tau
-
-    def update(self, n_entries: int, n_params: int) -> float:
-        s = _sparsity(n_entries, n_params)
-        if s is not None:
-            if s < self.min_sparsity:
-                self.tau = _clamp(self.tau * self.decay)
-            elif s > self.max_sparsity:
-                self.tau = _clamp(self.tau / self.decay)
-        return self.tau
+    def _band(self) -> tuple[float, float]:
+        return self.min_sparsity, self.max_sparsity
 
 
 @dataclass
-class TargetSparsityThreshold:
+class TargetSparsityThreshold(_SparsityRule):
     """Steer the sparsity toward one ``target`` value (DL4J `TargetSparsityThresholdAlgorithm`).
 
     Every step τ moves by one factor ``decay`` toward the target: down when the step was sparser
@@ -140,18 +154,8 @@ class TargetSparsityThreshold:
         self.decay = _check_decay(self.decay)
         self.tau = self.initial
 
-    @property
-    def threshold(self) -> float:
-        return self.tau
-
-    def update(self, n_entries: int, n_params: int) -> float:
-        s = _sparsity(n_entries, n_params)
-        if s is not None:
-            if s < self.target:
-                self.tau = _clamp(self.tau * self.decay)
-            elif s > self.target:
-                self.tau = _clamp(self.tau / self.decay)
-        return self.tau
+    def _band(self) -> tuple[float, float]:
+        return self.target, self.target
 
 
 @dataclass

@@ -68,35 +68,36 @@ class Peer:
 
     # --- the I/O loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        core, sock, lock = self._core, self._sock, self._lock
+        core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
+        relay = self._relay_sockaddr[:2]
         try:
             while not self._stop.is_set():
-                with lock:
-                    wait = core.next_timer() - time.monotonic()
-                if wait > 0:
-                    udp.wait_readable(sock, min(wait, MAX_WAIT))
-                with lock:
-                    got = 0
-                    for _ in range(DRAIN_BATCH):
-                        try:
-                            data, addr = sock.recvfrom(udp.RECV_BYTES)
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        except OSError:
-                            self._io_drops["recv_error"] += 1
-                            continue
-                        if addr[:2] != self._relay_sockaddr[:2]:
-                            self._io_drops["not_from_relay"] += 1
-                            continue
+                udp.wait_for_work(sock, lock, core, MAX_WAIT)
+                # one datagram at a time under the lock: the training thread gets each update as soon
+                # as it is complete instead of after a whole batch
+                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
+                    if addr[:2] != relay:
+                        drops["not_from_relay"] += 1
+                        continue
+                    with lock:
                         core.receive_datagram(data, addr, time.monotonic())
-                        got += 1
+                        out = core.datagrams_to_send()
+                        news = bool(core.ready)
+                        while core.next_event() is not None:
+                            news = True
+                        if news:
+                            self._changed.notify_all()
+                    if out:
+                        self._send(out)
+                with lock:
                     now = time.monotonic()
                     if now >= core.next_timer():
                         core.handle_timer(now)
                     out = core.datagrams_to_send()
+                    news = bool(core.error)
                     while core.next_event() is not None:
-                        got += 1
-                    if got:
+                        news = True
+                    if news:
                         self._changed.notify_all()
                 self._send(out)
         except BaseException as exc:
@@ -110,6 +111,15 @@ class Peer:
 
     def _flush_locked(self) -> list[bytes]:
         return self._core.datagrams_to_send()
+
+    def _call(self, method, *args) -> None:
+        """Run a core method under the lock (after the usual checks), then send what it produced."""
+        with self._changed:
+            self._check()
+            method(*args, time.monotonic())
+            out = self._flush_locked()
+            self._changed.notify_all()
+        self._send(out)
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -136,11 +146,7 @@ class Peer:
     def join(self, timeout: float | None = None) -> Welcome:
         """Join the relay; returns its WELCOME (``start_step`` 0 fresh, > 0 resume from a snapshot)."""
         timeout = self.timeout if timeout is None else timeout
-        with self._changed:
-            self._check()
-            self._core.join(time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+        self._call(self._core.join)
         with self._changed:
             self._wait(lambda: self._core.welcome is not None, timeout,
                        lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
@@ -150,11 +156,7 @@ class Peer:
     def fetch_snapshot(self, timeout: float | None = None) -> tuple[int, np.ndarray]:
         """(step, params): the relay's authoritative parameters with the log applied through ``step``."""
         timeout = self.timeout if timeout is None else timeout
-        with self._changed:
-            self._check()
-            self._core.request_snapshot(time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+        self._call(self._core.request_snapshot)
         with self._changed:
             def describe() -> str:
                 s = self._core.snap
@@ -164,12 +166,7 @@ class Peer:
             return self._core.snapshot
 
     def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
-        with self._changed:
-            self._check()
-            self._core.send_update(step, payload, meta, time.monotonic())
-            out = self._flush_locked()
-            self._changed.notify_all()
-        self._send(out)
+        self._call(self._core.send_update, step, payload, meta)
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
         """Every deliverable update not returned before, in canonical (step, sender) order. With
@@ -191,12 +188,22 @@ class Peer:
                            timeout, describe)
             return self._core.pop_ready()
 
-    def finish(self, last_step: int) -> None:
+    def wait(self, timeout: float) -> bool:
+        """Block until at least one update is deliverable (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
         with self._changed:
-            self._check()
-            self._core.finish(last_step, time.monotonic())
-            out = self._flush_locked()
-        self._send(out)
+            while True:
+                self._check()
+                if self._core.ready:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+
+    def finish(self, last_step: int) -> None:
+        """FINISHED(last_step): peers stop expecting this rank after it (retransmitted until confirmed)."""
+        self._call(self._core.finish, last_step)
 
     @property
     def complete_through(self) -> int:
@@ -209,11 +216,14 @@ class Peer:
             d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
             return d
 
-    def close(self, linger: float = LINGER) -> None:
-        """Wait up to ``linger`` s for our updates to be acknowledged, say LEAVE, stop the thread, close."""
+    def close(self, linger: float = LINGER, leave: bool = True) -> None:
+        """Wait up to ``linger`` s for our updates to be acknowledged, say LEAVE, stop the thread, close.
+        ``leave=False`` vanishes silently, like a killed task (the relay's liveness timeout then applies)."""
         if self._closed:
             return
         try:
+            if not leave:
+                return
             if self._thread.is_alive() and self._core.state == "joined" and not self._core.error:
                 deadline = time.monotonic() + linger
                 with self._changed:

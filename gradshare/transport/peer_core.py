@@ -69,7 +69,11 @@ class PeerCore:
         self.inbox_nbytes = 0
         self.ready: deque[ev.Update] = deque()
         self.unacked = History(max_unacked, max_unacked_bytes)
-        self.sent_at: dict[int, float] = {}
+        self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
+        self.first_sent: dict[int, float] = {}  # step -> first send, for RTT samples (Karn: no retransmits)
+        self.tries: dict[int, int] = {}
+        self.srtt: float | None = None          # RFC 6298 smoothed RTT / variation -> retransmit timeout
+        self.rttvar = 0.0
         self.next_step: int | None = None
         self.finish_step: int | None = None
         self.finish_acked = False
@@ -109,7 +113,8 @@ class PeerCore:
         _, clean_meta = wire.decode_update_body(body)
         self._store(ev.Update(step, self.rank, payload, clean_meta))
         self.unacked.put(step, body)
-        self.sent_at[step] = now
+        self.sent_at[step] = self.first_sent[step] = now
+        self.tries[step] = 0
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
         self.c["updates_sent"] += 1
@@ -181,7 +186,8 @@ class PeerCore:
         return nxt
 
     def counters(self) -> dict:
-        d = dict(self.c)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
+        d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["unacked"] = len(self.unacked)
         d["complete_through"] = self.complete_through
@@ -213,10 +219,8 @@ class PeerCore:
         if h.kind == Kind.SNAP_CHUNK:
             self._on_snap_chunk(h, body, now)
             return
-        try:
-            msg = wire.decode_control(h.kind, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(h.kind, body)
+        if msg is None:
             return
         if isinstance(msg, ev.Reject):
             self.error = f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}"
@@ -228,6 +232,8 @@ class PeerCore:
             self.chan.drops["before_welcome"] += 1
         elif isinstance(msg, ev.Ack):
             for s in msg.steps:
+                if self.tries.get(s) == 0:
+                    self._rtt_sample(now - self.first_sent[s])
                 self._acked(s)
         elif isinstance(msg, ev.Nak):
             for item in msg.items:
@@ -349,6 +355,22 @@ class PeerCore:
     def _acked(self, step: int) -> None:
         self.unacked.pop(step)
         self.sent_at.pop(step, None)
+        self.first_sent.pop(step, None)
+        self.tries.pop(step, None)
+
+    def _rtt_sample(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def current_rto(self) -> float:
+        """Retransmit timeout: RFC 6298 from ACK round trips, never below the configured ``rto``. Under
+        load the round trip grows (queues); a fixed timeout would then retransmit what is merely late."""
+        if self.srtt is None:
+            return self.rto
+        return min(max(self.rto, self.srtt + 4 * self.rttvar), 10.0)
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_info(self, msg: ev.SnapInfo, now: float) -> None:
@@ -401,12 +423,16 @@ class PeerCore:
             self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1)))
             if self.finish_step is not None and not self.finish_acked:
                 self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
+        rto = self.current_rto()
         for step in list(self.unacked):
-            if now - self.sent_at.get(step, now) >= self.rto:
+            tries = self.tries.get(step, 0)
+            if now - self.sent_at.get(step, now) >= rto * (1 << min(tries, 6)):   # exponential backoff
                 ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
                 self._out.extend(ds)
                 self.sent_at[step] = now
+                self.tries[step] = tries + 1
                 self.c["retransmits"] += len(ds)
+                self.c["timeouts"] += 1
         self._nak_missing(now)
         self.reasm.expire(now, 30.0)
         if self.snap_requested:
@@ -427,6 +453,7 @@ class PeerCore:
             return
         items: list[ev.NakItem] = []
         limit = cur.step + self.max_ahead
+        renak = max(self.nak_interval, 2 * self.srtt) if self.srtt is not None else self.nak_interval
         for r in range(self.world_size):
             if r == self.rank:
                 continue
@@ -443,8 +470,14 @@ class PeerCore:
                     self.missing[key] = [now, -1e18]
                     continue
                 p = self.reasm.partials.get(key)
-                if now - m[0] < self.nak_delay or now - m[1] < self.nak_interval or (
-                        p is not None and now - p.last_seen < self.nak_delay):
+                if now - m[0] < self.nak_delay:
+                    continue                        # maybe just reordered: give it a moment
+                if p is not None:
+                    if now - p.last_seen < self.nak_delay:
+                        continue                    # chunks are still arriving
+                    if p.last_seen < m[1] and now - m[1] < renak:
+                        continue                    # nothing new since our last NAK: its answer may be late
+                elif now - m[1] < renak:
                     continue
                 m[1] = now
                 items.append(ev.NakItem(key[0], r, p.missing(ev.MAX_NAK_ITEMS) if p else ()))

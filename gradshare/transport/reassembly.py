@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 
 class Partial:
-    __slots__ = ("count", "chunks", "nbytes", "last_seen", "first_seen")
+    __slots__ = ("count", "chunks", "nbytes", "last_seen", "first_seen", "naks")
 
     def __init__(self, count: int, now: float) -> None:
         self.count = count
@@ -18,6 +18,7 @@ class Partial:
         self.nbytes = 0
         self.first_seen = now
         self.last_seen = now
+        self.naks = 0              # NAKs sent for it so far (the receiver backs off between them)
 
     def missing(self, limit: int) -> tuple[int, ...]:
         out = []
@@ -68,6 +69,7 @@ class Reassembler:
         p.chunks[index] = data
         p.nbytes += len(data)
         p.last_seen = now
+        p.naks = 0                 # progress: a later NAK need not back off
         self.nbytes += len(data)
         if len(p.chunks) < p.count:
             return None, None

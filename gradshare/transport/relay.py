@@ -30,6 +30,7 @@ class Relay:
                  liveness_timeout: float = 30.0, insecure: bool = False, **core_options: Any) -> None:
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
+        core_options.setdefault("defer_apply", True)
         self._core = RelayCore(initial_params, world_size, key, job_id, now=time.monotonic(),
                                datagram_size=datagram_size, liveness_timeout=liveness_timeout,
                                insecure=insecure, **core_options)
@@ -74,23 +75,19 @@ class Relay:
 
     # --- the I/O loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        core, sock, lock = self._core, self._sock, self._lock
+        core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
         try:
             while not self._stop.is_set():
-                with lock:
-                    wait = core.next_timer() - time.monotonic()
-                if wait > 0:
-                    udp.wait_readable(sock, min(wait, MAX_WAIT))
-                with lock:
-                    for _ in range(DRAIN_BATCH):
-                        try:
-                            data, addr = sock.recvfrom(udp.RECV_BYTES)
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        except OSError:          # e.g. ICMP errors surfaced on some platforms
-                            self._io_drops["recv_error"] += 1
-                            continue
+                udp.wait_for_work(sock, lock, core, MAX_WAIT)
+                # one datagram at a time under the lock, and forward at once: latency before batching
+                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
+                    with lock:
                         core.receive_datagram(data, addr, time.monotonic())
+                        out = core.datagrams_to_send()
+                    if out:
+                        udp.send_all(sock, out, drops)
+                with lock:
+                    core.apply_pending()             # the authoritative copy, after the forwards left
                     now = time.monotonic()
                     if now >= core.next_timer():
                         core.handle_timer(now)
@@ -101,7 +98,7 @@ class Relay:
                         changed = True
                     if changed:
                         self._changed.notify_all()
-                udp.send_all(sock, out, self._io_drops)
+                udp.send_all(sock, out, drops)
         except BaseException as exc:   # the thread must not die silently: waiters re-raise this
             with lock:
                 self._failure = exc

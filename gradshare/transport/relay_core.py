@@ -136,7 +136,7 @@ class RelayCore:
                  history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
                  reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
                  max_ahead: int = 4096, nak_delay: float = 0.02, tick: float = 0.005,
-                 snapshot_rate: float = 50e6, max_snapshots: int = 2) -> None:
+                 snapshot_rate: float = 50e6, max_snapshots: int = 2, defer_apply: bool = False) -> None:
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
             raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
@@ -165,6 +165,10 @@ class RelayCore:
         self.tick = tick
         self.snapshot_rate = snapshot_rate
         self.max_snapshots = max_snapshots
+        # defer_apply: receive_datagram only forwards; apply_pending() applies (the shell calls it after
+        # sending, so applying to the authoritative copy never delays a forward)
+        self.defer_apply = defer_apply
+        self._apply_due = False
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
@@ -206,10 +210,11 @@ class RelayCore:
         return self._last_tick + (self.tick if busy else 0.1)
 
     def finished(self) -> bool:
-        return self.cursor.finished()
+        return self.cursor.finished() and not self._apply_due
 
     def counters(self) -> dict:
-        d = dict(self.c)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded", "updates_in", "applied", "naks_sent"), 0)
+        d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
@@ -229,6 +234,7 @@ class RelayCore:
             "ranks": {r.rank: {"joined": r.joined, "have": r.received.contiguous_from(self.cursor.start_step) - 1,
                                "ended": None if r.ended is None else
                                {"last_step": r.ended.last_step, "gone": r.ended.gone},
+                               "updates_in": r.updates_in, "bytes_in": r.bytes_in,
                                "meta": dict(r.meta) if r.meta else None}
                       for r in self.ranks},
         }
@@ -267,10 +273,8 @@ class RelayCore:
         if h.kind == Kind.UPDATE:
             self._on_update_chunk(rs, h, body, now)
             return
-        try:
-            msg = wire.decode_control(h.kind, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(h.kind, body)
+        if msg is None:
             return
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
@@ -304,10 +308,8 @@ class RelayCore:
 
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
-        try:
-            msg = wire.decode_control(Kind.JOIN, body)
-        except DecodeError:
-            self.chan.drops["bad_body"] += 1
+        msg = self.chan.control(Kind.JOIN, body)
+        if msg is None:
             return
         reject = None
         if msg.world_size != self.world_size:
@@ -347,6 +349,7 @@ class RelayCore:
 
     def _start_attempt(self, attempt: int, now: float) -> None:
         """A retried stage: drop everything after complete_through and restart the log after it."""
+        self.apply_pending()                   # complete_through must be current before it becomes the cut
         base = self.complete_through + 1
         self.attempt = attempt
         self.chan.attempt = attempt
@@ -411,7 +414,7 @@ class RelayCore:
             self.evicted.add(key)
             self.c["history_evicted"] += 1
         self._forward(rs.rank, step, whole)
-        self._advance()
+        self._request_apply()
 
     def _refuse_update(self, rs: RankState, step: int, why: str) -> None:
         """An authenticated peer sent an update that does not decode: it must never enter the log.
@@ -480,27 +483,45 @@ class RelayCore:
         for r in self.ranks:
             if r.joined and not r.left:
                 self._send(r, status)
-        self._advance()
+        self._request_apply()
+
+    def _request_apply(self) -> None:
+        self._apply_due = True
+        if not self.defer_apply:
+            self.apply_pending()
+
+    def apply_pending(self) -> None:
+        """Apply every update whose turn has come (called inline unless ``defer_apply``)."""
+        if self._apply_due:
+            self._apply_due = False
+            self._advance()
 
     def _advance(self) -> None:
-        """Apply every update whose turn has come, in canonical (step, rank) order."""
+        """Apply the log in canonical (step, rank) order, one whole step at a time.
+
+        Whole steps only: the authoritative parameters then always equal "the log applied through
+        complete_through", which is what a snapshot and a new attempt's cut promise (issue 3)."""
         cur = self.cursor
-        while True:
-            key = cur.next_key()
-            if key is None:
+        while not cur.finished():
+            t = cur.step
+            row = [(t, r) for r in range(cur.rank, self.world_size) if cur.exists(t, r) is not False]
+            if any(k not in self.pending for k in row):
                 break
-            decoded = self.pending.pop(key, None)
-            if decoded is None:
-                break
-            self.apply_update(decoded, self.params)
-            self.c["applied"] += 1
-            cur.advance()
+            for k in row:
+                self.apply_update(self.pending.pop(k), self.params)
+                self.c["applied"] += 1
+            while cur.step == t:
+                if cur.next_key() is None:
+                    break
+                if cur.step == t:
+                    cur.advance()
         if cur.finished() and not self._log_complete_sent:
             self._log_complete_sent = True
             self._events.append(ev.LogComplete(cur.complete_through))
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:
+        self.apply_pending()
         t = self.transfers.get(rs.rank)
         if t is None:
             snap = next((s for s in self.snapshots.values() if s.step == self.complete_through), None)
@@ -541,15 +562,19 @@ class RelayCore:
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
+        self.apply_pending()
         self._pace(now)
         self._last_tick = now
         # NAK our own partial inbound updates (the peer resends just the missing chunks)
         naks: dict[int, list[ev.NakItem]] = {}
         for (rank, step), p in self.reasm.stale(now, self.nak_delay):
+            if now - p.last_seen < self.nak_delay * (1 << min(p.naks, 6)):
+                continue                                  # back off: the answer may just be late
             items = naks.setdefault(rank, [])
             if len(items) < ev.MAX_NAK_ITEMS:
                 items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
                 p.last_seen = now
+                p.naks += 1
         for rank, items in naks.items():
             self._send(self.ranks[rank], ev.Nak(tuple(items)))
             self.c["naks_sent"] += 1
@@ -592,3 +617,5 @@ class RelayCore:
         floor = min(live + [self.complete_through]) if live else self.complete_through
         if self.history and floor >= self.cursor.start_step:
             self.history.discard_where(lambda k: k[0] <= floor)
+        if self.evicted:                  # nobody can still NAK what every peer has delivered
+            self.evicted = {k for k in self.evicted if k[0] > floor}

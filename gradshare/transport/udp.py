@@ -6,6 +6,7 @@ import errno
 import ipaddress
 import select
 import socket
+import time
 from collections import Counter
 
 BUFFER_BYTES = 8 << 20          # ask for 8 MiB socket buffers (the kernel caps at net.core.[rw]mem_max)
@@ -55,6 +56,27 @@ def local_bind_for(relay_host: str) -> str:
 def wait_readable(sock: socket.socket, timeout: float) -> bool:
     r, _, _ = select.select([sock], [], [], max(timeout, 0.0))
     return bool(r)
+
+
+def wait_for_work(sock: socket.socket, lock, core, max_wait: float) -> None:
+    """Sleep until a datagram arrives or the core's timer is due (at most ``max_wait`` s)."""
+    with lock:
+        wait = core.next_timer() - time.monotonic()
+    if wait > 0:
+        wait_readable(sock, min(wait, max_wait))
+
+
+def received(sock: socket.socket, drops: Counter, limit: int):
+    """Yield up to ``limit`` datagrams already waiting on a non-blocking socket."""
+    for _ in range(limit):
+        try:
+            data, addr = sock.recvfrom(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:          # e.g. ICMP errors surfaced on some platforms
+            drops["recv_error"] += 1
+            continue
+        yield data, addr
 
 
 def send_all(sock: socket.socket, datagrams, drops: Counter) -> None:

@@ -1,0 +1,133 @@
+"""Step overhead on loopback: gradshare step ÷ single-process step, same model, same batch, one run.
+
+    PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/step_overhead.py [--steps 60] [--json out.json]
+
+Both sides run as 2 concurrent Spark tasks on an embedded local[2] session, one torch thread each, so
+they compete for the same cores in the same way: the baseline tasks train their own model copy
+locally (no sharing at all); the gradshare tasks run SharedTrainer's workers (relay on 127.0.0.1).
+Step times are taken inside the tasks, after `--warmup` steps (Spark start-up, materialisation and the
+adaptive threshold's first steps are not the steady state). Issue 4's target: ratio <= 1.25. The model
+defaults to the 8.4 M-parameter MLP of DESIGN.md's peer comparison (1024-2048-2048-1024-10, batch 64).
+The optimizer is SGD with momentum on both sides (Adam's even-sized first updates make every entry
+cross τ until the adaptive threshold has caught up, which a 60-step run would mostly measure).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=60, help="steps per worker (and for the baseline)")
+    parser.add_argument("--warmup", type=int, default=15, help="steps not timed at the start")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--widths", default="1024,2048,2048,1024,10", help="MLP layer widths")
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternate baseline and gradshare this many times (the machine is shared)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+
+
+def make_mlp(widths):
+    from torch import nn
+
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def optimizer(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def local_steps(widths, batch, warmup, seed, rows):
+    """Baseline task body: the same model, optimizer and batches, trained locally without sharing."""
+    import numpy as np
+    import torch
+    from pyspark import TaskContext
+
+    torch.set_num_threads(max(1, int(TaskContext.get().cpus())))
+    data = list(rows)
+    x_all = torch.from_numpy(np.stack([r[0] for r in data]).astype(np.float32))
+    y_all = torch.tensor([int(r[1]) for r in data])
+    torch.manual_seed(seed)
+    model = make_mlp(widths)
+    opt = optimizer(list(model.parameters()))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for b in range(0, len(data), batch):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x_all[b : b + batch]), y_all[b : b + batch]).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return [times[warmup:]]
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from gradshare import SharedTrainer
+    from gradshare.spark import get_or_create_session
+
+    widths = [int(w) for w in args.widths.split(",")]
+    spark, created = get_or_create_session(2)
+    try:
+        rng = np.random.default_rng(1)
+        rows = args.steps * args.batch_size
+        data = [(rng.normal(size=widths[0]).astype(np.float32), int(rng.integers(0, widths[-1])))
+                for _ in range(2 * rows)]
+        rdd = spark.sparkContext.parallelize(data, 2).cache()
+        rdd.count()
+        rounds = []
+        for _ in range(args.rounds):  # alternate, so a load change hits both sides alike
+            base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
+            trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
+                                    epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
+                                    worker_options={"step_times": True})
+            result = trainer.fit(rdd)
+            single = float(np.median(np.concatenate(base)))
+            step = float(np.median(np.concatenate([r["step_times"][args.warmup:] for r in result.worker_reports])))
+            rounds.append((single, step, result))
+    finally:
+        if created:
+            spark.stop()
+    ratios = [step / single for single, step, _ in rounds]
+    k = int(np.argsort(ratios)[len(ratios) // 2])  # the median round
+    single, step, result = rounds[k]
+    reps = result.worker_reports
+    log = float(np.mean([r["log_seconds"] / r["steps_run"] for r in reps]))
+    enc = float(np.mean([r["encode_seconds"] / r["steps_run"] for r in reps]))
+    out = {
+        "n_params": result.n_params, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+        "staleness": args.staleness, "single_step_ms": 1e3 * single, "gradshare_step_ms": 1e3 * step,
+        "ratio": step / single, "ratios_all_rounds": ratios, "log_wait_ms_mean": 1e3 * log, "encode_ms_mean": 1e3 * enc,
+        "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
+        "traffic_ratio": result.traffic_ratio,
+    }
+    print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
+          f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}")
+    print(f"single-process step (median)  {out['single_step_ms']:8.2f} ms")
+    print(f"gradshare step (median)       {out['gradshare_step_ms']:8.2f} ms   (means over all steps: waiting "
+          f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)")
+    print(f"ratio                         {out['ratio']:8.3f}   (target <= 1.25; median of rounds "
+          f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"traffic vs dense              {out['traffic_ratio']:8.1f}x less, mean sparsity {out['mean_sparsity']:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,264 @@
+"""Kernels of the *rice* form: Golomb-Rice coded index gaps (private; see message.py for the format).
+
+Payload: byte 0 = the Rice parameter k (0..RICE_MAX_K), then a bit stream, least significant bit of
+each byte first. Per entry, with gap = index - previous index - 1 (previous starts at -1):
+``gap >> k`` zeros, a one, the low k bits of gap, then the sign bit (1 = −τ). Unused bits of the last
+byte are zero.
+
+Why: index gaps of a random sparse update are close to geometric, for which a Rice code with
+k ≈ log2(mean gap · ln 2) sits within a few percent of the entropy: ~1.55 bytes per entry at density
+1e-3 against ~1.94 for LEB128 varints (the *sparse* form). Clustered entries (runs of neighbours with
+rare long jumps) suit varints better; `encode` measures both and keeps the smaller.
+
+Readers see the payload as little-endian uint64 words plus a zero word (`padded_words`) and take a
+64-bit window at any bit offset from two words; with k <= 40 most entries decode from one window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import config, njit, types
+from numba.extending import intrinsic
+
+from gradshare.encoding.kernels import (
+    CHECK_INDEX,
+    CHECK_OK,
+    CHECK_OVERLONG,
+    CHECK_PADDING,
+    CHECK_TRAILING,
+    CHECK_TRUNCATED,
+    _apply_batch,
+    _prefetch_write,
+)
+
+RICE_MAX_K = 40
+PAD_WORDS = 1  # zero uint64 words readers need after the payload's words
+
+_U1 = np.uint64(1)
+_U63 = np.uint64(63)
+
+if config.DISABLE_JIT:
+
+    def _cttz(x):
+        x = int(x)
+        return np.uint64((x & -x).bit_length() - 1)
+
+else:
+
+    @intrinsic
+    def _cttz(typingctx, x):
+        """Count trailing zero bits of a non-zero uint64 (llvm.cttz)."""
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+            fn = builder.module.declare_intrinsic("llvm.cttz", [i64], fnty)
+            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+        return types.uint64(types.uint64), codegen
+
+
+def padded_words(payload: bytes) -> np.ndarray:
+    """The payload as little-endian uint64 words, zero-padded by at least PAD_WORDS words."""
+    n_words = (len(payload) + 7) // 8 + PAD_WORDS
+    raw = np.zeros(n_words * 8, np.uint8)
+    raw[: len(payload)] = np.frombuffer(payload, np.uint8)
+    return raw.view("<u8").astype(np.uint64, copy=False)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _window(words, bitpos):
+    """The 64 stream bits starting at bit ``bitpos`` (bit b = bit b % 64 of words[b // 64])."""
+    w = bitpos >> 6
+    sh = np.uint64(bitpos & 63)
+    # (hi << 1) << (63 - sh) is hi << (64 - sh) without the undefined shift by 64 when sh == 0
+    return (words[w] >> sh) | ((words[w + 1] << _U1) << (_U63 - sh))
+
+
+@njit(nogil=True, cache=True)
+def _form_sizes(codes, n_params):
+    """One pass over the codes: (sparse form bytes, best rice k, rice stream bits for that k).
+
+    Rice candidates are the four k around log2 of the mean gap (the optimum for geometric gaps is
+    near log2(mean · ln 2)); each costs sum(gap >> k) + n·(k + 2) bits.
+    """
+    n = codes.size
+    mean = (n_params - n) / max(n, 1)  # upper bound on the mean gap: entries can sit anywhere
+    k0 = 0
+    while k0 < RICE_MAX_K and (1 << (k0 + 1)) <= mean:
+        k0 += 1
+    k0 = min(max(0, k0 - 2), RICE_MAX_K - 3)
+    q0 = 0
+    q1 = 0
+    q2 = 0
+    q3 = 0
+    varint_bytes = 0
+    prev = -1
+    for e in range(n):
+        c = codes[e]
+        i = c >> 1
+        gap = i - prev - 1
+        prev = i
+        q0 += gap >> k0
+        q1 += gap >> (k0 + 1)
+        q2 += gap >> (k0 + 2)
+        q3 += gap >> (k0 + 3)
+        v = ((gap << 1) | (c & 1)) >> 7
+        varint_bytes += 1
+        while v:
+            varint_bytes += 1
+            v >>= 7
+    best_k = k0
+    best = q0 + n * (k0 + 2)
+    for j, q in enumerate((q1, q2, q3)):
+        bits = q + n * (k0 + j + 3)
+        if bits < best:
+            best = bits
+            best_k = k0 + j + 1
+    return varint_bytes, best_k, best
+
+
+@njit(nogil=True, cache=True)
+def _rice_write(codes, k, out):
+    """Write the rice payload of ``codes`` into the ZEROED ``out`` (1 + ceil(bits/8) bytes)."""
+    out[0] = k
+    pos = 1
+    acc = np.int64(0)
+    nb = 0
+    mask = (np.int64(1) << k) - 1
+    prev = -1
+    for e in range(codes.size):
+        c = codes[e]
+        i = c >> 1
+        gap = i - prev - 1
+        prev = i
+        q = gap >> k
+        while q >= 48:  # long unary run: zeros only, flushed a few bytes at a time
+            nb += 48
+            q -= 48
+            while nb >= 8:
+                out[pos] = acc & 0xFF
+                acc >>= 8
+                nb -= 8
+                pos += 1
+        acc |= np.int64(1) << (nb + q)
+        nb += q + 1
+        while nb >= 8:  # keep acc < 2**56: at most 7 pending bits before the k + 1 payload bits
+            out[pos] = acc & 0xFF
+            acc >>= 8
+            nb -= 8
+            pos += 1
+        acc |= ((gap & mask) | ((c & 1) << k)) << nb
+        nb += k + 1
+        while nb >= 8:
+            out[pos] = acc & 0xFF
+            acc >>= 8
+            nb -= 8
+            pos += 1
+    if nb > 0:
+        out[pos] = acc & 0xFF
+
+
+@njit(nogil=True, cache=True)
+def _check_rice(words, size, n_entries, n_params):
+    """Read-only validation of an untrusted rice payload of ``size`` bytes (as `padded_words`)."""
+    if size < 1:
+        return CHECK_TRUNCATED
+    k = np.int64(words[0] & np.uint64(0xFF))
+    if k > RICE_MAX_K:
+        return CHECK_OVERLONG
+    total = size * 8
+    max_q = n_params >> k
+    umask = (_U1 << np.uint64(k)) - _U1
+    bitpos = 8  # after the k byte
+    prev = -1
+    for _ in range(n_entries):
+        q = 0
+        while True:
+            if bitpos >= total:
+                return CHECK_TRUNCATED
+            v = _window(words, bitpos)
+            if v == 0:
+                q += 64
+                bitpos += 64
+                if q > max_q:
+                    return CHECK_INDEX
+                continue
+            z = np.int64(_cttz(v))
+            q += z
+            bitpos += z + 1
+            break
+        if q > max_q:
+            return CHECK_INDEX
+        if bitpos + k + 1 > total:
+            return CHECK_TRUNCATED
+        gap = (q << k) | np.int64(_window(words, bitpos) & umask)
+        bitpos += k + 1
+        if gap >= n_params - prev - 1:
+            return CHECK_INDEX
+        prev = prev + 1 + gap
+    if (bitpos + 7) >> 3 != size:
+        return CHECK_TRAILING
+    if bitpos & 7 and (_window(words, bitpos) & np.uint64(0xFF)):
+        return CHECK_PADDING
+    return CHECK_OK
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rice_next(words, bitpos, k, umask):
+    """(gap, neg, next bitpos) of the entry at ``bitpos`` of a VALIDATED stream."""
+    v = _window(words, bitpos)
+    if v != 0:
+        z = np.int64(_cttz(v))
+        if z + k + 2 <= 64:  # common case: the whole entry is in this window
+            rest = v >> np.uint64(z + 1)
+            gap = (z << k) | np.int64(rest & umask)
+            return gap, np.int64((rest >> np.uint64(k)) & _U1), bitpos + z + k + 2
+    q = 0
+    while v == 0:
+        q += 64
+        bitpos += 64
+        v = _window(words, bitpos)
+    z = np.int64(_cttz(v))
+    q += z
+    bitpos += z + 1
+    v = _window(words, bitpos)
+    return (q << k) | np.int64(v & umask), np.int64((v >> np.uint64(k)) & _U1), bitpos + k + 1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rice_decode_batch(words, bitpos, prev, out, cnt, params):
+    """Decode ``cnt`` codes of a VALIDATED rice stream from ``bitpos`` into out[:cnt]; (bitpos, last index).
+
+    Prefetches each target in ``params`` unless it is empty, as _sparse_decode_batch.
+    """
+    k = np.int64(words[0] & np.uint64(0xFF))
+    umask = (_U1 << np.uint64(k)) - _U1
+    for t in range(cnt):
+        gap, neg, bitpos = _rice_next(words, bitpos, k, umask)
+        i = prev + 1 + gap
+        out[t] = (i << 1) | neg
+        if params.size:
+            _prefetch_write(params, i)
+        prev = i
+    return bitpos, prev
+
+
+@njit(nogil=True, cache=True)
+def _rice_decode(words, n_entries, out):
+    """Codes of a VALIDATED rice payload (as `padded_words`) into out[:n_entries]."""
+    _rice_decode_batch(words, 8, -1, out, n_entries, np.empty(0, np.float32))
+
+
+@njit(nogil=True, cache=True)
+def _rice_apply(words, n_entries, steps, params, batch):
+    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as _sparse_apply)."""
+    bitpos = 8  # after the k byte
+    prev = -1
+    done = 0
+    while done < n_entries:
+        cnt = min(batch.size, n_entries - done)
+        bitpos, prev = _rice_decode_batch(words, bitpos, prev, batch, cnt, params)
+        _apply_batch(batch, cnt, steps, params)
+        done += cnt
