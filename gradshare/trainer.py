@@ -123,6 +123,7 @@ class SharedTrainer:
         epochs: int = 1,
         num_workers: int | None = None,
         staleness: int = 0,
+        lookahead: bool = True,
         residual_clip: float | None = 5.0,
         seed: int = 0,
         verbose: int = 1,
@@ -162,6 +163,7 @@ class SharedTrainer:
         self.threshold, self.threshold_algorithm = float(threshold), threshold_algorithm
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
+        self.lookahead = bool(lookahead)
         self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
@@ -278,7 +280,7 @@ class SharedTrainer:
                 epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
-                metric=metric, extra=self.worker_options,
+                metric=metric, extra=self.worker_options, lookahead=self.lookahead,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

@@ -9,7 +9,15 @@ One step t on rank w (DESIGN.md, "One training step"):
     P changes only by applying decoded messages of the log, in (step, sender) order, own included
 
 Staleness k: before step t the log is applied through step t-1-k, and never further, so the trajectory
-of every replica is a function of the data and the seed alone (k = 0 is synchronous). The residual and
+of every replica is a function of the data and the seed alone (k = 0 is synchronous).
+
+Own-update lookahead (k ≥ 1, `WorkerConfig.lookahead`): with stale parameters the step's gradient is taken
+at P, which lacks this worker's own last k messages, so a worker keeps pushing in a direction its own
+already-sent updates have covered; with Adam at lr 1e-3 that alone makes k = 1 diverge on the benchmark
+MLP (README, "Staleness"). So the forward/backward and optimizer step run at P + (own sent messages the
+log has not applied yet), and u is measured from that point; afterwards P is restored bit for bit. P
+itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
+evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
 them from zero — that is what a restart loses.
 """
@@ -53,6 +61,7 @@ class WorkerConfig:
     spill_bytes: int = 256 << 20
     validation: tuple[np.ndarray, np.ndarray] | None = None
     metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
+    lookahead: bool = True  # k >= 1: step at P + own not-yet-applied messages (module docstring)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -139,6 +148,9 @@ class Worker:
         self.encode_seconds = 0.0
         self.spare = torch.empty(n, dtype=torch.float32)  # receives P_before; then becomes the live buffer
         self.update = np.empty(n, dtype=np.float32)
+        self.own_pending: deque = deque()  # (step, Message) this rank sent that its log has not applied
+        self.look_base: np.ndarray | None = None  # P + own pending, the point u is measured from
+        self.log: ApplyLog | None = None
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
         else:
@@ -176,13 +188,14 @@ class Worker:
         from gradshare.encoding import encode_step
 
         x, y = self._batch(epoch, b)
+        live, before = self.flat.buffer, self.spare
+        np.copyto(before.numpy(), self.flat.array)  # P, restored exactly after the step
+        base = self._look_ahead(before.numpy())
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
-        live, before = self.flat.buffer, self.spare
-        np.copyto(before.numpy(), self.flat.array)
         self.optimizer.step()
-        np.subtract(self.flat.array, before.numpy(), out=self.update)
+        np.subtract(self.flat.array, base, out=self.update)
         # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
         # buffers saves copying P_before back over the whole model every step.
         self.flat.rebind(before)
@@ -191,6 +204,8 @@ class Worker:
         e0 = time.perf_counter()
         msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
         payload = msg.to_bytes()
+        if self.cfg.lookahead and self.cfg.staleness > 0:
+            self.own_pending.append((t, msg))
         self.encode_seconds += time.perf_counter() - e0
         loss_value = float(loss.detach())
         peer.send_update(t, payload, {
@@ -199,11 +214,30 @@ class Worker:
         })
         return loss_value, msg.n_entries, len(payload)
 
+    def _look_ahead(self, p_before: np.ndarray) -> np.ndarray:
+        """Add this rank's sent-but-not-yet-applied messages to the live buffer (a copy of P, which
+        `p_before` keeps); return the point the update is measured from (P itself when there are none)."""
+        from gradshare.encoding import apply
+
+        done = self.log.applied_through if self.log is not None else -1
+        while self.own_pending and self.own_pending[0][0] <= done:
+            self.own_pending.popleft()  # the log has applied it: P contains it now
+        if not self.own_pending:
+            return p_before
+        live = self.flat.array
+        for _, msg in self.own_pending:  # in step order, the order the log will apply them
+            apply(msg, live)
+        if self.look_base is None:
+            self.look_base = np.empty_like(live)
+        np.copyto(self.look_base, live)
+        return self.look_base
+
     def run(self, peer, start_step: int) -> dict:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         self._order_epoch = -1
         log = ApplyLog(peer, self.flat, start_step, cfg.timeout)
+        self.log = log
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
