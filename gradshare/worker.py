@@ -12,10 +12,11 @@ Staleness k: before step t the log is applied through step t-1-k, and never furt
 of every replica is a function of the data and the seed alone (k = 0 is synchronous).
 
 Own-update lookahead (k ≥ 1, `WorkerConfig.lookahead`): with stale parameters the step's gradient is taken
-at P, which lacks this worker's own last k messages, so a worker keeps pushing in a direction its own
-already-sent updates have covered; with Adam at lr 1e-3 that alone makes k = 1 diverge on the benchmark
-MLP (README, "Staleness"). So the forward/backward and optimizer step run at P + (own sent messages the
-log has not applied yet), and u is measured from that point; afterwards P is restored bit for bit. P
+at P, which lacks every worker's last k messages, so a worker keeps pushing in directions already-sent
+updates have covered (with Adam at lr 1e-3, k = 1 falls from ~89 % to ~19 % on the benchmark MLP after
+4 epochs; README, "Staleness"). Its OWN missing messages are known locally, so the forward/backward and
+optimizer step run at P + (own sent messages the log has not applied yet), and u is measured from that
+point; afterwards P is restored bit for bit (exact for one worker, partial for several). P
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
@@ -189,11 +190,19 @@ class Worker:
 
         x, y = self._batch(epoch, b)
         live, before = self.flat.buffer, self.spare
-        np.copyto(before.numpy(), self.flat.array)  # P, restored exactly after the step
-        base = self._look_ahead(before.numpy())
+        base = self._look_ahead(before.numpy())  # None: no own message pending, step at P itself
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
+        if base is None:
+            np.copyto(before.numpy(), self.flat.array)
+            base = before.numpy()
+        elif not np.array_equal(self.flat.array, base):
+            # forward/backward changed parameters outside the optimizer (a user bug): carry the change
+            # into P, as the k = 0 path does, so the replica leaves the log and the fit's hash check
+            # names it instead of the change being shared as an update
+            before.numpy()[:] += self.flat.array - base
+            np.copyto(base, self.flat.array)
         self.optimizer.step()
         np.subtract(self.flat.array, base, out=self.update)
         # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
@@ -214,17 +223,19 @@ class Worker:
         })
         return loss_value, msg.n_entries, len(payload)
 
-    def _look_ahead(self, p_before: np.ndarray) -> np.ndarray:
-        """Add this rank's sent-but-not-yet-applied messages to the live buffer (a copy of P, which
-        `p_before` keeps); return the point the update is measured from (P itself when there are none)."""
+    def _look_ahead(self, keep: np.ndarray) -> np.ndarray | None:
+        """Copy P into `keep` (restored after the step), then add this rank's sent-but-not-yet-applied
+        messages to the live buffer; return that point, the one the update is measured from. None (and
+        nothing done) when no own message is pending: the step runs at P as with k = 0."""
         from gradshare.encoding import apply
 
         done = self.log.applied_through if self.log is not None else -1
         while self.own_pending and self.own_pending[0][0] <= done:
             self.own_pending.popleft()  # the log has applied it: P contains it now
         if not self.own_pending:
-            return p_before
+            return None
         live = self.flat.array
+        np.copyto(keep, live)
         for _, msg in self.own_pending:  # in step order, the order the log will apply them
             apply(msg, live)
         if self.look_base is None:
