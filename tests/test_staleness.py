@@ -40,7 +40,7 @@ class _Peer:
         return [Update(s, r, p, None) for s, r, p in new]
 
 
-def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2):
+def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(256, 20)).astype(np.float32)
@@ -57,6 +57,12 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2):
     )
     log = _Log()
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
+    if mutate_rank is not None:  # a user bug: forward changes a weight in place, outside the optimizer
+        def mutate(module, inputs):
+            with torch.no_grad():
+                module[0].bias += 0.5
+
+        workers[mutate_rank].model.register_forward_pre_hook(mutate)
     peers = [_Peer(log, r) for r in range(world)]
     logs = [ApplyLog(peers[r], w.flat, 0, 10.0) for r, w in enumerate(workers)]
     for w, lg in zip(workers, logs):
@@ -68,11 +74,13 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2):
             before = w.flat.array.copy()
             w._step(peers[r], t, *divmod(t, spe))
             # P changes only through the log: the step (lookahead included) leaves it bit for bit
-            assert np.array_equal(w.flat.array, before)
+            assert np.array_equal(w.flat.array, before) or r == mutate_rank
             assert len(w.own_pending) <= staleness + 1  # bounded by the window (this step's included)
     for lg in logs:
         lg.apply_through(cfg.final_step)
     assert [lg.applied for lg in logs] == [world * (cfg.final_step + 1)] * world
+    if mutate_rank is not None:
+        return [w.flat.array for w in workers], cfg.final_step + 1
     hashes = {param_hash(w.flat.array) for w in workers}
     assert len(hashes) == 1  # replicas bit-identical
     return hashes.pop()
@@ -91,3 +99,15 @@ def test_two_workers_with_lookahead_keep_replicas_identical():
     a = _train(staleness=2, lookahead=True, world=2)
     assert a == _train(staleness=2, lookahead=True, world=2)  # deterministic
     assert a != _train(staleness=2, lookahead=False, world=2)
+
+
+def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too():
+    # As with k = 0, every in-place change stays in that replica's P (the fit's hash check then names
+    # the rank) instead of being encoded and shared, or dropped when P is restored after a lookahead.
+    bias = slice(20 * 32, 20 * 32 + 32)  # Linear(20, 32): weight first, then bias, in the flat buffer
+    for k in (0, 1, 2):
+        (p0, p1), steps = _train(staleness=k, lookahead=True, world=2, mutate_rank=1)
+        diff = p1 - p0
+        np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=1e-3)
+        rest = np.delete(diff, np.arange(bias.start, bias.stop))
+        assert np.abs(rest).max() < 1e-4  # both applied the same log; only the mutation differs
