@@ -81,24 +81,13 @@ class Peer:
                         continue
                     with lock:
                         core.receive_datagram(data, addr, time.monotonic())
-                        out = core.datagrams_to_send()
-                        news = bool(core.ready)
-                        while core.next_event() is not None:
-                            news = True
-                        if news:
-                            self._changed.notify_all()
-                    if out:
-                        self._send(out)
+                        out = self._publish_locked(bool(core.ready))
+                    self._send(out)
                 with lock:
                     now = time.monotonic()
                     if now >= core.next_timer():
                         core.handle_timer(now)
-                    out = core.datagrams_to_send()
-                    news = bool(core.error)
-                    while core.next_event() is not None:
-                        news = True
-                    if news:
-                        self._changed.notify_all()
+                    out = self._publish_locked(bool(core.error))
                 self._send(out)
         except BaseException as exc:
             with lock:
@@ -108,6 +97,16 @@ class Peer:
     def _send(self, out: list[bytes]) -> None:
         if out:
             udp.send_all(self._sock, ((d, self._relay_sockaddr) for d in out), self._io_drops)
+
+    def _publish_locked(self, news: bool) -> list[bytes]:
+        """(Lock held.) Drain the core's events and wake the training thread if anything it may be
+        waiting for changed (``news`` or any event); returns the datagrams the core wants sent."""
+        out = self._core.datagrams_to_send()
+        while self._core.next_event() is not None:
+            news = True
+        if news:
+            self._changed.notify_all()
+        return out
 
     def _flush_locked(self) -> list[bytes]:
         return self._core.datagrams_to_send()
@@ -130,17 +129,22 @@ class Peer:
         if self._closed:
             raise GradshareError(f"peer rank {self.rank} is closed")
 
-    def _wait(self, done, timeout: float, describe) -> None:
-        """Wait (lock held) until ``done()``; TransportTimeout with ``describe()`` otherwise."""
+    def _wait_until(self, done, timeout: float) -> bool:
+        """Wait (lock held) until ``done()`` (True) or ``timeout`` passes (False); raises if the peer failed."""
         deadline = time.monotonic() + timeout
         while True:
             self._check()
             if done():
-                return
+                return True
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransportTimeout(describe())
+                return False
             self._changed.wait(min(left, 0.05))
+
+    def _wait(self, done, timeout: float, describe) -> None:
+        """Wait (lock held) until ``done()``; TransportTimeout with ``describe()`` otherwise."""
+        if not self._wait_until(done, timeout):
+            raise TransportTimeout(describe())
 
     # --- API ----------------------------------------------------------------------------------------
     def join(self, timeout: float | None = None) -> Welcome:
@@ -190,16 +194,8 @@ class Peer:
 
     def wait(self, timeout: float) -> bool:
         """Block until at least one update is deliverable (True) or ``timeout`` passes (False)."""
-        deadline = time.monotonic() + timeout
         with self._changed:
-            while True:
-                self._check()
-                if self._core.ready:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
+            return self._wait_until(lambda: bool(self._core.ready), timeout)
 
     def finish(self, last_step: int) -> None:
         """FINISHED(last_step): peers stop expecting this rank after it (retransmitted until confirmed)."""
