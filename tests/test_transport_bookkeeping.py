@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,3 +114,39 @@ def test_cursor_skips_ranks_that_ended():
     assert c.next_key() == (3, 2)
     c.advance()
     assert c.next_key() is None and c.finished() and c.complete_through == 3
+
+
+def test_late_allowance_grows_on_spurious_naks_and_decays_on_clean_updates():
+    from gradshare.transport.reassembly import LateAllowance
+
+    late = LateAllowance(0.004, cap=0.02)
+    late.arrived_twice(1)                         # never NAKed: a plain duplicate says nothing
+    assert late.value == 0.004
+    late.nakked(1)
+    late.arrived_twice(1)                         # the NAKed chunk came anyway: the NAK was spurious
+    assert late.value == pytest.approx(0.006)
+    late.arrived_twice(1)                         # counted once per NAK
+    assert late.value == pytest.approx(0.006)
+    for step in range(2, 12):
+        late.nakked(step)
+        late.arrived_twice(step)
+    assert late.value == 0.02                     # capped
+    late.nakked(50)
+    late.completed(50)                            # repaired by a NAK: no evidence either way
+    assert late.value == 0.02
+    for step in range(100, 1000):
+        late.completed(step)
+    assert late.value == 0.004                    # decays back to the floor, never below
+    small = LateAllowance(0.001, remember=2)
+    for step in range(3):
+        small.nakked(step)
+    small.arrived_twice(0)                        # forgotten (bounded memory): no growth
+    assert small.value == 0.001
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.integers(0, (1 << 48) - 1))
+def test_nonce_is_sender_session_counter_little_endian(sender, session, counter):
+    from gradshare.transport.crypto import nonce
+
+    assert nonce(sender, session, counter) == (sender.to_bytes(2, "little") + session.to_bytes(4, "little")
+                                               + counter.to_bytes(6, "little"))

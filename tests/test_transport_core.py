@@ -157,3 +157,84 @@ def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, st
         sim.add_peer(r)
     sim.run(steps=8)
     check_consistent(sim)
+
+
+def is_update(datagram: bytes) -> bool:
+    from gradshare.transport.wire import HEADER, Kind
+
+    return HEADER.unpack_from(datagram)[2] == Kind.UPDATE
+
+
+def joined_cores(world: int = 3, n: int = 5000, datagram_size: int = 400):
+    from gradshare.transport import memory
+    from transport_util import TOY
+
+    return memory.joined_cores(world, n, b"k" * 32, 7, datagram_size=datagram_size, **TOY)
+
+
+def test_relay_forwards_the_origins_datagrams_unchanged_and_replays_are_duplicates():
+    from transport_util import random_update
+
+    relay, peers = joined_cores()
+    payload = random_update(np.random.default_rng(0), 5000, 300)   # several 400-byte chunks
+    peers[0].send_update(0, payload, None, 0.0)
+    sent = peers[0].datagrams_to_send()
+    assert len(sent) > 2
+    for d in sent:
+        relay.receive_datagram(d, 0, 0.0)
+    out = [(d, r) for d, r in relay.datagrams_to_send() if is_update(d)]   # not the ACK/STATUS
+    # sealed once, by the origin: the relay sends the very same bytes to ranks 1 and 2 (no AEAD per chunk)
+    assert sorted(out) == sorted((d, r) for d in sent for r in (1, 2))
+    for d, r in out:
+        peers[r].receive_datagram(d, "relay", 0.0)
+    for r in (1, 2):
+        got = peers[r].pop_ready()
+        assert [(u.step, u.sender, u.payload) for u in got] == [(0, 0, payload)]
+    # forwarded chunks skip the replay window (a retransmission is the original datagram), so a replayed
+    # one must be caught by the (step, origin) bookkeeping: counted as a duplicate, never delivered twice
+    before = peers[1].chan.drops["duplicate"]
+    for d in sent:
+        peers[1].receive_datagram(d, "relay", 0.0)
+    assert peers[1].chan.drops["duplicate"] - before == len(sent)
+    assert peers[1].pop_ready() == []
+    # a forwarded chunk of the peer's OWN update, or an update "from" the relay itself, is refused
+    peers[0].receive_datagram(sent[0], "relay", 0.0)
+    assert peers[0].chan.drops["bad_sender"] == 1
+
+
+def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
+    from gradshare.transport import events as ev
+    from transport_util import random_update
+
+    relay, peers = joined_cores()
+    peers[0].send_update(0, random_update(np.random.default_rng(1), 5000, 300), None, 0.0)
+    for d in peers[0].datagrams_to_send():
+        relay.receive_datagram(d, 0, 0.0)
+    n_chunks = sum(1 for d, r in relay.datagrams_to_send() if r == 1 and is_update(d))
+    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))      # "I have none of (0, 0)"
+    relay.receive_datagram(nak, 1, relay.nak_delay / 2)
+    assert relay.c["nak_crossed_forward"] == 1 and relay.c["retransmits"] == 0
+    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))
+    relay.receive_datagram(nak, 1, 2 * relay.nak_delay)                 # asked again: really lost
+    assert relay.c["retransmits"] == n_chunks
+    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, (1,)),)))   # specific chunks: always answered
+    relay.receive_datagram(nak, 1, 2 * relay.nak_delay)
+    assert relay.c["retransmits"] == n_chunks + 1
+
+
+def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one():
+    from transport_util import random_update
+
+    relay, peers = joined_cores()
+    peers[0].send_update(0, random_update(np.random.default_rng(2), 5000, 300), None, 0.0)
+    for d in peers[0].datagrams_to_send():
+        relay.receive_datagram(d, 0, 0.0)
+    to1 = [d for d, r in relay.datagrams_to_send() if r == 1 and is_update(d)]
+    for d in to1[:-1]:                                   # the last chunk is lost; nothing newer exists
+        peers[1].receive_datagram(d, "relay", 0.001)
+    t, naks = 0.001, 0
+    while t < 0.05 and not naks:                         # well before any heartbeat or STATUS
+        t += peers[1].tick
+        peers[1].handle_timer(t)
+        naks = peers[1].c["naks_sent"]
+    assert naks == 1 and t < 4 * peers[1].nak_delay

@@ -69,18 +69,24 @@ class Channel:
             return None
         return h
 
-    def open(self, h: Header, data: bytes) -> bytes | None:
-        """The authenticated body, or None (counted: auth_failed / replayed / too_old)."""
+    def open(self, h: Header, data: bytes, replay_window: bool = True) -> bytes | None:
+        """The authenticated body, or None (counted: auth_failed / replayed / too_old).
+
+        ``replay_window=False`` is for update chunks the relay forwards unchanged: a retransmission is then
+        the origin's original datagram, older than any window, and exactly-once comes from the receiver's
+        (attempt, step, origin, chunk) bookkeeping instead (a replayed chunk is a duplicate there)."""
         who = (h.sender, h.attempt, h.session)
-        reason = self.replay.check(who, h.counter)
-        if reason is not None:
-            self.drops[reason] += 1
-            return None
+        if replay_window:
+            reason = self.replay.check(who, h.counter)
+            if reason is not None:
+                self.drops[reason] += 1
+                return None
         body = self.sealer.open(data[:HEADER_BYTES], h.sender, h.session, h.counter, data[HEADER_BYTES:])
         if body is None:
             self.drops["auth_failed"] += 1
             return None
-        self.replay.accept(who, h.counter)
+        if replay_window:
+            self.replay.accept(who, h.counter)
         return body
 
     def control(self, kind: int, body: bytes) -> object | None:

@@ -18,6 +18,7 @@ exists only so that ``gradshare bench transport`` can measure what encryption co
 from __future__ import annotations
 
 import os
+import struct
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -41,8 +42,12 @@ def check_key(key: bytes | None, insecure: bool) -> bytes:
     return bytes(key)
 
 
+_NONCE = struct.Struct("<HIIH")     # sender, session, counter bits 0-31, counter bits 32-47
+
+
 def nonce(sender: int, session: int, counter: int) -> bytes:
-    return sender.to_bytes(2, "little") + session.to_bytes(4, "little") + counter.to_bytes(6, "little")
+    """sender (2 bytes) + session (4) + counter (6), little-endian: one pack per datagram."""
+    return _NONCE.pack(sender, session, counter & 0xFFFFFFFF, counter >> 32)
 
 
 class Sealer:
@@ -73,7 +78,7 @@ class Sealer:
 class ReplayWindow:
     """Sliding bitmap of the last ``size`` counters seen from one (sender, session) (RFC 4303 §3.4.3)."""
 
-    __slots__ = ("size", "_top", "_bits")
+    __slots__ = ("size", "_top", "_bits", "_mask")
 
     def __init__(self, size: int = 4096) -> None:
         if size < 1:
@@ -81,6 +86,7 @@ class ReplayWindow:
         self.size = size
         self._top = -1          # highest counter accepted so far
         self._bits = 0          # bit i set = counter (_top - i) seen
+        self._mask = (1 << size) - 1   # made once: building a 4096-bit int per datagram costs ~0.3 us
 
     def check(self, counter: int) -> str | None:
         """None if ``counter`` is fresh, else the drop reason ('replayed' or 'too_old'). Does not record."""
@@ -95,7 +101,7 @@ class ReplayWindow:
         """Record ``counter`` (call only after authentication succeeded and ``check`` returned None)."""
         if counter > self._top:
             shift = counter - self._top
-            self._bits = ((self._bits << shift) | 1) & ((1 << self.size) - 1) if shift < self.size else 1
+            self._bits = ((self._bits << shift) | 1) & self._mask if shift < self.size else 1
             self._top = counter
         else:
             self._bits |= 1 << (self._top - counter)

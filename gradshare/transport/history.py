@@ -8,38 +8,43 @@ a NAK for an evicted entry is answered with an explicit error, never silence (DE
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 
 class History:
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
+    """``size(entry)`` is what an entry counts against ``max_bytes`` (``len`` of bytes by default; the relay
+    stores tuples of datagrams)."""
+
+    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[Any], int] = len) -> None:
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"max_entries ({max_entries}) and max_bytes ({max_bytes}) must be >= 1")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._d: OrderedDict[Hashable, bytes] = OrderedDict()
+        self.size = size
+        self._d: OrderedDict[Hashable, Any] = OrderedDict()
         self.nbytes = 0
 
-    def put(self, key: Hashable, data: bytes) -> list[Hashable]:
+    def put(self, key: Hashable, data: Any) -> list[Hashable]:
         """Store ``data`` under ``key``; returns the keys evicted to make room (oldest first)."""
         if key in self._d:
             self.pop(key)
         self._d[key] = data
-        self.nbytes += len(data)
+        self.nbytes += self.size(data)
         evicted = []
         while len(self._d) > 1 and (len(self._d) > self.max_entries or self.nbytes > self.max_bytes):
             k, v = self._d.popitem(last=False)
-            self.nbytes -= len(v)
+            self.nbytes -= self.size(v)
             evicted.append(k)
         return evicted
 
-    def get(self, key: Hashable) -> bytes | None:
+    def get(self, key: Hashable) -> Any | None:
         return self._d.get(key)
 
-    def pop(self, key: Hashable) -> bytes | None:
+    def pop(self, key: Hashable) -> Any | None:
         v = self._d.pop(key, None)
         if v is not None:
-            self.nbytes -= len(v)
+            self.nbytes -= self.size(v)
         return v
 
     def discard_where(self, pred) -> int:

@@ -40,7 +40,7 @@ class PeerCore:
     def __init__(self, rank: int, world_size: int, attempt: int, key: bytes | None, job_id: int | str,
                  n_params: int, *, now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
                  insecure: bool = False, heartbeat_interval: float = 0.05, rto: float = 0.2,
-                 nak_delay: float = 0.01, nak_interval: float = 0.05, tick: float = 0.005,
+                 nak_delay: float = 0.004, nak_interval: float = 0.05, tick: float = 0.002,
                  max_unacked: int = 4096, max_unacked_bytes: int = 1 << 28,
                  inbox_messages: int = 1 << 16, inbox_bytes: int = 1 << 30, max_ahead: int = 4096) -> None:
         if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
@@ -70,7 +70,9 @@ class PeerCore:
         self.ready: deque[ev.Update] = deque()
         self.unacked = History(max_unacked, max_unacked_bytes)
         self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
-        self.first_sent: dict[int, float] = {}  # step -> first send, for RTT samples (Karn: no retransmits)
+        # step -> first send, for RTT samples. Karn: a step whose chunks were re-sent (timeout or the relay's
+        # NAK) gives no sample, else the RTT would include loss repair and inflate every later timeout
+        self.first_sent: dict[int, float] = {}
         self.tries: dict[int, int] = {}
         self.srtt: float | None = None          # RFC 6298 smoothed RTT / variation -> retransmit timeout
         self.rttvar = 0.0
@@ -200,13 +202,20 @@ class PeerCore:
         h = self.chan.parse(data, wire.MAX_DATAGRAM_SIZE)
         if h is None:
             return
-        if h.sender != RELAY_ID:
+        # the relay forwards an update chunk as its origin sealed it (sender = origin, another rank);
+        # everything else comes from the relay itself
+        forwarded = h.kind == Kind.UPDATE
+        if forwarded:
+            genuine = h.sender == h.origin and h.sender < self.world_size and h.sender != self.rank
+        else:
+            genuine = h.sender == RELAY_ID
+        if not genuine:
             self.chan.drops["bad_sender"] += 1
             return
         if h.attempt != self.attempt and h.kind != Kind.REJECT:
             self.chan.drops["other_attempt"] += 1
             return
-        body = self.chan.open(h, data)
+        body = self.chan.open(h, data, replay_window=not forwarded)
         if body is None:
             return
         self.last_heard = now
@@ -232,8 +241,9 @@ class PeerCore:
             self.chan.drops["before_welcome"] += 1
         elif isinstance(msg, ev.Ack):
             for s in msg.steps:
-                if self.tries.get(s) == 0:
-                    self._rtt_sample(now - self.first_sent[s])
+                first = self.first_sent.get(s)
+                if first is not None and self.tries.get(s) == 0:
+                    self._rtt_sample(now - first)
                 self._acked(s)
         elif isinstance(msg, ev.Nak):
             for item in msg.items:
@@ -242,6 +252,7 @@ class PeerCore:
                     continue
                 ds = self.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
                 self._out.extend(ds)
+                self.first_sent.pop(item.step, None)       # Karn: no RTT sample from a repaired step
                 self.c["retransmits"] += len(ds)
         elif isinstance(msg, ev.Status):
             self._on_status(msg)
@@ -305,8 +316,10 @@ class PeerCore:
         if h.step > cur.step + self.max_ahead:
             self.chan.drops["too_far_ahead"] += 1
             return
-        if h.step > self.known_high[h.origin] and h.index == 0:
-            self.known_high[h.origin] = h.step - 1     # everything before a step we see exists too
+        if h.step > self.known_high[h.origin]:
+            # the relay forwards only whole updates, so any chunk of (t, r) proves (t, r) and every earlier
+            # step of r exist: a partial (t, r) can be NAKed at once, not only after r's next step shows up
+            self.known_high[h.origin] = h.step
         if len(self.inbox) + len(self.ready) >= self.inbox_messages or self.inbox_nbytes >= self.inbox_bytes:
             self.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
             return
@@ -453,7 +466,14 @@ class PeerCore:
             return
         items: list[ev.NakItem] = []
         limit = cur.step + self.max_ahead
-        renak = max(self.nak_interval, 2 * self.srtt) if self.srtt is not None else self.nak_interval
+        # How long a chunk may be late before we call it lost: ``nak_delay`` (the reorder allowance), or
+        # the smoothed RTT when that is longer: a loaded machine delays datagrams by about a round trip,
+        # and NAKing them anyway doubles the traffic exactly when there is least room for it.
+        # Re-NAK when the answer is overdue, after two of those: a lost NAK or retransmission then costs
+        # a few ms, not a fixed 50 ms that stalls the whole staleness window (at 5 % loss nearly every
+        # step needs a repair). Before the first RTT sample: ``nak_interval``.
+        delay = self.nak_delay if self.srtt is None else max(self.nak_delay, self.srtt)
+        renak = 2 * delay if self.srtt is not None else self.nak_interval
         for r in range(self.world_size):
             if r == self.rank:
                 continue
@@ -470,10 +490,10 @@ class PeerCore:
                     self.missing[key] = [now, -1e18]
                     continue
                 p = self.reasm.partials.get(key)
-                if now - m[0] < self.nak_delay:
+                if now - m[0] < delay:
                     continue                        # maybe just reordered: give it a moment
                 if p is not None:
-                    if now - p.last_seen < self.nak_delay:
+                    if now - p.last_seen < delay:
                         continue                    # chunks are still arriving
                     if p.last_seen < m[1] and now - m[1] < renak:
                         continue                    # nothing new since our last NAK: its answer may be late

@@ -10,12 +10,14 @@ from collections.abc import Hashable
 
 
 class Partial:
-    __slots__ = ("count", "chunks", "nbytes", "last_seen", "first_seen", "naks")
+    __slots__ = ("count", "chunks", "raw", "nbytes", "held", "last_seen", "first_seen", "naks")
 
     def __init__(self, count: int, now: float) -> None:
         self.count = count
         self.chunks: dict[int, bytes] = {}
-        self.nbytes = 0
+        self.raw: dict[int, bytes] = {}     # the sealed datagrams, when the owner keeps them
+        self.nbytes = 0                     # message bytes so far
+        self.held = 0                       # what it holds against the reassembler's max_bytes
         self.first_seen = now
         self.last_seen = now
         self.naks = 0              # NAKs sent for it so far (the receiver backs off between them)
@@ -30,10 +32,45 @@ class Partial:
         return tuple(out)
 
 
-class Reassembler:
-    """Collects chunks per key; ``add`` returns the whole message once its last chunk arrives."""
+class LateAllowance:
+    """How long a missing chunk may be late before the receiver NAKs it, learned per sender.
 
-    def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int) -> None:
+    It starts at ``floor`` (the reorder allowance). When a chunk we NAKed arrives twice (the original was
+    late, not lost: the NAK was spurious) it grows by half, up to ``cap``; every update that completes
+    without a NAK shrinks it by 1 % towards ``floor``. A loaded machine (a sender descheduled between its
+    sendto calls) thus stops triggering retransmits of data that is merely late, and a lossy but idle one
+    keeps repairing fast (the idea of RFC 4015's reordering-aware timers, in the small)."""
+
+    __slots__ = ("floor", "cap", "value", "_nakked", "_remember")
+
+    def __init__(self, floor: float, cap: float = 0.05, remember: int = 256) -> None:
+        self.floor, self.cap, self.value = floor, max(cap, floor), floor
+        self._nakked: dict[Hashable, None] = {}     # recently NAKed keys, oldest first, at most `remember`
+        self._remember = remember
+
+    def nakked(self, key: Hashable) -> None:
+        self._nakked[key] = None
+        if len(self._nakked) > self._remember:
+            del self._nakked[next(iter(self._nakked))]
+
+    def arrived_twice(self, key: Hashable) -> None:
+        if key in self._nakked:
+            del self._nakked[key]
+            self.value = min(self.cap, self.value * 1.5)
+
+    def completed(self, key: Hashable) -> None:
+        if key not in self._nakked:
+            self.value = max(self.floor, self.value * 0.99)
+
+
+class Reassembler:
+    """Collects chunks per key; ``add`` returns the whole message once its last chunk arrives.
+
+    With ``keep_raw`` it also keeps each chunk's sealed datagram (``add(..., raw=)``, counted against
+    ``max_bytes``); after a completing ``add``, ``last_raw`` holds them in chunk order. The relay forwards
+    those bytes unchanged instead of sealing every chunk again."""
+
+    def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int, keep_raw: bool = False) -> None:
         for name, v in (("max_messages", max_messages), ("max_bytes", max_bytes),
                         ("max_message_bytes", max_message_bytes)):
             if v < 1:
@@ -41,16 +78,21 @@ class Reassembler:
         self.max_messages = max_messages
         self.max_bytes = max_bytes
         self.max_message_bytes = max_message_bytes
+        self.keep_raw = keep_raw
         self.partials: dict[Hashable, Partial] = {}
         self.nbytes = 0
+        self.last_raw: tuple[bytes, ...] = ()
 
-    def add(self, key: Hashable, index: int, count: int, data: bytes, now: float) -> tuple[bytes | None, str | None]:
+    def add(self, key: Hashable, index: int, count: int, data: bytes, now: float,
+            raw: bytes = b"") -> tuple[bytes | None, str | None]:
         """(message, None) when complete; (None, None) when stored/duplicate; (None, reason) when refused."""
         p = self.partials.get(key)
         if p is None:
             if count == 1:   # the common small message: no bookkeeping at all
-                return (data if len(data) <= self.max_message_bytes else None,
-                        None if len(data) <= self.max_message_bytes else "message_too_large")
+                if len(data) > self.max_message_bytes:
+                    return None, "message_too_large"
+                self.last_raw = (raw,)
+                return data, None
             if len(self.partials) >= self.max_messages:
                 return None, "reassembly_full"
             p = self.partials[key] = Partial(count, now)
@@ -62,24 +104,30 @@ class Reassembler:
         if p.nbytes + len(data) > self.max_message_bytes:
             self._drop(key)
             return None, "message_too_large"
-        if self.nbytes + len(data) > self.max_bytes:
+        size = len(data) + (len(raw) if self.keep_raw else 0)
+        if self.nbytes + size > self.max_bytes:
             if not p.chunks:
                 self._drop(key)
             return None, "reassembly_full"
         p.chunks[index] = data
+        if self.keep_raw:
+            p.raw[index] = raw
         p.nbytes += len(data)
+        p.held += size
         p.last_seen = now
         p.naks = 0                 # progress: a later NAK need not back off
-        self.nbytes += len(data)
+        self.nbytes += size
         if len(p.chunks) < p.count:
             return None, None
         self._drop(key)
+        if self.keep_raw:
+            self.last_raw = tuple(p.raw[i] for i in range(p.count))
         return b"".join(p.chunks[i] for i in range(p.count)), None
 
     def _drop(self, key: Hashable) -> None:
         p = self.partials.pop(key, None)
         if p is not None:
-            self.nbytes -= p.nbytes
+            self.nbytes -= p.held
 
     def discard(self, key: Hashable) -> None:
         self._drop(key)

@@ -8,7 +8,10 @@ What the relay does (issue 3, DESIGN.md Transport + Consistency):
 - admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
   a higher attempt cuts the log at ``complete_through`` and restarts it at ``complete_through + 1``;
 - reassembles updates, validates them (``decode_update``) BEFORE they enter the log, acknowledges them,
-  and forwards each complete update once to every other joined peer (sealed once, sent to each);
+  and forwards each complete update once to every other joined peer: the origin's own sealed datagrams,
+  unchanged (no AEAD per chunk at the relay; retransmissions from history are the same bytes);
+- learns per rank how late chunks may be before it NAKs them (``LateAllowance``): fast repair on a lossy
+  link, no spurious retransmits on a loaded machine;
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
 - declares a rank silent for ``liveness_timeout`` gone, cut at the last step it holds contiguously;
@@ -30,7 +33,7 @@ from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.reassembly import LateAllowance, Reassembler
 from gradshare.transport.wire import RELAY_ID, Kind
 
 
@@ -42,6 +45,10 @@ def param_hash(array: np.ndarray) -> str:
     if a.dtype != np.float32:
         raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
     return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+
+
+def _total_len(datagrams: tuple[bytes, ...]) -> int:
+    return sum(len(d) for d in datagrams)
 
 
 def default_decode_update(payload: bytes, n_params: int) -> Any:
@@ -62,9 +69,9 @@ def default_apply_update(decoded: Any, params: np.ndarray) -> None:
 
 class RankState:
     __slots__ = ("rank", "addr", "session", "joined", "left", "last_heard", "received", "ended",
-                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in")
+                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late")
 
-    def __init__(self, rank: int, now: float) -> None:
+    def __init__(self, rank: int, now: float, nak_delay: float) -> None:
         self.rank = rank
         self.addr: Any = None
         self.session: int | None = None
@@ -78,6 +85,7 @@ class RankState:
         self.meta: dict | None = None
         self.bytes_in = 0
         self.updates_in = 0
+        self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
 
 
 class Snapshot:
@@ -135,7 +143,7 @@ class RelayCore:
                  apply_update: Callable[[Any, np.ndarray], None] = default_apply_update,
                  history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
                  reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
-                 max_ahead: int = 4096, nak_delay: float = 0.02, tick: float = 0.005,
+                 max_ahead: int = 4096, nak_delay: float = 0.004, tick: float = 0.002,
                  snapshot_rate: float = 50e6, max_snapshots: int = 2, defer_apply: bool = False) -> None:
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
@@ -158,8 +166,11 @@ class RelayCore:
                             max_chunks=max(16, -(-max_message // 64)), max_windows=4 * world_size + 8)
         self.max_chunks_update = -(-max_message // self.chan.chunk_bytes)
         self.snap_chunk_bytes = self.chan.chunk_bytes - self.chan.chunk_bytes % 4
-        self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message)
-        self.history = History(history_entries, history_bytes)
+        # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
+        # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
+        # authentication covers the header, origin and step included)
+        self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message, keep_raw=True)
+        self.history = History(history_entries, history_bytes, size=_total_len)
         self.max_ahead = max_ahead
         self.nak_delay = nak_delay
         self.tick = tick
@@ -172,7 +183,7 @@ class RelayCore:
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
-        self.ranks = [RankState(r, now) for r in range(world_size)]
+        self.ranks = [RankState(r, now, nak_delay) for r in range(world_size)]
         self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
         self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
         self.snapshots: dict[int, Snapshot] = {}
@@ -184,6 +195,7 @@ class RelayCore:
         self._last_tick = now
         self._log_complete_sent = False
         self.c: Counter[str] = Counter()                # counters (drops live in chan.drops)
+        self.recent: dict[tuple[int, int], float] = {}  # (step, origin) -> forwarded at, the last nak_delay
 
     # --- public surface of the core ----------------------------------------------------------------
     @property
@@ -271,7 +283,7 @@ class RelayCore:
         rs.last_heard = now
         rs.addr = addr                         # authenticated: follow a NAT rebinding
         if h.kind == Kind.UPDATE:
-            self._on_update_chunk(rs, h, body, now)
+            self._on_update_chunk(rs, h, body, data, now)
             return
         msg = self.chan.control(h.kind, body)
         if msg is None:
@@ -282,7 +294,7 @@ class RelayCore:
             self._send(rs, self._status())
             self._trim_history()
         elif isinstance(msg, ev.Nak):
-            self._on_nak(rs, msg)
+            self._on_nak(rs, msg, now)
         elif isinstance(msg, ev.Finished):
             self._on_finished(rs, msg.last_step)
         elif isinstance(msg, ev.Leave):
@@ -355,20 +367,22 @@ class RelayCore:
         self.chan.attempt = attempt
         self.attempt_started = now
         self.cursor = LogCursor(self.world_size, base)
-        self.ranks = [RankState(r, now) for r in range(self.world_size)]
+        self.ranks = [RankState(r, now, self.nak_delay) for r in range(self.world_size)]
         self.pending.clear()
         self.evicted.clear()
-        self.history = History(self.history.max_entries, self.history.max_bytes)
-        self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes)
+        self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len)
+        self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
+                                 keep_raw=True)
         self.transfers.clear()
         self.snapshots.clear()
+        self.recent.clear()
         self._acks.clear()
         self._log_complete_sent = False
         self.c["attempts"] += 1
         self._events.append(ev.AttemptStarted(attempt, base))
 
     # --- updates -------------------------------------------------------------------------------------
-    def _on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, now: float) -> None:
+    def _on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> None:
         step = h.step
         if h.origin != rs.rank:
             self.chan.drops["bad_origin"] += 1
@@ -377,6 +391,7 @@ class RelayCore:
             if h.index == 0 or h.count == 1:
                 self._acks.setdefault(rs.rank, []).append(step)
             self.chan.drops["duplicate"] += 1
+            rs.late.arrived_twice(step)
             return
         if rs.ended is not None and step > rs.ended.last_step:
             self.chan.drops["after_end"] += 1
@@ -390,12 +405,16 @@ class RelayCore:
         if h.count > self.max_chunks_update:
             self.chan.drops["too_many_chunks"] += 1
             return
-        whole, reason = self.reasm.add((rs.rank, step), h.index, h.count, body, now)
+        whole, reason = self.reasm.add((rs.rank, step), h.index, h.count, body, now, raw=bytes(data))
         if reason is not None:
             self.chan.drops[reason] += 1
+            if reason == "duplicate_chunk":
+                rs.late.arrived_twice(step)
             return
         if whole is None:
             return
+        rs.late.completed(step)
+        sealed = self.reasm.last_raw
         try:
             payload, meta = wire.decode_update_body(whole)
             decoded = self.decode_update(payload, self.n_params)
@@ -410,10 +429,10 @@ class RelayCore:
         self.pending[(step, rs.rank)] = decoded
         self.c["updates_in"] += 1
         self._acks.setdefault(rs.rank, []).append(step)
-        for key in self.history.put((step, rs.rank), whole):
+        for key in self.history.put((step, rs.rank), sealed):
             self.evicted.add(key)
             self.c["history_evicted"] += 1
-        self._forward(rs.rank, step, whole)
+        self._forward(rs.rank, step, sealed, now)
         self._request_apply()
 
     def _refuse_update(self, rs: RankState, step: int, why: str) -> None:
@@ -423,27 +442,36 @@ class RelayCore:
         self._send(rs, ev.Reject(f"update (step {step}, rank {rs.rank}) refused: {why[:200]}"))
         self._declare_gone(rs, f"sent an invalid update at step {step}")
 
-    def _forward(self, origin: int, step: int, whole: bytes) -> None:
+    def _forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
+        """Send the origin's own datagrams, unchanged, to every other live peer."""
         targets = [r.addr for r in self.ranks if r.rank != origin and r.joined and not r.left
                    and not (r.ended is not None and r.ended.gone)]
         if not targets:
             return
-        for dgram in self.chan.seal_chunks(Kind.UPDATE, whole, origin, step):
+        self.recent[(step, origin)] = now
+        for dgram in sealed:
             for addr in targets:
                 self._out.append((dgram, addr))
                 self.c["forwarded"] += 1
 
-    def _on_nak(self, rs: RankState, msg: ev.Nak) -> None:
+    def _on_nak(self, rs: RankState, msg: ev.Nak, now: float) -> None:
         for item in msg.items:
             key = (item.step, item.origin)
-            whole = self.history.get(key)
-            if whole is None:
+            if not item.chunks and now - self.recent.get(key, -1e18) < self.nak_delay:
+                # the peer had none of it when it asked, and we forwarded all of it a moment ago: the NAK
+                # crossed the forward. Resending every chunk would double the traffic for nothing; if the
+                # forward was really lost the peer asks again after its re-NAK interval.
+                self.c["nak_crossed_forward"] += 1
+                continue
+            sealed = self.history.get(key)
+            if sealed is None:
                 if key in self.evicted:
                     self._send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
                                              f"from the relay's bounded history before this peer had it"))
                     self.c["nak_evicted"] += 1
                 continue
-            dgrams = self.chan.seal_chunks(Kind.UPDATE, whole, item.origin, item.step, item.chunks or None)
+            n = len(sealed)
+            dgrams = sealed if not item.chunks else [sealed[i] for i in item.chunks if i < n]
             for d in dgrams:
                 self._out.append((d, rs.addr))
             self.c["retransmits"] += len(dgrams)
@@ -565,16 +593,24 @@ class RelayCore:
         self.apply_pending()
         self._pace(now)
         self._last_tick = now
+        while self.recent:                   # insertion order is time order: drop from the front
+            key = next(iter(self.recent))
+            if now - self.recent[key] < self.nak_delay:
+                break
+            del self.recent[key]
         # NAK our own partial inbound updates (the peer resends just the missing chunks)
         naks: dict[int, list[ev.NakItem]] = {}
         for (rank, step), p in self.reasm.stale(now, self.nak_delay):
-            if now - p.last_seen < self.nak_delay * (1 << min(p.naks, 6)):
-                continue                                  # back off: the answer may just be late
+            late = self.ranks[rank].late
+            if now - p.last_seen < late.value * (1 << min(p.naks, 1)):
+                continue        # back off, at most 2x: a 5 % loss rate loses some NAKs and answers, and a
+                                # long backoff then stalls the whole staleness window behind one chunk
             items = naks.setdefault(rank, [])
             if len(items) < ev.MAX_NAK_ITEMS:
                 items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
                 p.last_seen = now
                 p.naks += 1
+                late.nakked(step)
         for rank, items in naks.items():
             self._send(self.ranks[rank], ev.Nak(tuple(items)))
             self.c["naks_sent"] += 1

@@ -8,9 +8,10 @@ Every datagram::
     body (sealed): a msgpack list for control kinds; one chunk of an update or snapshot otherwise
     tag (16 bytes, absent with insecure=True)
 
-``sender`` is who sent the datagram (a rank, or RELAY_ID); ``origin`` is the rank whose update this is
-(a forwarded update keeps its origin); ``step``/``index``/``count`` place a chunk; ``session`` + ``counter``
-make the nonce (see crypto.py). An update message is ``u16 meta length | msgpack meta | encoder payload``,
+``sender`` is who sealed the datagram (a rank, or RELAY_ID); ``origin`` is the rank whose update this is.
+The relay forwards update chunks exactly as their origin sealed them (sender = origin), so a forwarded
+chunk is authenticated end to end by the rank that wrote it; ``step``/``index``/``count`` place a chunk;
+``session`` + ``counter`` make the nonce (see crypto.py). An update message is ``u16 meta length | msgpack meta | encoder payload``,
 split into ``count`` chunks of at most ``datagram_size - header - tag`` bytes.
 
 Decoders are bounded: msgpack limits are explicit and every field is range-checked; anything invalid raises

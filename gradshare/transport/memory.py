@@ -1,0 +1,35 @@
+"""A relay core and its peer cores joined over a perfect in-memory link (no sockets, no clock).
+
+For measuring the cores alone (``gradshare bench transport``) and for tests that move every datagram by
+hand; the seeded lossy harness for tests lives in ``tests/harness.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.relay_core import RelayCore
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+
+def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int | str, *,
+                 insecure: bool = False, datagram_size: int = DEFAULT_DATAGRAM_SIZE,
+                 **relay_options: Any) -> tuple[RelayCore, list[PeerCore]]:
+    """(relay, peers): every peer has sent JOIN and received WELCOME at time 0; peer r's address is r."""
+    relay = RelayCore(np.zeros(n_params, np.float32), world_size, key, job_id, now=0.0, insecure=insecure,
+                      datagram_size=datagram_size, **relay_options)
+    peers = [PeerCore(r, world_size, 0, key, job_id, n_params, now=0.0, insecure=insecure,
+                      datagram_size=datagram_size) for r in range(world_size)]
+    for r, p in enumerate(peers):
+        p.join(0.0)
+        for d in p.datagrams_to_send():
+            relay.receive_datagram(d, r, 0.0)
+    for d, r in relay.datagrams_to_send():
+        peers[r].receive_datagram(d, "relay", 0.0)
+    not_joined = [p.rank for p in peers if p.state != "joined"]
+    if not_joined:
+        raise RuntimeError(f"ranks {not_joined} did not join over the in-memory link")
+    return relay, peers
