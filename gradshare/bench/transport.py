@@ -3,7 +3,9 @@
 Reports, all measured side by side in one run (the machine is shared and noisy; DESIGN.md, Measuring):
 - forwarded datagrams/s and MB/s at the relay, secure vs ``insecure`` (the cost of AEAD);
 - update latency p50/p99 (send → delivered and applied at every other peer) at a paced, non-saturating
-  rate, and the same for synchronous steps (every rank sends at once, staleness 0);
+  rate with the ranks' sends spread evenly over each step period (one update in flight at a time: the
+  transport's own latency), and the same for synchronous steps (every rank sends at once, staleness 0:
+  on a 2-core machine that also measures 5 processes queueing for the CPUs);
 - throughput and exactly-once at ``--loss`` through the fault proxy, vs the same proxy without loss.
 
 The relay runs in this process (a thread, as in the driver); each peer runs in its own process (as a Spark
@@ -56,9 +58,10 @@ def _make_messages(n_params: int, density: float, count: int, seed: int) -> list
 def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
     """One rank in its own process, as in a Spark task: join, send, receive + apply, report times.
 
-    Modes: ``throughput`` sends as fast as a staleness window allows; ``paced`` runs ``rate`` steps/s with
-    every rank sending step t at the same clock time (CLOCK_MONOTONIC is shared by processes), so latency
-    is measured without a backlog; ``sync`` is staleness 0 back to back (each step waits for the last).
+    Modes: ``throughput`` sends as fast as a staleness window allows; ``paced`` runs ``rate`` steps/s, rank
+    r sending step t at clock time start + (t + r/W)/rate (CLOCK_MONOTONIC is shared by processes), so
+    each update's latency is measured without a backlog or a burst; ``sync`` is staleness 0 back to back
+    (every rank sends step t as soon as step t-1 is applied: the burst of a synchronous training step).
     Latency is send → applied at every other peer, so it includes waiting for canonical order."""
     import numpy as np
 
@@ -69,7 +72,8 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
     messages = cfg["messages"]
     send_t: dict = {}
     deliver_t: dict = {}
-    params = np.zeros(n, np.float32)
+    # np.full, not np.zeros: calloc'd pages would fault in during the first applies and count as latency
+    params = np.full(n, 0.0, np.float32)
     out = {"rank": rank, "error": None}
     peer = Peer(tuple(cfg["address"]), rank, W, 0, cfg["key"], 1, n, datagram_size=cfg["datagram_size"],
                 timeout=60, insecure=cfg["insecure"])
@@ -90,7 +94,7 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
         barrier.wait(120)
         t0 = time.monotonic()
         period = 1.0 / cfg["rate"]
-        next_send = start.value
+        next_send = start.value + period * rank / W
         t = 0
         while True:
             now = time.monotonic()
@@ -226,23 +230,11 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
 def _core_rate(args, messages, secure: bool, steps: int = 60) -> float:
     """Forwarded datagrams per CPU-second of the relay core alone on pre-sealed datagrams (no sockets):
     the relay's own capacity, and a stable way to see what AEAD costs it (STYLE 12: call the core)."""
-    import numpy as np
+    from gradshare.transport.memory import joined_cores
 
-    from gradshare.transport.peer_core import PeerCore
-    from gradshare.transport.relay_core import RelayCore
-
-    W, n = args.peers, args.params
-    key = b"\x01" * 32 if secure else None
-    relay = RelayCore(np.zeros(n, np.float32), W, key, 1, now=0.0, insecure=not secure, defer_apply=True,
-                      datagram_size=args.datagram_size)
-    peers = [PeerCore(r, W, 0, key, 1, n, now=0.0, insecure=not secure, datagram_size=args.datagram_size)
-             for r in range(W)]
-    for r, p in enumerate(peers):
-        p.join(0.0)
-        for d in p.datagrams_to_send():
-            relay.receive_datagram(d, r, 0.0)
-    for d, r in relay.datagrams_to_send():
-        peers[r].receive_datagram(d, "relay", 0.0)
+    W = args.peers
+    relay, peers = joined_cores(W, args.params, b"\x01" * 32 if secure else None, 1, insecure=not secure,
+                                datagram_size=args.datagram_size, defer_apply=True)
     inbound = []
     for t in range(steps):
         for r, p in enumerate(peers):
