@@ -69,7 +69,10 @@ def test_exchange_is_exactly_once_and_bit_identical():
             assert param_hash(params[r]) == relay.param_hash()
         assert relay.complete_through == 29
         c = relay.counters()
-        assert c["applied"] == 90 and c["updates_in"] == 90 and c["drops"] == {}
+        assert c["applied"] == 90 and c["updates_in"] == 90
+        # nothing refused; on a loaded machine a late chunk may be NAKed and then arrive twice, which
+        # is counted as a duplicate (and applied once, as the logs above show)
+        assert set(c["drops"]) <= {"duplicate", "duplicate_chunk"}, c["drops"]
         prog = relay.progress()
         assert prog["ranks"][1]["meta"]["loss"] == pytest.approx(1 / 30)
 
