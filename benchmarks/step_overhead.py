@@ -71,6 +71,19 @@ def local_steps(widths, batch, warmup, seed, rows):
     return [times[warmup:]]
 
 
+def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
+    """Mean (or `stat`) ms per timed step of every phase of the workers' profiles (gradshare/profiling.py)."""
+    import numpy as np
+
+    from gradshare.profiling import PHASES
+
+    steps = [r["profile"]["steps"] for r in reports]
+    stat = np.mean if stat is None else stat
+    out = {k: 1e3 * float(stat(np.concatenate([s[k][warmup:] for s in steps]))) for k in (*PHASES, "wall")}
+    out["other"] = out["wall"] - sum(out[p] for p in PHASES)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -91,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
-                                    worker_options={"step_times": True})
+                                    worker_options={"step_times": True, "profile": True})
             result = trainer.fit(rdd)
             single = float(np.median(np.concatenate(base)))
             step = float(np.median(np.concatenate([r["step_times"][args.warmup:] for r in result.worker_reports])))
@@ -111,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         "ratio": step / single, "ratios_all_rounds": ratios, "log_wait_ms_mean": 1e3 * log, "encode_ms_mean": 1e3 * enc,
         "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
         "traffic_ratio": result.traffic_ratio,
+        "profile_ms_mean": phase_means(reps, args.warmup),
+        "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
     print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
           f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}")
@@ -120,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"ratio                         {out['ratio']:8.3f}   (target <= 1.25; median of rounds "
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
     print(f"traffic vs dense              {out['traffic_ratio']:8.1f}x less, mean sparsity {out['mean_sparsity']:.2e}")
+    prof = out["profile_ms_mean"]
+    print("gradshare step phases (ms, mean over both workers' timed steps; 'other' = wall - phases):")
+    print("  mean:   " + "  ".join(f"{k} {v:.2f}" for k, v in prof.items()))
+    print("  median: " + "  ".join(f"{k} {v:.2f}" for k, v in out["profile_ms_median"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -57,10 +57,10 @@ def _accumulate_encode(r, u, tau, out, k, start, added_end):
         # Work on block views: loops over range(view.size) have provably non-negative indices, which
         # lets LLVM drop Numba's wraparound checks and vectorise (range(pos, stop) does not).
         rb = r[pos:stop]
-        cnt = np.int32(0)
-        bad = np.int32(0)
         if pos >= added_end:
             ub = u[pos:stop]
+            cnt = np.int32(0)
+            bad = np.int32(0)
             for j in range(rb.size):
                 x = rb[j] + ub[j]
                 rb[j] = x
@@ -68,39 +68,92 @@ def _accumulate_encode(r, u, tau, out, k, start, added_end):
                 cnt += np.int32(a >= tau)
                 bad += np.int32(not (a <= _FLT_MAX))  # NaN compares false, inf is > FLT_MAX
         else:
-            for j in range(rb.size):
-                a = abs(rb[j])
-                cnt += np.int32(a >= tau)
-                bad += np.int32(not (a <= _FLT_MAX))
-        if bad:
-            return k, pos, NONFINITE
-        if cnt:
-            if k + cnt > out.size:
-                return k, pos, FULL
-            # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
-            # and stop once all `cnt` entries of the block are out.
-            for s0 in range(0, rb.size, SUB):
-                sb = rb[s0 : s0 + SUB]
-                c = np.int32(0)
-                for j in range(sb.size):
-                    c += np.int32(abs(sb[j]) >= tau)
-                if c:
-                    base = pos + s0
-                    for j in range(sb.size):
-                        x = sb[j]
-                        if x >= tau:
-                            out[k] = (base + j) << 1
-                            sb[j] = x - tau
-                            k += 1
-                        elif x <= -tau:
-                            out[k] = ((base + j) << 1) | 1
-                            sb[j] = x + tau
-                            k += 1
-                    cnt -= c
-                    if cnt == 0:
-                        break
+            cnt, bad = _count_block(rb, tau)
+        k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
+        if status != OK:
+            return k, pos, status
         pos = stop
     return k, n, OK
+
+
+@njit(nogil=True, cache=True)
+def _accumulate_diff_encode(r, after, before, tau, out, k, start, added_end):
+    """`_accumulate_encode` with u = after - before computed on the fly: r[i] += (after[i] - before[i]).
+
+    The difference is rounded to float32 before it is added, exactly as ``r + (after - before)`` in
+    NumPy, so the residual and the entries are bit-identical to subtracting first (replicas depend on
+    it); one pass instead of two saves writing and re-reading a whole update vector every step.
+    """
+    n = r.size
+    pos = start
+    while pos < n:
+        stop = min(pos + BLOCK, n)
+        rb = r[pos:stop]
+        if pos >= added_end:
+            ab = after[pos:stop]
+            bb = before[pos:stop]
+            cnt = np.int32(0)
+            bad = np.int32(0)
+            for j in range(rb.size):
+                d = ab[j] - bb[j]
+                x = rb[j] + d
+                rb[j] = x
+                a = abs(x)
+                cnt += np.int32(a >= tau)
+                bad += np.int32(not (a <= _FLT_MAX))
+        else:
+            cnt, bad = _count_block(rb, tau)
+        k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
+        if status != OK:
+            return k, pos, status
+        pos = stop
+    return k, n, OK
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _count_block(rb, tau):
+    """(entries, non-finite values) of an already accumulated block."""
+    cnt = np.int32(0)
+    bad = np.int32(0)
+    for j in range(rb.size):
+        a = abs(rb[j])
+        cnt += np.int32(a >= tau)
+        bad += np.int32(not (a <= _FLT_MAX))
+    return cnt, bad
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _emit_block(rb, pos, tau, out, k, cnt, bad):
+    """Emit the ``cnt`` entries of the accumulated block ``rb`` (starting at parameter ``pos``) into
+    ``out`` from ``k`` on and reduce them by τ. Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
+    if bad:
+        return k, NONFINITE
+    if cnt:
+        if k + cnt > out.size:
+            return k, FULL
+        # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
+        # and stop once all `cnt` entries of the block are out.
+        for s0 in range(0, rb.size, SUB):
+            sb = rb[s0 : s0 + SUB]
+            c = np.int32(0)
+            for j in range(sb.size):
+                c += np.int32(abs(sb[j]) >= tau)
+            if c:
+                base = pos + s0
+                for j in range(sb.size):
+                    x = sb[j]
+                    if x >= tau:
+                        out[k] = (base + j) << 1
+                        sb[j] = x - tau
+                        k += 1
+                    elif x <= -tau:
+                        out[k] = ((base + j) << 1) | 1
+                        sb[j] = x + tau
+                        k += 1
+                cnt -= c
+                if cnt == 0:
+                    break
+    return k, OK
 
 
 if config.DISABLE_JIT:  # pure-Python kernels (NUMBA_DISABLE_JIT=1): a prefetch is only a hint
