@@ -68,8 +68,8 @@ class StepProfile:
         self._cur[phase] += seconds
 
     def end(self) -> None:
-        """The step ended at the last stamp."""
-        wall = self._mark - self._t0
+        """The step ends now (what ran since the last stamp is in the wall time only: "other")."""
+        wall = time.perf_counter() - self._t0
         self._clock += wall
         for p in PHASES:
             self.steps[p].append(self._cur[p])
