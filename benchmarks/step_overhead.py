@@ -79,8 +79,9 @@ def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
 
     steps = [r["profile"]["steps"] for r in reports]
     stat = np.mean if stat is None else stat
-    out = {k: 1e3 * float(stat(np.concatenate([s[k][warmup:] for s in steps]))) for k in (*PHASES, "wall")}
+    out = {k: 1e3 * float(stat(np.concatenate([s[k][warmup:] for s in steps]))) for k in (*PHASES, "wall", "cpu")}
     out["other"] = out["wall"] - sum(out[p] for p in PHASES)
+    out["off_cpu"] = out["wall"] - out["cpu"] - out["wait"]  # runnable but descheduled (or blocked elsewhere)
     return out
 
 
@@ -139,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     print("gradshare step phases (ms, mean over both workers' timed steps; 'other' = wall - phases):")
     print("  mean:   " + "  ".join(f"{k} {v:.2f}" for k, v in prof.items()))
     print("  median: " + "  ".join(f"{k} {v:.2f}" for k, v in out["profile_ms_median"].items()))
+    steps_run = max(r["steps_run"] for r in reps)
+    for r in reps:
+        cpu = r["profile"]["threads_cpu"]
+        print(f"  rank {r['rank']} thread CPU ms/step: " + "  ".join(f"{k} {1e3 * v / steps_run:.2f}" for k, v in cpu.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

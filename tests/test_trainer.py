@@ -107,12 +107,14 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
     for rep in timed.worker_reports:
         prof = rep["profile"]
         steps = prof["steps"]
-        assert set(steps) == {*PHASES, "wall"}
+        assert set(steps) == {*PHASES, "wall", "cpu"}
         assert all(len(v) == rep["steps_run"] for v in steps.values())
         walls = np.array(steps["wall"])
         phases = np.sum([steps[p] for p in PHASES], axis=0)
         assert np.all(np.array([steps[p] for p in PHASES]) >= 0) and np.all(phases <= walls)
         assert np.sum(steps["compute"]) > 0 and np.sum(steps["encode"]) > 0
+        assert np.all(np.array(steps["cpu"]) <= walls + 0.02)  # thread CPU clock: coarser than perf_counter
+        assert prof["threads_cpu"]["(calling thread)"] > 0 and any(k.startswith("gradshare-peer") for k in prof["threads_cpu"])
         assert prof["lo_tx_bytes"] is None or prof["lo_tx_bytes"] > 0  # the updates went over lo
         if rep["rank"] == 0:  # the validation curve against training time: one point per epoch
             assert [a for _, a in prof["curve"]] == [h["val_metric"] for h in rep["history"]]
