@@ -115,11 +115,14 @@ class ApplyLog:
         # Always ask: messages of `step` may already be pending from some senders but not from all.
         self._take(self.peer.receive(until_step=step, timeout=self.timeout))
         self.profile.lap("wait")
-        params = self.flat.array
+        params, twin = self.flat.array, self.flat.twin
         n = len(params)
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
-            self._apply(self._message.from_bytes(u.payload, max_params=n), params)
+            msg = self._message.from_bytes(u.payload, max_params=n)
+            self._apply(msg, params)
+            if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
+                self._apply(msg, twin)
             self.applied += 1
         self.applied_through = step
         self.profile.lap("apply")
@@ -146,13 +149,13 @@ class Worker:
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
+        self.flat.keep_twin()  # P_before of every step, kept by the apply log (see _step)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.rule = copy.deepcopy(cfg.threshold_rule)
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
         self.encode_seconds = 0.0
-        self.spare = torch.empty(n, dtype=torch.float32)  # receives P_before; then becomes the live buffer
         # (step, Message, its indices) this rank sent that its log has not applied yet (lookahead)
         self.own_pending: deque = deque()
         self.log: ApplyLog | None = None
@@ -194,32 +197,32 @@ class Worker:
         from gradshare.encoding import decode_entries, encode_step
 
         prof = self.profile
+        flat = self.flat
+        live, before = flat.array, flat.twin  # both hold P here: the apply log changes them alike
         x, y = self._batch(epoch, b)
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
+        versions = flat.versions()
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
         prof.lap("compute")
-        # The point u is measured from, taken after forward/backward: a parameter they changed in place
-        # (a user bug) keeps the change in P, so the replica leaves the log and the fit's hash check
-        # names it, instead of the change being shared as an update.
-        live, before = self.flat.buffer, self.spare
-        np.copyto(before.numpy(), live.numpy())
+        if flat.versions() != versions:
+            # Forward/backward changed a parameter in place outside the optimizer (a user bug). The
+            # change stays in P (both copies), so the replica leaves the log and the fit's hash check
+            # names it, instead of the change being shared as part of the update. (A write through
+            # p.data or a NumPy alias is not seen here: it is shared as update, replicas stay equal.)
+            np.copyto(before, live)
         prof.lap("snapshot")
         self.optimizer.step()
         prof.lap("optimizer")
-        # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
-        # buffers saves copying P_before back over the whole model every step.
-        self.flat.rebind(before)
-        self.spare = live
-        prof.lap("update")
-        # u = P_after - P_before fused into the encode (one pass, no update vector); encode with the
-        # rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
+        # u = P_after - P_before fused into the encode (one pass, no update vector), which also rewinds
+        # the live parameters to P_before: P changes only through the log (DESIGN.md, consistency model).
+        # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
         e0 = time.perf_counter()
-        msg = encode_step(self.residual, live.numpy(), self.rule, step=t, clipping=self.clip, base=before.numpy())
-        if looked is not None:  # after the encode: `before` is the point u is measured from
+        msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
+        if looked is not None:
             self._look_back(*looked)
         payload = msg.to_bytes()
         if self.cfg.lookahead and self.cfg.staleness > 0:
@@ -228,16 +231,17 @@ class Worker:
         loss_value = float(loss.detach())
         prof.lap("encode")
         peer.send_update(t, payload, {
-            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
+            "loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
             "bytes": float(len(payload)), "epoch": float(epoch),
         })
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
     def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Add this rank's sent-but-not-yet-applied messages to P (the live buffer) and return what
-        `_look_back` needs to take them out again: (indices they touch, P there before, P there after).
-        None (and nothing done) when no own message is pending: the step runs at P as with k = 0.
+        """Add this rank's sent-but-not-yet-applied messages to P (both copies, the live one and the
+        twin the update is measured from) and return what `_look_back` needs to take them out again:
+        (indices they touch, P there before, P there after). None (and nothing done) when no own
+        message is pending: the step runs at P as with k = 0.
 
         Only the touched values are saved (a few per thousand parameters), not all of P: subtracting
         the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
@@ -248,20 +252,22 @@ class Worker:
             self.own_pending.popleft()  # the log has applied it: P contains it now
         if not self.own_pending:
             return None
-        live = self.flat.array
+        live, twin = self.flat.array, self.flat.twin
         idx = np.concatenate([i for _, _, i in self.own_pending])
         saved = live[idx]
         for _, msg, _ in self.own_pending:  # in step order, the order the log will apply them
             apply(msg, live)
+            apply(msg, twin)
         return idx, saved, live[idx]
 
     def _look_back(self, idx: np.ndarray, saved: np.ndarray, ahead: np.ndarray) -> None:
-        """Restore P (the buffer holding P + own pending messages after the forward/backward) at the
-        touched indices. Where forward/backward changed a touched value in place, that change stays in
-        P, as everywhere else (see `_step`)."""
-        p = self.flat.array
-        now = p[idx]
-        p[idx] = np.where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
+        """After the step's encode (both copies equal again), restore P at the touched indices. Where
+        forward/backward changed a touched value in place, that change stays in P, as everywhere else
+        (see `_step`)."""
+        now = self.flat.array[idx]
+        back = np.where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
+        self.flat.array[idx] = back
+        self.flat.twin[idx] = back
 
     def run(self, peer, start_step: int) -> dict:
         cfg, rank = self.cfg, self.rank

@@ -95,9 +95,10 @@ def vector_triples(draw):
 
 
 @SETTINGS
-@given(vector_triples(), st.integers(1, 3))
-def test_fused_diff_encode_matches_oracle(data, threads):
+@given(vector_triples(), st.integers(1, 3), st.booleans())
+def test_fused_diff_encode_matches_oracle(data, threads, rewind):
     r, after, before, tau = data
+    after_in = after.copy()
     with np.errstate(over="ignore", invalid="ignore"):
         want_r, want_codes = naive.accumulate_diff_encode(r, after, before, tau)
         finite = bool(np.all(np.isfinite(want_r)))
@@ -105,9 +106,12 @@ def test_fused_diff_encode_matches_oracle(data, threads):
     if not finite:  # a NaN/inf difference or an overflow: the documented error, naming the first index
         first = int(np.flatnonzero(~np.isfinite(want_r))[0])
         with pytest.raises(ValueError, match=rf"residual \+ update - base is not finite at index {first}\b"):
-            encode(got_r, after, tau, base=before, threads=threads)
+            encode(got_r, after, tau, base=before, threads=threads, rewind=rewind)
         return
-    m = encode(got_r, after, tau, base=before, threads=threads)
+    m = encode(got_r, after, tau, base=before, threads=threads, rewind=rewind)
+    # rewind: `after` now holds `before` bit for bit; otherwise it is untouched
+    assert after.tobytes() == (before if rewind else after_in).tobytes()
+    after = after_in
     assert Message(m.threshold, m.n_params, m.n_entries, m.form, m.payload) == m
     idx, signs = decode_entries(m)
     np.testing.assert_array_equal((idx << 1) | (signs < 0), want_codes)
@@ -125,8 +129,8 @@ def test_fused_diff_encode_regrows_its_entry_buffer():
     after = (before + rng.choice([-1, 1], n) * (1 + rng.random(n))).astype(np.float32)
     r = np.zeros(n, np.float32)
     want_r, want_codes = naive.accumulate_diff_encode(r, after, before, 1.0)
-    m = encode(r, after, 1.0, base=before)
-    assert m.n_entries == n
+    m = encode(r, after, 1.0, base=before, rewind=True)
+    assert m.n_entries == n and after.tobytes() == before.tobytes()
     assert r.tobytes() == want_r.tobytes()
     assert decode(m).tobytes() == naive.dense(want_codes, 1.0, n).tobytes()
 

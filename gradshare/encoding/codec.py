@@ -56,7 +56,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None) -> np.ndarray:
+def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None,
+                  rewind: bool = False) -> np.ndarray:
     """Entry codes (local indices) of the fused pass over the views r/u (u - base when base is given);
     grows its buffer as needed."""
     n = r.size
@@ -67,7 +68,7 @@ def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np
         if base is None:
             k, pos, status = _k._accumulate_encode(r, uu, tau, out, k, pos, added_end)
         else:
-            k, pos, status = _k._accumulate_diff_encode(r, uu, base, tau, out, k, pos, added_end)
+            k, pos, status = _k._accumulate_diff_encode(r, uu, base, tau, out, k, pos, added_end, rewind)
         if status == _k.OK:
             return out[:k]
         if status == _k.NONFINITE:
@@ -122,6 +123,7 @@ def encode(
     form: str | None = None,
     threads: int = 1,
     base: np.ndarray | None = None,
+    rewind: bool = False,
 ) -> Message:
     """Accumulate ``update`` into ``residual`` IN PLACE and threshold-encode it.
 
@@ -134,6 +136,9 @@ def encode(
     base: with ``update``, accumulate ``update - base`` instead (e.g. P_after and P_before of an optimizer
         step), rounded to float32 before it is added: bit-identical to ``encode(residual, update - base)``
         in one pass, without the temporary.
+    rewind: with ``base``, also set ``update`` to ``base`` in the same pass (``update`` must be writable):
+        the worker's parameters return to P_before without a copy. On the NaN/inf error, ``update`` is
+        rewound up to the block that failed.
     threads: split the vector into this many contiguous ranges encoded in parallel (the kernels release
         the GIL). The message is identical for every thread count.
 
@@ -146,6 +151,12 @@ def encode(
         if update is None:
             raise ValueError("base needs an update to subtract it from")
         _check_vector("base", base, writable=False, n=residual.size)
+    if rewind:
+        if base is None:
+            raise ValueError("rewind needs a base to rewind the update to")
+        _check_vector("update", update, writable=True)
+        if np.shares_memory(update, base) or np.shares_memory(update, residual):
+            raise ValueError("update must not overlap base or residual when rewind is set")
     tau = _threshold_value(threshold)
     if form is not None and form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
@@ -155,7 +166,7 @@ def encode(
     n = residual.size
     try:
         if threads == 1 or n < threads * _k.BLOCK * 16:
-            codes = _encode_range(residual, update, tau32, base)
+            codes = _encode_range(residual, update, tau32, base, rewind)
         else:
             # Contiguous ranges aligned to BLOCK, so each range's codes are sorted and ranges concatenate.
             step = -(-n // threads)
@@ -164,7 +175,7 @@ def encode(
             futures = [
                 _pool(threads).submit(
                     _encode_range, residual[lo:hi], None if update is None else update[lo:hi], tau32,
-                    None if base is None else base[lo:hi],
+                    None if base is None else base[lo:hi], rewind,
                 )
                 for lo, hi in bounds
             ]

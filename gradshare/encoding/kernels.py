@@ -77,12 +77,14 @@ def _accumulate_encode(r, u, tau, out, k, start, added_end):
 
 
 @njit(nogil=True, cache=True)
-def _accumulate_diff_encode(r, after, before, tau, out, k, start, added_end):
+def _accumulate_diff_encode(r, after, before, tau, out, k, start, added_end, rewind):
     """`_accumulate_encode` with u = after - before computed on the fly: r[i] += (after[i] - before[i]).
 
     The difference is rounded to float32 before it is added, exactly as ``r + (after - before)`` in
     NumPy, so the residual and the entries are bit-identical to subtracting first (replicas depend on
     it); one pass instead of two saves writing and re-reading a whole update vector every step.
+    With ``rewind``, after[i] = before[i] once read: the worker's parameters go back to P_before in
+    the same pass (its line is in cache already), instead of a copy of P per step.
     """
     n = r.size
     pos = start
@@ -94,13 +96,24 @@ def _accumulate_diff_encode(r, after, before, tau, out, k, start, added_end):
             bb = before[pos:stop]
             cnt = np.int32(0)
             bad = np.int32(0)
-            for j in range(rb.size):
-                d = ab[j] - bb[j]
-                x = rb[j] + d
-                rb[j] = x
-                a = abs(x)
-                cnt += np.int32(a >= tau)
-                bad += np.int32(not (a <= _FLT_MAX))
+            if rewind:
+                for j in range(rb.size):
+                    bj = bb[j]
+                    d = ab[j] - bj
+                    ab[j] = bj
+                    x = rb[j] + d
+                    rb[j] = x
+                    a = abs(x)
+                    cnt += np.int32(a >= tau)
+                    bad += np.int32(not (a <= _FLT_MAX))
+            else:
+                for j in range(rb.size):
+                    d = ab[j] - bb[j]
+                    x = rb[j] + d
+                    rb[j] = x
+                    a = abs(x)
+                    cnt += np.int32(a >= tau)
+                    bad += np.int32(not (a <= _FLT_MAX))
         else:
             cnt, bad = _count_block(rb, tau)
         k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
