@@ -61,14 +61,15 @@ def local_steps(widths, batch, warmup, seed, rows):
     model = make_mlp(widths)
     opt = optimizer(list(model.parameters()))
     loss_fn = torch.nn.CrossEntropyLoss()
-    times = []
+    times, cpus = [], []
     for b in range(0, len(data), batch):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x_all[b : b + batch]), y_all[b : b + batch]).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return [times[warmup:]]
+        cpus.append(time.thread_time() - c0)
+    return [(times[warmup:], cpus[warmup:])]
 
 
 def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
@@ -109,15 +110,21 @@ def run(args: argparse.Namespace) -> int:
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             result = trainer.fit(rdd)
             driver_cpu = time.process_time() - cpu0
-            single = float(np.median(np.concatenate(base)))
+            single = float(np.median(np.concatenate([t for t, _ in base])))
+            single_cpu = float(np.mean(np.concatenate([c for _, c in base])))
             step = float(np.median(np.concatenate([r["step_times"][args.warmup:] for r in result.worker_reports])))
-            rounds.append((single, step, result, driver_cpu))
+            rounds.append((single, step, result, driver_cpu, single_cpu))
     finally:
         if created:
             spark.stop()
-    ratios = [step / single for single, step, _, _ in rounds]
+    ratios = [step / single for single, step, *_ in rounds]
     k = int(np.argsort(ratios)[len(ratios) // 2])  # the median round
-    single, step, result, driver_cpu = rounds[k]
+    single, step, result, driver_cpu, _ = rounds[k]
+    # CPU per step, mean over every round: far less sensitive than wall time to what else the shared
+    # machine runs (it still feels cache and memory-bandwidth contention)
+    single_cpu = float(np.mean([r[4] for r in rounds]))
+    worker_cpu = float(np.mean([np.mean(rep["profile"]["steps"]["cpu"][args.warmup:])
+                                for r in rounds for rep in r[2].worker_reports]))
     reps = result.worker_reports
     log = float(np.mean([r["log_seconds"] / r["steps_run"] for r in reps]))
     enc = float(np.mean([r["encode_seconds"] / r["steps_run"] for r in reps]))
@@ -128,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
         "traffic_ratio": result.traffic_ratio,
         "profile_ms_mean": phase_means(reps, args.warmup),
+        "single_cpu_ms": 1e3 * single_cpu, "worker_thread_cpu_ms": 1e3 * worker_cpu,
+        "cpu_ratio": worker_cpu / single_cpu,
         "driver_cpu_ms_per_step": 1e3 * driver_cpu / max(r["steps_run"] for r in reps),
         "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
@@ -138,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
           f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)")
     print(f"ratio                         {out['ratio']:8.3f}   (target <= 1.25; median of rounds "
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"CPU per step, training thread  single {out['single_cpu_ms']:.2f} ms, gradshare "
+          f"{out['worker_thread_cpu_ms']:.2f} ms: ratio {out['cpu_ratio']:.3f} (means over all rounds)")
     print(f"traffic vs dense              {out['traffic_ratio']:8.1f}x less, mean sparsity {out['mean_sparsity']:.2e}")
     prof = out["profile_ms_mean"]
     print("gradshare step phases (ms, mean over both workers' timed steps; 'other' = wall - phases):")
