@@ -5,6 +5,8 @@ One step t on rank w (DESIGN.md, "One training step"):
     batch → forward/backward → optimizer.step() on the flat buffer P
     u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
     m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
+      (one fused pass: P_before is a twin copy of P that the apply log keeps equal to it, and the pass
+       also writes P_before back over the live buffer, so no copy of P and no u vector per step)
     send m as (t, w)
     P changes only by applying decoded messages of the log, in (step, sender) order, own included
 
