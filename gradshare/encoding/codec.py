@@ -64,11 +64,9 @@ def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np
     out = np.empty(max(1024, n >> 8), np.int64)  # 0.4 % density before the first regrowth
     k, pos, added_end = 0, 0, (0 if u is not None else n)
     uu = u if u is not None else r  # not read when added_end == n
+    mode = _k.ADD if base is None else _k.DIFF_REWIND if rewind else _k.DIFF
     while True:
-        if base is None:
-            k, pos, status = _k._accumulate_encode(r, uu, tau, out, k, pos, added_end)
-        else:
-            k, pos, status = _k._accumulate_diff_encode(r, uu, base, tau, out, k, pos, added_end, rewind)
+        k, pos, status = _k._accumulate_encode(r, uu, uu if base is None else base, mode, tau, out, k, pos, added_end)
         if status == _k.OK:
             return out[:k]
         if status == _k.NONFINITE:
