@@ -72,6 +72,39 @@ def local_steps(widths, batch, warmup, seed, rows):
     return [(times[warmup:], cpus[warmup:])]
 
 
+class RelayCpu:
+    """CPU seconds of the driver's relay thread during a fit: sampled every 0.2 s while it runs (the
+    thread is gone when fit returns), so up to 0.2 s of its life may be missed."""
+
+    def __init__(self):
+        import threading
+
+        self.seconds, self._stop = 0.0, threading.Event()
+        self.threads: dict[str, float] = {}  # every driver thread's CPU growth over the fit
+        self._thread = threading.Thread(target=self._sample, name="relay-cpu-sampler", daemon=True)
+
+    def _sample(self):
+        from gradshare.profiling import threads_cpu
+
+        first = threads_cpu()
+        while not self._stop.wait(0.2):
+            now = threads_cpu()
+            cpu = [v for k, v in now.items() if k.startswith("gradshare-relay")]
+            if cpu:
+                self.seconds = max(self.seconds, sum(cpu))
+            for k, v in now.items():
+                if k != "(calling thread)":
+                    self.threads[k] = max(self.threads.get(k, 0.0), v - first.get(k, 0.0))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
     """Mean (or `stat`) ms per timed step of every phase of the workers' profiles (gradshare/profiling.py)."""
     import numpy as np
@@ -108,8 +141,11 @@ def run(args: argparse.Namespace) -> int:
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
                                     worker_options={"step_times": True, "profile": True})
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
-            result = trainer.fit(rdd)
+            with RelayCpu() as relay_cpu:
+                result = trainer.fit(rdd)
             driver_cpu = time.process_time() - cpu0
+            result.relay_cpu = relay_cpu.seconds
+            result.driver_threads = relay_cpu.threads
             single = float(np.median(np.concatenate([t for t, _ in base])))
             single_cpu = float(np.mean(np.concatenate([c for _, c in base])))
             step = float(np.median(np.concatenate([r["step_times"][args.warmup:] for r in result.worker_reports])))
@@ -138,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "single_cpu_ms": 1e3 * single_cpu, "worker_thread_cpu_ms": 1e3 * worker_cpu,
         "cpu_ratio": worker_cpu / single_cpu,
         "driver_cpu_ms_per_step": 1e3 * driver_cpu / max(r["steps_run"] for r in reps),
+        "relay_thread_cpu_ms_per_step": 1e3 * result.relay_cpu / max(r["steps_run"] for r in reps),
         "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
     print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
@@ -158,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
     for r in reps:
         cpu = r["profile"]["threads_cpu"]
         print(f"  rank {r['rank']} thread CPU ms/step (whole run): " + "  ".join(f"{k} {1e3 * v / steps_run:.2f}" for k, v in cpu.items()))
-    print(f"  driver process CPU (relay thread, Spark driver calls) ms/step: {out['driver_cpu_ms_per_step']:.2f}")
+    print(f"  driver process CPU ms/step: {out['driver_cpu_ms_per_step']:.2f}, of which the relay thread "
+          f"{out['relay_thread_cpu_ms_per_step']:.2f} (whole fit, start-up included); busiest driver threads "
+          "(ms/step): " + ", ".join(f"{k} {1e3 * v / max(r['steps_run'] for r in reps):.2f}" for k, v in
+                                    sorted(result.driver_threads.items(), key=lambda kv: -kv[1])[:4]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
