@@ -61,14 +61,62 @@ def local_steps(widths, batch, warmup, seed, rows):
     model = make_mlp(widths)
     opt = optimizer(list(model.parameters()))
     loss_fn = torch.nn.CrossEntropyLoss()
-    times = []
+    times, cpus = [], []
     for b in range(0, len(data), batch):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x_all[b : b + batch]), y_all[b : b + batch]).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return [times[warmup:]]
+        cpus.append(time.thread_time() - c0)
+    return [(times[warmup:], cpus[warmup:])]
+
+
+class RelayCpu:
+    """CPU seconds of the driver's relay thread during a fit: sampled every 0.2 s while it runs (the
+    thread is gone when fit returns), so up to 0.2 s of its life may be missed."""
+
+    def __init__(self):
+        import threading
+
+        self.seconds, self._stop = 0.0, threading.Event()
+        self.threads: dict[str, float] = {}  # every driver thread's CPU growth over the fit
+        self._thread = threading.Thread(target=self._sample, name="relay-cpu-sampler", daemon=True)
+
+    def _sample(self):
+        from gradshare.profiling import threads_cpu
+
+        first = threads_cpu()
+        while not self._stop.wait(0.2):
+            now = threads_cpu()
+            cpu = [v for k, v in now.items() if k.startswith("gradshare-relay")]
+            if cpu:
+                self.seconds = max(self.seconds, sum(cpu))
+            for k, v in now.items():
+                if k != "(calling thread)":
+                    self.threads[k] = max(self.threads.get(k, 0.0), v - first.get(k, 0.0))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
+    """Mean (or `stat`) ms per timed step of every phase of the workers' profiles (gradshare/profiling.py)."""
+    import numpy as np
+
+    from gradshare.profiling import PHASES
+
+    steps = [r["profile"]["steps"] for r in reports]
+    stat = np.mean if stat is None else stat
+    out = {k: 1e3 * float(stat(np.concatenate([s[k][warmup:] for s in steps]))) for k in (*PHASES, "wall", "cpu")}
+    out["other"] = out["wall"] - sum(out[p] for p in PHASES)
+    out["off_cpu"] = out["wall"] - out["cpu"] - out["wait"]  # runnable but descheduled (or blocked elsewhere)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,17 +139,28 @@ def run(args: argparse.Namespace) -> int:
             base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
-                                    worker_options={"step_times": True})
-            result = trainer.fit(rdd)
-            single = float(np.median(np.concatenate(base)))
+                                    worker_options={"step_times": True, "profile": True})
+            cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
+            with RelayCpu() as relay_cpu:
+                result = trainer.fit(rdd)
+            driver_cpu = time.process_time() - cpu0
+            result.relay_cpu = relay_cpu.seconds
+            result.driver_threads = relay_cpu.threads
+            single = float(np.median(np.concatenate([t for t, _ in base])))
+            single_cpu = float(np.mean(np.concatenate([c for _, c in base])))
             step = float(np.median(np.concatenate([r["step_times"][args.warmup:] for r in result.worker_reports])))
-            rounds.append((single, step, result))
+            rounds.append((single, step, result, driver_cpu, single_cpu))
     finally:
         if created:
             spark.stop()
-    ratios = [step / single for single, step, _ in rounds]
+    ratios = [step / single for single, step, *_ in rounds]
     k = int(np.argsort(ratios)[len(ratios) // 2])  # the median round
-    single, step, result = rounds[k]
+    single, step, result, driver_cpu, _ = rounds[k]
+    # CPU per step, mean over every round: far less sensitive than wall time to what else the shared
+    # machine runs (it still feels cache and memory-bandwidth contention)
+    single_cpu = float(np.mean([r[4] for r in rounds]))
+    worker_cpu = float(np.mean([np.mean(rep["profile"]["steps"]["cpu"][args.warmup:])
+                                for r in rounds for rep in r[2].worker_reports]))
     reps = result.worker_reports
     log = float(np.mean([r["log_seconds"] / r["steps_run"] for r in reps]))
     enc = float(np.mean([r["encode_seconds"] / r["steps_run"] for r in reps]))
@@ -111,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
         "ratio": step / single, "ratios_all_rounds": ratios, "log_wait_ms_mean": 1e3 * log, "encode_ms_mean": 1e3 * enc,
         "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
         "traffic_ratio": result.traffic_ratio,
+        "profile_ms_mean": phase_means(reps, args.warmup),
+        "single_cpu_ms": 1e3 * single_cpu, "worker_thread_cpu_ms": 1e3 * worker_cpu,
+        "cpu_ratio": worker_cpu / single_cpu,
+        "driver_cpu_ms_per_step": 1e3 * driver_cpu / max(r["steps_run"] for r in reps),
+        "relay_thread_cpu_ms_per_step": 1e3 * result.relay_cpu / max(r["steps_run"] for r in reps),
+        "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
     print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
           f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}")
@@ -119,7 +184,21 @@ def run(args: argparse.Namespace) -> int:
           f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)")
     print(f"ratio                         {out['ratio']:8.3f}   (target <= 1.25; median of rounds "
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"CPU per step, training thread  single {out['single_cpu_ms']:.2f} ms, gradshare "
+          f"{out['worker_thread_cpu_ms']:.2f} ms: ratio {out['cpu_ratio']:.3f} (means over all rounds)")
     print(f"traffic vs dense              {out['traffic_ratio']:8.1f}x less, mean sparsity {out['mean_sparsity']:.2e}")
+    prof = out["profile_ms_mean"]
+    print("gradshare step phases (ms, mean over both workers' timed steps; 'other' = wall - phases):")
+    print("  mean:   " + "  ".join(f"{k} {v:.2f}" for k, v in prof.items()))
+    print("  median: " + "  ".join(f"{k} {v:.2f}" for k, v in out["profile_ms_median"].items()))
+    steps_run = max(r["steps_run"] for r in reps)
+    for r in reps:
+        cpu = r["profile"]["threads_cpu"]
+        print(f"  rank {r['rank']} thread CPU ms/step (whole run): " + "  ".join(f"{k} {1e3 * v / steps_run:.2f}" for k, v in cpu.items()))
+    print(f"  driver process CPU ms/step: {out['driver_cpu_ms_per_step']:.2f}, of which the relay thread "
+          f"{out['relay_thread_cpu_ms_per_step']:.2f} (whole fit, start-up included); busiest driver threads "
+          "(ms/step): " + ", ".join(f"{k} {1e3 * v / max(r['steps_run'] for r in reps):.2f}" for k, v in
+                                    sorted(result.driver_threads.items(), key=lambda kv: -kv[1])[:4]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -42,19 +42,22 @@ class FlatParams:
                 offset += p.numel()
         self.params = [p for _, p in named]
         self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
+        self.twin: np.ndarray | None = None  # see keep_twin()
 
-    def rebind(self, buffer: torch.Tensor) -> None:
-        """Point every parameter at the same place in another flat buffer (no copy; the Parameter
-        objects, and so the optimizer's state, stay). The worker swaps two buffers instead of copying
-        P_before back after every step."""
-        if buffer.shape != (self.n_params,) or buffer.dtype != torch.float32 or not buffer.is_contiguous():
-            raise ValueError(f"buffer must be a contiguous float32 tensor of ({self.n_params},)")
-        offset = 0
-        for p in self.params:
-            p.data = buffer[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.buffer = buffer
-        self.array = buffer.numpy()
+    def keep_twin(self) -> np.ndarray:
+        """Allocate `twin`, a second copy of `array`. Whoever changes the parameters between steps
+        (the apply log, `load`) changes both alike, so at the start of a step the twin still holds P
+        after the step's local work has moved `array` away from it: the worker measures the update
+        against it and rewinds `array` to it in one pass, without copying P every step."""
+        if self.twin is None:
+            self.twin = self.array.copy()
+        return self.twin
+
+    def versions(self) -> list[int]:
+        """torch's in-place version counters of the parameters: they change when a parameter is
+        modified in place through it (``p += x``, ``p.copy_``, ``p.detach().add_``), not when its
+        storage is written through ``p.data``, `array` or another alias."""
+        return [p._version for p in self.params]
 
     def load(self, values: np.ndarray) -> None:
         """Overwrite every parameter with `values` (a flat float32 array of n_params)."""
@@ -62,3 +65,5 @@ class FlatParams:
         if values.shape != (self.n_params,):
             raise ValueError(f"parameter array has shape {values.shape}, the model needs ({self.n_params},)")
         np.copyto(self.array, values, casting="same_kind")
+        if self.twin is not None:
+            np.copyto(self.twin, self.array)

@@ -5,6 +5,8 @@ One step t on rank w (DESIGN.md, "One training step"):
     batch → forward/backward → optimizer.step() on the flat buffer P
     u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
     m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
+      (one fused pass: P_before is a twin copy of P that the apply log keeps equal to it, and the pass
+       also writes P_before back over the live buffer, so no copy of P and no u vector per step)
     send m as (t, w)
     P changes only by applying decoded messages of the log, in (step, sender) order, own included
 
@@ -35,6 +37,8 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.errors import ProtocolError, TrainingError
+from gradshare.profiling import OFF as OFF_PROFILE
+from gradshare.profiling import StepProfile
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer, flat, start_step: int, timeout: float):
+    def __init__(self, peer, flat, start_step: int, timeout: float, profile=None):
         from gradshare.encoding import Message, apply
 
         self._message, self._apply = Message, apply
@@ -96,6 +100,7 @@ class ApplyLog:
         self.pending: deque = deque()
         self.applied = 0
         self.last_key = (-1, -1)
+        self.profile = OFF_PROFILE if profile is None else profile
 
     def _take(self, updates) -> None:
         for u in updates:
@@ -111,13 +116,18 @@ class ApplyLog:
             return
         # Always ask: messages of `step` may already be pending from some senders but not from all.
         self._take(self.peer.receive(until_step=step, timeout=self.timeout))
-        params = self.flat.array
+        self.profile.lap("wait")
+        params, twin = self.flat.array, self.flat.twin
         n = len(params)
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
-            self._apply(self._message.from_bytes(u.payload, max_params=n), params)
+            msg = self._message.from_bytes(u.payload, max_params=n)
+            self._apply(msg, params)
+            if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
+                self._apply(msg, twin)
             self.applied += 1
         self.applied_through = step
+        self.profile.lap("apply")
 
 
 def _bytes_out(counters: dict) -> int:
@@ -141,17 +151,17 @@ class Worker:
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
+        self.flat.keep_twin()  # P_before of every step, kept by the apply log (see _step)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.rule = copy.deepcopy(cfg.threshold_rule)
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
         self.encode_seconds = 0.0
-        self.spare = torch.empty(n, dtype=torch.float32)  # receives P_before; then becomes the live buffer
-        self.update = np.empty(n, dtype=np.float32)
-        self.own_pending: deque = deque()  # (step, Message) this rank sent that its log has not applied
-        self.look_base: np.ndarray | None = None  # P + own pending, the point u is measured from
+        # (step, Message, its indices) this rank sent that its log has not applied yet (lookahead)
+        self.own_pending: deque = deque()
         self.log: ApplyLog | None = None
+        self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
         else:
@@ -186,47 +196,57 @@ class Worker:
         return float(value)
 
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
-        from gradshare.encoding import encode_step
+        from gradshare.encoding import decode_entries, encode_step
 
+        prof = self.profile
+        flat = self.flat
+        live, before = flat.array, flat.twin  # both hold P here: the apply log changes them alike
         x, y = self._batch(epoch, b)
-        live, before = self.flat.buffer, self.spare
-        base = self._look_ahead(before.numpy())  # None: no own message pending, step at P itself
+        prof.lap("batch")
+        looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
+        versions = flat.versions()
+        prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
-        if base is None:
-            np.copyto(before.numpy(), self.flat.array)
-            base = before.numpy()
-        elif not np.array_equal(self.flat.array, base):
-            # forward/backward changed parameters outside the optimizer (a user bug): carry the change
-            # into P, as the k = 0 path does, so the replica leaves the log and the fit's hash check
-            # names it instead of the change being shared as an update
-            before.numpy()[:] += self.flat.array - base
-            np.copyto(base, self.flat.array)
+        prof.lap("compute")
+        if flat.versions() != versions:
+            # Forward/backward changed a parameter in place outside the optimizer (a user bug). The
+            # change stays in P (both copies), so the replica leaves the log and the fit's hash check
+            # names it, instead of the change being shared as part of the update. (A write through
+            # p.data or a NumPy alias is not seen here: it is shared as update, replicas stay equal.)
+            np.copyto(before, live)
+        prof.lap("snapshot")
         self.optimizer.step()
-        np.subtract(self.flat.array, base, out=self.update)
-        # P = P_before: P changes only through the log (DESIGN.md, consistency model). Swapping the two
-        # buffers saves copying P_before back over the whole model every step.
-        self.flat.rebind(before)
-        self.spare = live
-        # encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor)
+        prof.lap("optimizer")
+        # u = P_after - P_before fused into the encode (one pass, no update vector), which also rewinds
+        # the live parameters to P_before: P changes only through the log (DESIGN.md, consistency model).
+        # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
         e0 = time.perf_counter()
-        msg = encode_step(self.residual, self.update, self.rule, step=t, clipping=self.clip)
+        msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
+        if looked is not None:
+            self._look_back(*looked)
         payload = msg.to_bytes()
         if self.cfg.lookahead and self.cfg.staleness > 0:
-            self.own_pending.append((t, msg))
+            self.own_pending.append((t, msg, decode_entries(msg)[0]))
         self.encode_seconds += time.perf_counter() - e0
         loss_value = float(loss.detach())
+        prof.lap("encode")
         peer.send_update(t, payload, {
-            "loss": loss_value, "sparsity": msg.n_entries / self.flat.n_params, "tau": msg.threshold,
+            "loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
             "bytes": float(len(payload)), "epoch": float(epoch),
         })
+        prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
-    def _look_ahead(self, keep: np.ndarray) -> np.ndarray | None:
-        """Copy P into `keep` (restored after the step), then add this rank's sent-but-not-yet-applied
-        messages to the live buffer; return that point, the one the update is measured from. None (and
-        nothing done) when no own message is pending: the step runs at P as with k = 0."""
+    def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Add this rank's sent-but-not-yet-applied messages to P (both copies, the live one and the
+        twin the update is measured from) and return what `_look_back` needs to take them out again:
+        (indices they touch, P there before, P there after). None (and nothing done) when no own
+        message is pending: the step runs at P as with k = 0.
+
+        Only the touched values are saved (a few per thousand parameters), not all of P: subtracting
+        the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
         from gradshare.encoding import apply
 
         done = self.log.applied_through if self.log is not None else -1
@@ -234,20 +254,29 @@ class Worker:
             self.own_pending.popleft()  # the log has applied it: P contains it now
         if not self.own_pending:
             return None
-        live = self.flat.array
-        np.copyto(keep, live)
-        for _, msg in self.own_pending:  # in step order, the order the log will apply them
+        live, twin = self.flat.array, self.flat.twin
+        idx = np.concatenate([i for _, _, i in self.own_pending])
+        saved = live[idx]
+        for _, msg, _ in self.own_pending:  # in step order, the order the log will apply them
             apply(msg, live)
-        if self.look_base is None:
-            self.look_base = np.empty_like(live)
-        np.copyto(self.look_base, live)
-        return self.look_base
+            apply(msg, twin)
+        return idx, saved, live[idx]
+
+    def _look_back(self, idx: np.ndarray, saved: np.ndarray, ahead: np.ndarray) -> None:
+        """After the step's encode (both copies equal again), restore P at the touched indices. Where
+        forward/backward changed a touched value in place, that change stays in P, as everywhere else
+        (see `_step`)."""
+        now = self.flat.array[idx]
+        back = np.where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
+        self.flat.array[idx] = back
+        self.flat.twin[idx] = back
 
     def run(self, peer, start_step: int) -> dict:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         self._order_epoch = -1
-        log = ApplyLog(peer, self.flat, start_step, cfg.timeout)
+        prof = self.profile
+        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof)
         self.log = log
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
@@ -256,10 +285,12 @@ class Worker:
         step_times = [] if cfg.extra.get("step_times") else None  # benchmarks only
         for t in range(start_step, total):
             w0 = time.perf_counter()
+            prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
             wait += time.perf_counter() - w0
             epoch, b = divmod(t, spe)
             loss, entries, nbytes = self._step(peer, t, epoch, b)
+            prof.end()
             if step_times is not None:
                 step_times.append(time.perf_counter() - w0)
             acc["loss"] += loss
@@ -268,10 +299,12 @@ class Worker:
             acc["steps"] += 1
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
+                prof.epoch(history[-1]["val_metric"])
                 acc = self._fresh_epoch(peer)
+        prof.finish()
         peer.finish(total - 1)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
-        return {
+        report = {
             "rank": rank,
             "start_step": start_step,
             "last_step": total - 1,
@@ -283,6 +316,9 @@ class Worker:
             "encode_seconds": self.encode_seconds,
             "step_times": step_times,
         }
+        if prof is not OFF_PROFILE:
+            report["profile"] = prof.report()
+        return report
 
     def _fresh_epoch(self, peer) -> dict:
         c = peer.counters()

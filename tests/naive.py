@@ -25,6 +25,15 @@ def accumulate_encode(residual: np.ndarray, update: np.ndarray | None, tau: floa
     return new, np.array(codes, dtype=np.int64)
 
 
+def accumulate_diff_encode(residual: np.ndarray, after: np.ndarray, before: np.ndarray, tau: float):
+    """accumulate_encode with u = after - before, the difference rounded to float32 first (what the
+    worker sends: P_after - P_before of one optimizer step)."""
+    u = np.empty_like(residual)
+    for i in range(residual.size):
+        u[i] = np.float32(after[i]) - np.float32(before[i])  # float32 scalars: a float32 subtraction
+    return accumulate_encode(residual, u, tau)
+
+
 def leb128(value: int) -> bytes:
     out = bytearray()
     while True:

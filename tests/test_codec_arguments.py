@@ -29,6 +29,24 @@ def test_encode_rejects_bad_arrays(residual, update, exc, match):
         encode(residual, update, 1.0)
 
 
+def test_encode_rejects_bad_base():
+    with pytest.raises(ValueError, match="base needs an update"):
+        encode(_vec(4), None, 1.0, base=_vec(4))
+    with pytest.raises(ValueError, match="base has 5 elements, expected 4"):
+        encode(_vec(4), _vec(4), 1.0, base=_vec(5))
+    with pytest.raises(TypeError, match="base must have dtype float32"):
+        encode(_vec(4), _vec(4), 1.0, base=np.zeros(4))
+    with pytest.raises(ValueError, match="rewind needs a base"):
+        encode(_vec(4), _vec(4), 1.0, rewind=True)
+    both = _vec(8)
+    with pytest.raises(ValueError, match="must not overlap"):
+        encode(_vec(4), both[:4], 1.0, base=both[2:6], rewind=True)
+    frozen = _vec(4)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="update must be writable"):
+        encode(_vec(4), frozen, 1.0, base=_vec(4), rewind=True)
+
+
 def test_encode_rejects_read_only_residual():
     r = _vec(4)
     r.flags.writeable = False

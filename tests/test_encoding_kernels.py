@@ -75,6 +75,66 @@ def test_fused_encode_matches_oracle(data, with_update):
     assert got_r.tobytes() == want_r.tobytes()  # bit-exact, -0.0 and subnormals included
 
 
+@st.composite
+def vector_triples(draw):
+    """(residual, after, before, τ): `vector_pairs` with the update split into two parameter vectors
+    (after = before + u, rounded: after - before need not give u back), sometimes with huge or special
+    values in `before` so the difference cancels, overflows or is not finite."""
+    r, u, tau = draw(vector_pairs())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    before = (rng.standard_normal(r.size) * draw(st.sampled_from([0.0, 1e-3, 1.0, 1e30]))).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        after = (before + u).astype(np.float32)
+    if r.size:
+        special = np.concatenate([_specials(tau), np.array([np.nan, np.inf, -np.inf, 3.4e38], np.float32)])
+        for arr in (after, before):
+            k = draw(st.integers(0, min(r.size, 8)))
+            pos = rng.integers(0, r.size, size=k)
+            arr[pos] = special[rng.integers(0, special.size if draw(st.booleans()) else 18, size=k)]
+    return r, after, before, tau
+
+
+@SETTINGS
+@given(vector_triples(), st.integers(1, 3), st.booleans())
+def test_fused_diff_encode_matches_oracle(data, threads, rewind):
+    r, after, before, tau = data
+    after_in = after.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_r, want_codes = naive.accumulate_diff_encode(r, after, before, tau)
+        finite = bool(np.all(np.isfinite(want_r)))
+    got_r = r.copy()
+    if not finite:  # a NaN/inf difference or an overflow: the documented error, naming the first index
+        first = int(np.flatnonzero(~np.isfinite(want_r))[0])
+        with pytest.raises(ValueError, match=rf"residual \+ update - base is not finite at index {first}\b"):
+            encode(got_r, after, tau, base=before, threads=threads, rewind=rewind)
+        return
+    m = encode(got_r, after, tau, base=before, threads=threads, rewind=rewind)
+    # rewind: `after` now holds `before` bit for bit; otherwise it is untouched
+    assert after.tobytes() == (before if rewind else after_in).tobytes()
+    after = after_in
+    assert Message(m.threshold, m.n_params, m.n_entries, m.form, m.payload) == m
+    idx, signs = decode_entries(m)
+    np.testing.assert_array_equal((idx << 1) | (signs < 0), want_codes)
+    assert got_r.tobytes() == want_r.tobytes()  # bit-exact: as subtracting first, then encoding
+    r2 = r.copy()
+    assert encode(r2, (after - before).astype(np.float32), tau) == m and r2.tobytes() == got_r.tobytes()
+
+
+def test_fused_diff_encode_regrows_its_entry_buffer():
+    # Every parameter crosses τ, so the pass stops FULL and resumes several times: blocks accumulated
+    # before a stop must not subtract `before` twice.
+    n = 200_003
+    rng = np.random.default_rng(8)
+    before = rng.standard_normal(n).astype(np.float32)
+    after = (before + rng.choice([-1, 1], n) * (1 + rng.random(n))).astype(np.float32)
+    r = np.zeros(n, np.float32)
+    want_r, want_codes = naive.accumulate_diff_encode(r, after, before, 1.0)
+    m = encode(r, after, 1.0, base=before, rewind=True)
+    assert m.n_entries == n and after.tobytes() == before.tobytes()
+    assert r.tobytes() == want_r.tobytes()
+    assert decode(m).tobytes() == naive.dense(want_codes, 1.0, n).tobytes()
+
+
 @SETTINGS
 @given(small_vectors)
 def test_fused_encode_matches_oracle_on_arbitrary_floats(data):
@@ -214,6 +274,10 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "want_r, want_codes = naive.accumulate_encode(r, u, 1.5)\n"
         "m = encode(r, u, 1.5)\n"
         "assert r.tobytes() == want_r.tobytes()\n"
+        "b = rng.standard_normal(n).astype(np.float32); a = (b + u).astype(np.float32)\n"
+        "r2 = np.zeros(n, np.float32); want2, codes2 = naive.accumulate_diff_encode(r2, a, b, 1.5)\n"
+        "m2 = encode(r2, a, 1.5, base=b)\n"
+        "assert r2.tobytes() == want2.tobytes() and m2.n_entries == codes2.size\n"
         "ref = naive.dense(want_codes, 1.5, n).tobytes()\n"
         "for f in (SPARSE, RICE, BITMAP):\n"
         "    c = Message.from_bytes(convert(m, f).to_bytes(), max_params=n)\n"

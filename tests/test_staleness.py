@@ -40,7 +40,7 @@ class _Peer:
         return [Update(s, r, p, None) for s, r, p in new]
 
 
-def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None):
+def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, through_data=False):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(256, 20)).astype(np.float32)
@@ -59,6 +59,9 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None):
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     if mutate_rank is not None:  # a user bug: forward changes a weight in place, outside the optimizer
         def mutate(module, inputs):
+            if through_data:  # .data has its own version counter: the worker cannot see this write
+                module[0].bias.data += 0.5
+                return
             with torch.no_grad():
                 module[0].bias += 0.5
 
@@ -111,3 +114,13 @@ def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too():
         np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=1e-3)
         rest = np.delete(diff, np.arange(bias.start, bias.stop))
         assert np.abs(rest).max() < 1e-4  # both applied the same log; only the mutation differs
+
+
+def test_a_change_written_through_data_is_shared_as_update_and_replicas_stay_identical():
+    # What the version-counter check cannot see (FlatParams.versions): the write becomes part of the
+    # step's update, goes through the encoding like any update, and every replica applies it alike.
+    for k in (0, 1):
+        (p0, p1), _ = _train(staleness=k, lookahead=True, world=2, mutate_rank=1, through_data=True)
+        assert p0.tobytes() == p1.tobytes()
+        plain = _train(staleness=k, lookahead=True, world=2)
+        assert param_hash(p0) != plain  # the write did reach the model, through the log

@@ -94,6 +94,38 @@ def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_id
     assert s2.param_hash != a.param_hash  # a different trajectory, not a no-op option
 
 
+def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd):
+    from gradshare.bench.profile import summarise
+    from gradshare.profiling import PHASES
+
+    _, (X_test, y_test) = digits_rdd
+    plain, _ = _fit_digits(digits_rdd, epochs=2, staleness=1)
+    timed, _ = _fit_digits(digits_rdd, epochs=2, staleness=1, validation_data=(X_test, y_test),
+                           worker_options={"profile": True})
+    assert timed.param_hash == plain.param_hash  # the timers do not change what is trained
+    assert "profile" not in plain.worker_reports[0]
+    for rep in timed.worker_reports:
+        prof = rep["profile"]
+        steps = prof["steps"]
+        assert set(steps) == {*PHASES, "wall", "cpu"}
+        assert all(len(v) == rep["steps_run"] for v in steps.values())
+        walls = np.array(steps["wall"])
+        phases = np.sum([steps[p] for p in PHASES], axis=0)
+        assert np.all(np.array([steps[p] for p in PHASES]) >= 0) and np.all(phases <= walls)
+        assert np.sum(steps["compute"]) > 0 and np.sum(steps["encode"]) > 0
+        assert np.all(np.array(steps["cpu"]) <= walls + 0.02)  # thread CPU clock: coarser than perf_counter
+        assert prof["threads_cpu"]["(calling thread)"] > 0 and any(k.startswith("gradshare-peer") for k in prof["threads_cpu"])
+        assert prof["lo_tx_bytes"] is None or prof["lo_tx_bytes"] > 0  # the updates went over lo
+        if rep["rank"] == 0:  # the validation curve against training time: one point per epoch
+            assert [a for _, a in prof["curve"]] == [h["val_metric"] for h in rep["history"]]
+            clocks = [c for c, _ in prof["curve"]]
+            assert clocks[0] < clocks[1] and clocks[1] == pytest.approx(walls.sum())
+    s = summarise(timed.worker_reports[0]["profile"]["steps"], warmup=2)
+    assert s["other"] == pytest.approx(s["wall"] - sum(s[p] for p in ("compute", "encode", "send", "wait", "apply")))
+    assert s["compute"] == pytest.approx(sum(s["detail"][p] for p in
+                                             ("batch", "lookahead", "compute", "snapshot", "optimizer", "update")))
+
+
 def test_dataframe_with_vector_and_array_columns(spark):
     from pyspark.ml.linalg import Vectors
 

@@ -145,6 +145,8 @@ def table(rows: list[dict]) -> str:
             p = r["profile"]
             share = "  ".join(f"{k} {1000 * p[k]:.1f}" for k in ("compute", "encode", "send", "wait", "apply", "other"))
             lines.append(f"profile gradshare {r['workload']}/{r['link']} (ms/step, wall {1000 * p['wall']:.1f}): {share}")
+            if p.get("detail"):
+                lines.append("  of which: " + "  ".join(f"{k} {1000 * v:.1f}" for k, v in p["detail"].items()))
     return "\n".join(lines)
 
 

@@ -96,7 +96,6 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
 
     `max_sparsity`: the upper end of the adaptive rule's band (τ rises while a step sends more than this
     share of entries); None: SharedTrainer's default adaptive rule. Both start at `threshold`."""
-    from gradshare.bench.profile import profiled
     from gradshare.bench.workloads import model_factory
     from gradshare.encoding import AdaptiveThreshold
     from gradshare.trainer import SharedTrainer
@@ -109,8 +108,8 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
                             threshold_algorithm=rule, staleness=staleness,
                             bind="127.0.0.1", advertise_host="127.0.0.1", batch_size=batch_size,
                             epochs=epochs, seed=seed, verbose=0, validation_data=(wl.X_test, wl.y_test),
-                            timeout=timeout)
-    with profiled(), _cancel_after(sc, budget) as fired:
+                            timeout=timeout, worker_options={"profile": True})
+    with _cancel_after(sc, budget) as fired:
         try:
             result = trainer.fit(rdd)
         except Exception:

@@ -56,14 +56,17 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32) -> np.ndarray:
-    """Entry codes (local indices) of the fused pass over the views r/u; grows its buffer as needed."""
+def _encode_range(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None,
+                  rewind: bool = False) -> np.ndarray:
+    """Entry codes (local indices) of the fused pass over the views r/u (u - base when base is given);
+    grows its buffer as needed."""
     n = r.size
     out = np.empty(max(1024, n >> 8), np.int64)  # 0.4 % density before the first regrowth
     k, pos, added_end = 0, 0, (0 if u is not None else n)
     uu = u if u is not None else r  # not read when added_end == n
+    mode = _k.ADD if base is None else _k.DIFF_REWIND if rewind else _k.DIFF
     while True:
-        k, pos, status = _k._accumulate_encode(r, uu, tau, out, k, pos, added_end)
+        k, pos, status = _k._accumulate_encode(r, uu, uu if base is None else base, mode, tau, out, k, pos, added_end)
         if status == _k.OK:
             return out[:k]
         if status == _k.NONFINITE:
@@ -117,6 +120,8 @@ def encode(
     *,
     form: str | None = None,
     threads: int = 1,
+    base: np.ndarray | None = None,
+    rewind: bool = False,
 ) -> Message:
     """Accumulate ``update`` into ``residual`` IN PLACE and threshold-encode it.
 
@@ -126,6 +131,12 @@ def encode(
     threshold: τ > 0 (rounded to float32, the precision of the kernels), or a threshold rule object
         (its current ``.threshold`` is used; the rule is not advanced, see `encode_step`).
     form: None picks the smallest of empty/sparse/rice/bitmap; a form name forces it (benchmarks, tests).
+    base: with ``update``, accumulate ``update - base`` instead (e.g. P_after and P_before of an optimizer
+        step), rounded to float32 before it is added: bit-identical to ``encode(residual, update - base)``
+        in one pass, without the temporary.
+    rewind: with ``base``, also set ``update`` to ``base`` in the same pass (``update`` must be writable):
+        the worker's parameters return to P_before without a copy. On the NaN/inf error, ``update`` is
+        rewound up to the block that failed.
     threads: split the vector into this many contiguous ranges encoded in parallel (the kernels release
         the GIL). The message is identical for every thread count.
 
@@ -134,6 +145,16 @@ def encode(
     _check_vector("residual", residual, writable=True)
     if update is not None:
         _check_vector("update", update, writable=False, n=residual.size)
+    if base is not None:
+        if update is None:
+            raise ValueError("base needs an update to subtract it from")
+        _check_vector("base", base, writable=False, n=residual.size)
+    if rewind:
+        if base is None:
+            raise ValueError("rewind needs a base to rewind the update to")
+        _check_vector("update", update, writable=True)
+        if np.shares_memory(update, base) or np.shares_memory(update, residual):
+            raise ValueError("update must not overlap base or residual when rewind is set")
     tau = _threshold_value(threshold)
     if form is not None and form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
@@ -143,7 +164,7 @@ def encode(
     n = residual.size
     try:
         if threads == 1 or n < threads * _k.BLOCK * 16:
-            codes = _encode_range(residual, update, tau32)
+            codes = _encode_range(residual, update, tau32, base, rewind)
         else:
             # Contiguous ranges aligned to BLOCK, so each range's codes are sorted and ranges concatenate.
             step = -(-n // threads)
@@ -151,7 +172,8 @@ def encode(
             bounds = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
             futures = [
                 _pool(threads).submit(
-                    _encode_range, residual[lo:hi], None if update is None else update[lo:hi], tau32
+                    _encode_range, residual[lo:hi], None if update is None else update[lo:hi], tau32,
+                    None if base is None else base[lo:hi], rewind,
                 )
                 for lo, hi in bounds
             ]
@@ -167,10 +189,11 @@ def encode(
             codes = np.concatenate(parts) if parts else np.empty(0, np.int64)
     except _NonFinite as exc:
         i = exc.index
-        what = "residual + update" if update is not None else "residual"
+        what = "residual" if update is None else "residual + update" if base is None else "residual + update - base"
         raise ValueError(
             f"{what} is not finite at index {i} (residual[{i}] = {residual[i]!r}"
             + (f", update[{i}] = {update[i]!r}" if update is not None else "")
+            + (f", base[{i}] = {base[i]!r}" if base is not None else "")
             + "); the residual is partly updated and must be reset"
         ) from None
     return _build(codes, tau, n, form)

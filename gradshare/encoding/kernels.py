@@ -24,6 +24,11 @@ from numba.extending import intrinsic
 BLOCK = 256
 SUB = 32
 
+# Modes of _accumulate_encode: r += u; r += (u - base); r += (u - base) and then u = base.
+ADD = 0
+DIFF = 1
+DIFF_REWIND = 2
+
 # Status codes of _accumulate_encode.
 OK = 0
 FULL = 1  # the entry buffer cannot hold the current block's entries: grow it and resume
@@ -43,12 +48,14 @@ CHECK_COUNT = 7  # bitmap holds a different number of entries than the header sa
 
 
 @njit(nogil=True, cache=True)
-def _accumulate_encode(r, u, tau, out, k, start, added_end):
-    """r[i] += u[i] for i >= added_end, then emit every |r[i]| >= tau into ``out`` from ``k`` on.
+def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
+    """Accumulate ``u`` into ``r`` (see ADD/DIFF/DIFF_REWIND) for blocks from ``added_end`` on, then emit
+    every |r[i]| >= tau into ``out`` from ``k`` on.
 
     Blocks start at ``start`` (a multiple of BLOCK). Blocks below ``added_end`` were accumulated by an
-    earlier call that stopped with FULL, so they are only counted again. Returns (k, pos, status):
-    OK with pos == r.size; FULL/NONFINITE with pos = start of the block that stopped the pass.
+    earlier call that stopped with FULL, so they are only counted again. ``base`` is read only in the
+    DIFF modes (pass any float32 array otherwise). Returns (k, pos, status): OK with pos == r.size;
+    FULL/NONFINITE with pos = start of the block that stopped the pass.
     """
     n = r.size
     pos = start
@@ -57,50 +64,98 @@ def _accumulate_encode(r, u, tau, out, k, start, added_end):
         # Work on block views: loops over range(view.size) have provably non-negative indices, which
         # lets LLVM drop Numba's wraparound checks and vectorise (range(pos, stop) does not).
         rb = r[pos:stop]
-        cnt = np.int32(0)
-        bad = np.int32(0)
-        if pos >= added_end:
-            ub = u[pos:stop]
-            for j in range(rb.size):
-                x = rb[j] + ub[j]
-                rb[j] = x
-                a = abs(x)
-                cnt += np.int32(a >= tau)
-                bad += np.int32(not (a <= _FLT_MAX))  # NaN compares false, inf is > FLT_MAX
+        if pos < added_end:
+            cnt, bad = _count_block(rb, tau)
+        elif mode == ADD:
+            cnt, bad = _add_block(rb, u[pos:stop], tau)
         else:
-            for j in range(rb.size):
-                a = abs(rb[j])
-                cnt += np.int32(a >= tau)
-                bad += np.int32(not (a <= _FLT_MAX))
-        if bad:
-            return k, pos, NONFINITE
-        if cnt:
-            if k + cnt > out.size:
-                return k, pos, FULL
-            # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
-            # and stop once all `cnt` entries of the block are out.
-            for s0 in range(0, rb.size, SUB):
-                sb = rb[s0 : s0 + SUB]
-                c = np.int32(0)
-                for j in range(sb.size):
-                    c += np.int32(abs(sb[j]) >= tau)
-                if c:
-                    base = pos + s0
-                    for j in range(sb.size):
-                        x = sb[j]
-                        if x >= tau:
-                            out[k] = (base + j) << 1
-                            sb[j] = x - tau
-                            k += 1
-                        elif x <= -tau:
-                            out[k] = ((base + j) << 1) | 1
-                            sb[j] = x + tau
-                            k += 1
-                    cnt -= c
-                    if cnt == 0:
-                        break
+            cnt, bad = _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, mode == DIFF_REWIND)
+        k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
+        if status != OK:
+            return k, pos, status
         pos = stop
     return k, n, OK
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _add_block(rb, ub, tau):
+    """rb += ub; (entries, non-finite values) of the result."""
+    cnt = np.int32(0)
+    bad = np.int32(0)
+    for j in range(rb.size):
+        x = rb[j] + ub[j]
+        rb[j] = x
+        a = abs(x)
+        cnt += np.int32(a >= tau)
+        bad += np.int32(not (a <= _FLT_MAX))  # NaN compares false, inf is > FLT_MAX
+    return cnt, bad
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _add_diff_block(rb, ab, bb, tau, rewind):
+    """rb += (ab - bb), the difference rounded to float32 first, exactly as ``r + (after - before)``
+    in NumPy (replicas depend on the bits); with ``rewind`` also ab = bb once read: the worker's
+    parameters go back to P_before in the same pass (the line is in cache already). The branch is
+    loop-invariant: LLVM unswitches it and both loops vectorise."""
+    cnt = np.int32(0)
+    bad = np.int32(0)
+    for j in range(rb.size):
+        bj = bb[j]
+        d = ab[j] - bj
+        if rewind:
+            ab[j] = bj
+        x = rb[j] + d
+        rb[j] = x
+        a = abs(x)
+        cnt += np.int32(a >= tau)
+        bad += np.int32(not (a <= _FLT_MAX))
+    return cnt, bad
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _count_block(rb, tau):
+    """(entries, non-finite values) of an already accumulated block."""
+    cnt = np.int32(0)
+    bad = np.int32(0)
+    for j in range(rb.size):
+        a = abs(rb[j])
+        cnt += np.int32(a >= tau)
+        bad += np.int32(not (a <= _FLT_MAX))
+    return cnt, bad
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _emit_block(rb, pos, tau, out, k, cnt, bad):
+    """Emit the ``cnt`` entries of the accumulated block ``rb`` (starting at parameter ``pos``) into
+    ``out`` from ``k`` on and reduce them by τ. Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
+    if bad:
+        return k, NONFINITE
+    if cnt:
+        if k + cnt > out.size:
+            return k, FULL
+        # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
+        # and stop once all `cnt` entries of the block are out.
+        for s0 in range(0, rb.size, SUB):
+            sb = rb[s0 : s0 + SUB]
+            c = np.int32(0)
+            for j in range(sb.size):
+                c += np.int32(abs(sb[j]) >= tau)
+            if c:
+                base = pos + s0
+                for j in range(sb.size):
+                    x = sb[j]
+                    if x >= tau:
+                        out[k] = (base + j) << 1
+                        sb[j] = x - tau
+                        k += 1
+                    elif x <= -tau:
+                        out[k] = ((base + j) << 1) | 1
+                        sb[j] = x + tau
+                        k += 1
+                cnt -= c
+                if cnt == 0:
+                    break
+    return k, OK
 
 
 if config.DISABLE_JIT:  # pure-Python kernels (NUMBA_DISABLE_JIT=1): a prefetch is only a hint

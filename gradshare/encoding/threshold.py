@@ -200,15 +200,18 @@ def encode_step(
     step: int | None = None,
     clipping: ResidualClipping | None = None,
     threads: int = 1,
+    base: np.ndarray | None = None,
+    rewind: bool = False,
 ) -> Message:
     """One training step's encode: encode with ``rule.threshold``, advance the rule, then clip if due.
 
     The message carries the τ it was encoded with; the rule's next τ applies from the next step on.
-    ``step`` is required when ``clipping`` is given.
+    ``step`` is required when ``clipping`` is given; ``base``: accumulate ``update - base``;
+    ``rewind``: then set ``update`` to ``base`` in the same pass (see `encode`).
     """
     if clipping is not None and step is None:
         raise ValueError("step is required when clipping is given")
-    message = encode(residual, update, rule.threshold, threads=threads)
+    message = encode(residual, update, rule.threshold, threads=threads, base=base, rewind=rewind)
     rule.update(message.n_entries, message.n_params)
     if clipping is not None:
         clipping.apply(residual, message.threshold, step)  # type: ignore[arg-type]
