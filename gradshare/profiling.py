@@ -15,10 +15,9 @@ import time
 # In step order. wait: blocked in peer.receive; apply: decoding and applying the log's messages;
 # batch: building the batch; lookahead: k >= 1, adding own pending messages to P (and the checks);
 # compute: forward + backward; snapshot: keeping P (the point the update is measured from);
-# optimizer: optimizer.step(); update: extracting u = P_after - P_before (when not fused into the
-# encode) and restoring P; encode: accumulate + threshold + to_bytes (+ the loss's float);
-# send: handing the payload to the peer.
-PHASES = ("wait", "apply", "batch", "lookahead", "compute", "snapshot", "optimizer", "update", "encode", "send")
+# optimizer: optimizer.step(); encode: u = P_after - P_before, accumulate + threshold, restoring P
+# (one fused pass), to_bytes (+ the loss's float); send: handing the payload to the peer.
+PHASES = ("wait", "apply", "batch", "lookahead", "compute", "snapshot", "optimizer", "encode", "send")
 
 
 def lo_tx_bytes() -> int | None:
@@ -92,9 +91,6 @@ class StepProfile:
         self._cur[phase] += now - self._mark
         self._mark = now
 
-    def add(self, phase: str, seconds: float) -> None:
-        self._cur[phase] += seconds
-
     def end(self) -> None:
         """The step ends now (what ran since the last stamp is in the wall time only: "other")."""
         wall = time.perf_counter() - self._t0
@@ -126,9 +122,6 @@ class _Off:
         pass
 
     def lap(self, phase: str) -> None:
-        pass
-
-    def add(self, phase: str, seconds: float) -> None:
         pass
 
     def end(self) -> None:

@@ -179,7 +179,7 @@ class SharedTrainer:
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
-        self.worker_options = dict(worker_options or {})  # benchmarks: {"step_times": True}, {"profile": True} (per-phase timers in each worker report, gradshare/profiling.py)
+        self.worker_options = dict(worker_options or {})  # benchmarks: {"profile": True}, per-phase timers in each worker report (gradshare/profiling.py)
 
     # ------------------------------------------------------------------------------------ helpers
     def _build_model(self):

@@ -157,7 +157,6 @@ class Worker:
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
-        self.encode_seconds = 0.0
         # (step, Message, its indices) this rank sent that its log has not applied yet (lookahead)
         self.own_pending: deque = deque()
         self.log: ApplyLog | None = None
@@ -222,14 +221,12 @@ class Worker:
         # u = P_after - P_before fused into the encode (one pass, no update vector), which also rewinds
         # the live parameters to P_before: P changes only through the log (DESIGN.md, consistency model).
         # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
-        e0 = time.perf_counter()
         msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
         if looked is not None:
             self._look_back(*looked)
         payload = msg.to_bytes()
         if self.cfg.lookahead and self.cfg.staleness > 0:
             self.own_pending.append((t, msg, decode_entries(msg)[0]))
-        self.encode_seconds += time.perf_counter() - e0
         loss_value = float(loss.detach())
         prof.lap("encode")
         peer.send_update(t, payload, {
@@ -281,18 +278,12 @@ class Worker:
         history: list[dict] = []
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
-        wait = 0.0  # time blocked on / applying the log: what sharing costs beyond the local step
-        step_times = [] if cfg.extra.get("step_times") else None  # benchmarks only
         for t in range(start_step, total):
-            w0 = time.perf_counter()
             prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
-            wait += time.perf_counter() - w0
             epoch, b = divmod(t, spe)
             loss, entries, nbytes = self._step(peer, t, epoch, b)
             prof.end()
-            if step_times is not None:
-                step_times.append(time.perf_counter() - w0)
             acc["loss"] += loss
             acc["entries"] += entries
             acc["payload"] += nbytes
@@ -312,9 +303,6 @@ class Worker:
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
-            "log_seconds": wait,
-            "encode_seconds": self.encode_seconds,
-            "step_times": step_times,
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()

@@ -123,7 +123,7 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
     s = summarise(timed.worker_reports[0]["profile"]["steps"], warmup=2)
     assert s["other"] == pytest.approx(s["wall"] - sum(s[p] for p in ("compute", "encode", "send", "wait", "apply")))
     assert s["compute"] == pytest.approx(sum(s["detail"][p] for p in
-                                             ("batch", "lookahead", "compute", "snapshot", "optimizer", "update")))
+                                             ("batch", "lookahead", "compute", "snapshot", "optimizer")))
 
 
 def test_dataframe_with_vector_and_array_columns(spark):

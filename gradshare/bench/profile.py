@@ -16,9 +16,9 @@ from gradshare.profiling import lo_tx_bytes
 __all__ = ["PHASES", "WORKER_PHASES", "lo_tx_bytes", "summarise"]
 
 # The report's coarse phases, each a sum of worker phases: "compute" is everything local to the step
-# (batch, lookahead, forward/backward, snapshot, optimizer step, restoring P).
+# (batch, lookahead, forward/backward, snapshot, optimizer step).
 PHASES = ("compute", "encode", "send", "wait", "apply")
-_COARSE = {"compute": ("batch", "lookahead", "compute", "snapshot", "optimizer", "update"),
+_COARSE = {"compute": ("batch", "lookahead", "compute", "snapshot", "optimizer"),
            "encode": ("encode",), "send": ("send",), "wait": ("wait",), "apply": ("apply",)}
 
 

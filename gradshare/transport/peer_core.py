@@ -305,10 +305,7 @@ class PeerCore:
         if cur is None:
             self.chan.drops["before_welcome"] += 1
             return
-        key = (h.step, h.origin)
-        if h.origin >= self.world_size or h.origin == self.rank:
-            self.chan.drops["bad_origin"] += 1
-            return
+        key = (h.step, h.origin)       # origin: another rank of this job (checked before authentication)
         if key in self.inbox or h.step < cur.start_step or cur.done_before(*key):
             self.chan.drops["duplicate"] += 1
             return
