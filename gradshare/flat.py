@@ -32,16 +32,14 @@ class FlatParams:
                 )
         self.names = [name for name, _ in named]
         self.n_params = sum(p.numel() for _, p in named)
+        self.params = [p for _, p in named]
         self.buffer = torch.empty(self.n_params, dtype=torch.float32)
-        offset = 0
+        self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
+        self.live = self.views(self.array)  # the parameters' own views of `buffer`
         with torch.no_grad():
-            for _, p in named:
-                view = self.buffer[offset : offset + p.numel()].view_as(p)
+            for p, view in zip(self.params, self.live):
                 view.copy_(p)
                 p.data = view  # the Parameter object stays (optimizers keep working); its storage moves
-                offset += p.numel()
-        self.params = [p for _, p in named]
-        self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
         self.twin: np.ndarray | None = None  # see keep_twin()
 
     def keep_twin(self) -> np.ndarray:
@@ -52,6 +50,19 @@ class FlatParams:
         if self.twin is None:
             self.twin = self.array.copy()
         return self.twin
+
+    def views(self, array: np.ndarray) -> list[torch.Tensor]:
+        """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params):
+        the layout of `buffer`, over any flat array."""
+        if array.dtype != np.float32 or array.shape != (self.n_params,) or not array.flags.c_contiguous:
+            raise ValueError(f"need a C-contiguous float32 array of shape ({self.n_params},), got "
+                             f"{array.dtype} {array.shape}")
+        flat = torch.from_numpy(array)
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
 
     def versions(self) -> list[int]:
         """torch's in-place version counters of the parameters: they change when a parameter is

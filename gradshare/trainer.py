@@ -86,6 +86,9 @@ class FitResult:
         return self.dense_bytes / moved if moved else math.inf
 
 
+WORKER_OPTIONS = ("profile", "direct_update")  # see SharedTrainer's docstring
+
+
 class SharedTrainer:
     """Data-parallel training of a PyTorch model on Spark with threshold-encoded shared updates.
 
@@ -117,6 +120,9 @@ class SharedTrainer:
         labels, else the loss) on its replica after every epoch.
     verbose: 0 quiet, 1 a progress bar fed by the relay.
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error.
+    worker_options: {"profile": True} adds per-phase step timers to each worker report
+        (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
+        P_after - P_before even where it could write it into the residual directly (capture.py).
     """
 
     def __init__(
@@ -179,7 +185,13 @@ class SharedTrainer:
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
-        self.worker_options = dict(worker_options or {})  # benchmarks: {"profile": True}, per-phase timers in each worker report (gradshare/profiling.py)
+        self.worker_options = dict(worker_options or {})
+        unknown = sorted(set(self.worker_options) - set(WORKER_OPTIONS))
+        if unknown:
+            raise ValueError(f"worker_options has unknown key(s) {unknown}; known: {sorted(WORKER_OPTIONS)}")
+        for key, value in self.worker_options.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"worker_options[{key!r}] must be True or False, got {value!r}")
 
     # ------------------------------------------------------------------------------------ helpers
     def _build_model(self):

@@ -5,8 +5,11 @@ One step t on rank w (DESIGN.md, "One training step"):
     batch → forward/backward → optimizer.step() on the flat buffer P
     u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
     m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
-      (one fused pass: P_before is a twin copy of P that the apply log keeps equal to it, and the pass
-       also writes P_before back over the live buffer, so no copy of P and no u vector per step)
+      (direct path, capture.py: when the optimizer's update does not depend on P (SGD, Adam, ... without
+       weight decay) optimizer.step() runs with the parameters aliased to the residual, so it adds u to
+       r itself and P is never moved. General path: one fused pass; P_before is a twin copy of P that
+       the apply log keeps equal to it, and the pass also writes P_before back over the live buffer,
+       so no copy of P and no u vector per step)
     send m as (t, w)
     P changes only by applying decoded messages of the log, in (step, sender) order, own included
 
@@ -36,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gradshare.capture import aliased, writes_update_only
 from gradshare.errors import ProtocolError, TrainingError
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -151,12 +155,18 @@ class Worker:
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
-        self.flat.keep_twin()  # P_before of every step, kept by the apply log (see _step)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.rule = copy.deepcopy(cfg.threshold_rule)
         self.clip = cfg.residual_clip
         n = self.flat.n_params
         self.residual = np.zeros(n, dtype=np.float32)
+        # The optimizer writes its update straight into the residual where it can (capture.py);
+        # otherwise the step measures it against a twin of P that the apply log keeps (see _step).
+        self.direct = cfg.extra.get("direct_update", True) and writes_update_only(self.optimizer)
+        if self.direct:
+            self.residual_views = self.flat.views(self.residual)
+        else:
+            self.flat.keep_twin()
         # (step, Message, its indices) this rank sent that its log has not applied yet (lookahead)
         self.own_pending: deque = deque()
         self.log: ApplyLog | None = None
@@ -199,7 +209,7 @@ class Worker:
 
         prof = self.profile
         flat = self.flat
-        live, before = flat.array, flat.twin  # both hold P here: the apply log changes them alike
+        live, before = flat.array, flat.twin  # general path: both hold P here, the log changes them alike
         x, y = self._batch(epoch, b)
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
@@ -209,19 +219,28 @@ class Worker:
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
         prof.lap("compute")
-        if flat.versions() != versions:
+        if flat.versions() != versions and before is not None:
             # Forward/backward changed a parameter in place outside the optimizer (a user bug). The
             # change stays in P (both copies), so the replica leaves the log and the fit's hash check
-            # names it, instead of the change being shared as part of the update. (A write through
-            # p.data or a NumPy alias is not seen here: it is shared as update, replicas stay equal.)
+            # names it, instead of the change being shared as part of the update. (On the general
+            # path a write through p.data or a NumPy alias is not seen here: it is shared as update,
+            # replicas stay equal. On the direct path every such write stays in P.)
             np.copyto(before, live)
         prof.lap("snapshot")
-        self.optimizer.step()
+        if self.direct:
+            with aliased(flat.params, self.residual_views):  # p.add_(delta) is r += delta: P stays P
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
         prof.lap("optimizer")
-        # u = P_after - P_before fused into the encode (one pass, no update vector), which also rewinds
-        # the live parameters to P_before: P changes only through the log (DESIGN.md, consistency model).
         # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
-        msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
+        # General path: u = P_after - P_before fused into the encode (one pass, no update vector),
+        # which also rewinds the live parameters to P_before: P changes only through the log
+        # (DESIGN.md, consistency model). Direct path: the update is in the residual already.
+        if self.direct:
+            msg = encode_step(self.residual, None, self.rule, step=t, clipping=self.clip)
+        else:
+            msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
         if looked is not None:
             self._look_back(*looked)
         payload = msg.to_bytes()
@@ -256,7 +275,8 @@ class Worker:
         saved = live[idx]
         for _, msg, _ in self.own_pending:  # in step order, the order the log will apply them
             apply(msg, live)
-            apply(msg, twin)
+            if twin is not None:
+                apply(msg, twin)
         return idx, saved, live[idx]
 
     def _look_back(self, idx: np.ndarray, saved: np.ndarray, ahead: np.ndarray) -> None:
@@ -266,7 +286,8 @@ class Worker:
         now = self.flat.array[idx]
         back = np.where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
         self.flat.array[idx] = back
-        self.flat.twin[idx] = back
+        if self.flat.twin is not None:
+            self.flat.twin[idx] = back
 
     def run(self, peer, start_step: int) -> dict:
         cfg, rank = self.cfg, self.rank
@@ -303,6 +324,7 @@ class Worker:
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
+            "update_path": "direct" if self.direct else "general",  # capture.py
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()

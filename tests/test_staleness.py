@@ -11,6 +11,7 @@ k messages. The lookahead steps at P + those messages while P itself still chang
 import math
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -40,7 +41,7 @@ class _Peer:
         return [Update(s, r, p, None) for s, r, p in new]
 
 
-def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, through_data=False):
+def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, through_data=False, direct=True):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(256, 20)).astype(np.float32)
@@ -54,9 +55,11 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
         threshold_rule=encoding.AdaptiveThreshold(initial=1e-2), residual_clip=encoding.ResidualClipping(clip=5.0),
         steps_per_epoch=tuple(math.ceil(len(s[1]) / 32) for s in shards), epochs=epochs, batch_size=32,
         staleness=staleness, seed=0, label_dtype="int64", lookahead=lookahead,
+        extra={"direct_update": direct},
     )
     log = _Log()
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
+    assert all(w.direct == direct for w in workers)  # Adam without weight decay allows the direct path
     if mutate_rank is not None:  # a user bug: forward changes a weight in place, outside the optimizer
         def mutate(module, inputs):
             if through_data:  # .data has its own version counter: the worker cannot see this write
@@ -89,38 +92,53 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     return hashes.pop()
 
 
-def test_one_worker_with_lookahead_follows_the_synchronous_trajectory_bit_for_bit():
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "general"])
+def test_one_worker_with_lookahead_follows_the_synchronous_trajectory_bit_for_bit(direct):
     # With one worker the only stale messages are its own, so the lookahead must undo staleness exactly.
-    sync = _train(staleness=0, lookahead=True)
-    assert _train(staleness=0, lookahead=False) == sync  # k = 0: the lookahead has nothing to add
-    assert _train(staleness=1, lookahead=True) == sync
-    assert _train(staleness=3, lookahead=True) == sync
-    assert _train(staleness=1, lookahead=False) != sync  # the stale trajectory it corrects
+    sync = _train(staleness=0, lookahead=True, direct=direct)
+    assert _train(staleness=0, lookahead=False, direct=direct) == sync  # k = 0: the lookahead has nothing to add
+    assert _train(staleness=1, lookahead=True, direct=direct) == sync
+    assert _train(staleness=3, lookahead=True, direct=direct) == sync
+    assert _train(staleness=1, lookahead=False, direct=direct) != sync  # the stale trajectory it corrects
 
 
-def test_two_workers_with_lookahead_keep_replicas_identical():
-    a = _train(staleness=2, lookahead=True, world=2)
-    assert a == _train(staleness=2, lookahead=True, world=2)  # deterministic
-    assert a != _train(staleness=2, lookahead=False, world=2)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "general"])
+def test_two_workers_with_lookahead_keep_replicas_identical(direct):
+    a = _train(staleness=2, lookahead=True, world=2, direct=direct)
+    assert a == _train(staleness=2, lookahead=True, world=2, direct=direct)  # deterministic
+    assert a != _train(staleness=2, lookahead=False, world=2, direct=direct)
 
 
-def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too():
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "general"])
+def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too(direct):
     # As with k = 0, every in-place change stays in that replica's P (the fit's hash check then names
     # the rank) instead of being encoded and shared, or dropped when P is restored after a lookahead.
-    bias = slice(20 * 32, 20 * 32 + 32)  # Linear(20, 32): weight first, then bias, in the flat buffer
     for k in (0, 1, 2):
-        (p0, p1), steps = _train(staleness=k, lookahead=True, world=2, mutate_rank=1)
-        diff = p1 - p0
-        np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=1e-3)
-        rest = np.delete(diff, np.arange(bias.start, bias.stop))
-        assert np.abs(rest).max() < 1e-4  # both applied the same log; only the mutation differs
+        _assert_mutation_stayed_local(*_train(staleness=k, lookahead=True, world=2, mutate_rank=1, direct=direct))
 
 
-def test_a_change_written_through_data_is_shared_as_update_and_replicas_stay_identical():
-    # What the version-counter check cannot see (FlatParams.versions): the write becomes part of the
-    # step's update, goes through the encoding like any update, and every replica applies it alike.
+def _assert_mutation_stayed_local(params, steps):
+    bias = slice(20 * 32, 20 * 32 + 32)  # Linear(20, 32): weight first, then bias, in the flat buffer
+    p0, p1 = params
+    diff = p1 - p0
+    np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=1e-3)
+    rest = np.delete(diff, np.arange(bias.start, bias.stop))
+    assert np.abs(rest).max() < 1e-4  # both applied the same log; only the mutation differs
+
+
+def test_a_change_written_through_data_is_shared_as_update_on_the_general_path():
+    # What the version-counter check cannot see (FlatParams.versions): on the general path the write
+    # becomes part of the step's update (P_after - P_before), goes through the encoding like any update,
+    # and every replica applies it alike.
     for k in (0, 1):
-        (p0, p1), _ = _train(staleness=k, lookahead=True, world=2, mutate_rank=1, through_data=True)
+        (p0, p1), _ = _train(staleness=k, lookahead=True, world=2, mutate_rank=1, through_data=True, direct=False)
         assert p0.tobytes() == p1.tobytes()
-        plain = _train(staleness=k, lookahead=True, world=2)
+        plain = _train(staleness=k, lookahead=True, world=2, direct=False)
         assert param_hash(p0) != plain  # the write did reach the model, through the log
+
+
+def test_a_change_written_through_data_stays_local_on_the_direct_path():
+    # The direct path never measures P, so a write through .data stays in that replica, like an in-place
+    # change the version counters see: the fit's hash check names the rank.
+    for k in (0, 1):
+        _assert_mutation_stayed_local(*_train(staleness=k, lookahead=True, world=2, mutate_rank=1, through_data=True))

@@ -104,6 +104,11 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
                            worker_options={"profile": True})
     assert timed.param_hash == plain.param_hash  # the timers do not change what is trained
     assert "profile" not in plain.worker_reports[0]
+    general, acc = _fit_digits(digits_rdd, epochs=2, staleness=1, worker_options={"direct_update": False})
+    assert {r["update_path"] for r in plain.worker_reports} == {"direct"}  # default Adam writes into the residual
+    assert {r["update_path"] for r in general.worker_reports} == {"general"}
+    assert all(rep["param_hash"] == general.param_hash for rep in general.worker_reports)
+    assert general.param_hash != plain.param_hash and acc > 0.5  # measured against a twin: other rounding
     for rep in timed.worker_reports:
         prof = rep["profile"]
         steps = prof["steps"]
@@ -124,6 +129,13 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
     assert s["other"] == pytest.approx(s["wall"] - sum(s[p] for p in ("compute", "encode", "send", "wait", "apply")))
     assert s["compute"] == pytest.approx(sum(s["detail"][p] for p in
                                              ("batch", "lookahead", "compute", "snapshot", "optimizer")))
+
+
+def test_worker_options_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['profil'\]"):
+        SharedTrainer(mlp, worker_options={"profil": True})
+    with pytest.raises(ValueError, match=r"worker_options\['direct_update'\] must be True or False"):
+        SharedTrainer(mlp, worker_options={"direct_update": "no"})
 
 
 def test_dataframe_with_vector_and_array_columns(spark):
