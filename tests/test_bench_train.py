@@ -147,7 +147,7 @@ def test_target_checks_compare_the_right_rows():
     assert checks["1gbit: gradshare s/step ÷ DDP dense s/step"]["value"] == pytest.approx(0.2)
     assert checks["100mbit: gradshare s/step ÷ DDP dense s/step"]["met"] is False  # 0.065 > 0.05
     assert checks["1gbit: gradshare time-to-target ÷ DDP+PowerSGD"]["value"] == pytest.approx(0.8)
-    assert checks["1gbit: single − gradshare final acc., last 3 epochs (pp)"]["value"] == pytest.approx(0.2)
+    assert checks["1gbit: single − gradshare final acc. (pp, last 3)"]["value"] == pytest.approx(0.2)
     assert checks["1gbit: DDP dense ÷ gradshare bytes/step (lo)"]["value"] == pytest.approx(800)
 
 

@@ -110,7 +110,7 @@ def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
             gs = _find(rows, "gradshare", workload, link)
             if gs and gs["final_accuracy"] is not None:
                 diff = 100 * (single["final_accuracy"] - gs["final_accuracy"])
-                add(f"{link}: single − gradshare final acc., last {FINAL_EVALS} epochs (pp)", diff, 0.5, le)
+                add(f"{link}: single − gradshare final acc. (pp, last {FINAL_EVALS})", diff, 0.5, le)
     for link in ("1gbit", "unshaped", "100mbit"):
         gs, dd = _find(rows, "gradshare", workload, link), _find(rows, "ddp", workload, link)
         if gs and dd:
