@@ -27,10 +27,11 @@ import time
 
 # MLP: 16 epochs = 176 steps per worker (11 per epoch at batch 64 on 673 rows). At 8 epochs gradshare
 # was still climbing: with the initial τ of 1e-2 (ten Adam steps of lr 1e-3) its first epoch sends
-# almost nothing (test accuracy after epoch 1: 10-32 % over seeds 0-2, DDP 72-82 %), and it reaches DDP
-# dense's level only between epochs 6 and 12. By 16 epochs every system has plateaued: over seeds 0-2 the
-# mean of the last 3 epochs is 96.8 % for gradshare, 95.6 % DDP dense, 95.3 % single (at 8: 93.6, 95.3,
-# 94.5), and the later, sparser epochs bring gradshare's traffic to ~500x under dense (317x at 8).
+# almost nothing (test accuracy after epoch 1: 10-56 % over seeds 0-4, DDP 72-82 %), and it reaches DDP
+# dense's level only between epochs 6 and 12. By 16 epochs every system has plateaued. Over seeds 0-4,
+# mean of the last 3 epochs (report.FINAL_EVALS): gradshare 96.96 %, DDP dense 95.94 %, single 95.82 %
+# (at 8 epochs: 93.73, 95.53, 94.71); the later, sparser epochs bring gradshare's traffic to 485-532x
+# under dense (317x at 8 epochs).
 DEFAULT_EPOCHS = {"mlp": 16, "cnn": 6}
 QUICK = {"rows": 256, "epochs": 2, "budget": 15.0}
 
