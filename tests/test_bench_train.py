@@ -96,6 +96,11 @@ def test_settings_validate_arguments_and_quick_bounds_the_run():
         train.settings(_args("--links", "10gbit"))
     with pytest.raises(ValueError, match="--budget"):
         train.settings(_args("--budget", "0"))
+    with pytest.raises(ValueError, match="--gradshare-lr"):
+        train.settings(_args("--gradshare-lr", "0"))
+    with pytest.raises(ValueError, match="--residual-clip"):
+        train.settings(_args("--residual-clip", "-1"))
+    assert train.settings(_args("--residual-clip", "0"))["residual_clip"] is None  # 0: clipping off
     cfg = train.settings(_args("--quick", "--budget", "600"))
     assert cfg["rows"] == train.QUICK["rows"] and cfg["budget"] == train.QUICK["budget"]
     assert set(cfg["epochs"].values()) == {train.QUICK["epochs"]}
@@ -142,5 +147,52 @@ def test_target_checks_compare_the_right_rows():
     assert checks["1gbit: gradshare s/step ÷ DDP dense s/step"]["value"] == pytest.approx(0.2)
     assert checks["100mbit: gradshare s/step ÷ DDP dense s/step"]["met"] is False  # 0.065 > 0.05
     assert checks["1gbit: gradshare time-to-target ÷ DDP+PowerSGD"]["value"] == pytest.approx(0.8)
-    assert checks["1gbit: single − gradshare final accuracy (pp)"]["value"] == pytest.approx(0.2)
+    assert checks["1gbit: single − gradshare final acc. (pp, last 3)"]["value"] == pytest.approx(0.2)
     assert checks["1gbit: DDP dense ÷ gradshare bytes/step (lo)"]["value"] == pytest.approx(800)
+
+
+def test_final_accuracy_is_the_mean_of_the_last_evaluations():
+    from gradshare.bench import report
+    from gradshare.bench.systems import Measured
+
+    curve = [(1.0, 0.5), (2.0, 0.9), (3.0, 0.96), (4.0, 0.92), (5.0, 0.97)]
+    assert report.final_accuracy(curve) == pytest.approx((0.96 + 0.92 + 0.97) / 3)
+    assert report.final_accuracy(curve, evals=1) == 0.97
+    assert report.final_accuracy(curve[:2]) == pytest.approx(0.7)  # fewer points than the window: all
+    assert report.final_accuracy([]) is None
+    with pytest.raises(ValueError, match="evals"):
+        report.final_accuracy(curve, evals=0)
+    r = report.row("single", "mlp", "unshaped", Measured([0.1] * 10, curve, 0, 10), 0.9)
+    assert r["final_accuracy"] == pytest.approx(0.95) and r["last_accuracy"] == 0.97
+    assert r["time_to_target"] == 2.0  # the first crossing, unchanged
+
+
+def test_cosine_schedule_anneals_adam_to_zero_over_its_own_steps():
+    import math
+    import pickle
+
+    import torch
+
+    from gradshare.bench import systems
+
+    assert systems.cosine_factor(0, 10) == 1.0 and systems.cosine_factor(5, 10) == pytest.approx(0.5)
+    assert systems.cosine_factor(10, 10) == pytest.approx(0.0) and systems.cosine_factor(99, 10) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="total_steps"):
+        systems.cosine_factor(0, 0)
+    # The factory travels to Spark executors pickled, as the gradshare system ships it.
+    factory = pickle.loads(pickle.dumps(systems.functools.partial(systems._adam, lr=0.01, total_steps=4)))
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = factory([p])
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        p.grad = torch.ones(2)
+        before = p.detach().clone()
+        opt.step()
+        if lrs[-1] == 0.0:
+            assert torch.equal(p.detach(), before)  # annealed to 0: the last step moves nothing
+    assert lrs == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (0, 1, 2, 3, 4)])
+    assert systems._adam([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == systems.LEARNING_RATE
+    with pytest.raises(ValueError, match="lr_schedule"):
+        systems._anneal_steps("linear", 10)
+    assert systems._anneal_steps("constant", 10) is None and systems._anneal_steps("cosine", 10) == 10
