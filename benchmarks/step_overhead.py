@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternate baseline and gradshare this many times (the machine is shared)")
+    parser.add_argument("--general", action="store_true",
+                        help="force the general update path (P_after - P_before against a twin) for an A/B")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
-                                    worker_options={"profile": True})
+                                    worker_options={"profile": True, "direct_update": not args.general})
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             with RelayCpu() as relay_cpu:
                 result = trainer.fit(rdd)
@@ -167,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     log, enc = (prof["wait"] + prof["apply"]) / 1e3, prof["encode"] / 1e3
     out = {
         "n_params": result.n_params, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-        "staleness": args.staleness, "single_step_ms": 1e3 * single, "gradshare_step_ms": 1e3 * step,
+        "staleness": args.staleness, "update_path": result.worker_reports[0]["update_path"],
+        "single_step_ms": 1e3 * single, "gradshare_step_ms": 1e3 * step,
         "ratio": step / single, "ratios_all_rounds": ratios, "log_wait_ms_mean": 1e3 * log, "encode_ms_mean": 1e3 * enc,
         "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
         "traffic_ratio": result.traffic_ratio,
@@ -179,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
     print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
-          f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}")
+          f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}, "
+          f"{out['update_path']} update path")
     print(f"single-process step (median)  {out['single_step_ms']:8.2f} ms")
     print(f"gradshare step (median)       {out['gradshare_step_ms']:8.2f} ms   (means over the timed steps: waiting "
           f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)")
