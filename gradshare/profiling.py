@@ -14,9 +14,10 @@ import time
 
 # In step order. wait: blocked in peer.receive; apply: decoding and applying the log's messages;
 # batch: building the batch; lookahead: k >= 1, adding own pending messages to P (and the checks);
-# compute: forward + backward; snapshot: keeping P (the point the update is measured from);
-# optimizer: optimizer.step(); encode: u = P_after - P_before, accumulate + threshold, restoring P
-# (one fused pass), to_bytes (+ the loss's float); send: handing the payload to the peer.
+# compute: forward + backward; snapshot: the in-place-change check (general path: keeping the twin
+# equal to P if forward changed it); optimizer: optimizer.step() (direct path: writing into the
+# residual); encode: accumulate + threshold (general path: u = P_after - P_before and restoring P in
+# the same pass), to_bytes (+ the loss's float); send: handing the payload to the peer.
 PHASES = ("wait", "apply", "batch", "lookahead", "compute", "snapshot", "optimizer", "encode", "send")
 
 

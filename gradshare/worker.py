@@ -227,19 +227,18 @@ class Worker:
             # replicas stay equal. On the direct path every such write stays in P.)
             np.copyto(before, live)
         prof.lap("snapshot")
-        if self.direct:
-            with aliased(flat.params, self.residual_views):  # p.add_(delta) is r += delta: P stays P
-                self.optimizer.step()
-        else:
-            self.optimizer.step()
-        prof.lap("optimizer")
         # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
-        # General path: u = P_after - P_before fused into the encode (one pass, no update vector),
-        # which also rewinds the live parameters to P_before: P changes only through the log
-        # (DESIGN.md, consistency model). Direct path: the update is in the residual already.
-        if self.direct:
+        if self.direct:  # the optimizer adds u to the residual itself (capture.py): P stays P
+            with aliased(flat.params, self.residual_views):
+                self.optimizer.step()
+            prof.lap("optimizer")
             msg = encode_step(self.residual, None, self.rule, step=t, clipping=self.clip)
         else:
+            # u = P_after - P_before fused into the encode (one pass, no update vector), which also
+            # rewinds the live parameters to P_before: P changes only through the log (DESIGN.md,
+            # consistency model).
+            self.optimizer.step()
+            prof.lap("optimizer")
             msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
         if looked is not None:
             self._look_back(*looked)

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradshare's initial τ (default 1e-2: ten Adam steps of lr 1e-3)")
     parser.add_argument("--max-sparsity", type=float, default=None,
                         help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)")
-    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+    from gradshare.bench.systems import LR_SCHEDULES
+
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="Adam lr of every system: constant 1e-3, or cosine-annealed to 0 over each "
                              "process's own steps (default constant; with cosine, gradshare's adaptive τ falls as "
                              "the updates shrink and its accuracy drops in the last epochs)")
