@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
+
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
 # weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
 _UPDATE_ONLY = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam")
@@ -45,3 +47,59 @@ def aliased(params, views):
     finally:
         for p, v in zip(params, saved):
             p.data = v
+
+
+class DirectPath:
+    """The optimizer writes its update into the residual (`aliased`); P is never moved."""
+
+    name = "direct"
+
+    def __init__(self, flat, optimizer, residual) -> None:
+        self.flat, self.optimizer = flat, optimizer
+        self.views = flat.views(residual)
+
+    def after_compute(self, changed_in_place: bool) -> None:
+        """Nothing to keep: an in-place change of P by forward/backward stays in P (worker.py)."""
+
+    def optimizer_step(self) -> None:
+        with aliased(self.flat.params, self.views):
+            self.optimizer.step()
+
+    def encode(self, state, step: int):
+        from gradshare.encoding import share_step
+
+        return share_step(state, step)
+
+
+class GeneralPath:
+    """Any optimizer: the update is measured as P_after − P_before against a twin copy of P, which the
+    apply log keeps equal to P (FlatParams.keep_twin); the fused encode puts P_before back."""
+
+    name = "general"
+
+    def __init__(self, flat, optimizer) -> None:
+        self.flat, self.optimizer = flat, optimizer
+        flat.keep_twin()
+
+    def after_compute(self, changed_in_place: bool) -> None:
+        # Forward/backward changed a parameter in place outside the optimizer (a user bug). The change
+        # stays in P (both copies), so the replica leaves the log and the fit's hash check names it,
+        # instead of the change being shared as part of the update. (A write through p.data or a
+        # NumPy alias is not seen here: it is shared as update, and replicas stay equal.)
+        if changed_in_place:
+            np.copyto(self.flat.twin, self.flat.array)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def encode(self, state, step: int):
+        from gradshare.encoding import share_step
+
+        return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)
+
+
+def update_path(flat, optimizer, residual, allow_direct: bool = True):
+    """The direct path where the optimizer allows it (and the caller does), else the general one."""
+    if allow_direct and writes_update_only(optimizer):
+        return DirectPath(flat, optimizer, residual)
+    return GeneralPath(flat, optimizer)

@@ -87,6 +87,8 @@ class FitResult:
 
 
 WORKER_OPTIONS = ("profile", "direct_update")  # see SharedTrainer's docstring
+DEFAULT_DENSITY = 1e-3  # threshold="auto": README "Convergence" has the measurements behind both
+DEFAULT_WARMUP_EPOCHS = 0.0
 
 
 class SharedTrainer:
@@ -97,8 +99,22 @@ class SharedTrainer:
     loss: ``(outputs, labels) -> tensor``; default CrossEntropyLoss for int labels, MSELoss for floats.
     optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3)`` (`default_optimizer`).
         Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
-    threshold: τ, the initial threshold (Strom 2015); threshold_algorithm: "adaptive" (default: τ moves
-        to keep the share of sent entries near a target), "fixed", or a threshold-rule object.
+    threshold: "auto" (default): each worker derives τ before every step from a sample of its residual
+        so that about ``density`` of the entries cross it (`CalibratedThreshold`; no tuning, no silent
+        step). A number: τ itself, the initial threshold (Strom 2015), meant for the optimizer's initial
+        learning rate; threshold_algorithm then says how it moves: "adaptive" (default: τ moves to keep
+        the share of sent entries in DL4J's band), "fixed", or a threshold-rule object.
+    density: with threshold="auto", the share of entries each step sends after the warm-up (default
+        1e-3, README "Convergence").
+    warmup: with threshold="auto", epochs over which the density falls geometrically from
+        ``warmup_density`` (default 10 × density) to ``density`` (Deep Gradient Compression's warm-up).
+    lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
+        for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
+        default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
+        depend on each worker's own metric).
+    follow_lr: when the learning rate changes from η to η', rescale each worker's residual by η'/η and
+        scale a numeric τ by η'/η₀, so annealing reaches the model (corrected error feedback,
+        encoding/sharing.py). On by default.
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
         executors use to reach it (default: spark.driver.host).
@@ -131,7 +147,7 @@ class SharedTrainer:
         loss: Callable | None = None,
         optimizer: Callable | None = None,
         *,
-        threshold: float = 1e-3,
+        threshold: float | str = "auto",
         port: int = 40123,
         bind: str = "0.0.0.0",
         advertise_host: str | None = None,
@@ -153,9 +169,33 @@ class SharedTrainer:
         spill_bytes: int = 256 << 20,
         insecure: bool = False,
         worker_options: dict | None = None,
+        density: float | None = None,
+        warmup: float | None = None,
+        warmup_density: float | None = None,
+        lr_scheduler: Callable | None = None,
+        scheduler_interval: str = "step",
+        follow_lr: bool = True,
     ):
-        if not (isinstance(threshold, (int, float)) and threshold > 0 and math.isfinite(threshold)):
-            raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
+        self.auto = threshold == "auto"
+        if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                  and threshold > 0 and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be 'auto' or a positive finite number, got {threshold!r}")
+        tuning = {k: v for k, v in (("density", density), ("warmup", warmup), ("warmup_density", warmup_density))
+                  if v is not None}
+        if not self.auto and tuning:
+            raise ValueError(f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
+                             "(drop them, or pass threshold='auto')")
+        if self.auto and threshold_algorithm != "adaptive":
+            raise ValueError(f"threshold='auto' calibrates τ itself; threshold_algorithm={threshold_algorithm!r} "
+                             "contradicts it (give a numeric threshold to use another rule)")
+        if warmup is not None and not (isinstance(warmup, (int, float)) and 0 <= warmup < math.inf):
+            raise ValueError(f"warmup must be a number of epochs >= 0, got {warmup!r}")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
+                            "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
+                            f"got {type(lr_scheduler).__name__}")
+        if scheduler_interval not in ("step", "epoch"):
+            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         for name, value in (("batch_size", batch_size), ("epochs", epochs)):
@@ -177,7 +217,14 @@ class SharedTrainer:
             raise TypeError("optimizer must be a factory taking the parameter list, e.g. "
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
         self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
-        self.threshold, self.threshold_algorithm = float(threshold), threshold_algorithm
+        self.threshold = threshold if self.auto else float(threshold)
+        self.threshold_algorithm = threshold_algorithm
+        self.density = DEFAULT_DENSITY if density is None else density
+        self.warmup = DEFAULT_WARMUP_EPOCHS if warmup is None else float(warmup)
+        self.warmup_density = warmup_density
+        self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
+        self.follow_lr = bool(follow_lr)
+        self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
         self.lookahead = bool(lookahead)
@@ -208,9 +255,13 @@ class SharedTrainer:
             return model
         raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(self.model).__name__}")
 
-    def _threshold_rule(self):
+    def _rule_for(self, steps_per_epoch: int):
+        """The threshold rule every worker starts from (deep-copied per worker)."""
         from gradshare import encoding
 
+        if self.auto:
+            return encoding.CalibratedThreshold(density=self.density, warmup_density=self.warmup_density,
+                                                warmup_steps=round(self.warmup * steps_per_epoch))
         algo = self.threshold_algorithm
         if algo == "fixed":
             return encoding.FixedThreshold(self.threshold)
@@ -219,6 +270,25 @@ class SharedTrainer:
         if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
             raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
         return copy.deepcopy(algo)
+
+    def _check_scheduler(self, model) -> None:
+        """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
+        any Spark job, not on every executor after the data is loaded."""
+        if self.lr_scheduler is None:
+            return
+        import torch
+
+        optimizer = self.optimizer([p for p in copy.deepcopy(model).parameters() if p.requires_grad])
+        scheduler = self.lr_scheduler(optimizer)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("lr_scheduler: ReduceLROnPlateau is not supported: it steps on a metric, and "
+                             "each worker would see its own; use a schedule of steps or epochs")
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(f"lr_scheduler must return a torch.optim.lr_scheduler.LRScheduler for the optimizer "
+                            f"it is given, got {type(scheduler).__name__}")
+        if scheduler.optimizer is not optimizer:
+            raise ValueError("lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
+                             "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
 
     def _clipping(self):
         if self.residual_clip is None:
@@ -263,6 +333,8 @@ class SharedTrainer:
         from gradshare.worker import WorkerConfig, accuracy
 
         t_start = time.monotonic()
+        model = self._build_model()
+        self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)
         sc = rdd.context
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
@@ -280,7 +352,6 @@ class SharedTrainer:
         loss = self.loss or (torch.nn.CrossEntropyLoss() if label_dtype == "int64" else torch.nn.MSELoss())
         metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
 
-        model = self._build_model()
         # The job ships this copy: its parameters are the initial ones, each in its own storage (a
         # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
         shipped = copy.deepcopy(model)
@@ -288,7 +359,7 @@ class SharedTrainer:
         initial = flat.array.copy()
         rows = {s.index: s.rows for s in summaries}
         steps_per_epoch = tuple(math.ceil(rows[r] / self.batch_size) for r in range(world))
-        rule, clip = self._threshold_rule(), self._clipping()
+        rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
 
         key, job_id = new_job_key(), secrets.randbits(31)
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
@@ -304,6 +375,8 @@ class SharedTrainer:
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
+                lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
+                follow_lr=self.follow_lr,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -434,6 +507,8 @@ def _merge_history(reports: list[dict]) -> list[dict]:
             "bytes_sent": sum(h["bytes_sent"] for h in rows),
             "bytes_received": sum(h["bytes_received"] for h in rows),
             "tau": float(np.mean([h["tau"] for h in rows])),
+            "lr": rows[0].get("lr"),
+            "silent_steps": sum(h.get("silent_steps", 0) for h in rows),
             "seconds": max(h["seconds"] for h in rows),
             "val_metric": val[0] if val else None,
         })

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.capture import aliased, writes_update_only
+from gradshare.capture import update_path
 from gradshare.errors import ProtocolError, TrainingError
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -71,6 +71,9 @@ class WorkerConfig:
     validation: tuple[np.ndarray, np.ndarray] | None = None
     metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
     lookahead: bool = True  # k >= 1: step at P + own not-yet-applied messages (module docstring)
+    lr_scheduler: Callable | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
+    scheduler_interval: str = "step"  # "step": scheduler.step() after every step; "epoch": after each epoch
+    follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -134,6 +137,15 @@ class ApplyLog:
         self.profile.lap("apply")
 
 
+def current_lr(optimizer) -> float | None:
+    """The learning rate of the optimizer's first parameter group (None if it has none): the rate the
+    sharing state follows (a scheduler scales every group alike)."""
+    lr = optimizer.param_groups[0].get("lr")
+    if lr is None:
+        return None
+    return float(lr.item() if hasattr(lr, "item") else lr)  # a tensor lr (capturable Adam) too
+
+
 def _bytes_out(counters: dict) -> int:
     """UDP bytes sent, from a Peer's counters (datagrams incl. headers, acks, retransmits)."""
     return int(counters.get("bytes_out", 0))
@@ -149,6 +161,7 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, rank: int, data):
         import torch
 
+        from gradshare.encoding import SharingState
         from gradshare.flat import FlatParams
 
         self.cfg, self.rank, self.data = cfg, rank, data
@@ -156,19 +169,14 @@ class Worker:
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
         self.optimizer = cfg.optimizer(self.flat.params)
-        self.rule = copy.deepcopy(cfg.threshold_rule)
-        self.clip = cfg.residual_clip
-        n = self.flat.n_params
-        self.residual = np.zeros(n, dtype=np.float32)
-        # The optimizer writes its update straight into the residual where it can (capture.py);
-        # otherwise the step measures it against a twin of P that the apply log keeps (see _step).
-        self.direct = cfg.extra.get("direct_update", True) and writes_update_only(self.optimizer)
-        if self.direct:
-            self.residual_views = self.flat.views(self.residual)
-        else:
-            self.flat.keep_twin()
-        # (step, Message, its indices) this rank sent that its log has not applied yet (lookahead)
-        self.own_pending: deque = deque()
+        self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
+        # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
+        self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
+                                  follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0)
+        # The optimizer writes its update straight into the residual where it can; otherwise the step
+        # measures it against a twin of P that the apply log keeps (capture.py).
+        self.path = update_path(self.flat, self.optimizer, self.state.residual,
+                                allow_direct=cfg.extra.get("direct_update", True))
         self.log: ApplyLog | None = None
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         if len(data.labels) and cfg.label_dtype == "int64":
@@ -205,11 +213,8 @@ class Worker:
         return float(value)
 
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
-        from gradshare.encoding import decode_entries, encode_step
-
-        prof = self.profile
-        flat = self.flat
-        live, before = flat.array, flat.twin  # general path: both hold P here, the log changes them alike
+        """DESIGN.md's step: batch → forward/backward → optimizer step into the residual → encode → send."""
+        prof, flat, state = self.profile, self.flat, self.state
         x, y = self._batch(epoch, b)
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
@@ -219,32 +224,15 @@ class Worker:
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
         prof.lap("compute")
-        if flat.versions() != versions and before is not None:
-            # Forward/backward changed a parameter in place outside the optimizer (a user bug). The
-            # change stays in P (both copies), so the replica leaves the log and the fit's hash check
-            # names it, instead of the change being shared as part of the update. (On the general
-            # path a write through p.data or a NumPy alias is not seen here: it is shared as update,
-            # replicas stay equal. On the direct path every such write stays in P.)
-            np.copyto(before, live)
+        self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
-        # Encode with the rule's τ, advance the rule, clip the residual when due (DL4J post-processor).
-        if self.direct:  # the optimizer adds u to the residual itself (capture.py): P stays P
-            with aliased(flat.params, self.residual_views):
-                self.optimizer.step()
-            prof.lap("optimizer")
-            msg = encode_step(self.residual, None, self.rule, step=t, clipping=self.clip)
-        else:
-            # u = P_after - P_before fused into the encode (one pass, no update vector), which also
-            # rewinds the live parameters to P_before: P changes only through the log (DESIGN.md,
-            # consistency model).
-            self.optimizer.step()
-            prof.lap("optimizer")
-            msg = encode_step(self.residual, live, self.rule, step=t, clipping=self.clip, base=before, rewind=True)
+        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
+        self.path.optimizer_step()
+        prof.lap("optimizer")
+        msg = self.path.encode(state, t)  # P is P_before again here, on both paths
         if looked is not None:
             self._look_back(*looked)
         payload = msg.to_bytes()
-        if self.cfg.lookahead and self.cfg.staleness > 0:
-            self.own_pending.append((t, msg, decode_entries(msg)[0]))
         loss_value = float(loss.detach())
         prof.lap("encode")
         peer.send_update(t, payload, {
@@ -252,6 +240,7 @@ class Worker:
             "bytes": float(len(payload)), "epoch": float(epoch),
         })
         prof.lap("send")
+        self._last_tau = msg.threshold
         return loss_value, msg.n_entries, len(payload)
 
     def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -264,15 +253,14 @@ class Worker:
         the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
         from gradshare.encoding import apply
 
-        done = self.log.applied_through if self.log is not None else -1
-        while self.own_pending and self.own_pending[0][0] <= done:
-            self.own_pending.popleft()  # the log has applied it: P contains it now
-        if not self.own_pending:
+        pending = self.state.pending
+        self.state.forget_applied(self.log.applied_through if self.log is not None else -1)
+        if not pending:
             return None
         live, twin = self.flat.array, self.flat.twin
-        idx = np.concatenate([i for _, _, i in self.own_pending])
+        idx = np.concatenate([i for _, _, i in pending])
         saved = live[idx]
-        for _, msg, _ in self.own_pending:  # in step order, the order the log will apply them
+        for _, msg, _ in pending:  # in step order, the order the log will apply them
             apply(msg, live)
             if twin is not None:
                 apply(msg, twin)
@@ -296,21 +284,28 @@ class Worker:
         log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof)
         self.log = log
         history: list[dict] = []
+        self._resume_schedule(start_step, spe)
         acc = self._fresh_epoch(peer)
         t0 = time.monotonic()
         for t in range(start_step, total):
             prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
             epoch, b = divmod(t, spe)
+            acc["lr"] = current_lr(self.optimizer) if acc["lr"] is None else acc["lr"]
             loss, entries, nbytes = self._step(peer, t, epoch, b)
             prof.end()
             acc["loss"] += loss
             acc["entries"] += entries
             acc["payload"] += nbytes
             acc["steps"] += 1
+            acc["silent"] += entries == 0
+            if self.scheduler is not None and cfg.scheduler_interval == "step":
+                self.scheduler.step()
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
                 prof.epoch(history[-1]["val_metric"])
+                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                    self.scheduler.step()
                 acc = self._fresh_epoch(peer)
         prof.finish()
         peer.finish(total - 1)
@@ -323,16 +318,29 @@ class Worker:
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
-            "update_path": "direct" if self.direct else "general",  # capture.py
+            "update_path": self.path.name,  # capture.py
+            "silent_steps": self.state.silent_steps,
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
         return report
 
+    def _resume_schedule(self, start_step: int, spe: int) -> None:
+        """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
+        if self.scheduler is None or start_step == 0:
+            return
+        import warnings
+
+        done = start_step if self.cfg.scheduler_interval == "step" else start_step // spe
+        with warnings.catch_warnings():  # torch warns when a scheduler steps before its optimizer
+            warnings.simplefilter("ignore")
+            for _ in range(done):
+                self.scheduler.step()
+
     def _fresh_epoch(self, peer) -> dict:
         c = peer.counters()
-        return {"loss": 0.0, "entries": 0, "payload": 0, "steps": 0, "t0": time.monotonic(),
-                "out0": _bytes_out(c), "in0": _bytes_in(c)}
+        return {"loss": 0.0, "entries": 0, "payload": 0, "steps": 0, "silent": 0, "lr": None,
+                "t0": time.monotonic(), "out0": _bytes_out(c), "in0": _bytes_in(c)}
 
     def _close_epoch(self, peer, epoch: int, acc: dict) -> dict:
         c = peer.counters()
@@ -345,7 +353,9 @@ class Worker:
             "payload_bytes": acc["payload"],
             "bytes_sent": _bytes_out(c) - acc["out0"],
             "bytes_received": _bytes_in(c) - acc["in0"],
-            "tau": float(self.rule.threshold),
+            "tau": float(getattr(self, "_last_tau", self.state.rule.threshold)),  # the epoch's last step's τ
+            "lr": acc["lr"],  # at the epoch's first step
+            "silent_steps": acc["silent"],
             "seconds": time.monotonic() - acc["t0"],
             "val_metric": self._evaluate(),
         }

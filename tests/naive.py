@@ -161,3 +161,17 @@ def parse_bitmap(payload: bytes, n_entries: int, n_params: int) -> list[int] | N
         if code:
             codes.append((i << 1) | (code >> 1))
     return codes if len(codes) == n_entries else None
+
+
+def naive_kth_largest_abs(values, density):
+    """Oracle of threshold.quantile_threshold: sort everything, take the k-th largest |value|
+    (k = round(density · m), at least 1), or the smallest non-zero one when that is 0."""
+    a = sorted(abs(float(np.float32(v))) for v in values if np.isfinite(v))
+    if not a:
+        return None
+    k = min(len(a), max(1, round(density * len(a))))
+    kth = a[len(a) - k]
+    if kth > 0:
+        return kth
+    nonzero = [v for v in a if v > 0]
+    return min(nonzero) if nonzero else None

@@ -59,7 +59,7 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     )
     log = _Log()
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
-    assert all(w.direct == direct for w in workers)  # Adam without weight decay allows the direct path
+    assert all(w.path.name == ("direct" if direct else "general") for w in workers)  # Adam without weight decay allows the direct path
     if mutate_rank is not None:  # a user bug: forward changes a weight in place, outside the optimizer
         def mutate(module, inputs):
             if through_data:  # .data has its own version counter: the worker cannot see this write
@@ -81,7 +81,7 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
             w._step(peers[r], t, *divmod(t, spe))
             # P changes only through the log: the step (lookahead included) leaves it bit for bit
             assert np.array_equal(w.flat.array, before) or r == mutate_rank
-            assert len(w.own_pending) <= staleness + 1  # bounded by the window (this step's included)
+            assert len(w.state.pending) <= staleness + 1  # bounded by the window (this step's included)
     for lg in logs:
         lg.apply_through(cfg.final_step)
     assert [lg.applied for lg in logs] == [world * (cfg.final_step + 1)] * world

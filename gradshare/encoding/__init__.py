@@ -8,9 +8,11 @@
 
 from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message
+from gradshare.encoding.sharing import SharingState, share_step
 from gradshare.encoding.stats import residual_stats
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
+    CalibratedThreshold,
     FixedThreshold,
     ResidualClipping,
     TargetSparsityThreshold,
@@ -31,8 +33,11 @@ __all__ = [
     "BITMAP",
     "FixedThreshold",
     "AdaptiveThreshold",
+    "CalibratedThreshold",
     "TargetSparsityThreshold",
     "ResidualClipping",
     "encode_step",
+    "SharingState",
+    "share_step",
     "residual_stats",
 ]

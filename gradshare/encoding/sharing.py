@@ -1,0 +1,119 @@
+"""A worker's update-sharing state and its one step function (STYLE item 10, shaped like PyTorch's
+`PowerSGDState` + `powerSGD_hook`).
+
+    state = SharingState(n_params, rule=CalibratedThreshold(density=1e-3), clipping=ResidualClipping())
+    state.set_lr(lr)                       # before the step's update enters the residual
+    ... the update u is added to state.residual (by the optimizer, or by the fused encode below) ...
+    message = share_step(state, step)      # or share_step(state, step, update=P_after, base=P_before, rewind=True)
+
+What the state holds: the residual r (sub-threshold update mass not sent yet), the threshold rule,
+residual clipping, the learning rate the residual is expressed in, and this worker's own messages that
+its apply log has not applied yet (the staleness lookahead, worker.py).
+
+Learning-rate schedules (issue 10, "corrected error feedback", Zheng et al. 2019): an update is the
+learning rate times a direction, and so is the residual that accumulates it. When the rate changes
+from η to η', mass left in r from steps at η would enter the model at the old scale (under cosine
+annealing the last, tiny steps would release a backlog built at the peak rate). `set_lr` rescales r by
+η'/η, and a fixed or adaptive τ is scaled by η'/η₀ (a calibrated τ follows the rescaled residual by
+itself). The invariant, in units of each step's own rate η_t (all η_t > 0):
+
+    Σ_t sent_t / η_t  +  r_T / η_T  =  Σ_t u_t / η_t
+
+so error feedback stays exact in learning-rate-normalised units. A step at η = 0 sends nothing (τ is
+set out of reach, no division anywhere) and the residual is not rescaled across a zero rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from gradshare.encoding.codec import decode_entries
+from gradshare.encoding.message import Message
+from gradshare.encoding.threshold import MAX_THRESHOLD, MIN_THRESHOLD, ResidualClipping, encode_step
+
+
+class SharingState:
+    """Everything a worker keeps between steps to share its updates.
+
+    rule: a threshold rule (`CalibratedThreshold`, `AdaptiveThreshold`, `FixedThreshold`, ...).
+    clipping: `ResidualClipping` or None.
+    follow_lr: rescale the residual (and a non-calibrated τ) with the learning rate (module docstring).
+    keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
+    """
+
+    def __init__(self, n_params: int, rule, clipping: ResidualClipping | None = None, *,
+                 follow_lr: bool = True, keep_pending: bool = False) -> None:
+        if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
+            raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
+        if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
+            raise TypeError("rule must have .threshold and .update(n_entries, n_params)")
+        self.rule, self.clipping = rule, clipping
+        self.follow_lr, self.keep_pending = bool(follow_lr), bool(keep_pending)
+        self.residual = np.zeros(int(n_params), dtype=np.float32)
+        self.lr: float | None = None  # the rate the residual is expressed in
+        self.lr_ref: float | None = None  # the first positive rate: a fixed/adaptive τ is meant for it
+        self.pending: deque[tuple[int, Message, np.ndarray]] = deque()  # (step, message, its indices)
+        self.steps = 0
+        self.silent_steps = 0  # steps that sent no entry
+
+    @property
+    def n_params(self) -> int:
+        return self.residual.size
+
+    def set_lr(self, lr: float | None) -> None:
+        """The learning rate of the coming step; call before its update enters the residual."""
+        if lr is None:
+            return
+        lr = float(lr)
+        if not (np.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"learning rate must be finite and >= 0, got {lr!r}")
+        if self.lr_ref is None and lr > 0.0:
+            self.lr_ref = lr
+        if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
+            np.multiply(self.residual, np.float32(lr / self.lr), out=self.residual)
+        self.lr = lr
+
+    def threshold(self, step: int, update: np.ndarray | None = None, base: np.ndarray | None = None) -> float:
+        """The τ step ``step`` encodes with (calibrating the rule when it calibrates)."""
+        if self.lr == 0.0:
+            return MAX_THRESHOLD  # nothing moves at rate 0: nothing is sent, nothing divides by it
+        calibrate = getattr(self.rule, "calibrate", None)
+        if calibrate is not None:
+            stride = self.rule.stride(self.n_params, step)
+            start = step % stride  # the sample moves every step: no parameter is never looked at
+            sample = self.residual[start::stride]
+            if update is not None:  # the general path adds u = update - base inside the encode
+                u = update[start::stride] if base is None else update[start::stride] - base[start::stride]
+                sample = sample + u
+            return calibrate(sample, step)
+        tau = self.rule.threshold
+        if self.follow_lr and self.lr_ref and self.lr:
+            tau = tau * (self.lr / self.lr_ref)
+        return min(max(tau, MIN_THRESHOLD), MAX_THRESHOLD)
+
+    def forget_applied(self, applied_through: int) -> None:
+        """Drop own messages of steps the apply log has applied (they are in the parameters now)."""
+        while self.pending and self.pending[0][0] <= applied_through:
+            self.pending.popleft()
+
+
+def share_step(state: SharingState, step: int, *, update: np.ndarray | None = None,
+               base: np.ndarray | None = None, rewind: bool = False) -> Message:
+    """Encode this step's share of the residual as one message and advance the state.
+
+    Direct path: the optimizer has already added the update to ``state.residual``; call with no
+    ``update``. General path: ``update``/``base`` are P_after/P_before, added inside the fused encode,
+    which with ``rewind`` also puts P_before back (see `encode`). The rule advances, the residual is
+    clipped when due, and with ``keep_pending`` the message is kept for the lookahead.
+    """
+    tau = state.threshold(step, update, base)
+    message = encode_step(state.residual, update, state.rule, step=step, clipping=state.clipping,
+                          base=base, rewind=rewind, tau=tau)
+    state.steps += 1
+    if message.n_entries == 0:
+        state.silent_steps += 1
+    if state.keep_pending:
+        state.pending.append((step, message, decode_entries(message)[0]))
+    return message
