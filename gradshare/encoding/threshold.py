@@ -79,14 +79,10 @@ def _adapt(tau: float, n_entries: int, n_params: int, low: float, high: float, d
     return min(max(tau, MIN_THRESHOLD), MAX_THRESHOLD)
 
 
-@dataclass
-class FixedThreshold:
-    """τ never changes."""
+class _HeldThreshold:
+    """A τ that what a step sends does not move (`update` only checks its arguments)."""
 
-    tau: float = DEFAULT_THRESHOLD
-
-    def __post_init__(self) -> None:
-        self.tau = to_float32_threshold(self.tau, "tau")
+    tau: float
 
     @property
     def threshold(self) -> float:
@@ -95,6 +91,16 @@ class FixedThreshold:
     def update(self, n_entries: int, n_params: int) -> float:
         _sparsity(n_entries, n_params)
         return self.tau
+
+
+@dataclass
+class FixedThreshold(_HeldThreshold):
+    """τ never changes."""
+
+    tau: float = DEFAULT_THRESHOLD
+
+    def __post_init__(self) -> None:
+        self.tau = to_float32_threshold(self.tau, "tau")
 
 
 class _SparsityRule:
@@ -198,7 +204,7 @@ def quantile_threshold(values: np.ndarray, density: float) -> float | None:
 
 
 @dataclass
-class CalibratedThreshold:
+class CalibratedThreshold(_HeldThreshold):
     """τ re-derived before every encode so that about ``density`` of the entries cross it (``"auto"``).
 
     ``calibrate(sample, step)`` takes a strided sample (`sample_stride`) of the values about to be
@@ -245,14 +251,6 @@ class CalibratedThreshold:
         tau = quantile_threshold(sample, self.target(step))
         if tau is not None:
             self.tau = to_float32_threshold(tau, "calibrated threshold")
-        return self.tau
-
-    @property
-    def threshold(self) -> float:
-        return self.tau
-
-    def update(self, n_entries: int, n_params: int) -> float:
-        _sparsity(n_entries, n_params)
         return self.tau
 
 
