@@ -15,8 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="barrier tasks / Spark partitions (default 2)")
     parser.add_argument("--epochs", type=int, default=30, help="passes over each partition (default 30)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per step per worker (default 32)")
-    parser.add_argument("--threshold", type=float, default=1e-3, help="initial τ (default 1e-3)")
-    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive")
+    parser.add_argument("--threshold", type=_threshold, default="auto",
+                        help="'auto' (default: τ calibrated to a target density every step) or an initial τ")
+    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive",
+                        help="how a numeric τ moves (default adaptive)")
     parser.add_argument("--staleness", type=int, default=0, help="k: apply the log through t-1-k before step t")
     parser.add_argument("--port", type=int, default=40123, help="relay UDP port on the driver (0: ephemeral)")
     parser.add_argument("--bind", default="0.0.0.0", help="relay bind address (127.0.0.1: loopback only)")
@@ -25,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. local-cluster[2,1,1024] or spark://host:7077")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _threshold(text: str):
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threshold takes 'auto' or a number, got {text!r}") from None
 
 
 def digits_split(seed: int = 0):
@@ -77,7 +88,7 @@ def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, s
     return model
 
 
-def digits_experiment(spark, *, workers=2, epochs=30, batch_size=32, threshold=1e-3,
+def digits_experiment(spark, *, workers=2, epochs=30, batch_size=32, threshold="auto",
                       threshold_algorithm="adaptive", staleness=0, port=0, seed=0, verbose=0,
                       bind="0.0.0.0", single=True) -> dict:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
@@ -112,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     r = out["result"]
     print(f"\ngradshare: {r.world_size} workers, {r.n_params:,} parameters, {r.steps} steps, "
           f"{r.seconds:.1f} s (Spark master {args.master or 'embedded local'})")
-    print(f"{'epoch':>5} {'loss':>8} {'test acc':>9} {'sparsity':>9} {'tau':>9} {'KB sent':>9} {'seconds':>8}")
+    print(f"{'epoch':>5} {'loss':>8} {'test acc':>9} {'density':>9} {'tau':>9} {'KB sent':>9} {'seconds':>8}")
     for h in r.history:
         acc = "" if h["val_metric"] is None else f"{100 * h['val_metric']:.2f}%"
         print(f"{h['epoch'] + 1:>5} {h['loss']:>8.4f} {acc:>9} {h['sparsity']:>9.2e} {h['tau']:>9.2e} "

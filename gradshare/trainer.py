@@ -88,7 +88,7 @@ class FitResult:
 
 WORKER_OPTIONS = ("profile", "direct_update")  # see SharedTrainer's docstring
 DEFAULT_DENSITY = 1e-3  # threshold="auto": README "Convergence" has the measurements behind both
-DEFAULT_WARMUP_EPOCHS = 0.0
+DEFAULT_WARMUP_EPOCHS = 2.0
 
 
 class SharedTrainer:
@@ -107,7 +107,10 @@ class SharedTrainer:
     density: with threshold="auto", the share of entries each step sends after the warm-up (default
         1e-3, README "Convergence").
     warmup: with threshold="auto", epochs over which the density falls geometrically from
-        ``warmup_density`` (default 10 × density) to ``density`` (Deep Gradient Compression's warm-up).
+        ``warmup_density`` (default 0.1) to ``density`` (Deep Gradient Compression's warm-up; default 2
+        epochs, 0 disables). A small model sends at least 512 entries a step whatever the density
+        (`CalibratedThreshold.min_entries`: one datagram's worth); pass a `CalibratedThreshold` as
+        threshold_algorithm to change that.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -185,9 +188,13 @@ class SharedTrainer:
         if not self.auto and tuning:
             raise ValueError(f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
                              "(drop them, or pass threshold='auto')")
-        if self.auto and threshold_algorithm != "adaptive":
+        if self.auto and not (threshold_algorithm == "adaptive" or _is_calibrated(threshold_algorithm)):
             raise ValueError(f"threshold='auto' calibrates τ itself; threshold_algorithm={threshold_algorithm!r} "
-                             "contradicts it (give a numeric threshold to use another rule)")
+                             "contradicts it (give a numeric threshold to use another rule, or pass a "
+                             "CalibratedThreshold)")
+        if _is_calibrated(threshold_algorithm) and tuning:
+            raise ValueError(f"{', '.join(tuning)} contradict the CalibratedThreshold given as threshold_algorithm "
+                             "(set them on that object)")
         if warmup is not None and not (isinstance(warmup, (int, float)) and 0 <= warmup < math.inf):
             raise ValueError(f"warmup must be a number of epochs >= 0, got {warmup!r}")
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -259,10 +266,13 @@ class SharedTrainer:
         """The threshold rule every worker starts from (deep-copied per worker)."""
         from gradshare import encoding
 
-        if self.auto:
-            return encoding.CalibratedThreshold(density=self.density, warmup_density=self.warmup_density,
-                                                warmup_steps=round(self.warmup * steps_per_epoch))
         algo = self.threshold_algorithm
+        if _is_calibrated(algo):
+            return copy.deepcopy(algo)
+        if self.auto:
+            ramp = {} if self.warmup_density is None else {"warmup_density": self.warmup_density}
+            return encoding.CalibratedThreshold(density=self.density, warmup_steps=round(self.warmup * steps_per_epoch),
+                                                **ramp)
         if algo == "fixed":
             return encoding.FixedThreshold(self.threshold)
         if algo == "adaptive":
@@ -322,8 +332,9 @@ class SharedTrainer:
         partitions must be deterministic (a retried stage re-reads them).
 
         History rows: epoch, steps, loss (mean over workers' steps), sparsity (sent entries ÷ params),
-        payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean), seconds (slowest
-        worker), val_metric (None without validation_data).
+        payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean of the workers' τ at their
+        epoch's last step), lr (rank 0's at the epoch's first step), silent_steps (steps that sent no
+        entry, all workers), seconds (slowest worker), val_metric (None without validation_data).
         """
         import torch
 
@@ -438,6 +449,10 @@ class SharedTrainer:
         if "error" in out:
             raise _driver_error(out["error"], relay) from out["error"]
         return out["reports"]
+
+
+def _is_calibrated(rule) -> bool:
+    return type(rule).__name__ == "CalibratedThreshold"  # no encoding import (Numba) to check arguments
 
 
 class _ProgressBar:

@@ -38,7 +38,7 @@ def _vector(kind, n, seed, zero_share):
        seed=st.integers(0, 2**32 - 1), density=st.floats(1e-3, 0.2), zero_share=st.floats(0.5, 0.999))
 def test_calibration_sends_about_the_target_density(kind, n, seed, density, zero_share):
     u = _vector(kind, n, seed, zero_share)
-    state = SharingState(n, CalibratedThreshold(density=density))
+    state = SharingState(n, CalibratedThreshold(density=density, min_entries=0))
     state.residual += u  # what the direct path's optimizer step does
     message = share_step(state, step=0)
     want = density * n
@@ -68,17 +68,27 @@ def test_sample_stride_keeps_enough_values_for_the_density():
 
 def test_warmup_ramp_falls_geometrically_to_the_density():
     rule = CalibratedThreshold(density=1e-3, warmup_steps=20, warmup_density=1e-1)
-    targets = [rule.target(t) for t in range(25)]
+    targets = [rule.target(t, 10**7) for t in range(25)]
     assert targets[0] == pytest.approx(1e-1)
     assert targets[10] == pytest.approx(1e-2)  # halfway, geometrically
     assert all(a > b for a, b in zip(targets[:20], targets[1:21]))
     assert targets[20:] == [1e-3] * 5
-    assert CalibratedThreshold(density=1e-3).target(0) == 1e-3  # no warm-up by default in the rule
+    assert CalibratedThreshold(density=1e-3).target(0, 10**7) == 1e-3  # no warm-up by default in the rule
+
+
+def test_small_models_send_at_least_min_entries():
+    rule = CalibratedThreshold(density=1e-3, min_entries=512)
+    assert rule.target(0, 10**7) == 1e-3
+    assert rule.target(0, 70_000) == pytest.approx(512 / 70_000)
+    assert rule.target(0, 100) == 1.0
+    ramp = CalibratedThreshold(density=1e-3, min_entries=512, warmup_steps=4, warmup_density=1e-3)
+    assert ramp.target(0, 70_000) == pytest.approx(512 / 70_000)  # the warm-up never goes below the floor
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"density": 0}, "density"), ({"density": 1.5}, "density"), ({"warmup_steps": -1}, "warmup_steps"),
-    ({"warmup_steps": 1.5}, "warmup_steps"), ({"density": 1e-2, "warmup_density": 1e-3}, "warmup_density"),
+    ({"warmup_steps": 1.5}, "warmup_steps"), ({"warmup_density": 2.0}, "warmup_density"),
+    ({"min_entries": -1}, "min_entries"),
 ])
 def test_calibrated_threshold_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -87,7 +97,8 @@ def test_calibrated_threshold_bad_arguments(kwargs, match):
 
 def test_warmup_sends_more_in_the_first_steps():
     rng = np.random.default_rng(0)
-    state = SharingState(50_000, CalibratedThreshold(density=1e-3, warmup_steps=10, warmup_density=5e-2))
+    state = SharingState(50_000, CalibratedThreshold(density=1e-3, warmup_steps=10, warmup_density=5e-2,
+                                                     min_entries=0))
     counts = []
     for t in range(15):
         state.residual += rng.standard_normal(50_000).astype(np.float32) * 1e-3

@@ -314,3 +314,60 @@ def test_local_cluster_separate_executor_jvms():
     assert out["packages"] == [os.path.join(ROOT, "gradshare")] * 2  # executors run this tree
     assert len(set(out["pids"])) == 2 and out["steps"] > 0
     assert out["acc"] > 0.5
+
+
+# ------------------------------------------------------------------------------------ schedules (issue 10)
+def _halving(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+
+
+def test_schedule_and_warmup_keep_replicas_identical_and_runs_deterministic(digits_rdd):
+    ramp = dict(warmup=1.0, warmup_density=0.5)  # the demo MLP's floor is 512 of 9,610 entries (5.3 %)
+    a, acc = _fit_digits(digits_rdd, epochs=4, lr_scheduler=_halving, **ramp)
+    b, _ = _fit_digits(digits_rdd, epochs=4, lr_scheduler=_halving, **ramp)
+    assert a.param_hash == b.param_hash  # k = 0, same seed: the same run, schedule and ramp included
+    assert all(rep["param_hash"] == a.param_hash for rep in a.worker_reports)  # (fit checks it too)
+    lrs = [h["lr"] for h in a.history]
+    assert lrs[0] == pytest.approx(1e-3) and all(x > y for x, y in zip(lrs, lrs[1:]))  # the schedule ran
+    density = [h["sparsity"] for h in a.history]
+    assert density[0] > 2 * density[-1]  # the warm-up's first epoch sends more
+    assert sum(h["silent_steps"] for h in a.history) == 0
+    assert acc > 0.7  # it learns (the lr is 1/16 of its start by the end: the accuracy tests are elsewhere)
+    per_epoch, _ = _fit_digits(digits_rdd, epochs=4, lr_scheduler=_halving, scheduler_interval="epoch")
+    assert [h["lr"] for h in per_epoch.history] == pytest.approx([1e-3] * 4)  # 4 epoch steps < step_size
+    assert per_epoch.param_hash != a.param_hash
+
+
+class _NotAScheduler:
+    def __init__(self, opt):
+        self.opt = opt
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"lr_scheduler": "cosine"}, TypeError, "lr_scheduler must be a factory"),
+    ({"scheduler_interval": "batch"}, ValueError, "scheduler_interval"),
+    ({"threshold": "auto", "threshold_algorithm": "fixed"}, ValueError, "contradicts"),
+    ({"threshold": 1e-3, "density": 1e-2}, ValueError, "density tune threshold='auto'"),
+    ({"threshold": 1e-3, "warmup": 1}, ValueError, "warmup tune"),
+    ({"threshold": "fast"}, ValueError, "'auto' or a positive"),
+    ({"density": 0.0}, ValueError, "density"),
+    ({"warmup": -1}, ValueError, "warmup"),
+])
+def test_bad_convergence_options_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SharedTrainer(mlp, **kwargs)
+
+
+@pytest.mark.parametrize("factory, error, match", [
+    (_NotAScheduler, TypeError, "must return a torch.optim.lr_scheduler.LRScheduler"),
+    (lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt), ValueError, "ReduceLROnPlateau"),
+    (lambda opt: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 5),
+     ValueError, "bound to another optimizer"),
+])
+def test_a_bad_scheduler_fails_before_any_spark_job(digits_rdd, spark, factory, error, match):
+    rdd, _ = digits_rdd
+    tracker = spark.sparkContext.statusTracker()
+    jobs = set(tracker.getJobIdsForGroup(None))
+    with pytest.raises(error, match=match):
+        SharedTrainer(mlp, lr_scheduler=factory, **LOOPBACK).fit(rdd)
+    assert set(tracker.getJobIdsForGroup(None)) == jobs

@@ -87,7 +87,7 @@ class SharingState:
             if update is not None:  # the general path adds u = update - base inside the encode
                 u = update[start::stride] if base is None else update[start::stride] - base[start::stride]
                 sample = sample + u
-            return calibrate(sample, step)
+            return calibrate(sample, step, self.n_params)
         tau = self.rule.threshold
         if self.follow_lr and self.lr_ref and self.lr:
             tau = tau * (self.lr / self.lr_ref)
