@@ -167,32 +167,13 @@ def test_final_accuracy_is_the_mean_of_the_last_evaluations():
     assert r["time_to_target"] == 2.0  # the first crossing, unchanged
 
 
-def test_cosine_schedule_anneals_adam_to_zero_over_its_own_steps():
-    import math
-    import pickle
-
-    import torch
-
+def test_lr_schedule_flag_takes_every_shared_schedule(capsys):
     from gradshare.bench import systems
 
-    assert systems.cosine_factor(0, 10) == 1.0 and systems.cosine_factor(5, 10) == pytest.approx(0.5)
-    assert systems.cosine_factor(10, 10) == pytest.approx(0.0) and systems.cosine_factor(99, 10) == pytest.approx(0.0)
-    with pytest.raises(ValueError, match="total_steps"):
-        systems.cosine_factor(0, 0)
-    # The factory travels to Spark executors pickled, as the gradshare system ships it.
-    factory = pickle.loads(pickle.dumps(systems.functools.partial(systems._adam, lr=0.01, total_steps=4)))
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = factory([p])
-    lrs = []
-    for _ in range(5):
-        lrs.append(opt.param_groups[0]["lr"])
-        p.grad = torch.ones(2)
-        before = p.detach().clone()
-        opt.step()
-        if lrs[-1] == 0.0:
-            assert torch.equal(p.detach(), before)  # annealed to 0: the last step moves nothing
-    assert lrs == pytest.approx([0.01 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (0, 1, 2, 3, 4)])
-    assert systems._adam([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == systems.LEARNING_RATE
-    with pytest.raises(ValueError, match="lr_schedule"):
-        systems._anneal_steps("linear", 10)
-    assert systems._anneal_steps("constant", 10) is None and systems._anneal_steps("cosine", 10) == 10
+    # bench train and bench convergence build their schedulers with the one systems.lr_scheduler_factory
+    # (its formulas: tests/test_bench_convergence.py)
+    for schedule in systems.LR_SCHEDULES:
+        assert train.settings(_args("--lr-schedule", schedule))["lr_schedule"] == schedule
+    with pytest.raises(SystemExit):
+        _args("--lr-schedule", "linear")
+    assert "invalid choice" in capsys.readouterr().err

@@ -7,6 +7,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import sys
 from datetime import datetime, timezone
 
 WARMUP_STEPS = 3  # steps left out of s/step: JIT compilation, allocator and socket warm-up
@@ -121,11 +123,11 @@ def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
     return out
 
 
-def _fmt(v, spec, unit=""):
+def fmt(v, spec, unit=""):
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{unit}"
 
 
-def _human_bytes(b):
+def human_bytes(b):
     if b is None:
         return "—"
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -151,14 +153,14 @@ def table(rows: list[dict]) -> str:
         note = "budget reached" if r["stopped_by_budget"] else ""
         lines.append(
             f"{r['workload']:<8} {r['link']:<9} {r['system']:<10} {r['steps']:>5} "
-            f"{_fmt(r['sec_per_step'], '.3f'):>8} "
-            f"{_fmt(_ratio(r['sec_per_step'], single and single['sec_per_step']), '.2f'):>8} "
-            f"{_fmt(_ratio(r['sec_per_step'], ddp and ddp['sec_per_step']), '.3f'):>7} "
-            f"{_human_bytes(r['lo_bytes_per_step']):>11} "
-            f"{_fmt(_ratio(ddp and ddp['lo_bytes_per_step'], r['lo_bytes_per_step']), ',.0f'):>10} "
-            f"{_fmt(r['time_to_target'], '.1f', ' s'):>9} "
-            f"{_fmt(r['final_accuracy'] and 100 * r['final_accuracy'], '.2f', '%'):>9} "
-            f"{_fmt(r.get('last_accuracy') and 100 * r['last_accuracy'], '.2f', '%'):>8}  {note}")
+            f"{fmt(r['sec_per_step'], '.3f'):>8} "
+            f"{fmt(_ratio(r['sec_per_step'], single and single['sec_per_step']), '.2f'):>8} "
+            f"{fmt(_ratio(r['sec_per_step'], ddp and ddp['sec_per_step']), '.3f'):>7} "
+            f"{human_bytes(r['lo_bytes_per_step']):>11} "
+            f"{fmt(_ratio(ddp and ddp['lo_bytes_per_step'], r['lo_bytes_per_step']), ',.0f'):>10} "
+            f"{fmt(r['time_to_target'], '.1f', ' s'):>9} "
+            f"{fmt(r['final_accuracy'] and 100 * r['final_accuracy'], '.2f', '%'):>9} "
+            f"{fmt(r.get('last_accuracy') and 100 * r['last_accuracy'], '.2f', '%'):>8}  {note}")
     for r in rows:
         if r.get("profile"):
             p = r["profile"]
@@ -173,8 +175,15 @@ def targets_table(checks: list[dict]) -> str:
     lines = []
     for c in checks:
         met = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
-        lines.append(f"  {c['target']:<52} {_fmt(c['value'], '.3f'):>10}  (limit {c['limit']})  {met}")
+        lines.append(f"  {c['target']:<52} {fmt(c['value'], '.3f'):>10}  (limit {c['limit']})  {met}")
     return "\n".join(lines)
+
+
+def command_line(subcommand: str) -> str:
+    """How this process was started: `gradshare bench <subcommand> ...` when through the CLI, else argv."""
+    if sys.argv[1:3] == ["bench", subcommand]:
+        return f"gradshare bench {subcommand} " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    return " ".join(shlex.quote(a) for a in sys.argv)
 
 
 def machine() -> dict:
@@ -234,14 +243,25 @@ def plot(path: str, rows: list[dict], title: str = "") -> None:
                     ax.plot(t, [100 * v for v in a], marker=".", label=r["system"], color=colors.get(r["system"]),
                             linestyle="--" if r["system"] == "single" else "-")
             target = next((r["target"] for r in rows if r["workload"] == w and "target" in r), None)
-            if target:
-                ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")
-            ax.set_title(f"{w}, {link}", fontsize=9)
-            ax.set_xlabel("training wall-clock (s)", fontsize=8)
-            if j == 0:
-                ax.set_ylabel("test accuracy (%)", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.legend(fontsize=7)
+            accuracy_panel(ax, f"{w}, {link}", "training wall-clock (s)", target, ylabel=j == 0)
+    save_figure(fig, path, title)
+
+
+def accuracy_panel(ax, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7) -> None:
+    """Labels, the target line and the legend of one test-accuracy panel (bench train and convergence)."""
+    if target:
+        ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    if ylabel:
+        ax.set_ylabel("test accuracy (%)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=legend_size)
+
+
+def save_figure(fig, path: str, title: str = "") -> None:
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

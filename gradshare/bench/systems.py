@@ -1,21 +1,22 @@
-"""The four systems of `gradshare bench train`, each run on the same workload, seed, batch size, epochs
-and (for the distributed ones) the same two contiguous data halves and per-rank batch order
-(`gradshare.spark.epoch_order`):
+"""The systems of `gradshare bench train` and `gradshare bench convergence`, each run on the same
+workload, seed, batch size (per worker), epochs and (for the distributed ones) the same N contiguous data
+shards and per-rank batch order (`gradshare.spark.epoch_order`):
 
 - "single":   one process, one thread, the whole training set, batch `batch_size` (no communication);
-- "gradshare": `SharedTrainer` with 2 barrier tasks, the relay on the driver (loopback);
-- "ddp":      pyspark `TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)`, DDP over
+- "gradshare": `SharedTrainer` with N barrier tasks, the relay on the driver (loopback);
+- "ddp":      pyspark `TorchDistributor(num_processes=N, local_mode=False, use_gpu=False)`, DDP over
               Gloo, dense allreduce;
 - "powersgd": the same with DDP's PowerSGD hook, rank 2, in ONE bucket (`bucket_cap_mb` ≥ model size:
               with the default 25 MB buckets the hook aborts on Gloo in torch 2.13, DESIGN.md "Measuring").
 
-Every system uses Adam(lr=1e-3) (SharedTrainer's default optimizer) and one torch thread per process;
-`lr_schedule="cosine"` anneals every system's lr to 0 over its own steps. Measured on the MLP (seeds 0-2,
-16 epochs): single and DDP then end stable at 97.3-98.4 %, but gradshare drops by 1-7 pp in its last
-epochs (e.g. 95.6 → 88.9 %): as the annealed updates stop crossing τ the adaptive rule lowers τ
-(final τ 1.0e-2 → 6.2e-3; mean sparsity 0.30 % → 0.42 %). Our reading (not isolated by a run): a lower τ
-releases residual mass accumulated under the old τ into a model that is otherwise barely moving.
-Hence the constant default.
+Every system uses Adam(lr=1e-3) (SharedTrainer's default optimizer), one torch thread per process, and
+the same LR schedule: a torch `LambdaLR` built by `lr_scheduler_factory` and stepped once per optimizer
+step, over each process's own steps ("constant", "cosine" to 0, "step" decay). With a fixed initial τ
+of 1e-2 and the adaptive rule, cosine was measured on the MLP (seeds 0-2, 16 epochs): single and DDP end
+stable at 97.3-98.4 %, but gradshare drops by 1-7 pp in its last epochs (e.g. 95.6 → 88.9 %) while the
+adaptive rule lowers τ (final τ 1.0e-2 → 6.2e-3; mean sparsity 0.30 % → 0.42 %). Our reading (not
+isolated by a run): a lower τ releases residual mass accumulated under the old τ into a model that is
+otherwise barely moving. Hence `bench train`'s constant default; `bench convergence` measures all three.
 Each returns a `Measured`: per-step wall seconds (evaluation excluded), the test-accuracy curve against
 training wall-clock (evaluated after every epoch, on rank 0), and the bytes transmitted on `lo` over the
 steps (the namespace's loopback counter: every byte of every process in the namespace, once).
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,50 +48,137 @@ class Measured:
     extra: dict = field(default_factory=dict)
 
 
-def cosine_factor(step: int, total_steps: int) -> float:
-    """The lr multiplier after `step` of `total_steps` optimizer steps: 1 → 0 along half a cosine."""
+LR_SCHEDULES = ("constant", "cosine", "step")
+# "step": classic step decay (He et al. 2016's ResNet recipe): lr × 0.1 once half the steps are done
+# and × 0.1 again at three quarters, so the last quarter runs at 1 % of the initial lr.
+STEP_DECAY_AT = (0.5, 0.75)
+STEP_DECAY_GAMMA = 0.1
+
+
+def lr_factor(schedule: str, step: int, total_steps: int) -> float:
+    """The lr multiplier of optimizer step `step` (0-based) of a run of `total_steps` steps.
+
+    constant: 1. cosine: 1 → 0 along half a cosine, 0 exactly from `total_steps` on (after the last step:
+    no step of the run itself is taken at lr 0, but a rank that steps longer is). step: × STEP_DECAY_GAMMA
+    at each of STEP_DECAY_AT (fractions of `total_steps`, rounded down to a step)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    return 0.5 * (1.0 + math.cos(math.pi * min(max(step, 0), total_steps) / total_steps))
+    step = min(max(step, 0), total_steps)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+    if schedule == "step":
+        return STEP_DECAY_GAMMA ** sum(step >= int(f * total_steps) for f in STEP_DECAY_AT)
+    return 1.0
 
 
-def _adam(params, lr: float = LEARNING_RATE, total_steps: int | None = None):
-    """Adam(lr); with `total_steps`, lr anneals to 0 over that many `.step()` calls (`cosine_factor`).
-
-    The anneal counts this optimizer's own steps, so every system anneals over its own run (the single
-    process over 2× the steps of a 2-worker system at equal epochs). A plain wrapper of `step`, not an
-    LR scheduler object: the gradshare worker only ever calls `optimizer.step()`."""
+def _lambda_lr(schedule: str, total_steps: int, optimizer):
     import torch
 
-    opt = torch.optim.Adam(params, lr=lr)
-    if total_steps is None:
-        return opt
-    plain_step, done = opt.step, [0]
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(_factor_at, schedule, total_steps))
 
-    def step(closure=None):
-        out = plain_step(closure)
-        done[0] += 1
-        for group in opt.param_groups:
-            group["lr"] = lr * cosine_factor(done[0], total_steps)
-        return out
 
-    opt.step = step
-    return opt
+def _factor_at(schedule: str, total_steps: int, step: int) -> float:
+    return lr_factor(schedule, step, total_steps)
+
+
+def lr_scheduler_factory(schedule: str, total_steps: int):
+    """`callable(optimizer) -> torch LambdaLR` for `schedule` over `total_steps` optimizer steps; the
+    caller steps the scheduler once after every `optimizer.step()`. One factory for every system
+    (single and DDP build the scheduler themselves, gradshare ships it to its workers as
+    `SharedTrainer(lr_scheduler=..., scheduler_interval="step")`), so all anneal by the same formula
+    over their own steps (the single process over N× the steps of an N-worker system at equal
+    epochs). A `functools.partial` of module functions: it pickles, as a Spark task closure must."""
+    lr_factor(schedule, 0, total_steps)  # validates both arguments here, not on an executor
+    return functools.partial(_lambda_lr, schedule, int(total_steps))
+
+
+def adam(params, lr: float = LEARNING_RATE):
+    """Adam(lr): every system's optimizer (SharedTrainer's default optimizer)."""
+    import torch
+
+    return torch.optim.Adam(params, lr=lr)
+
+
+def shard_sizes(n_rows: int, world: int) -> list[int]:
+    """Rows of each of `world` contiguous shards (`parallelize(rows, world)`, `Workload.shard`)."""
+    return [(r + 1) * n_rows // world - r * n_rows // world for r in range(world)]
 
 
 def steps_per_epoch(n_rows: int, world: int, batch_size: int) -> int:
-    """Steps every rank takes per epoch: the smallest shard decides (DDP ranks must step together)."""
-    smallest = min((r + 1) * n_rows // world - r * n_rows // world for r in range(world))
-    return math.ceil(smallest / batch_size)
+    """Steps every DDP rank takes per epoch: the smallest shard decides (DDP ranks must step together)."""
+    return math.ceil(min(shard_sizes(n_rows, world)) / batch_size)
 
 
-LR_SCHEDULES = ("constant", "cosine")
+def gradshare_steps_per_epoch(n_rows: int, world: int, batch_size: int) -> int:
+    """Steps of the longest gradshare rank per epoch (each rank runs its own shard to the end)."""
+    return math.ceil(max(shard_sizes(n_rows, world)) / batch_size)
 
 
-def _anneal_steps(lr_schedule: str, total_steps: int) -> int | None:
-    if lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
-    return total_steps if lr_schedule == "cosine" else None
+def local_spark_env() -> None:
+    """Everything on loopback: Spark's driver, executors' Python workers (this interpreter, this tree's
+    gradshare first on PYTHONPATH), Gloo."""
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+
+def local_spark(slots: int, app_name: str):
+    """An embedded `local[slots]` SparkSession on loopback (`local_spark_env`); the caller stops it."""
+    local_spark_env()
+    from gradshare.spark import session_builder
+
+    spark = session_builder(f"local[{slots}]", app_name=app_name).getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+# ---------------------------------------------------------------------------------------- local loop
+def _train_steps(module, evaluated, X, y, test, *, rank: int, epochs: int, spe: int, batch_size: int,
+                 seed: int, lr_schedule: str, stop) -> tuple[list[float], list[tuple[float, float]], bool]:
+    """The step loop of the single process and of every DDP rank: Adam + the shared LR scheduler
+    (stepped once per optimizer step), rank `rank`'s seeded batch order (`epoch_order`), `spe` steps per
+    epoch. After every step `stop(training seconds so far)` says whether to stop (DDP: agreed by every
+    rank). With `test` = (X, y), `evaluated` is evaluated after every epoch (outside the timed part).
+    Returns (per-step wall seconds, [(training seconds, test accuracy)] per epoch, stopped early)."""
+    import torch
+
+    from gradshare.bench.workloads import test_accuracy
+    from gradshare.spark import epoch_order
+
+    opt = adam(module.parameters())
+    scheduler = lr_scheduler_factory(lr_schedule, spe * epochs)(opt)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    walls, curve, clock, stopped = [], [], 0.0, False
+    for epoch in range(epochs):
+        order = epoch_order(len(y), seed, rank, epoch)
+        for b in range(spe):
+            t0 = time.perf_counter()
+            idx = torch.from_numpy(np.sort(order[b * batch_size : (b + 1) * batch_size]))
+            opt.zero_grad(set_to_none=True)
+            loss_fn(module(X[idx]), y[idx]).backward()  # DDP allreduces (or compresses) in backward
+            opt.step()
+            scheduler.step()
+            walls.append(time.perf_counter() - t0)
+            clock += walls[-1]
+            if stop(clock):
+                stopped = True
+                break
+        if test is not None:
+            curve.append((clock, test_accuracy(evaluated, *test)))
+        if stopped:
+            break
+    return walls, curve, stopped
+
+
+def _lo_delta(lo0: int | None, lo1: int | None) -> int | None:
+    return None if lo0 is None or lo1 is None else lo1 - lo0
 
 
 # ---------------------------------------------------------------------------------------- single
@@ -97,64 +187,52 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
     import torch
 
     from gradshare.bench.profile import lo_tx_bytes
-    from gradshare.bench.workloads import model_factory, test_accuracy
-    from gradshare.spark import epoch_order
+    from gradshare.bench.workloads import model_factory
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = model_factory(wl.name)()
-    spe = steps_per_epoch(len(wl.y_train), 1, batch_size)
-    opt = _adam(model.parameters(), total_steps=_anneal_steps(lr_schedule, spe * epochs))
-    loss_fn = torch.nn.CrossEntropyLoss()
-    X, y = torch.from_numpy(wl.X_train), torch.from_numpy(wl.y_train)
-    walls, curve, clock, stopped = [], [], 0.0, False
     lo0 = lo_tx_bytes()
-    for epoch in range(epochs):
-        order = epoch_order(len(y), seed, 0, epoch)
-        for b in range(spe):
-            t0 = time.perf_counter()
-            idx = torch.from_numpy(np.sort(order[b * batch_size : (b + 1) * batch_size]))
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(X[idx]), y[idx]).backward()
-            opt.step()
-            walls.append(time.perf_counter() - t0)
-            clock += walls[-1]
-            if clock > budget:
-                stopped = True
-                break
-        curve.append((clock, test_accuracy(model, wl.X_test, wl.y_test)))
-        if stopped:
-            break
-    lo1 = lo_tx_bytes()
+    walls, curve, stopped = _train_steps(
+        model, model, torch.from_numpy(wl.X_train), torch.from_numpy(wl.y_train), (wl.X_test, wl.y_test),
+        rank=0, epochs=epochs, spe=steps_per_epoch(len(wl.y_train), 1, batch_size), batch_size=batch_size,
+        seed=seed, lr_schedule=lr_schedule, stop=lambda clock: clock > budget)
     n = sum(p.numel() for p in model.parameters())
-    return Measured(walls, curve, None if lo0 is None or lo1 is None else lo1 - lo0, n, stopped)
+    return Measured(walls, curve, _lo_delta(lo0, lo_tx_bytes()), n, stopped)
 
 
 # ---------------------------------------------------------------------------------------- gradshare
 def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget: float,
-                  threshold: float, max_sparsity: float | None = None, staleness: int = 0,
+                  threshold: float | str = "auto", max_sparsity: float | None = None, staleness: int = 0,
                   lr: float = LEARNING_RATE, residual_clip: float | None = 5.0,
-                  lr_schedule: str = "constant", timeout: float = 120.0) -> Measured:
-    """SharedTrainer on `spark`; the job is cancelled (and reported as such) after `budget` seconds.
+                  lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0) -> Measured:
+    """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
+    after `budget` seconds.
 
-    `max_sparsity`: the upper end of the adaptive rule's band (τ rises while a step sends more than this
-    share of entries); None: SharedTrainer's default adaptive rule. Both start at `threshold`."""
+    threshold: "auto" (SharedTrainer's τ calibrated per worker to a target density) or the initial τ
+    of the adaptive rule. `max_sparsity`: the upper end of the adaptive rule's band (τ rises while a step
+    sends more than this share of entries), starting at `threshold`; None: SharedTrainer's default rule.
+    The LR schedule reaches the workers as `lr_scheduler=` (stepped once per optimizer step) over the
+    longest rank's steps."""
     from gradshare.bench.workloads import model_factory
     from gradshare.encoding import AdaptiveThreshold
     from gradshare.trainer import SharedTrainer
 
     sc = spark.sparkContext
-    rows = list(zip(wl.X_train, wl.y_train.tolist()))
-    rdd = sc.parallelize(rows, 2)
-    rule = "adaptive" if max_sparsity is None else AdaptiveThreshold(initial=threshold, max_sparsity=max_sparsity)
-    trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(
-                                _adam, lr=lr, total_steps=_anneal_steps(
-                                    lr_schedule, steps_per_epoch(len(wl.y_train), 2, batch_size) * epochs)),
-                            threshold=threshold, port=0, threshold_algorithm=rule, staleness=staleness,
-                            residual_clip=residual_clip,
-                            bind="127.0.0.1", advertise_host="127.0.0.1", batch_size=batch_size,
-                            epochs=epochs, seed=seed, verbose=0, validation_data=(wl.X_test, wl.y_test),
-                            timeout=timeout, worker_options={"profile": True})
+    rdd = sharded_rdd(sc, wl, workers)
+    total = gradshare_steps_per_epoch(len(wl.y_train), workers, batch_size) * epochs
+    options = {}
+    if max_sparsity is not None:
+        if threshold == "auto":
+            raise ValueError("max_sparsity tunes the adaptive rule of a numeric threshold, not threshold='auto'")
+        options["threshold_algorithm"] = AdaptiveThreshold(initial=threshold, max_sparsity=max_sparsity)
+    trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(adam, lr=lr),
+                            lr_scheduler=lr_scheduler_factory(lr_schedule, total), scheduler_interval="step",
+                            threshold=threshold, num_workers=workers, port=0, staleness=staleness,
+                            residual_clip=residual_clip, bind="127.0.0.1", advertise_host="127.0.0.1",
+                            batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
+                            validation_data=(wl.X_test, wl.y_test), timeout=timeout,
+                            worker_options={"profile": True}, **options)
     with _cancel_after(sc, budget) as fired:
         try:
             result = trainer.fit(rdd)
@@ -165,6 +243,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
     rank0 = next(r for r in result.worker_reports if r["rank"] == 0)
     prof = rank0["profile"]
     c = result.counters
+    worker_steps = sum(r["last_step"] + 1 for r in result.worker_reports)
     return Measured(
         walls=prof["steps"]["wall"], curve=[(t, a) for t, a in prof["curve"]], lo_bytes=prof["lo_tx_bytes"],
         n_params=result.n_params,
@@ -172,12 +251,27 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
             "profile_steps": {k: v for k, v in prof["steps"].items()},
             "relay_bytes": int(c.get("bytes_in", 0)) + int(c.get("bytes_out", 0)),
             "worker_udp_bytes": result.bytes_sent + result.bytes_received,
+            # per worker-step, sent + received (FitResult's dense_bytes counts the same way)
+            "worker_udp_bytes_per_step": (result.bytes_sent + result.bytes_received) / max(worker_steps, 1),
+            "traffic_ratio": result.traffic_ratio,
+            "fit_seconds": result.seconds,
             "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
             "final_tau": result.history[-1]["tau"],
+            "epochs_history": [{k: h[k] for k in ("epoch", "steps", "silent_steps", "sparsity", "tau", "lr",
+                                                   "bytes_sent", "bytes_received", "seconds", "val_metric")}
+                               for h in result.history],
             "param_hash": result.param_hash,
             "drops": c.get("drops", {}),
         },
     )
+
+
+def sharded_rdd(sc, wl, world: int):
+    """An RDD of (features, label) rows whose partition r is exactly `wl.shard(r, world)`, the rows DDP's
+    rank r trains on. (`sc.parallelize(rows, world)` slices whole serialisation batches of up to 1,024
+    rows: 6,000 rows in 4 slices come out as 1,024/2,048/1,024/1,904 rows.)"""
+    shards = [list(zip(X, y.tolist())) for X, y in (wl.shard(r, world) for r in range(world))]
+    return sc.parallelize(shards, world).flatMap(lambda rows: rows)
 
 
 class _cancel_after:
@@ -201,91 +295,107 @@ class _cancel_after:
 
 
 # ---------------------------------------------------------------------------------------- DDP
-def ddp_train(spec: dict) -> dict | None:
-    """The TorchDistributor training function (runs in each torchrun process; env:// rendezvous).
+def ddp_spec(workload: str, *, seed: int, epochs: int, batch_size: int, budget: float,
+             lr_schedule: str = "constant", rows: int | None = None, target: float | None = None,
+             powersgd: bool = False) -> dict:
+    """One DDP run of a `ddp_train` batch (plain data: it travels to the torchrun processes)."""
+    return {"workload": workload, "seed": seed, "target": target, "rows": rows, "powersgd": powersgd,
+            "epochs": epochs, "batch_size": batch_size, "budget": budget, "lr_schedule": lr_schedule}
 
-    Rank 0 decides when the time budget is spent; a one-element allreduce after every step (outside the
-    timed part) makes both ranks stop at the same step, as DDP requires.
-    """
+
+def ddp_train(specs: list[dict], gloo_ifname: str | None = None) -> list[dict] | None:
+    """The TorchDistributor training function (runs in each torchrun process; env:// rendezvous): every
+    run of `specs` in turn, in ONE process group. TorchDistributor's start-up (per rank: a Spark task,
+    the wrapper and torchrun interpreters, torch and the workload imported, ~15-20 s on the 2-core VM)
+    is paid once per batch, not once per run. Rank 0 returns one result per run. `gloo_ifname`: the
+    driver's GLOO_SOCKET_IFNAME (executor processes started before the driver set it do not have it)."""
+    import torch
+    import torch.distributed as dist
+
+    if gloo_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo_ifname
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        out = [_ddp_run(spec, dist.get_rank(), dist.get_world_size()) for spec in specs]
+        return out if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_run(spec: dict, rank: int, world: int) -> dict:
+    """One DDP run. Rank 0 decides when the time budget is spent; a one-element allreduce after every
+    step (outside the timed part) makes every rank stop at the same step, as DDP requires."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradshare.bench.profile import lo_tx_bytes
-    from gradshare.bench.workloads import load, model_factory, test_accuracy
-    from gradshare.spark import epoch_order
+    from gradshare.bench.workloads import load, model_factory
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        wl = load(spec["workload"], spec["seed"], spec["target"], spec["rows"])
-        torch.manual_seed(spec["seed"])
-        model = model_factory(wl.name)()
-        n_params = sum(p.numel() for p in model.parameters())
-        if spec["powersgd"]:
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    t0 = time.monotonic()
+    wl = load(spec["workload"], spec["seed"], spec["target"], spec["rows"])
+    torch.manual_seed(spec["seed"])
+    model = model_factory(wl.name)()
+    n_params = sum(p.numel() for p in model.parameters())
+    if spec["powersgd"]:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-            # One bucket holding the whole model: PowerSGD on Gloo aborts with several (DESIGN.md).
-            bucket_mb = n_params * 4 / 2**20 + 1
-            ddp = DDP(model, bucket_cap_mb=bucket_mb)
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                       start_powerSGD_iter=2, random_seed=spec["seed"])
-            ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        else:
-            ddp = DDP(model)
-        spe = steps_per_epoch(len(wl.y_train), world, spec["batch_size"])
-        opt = _adam(ddp.parameters(), total_steps=_anneal_steps(spec["lr_schedule"], spe * spec["epochs"]))
-        loss_fn = torch.nn.CrossEntropyLoss()
-        Xs, ys = wl.shard(rank, world)
-        X, y = torch.from_numpy(np.ascontiguousarray(Xs)), torch.from_numpy(np.ascontiguousarray(ys))
-        bs, budget = spec["batch_size"], spec["budget"]
-        walls, curve, clock, stop = [], [], 0.0, False
-        flag = torch.zeros(1)
-        dist.barrier()
-        lo0 = lo_tx_bytes()
-        for epoch in range(spec["epochs"]):
-            order = epoch_order(len(y), spec["seed"], rank, epoch)
-            for b in range(spe):
-                t0 = time.perf_counter()
-                idx = torch.from_numpy(np.sort(order[b * bs : (b + 1) * bs]))
-                opt.zero_grad(set_to_none=True)
-                loss_fn(ddp(X[idx]), y[idx]).backward()  # DDP allreduces (or compresses) in backward
-                opt.step()
-                walls.append(time.perf_counter() - t0)
-                clock += walls[-1]
-                flag[0] = float(rank == 0 and clock > budget)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag[0] > 0:
-                    stop = True
-                    break
-            if rank == 0:
-                curve.append((clock, test_accuracy(model, wl.X_test, wl.y_test)))
-            if stop:
-                break
-        lo1 = lo_tx_bytes()
-        dist.barrier()
-        if rank != 0:
-            return None
-        return {"walls": walls, "curve": curve, "n_params": n_params, "stopped": stop,
-                "lo_bytes": None if lo0 is None or lo1 is None else lo1 - lo0}
-    finally:
-        dist.destroy_process_group()
+        # One bucket holding the whole model: PowerSGD on Gloo aborts with several (DESIGN.md).
+        bucket_mb = n_params * 4 / 2**20 + 1
+        ddp = DDP(model, bucket_cap_mb=bucket_mb)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2, random_seed=spec["seed"])
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        ddp = DDP(model)
+    Xs, ys = wl.shard(rank, world)
+    X, y = torch.from_numpy(np.ascontiguousarray(Xs)), torch.from_numpy(np.ascontiguousarray(ys))
+    flag = torch.zeros(1)
+
+    def stop(clock: float) -> bool:
+        flag[0] = float(rank == 0 and clock > spec["budget"])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag[0] > 0)
+
+    dist.barrier()
+    lo0 = lo_tx_bytes()
+    walls, curve, stopped = _train_steps(
+        ddp, model, X, y, (wl.X_test, wl.y_test) if rank == 0 else None, rank=rank,
+        epochs=spec["epochs"], spe=steps_per_epoch(len(wl.y_train), world, spec["batch_size"]),
+        batch_size=spec["batch_size"], seed=spec["seed"], lr_schedule=spec["lr_schedule"], stop=stop)
+    lo1 = lo_tx_bytes()
+    dist.barrier()
+    return {"walls": walls, "curve": curve, "n_params": n_params, "stopped": stopped,
+            "lo_bytes": _lo_delta(lo0, lo1), "seconds": time.monotonic() - t0}
 
 
-def run_ddp(spark, wl, *, powersgd: bool, epochs: int, batch_size: int, seed: int, budget: float,
-            rows: int | None, hard_timeout: float, lr_schedule: str = "constant") -> Measured:
+def run_ddp_batch(spark, specs: list[dict], *, workers: int, hard_timeout: float) -> tuple[list[Measured], float]:
+    """DDP over Gloo in `workers` processes (pyspark `TorchDistributor(num_processes=workers,
+    local_mode=False)`, one barrier task each) for every run of `specs` (`ddp_spec`), in order. Each run
+    stops after its `budget` seconds of training (every rank at the same step); the Spark job is cancelled
+    after `hard_timeout` seconds (start-up included), which fails the whole batch.
+    Returns one `Measured` per run (extra["seconds"]: the run's own time in rank 0, start-up excluded)
+    and the batch's wall seconds."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    spec = {"workload": wl.name, "seed": seed, "target": wl.target, "rows": rows, "powersgd": powersgd,
-            "epochs": epochs, "batch_size": batch_size, "budget": budget, "lr_schedule": lr_schedule}
-    dist = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    t0 = time.monotonic()
+    dist = TorchDistributor(num_processes=workers, local_mode=False, use_gpu=False)
     with _cancel_after(spark.sparkContext, hard_timeout) as fired:
         try:
-            out = dist.run(ddp_train, spec)
+            out = dist.run(ddp_train, specs, os.environ.get("GLOO_SOCKET_IFNAME"))
         except Exception:
             if fired.is_set():
                 raise TimeoutError(f"DDP exceeded the hard limit of {hard_timeout:g} s and was cancelled") from None
             raise
-    return Measured(out["walls"], [tuple(p) for p in out["curve"]], out["lo_bytes"], out["n_params"],
-                    out["stopped"])
+    measured = [Measured(r["walls"], [tuple(p) for p in r["curve"]], r["lo_bytes"], r["n_params"], r["stopped"],
+                         extra={"seconds": r["seconds"]}) for r in out]
+    return measured, time.monotonic() - t0
+
+
+def run_ddp(spark, wl, *, powersgd: bool, epochs: int, batch_size: int, seed: int, budget: float,
+            rows: int | None, hard_timeout: float, lr_schedule: str = "constant", workers: int = 2) -> Measured:
+    """One DDP run (`run_ddp_batch` of one)."""
+    spec = ddp_spec(wl.name, seed=seed, target=wl.target, rows=rows, powersgd=powersgd, epochs=epochs,
+                    batch_size=batch_size, budget=budget, lr_schedule=lr_schedule)
+    return run_ddp_batch(spark, [spec], workers=workers, hard_timeout=hard_timeout)[0][0]

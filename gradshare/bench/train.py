@@ -32,12 +32,12 @@ import time
 # mean of the last 3 epochs (report.FINAL_EVALS): gradshare 96.96 %, DDP dense 95.94 %, single 95.82 %
 # (at 8 epochs: 93.73, 95.53, 94.71); the later, sparser epochs bring gradshare's traffic to 485-532x
 # under dense (317x at 8 epochs).
-DEFAULT_EPOCHS = {"mlp": 16, "cnn": 6}
+DEFAULT_EPOCHS = {"mlp": 16, "cnn": 6, "tabular": 12}
 QUICK = {"rows": 256, "epochs": 2, "budget": 15.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workloads", default="mlp,cnn", help="comma list of mlp,cnn (default both)")
+    parser.add_argument("--workloads", default="mlp,cnn", help="comma list of mlp,cnn,tabular (default mlp,cnn)")
     parser.add_argument("--systems", default="gradshare,ddp,powersgd,single",
                         help="comma list of gradshare,ddp,powersgd,single (default all)")
     parser.add_argument("--links", default="unshaped,1gbit,100mbit",
@@ -54,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from gradshare.bench.systems import LR_SCHEDULES
 
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                        help="Adam lr of every system: constant 1e-3, or cosine-annealed to 0 over each "
-                             "process's own steps (default constant; with cosine, gradshare's adaptive τ falls as "
-                             "the updates shrink and its accuracy drops in the last epochs)")
+                        help="Adam lr of every system: constant 1e-3, cosine-annealed to 0, or step decay "
+                             "(x0.1 at 50%% and 75%%) over each process's own steps (default constant; with "
+                             "cosine and a fixed initial τ, gradshare's adaptive τ falls as the updates shrink "
+                             "and its accuracy dropped in the last epochs; `bench convergence` compares all)")
     parser.add_argument("--gradshare-lr", type=float, default=None,
                         help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
                              "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)")
@@ -76,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
 
 
-def _split(text: str, allowed, what: str) -> list[str]:
+def comma_list(text: str, allowed, what: str) -> list[str]:
+    """The items of a comma list flag `--what`, each one of `allowed`; ValueError naming the flag."""
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
     if bad or not items:
@@ -106,9 +108,9 @@ def settings(args: argparse.Namespace) -> dict:
         epochs = {w: args.epochs or QUICK["epochs"] for w in WORKLOADS}
         rows, budget = args.rows or QUICK["rows"], min(budget, QUICK["budget"])
     return {
-        "workloads": _split(args.workloads, WORKLOADS, "workloads"),
-        "systems": _split(args.systems, SYSTEMS, "systems"),
-        "links": _split(args.links, LINKS, "links"),
+        "workloads": comma_list(args.workloads, WORKLOADS, "workloads"),
+        "systems": comma_list(args.systems, SYSTEMS, "systems"),
+        "links": comma_list(args.links, LINKS, "links"),
         "epochs": epochs, "batch_size": args.batch_size, "budget": budget, "threshold": args.threshold,
         "max_sparsity": args.max_sparsity, "gradshare_lr": args.gradshare_lr, "lr_schedule": args.lr_schedule,
         "residual_clip": args.residual_clip or None, "staleness": args.staleness, "target": args.target,
@@ -117,17 +119,6 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ child
-def _child_env() -> None:
-    """Everything on loopback: Spark's driver, executors' Python workers, Gloo."""
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
-    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
-
-
 def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[dict]:
     """Run `systems` × cfg's workloads in this process (on `link`, already set up); one row each."""
     from gradshare.bench import report, systems as sysmod
@@ -165,16 +156,13 @@ def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[di
 def _child(args: argparse.Namespace) -> int:
     from gradshare.bench.netns import interfaces
 
-    _child_env()
+    from gradshare.bench.systems import local_spark, local_spark_env
+
+    local_spark_env()
     cfg = settings(args)
     link = args.child
     need_spark = any(s != "single" for s in cfg["systems"])
-    spark = None
-    if need_spark:
-        from gradshare.spark import session_builder
-
-        spark = session_builder("local[2]", app_name=f"gradshare-bench-{link}").getOrCreate()
-        spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark(2, f"gradshare-bench-{link}") if need_spark else None
     try:
         rows = run_configs(cfg, link, cfg["systems"], spark)
     finally:
@@ -272,8 +260,7 @@ def run(args: argparse.Namespace) -> int:
     order = {s: i for i, s in enumerate(("single", "gradshare", "ddp", "powersgd"))}
     link_order = {name: i for i, name in enumerate(netns.LINKS)}
     rows.sort(key=lambda r: (r["workload"], link_order[r["link"]], order[r["system"]]))
-    command = "gradshare bench train " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
-        if sys.argv[1:3] == ["bench", "train"] else " ".join(shlex.quote(a) for a in sys.argv)
+    command = report.command_line("train")
     json_path, png_path = os.path.join(out_dir, "bench-train.json"), os.path.join(out_dir, "bench-train.png")
     doc = report.write_json(json_path, rows, command=command, config=cfg, notes=notes)
     report.plot(png_path, rows, title=f"{doc['date']}, {doc['machine'].get('cpu') or ''} "
