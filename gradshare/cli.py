@@ -1,4 +1,4 @@
-"""`gradshare demo | bench encoding | bench transport | bench train | relay`.
+"""`gradshare demo | bench encoding | bench transport | bench train | bench convergence | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their command runs, so `gradshare bench encoding` never imports
@@ -18,6 +18,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "encoding"), "gradshare.bench.encoding", "encoding overhead vs numpy.add"),
     (("bench", "transport"), "gradshare.bench.transport", "relay throughput, latency, loss, crypto cost"),
     (("bench", "train"), "gradshare.bench.train", "gradshare vs DDP dense vs DDP+PowerSGD vs single process"),
+    (("bench", "convergence"), "gradshare.bench.convergence",
+     "accuracy per epoch: gradshare vs DDP dense vs single process, N workers, LR schedules, seeds"),
     (("relay",), "gradshare.transport.relay_main", "run a standalone relay (master)"),
 ]
 
