@@ -109,6 +109,18 @@ def test_single_process_reaches_lr_zero_without_trouble():
     assert len(m.walls) == 4 and len(m.curve) == 2 and all(0 <= a <= 1 for _, a in m.curve)
 
 
+def test_a_configuration_out_of_budget_is_a_failed_row_with_its_curve():
+    cfg = convergence.settings(_args("--workloads", "tabular", "--systems", "single", "--rows", "256", "--epochs", "2",
+                                     "--seeds", "0", "--schedules", "step", "--budget", "1e-9"))
+    rows, parts = convergence.run_configs(cfg, spark=None)
+    (row,) = rows
+    assert row["status"] == "error" and "budget after 1 of 2 epochs" in row["error"]
+    assert len(row["accuracy"]) == 1 and row["steps"] == 1 and parts[0]["failed"] == 1
+    (entry,) = convergence.summarise(rows)
+    assert entry["seeds"] == [] and entry["mean"] == [] and entry["failed"][0]["seed"] == 0
+    assert "failed seeds [0]: stopped by the per-configuration budget" in convergence.table([entry])
+
+
 # ------------------------------------------------------------------------------------------ summary and checks
 def _row(system, workers, seed, accuracy, *, workload="mlp", schedule="cosine", ratio=None, status="ok"):
     from gradshare.bench.report import final_accuracy

@@ -31,8 +31,8 @@ SYSTEMS = ("single", "gradshare", "ddp")
 QUICK = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
 # Epochs per workload of the full run, sized so that 3 workloads × 3 schedules × 3 seeds × N ∈ {2, 4} ×
 # 3 systems fit in about an hour on the 2-core VM (README "Convergence benchmark" has the timings). On
-# seed 0 with cosine every system had crossed its target by epoch 5 (MLP), 7 (CNN: 8 epochs were too
-# few to see N=4 settle) and 6 (tabular), and changed by < 1 pp over its last 3 epochs.
+# seed 0 with cosine every system had crossed its target by epoch 5 (MLP), 7 (CNN, of 8: too few to see
+# N=4 settle) and 6 (tabular), and moved by at most 1.1 pp over its last 3 epochs.
 DEFAULT_EPOCHS = {"mlp": 12, "cnn": 10, "tabular": 10}
 DEFAULT_BUDGET = 240.0  # seconds of training per configuration; far above any measured run
 ACCURACY_SLACK_PP = 0.3  # issue 10: gradshare's final accuracy ≥ DDP's − 0.3 pp
@@ -100,6 +100,7 @@ def settings(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     if not args.budget > 0:
         raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
+
     def given(value, full: str, smoke: str) -> str:  # an explicit flag wins over --quick
         return value if value is not None else (smoke if quick else full)
 
@@ -185,16 +186,13 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
             on_part(rows, parts)
 
     def one(system: str, wl, schedule: str, seed: int, workers: int, epochs: int, train) -> dict:
-        name, t0 = wl.name, time.monotonic()
+        t0 = time.monotonic()
         try:
-            r = make_row(system, name, schedule, seed, workers, train(), wl.target, epochs)
+            r = make_row(system, wl.name, schedule, seed, workers, train(), wl.target, epochs)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
-            r = failed_row(system, name, schedule, seed, workers, e)
+            r = failed_row(system, wl.name, schedule, seed, workers, e)
         r["elapsed"] = time.monotonic() - t0
-        acc = r["accuracy"][-1] if r["accuracy"] else math.nan
-        print(f"[convergence]   {name} {schedule} seed {seed} {system} N={workers}: {r['status']} "
-              f"in {r['elapsed']:.1f} s, last acc {acc:.3f}", flush=True)
-        return r
+        return _said(r)
 
     for name in cfg["workloads"]:
         epochs = cfg["epochs"][name]
@@ -227,18 +225,30 @@ def _ddp_part(spark, cfg: dict, name: str, workers: int, runs, data, epochs: int
 
     specs = [systems.ddp_spec(name, seed=seed, epochs=epochs, batch_size=cfg["batch_size"], budget=cfg["budget"],
                               lr_schedule=sch, rows=cfg["rows"]) for sch, seed in runs]
+    t0 = time.monotonic()
     try:
         measured, seconds = systems.run_ddp_batch(
             spark, specs, workers=workers, hard_timeout=DDP_START_SECONDS + len(specs) * (cfg["budget"] + 30))
     except Exception as e:  # noqa: BLE001 - the whole batch failed: one failed row per run
-        return [failed_row("ddp", name, sch, seed, workers, e) for sch, seed in runs]
+        seconds = time.monotonic() - t0
+        return [_said(dict(failed_row("ddp", name, sch, seed, workers, e), elapsed=seconds / len(runs)))
+                for sch, seed in runs]
     share = max(seconds - sum(m.extra["seconds"] for m in measured), 0.0) / len(measured)
     new = []
     for (sch, seed), m in zip(runs, measured):
         r = make_row("ddp", name, sch, seed, workers, m, data[seed].target, epochs)
         r["elapsed"], r["launch_share"] = m.extra["seconds"] + share, share
-        new.append(r)
+        new.append(_said(r))
     return new
+
+
+def _said(r: dict) -> dict:
+    """`r`, after a progress line about it."""
+    acc = r["accuracy"][-1] if r["accuracy"] else math.nan
+    print(f"[convergence]   {r['workload']} {r['schedule']} seed {r['seed']} {r['system']} N={r['workers']}: "
+          f"{r['status']} in {r['elapsed']:.1f} s, last acc {acc:.3f}"
+          + (f" ({r['error']})" if r["status"] != "ok" else ""), flush=True)
+    return r
 
 
 # ------------------------------------------------------------------------------------------ summary
