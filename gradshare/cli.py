@@ -24,6 +24,19 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 ]
 
 
+def threshold_arg(text: str) -> float | str:
+    """A --threshold value: 'auto' (SharedTrainer's calibrated τ) or a positive number (τ itself)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"--threshold must be 'auto' or a positive number, got {text!r}")
+    return value
+
+
 def _available(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

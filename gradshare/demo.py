@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="barrier tasks / Spark partitions (default 2)")
     parser.add_argument("--epochs", type=int, default=30, help="passes over each partition (default 30)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per step per worker (default 32)")
-    parser.add_argument("--threshold", type=_threshold, default="auto",
+    parser.add_argument("--threshold", type=_threshold_type, default="auto",
                         help="'auto' (default: τ calibrated to a target density every step) or an initial τ")
     parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive",
                         help="how a numeric τ moves (default adaptive)")
@@ -29,13 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _threshold(text: str):
-    if text == "auto":
-        return text
+def _threshold_type(text: str):
+    from gradshare.cli import threshold_arg
+
     try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threshold takes 'auto' or a number, got {text!r}") from None
+        return threshold_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def digits_split(seed: int = 0):

@@ -27,6 +27,8 @@ import statistics
 import tempfile
 import time
 
+from gradshare.cli import threshold_arg
+
 SYSTEMS = ("single", "gradshare", "ddp")
 QUICK = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
 # Epochs per workload of the full run, sized so that 3 workloads × 3 schedules × 3 seeds × N ∈ {2, 4} ×
@@ -76,17 +78,6 @@ def _ints(text: str, flag: str, minimum: int) -> list[int]:
     return values
 
 
-def _threshold(text: str) -> float | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"--threshold must be 'auto' or a positive number, got {text!r}")
-    return value
-
 
 def settings(args: argparse.Namespace) -> dict:
     """The resolved configuration (validated, every error naming its flag; --quick applied)."""
@@ -113,7 +104,7 @@ def settings(args: argparse.Namespace) -> dict:
         "seeds": _ints(given(args.seeds, "0,1,2", QUICK["seeds"]), "seeds", 0),
         "workers": sorted(_ints(given(args.workers, "2,4", QUICK["workers"]), "workers", 2)),
         "systems": comma_list(args.systems, SYSTEMS, "systems"),
-        "epochs": epochs, "threshold": _threshold(args.threshold), "batch_size": args.batch_size,
+        "epochs": epochs, "threshold": threshold_arg(args.threshold), "batch_size": args.batch_size,
         "budget": args.budget, "rows": args.rows or (QUICK["rows"] if quick else None), "quick": quick,
     }
 

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from gradshare.cli import threshold_arg
+
 # MLP: 16 epochs = 176 steps per worker (11 per epoch at batch 64 on 673 rows). At 8 epochs gradshare
 # was still climbing: with the initial τ of 1e-2 (ten Adam steps of lr 1e-3) its first epoch sends
 # almost nothing (test accuracy after epoch 1: 10-56 % over seeds 0-4, DDP 72-82 %), and it reaches DDP
@@ -47,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per step per worker (default 64)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of training after which a configuration stops (default 60)")
-    parser.add_argument("--threshold", type=float, default=1e-2,
-                        help="gradshare's initial τ (default 1e-2: ten Adam steps of lr 1e-3)")
+    parser.add_argument("--threshold", default="auto",
+                        help="gradshare's τ: 'auto' (default, SharedTrainer's calibrated τ) or the initial τ "
+                             "of the adaptive rule (the runs before issue 10 used 1e-2)")
     parser.add_argument("--max-sparsity", type=float, default=None,
                         help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)")
     from gradshare.bench.systems import LR_SCHEDULES
@@ -111,7 +114,7 @@ def settings(args: argparse.Namespace) -> dict:
         "workloads": comma_list(args.workloads, WORKLOADS, "workloads"),
         "systems": comma_list(args.systems, SYSTEMS, "systems"),
         "links": comma_list(args.links, LINKS, "links"),
-        "epochs": epochs, "batch_size": args.batch_size, "budget": budget, "threshold": args.threshold,
+        "epochs": epochs, "batch_size": args.batch_size, "budget": budget, "threshold": threshold_arg(args.threshold),
         "max_sparsity": args.max_sparsity, "gradshare_lr": args.gradshare_lr, "lr_schedule": args.lr_schedule,
         "residual_clip": args.residual_clip or None, "staleness": args.staleness, "target": args.target,
         "seed": args.seed, "rows": rows, "quick": bool(args.quick),
@@ -177,7 +180,7 @@ def _child(args: argparse.Namespace) -> int:
 def _child_command(args: argparse.Namespace, link: str, systems: list[str], out: str) -> list[str]:
     cmd = [sys.executable, "-m", "gradshare.cli", "bench", "train", "--child", link, "--child-out", out,
            "--workloads", args.workloads, "--systems", ",".join(systems), "--batch-size", str(args.batch_size),
-           "--budget", str(args.budget), "--threshold", repr(args.threshold), "--seed", str(args.seed),
+           "--budget", str(args.budget), "--threshold", str(args.threshold), "--seed", str(args.seed),
            "--lr-schedule", args.lr_schedule]
     for flag, value in (("--epochs", args.epochs), ("--target", args.target), ("--rows", args.rows),
                         ("--max-sparsity", args.max_sparsity), ("--staleness", args.staleness),
