@@ -43,8 +43,8 @@ DEFAULT_DENSITY = 1e-3
 SAMPLE_ENTRIES = 64
 MIN_SAMPLE = 16384
 # ... but never fewer than this many entries per step: a message of 512 entries (~800 bytes) still
-# fits one datagram, so on a small model a lower density saves no datagram, only learning (a 70 k
-# CNN at 1e-3 would send 70 entries a step and learn far slower than dense, README "Convergence").
+# fits one datagram, so on a small model a lower density saves no datagram, only learning (a 64 k
+# CNN at 1e-3 would send 64 entries a step and learn far slower than dense, README "Convergence").
 DEFAULT_MIN_ENTRIES = 512
 # The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, README).
 DEFAULT_WARMUP_DENSITY = 0.1
