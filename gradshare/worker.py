@@ -177,7 +177,8 @@ class Worker:
         # measures it against a twin of P that the apply log keeps (capture.py).
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
                                 allow_direct=cfg.extra.get("direct_update", True))
-        self.log: ApplyLog | None = None
+        self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
+        self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
@@ -212,8 +213,16 @@ class Worker:
         self.model.train(was_training)
         return float(value)
 
+    def step(self, peer, t: int) -> tuple[float, int, int]:
+        """Global step ``t`` of this rank: DESIGN.md's step (batch → forward/backward → optimizer step into
+        the residual → encode → send), then the lr schedule's step when it steps per step. The caller
+        applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
+        out = self._step(peer, t, *divmod(t, self.cfg.steps_per_epoch[self.rank]))
+        if self.scheduler is not None and self.cfg.scheduler_interval == "step":
+            self.scheduler.step()
+        return out
+
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
-        """DESIGN.md's step: batch → forward/backward → optimizer step into the residual → encode → send."""
         prof, flat, state = self.profile, self.flat, self.state
         x, y = self._batch(epoch, b)
         prof.lap("batch")
@@ -279,7 +288,6 @@ class Worker:
     def run(self, peer, start_step: int) -> dict:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
-        self._order_epoch = -1
         prof = self.profile
         log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof)
         self.log = log
@@ -292,15 +300,13 @@ class Worker:
             log.apply_through(t - 1 - cfg.staleness)
             epoch, b = divmod(t, spe)
             acc["lr"] = current_lr(self.optimizer) if acc["lr"] is None else acc["lr"]
-            loss, entries, nbytes = self._step(peer, t, epoch, b)
+            loss, entries, nbytes = self.step(peer, t)
             prof.end()
             acc["loss"] += loss
             acc["entries"] += entries
             acc["payload"] += nbytes
             acc["steps"] += 1
             acc["silent"] += entries == 0
-            if self.scheduler is not None and cfg.scheduler_interval == "step":
-                self.scheduler.step()
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
                 prof.epoch(history[-1]["val_metric"])

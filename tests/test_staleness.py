@@ -72,13 +72,12 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     peers = [_Peer(log, r) for r in range(world)]
     logs = [ApplyLog(peers[r], w.flat, 0, 10.0) for r, w in enumerate(workers)]
     for w, lg in zip(workers, logs):
-        w._order_epoch, w.log = -1, lg  # what Worker.run sets up
-    spe = cfg.steps_per_epoch[0]
+        w.log = lg  # what Worker.run sets up
     for t in range(cfg.final_step + 1):
         for r, w in enumerate(workers):
             logs[r].apply_through(t - 1 - staleness)
             before = w.flat.array.copy()
-            w._step(peers[r], t, *divmod(t, spe))
+            w.step(peers[r], t)
             # P changes only through the log: the step (lookahead included) leaves it bit for bit
             assert np.array_equal(w.flat.array, before) or r == mutate_rank
             assert len(w.state.pending) <= staleness + 1  # bounded by the window (this step's included)
