@@ -22,6 +22,7 @@ to each replica and the result model carries the initial ones.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import secrets
@@ -118,6 +119,9 @@ class SharedTrainer:
     follow_lr: when the learning rate changes from η to η', rescale each worker's residual by η'/η and
         scale a numeric τ by η'/η₀, so annealing reaches the model (corrected error feedback,
         encoding/sharing.py). On by default.
+    aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
+        "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
+        step of DDP's averaged gradient would; README "Convergence").
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
         executors use to reach it (default: spark.driver.host).
@@ -178,6 +182,7 @@ class SharedTrainer:
         lr_scheduler: Callable | None = None,
         scheduler_interval: str = "step",
         follow_lr: bool = True,
+        aggregate: str = "sum",
     ):
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
@@ -201,6 +206,8 @@ class SharedTrainer:
             raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
                             "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
                             f"got {type(lr_scheduler).__name__}")
+        if aggregate not in ("sum", "mean"):
+            raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
@@ -231,6 +238,7 @@ class SharedTrainer:
         self.warmup_density = warmup_density
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
+        self.aggregate = aggregate
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
@@ -341,6 +349,7 @@ class SharedTrainer:
         from gradshare.flat import FlatParams
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
         from gradshare.transport import Relay, new_job_key
+        from gradshare.transport.relay_core import default_apply_update
         from gradshare.worker import WorkerConfig, accuracy
 
         t_start = time.monotonic()
@@ -373,9 +382,11 @@ class SharedTrainer:
         rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
 
         key, job_id = new_job_key(), secrets.randbits(31)
+        scale = 1.0 / world if self.aggregate == "mean" else 1.0
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
-                      insecure=self.insecure).start()
+                      insecure=self.insecure, apply_update=functools.partial(default_apply_update, scale=scale)
+                      ).start()
         try:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
             cfg = WorkerConfig(
@@ -387,7 +398,7 @@ class SharedTrainer:
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
-                follow_lr=self.follow_lr,
+                follow_lr=self.follow_lr, apply_scale=scale,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

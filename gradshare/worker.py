@@ -74,6 +74,7 @@ class WorkerConfig:
     lr_scheduler: Callable | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
     scheduler_interval: str = "step"  # "step": scheduler.step() after every step; "epoch": after each epoch
     follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
+    apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -97,11 +98,12 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer, flat, start_step: int, timeout: float, profile=None):
+    def __init__(self, peer, flat, start_step: int, timeout: float, profile=None, scale: float = 1.0):
         from gradshare.encoding import Message, apply
 
         self._message, self._apply = Message, apply
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.array: the live buffer
+        self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
         self.pending: deque = deque()
@@ -129,9 +131,9 @@ class ApplyLog:
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
             msg = self._message.from_bytes(u.payload, max_params=n)
-            self._apply(msg, params)
+            self._apply(msg, params, self.scale)
             if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
-                self._apply(msg, twin)
+                self._apply(msg, twin, self.scale)
             self.applied += 1
         self.applied_through = step
         self.profile.lap("apply")
@@ -270,9 +272,9 @@ class Worker:
         idx = np.concatenate([i for _, _, i in pending])
         saved = live[idx]
         for _, msg, _ in pending:  # in step order, the order the log will apply them
-            apply(msg, live)
+            apply(msg, live, self.cfg.apply_scale)
             if twin is not None:
-                apply(msg, twin)
+                apply(msg, twin, self.cfg.apply_scale)
         return idx, saved, live[idx]
 
     def _look_back(self, idx: np.ndarray, saved: np.ndarray, ahead: np.ndarray) -> None:
@@ -289,7 +291,7 @@ class Worker:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         prof = self.profile
-        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof)
+        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof, scale=cfg.apply_scale)
         self.log = log
         history: list[dict] = []
         self._resume_schedule(start_step, spe)

@@ -338,6 +338,15 @@ def test_schedule_and_warmup_keep_replicas_identical_and_runs_deterministic(digi
     assert per_epoch.param_hash != a.param_hash
 
 
+def test_mean_aggregation_keeps_replicas_and_relay_identical(digits_rdd):
+    summed, _ = _fit_digits(digits_rdd, epochs=2)
+    mean, acc = _fit_digits(digits_rdd, epochs=2, aggregate="mean")
+    # every replica and the relay applied each message × 1/2 (fit raises ConsistencyError otherwise)
+    assert all(rep["param_hash"] == mean.param_hash for rep in mean.worker_reports)
+    assert mean.param_hash != summed.param_hash  # the option reached the apply, not a no-op
+    assert acc > 0.5
+
+
 class _NotAScheduler:
     def __init__(self, opt):
         self.opt = opt
@@ -352,6 +361,7 @@ class _NotAScheduler:
     ({"threshold": "fast"}, ValueError, "'auto' or a positive"),
     ({"density": 0.0}, ValueError, "density"),
     ({"warmup": -1}, ValueError, "warmup"),
+    ({"aggregate": "avg"}, ValueError, "aggregate must be 'sum' or 'mean'"),
 ])
 def test_bad_convergence_options_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):

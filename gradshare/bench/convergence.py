@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of single,gradshare,ddp (default all)")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"epochs for every workload (default {DEFAULT_EPOCHS})")
+    parser.add_argument("--aggregate", choices=("sum", "mean"), default="sum",
+                        help="gradshare's SharedTrainer(aggregate=): replicas add every message (sum, default) "
+                             "or every message × 1/N (mean)")
     parser.add_argument("--threshold", default="auto",
                         help="gradshare's τ: 'auto' (default: calibrated per worker to a target density) or a "
                              "number (the initial τ of the adaptive rule)")
@@ -104,7 +107,7 @@ def settings(args: argparse.Namespace) -> dict:
         "seeds": _ints(given(args.seeds, "0,1,2", QUICK["seeds"]), "seeds", 0),
         "workers": sorted(_ints(given(args.workers, "2,4", QUICK["workers"]), "workers", 2)),
         "systems": comma_list(args.systems, SYSTEMS, "systems"),
-        "epochs": epochs, "threshold": threshold_arg(args.threshold), "batch_size": args.batch_size,
+        "epochs": epochs, "threshold": threshold_arg(args.threshold), "aggregate": args.aggregate, "batch_size": args.batch_size,
         "budget": args.budget, "rows": args.rows or (QUICK["rows"] if quick else None), "quick": quick,
     }
 
@@ -199,7 +202,7 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
                 t0 = time.monotonic()
                 # the fit's start-up (Spark jobs, relay, worker imports) is inside the cancel timer
                 new = [one("gradshare", data[seed], sch, seed, n, epochs, lambda: systems.run_gradshare(
-                           spark, data[seed], seed=seed, lr_schedule=sch, workers=n, threshold=cfg["threshold"],
+                           spark, data[seed], seed=seed, lr_schedule=sch, workers=n, threshold=cfg["threshold"], aggregate=cfg["aggregate"],
                            **dict(common, budget=budget + 60))) for sch, seed in runs]
                 part(name, "gradshare", n, new, time.monotonic() - t0)
             if "ddp" in cfg["systems"]:

@@ -205,7 +205,8 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
 def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget: float,
                   threshold: float | str = "auto", max_sparsity: float | None = None, staleness: int = 0,
                   lr: float = LEARNING_RATE, residual_clip: float | None = 5.0,
-                  lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0) -> Measured:
+                  lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
+                  aggregate: str = "sum") -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -228,7 +229,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
         options["threshold_algorithm"] = AdaptiveThreshold(initial=threshold, max_sparsity=max_sparsity)
     trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(adam, lr=lr),
                             lr_scheduler=lr_scheduler_factory(lr_schedule, total), scheduler_interval="step",
-                            threshold=threshold, num_workers=workers, port=0, staleness=staleness,
+                            threshold=threshold, num_workers=workers, port=0, staleness=staleness, aggregate=aggregate,
                             residual_clip=residual_clip, bind="127.0.0.1", advertise_host="127.0.0.1",
                             batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
                             validation_data=(wl.X_test, wl.y_test), timeout=timeout,

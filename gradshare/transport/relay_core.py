@@ -61,10 +61,10 @@ def default_decode_update(payload: bytes, n_params: int) -> Any:
     return msg
 
 
-def default_apply_update(decoded: Any, params: np.ndarray) -> None:
+def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -> None:
     from gradshare.encoding import apply
 
-    apply(decoded, params)
+    apply(decoded, params, scale)
 
 
 class RankState:
