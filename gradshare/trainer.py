@@ -88,8 +88,7 @@ class FitResult:
 
 
 WORKER_OPTIONS = ("profile", "direct_update")  # see SharedTrainer's docstring
-DEFAULT_DENSITY = 1e-3  # threshold="auto": README "Convergence" has the measurements behind both
-DEFAULT_WARMUP_EPOCHS = 2.0
+DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 
 
 class SharedTrainer:
@@ -233,7 +232,7 @@ class SharedTrainer:
         self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
         self.threshold = threshold if self.auto else float(threshold)
         self.threshold_algorithm = threshold_algorithm
-        self.density = DEFAULT_DENSITY if density is None else density
+        self.density = density  # None: CalibratedThreshold's default
         self.warmup = DEFAULT_WARMUP_EPOCHS if warmup is None else float(warmup)
         self.warmup_density = warmup_density
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
@@ -278,9 +277,9 @@ class SharedTrainer:
         if _is_calibrated(algo):
             return copy.deepcopy(algo)
         if self.auto:
-            ramp = {} if self.warmup_density is None else {"warmup_density": self.warmup_density}
-            return encoding.CalibratedThreshold(density=self.density, warmup_steps=round(self.warmup * steps_per_epoch),
-                                                **ramp)
+            given = {k: v for k, v in (("density", self.density), ("warmup_density", self.warmup_density))
+                     if v is not None}
+            return encoding.CalibratedThreshold(warmup_steps=round(self.warmup * steps_per_epoch), **given)
         if algo == "fixed":
             return encoding.FixedThreshold(self.threshold)
         if algo == "adaptive":
