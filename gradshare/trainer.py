@@ -108,7 +108,7 @@ class SharedTrainer:
         2e-3, README "Convergence benchmark").
     warmup: with threshold="auto", epochs over which the density falls geometrically from
         ``warmup_density`` (default 0.1) to ``density`` (Deep Gradient Compression's warm-up; default 2
-        epochs, 0 disables). A small model sends at least 768 entries a step whatever the density
+        epochs, 0 disables). A small model sends at least 768 entries a step (up to 5 % of them) whatever the density
         (`CalibratedThreshold.min_entries`: one datagram's worth); pass a `CalibratedThreshold` as
         threshold_algorithm to change that.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker

@@ -80,7 +80,8 @@ def test_small_models_send_at_least_min_entries():
     rule = CalibratedThreshold(density=1e-3, min_entries=512)
     assert rule.target(0, 10**7) == 1e-3
     assert rule.target(0, 70_000) == pytest.approx(512 / 70_000)
-    assert rule.target(0, 100) == 1.0
+    assert rule.target(0, 100) == 0.05  # the floor stops at 5 % of a tiny model
+    assert CalibratedThreshold(density=0.5).target(0, 100) == 0.5  # an explicit density above it holds
     ramp = CalibratedThreshold(density=1e-3, min_entries=512, warmup_steps=4, warmup_density=1e-3)
     assert ramp.target(0, 70_000) == pytest.approx(512 / 70_000)  # the warm-up never goes below the floor
 
