@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from gradshare.encoding import share_step
+
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
 # weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
 _UPDATE_ONLY = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam")
@@ -66,8 +68,6 @@ class DirectPath:
             self.optimizer.step()
 
     def encode(self, state, step: int):
-        from gradshare.encoding import share_step
-
         return share_step(state, step)
 
 
@@ -93,8 +93,6 @@ class GeneralPath:
         self.optimizer.step()
 
     def encode(self, state, step: int):
-        from gradshare.encoding import share_step
-
         return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)
 
 

@@ -462,7 +462,9 @@ class SharedTrainer:
 
 
 def _is_calibrated(rule) -> bool:
-    return type(rule).__name__ == "CalibratedThreshold"  # no encoding import (Numba) to check arguments
+    from gradshare.encoding import CalibratedThreshold
+
+    return isinstance(rule, CalibratedThreshold)
 
 
 class _ProgressBar:
@@ -532,8 +534,8 @@ def _merge_history(reports: list[dict]) -> list[dict]:
             "bytes_sent": sum(h["bytes_sent"] for h in rows),
             "bytes_received": sum(h["bytes_received"] for h in rows),
             "tau": float(np.mean([h["tau"] for h in rows])),
-            "lr": rows[0].get("lr"),
-            "silent_steps": sum(h.get("silent_steps", 0) for h in rows),
+            "lr": rows[0]["lr"],
+            "silent_steps": sum(h["silent_steps"] for h in rows),
             "seconds": max(h["seconds"] for h in rows),
             "val_metric": val[0] if val else None,
         })

@@ -251,7 +251,6 @@ class Worker:
             "bytes": float(len(payload)), "epoch": float(epoch),
         })
         prof.lap("send")
-        self._last_tau = msg.threshold
         return loss_value, msg.n_entries, len(payload)
 
     def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -361,7 +360,7 @@ class Worker:
             "payload_bytes": acc["payload"],
             "bytes_sent": _bytes_out(c) - acc["out0"],
             "bytes_received": _bytes_in(c) - acc["in0"],
-            "tau": float(getattr(self, "_last_tau", self.state.rule.threshold)),  # the epoch's last step's τ
+            "tau": float(self.state.tau),  # the epoch's last step's τ
             "lr": acc["lr"],  # at the epoch's first step
             "silent_steps": acc["silent"],
             "seconds": time.monotonic() - acc["t0"],

@@ -202,8 +202,8 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
                 t0 = time.monotonic()
                 # the fit's start-up (Spark jobs, relay, worker imports) is inside the cancel timer
                 new = [one("gradshare", data[seed], sch, seed, n, epochs, lambda: systems.run_gradshare(
-                           spark, data[seed], seed=seed, lr_schedule=sch, workers=n, threshold=cfg["threshold"], aggregate=cfg["aggregate"],
-                           **dict(common, budget=budget + 60))) for sch, seed in runs]
+                           spark, data[seed], seed=seed, lr_schedule=sch, workers=n, threshold=cfg["threshold"],
+                           aggregate=cfg["aggregate"], **dict(common, budget=budget + 60))) for sch, seed in runs]
                 part(name, "gradshare", n, new, time.monotonic() - t0)
             if "ddp" in cfg["systems"]:
                 t0 = time.monotonic()

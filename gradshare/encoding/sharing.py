@@ -55,7 +55,7 @@ class SharingState:
         self.lr: float | None = None  # the rate the residual is expressed in
         self.lr_ref: float | None = None  # the first positive rate: a fixed/adaptive τ is meant for it
         self.pending: deque[tuple[int, Message, np.ndarray]] = deque()  # (step, message, its indices)
-        self.steps = 0
+        self.tau: float | None = None  # the τ of the last message
         self.silent_steps = 0  # steps that sent no entry
 
     @property
@@ -111,7 +111,7 @@ def share_step(state: SharingState, step: int, *, update: np.ndarray | None = No
     tau = state.threshold(step, update, base)
     message = encode_step(state.residual, update, state.rule, step=step, clipping=state.clipping,
                           base=base, rewind=rewind, tau=tau)
-    state.steps += 1
+    state.tau = message.threshold
     if message.n_entries == 0:
         state.silent_steps += 1
     if state.keep_pending:

@@ -64,6 +64,12 @@ def _positive(name: str, value: float) -> float:
     return value
 
 
+def _int_at_least(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def _check_decay(decay: float) -> float:
     decay = _positive("decay", decay)
     if not 0.5 <= decay < 1.0:
@@ -239,16 +245,11 @@ class CalibratedThreshold(_HeldThreshold):
         self.density = _positive("density", self.density)
         if self.density > 1.0:
             raise ValueError(f"density must be a share of entries in (0, 1], got {self.density!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, (int, np.integer)) \
-                or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        self.warmup_steps = int(self.warmup_steps)
+        self.warmup_steps = _int_at_least("warmup_steps", self.warmup_steps, 0)
         self.warmup_density = _positive("warmup_density", self.warmup_density)
         if self.warmup_density > 1.0:
             raise ValueError(f"warmup_density must be a share of entries in (0, 1], got {self.warmup_density!r}")
-        if isinstance(self.min_entries, bool) or not isinstance(self.min_entries, (int, np.integer)) \
-                or self.min_entries < 0:
-            raise ValueError(f"min_entries must be an int >= 0, got {self.min_entries!r}")
+        self.min_entries = _int_at_least("min_entries", self.min_entries, 0)
 
     def target(self, step: int, n_params: int) -> float:
         """The share of entries step ``step`` aims to send (the warm-up ramp, then the density)."""
@@ -285,8 +286,7 @@ class ResidualClipping:
 
     def __post_init__(self) -> None:
         self.clip = _positive("clip", self.clip)
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"every must be an int >= 1, got {self.every!r}")
+        self.every = _int_at_least("every", self.every, 1)
 
     def due(self, step: int) -> bool:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
