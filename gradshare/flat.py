@@ -1,8 +1,12 @@
-"""One contiguous float32 buffer holding every trainable parameter of a module.
+"""One contiguous float32 buffer holding a module's state: every trainable parameter, then every
+floating-point buffer (BatchNorm running statistics, any registered float buffer).
 
-The module's parameters become views into the buffer, so the encoding kernels see the whole model as
-one 1-D NumPy array (`FlatParams.array`) without copies, and applying a decoded message changes the
-module in place (DESIGN.md, "One training step").
+The module's parameters and buffers become views into the buffer, so the encoding kernels see the
+parameters as one 1-D NumPy array (`FlatParams.array`, the first `n_params` entries) without copies,
+and applying a decoded message changes the module in place (DESIGN.md, "One training step"). The whole
+vector (`state`: parameters then buffers) is what the relay holds, what the log changes, what a snapshot
+carries and what the end-of-fit hash covers, so a replica's buffers are as identical as its parameters
+(README, "BatchNorm and other buffers").
 """
 
 from __future__ import annotations
@@ -12,8 +16,21 @@ import torch
 from torch import nn
 
 
+def _check_dtype(kind: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        hint = ("keep float32 parameters and train in bf16 with precision='bf16-mixed'" if t.dtype in
+                (torch.float16, torch.bfloat16) else "call model.float() first")
+        raise TypeError(f"{kind} {name!r} is {t.dtype} on {t.device}; gradshare keeps a float32 state on the "
+                        f"CPU ({hint})")
+
+
 class FlatParams:
-    """Rebinds `module`'s trainable parameters onto one float32 buffer; `array` is that buffer."""
+    """Rebinds `module`'s trainable parameters and float buffers onto one float32 buffer.
+
+    `state` is that whole buffer (n_state = n_params + n_buffers entries); `array` its first n_params
+    entries (the trainable parameters: what is encoded and sent), `buffer_array` the rest.
+    Integer buffers (BatchNorm's num_batches_tracked) are not part of the state: they stay local.
+    """
 
     def __init__(self, module: nn.Module):
         if not isinstance(module, nn.Module):
@@ -25,22 +42,60 @@ class FlatParams:
                 "there is nothing to train or share"
             )
         for name, p in named:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise TypeError(
-                    f"parameter {name!r} is {p.dtype} on {p.device}; gradshare trains float32 CPU parameters "
-                    "(call model.float() first)"
-                )
+            _check_dtype("parameter", name, p)
+        held = [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
+        for name, b in held:
+            _check_dtype("buffer", name, b)
         self.names = [name for name, _ in named]
+        self.buffer_names = [name for name, _ in held]
         self.n_params = sum(p.numel() for _, p in named)
+        self.n_buffers = sum(b.numel() for _, b in held)
+        self.n_state = self.n_params + self.n_buffers
         self.params = [p for _, p in named]
-        self.buffer = torch.empty(self.n_params, dtype=torch.float32)
-        self.array: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
+        self.buffers = [b for _, b in held]
+        self.buffer = torch.empty(self.n_state, dtype=torch.float32)
+        self.state: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
+        self.array: np.ndarray = self.state[: self.n_params]  # the parameters (a view: same memory)
+        self.buffer_array: np.ndarray = self.state[self.n_params :]
         self.live = self.views(self.array)  # the parameters' own views of `buffer`
         with torch.no_grad():
-            for p, view in zip(self.params, self.live):
-                view.copy_(p)
-                p.data = view  # the Parameter object stays (optimizers keep working); its storage moves
+            for t, view in zip(self.params + self.buffers, self.live + self._slices(self.buffer_array, self.buffers)):
+                view.copy_(t)
+                t.data = view  # the tensor object stays (optimizers, modules keep it); its storage moves
+        self._owners = [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                        for name in self.buffer_names]
+        self._buffer_ptrs = [b.data_ptr() for b in self.buffers]
         self.twin: np.ndarray | None = None  # see keep_twin()
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state holds: the parameters, then the float buffers."""
+        return self.params + self.buffers
+
+    def check_buffers(self) -> None:
+        """Raise if a module replaced a buffer instead of updating it in place: the new tensor is no
+        longer part of the state, so its changes would silently stay on this replica."""
+        for name, b, ptr, (owner, attr) in zip(self.buffer_names, self.buffers, self._buffer_ptrs, self._owners):
+            if owner._buffers.get(attr) is not b or b.data_ptr() != ptr:
+                raise TypeError(f"buffer {name!r} was rebound to new storage during the step; gradshare shares "
+                                "buffers that modules update in place (e.g. running_mean.mul_(...)), not ones "
+                                "they reassign")
+
+    def buffer_entry_name(self, i: int) -> str:
+        """'1.running_var[5]' for entry i of `buffer_array` (error messages)."""
+        for name, b in zip(self.buffer_names, self.buffers):
+            if i < b.numel():
+                return f"buffer {name!r} entry {tuple(int(d) for d in np.unravel_index(i, tuple(b.shape)))}"
+            i -= b.numel()
+        raise IndexError(i)
+
+    def _slices(self, array: np.ndarray, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = torch.from_numpy(array)
+        out, offset = [], 0
+        for t in tensors:
+            out.append(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return out
 
     def keep_twin(self) -> np.ndarray:
         """Allocate `twin`, a second copy of `array`. Whoever changes the parameters between steps
@@ -57,12 +112,7 @@ class FlatParams:
         if array.dtype != np.float32 or array.shape != (self.n_params,) or not array.flags.c_contiguous:
             raise ValueError(f"need a C-contiguous float32 array of shape ({self.n_params},), got "
                              f"{array.dtype} {array.shape}")
-        flat = torch.from_numpy(array)
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return out
+        return self._slices(array, self.params)
 
     def versions(self) -> list[int]:
         """torch's in-place version counters of the parameters: they change when a parameter is
@@ -71,10 +121,11 @@ class FlatParams:
         return [p._version for p in self.params]
 
     def load(self, values: np.ndarray) -> None:
-        """Overwrite every parameter with `values` (a flat float32 array of n_params)."""
+        """Overwrite every parameter and float buffer with `values` (a flat float32 state of n_state)."""
         values = np.asarray(values)
-        if values.shape != (self.n_params,):
-            raise ValueError(f"parameter array has shape {values.shape}, the model needs ({self.n_params},)")
-        np.copyto(self.array, values, casting="same_kind")
+        if values.shape != (self.n_state,):
+            raise ValueError(f"state array has shape {values.shape}, the model needs ({self.n_state},) "
+                             f"({self.n_params} parameters + {self.n_buffers} buffer entries)")
+        np.copyto(self.state, values, casting="same_kind")
         if self.twin is not None:
             np.copyto(self.twin, self.array)

@@ -84,6 +84,7 @@ class StepProfile:
             self._lo0 = lo_tx_bytes()
             self._threads0 = threads_cpu()
         self._cpu0 = time.thread_time()
+        self._cur = dict.fromkeys(PHASES, 0.0)  # laps between steps (scoring an epoch) are no step's
         self._t0 = self._mark = time.perf_counter()
 
     def lap(self, phase: str) -> None:
@@ -111,6 +112,10 @@ class StepProfile:
     def epoch(self, metric: float | None) -> None:
         self.curve.append((self._clock, metric))
 
+    def score(self, index: int, metric: float | None) -> None:
+        """The metric of the `index`-th epoch, known after its end (worker.py scores it later)."""
+        self.curve[index] = (self.curve[index][0], metric)
+
     def report(self) -> dict:
         lo = None if self._lo0 is None or self._lo1 is None else self._lo1 - self._lo0
         return {"steps": self.steps, "curve": self.curve, "lo_tx_bytes": lo, "threads_cpu": self._threads}
@@ -132,6 +137,9 @@ class _Off:
         pass
 
     def epoch(self, metric: float | None) -> None:
+        pass
+
+    def score(self, index: int, metric: float | None) -> None:
         pass
 
 

@@ -15,8 +15,11 @@ parameters and step (the relay's `complete_through + 1`). What a restart loses: 
 optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
 sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
 
-Only trainable parameters are shared. Module buffers (e.g. BatchNorm running statistics) stay local
-to each replica and the result model carries the initial ones.
+Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
+state: each step's change of them travels exactly, averaged over the workers, in the same log as the
+parameters (encoding/update.py), so they are bit-identical on every replica and in the relay, the
+end-of-fit hash covers them, and the result model carries them. Integer buffers (num_batches_tracked)
+stay local; the result model takes rank 0's.
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class SharedTrainer:
     follow_lr: when the learning rate changes from η to η', rescale each worker's residual by η'/η and
         scale a numeric τ by η'/η₀, so annealing reaches the model (corrected error feedback,
         encoding/sharing.py). On by default.
+    drop_last: what happens to a partition's final batch when it is shorter than batch_size: True drops
+        it, False keeps it, "auto" (default) drops it only when it is a single row and the model has a
+        BatchNorm layer (training-mode BatchNorm cannot normalise one row). A partition left with no
+        batch is an error naming it.
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
         step of DDP's averaged gradient would; README "Convergence").
@@ -182,6 +189,7 @@ class SharedTrainer:
         scheduler_interval: str = "step",
         follow_lr: bool = True,
         aggregate: str = "sum",
+        drop_last: bool | str = "auto",
     ):
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
@@ -205,6 +213,8 @@ class SharedTrainer:
             raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
                             "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
                             f"got {type(lr_scheduler).__name__}")
+        if drop_last not in ("auto", True, False):
+            raise ValueError(f"drop_last must be 'auto', True or False, got {drop_last!r}")
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if scheduler_interval not in ("step", "epoch"):
@@ -238,6 +248,7 @@ class SharedTrainer:
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
         self.aggregate = aggregate
+        self.drop_last = drop_last
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
@@ -307,6 +318,14 @@ class SharedTrainer:
             raise ValueError("lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
                              "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
 
+    def _drop_rule(self, model) -> str:
+        """drop_last as the worker's rule ("never" | "single" | "partial", worker.steps_per_epoch)."""
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        if self.drop_last == "auto":
+            return "single" if any(isinstance(m, _BatchNorm) for m in model.modules()) else "never"
+        return "partial" if self.drop_last else "never"
+
     def _clipping(self):
         if self.residual_clip is None:
             return None
@@ -348,8 +367,9 @@ class SharedTrainer:
         from gradshare.flat import FlatParams
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
         from gradshare.transport import Relay, new_job_key
-        from gradshare.transport.relay_core import default_apply_update
+        from gradshare.encoding import apply_update, decode_update
         from gradshare.worker import WorkerConfig, accuracy
+        from gradshare.worker import steps_per_epoch as steps_in
 
         t_start = time.monotonic()
         model = self._build_model()
@@ -375,17 +395,23 @@ class SharedTrainer:
         # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
         shipped = copy.deepcopy(model)
         flat = FlatParams(model)  # raises on a model with no trainable parameters
-        initial = flat.array.copy()
+        initial = flat.state.copy()  # parameters, then float buffers
+        drop_last = self._drop_rule(model)
         rows = {s.index: s.rows for s in summaries}
-        steps_per_epoch = tuple(math.ceil(rows[r] / self.batch_size) for r in range(world))
+        steps_per_epoch = tuple(steps_in(rows[r], self.batch_size, drop_last) for r in range(world))
+        empty = [r for r in range(world) if steps_per_epoch[r] == 0]
+        if empty:
+            raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
+                             f"{self.batch_size} is left with drop_last={self.drop_last!r}; repartition the "
+                             "data or lower batch_size")
         rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
-                      insecure=self.insecure, apply_update=functools.partial(default_apply_update, scale=scale)
-                      ).start()
+                      insecure=self.insecure, decode_update=functools.partial(decode_update, n_params=flat.n_params),
+                      apply_update=functools.partial(apply_update, scale=scale)).start()
         try:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
             cfg = WorkerConfig(
@@ -397,7 +423,7 @@ class SharedTrainer:
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
-                follow_lr=self.follow_lr, apply_scale=scale,
+                follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -412,10 +438,11 @@ class SharedTrainer:
             raise ConsistencyError(f"replicas diverged from the relay (hash {relay_hash}): "
                                    + ", ".join(f"rank {r} has {h}" for r, h in bad))
         flat.load(final)
-        with torch.no_grad():  # give the result its own per-parameter storages (see `shipped`)
-            for p in flat.params:
-                p.data = p.data.clone()
+        with torch.no_grad():  # give the result its own per-tensor storages (see `shipped`)
+            for t in flat.tensors:
+                t.data = t.data.clone()
         reports.sort(key=lambda r: r["rank"])
+        _load_int_buffers(model, reports[0].get("int_buffers", {}))
         return FitResult(
             model=model, history=_merge_history(reports), counters=counters, worker_reports=reports,
             param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=cfg.final_step + 1,
@@ -515,6 +542,16 @@ def _driver_error(exc: BaseException, relay) -> Exception:
         return exc
     first = next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300])
     return TrainingError(f"the Spark training job failed: {first.strip()}")
+
+
+def _load_int_buffers(model, values: dict) -> None:
+    """Copy rank 0's integer buffers (BatchNorm's num_batches_tracked) into the result model."""
+    import torch
+
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in values.items():
+            buffers[name].copy_(torch.from_numpy(value))
 
 
 def _merge_history(reports: list[dict]) -> list[dict]:

@@ -31,7 +31,6 @@ them from zero — that is what a restart loses.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.capture import update_path
+from gradshare.encoding import StepUpdate, buffer_change
 from gradshare.errors import ProtocolError, TrainingError
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -75,6 +75,7 @@ class WorkerConfig:
     scheduler_interval: str = "step"  # "step": scheduler.step() after every step; "epoch": after each epoch
     follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
+    drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -84,6 +85,17 @@ class WorkerConfig:
     def final_step(self) -> int:
         """The last step any rank takes: the log is complete when it is applied through this."""
         return max(self.total_steps(r) for r in range(self.world_size)) - 1
+
+
+DROP_LAST = ("never", "single", "partial")
+
+
+def steps_per_epoch(rows: int, batch_size: int, drop_last: str) -> int:
+    """Batches an epoch of `rows` rows takes: the final short batch is dropped per `drop_last`."""
+    full, rest = divmod(rows, batch_size)
+    if rest == 0 or drop_last == "partial" or (drop_last == "single" and rest == 1):
+        return full
+    return full + 1
 
 
 def accuracy(outputs, labels) -> float:
@@ -99,10 +111,10 @@ class ApplyLog:
     """
 
     def __init__(self, peer, flat, start_step: int, timeout: float, profile=None, scale: float = 1.0):
-        from gradshare.encoding import Message, apply
+        from gradshare.encoding import apply, apply_update, decode_update
 
-        self._message, self._apply = Message, apply
-        self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.array: the live buffer
+        self._decode, self._apply_update, self._apply = decode_update, apply_update, apply
+        self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
@@ -126,14 +138,13 @@ class ApplyLog:
         # Always ask: messages of `step` may already be pending from some senders but not from all.
         self._take(self.peer.receive(until_step=step, timeout=self.timeout))
         self.profile.lap("wait")
-        params, twin = self.flat.array, self.flat.twin
-        n = len(params)
+        flat, twin = self.flat, self.flat.twin
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
-            msg = self._message.from_bytes(u.payload, max_params=n)
-            self._apply(msg, params, self.scale)
+            update = self._decode(u.payload, flat.n_state, n_params=flat.n_params)
+            self._apply_update(update, flat.state, self.scale)
             if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
-                self._apply(msg, twin, self.scale)
+                self._apply(update.message, twin, self.scale)
             self.applied += 1
         self.applied_through = step
         self.profile.lap("apply")
@@ -199,10 +210,26 @@ class Worker:
         x = torch.from_numpy(np.ascontiguousarray(self.data.features[idx], dtype=np.float32))
         return x, self.labels[torch.from_numpy(idx)]
 
+    @property
+    def evaluates(self) -> bool:
+        return self.cfg.validation is not None and self.rank == 0
+
+    def _score(self, scores: deque, upto: int) -> None:
+        """Score every epoch whose log step is <= `upto`, each on the log applied through its epoch's
+        last step (every worker's messages, buffers included; the last epoch: the whole log, the model
+        fit returns). Called before each step with the step's own apply bound, so scoring never applies
+        the log further than the step would: validation does not change what is trained."""
+        while scores and scores[0][2] <= upto:
+            row, i, through = scores.popleft()
+            self.log.apply_through(through)
+            row["val_metric"] = self._evaluate()
+            self.profile.score(i, row["val_metric"])
+
     def _evaluate(self) -> float | None:
+        """Rank 0's validation score of its replica as it is now (None elsewhere)."""
         import torch
 
-        if self.cfg.validation is None or self.rank != 0:
+        if not self.evaluates:
             return None
         xv, yv = self.cfg.validation
         metric = self.cfg.metric
@@ -230,11 +257,13 @@ class Worker:
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
         versions = flat.versions()
+        buffers_before = flat.buffer_array.copy() if flat.n_buffers else None
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.model(x), y)
         loss.backward()
         prof.lap("compute")
+        changed = self._take_buffer_change(buffers_before)
         self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
@@ -243,7 +272,7 @@ class Worker:
         msg = self.path.encode(state, t)  # P is P_before again here, on both paths
         if looked is not None:
             self._look_back(*looked)
-        payload = msg.to_bytes()
+        payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
         loss_value = float(loss.detach())
         prof.lap("encode")
         peer.send_update(t, payload, {
@@ -252,6 +281,18 @@ class Worker:
         })
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
+
+    def _take_buffer_change(self, before: np.ndarray | None) -> tuple:
+        """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
+        take that change out of them (it reaches every replica, this one included, through the log,
+        encoding/update.py) and return it as (indices, values ÷ world size)."""
+        if before is None:
+            return ()
+        flat = self.flat
+        flat.check_buffers()
+        changed = buffer_change(before, flat.buffer_array, self.cfg.world_size, flat.buffer_entry_name)
+        flat.buffer_array[:] = before
+        return changed
 
     def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Add this rank's sent-but-not-yet-applied messages to P (both copies, the live one and the
@@ -295,8 +336,10 @@ class Worker:
         history: list[dict] = []
         self._resume_schedule(start_step, spe)
         acc = self._fresh_epoch(peer)
+        scores: deque = deque()  # (history row, its epoch's index in this run, the log step that scores it)
         t0 = time.monotonic()
         for t in range(start_step, total):
+            self._score(scores, t - 1 - cfg.staleness)  # before the step: the log is there anyway
             prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
             epoch, b = divmod(t, spe)
@@ -310,12 +353,15 @@ class Worker:
             acc["silent"] += entries == 0
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
-                prof.epoch(history[-1]["val_metric"])
+                prof.epoch(None)  # the training time of the epoch's end; the score comes with _score
+                if self.evaluates:  # the last epoch is scored on the model fit returns: the whole log
+                    scores.append((history[-1], len(history) - 1, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
                 acc = self._fresh_epoch(peer)
         prof.finish()
         peer.finish(total - 1)
+        self._score(scores, cfg.final_step)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
         report = {
             "rank": rank,
@@ -327,6 +373,9 @@ class Worker:
             "steps_run": max(total - start_step, 0),
             "update_path": self.path.name,  # capture.py
             "silent_steps": self.state.silent_steps,
+            # integer buffers (BatchNorm's num_batches_tracked) are local; the result model takes rank 0's
+            "int_buffers": {name: b.numpy().copy() for name, b in self.model.named_buffers()
+                            if not b.is_floating_point()} if rank == 0 else {},
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
@@ -364,7 +413,7 @@ class Worker:
             "lr": acc["lr"],  # at the epoch's first step
             "silent_steps": acc["silent"],
             "seconds": time.monotonic() - acc["t0"],
-            "val_metric": self._evaluate(),
+            "val_metric": None,  # set by _score: the score of the log through the epoch's end
         }
 
 
@@ -406,13 +455,13 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
     data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
                                    spill_dir=SparkFiles.getRootDirectory())
     try:
-        expected = math.ceil(len(data) / cfg.batch_size)
+        expected = steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last)
         if expected != cfg.steps_per_epoch[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         worker = Worker(cfg, rank, data)
         peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                    job_id=cfg.job_id, n_params=worker.flat.n_params, datagram_size=cfg.datagram_size,
+                    job_id=cfg.job_id, n_params=worker.flat.n_state, datagram_size=cfg.datagram_size,
                     timeout=cfg.timeout, insecure=cfg.insecure)
         try:
             info = peer.join(cfg.timeout)
@@ -421,7 +470,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
                 _, params = peer.fetch_snapshot(cfg.timeout)
                 worker.flat.load(params)
             report = worker.run(peer, start)
-            report["param_hash"] = param_hash(worker.flat.array)
+            report["param_hash"] = param_hash(worker.flat.state)  # parameters and float buffers
             report["counters"] = dict(peer.counters())
         except BaseException:
             # Vanish WITHOUT saying LEAVE: a LEAVE before FINISHED makes the relay declare the rank gone

@@ -175,3 +175,14 @@ def naive_kth_largest_abs(values, density):
         return kth
     nonzero = [v for v in a if v > 0]
     return min(nonzero) if nonzero else None
+
+
+def apply_step_update(codes: np.ndarray, tau: float, buffer_index, buffer_value, state: np.ndarray,
+                      n_params: int, scale: float = 1.0) -> np.ndarray:
+    """A step update (encoding/update.py) applied to a copy of the whole state, one entry at a time:
+    ±τ·scale on the parameters, the exact float32 values on the buffer part."""
+    out = state.copy()
+    out[:n_params] = apply(codes, tau, state[:n_params], scale)
+    for i, v in zip(buffer_index, buffer_value):
+        out[n_params + int(i)] = np.float32(out[n_params + int(i)] + np.float32(v))
+    return out

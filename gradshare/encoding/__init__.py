@@ -10,6 +10,7 @@ from gradshare.encoding.codec import apply, convert, decode, decode_entries, enc
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message
 from gradshare.encoding.sharing import SharingState, share_step
 from gradshare.encoding.stats import residual_stats
+from gradshare.encoding.update import StepUpdate, apply_update, buffer_change, decode_update
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
     CalibratedThreshold,
@@ -40,4 +41,8 @@ __all__ = [
     "SharingState",
     "share_step",
     "residual_stats",
+    "StepUpdate",
+    "apply_update",
+    "buffer_change",
+    "decode_update",
 ]

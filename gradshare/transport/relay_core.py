@@ -52,19 +52,17 @@ def _total_len(datagrams: tuple[bytes, ...]) -> int:
 
 
 def default_decode_update(payload: bytes, n_params: int) -> Any:
-    """Decode with the encoding package, requiring exactly ``n_params`` (every index is validated there)."""
-    from gradshare.encoding import Message
+    """Decode with the encoding package: a step update of exactly ``n_params`` parameters and no
+    buffers (every index is validated there)."""
+    from gradshare.encoding import decode_update
 
-    msg = Message.from_bytes(payload, max_params=n_params)
-    if msg.n_params != n_params:
-        raise DecodeError(f"update is for {msg.n_params} parameters, the job has {n_params}")
-    return msg
+    return decode_update(payload, n_params, n_params=n_params)
 
 
 def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -> None:
-    from gradshare.encoding import apply
+    from gradshare.encoding import apply_update
 
-    apply(decoded, params, scale)
+    apply_update(decoded, params, scale)
 
 
 class RankState:
