@@ -25,11 +25,20 @@ class FlatParams:
                 "there is nothing to train or share"
             )
         for name, p in named:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
+            if p.dtype in (torch.float16, torch.bfloat16):
+                # The buffer is the float32 master copy every update is encoded from and applied to;
+                # half-precision compute is autocast's job (precision.py), not the parameters'.
                 raise TypeError(
-                    f"parameter {name!r} is {p.dtype} on {p.device}; gradshare trains float32 CPU parameters "
-                    "(call model.float() first)"
+                    f"parameter {name!r} is {p.dtype}; gradshare keeps float32 parameters (the master copy "
+                    "its updates are encoded from): keep the model in float32 (model.float()) and pass "
+                    "precision='bf16-mixed' (or 'fp16-mixed') to SharedTrainer to compute in half precision"
                 )
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {name!r} is {p.dtype}; gradshare trains float32 parameters "
+                                "(call model.float() first)")
+            if p.device.type != "cpu":
+                raise TypeError(f"parameter {name!r} is on {p.device}; gradshare trains CPU parameters "
+                                "(call model.cpu() first)")
         self.names = [name for name, _ in named]
         self.n_params = sum(p.numel() for _, p in named)
         self.params = [p for _, p in named]
