@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
+from gradshare.precision import check_precision
 
 
 def default_optimizer(params):
@@ -121,6 +122,11 @@ class SharedTrainer:
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
         step of DDP's averaged gradient would; README "Convergence").
+    precision: "32" (default), "bf16-mixed" or "fp16-mixed" (Lightning's names): the forward and the loss
+        run under torch.autocast with that dtype; parameters, gradients, optimizer, residual and messages
+        stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
+        (torch.amp.GradScaler, local to each worker); a step whose gradients overflow is skipped and sends
+        an empty message (worker reports count them as skipped_steps). gradshare/precision.py.
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
         executors use to reach it (default: spark.driver.host).
@@ -182,6 +188,7 @@ class SharedTrainer:
         scheduler_interval: str = "step",
         follow_lr: bool = True,
         aggregate: str = "sum",
+        precision: str = "32",
     ):
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
@@ -205,6 +212,7 @@ class SharedTrainer:
             raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
                             "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
                             f"got {type(lr_scheduler).__name__}")
+        check_precision(precision)
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if scheduler_interval not in ("step", "epoch"):
@@ -238,6 +246,7 @@ class SharedTrainer:
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
         self.aggregate = aggregate
+        self.precision = precision
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
@@ -397,7 +406,7 @@ class SharedTrainer:
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
-                follow_lr=self.follow_lr, apply_scale=scale,
+                follow_lr=self.follow_lr, apply_scale=scale, precision=self.precision,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

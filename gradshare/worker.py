@@ -40,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.capture import update_path
+from gradshare.encoding.sharing import skipped_step
 from gradshare.errors import ProtocolError, TrainingError
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -75,6 +76,7 @@ class WorkerConfig:
     scheduler_interval: str = "step"  # "step": scheduler.step() after every step; "epoch": after each epoch
     follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
+    precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -165,12 +167,14 @@ class Worker:
 
         from gradshare.encoding import SharingState
         from gradshare.flat import FlatParams
+        from gradshare.precision import Precision
 
         self.cfg, self.rank, self.data = cfg, rank, data
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
         self.optimizer = cfg.optimizer(self.flat.params)
+        self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
@@ -232,15 +236,16 @@ class Worker:
         versions = flat.versions()
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.cfg.loss(self.model(x), y)
-        loss.backward()
+        with self.precision.autocast():
+            loss = self.cfg.loss(self.model(x), y)
+        self.precision.backward(loss)
         prof.lap("compute")
         self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
-        self.path.optimizer_step()
+        taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
         prof.lap("optimizer")
-        msg = self.path.encode(state, t)  # P is P_before again here, on both paths
+        msg = self.path.encode(state, t) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
             self._look_back(*looked)
         payload = msg.to_bytes()
@@ -327,6 +332,7 @@ class Worker:
             "steps_run": max(total - start_step, 0),
             "update_path": self.path.name,  # capture.py
             "silent_steps": self.state.silent_steps,
+            "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
