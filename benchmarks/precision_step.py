@@ -104,13 +104,15 @@ def torch_loop(precision, widths, batch):
 
 
 def timed(step, first, warmup, steps):
+    """(wall, CPU of this thread) seconds of each step after `warmup` untimed ones. With one torch
+    thread the CPU time is the step's own work, whatever else the shared machine runs."""
     for t in range(first, first + warmup):
         step(t)
     out = []
     for t in range(first + warmup, first + warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step(t)
-        out.append(time.perf_counter() - t0)
+        out.append((time.perf_counter() - t0, time.thread_time() - c0))
     return out
 
 
@@ -130,19 +132,25 @@ def run(args: argparse.Namespace) -> int:
         for p in PRECISIONS:
             times["gradshare", p] += timed(workers[p], r * per_round, args.warmup, args.steps)
             times["torch", p] += timed(loops[p], r * per_round, args.warmup, args.steps)
-    ms = {f"{kind}/{p}": 1e3 * float(np.median(v)) for (kind, p), v in times.items()}
+    keys = [f"{kind}/{p}" for kind in ("gradshare", "torch") for p in PRECISIONS]
+    wall = {f"{k}/{p}": 1e3 * float(np.median([w for w, _ in v])) for (k, p), v in times.items()}
+    cpu = {f"{k}/{p}": 1e3 * float(np.median([c for _, c in v])) for (k, p), v in times.items()}
     out = {
         "n_params": n_params, "widths": widths, "batch_size": args.batch_size, "threads": args.threads,
-        "steps": args.steps * args.rounds, "torch": torch.__version__, "median_step_ms": ms,
-        "ratio_vs_32": {f"{kind}/{p}": ms[f"{kind}/{p}"] / ms[f"{kind}/32"]
-                        for kind in ("gradshare", "torch") for p in PRECISIONS},
+        "steps": args.steps * args.rounds, "torch": torch.__version__,
+        "median_step_ms": wall, "median_step_cpu_ms": cpu,
+        "ratio_vs_32": {k: wall[k] / wall[k.split("/")[0] + "/32"] for k in keys},
+        "cpu_ratio_vs_32": {k: cpu[k] / cpu[k.split("/")[0] + "/32"] for k in keys},
     }
     print(f"MLP {args.widths} ({n_params:,} params), batch {args.batch_size}, {args.threads} torch thread(s), "
-          f"{args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}")
-    print(f"{'precision':<12} {'gradshare ms':>13} {'ratio':>7} {'torch ms':>10} {'ratio':>7}")
+          f"{args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}; medians, ratio = ÷ '32'")
+    print(f"{'':<12} {'gradshare step (ms)':^34} {'plain torch step (ms)':^34}")
+    print(f"{'precision':<12} " + 2 * f"{'wall':>8} {'ratio':>7} {'CPU':>8} {'ratio':>7}  ")
     for p in PRECISIONS:
-        g, t = f"gradshare/{p}", f"torch/{p}"
-        print(f"{p:<12} {ms[g]:13.2f} {out['ratio_vs_32'][g]:7.3f} {ms[t]:10.2f} {out['ratio_vs_32'][t]:7.3f}")
+        cols = ""
+        for k in (f"gradshare/{p}", f"torch/{p}"):
+            cols += f"{wall[k]:8.2f} {out['ratio_vs_32'][k]:7.3f} {cpu[k]:8.2f} {out['cpu_ratio_vs_32'][k]:7.3f}  "
+        print(f"{p:<12} {cols}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
