@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from gradshare.encoding import share_step
+from gradshare.precision import plain_step
 
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
 # weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
@@ -63,9 +64,11 @@ class DirectPath:
     def after_compute(self, changed_in_place: bool) -> None:
         """Nothing to keep: an in-place change of P by forward/backward stays in P (worker.py)."""
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, run=plain_step) -> bool:
+        """`run(optimizer)` takes the step and says whether it did (precision.py: a loss scaler may
+        skip it); it runs inside the aliasing, so a skipped step leaves the residual untouched."""
         with aliased(self.flat.params, self.views):
-            self.optimizer.step()
+            return run(self.optimizer)
 
     def encode(self, state, step: int):
         return share_step(state, step)
@@ -89,8 +92,8 @@ class GeneralPath:
         if changed_in_place:
             np.copyto(self.flat.twin, self.flat.array)
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
+    def optimizer_step(self, run=plain_step) -> bool:
+        return run(self.optimizer)
 
     def encode(self, state, step: int):
         return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)

@@ -17,11 +17,18 @@ from torch import nn
 
 
 def _check_dtype(kind: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        hint = ("keep float32 parameters and train in bf16 with precision='bf16-mixed'" if t.dtype in
-                (torch.float16, torch.bfloat16) else "call model.float() first")
-        raise TypeError(f"{kind} {name!r} is {t.dtype} on {t.device}; gradshare keeps a float32 state on the "
-                        f"CPU ({hint})")
+    if t.dtype in (torch.float16, torch.bfloat16):
+        # The buffer is the float32 master copy every update is encoded from and applied to;
+        # half-precision compute is autocast's job (precision.py), not the state's.
+        raise TypeError(
+            f"{kind} {name!r} is {t.dtype}; gradshare keeps a float32 state (the master copy its updates are "
+            "encoded from): keep the model in float32 (model.float()) and pass precision='bf16-mixed' (or "
+            "'fp16-mixed') to SharedTrainer to compute in half precision"
+        )
+    if t.dtype != torch.float32:
+        raise TypeError(f"{kind} {name!r} is {t.dtype}; gradshare trains float32 models (call model.float() first)")
+    if t.device.type != "cpu":
+        raise TypeError(f"{kind} {name!r} is on {t.device}; gradshare trains CPU models (call model.cpu() first)")
 
 
 class FlatParams:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
+from gradshare.precision import check_precision
 
 
 def default_optimizer(params):
@@ -128,6 +129,11 @@ class SharedTrainer:
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
         step of DDP's averaged gradient would; README "Convergence").
+    precision: "32" (default), "bf16-mixed" or "fp16-mixed" (Lightning's names): the forward and the loss
+        run under torch.autocast with that dtype; parameters, gradients, optimizer, residual and messages
+        stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
+        (torch.amp.GradScaler, local to each worker); a step whose gradients overflow is skipped and sends
+        an empty message (worker reports count them as skipped_steps). gradshare/precision.py.
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
         executors use to reach it (default: spark.driver.host).
@@ -190,6 +196,7 @@ class SharedTrainer:
         follow_lr: bool = True,
         aggregate: str = "sum",
         drop_last: bool | str = "auto",
+        precision: str = "32",
     ):
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
@@ -215,6 +222,7 @@ class SharedTrainer:
                             f"got {type(lr_scheduler).__name__}")
         if drop_last not in ("auto", True, False):
             raise ValueError(f"drop_last must be 'auto', True or False, got {drop_last!r}")
+        check_precision(precision)
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if scheduler_interval not in ("step", "epoch"):
@@ -249,6 +257,7 @@ class SharedTrainer:
         self.follow_lr = bool(follow_lr)
         self.aggregate = aggregate
         self.drop_last = drop_last
+        self.precision = precision
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
@@ -424,6 +433,7 @@ class SharedTrainer:
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
+                precision=self.precision,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

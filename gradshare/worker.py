@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradshare.capture import update_path
-from gradshare.encoding import StepUpdate, buffer_change
+from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import ProtocolError, TrainingError
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -76,6 +76,7 @@ class WorkerConfig:
     follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
+    precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
     extra: dict = field(default_factory=dict)
 
     def total_steps(self, rank: int) -> int:
@@ -176,12 +177,14 @@ class Worker:
 
         from gradshare.encoding import SharingState
         from gradshare.flat import FlatParams
+        from gradshare.precision import Precision
 
         self.cfg, self.rank, self.data = cfg, rank, data
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = copy.deepcopy(cfg.model)
         self.flat = FlatParams(self.model)
         self.optimizer = cfg.optimizer(self.flat.params)
+        self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
@@ -260,16 +263,17 @@ class Worker:
         buffers_before = flat.buffer_array.copy() if flat.n_buffers else None
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.cfg.loss(self.model(x), y)
-        loss.backward()
+        with self.precision.autocast():
+            loss = self.cfg.loss(self.model(x), y)
+        self.precision.backward(loss)
         prof.lap("compute")
         changed = self._take_buffer_change(buffers_before)
         self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
-        self.path.optimizer_step()
+        taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
         prof.lap("optimizer")
-        msg = self.path.encode(state, t)  # P is P_before again here, on both paths
+        msg = self.path.encode(state, t) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
             self._look_back(*looked)
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
@@ -376,6 +380,7 @@ class Worker:
             # integer buffers (BatchNorm's num_batches_tracked) are local; the result model takes rank 0's
             "int_buffers": {name: b.numpy().copy() for name, b in self.model.named_buffers()
                             if not b.is_floating_point()} if rank == 0 else {},
+            "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()

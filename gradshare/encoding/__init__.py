@@ -8,7 +8,7 @@
 
 from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message
-from gradshare.encoding.sharing import SharingState, share_step
+from gradshare.encoding.sharing import SharingState, share_step, skipped_step
 from gradshare.encoding.stats import residual_stats
 from gradshare.encoding.update import StepUpdate, apply_update, buffer_change, decode_update
 from gradshare.encoding.threshold import (
@@ -40,6 +40,7 @@ __all__ = [
     "encode_step",
     "SharingState",
     "share_step",
+    "skipped_step",
     "residual_stats",
     "StepUpdate",
     "apply_update",

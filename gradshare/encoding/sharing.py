@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 
 from gradshare.encoding.codec import decode_entries
-from gradshare.encoding.message import Message
+from gradshare.encoding.message import EMPTY, Message
 from gradshare.encoding.threshold import MAX_THRESHOLD, MIN_THRESHOLD, ResidualClipping, encode_step
 
 
@@ -117,3 +117,13 @@ def share_step(state: SharingState, step: int, *, update: np.ndarray | None = No
     if state.keep_pending:
         state.pending.append((step, message, decode_entries(message)[0]))
     return message
+
+
+def skipped_step(state: SharingState) -> Message:
+    """The message of a step whose optimizer step was skipped (a loss scaler found inf/NaN gradients,
+    precision.py): its update is zero, so it sends nothing, and the residual and the rule are left as
+    they were (encoding the residual again would send mass of earlier steps under a re-calibrated τ).
+    The empty message is still sent, so the apply log can advance past the step."""
+    state.silent_steps += 1
+    tau = state.tau if state.tau is not None else MAX_THRESHOLD  # an empty message's τ is never applied
+    return Message(tau, state.n_params, 0, EMPTY, b"")
