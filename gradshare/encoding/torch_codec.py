@@ -6,8 +6,8 @@ leaves the same residual and builds a `Message` whose bytes are identical to `en
 `apply_tensor` gives the same parameters as `apply`. That holds because every value is produced by
 the same single IEEE float32 operation on both paths (r + u, a − b, x ∓ τ, p ± float32(τ·scale)) and
 elementwise torch ops round exactly like NumPy's and Numba's, on CPU and CUDA alike (no fused
-multiply-add, no flush-to-zero in eager mode). Only the selected entry codes are copied to the host,
-where codec._build writes the message.
+multiply-add; subnormals are kept unless torch.set_flush_denormal(True) is set, which breaks this on
+the CPU). Only the selected entry codes are copied to the host, where codec._build writes the message.
 
 Differences from the Numba path, both documented where they apply:
 - On NaN/inf the whole residual has been accumulated (not only the blocks before the bad one), and with
