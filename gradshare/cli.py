@@ -1,4 +1,4 @@
-"""`gradshare demo | bench encoding | bench transport | bench train | bench convergence | relay`.
+"""`gradshare demo | bench encoding | bench device | bench transport | bench train | bench convergence | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their command runs, so `gradshare bench encoding` never imports
@@ -16,6 +16,8 @@ import sys
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "gradshare.demo", "train a small MLP on digits with 2 workers on an embedded Spark"),
     (("bench", "encoding"), "gradshare.bench.encoding", "encoding overhead vs numpy.add"),
+    (("bench", "device"), "gradshare.bench.device",
+     "device-generic (torch) encode vs torch add on cpu/cuda, beside the Numba path"),
     (("bench", "transport"), "gradshare.bench.transport", "relay throughput, latency, loss, crypto cost"),
     (("bench", "train"), "gradshare.bench.train", "gradshare vs DDP dense vs DDP+PowerSGD vs single process"),
     (("bench", "convergence"), "gradshare.bench.convergence",

@@ -11,6 +11,7 @@ a diverged step cannot be sent as ±τ entries.
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +36,13 @@ def _check_vector(name: str, array: object, *, writable: bool, n: int | None = N
     if n is not None and array.size != n:
         raise ValueError(f"{name} has {array.size} elements, expected {n}")
     return array
+
+
+def _is_tensor(x: object) -> bool:
+    """Whether ``x`` is a torch.Tensor, without importing torch (`gradshare bench encoding` never does):
+    if torch is not imported, nothing can be a tensor."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _threshold_value(threshold: object) -> float:
@@ -141,7 +149,17 @@ def encode(
         the GIL). The message is identical for every thread count.
 
     Raises ValueError on NaN/inf, see the module docstring.
+
+    A torch.Tensor residual (any device) runs the device-generic path, `torch_codec.encode_tensor`:
+    the same message, bit for bit; update and base must then be tensors on the residual's device, and
+    ``threads`` is not used (torch's own threads or the GPU do the work).
     """
+    if _is_tensor(residual):
+        from gradshare.encoding.torch_codec import encode_tensor
+
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        return encode_tensor(residual, update, threshold, form=form, base=base, rewind=rewind)
     _check_vector("residual", residual, writable=True)
     if update is not None:
         _check_vector("update", update, writable=False, n=residual.size)
@@ -203,19 +221,17 @@ def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
     """params[i] += ±τ·scale for every entry of ``message`` (decode-apply, in place).
 
     The step is computed once as float32(τ·scale) and added with float32 arithmetic, so every replica
-    that applies the same messages in the same order gets bit-identical parameters.
+    that applies the same messages in the same order gets bit-identical parameters. A torch.Tensor
+    ``params`` (any device) is updated by `torch_codec.apply_tensor`, to the same bits.
     """
+    if _is_tensor(params):
+        from gradshare.encoding.torch_codec import apply_tensor
+
+        return apply_tensor(message, params, scale)
     if not isinstance(message, Message):
         raise TypeError(f"message must be a Message, got {type(message).__name__}")
     _check_vector("params", params, writable=True, n=message.n_params)
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}") from None
-    with np.errstate(over="ignore"):
-        step = np.float32(message.threshold * scale)
-    if not np.isfinite(step):
-        raise ValueError(f"scale {scale!r} times threshold {message.threshold!r} is not finite in float32")
+    step = _apply_step(message, scale)
     if message.form in (SPARSE, RICE):
         steps = np.array([step, -step], np.float32)
         batch = np.empty(min(message.n_entries, _APPLY_BATCH), np.int64)
@@ -225,6 +241,19 @@ def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
             _rice._rice_apply(message._padded, message.n_entries, steps, params, batch)
     elif message.form == BITMAP:
         _k._bitmap_apply(np.frombuffer(message.payload, np.uint8), np.array([0, step, -step], np.float32), params)
+
+
+def _apply_step(message: Message, scale: object) -> np.float32:
+    """float32(τ·scale), the one step every entry adds (both codecs round it here, on the host)."""
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}") from None
+    with np.errstate(over="ignore"):
+        step = np.float32(message.threshold * scale)
+    if not np.isfinite(step):
+        raise ValueError(f"scale {scale!r} times threshold {message.threshold!r} is not finite in float32")
+    return step
 
 
 def decode_entries(message: Message) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,13 @@ itself). The invariant, in units of each step's own rate η_t (all η_t > 0):
 
 so error feedback stays exact in learning-rate-normalised units. A step at η = 0 sends nothing (τ is
 set out of reach, no division anywhere) and the residual is not rescaled across a zero rate.
+
+Devices (issue 11): with ``device=None`` the residual is a NumPy array and every step runs the Numba
+kernels, the CPU default. With a device ("cuda", "cuda:1", or "cpu" to run the same code on the CPU,
+as the tests do) the residual is a float32 torch tensor there, the update and base must live there
+too, and the encode, the clipping and the calibration sample run there with torch ops
+(encoding/torch_codec.py); only the message's entry codes come to the host. Both give the same
+messages and residuals, bit for bit.
 """
 
 from __future__ import annotations
@@ -41,17 +48,27 @@ class SharingState:
     clipping: `ResidualClipping` or None.
     follow_lr: rescale the residual (and a non-calibrated τ) with the learning rate (module docstring).
     keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
+    device: None for a NumPy residual (the Numba path); a torch device or its name for a torch tensor
+        residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
     """
 
     def __init__(self, n_params: int, rule, clipping: ResidualClipping | None = None, *,
-                 follow_lr: bool = True, keep_pending: bool = False) -> None:
+                 follow_lr: bool = True, keep_pending: bool = False, device=None) -> None:
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
             raise TypeError("rule must have .threshold and .update(n_entries, n_params)")
         self.rule, self.clipping = rule, clipping
         self.follow_lr, self.keep_pending = bool(follow_lr), bool(keep_pending)
-        self.residual = np.zeros(int(n_params), dtype=np.float32)
+        if device is None:
+            self.residual = np.zeros(int(n_params), dtype=np.float32)
+        else:
+            import torch
+
+            from gradshare.device import resolve_device
+
+            self.residual = torch.zeros(int(n_params), dtype=torch.float32, device=resolve_device(device))
+        self._n_params = int(n_params)
         self.lr: float | None = None  # the rate the residual is expressed in
         self.lr_ref: float | None = None  # the first positive rate: a fixed/adaptive τ is meant for it
         self.pending: deque[tuple[int, Message, np.ndarray]] = deque()  # (step, message, its indices)
@@ -60,7 +77,7 @@ class SharingState:
 
     @property
     def n_params(self) -> int:
-        return self.residual.size
+        return self._n_params
 
     def set_lr(self, lr: float | None) -> None:
         """The learning rate of the coming step; call before its update enters the residual."""
@@ -72,7 +89,11 @@ class SharingState:
         if self.lr_ref is None and lr > 0.0:
             self.lr_ref = lr
         if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
-            np.multiply(self.residual, np.float32(lr / self.lr), out=self.residual)
+            ratio = np.float32(lr / self.lr)
+            if isinstance(self.residual, np.ndarray):
+                np.multiply(self.residual, ratio, out=self.residual)
+            else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
+                self.residual.mul_(float(ratio))
         self.lr = lr
 
     def threshold(self, step: int, update: np.ndarray | None = None, base: np.ndarray | None = None) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradshare.encoding.codec import encode
+from gradshare.encoding.codec import _is_tensor, encode
 from gradshare.encoding.message import Message, to_float32_threshold
 
 # DL4J defaults (AdaptiveThresholdAlgorithm): start at 1e-3, keep the sparsity (entries / parameters)
@@ -202,8 +202,13 @@ def quantile_threshold(values: np.ndarray, density: float) -> float | None:
     """τ such that about ``density`` of |values| are >= τ (the k-th largest, no full sort).
 
     When fewer than that share of values is non-zero, the smallest non-zero |value| (every non-zero
-    value then crosses); None when all are zero or the array is empty (nothing to send).
+    value then crosses); None when all are zero or the array is empty (nothing to send). A torch
+    tensor is searched on its device (`torch_codec.quantile_threshold_tensor`, the identical τ).
     """
+    if _is_tensor(values):
+        from gradshare.encoding.torch_codec import quantile_threshold_tensor
+
+        return quantile_threshold_tensor(values, density)
     a = np.abs(np.asarray(values, dtype=np.float32))
     a = a[np.isfinite(a)]  # a NaN/inf is the encoder's to report, with its index
     m = a.size
@@ -294,14 +299,21 @@ class ResidualClipping:
         return (step + 1) % self.every == 0
 
     def apply(self, residual: np.ndarray, threshold: float, step: int) -> bool:
-        """Clip ``residual`` in place if ``step`` is due; returns whether it clipped."""
+        """Clip ``residual`` (a float32 NumPy array, or a float32 torch tensor on any device) in place
+        if ``step`` is due; returns whether it clipped."""
         tau = to_float32_threshold(threshold)
-        if not isinstance(residual, np.ndarray) or residual.dtype != np.float32:
-            raise TypeError("residual must be a float32 numpy.ndarray")
+        tensor = _is_tensor(residual)
+        if not tensor and (not isinstance(residual, np.ndarray) or residual.dtype != np.float32):
+            raise TypeError("residual must be a float32 numpy.ndarray or torch.Tensor")
         if not self.due(step):
             return False
         bound = np.float32(min(self.clip * tau, 3.4e38))
-        np.clip(residual, -bound, bound, out=residual)
+        if tensor:
+            from gradshare.encoding.torch_codec import clip_tensor_
+
+            clip_tensor_(residual, bound)
+        else:
+            np.clip(residual, -bound, bound, out=residual)
         return True
 
 

@@ -1,0 +1,182 @@
+"""The threshold codec on torch tensors, on any device (issue 11: the model, its residual, the encode and
+the apply live on the GPU; only the sparse message crosses to the host).
+
+Same contract as the Numba codec (codec.py), bit for bit: for the same float32 values `encode_tensor`
+leaves the same residual and builds a `Message` whose bytes are identical to `encode`'s, and
+`apply_tensor` gives the same parameters as `apply`. That holds because every value is produced by
+the same single IEEE float32 operation on both paths (r + u, a − b, x ∓ τ, p ± float32(τ·scale)) and
+elementwise torch ops round exactly like NumPy's and Numba's, on CPU and CUDA alike (no fused
+multiply-add; subnormals are kept unless torch.set_flush_denormal(True) is set, which breaks this on
+the CPU). Only the selected entry codes are copied to the host, where codec._build writes the message.
+
+Differences from the Numba path, both documented where they apply:
+- On NaN/inf the whole residual has been accumulated (not only the blocks before the bad one), and with
+  ``rewind`` the whole update has been rewound; either way the residual must be reset, as there.
+- ``threads`` does not apply: torch runs elementwise ops on its own intra-op threads (or the GPU).
+
+The public codec (`encode`, `apply`, `ResidualClipping.apply`, `quantile_threshold`) dispatches here when
+given a torch tensor, so a caller never names this module; importing it imports torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gradshare.encoding import codec as _codec
+from gradshare.encoding.message import FORMS, Message
+from gradshare.encoding.threshold import MAX_THRESHOLD, MIN_THRESHOLD
+
+# Values per block of the two-level entry search (`_entries`): 128 measured fastest of 32..256 on a CPU
+# at density 1e-3 (smaller blocks make the per-block max/min slower, larger ones search more values).
+BLOCK = 128
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_tensor(name: str, t: object, *, device: torch.device | None = None, n: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (pass a flat view of the parameter buffer)")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the residual's device)")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {n}")
+    return t
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous float32 tensors share any byte of storage."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
+
+
+def encode_tensor(
+    residual: torch.Tensor,
+    update: torch.Tensor | None,
+    threshold: float,
+    *,
+    form: str | None = None,
+    base: torch.Tensor | None = None,
+    rewind: bool = False,
+) -> Message:
+    """`codec.encode` on float32 tensors of one device: r += u (or u − base), every |r_i| >= τ leaves r as
+    one ±τ entry; returns the identical Message (see the module docstring for the two differences)."""
+    _check_tensor("residual", residual)
+    device, n = residual.device, residual.numel()
+    if update is not None:
+        _check_tensor("update", update, device=device, n=n)
+    if base is not None:
+        if update is None:
+            raise ValueError("base needs an update to subtract it from")
+        _check_tensor("base", base, device=device, n=n)
+    if rewind:
+        if base is None:
+            raise ValueError("rewind needs a base to rewind the update to")
+        if _overlap(update, base) or _overlap(update, residual):
+            raise ValueError("update must not overlap base or residual when rewind is set")
+    tau = _codec._threshold_value(threshold)
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    with torch.no_grad():
+        if update is not None:
+            # u = update − base is rounded to float32 before it is added, as the fused kernel does.
+            residual.add_(update if base is None else update - base)
+            if rewind:
+                update.copy_(base)
+        tau_t = torch.tensor(tau, dtype=torch.float32, device=device)
+        found = _entries(residual, tau_t)
+        if found is None:
+            i = int(torch.nonzero(~torch.isfinite(residual))[0, 0])  # only on the error path
+            what = "residual" if update is None else "residual + update" if base is None else "residual + update - base"
+            raise ValueError(
+                f"{what} is not finite at index {i} (residual[{i}] = {residual[i].item()!r} after the "
+                "accumulation); the residual is updated and must be reset"
+            )
+        index, values = found
+        # x − τ for x >= τ, x + τ (written x − (−τ), the same IEEE result) for x <= −τ.
+        residual[index] = values - torch.copysign(tau_t, values)
+        codes = (index << 1) | (values < 0).to(torch.int64)
+        host = codes.cpu().numpy()  # the only copy to the host: k int64 codes
+    return _codec._build(host, tau, n, form)
+
+
+def _entries(r: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ascending indices, values) of every |r_i| >= τ, or None when r holds a NaN/inf.
+
+    torch.nonzero over the whole vector is slow on a CPU (~50x an add at 10 M), so the search is
+    two-level, like the Numba kernel's blocks: the max and min of each BLOCK say which blocks hold an
+    entry (and, NaN propagating through both, whether any value is not finite); only those blocks are
+    searched. At density 1e-3 about 12 % of 128-value blocks are searched.
+    """
+    n = r.numel()
+    nb = n // BLOCK
+    blocks = r[: nb * BLOCK].view(nb, BLOCK)
+    tail = r[nb * BLOCK :]  # fewer than BLOCK values: searched directly
+    hi, lo = blocks.amax(dim=1), blocks.amin(dim=1)
+    bad = (~(hi <= _FLT_MAX)).any() | (~(lo >= -_FLT_MAX)).any() | (~torch.isfinite(tail)).any()
+    if bool(bad):  # one device→host sync decides
+        return None
+    hot = torch.nonzero((hi >= tau) | (lo <= -tau)).squeeze(1)
+    found = blocks[hot]
+    row, col = torch.nonzero(found.abs() >= tau, as_tuple=True)  # row-major: ascending within and across
+    in_tail = torch.nonzero(tail.abs() >= tau).squeeze(1)
+    return (torch.cat([hot[row] * BLOCK + col, in_tail + nb * BLOCK]),
+            torch.cat([found[row, col], tail[in_tail]]))
+
+
+def apply_tensor(message: Message, params: torch.Tensor, scale: float = 1.0) -> None:
+    """`codec.apply` on a float32 tensor: params[i] += ±float32(τ·scale) for every entry, in place.
+
+    The step is rounded on the host exactly as `apply` rounds it, and each index occurs once in a
+    message, so each parameter sees one float32 addition, the same one the Numba kernel performs.
+    """
+    if not isinstance(message, Message):
+        raise TypeError(f"message must be a Message, got {type(message).__name__}")
+    _check_tensor("params", params, n=message.n_params)
+    step = _codec._apply_step(message, scale)
+    if message.n_entries == 0:
+        return
+    codes = torch.from_numpy(_codec._codes(message)).to(params.device)
+    steps = torch.tensor([step, -step], dtype=torch.float32, device=params.device)
+    index = codes >> 1
+    with torch.no_grad():
+        params[index] += steps[codes & 1]
+
+
+def clip_tensor_(residual: torch.Tensor, bound: np.float32) -> None:
+    """residual = clamp(residual, −bound, bound) in place (ResidualClipping on a tensor; the same values
+    as np.clip for every finite and infinite input, NaN stays NaN)."""
+    _check_tensor("residual", residual)
+    with torch.no_grad():
+        residual.clamp_(-float(bound), float(bound))
+
+
+def quantile_threshold_tensor(values: torch.Tensor, density: float) -> float | None:
+    """`threshold.quantile_threshold` of a tensor, on its device: the identical τ for the same values.
+
+    The k-th largest |value| is one order statistic, so torch.kthvalue and np.partition find the same
+    float; the fallback (smallest non-zero) and the clamp are the same too.
+    """
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    a = values.detach().reshape(-1).to(torch.float32).abs()
+    a = a[torch.isfinite(a)]  # a NaN/inf is the encoder's to report, with its index
+    m = a.numel()
+    if m == 0:
+        return None
+    k = min(m, max(1, round(density * m)))
+    kth = float(torch.kthvalue(a, m - k + 1).values)  # the (m − k + 1)-th smallest = k-th largest
+    if kth <= 0.0:
+        nonzero = a[a > 0]
+        if nonzero.numel() == 0:
+            return None
+        kth = float(nonzero.min())
+    return min(max(kth, MIN_THRESHOLD), MAX_THRESHOLD)
+
