@@ -63,9 +63,9 @@ class InputLayout:
     multi: bool
 
     @classmethod
-    def of(cls, x: Any) -> "InputLayout":
-        arrays = row_inputs(x)
-        return cls(tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays), is_multi(x))
+    def of(cls, arrays: tuple[np.ndarray, ...], multi: bool) -> "InputLayout":
+        """The layout of one row's `row_inputs`."""
+        return cls(tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays), multi)
 
     def describe(self) -> str:
         parts = [f"{d}{list(s)}" for d, s in zip(self.dtypes, self.shapes)]

@@ -187,9 +187,11 @@ class LossPlan:
 
 
 def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, train_step=None,
-              label_dtype: str | None = None, input_names: tuple[str, ...] = ()) -> LossPlan:
+              label_dtype: str | None = None, input_names: tuple[str, ...] = (),
+              label_range: tuple[int, int] | None = None) -> LossPlan:
     """Choose label dtype and loss from the label kind and the model's output on one row (`sample`:
-    ``(inputs, label)`` NumPy arrays); raise before training on dtype or shape errors it can see."""
+    ``(inputs, label)`` NumPy arrays); raise before training on dtype, shape or class-count errors it
+    can see (`label_range`: the pre-pass's lowest and highest scalar class label)."""
     import torch
 
     inputs = tuple(torch.from_numpy(np.array(a)[None]) for a in sample[0])  # a batch of one row
@@ -214,6 +216,9 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
     if out is None:
         return LossPlan(label_dtype, step, step.name, why)
     match_target(out, y, classes=classes)  # a shape error names both shapes now, not on every executor
+    if classes and label_range is not None and not 0 <= label_range[0] <= label_range[1] < out.shape[1]:
+        raise ValueError(f"the labels are class indices from {label_range[0]} to {label_range[1]}, but the model's "
+                         f"output {_shape(out)} has {out.shape[1]} classes (0 to {out.shape[1] - 1})")
     return LossPlan(label_dtype, step, step.name, f"output {_shape(out)}")
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from gradshare.batches import InputLayout, row_inputs, spill_dtype, stack_inputs
+from gradshare.batches import InputLayout, is_multi, row_inputs, spill_dtype, stack_inputs
 
 # The directory that holds the `gradshare` package the driver imported. Executors put it on their
 # PYTHONPATH so that they run the same code as the driver (an editable install elsewhere, or none).
@@ -138,6 +138,7 @@ class PartitionSummary:
     error_type: str = "ValueError"  # "TypeError" for labels/features of the wrong type
     labels_whole: bool = True  # every label is a whole number >= 0 (class indices as doubles: StringIndexer)
     sample: tuple | None = None  # the first row as (inputs, label) arrays: the driver's one-row probe
+    label_range: tuple[int, int] | None = None  # lowest and highest scalar int (or whole) label
 
     @property
     def feature_shape(self):
@@ -186,14 +187,16 @@ def split_row(row: Any) -> tuple[Any, Any]:
 def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
     """Validate one partition's rows; errors are returned (not raised) so the driver reports them."""
     n, layout, kind, lshape, whole, sample = 0, None, None, None, True, None
+    low, high = np.inf, -np.inf  # of scalar labels that can be class indices
     try:
         for n, row in enumerate(rows):
             x, y = split_row(row)
-            here = InputLayout.of(x)
+            arrays = row_inputs(x)
+            here = InputLayout.of(arrays, is_multi(x))
             k, ls = _label_kind(y)
             if layout is None:
                 layout, kind, lshape = here, k, ls
-                sample = (row_inputs(x), np.asarray(_label_value(y)))
+                sample = (arrays, np.asarray(_label_value(y)))
             elif (diff := layout.difference(here)) is not None:
                 raise (ValueError if "shape" in diff[0] else TypeError)(
                     f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}")
@@ -202,10 +205,13 @@ def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
             elif k == "float":
                 kind = "float"  # ints mixed with floats: the labels are floats
             whole = whole and ls == () and _whole(y)
+            if ls == () and k == "int" or whole:
+                low, high = min(low, y), max(high, y)
         else:
             if layout is None:
                 return PartitionSummary(index, 0, None, None, None, f"partition {index} is empty")
-        return PartitionSummary(index, n + 1, layout, kind, lshape, labels_whole=whole, sample=sample)
+        return PartitionSummary(index, n + 1, layout, kind, lshape, labels_whole=whole, sample=sample,
+                                label_range=(int(low), int(high)) if low <= high else None)
     except (TypeError, ValueError) as e:
         return PartitionSummary(index, n, layout, kind, lshape, f"partition {index} row {n}: {e}", type(e).__name__)
 
@@ -230,8 +236,11 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
                 f"partition {first.index} has {first.label_kind}{list(first.label_shape)} (row 0 of each)"
             )
     kind = "float" if any(s.label_kind == "float" for s in summaries) else "int"
+    ranges = [s.label_range for s in summaries if s.label_range is not None]
+    span = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
     return PartitionSummary(-1, sum(s.rows for s in summaries), first.features, kind, first.label_shape,
-                            labels_whole=all(s.labels_whole for s in summaries), sample=first.sample)
+                            labels_whole=all(s.labels_whole for s in summaries), sample=first.sample,
+                            label_range=span)
 
 
 def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_col: str):
@@ -320,12 +329,13 @@ class PartitionData:
 
         for row in rows:
             x, y = split_row(row)
-            here = InputLayout.of(x)
+            arrays = row_inputs(x)
+            here = InputLayout.of(arrays, is_multi(x))
             if layout is None:
                 layout = here
             elif (diff := layout.difference(here)) is not None:
                 raise ValueError(f"partition {index} row {n}: {diff[0]} {diff[1]}, first row {diff[2]}")
-            xs.append(row_inputs(x))
+            xs.append(arrays)
             ys.append(_label_value(y))
             n += 1
             if len(xs) >= chunk_rows:

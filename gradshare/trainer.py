@@ -405,7 +405,8 @@ class SharedTrainer:
         names = input_names(layout.features, (features_col,) if isinstance(features_col, str)
                             else tuple(features_col or ()))
         plan = plan_loss(model, layout.sample, layout.label_kind, layout.labels_whole, loss=self.loss,
-                         train_step=self.train_step, label_dtype=self.label_dtype, input_names=names)
+                         train_step=self.train_step, label_dtype=self.label_dtype, input_names=names,
+                         label_range=layout.label_range)
         label_dtype = plan.label_dtype
         validation = None
         if self.validation_data is not None:
