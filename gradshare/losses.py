@@ -94,10 +94,11 @@ def explained(inputs, names: tuple[str, ...]):
                 if not x.is_floating_point()]
         if _EMBEDDING.search(text) and floats:
             raise InputTypeError(f"an nn.Embedding got float ids: {'; '.join(floats)}; give token ids as integers "
-                            f"(they stay int64 end to end). torch said: {text.splitlines()[0]}") from e
+                                 f"(they stay int64 end to end). torch said: {text.splitlines()[0]}") from e
         if _DTYPE.search(text) and ints:
-            raise InputTypeError(f"a layer got integer data: {'; '.join(ints)}; integer features stay int64 (issue 11): "
-                            f"cast them to float in the data or in the model. torch said: {text.splitlines()[0]}") from e
+            raise InputTypeError(f"a layer got non-float data: {'; '.join(ints)}; integer and bool features keep "
+                                 "their dtype (issue 11): cast them to float in the data or in the model. torch said: "
+                                 f"{text.splitlines()[0]}") from e
         raise
 
 
@@ -200,7 +201,7 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
                          "indices must be whole numbers >= 0")
     out, why = _probe(model, inputs, input_names, train_step is None)
     if label_dtype is None:
-        classifier = out is not None and out.dim() == 2 and out.shape[1] > 1
+        classifier = torch.is_tensor(out) and out.dim() == 2 and out.shape[1] > 1
         whole = label_kind == "float" and labels_whole and np.ndim(sample[1]) == 0
         label_dtype = "int64" if label_kind == "int" or (whole and classifier) else "float32"
     y = torch.as_tensor(np.asarray(sample[1]).astype(label_dtype))[None]
@@ -249,5 +250,10 @@ def _probe(model, inputs, names, call_model: bool):
     if not call_model:
         return None, None
     got = []
-    why = _attempt(lambda: got.append(LossStep(None, "", names).outputs(_eval_copy(model), inputs)))
+
+    def forward():
+        with explained(inputs, names):
+            got.append(_eval_copy(model)(*inputs))
+
+    why = _attempt(forward)
     return (got[0], None) if why is None else (None, why)

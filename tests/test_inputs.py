@@ -64,6 +64,15 @@ class Bag(nn.Module):
         return self.head(self.embed(ids).mean(dim=1))
 
 
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
 def tokens(n, seed):
     """Sequences of LENGTH tokens; label 1 when most tokens are in the vocabulary's lower half."""
     rng = np.random.default_rng(seed)
@@ -154,6 +163,8 @@ def test_default_loss_follows_labels_and_the_probed_output():
         _plan(nn.Linear(4, 3), x, 1, "int", True, label_range=(0, 3))
     with pytest.raises(ValueError, match="label_dtype='int64' but the labels hold fractional"):
         _plan(nn.Linear(4, 3), x, 0.5, "float", False, label_dtype="int64")
+    with pytest.raises(TypeError, match="the model returned tuple, not one tensor.*pass train_step="):
+        _plan(TwoHeads(), x, 1, "int", True)
     hook = _plan(nn.Linear(4, 3), x, 1, "int", True, train_step=lambda m, b: m(b[0]).sum())
     assert hook.name == "train_step:<lambda>" and hook.probe == "train_step ran on one row"
     with pytest.raises(TypeError, match=r"train_step must return a scalar loss tensor, got \(1, 3\)"):
@@ -163,7 +174,7 @@ def test_default_loss_follows_labels_and_the_probed_output():
 def test_float_ids_into_an_embedding_name_the_input_and_dtype():
     with pytest.raises(TypeError, match=r"nn.Embedding got float ids: column 'tokens' has dtype float32"):
         _plan(Bag(), np.zeros(LENGTH, np.float32), 1, "int", True, input_names=("column 'tokens'",))
-    with pytest.raises(TypeError, match=r"a layer got integer data: features has dtype int64"):
+    with pytest.raises(TypeError, match=r"a layer got non-float data: features has dtype int64"):
         _plan(nn.Linear(3, 2), np.arange(3), 1, "int", True, input_names=("features",))
 
 
