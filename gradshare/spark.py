@@ -14,6 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from gradshare.batches import InputLayout, is_multi, row_inputs, spill_dtype, stack_inputs
+
 # The directory that holds the `gradshare` package the driver imported. Executors put it on their
 # PYTHONPATH so that they run the same code as the driver (an editable install elsewhere, or none).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,11 +131,21 @@ class PartitionSummary:
 
     index: int
     rows: int
-    feature_shape: tuple[int, ...] | None
+    features: InputLayout | None  # dtype and shape of every input (gradshare/batches.py)
     label_kind: str | None  # "int" | "float"
     label_shape: tuple[int, ...] | None
     error: str | None = None
     error_type: str = "ValueError"  # "TypeError" for labels/features of the wrong type
+    labels_whole: bool = True  # every label is a whole number >= 0 (class indices as doubles: StringIndexer)
+    sample: tuple | None = None  # the first row as (inputs, label) arrays: the driver's one-row probe
+    label_range: tuple[int, int] | None = None  # lowest and highest scalar int (or whole) label
+
+    @property
+    def feature_shape(self):
+        """The features' shape; a tuple of shapes for multi-input rows."""
+        if self.features is None:
+            return None
+        return self.features.shapes if self.features.multi else self.features.shapes[0]
 
 
 def _label_kind(label: Any) -> tuple[str, tuple[int, ...]]:
@@ -147,18 +159,20 @@ def _label_kind(label: Any) -> tuple[str, tuple[int, ...]]:
         label = label.toArray()
     if isinstance(label, (list, tuple, np.ndarray)):
         arr = np.asarray(label)
-        if arr.dtype.kind in "iuf" and arr.size > 0:
+        if arr.dtype.kind in "iu" and arr.size > 0:
+            return "int", tuple(arr.shape)  # int labels of any shape stay int64 (per-token classes)
+        if arr.dtype.kind == "f" and arr.size > 0:
             return "float", tuple(arr.shape)
     raise TypeError(f"label {label!r} of type {type(label).__name__} is not an int, a float or a numeric array")
 
 
-def _features(x: Any) -> np.ndarray:
-    if hasattr(x, "toArray"):  # pyspark.ml.linalg DenseVector / SparseVector
-        x = x.toArray()
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iufb" or arr.size == 0:
-        raise TypeError(f"features of type {type(x).__name__} (dtype {arr.dtype}) are not a non-empty numeric array")
-    return arr
+def _label_value(label: Any) -> Any:
+    return label.toArray() if hasattr(label, "toArray") else label
+
+
+def _whole(label: Any) -> bool:
+    """A scalar label that can be a class index: finite, whole, >= 0."""
+    return np.ndim(label) == 0 and bool(np.isfinite(label)) and float(label).is_integer() and label >= 0
 
 
 def split_row(row: Any) -> tuple[Any, Any]:
@@ -172,75 +186,105 @@ def split_row(row: Any) -> tuple[Any, Any]:
 
 def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
     """Validate one partition's rows; errors are returned (not raised) so the driver reports them."""
-    n, fshape, kind, lshape = 0, None, None, None
+    n, layout, kind, lshape, whole, sample = 0, None, None, None, True, None
+    low, high = np.inf, -np.inf  # of scalar labels that can be class indices
     try:
         for n, row in enumerate(rows):
             x, y = split_row(row)
-            shape = _features(x).shape
+            arrays = row_inputs(x)
+            here = InputLayout.of(arrays, is_multi(x))
             k, ls = _label_kind(y)
-            if fshape is None:
-                fshape, kind, lshape = shape, k, ls
-            elif shape != fshape:
-                raise ValueError(f"features of shape {shape} differ from the partition's first row {fshape}")
+            if layout is None:
+                layout, kind, lshape = here, k, ls
+                sample = (arrays, np.asarray(_label_value(y)))
+            elif (diff := layout.difference(here)) is not None:
+                raise (ValueError if "shape" in diff[0] else TypeError)(
+                    f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}")
             elif (k, ls) != (kind, lshape) and not (ls == lshape == () and {k, kind} == {"int", "float"}):
                 raise TypeError(f"label kind {k}{list(ls)} differs from the first row's {kind}{list(lshape)}")
             elif k == "float":
                 kind = "float"  # ints mixed with floats: the labels are floats
+            whole = whole and ls == () and _whole(y)
+            if ls == () and k == "int" or whole:
+                low, high = min(low, y), max(high, y)
         else:
-            if fshape is None:
+            if layout is None:
                 return PartitionSummary(index, 0, None, None, None, f"partition {index} is empty")
-        return PartitionSummary(index, n + 1, fshape, kind, lshape)
+        return PartitionSummary(index, n + 1, layout, kind, lshape, labels_whole=whole, sample=sample,
+                                label_range=(int(low), int(high)) if low <= high else None)
     except (TypeError, ValueError) as e:
-        return PartitionSummary(index, n, fshape, kind, lshape, f"partition {index} row {n}: {e}", type(e).__name__)
+        return PartitionSummary(index, n, layout, kind, lshape, f"partition {index} row {n}: {e}", type(e).__name__)
 
 
 def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
-    """Raise the first partition's error, or a cross-partition mismatch; return the common layout."""
+    """Raise the first partition's error, or a cross-partition mismatch; return the common layout
+    (with partition 0's first row as the sample)."""
     summaries = sorted(summaries, key=lambda s: s.index)
     for s in summaries:
         if s.error is not None:
             raise (TypeError if s.error_type == "TypeError" else ValueError)(f"bad training data: {s.error}")
     first = summaries[0]
     for s in summaries[1:]:
-        if s.feature_shape != first.feature_shape:
-            raise ValueError(
-                f"bad training data: partition {s.index} has features of shape {s.feature_shape}, "
-                f"partition {first.index} has {first.feature_shape}"
-            )
+        diff = first.features.difference(s.features)
+        if diff is not None:  # each partition agrees with its own row 0, so row 0 is where it differs
+            raise (ValueError if "shape" in diff[0] else TypeError)(
+                f"bad training data: partition {s.index} has {diff[0]} {diff[1]}, partition {first.index} has "
+                f"{diff[2]} (row 0 of each)")
         if s.label_shape != first.label_shape or (s.label_kind != first.label_kind and s.label_shape != ()):
             raise TypeError(
                 f"bad training data: partition {s.index} has labels {s.label_kind}{list(s.label_shape)}, "
-                f"partition {first.index} has {first.label_kind}{list(first.label_shape)}"
+                f"partition {first.index} has {first.label_kind}{list(first.label_shape)} (row 0 of each)"
             )
     kind = "float" if any(s.label_kind == "float" for s in summaries) else "int"
-    return PartitionSummary(-1, sum(s.rows for s in summaries), first.feature_shape, kind, first.label_shape)
+    ranges = [s.label_range for s in summaries if s.label_range is not None]
+    span = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
+    return PartitionSummary(-1, sum(s.rows for s in summaries), first.features, kind, first.label_shape,
+                            labels_whole=all(s.labels_whole for s in summaries), sample=first.sample,
+                            label_range=span)
 
 
-def dataframe_to_rdd(df, features_col: str, label_col: str):
-    """(features, label) rows from two DataFrame columns (ML vectors or arrays; numeric labels)."""
-    missing = [c for c in (features_col, label_col) if c not in df.columns]
+def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_col: str):
+    """(features, label) rows from DataFrame columns (ML vectors, arrays or numbers; numeric labels).
+    A list of feature columns gives multi-input rows ``((a, b, ...), label)``: model(a, b, ...)."""
+    cols = [features_col] if isinstance(features_col, str) else list(features_col)
+    if not cols or not all(isinstance(c, str) for c in cols):
+        raise ValueError(f"features_col must be a column name or a non-empty list of them, got {features_col!r}")
+    missing = [c for c in (*cols, label_col) if c not in df.columns]
     if missing:
         raise ValueError(f"DataFrame has no column(s) {missing}; its columns are {df.columns}")
-    return df.select(features_col, label_col).rdd.map(tuple)
+    selected = df.select(*cols, label_col).rdd
+    if isinstance(features_col, str):
+        return selected.map(tuple)
+    # an array column arrives as a list, which `is_multi` counts as an input; a number column becomes
+    # a 0-d array so that the tuple is still read as inputs (a (B,) tensor each)
+    return selected.map(lambda r: (tuple(np.asarray(_label_value(v)) for v in r[:-1]), r[-1]))
 
 
 # --------------------------------------------------------------------------------------- materialise
 class PartitionData:
-    """One partition as two arrays, held in memory or, past `spill_bytes`, in a local spill file.
+    """One partition as one array per input plus the labels, held in memory or, past `spill_bytes`, in
+    a local spill file (one record per row, a field per input: every dtype kept, batches.spill_dtype).
 
     The rows are read from Spark once (DESIGN.md: "materialises its partition once") and then iterated
-    every epoch in a seeded shuffled order.
+    every epoch in a seeded shuffled order. `features` is one array, or a tuple of them for
+    multi-input rows (then `inputs` is the same tuple; for one input, `inputs` is ``(features,)``).
     """
 
-    def __init__(self, features: np.ndarray, labels: np.ndarray, spill_path: str | None = None):
-        self.features, self.labels, self.spill_path = features, labels, spill_path
+    def __init__(self, features, labels: np.ndarray, spill_path: str | None = None):
+        self.multi = isinstance(features, tuple)
+        self.inputs = features if self.multi else (features,)
+        self.labels, self.spill_path = labels, spill_path
+
+    @property
+    def features(self):
+        return self.inputs if self.multi else self.inputs[0]
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def close(self) -> None:
         if self.spill_path is not None:
-            self.features = self.labels = None  # drop the memmaps before the file goes
+            self.inputs = self.labels = None  # drop the memmaps before the file goes
             try:
                 os.remove(self.spill_path)
             except OSError:
@@ -250,12 +294,12 @@ class PartitionData:
     @classmethod
     def from_rows(cls, rows: Iterator[Any], label_dtype: str, *, spill_bytes: int = 256 << 20,
                   spill_dir: str | None = None, chunk_rows: int = 4096, index: int = 0) -> "PartitionData":
-        xs_chunks: list[np.ndarray] = []
+        xs_chunks: list[tuple[np.ndarray, ...]] = []
         ys_chunks: list[np.ndarray] = []
         held = 0
-        spill = None  # (file, path) once past the limit
-        fshape = None
-        xs: list[np.ndarray] = []
+        spill = None  # (file, path, record dtype) once past the limit
+        layout = None
+        xs: list[tuple[np.ndarray, ...]] = []
         ys: list[Any] = []
         n = 0
 
@@ -263,32 +307,36 @@ class PartitionData:
             nonlocal held, spill
             if not xs:
                 return
-            cx = np.stack(xs).astype(np.float32, copy=False)
+            cx = stack_inputs(xs, len(layout.dtypes))
             cy = np.asarray(ys, dtype=label_dtype)
             xs.clear()
             ys.clear()
-            held += cx.nbytes + cy.nbytes
+            held += sum(c.nbytes for c in cx) + cy.nbytes
             xs_chunks.append(cx)
             ys_chunks.append(cy)
             if spill is None and held > spill_bytes:
                 import tempfile
 
                 fd, path = tempfile.mkstemp(prefix=f"gradshare-part{index}-", suffix=".bin", dir=spill_dir)
-                spill = (os.fdopen(fd, "wb"), path)
+                spill = (os.fdopen(fd, "wb"), path, spill_dtype(layout))
             if spill is not None:  # features go to disk; labels are small and stay in memory
                 for c in xs_chunks:
-                    c.tofile(spill[0])
+                    records = np.empty(len(c[0]), dtype=spill[2])
+                    for i, arr in enumerate(c):
+                        records[f"x{i}"] = arr
+                    records.tofile(spill[0])
                 xs_chunks.clear()
 
         for row in rows:
             x, y = split_row(row)
-            arr = _features(x)
-            if fshape is None:
-                fshape = arr.shape
-            elif arr.shape != fshape:
-                raise ValueError(f"partition {index} row {n}: features of shape {arr.shape}, first row {fshape}")
-            xs.append(arr)
-            ys.append(y.toArray() if hasattr(y, "toArray") else y)
+            arrays = row_inputs(x)
+            here = InputLayout.of(arrays, is_multi(x))
+            if layout is None:
+                layout = here
+            elif (diff := layout.difference(here)) is not None:
+                raise ValueError(f"partition {index} row {n}: {diff[0]} {diff[1]}, first row {diff[2]}")
+            xs.append(arrays)
+            ys.append(_label_value(y))
             n += 1
             if len(xs) >= chunk_rows:
                 flush()
@@ -297,10 +345,12 @@ class PartitionData:
             raise ValueError(f"partition {index} is empty")
         labels = np.concatenate(ys_chunks)
         if spill is None:
-            return cls(np.concatenate(xs_chunks), labels)
-        spill[0].close()
-        features = np.memmap(spill[1], dtype=np.float32, mode="r", shape=(n, *fshape))
-        return cls(features, labels, spill_path=spill[1])
+            inputs = tuple(np.concatenate([c[i] for c in xs_chunks]) for i in range(len(layout.dtypes)))
+        else:
+            spill[0].close()
+            records = np.memmap(spill[1], dtype=spill[2], mode="r", shape=(n,))
+            inputs = tuple(records[f"x{i}"] for i in range(len(layout.dtypes)))
+        return cls(inputs if layout.multi else inputs[0], labels, spill_path=None if spill is None else spill[1])
 
 
 def epoch_order(n: int, seed: int, rank: int, epoch: int) -> np.ndarray:

@@ -100,7 +100,19 @@ class SharedTrainer:
 
     model: an ``nn.Module`` or a zero-argument factory returning one (called once on the driver, after
         ``torch.manual_seed(seed)``; every replica starts from those same parameters).
-    loss: ``(outputs, labels) -> tensor``; default CrossEntropyLoss for int labels, MSELoss for floats.
+    loss: ``(outputs, labels) -> tensor``. Default: chosen from the labels and the model's output on one
+        row, run once on the driver (gradshare/losses.py): CrossEntropyLoss for int labels (and for
+        whole-number double labels, e.g. StringIndexer's, when the output is (B, C) with C > 1), else
+        MSELoss. Float targets are shaped like the output where unambiguous ((B,) against a (B, 1)
+        output is unsqueezed); any other output/label shape difference is an error naming both shapes,
+        for a given loss too. The choice is in ``FitResult.extra["loss"]`` and each history row's
+        "loss_fn".
+    train_step: instead of `loss`, a hook ``train_step(model, batch) -> scalar loss tensor`` for losses
+        that are not ``loss(model(x), y)`` (several outputs, sample weights, auxiliary losses). `batch` is
+        a tuple of tensors ``(x1, ..., xn, labels)``: the row's inputs in order (one for plain rows),
+        then the labels; the worker calls ``backward()`` and the optimizer. Gradient clipping goes with
+        the optimizer: ``optimizer=gradshare.losses.clip_grad_norm(factory, max_norm)``. Without a
+        `metric`, validation reports the hook's loss. Giving both `loss` and `train_step` is an error.
     optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3)`` (`default_optimizer`).
         Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
     threshold: "auto" (default): each worker derives τ before every step from a sample of its residual
@@ -151,8 +163,14 @@ class SharedTrainer:
         applied yet, so a worker never re-pushes what it already sent (exact for one worker: k ≥ 1 then
         follows the k = 0 trajectory bit for bit). P itself still changes only through the log. On by
         default; it has no effect at k = 0.
-    validation_data: optional ``(X, y)`` arrays; rank 0 evaluates `metric` (default: accuracy for int
+    validation_data: optional ``(X, y)`` arrays (X a tuple of arrays for multi-input rows, same dtypes
+        and shapes as the training features); rank 0 evaluates `metric` (default: accuracy for int
         labels, else the loss) on its replica after every epoch.
+    label_dtype: None (default: int labels → "int64"; float labels → "float32", or "int64" when they are
+        whole numbers and the model is a classifier, see `loss`), or "int64" / "float32" to force
+        class indices or regression targets. Features need no such option: each input keeps its dtype
+        (ints → int64, floats → float32, bools; gradshare/batches.py), so token ids reach nn.Embedding
+        exact; a row's features may be a tuple of arrays, the model is then called as model(x1, x2, ...).
     verbose: 0 quiet, 1 a progress bar fed by the relay.
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error.
     worker_options: {"profile": True} adds per-phase step timers to each worker report
@@ -166,6 +184,7 @@ class SharedTrainer:
         loss: Callable | None = None,
         optimizer: Callable | None = None,
         *,
+        train_step: Callable | None = None,
         threshold: float | str = "auto",
         port: int = 40123,
         bind: str = "0.0.0.0",
@@ -244,10 +263,16 @@ class SharedTrainer:
             raise ValueError(f"timeout and liveness_timeout must be > 0, got {timeout!r}, {liveness_timeout!r}")
         if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
+        if loss is not None and train_step is not None:
+            raise ValueError("loss and train_step are exclusive: a train_step hook computes the loss itself")
+        for name, value in (("loss", loss), ("train_step", train_step)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable, got {type(value).__name__}")
         if optimizer is not None and not callable(optimizer):
             raise TypeError("optimizer must be a factory taking the parameter list, e.g. "
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
         self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
+        self.train_step = train_step
         self.threshold = threshold if self.auto else float(threshold)
         self.threshold_algorithm = threshold_algorithm
         self.density = density  # None: CalibratedThreshold's default
@@ -351,15 +376,23 @@ class SharedTrainer:
                 raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
             return dataframe_to_rdd(data, features_col, label_col)
         if features_col is not None or label_col is not None:
-            raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows")
+            raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
+                             "(features: one array, or a tuple of arrays for several inputs)")
         if not (hasattr(data, "mapPartitionsWithIndex") and hasattr(data, "barrier")):
             raise TypeError(f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, "
                             f"got {type(data).__name__}")
         return data
 
     # ------------------------------------------------------------------------------------ fit
-    def fit(self, data, features_col: str | None = None, label_col: str | None = None) -> FitResult:
+    def fit(self, data, features_col: str | list[str] | None = None, label_col: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
+
+        features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
+        DataFrame, features_col names one column or a list of columns (one input each). Every input
+        keeps its dtype; rows and partitions must agree on dtypes and shapes (errors name partition and
+        row). `FitResult.extra`: "loss" (the loss or train step used), "label_dtype", "inputs" (dtype and
+        shape per input) and "probe" (the driver's one-row forward: its output shape, or why it was
+        skipped; losses.py).
 
         The data is read twice: a validation pass (row counts, shapes, label types; errors name the
         partition and row) before anything starts, then once by the training tasks, which keep their
@@ -369,11 +402,14 @@ class SharedTrainer:
         History rows: epoch, steps, loss (mean over workers' steps), sparsity (sent entries ÷ params),
         payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean of the workers' τ at their
         epoch's last step), lr (rank 0's at the epoch's first step), silent_steps (steps that sent no
-        entry, all workers), seconds (slowest worker), val_metric (None without validation_data).
+        entry, all workers), seconds (slowest worker), val_metric (None without validation_data),
+        loss_fn (the loss's name, as extra["loss"]).
         """
         import torch
 
+        from gradshare.batches import input_names, validation_arrays
         from gradshare.flat import FlatParams
+        from gradshare.losses import plan_loss
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
         from gradshare.transport import Relay, new_job_key
         from gradshare.encoding import apply_update, decode_update
@@ -395,10 +431,18 @@ class SharedTrainer:
         # driver names partition and row instead of Spark retrying a failing task).
         summaries = rdd.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)]).collect()
         layout = check_summaries(summaries)
-        int_labels = layout.label_kind == "int" and layout.label_shape == ()
-        label_dtype = self.label_dtype or ("int64" if int_labels else "float32")
-        loss = self.loss or (torch.nn.CrossEntropyLoss() if label_dtype == "int64" else torch.nn.MSELoss())
-        metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
+        names = input_names(layout.features, (features_col,) if isinstance(features_col, str)
+                            else tuple(features_col or ()))
+        plan = plan_loss(model, layout.sample, layout.label_kind, layout.labels_whole, loss=self.loss,
+                         train_step=self.train_step, label_dtype=self.label_dtype, input_names=names,
+                         label_range=layout.label_range)
+        label_dtype = plan.label_dtype
+        validation = None
+        if self.validation_data is not None:
+            validation = validation_arrays(self.validation_data, layout.features, label_dtype, layout.label_shape)
+        # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
+        classes = label_dtype == "int64" and self.train_step is None
+        metric = self.metric or (accuracy if classes and validation is not None else None)
 
         # The job ships this copy: its parameters are the initial ones, each in its own storage (a
         # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
@@ -425,15 +469,15 @@ class SharedTrainer:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
             cfg = WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
-                model=shipped, loss=loss, optimizer=self.optimizer,
+                model=shipped, loss=getattr(plan.step, "loss", None), optimizer=self.optimizer,
                 threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
                 epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
-                insecure=self.insecure, spill_bytes=self.spill_bytes, validation=self.validation_data,
+                insecure=self.insecure, spill_bytes=self.spill_bytes, validation=validation,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
-                precision=self.precision,
+                precision=self.precision, train_step=plan.step,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -453,10 +497,13 @@ class SharedTrainer:
                 t.data = t.data.clone()
         reports.sort(key=lambda r: r["rank"])
         _load_int_buffers(model, reports[0].get("int_buffers", {}))
+        history = [{**row, "loss_fn": plan.name} for row in _merge_history(reports)]
         return FitResult(
-            model=model, history=_merge_history(reports), counters=counters, worker_reports=reports,
+            model=model, history=history, counters=counters, worker_reports=reports,
             param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=cfg.final_step + 1,
             resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
+            extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
+                   "probe": plan.probe},
         )
 
     def _run_job(self, sc, rdd, cfg, relay) -> list[dict]:

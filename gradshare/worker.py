@@ -41,6 +41,7 @@ import numpy as np
 from gradshare.capture import update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import ProtocolError, TrainingError
+from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
 
@@ -54,7 +55,7 @@ class WorkerConfig:
     job_id: int
     world_size: int
     model: Any  # an nn.Module whose parameters are the initial ones (every replica starts from them)
-    loss: Callable
+    loss: Callable | None  # (outputs, labels) -> loss; None when train_step is a user's hook
     optimizer: Callable  # factory: params -> torch.optim.Optimizer
     threshold_rule: Any  # FixedThreshold / AdaptiveThreshold / ... (deep-copied per worker)
     residual_clip: Any  # ResidualClipping or None
@@ -68,7 +69,7 @@ class WorkerConfig:
     timeout: float = 60.0
     insecure: bool = False
     spill_bytes: int = 256 << 20
-    validation: tuple[np.ndarray, np.ndarray] | None = None
+    validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None  # (inputs, labels): batches.validation_arrays
     metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
     lookahead: bool = True  # k >= 1: step at P + own not-yet-applied messages (module docstring)
     lr_scheduler: Callable | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
@@ -78,6 +79,7 @@ class WorkerConfig:
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
     extra: dict = field(default_factory=dict)
+    train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -196,6 +198,7 @@ class Worker:
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
+        self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
         if len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
         else:
@@ -210,8 +213,14 @@ class Worker:
             self._order = epoch_order(len(self.data), self.cfg.seed, self.rank, epoch)
             self._order_epoch = epoch
         idx = np.sort(self._order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size])
-        x = torch.from_numpy(np.ascontiguousarray(self.data.features[idx], dtype=np.float32))
-        return x, self.labels[torch.from_numpy(idx)]
+        # every input keeps its dtype (int64 token ids stay exact; batches.py)
+        inputs = (torch.from_numpy(np.ascontiguousarray(a[idx])) for a in self.data.inputs)
+        return (*inputs, self.labels[torch.from_numpy(idx)])
+
+    def _loss_of(self, batch):
+        """The step's loss tensor for a batch (x1, ..., xn, labels): the user's train_step or
+        loss(model(*inputs), labels) (losses.py)."""
+        return self.train_step(self.model, batch)
 
     @property
     def evaluates(self) -> bool:
@@ -234,14 +243,12 @@ class Worker:
 
         if not self.evaluates:
             return None
-        xv, yv = self.cfg.validation
-        metric = self.cfg.metric
+        inputs, yv = self.cfg.validation
+        batch = (*(torch.as_tensor(a) for a in inputs), torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype)))
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            out = self.model(torch.as_tensor(np.asarray(xv, dtype=np.float32)))
-            y = torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype))
-            value = metric(out, y) if metric is not None else float(self.cfg.loss(out, y))
+            value = self.train_step.evaluate(self.model, batch, self.cfg.metric)
         self.model.train(was_training)
         return float(value)
 
@@ -256,7 +263,7 @@ class Worker:
 
     def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
         prof, flat, state = self.profile, self.flat, self.state
-        x, y = self._batch(epoch, b)
+        batch = self._batch(epoch, b)
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
         versions = flat.versions()
@@ -264,7 +271,7 @@ class Worker:
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
-            loss = self.cfg.loss(self.model(x), y)
+            loss = self._loss_of(batch)
         self.precision.backward(loss)
         prof.lap("compute")
         changed = self._take_buffer_change(buffers_before)

@@ -1,0 +1,259 @@
+"""Which loss a fit uses, the train step that computes it, and the driver's one-row probe (issue 11).
+
+A *batch* is a tuple of tensors ``(x1, ..., xn, labels)``: the model's inputs in row order (one for
+plain rows), then the labels. A train step is ``step(model, batch) -> scalar loss tensor``; the worker
+calls ``backward()`` on it and then the optimizer. The default step is `LossStep`:
+``loss(model(*inputs), target)``; a user's ``train_step`` hook (several outputs, sample weights,
+auxiliary losses) is wrapped in `HookStep`.
+
+Choosing the default (`plan_loss`, on the driver before any task starts):
+- The model is run once, in eval mode without gradients, on a copy, on the first row of partition 0
+  (the pre-pass brings it back): that gives its output shape. A model that cannot run there (it
+  reads the Spark task context, say) is left to the workers, which check every batch the same way.
+- int labels → CrossEntropyLoss; the output must be (B, C, ...) with C > 1 classes.
+- float labels → MSELoss, with the target shaped like the output where that is unambiguous ((B,)
+  against (B, 1) is unsqueezed, (B, 1) against (B,) squeezed); any other difference is an error
+  naming both shapes, never a silent broadcast (MSELoss of (B, 1) against (B,) broadcasts to (B, B)
+  and the model learns only the mean). A user's `loss` gets the same target shaping and check.
+- float labels that are all whole numbers ≥ 0 (Spark's StringIndexer gives 0.0, 1.0, ...) become
+  int64 class indices when the probe saw a classifier: a (B, C) output with C > 1.
+- ``label_dtype`` ("int64" / "float32") overrides the label half of this.
+
+Gradient clipping: the step only returns the loss, so clipping lives with the optimizer: pass
+``optimizer=clip_grad_norm(factory, max_norm)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+
+def _shape(t) -> str:
+    """A batch tensor's shape with the batch dimension written B: what the user's model sees."""
+    dims = ["B", *(str(d) for d in tuple(t.shape)[1:])] if t.dim() else []
+    return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+
+
+def match_target(out, y, *, classes: bool = False):
+    """The labels `y` shaped for `out`, or ValueError naming both shapes (module docstring).
+
+    classes: the loss takes class indices (CrossEntropyLoss): `out` must be (B, C, *d) with C > 1 for
+    labels (B, *d). Integer labels for a user's loss are passed through unchecked (index losses such
+    as NLLLoss never broadcast).
+    """
+    import torch
+
+    if not torch.is_tensor(out):
+        raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
+                        "output (several outputs: pass train_step=)")
+    if classes:
+        if out.dim() == y.dim() + 1 and out.shape[2:] == y.shape[1:] and out.shape[0] == y.shape[0] and out.shape[1] > 1:
+            return y
+        raise ValueError(f"the labels are class indices of shape {_shape(y)}, so the model's output must be "
+                         f"(B, C{''.join(', ' + str(d) for d in y.shape[1:])}) with C > 1 classes, but it has shape "
+                         f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')")
+    if not y.is_floating_point() or out.shape == y.shape:
+        return y
+    if out.dim() == y.dim() + 1 and out.shape[-1] == 1 and out.shape[:-1] == y.shape:
+        return y.unsqueeze(-1)
+    if y.dim() == out.dim() + 1 and y.shape[-1] == 1 and y.shape[:-1] == out.shape:
+        return y.squeeze(-1)
+    hint = (" (class indices, such as StringIndexer's 0.0, 1.0, ...? pass label_dtype='int64')"
+            if out.dim() == 2 and y.dim() == 1 and out.shape[1] > 1 else "")
+    raise ValueError(f"the model's output has shape {_shape(out)} but the labels have shape {_shape(y)}: the loss "
+                     f"would broadcast one against the other{hint}")
+
+
+class InputTypeError(TypeError):
+    """Data of a dtype the model cannot take, or a train_step result that is not a scalar loss: the
+    probe raises these on the driver instead of leaving them to the workers."""
+
+
+_EMBEDDING = re.compile(r"'indices'.*(?:Long, Int|embedding)", re.S)
+_DTYPE = re.compile(r"dtype|scalar type|Long and Float|Float and Long")
+
+
+@contextmanager
+def explained(inputs, names: tuple[str, ...]):
+    """Re-raise torch's dtype errors from a forward pass as TypeError naming the input and its dtype:
+    features keep their dtype (batches.py), so float ids reach an nn.Embedding, or int data a Linear."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        text = str(e)
+        names = names if len(names) == len(inputs) else tuple(f"input {i}" for i in range(len(inputs)))
+        floats = [f"{n} has dtype {str(x.dtype).replace('torch.', '')}" for n, x in zip(names, inputs)
+                  if x.is_floating_point()]
+        ints = [f"{n} has dtype {str(x.dtype).replace('torch.', '')}" for n, x in zip(names, inputs)
+                if not x.is_floating_point()]
+        if _EMBEDDING.search(text) and floats:
+            raise InputTypeError(f"an nn.Embedding got float ids: {'; '.join(floats)}; give token ids as integers "
+                                 f"(they stay int64 end to end). torch said: {text.splitlines()[0]}") from e
+        if _DTYPE.search(text) and ints:
+            raise InputTypeError(f"a layer got non-float data: {'; '.join(ints)}; integer and bool features keep "
+                                 "their dtype (issue 11): cast them to float in the data or in the model. torch said: "
+                                 f"{text.splitlines()[0]}") from e
+        raise
+
+
+class LossStep:
+    """The default train step: ``loss(model(*inputs), target)`` with `match_target`'s shaping."""
+
+    def __init__(self, loss: Callable, name: str | None = None, input_names: tuple[str, ...] = (),
+                 classes: bool = False):
+        self.loss, self.name, self.input_names, self.classes = loss, name or _name(loss), input_names, classes
+
+    def outputs(self, model, inputs):
+        with explained(inputs, self.input_names):
+            return model(*inputs)
+
+    def __call__(self, model, batch):
+        *inputs, y = batch
+        out = self.outputs(model, inputs)
+        return self.loss(out, match_target(out, y, classes=self.classes))
+
+    def evaluate(self, model, batch, metric: Callable | None) -> float:
+        *inputs, y = batch
+        out = self.outputs(model, inputs)
+        return float(metric(out, y) if metric is not None else self.loss(out, match_target(out, y, classes=self.classes)))
+
+
+class HookStep:
+    """A user's ``train_step(model, batch) -> loss``; checks that it returns a scalar tensor."""
+
+    def __init__(self, fn: Callable, input_names: tuple[str, ...] = ()):
+        self.fn, self.name, self.input_names = fn, f"train_step:{_name(fn)}", input_names
+
+    def __call__(self, model, batch):
+        import torch
+
+        with explained(batch[:-1], self.input_names):
+            loss = self.fn(model, batch)
+        if not (torch.is_tensor(loss) and loss.dim() == 0):
+            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+            raise InputTypeError(f"train_step must return a scalar loss tensor, got {shape}")
+        return loss
+
+    def evaluate(self, model, batch, metric: Callable | None) -> float:
+        if metric is None:  # validation: the hook's own loss
+            return float(self(model, batch))
+        *inputs, y = batch
+        with explained(inputs, self.input_names):
+            return float(metric(model(*inputs), y))
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def clip_grad_norm(optimizer: Callable, max_norm: float) -> Callable:
+    """An optimizer factory like `optimizer` whose step first clips the gradients' total norm to
+    `max_norm` (torch.nn.utils.clip_grad_norm_), e.g.
+    ``optimizer=clip_grad_norm(lambda p: torch.optim.Adam(p, 1e-3), 1.0)``. A step pre-hook keeps the
+    optimizer's own class, so the direct update path (capture.py) still applies."""
+    if not callable(optimizer):
+        raise TypeError("clip_grad_norm: optimizer must be a factory taking the parameter list")
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0 and np.isfinite(max_norm)):
+        raise ValueError(f"clip_grad_norm: max_norm must be a positive finite number, got {max_norm!r}")
+
+    def factory(params):
+        import torch
+
+        params = list(params)
+        opt = optimizer(params)
+        def clip(*_):  # a step pre-hook must return None
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+        opt.register_step_pre_hook(clip)
+        return opt
+
+    return factory
+
+
+# ------------------------------------------------------------------------------------ driver side
+@dataclass(frozen=True)
+class LossPlan:
+    """What `plan_loss` decided: the labels' dtype, the step every worker runs, and what to report."""
+
+    label_dtype: str
+    step: Any  # LossStep | HookStep
+    name: str  # "CrossEntropyLoss", "MSELoss", a user loss's class/function name, "train_step:<name>"
+    probe: str  # "output (B, 10)" or why the probe could not run on the driver
+
+
+def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, train_step=None,
+              label_dtype: str | None = None, input_names: tuple[str, ...] = (),
+              label_range: tuple[int, int] | None = None) -> LossPlan:
+    """Choose label dtype and loss from the label kind and the model's output on one row (`sample`:
+    ``(inputs, label)`` NumPy arrays); raise before training on dtype, shape or class-count errors it
+    can see (`label_range`: the pre-pass's lowest and highest scalar class label)."""
+    import torch
+
+    inputs = tuple(torch.from_numpy(np.array(a)[None]) for a in sample[0])  # a batch of one row
+    if label_dtype == "int64" and label_kind == "float" and not labels_whole:
+        raise ValueError("label_dtype='int64' but the labels hold fractional or negative values; class "
+                         "indices must be whole numbers >= 0")
+    out, why = _probe(model, inputs, input_names, train_step is None)
+    if label_dtype is None:
+        classifier = torch.is_tensor(out) and out.dim() == 2 and out.shape[1] > 1
+        whole = label_kind == "float" and labels_whole and np.ndim(sample[1]) == 0
+        label_dtype = "int64" if label_kind == "int" or (whole and classifier) else "float32"
+    y = torch.as_tensor(np.asarray(sample[1]).astype(label_dtype))[None]
+    if train_step is not None:
+        step = HookStep(train_step, input_names)
+        if why is None:  # the hook's own dtype/result errors surface here, before any task starts
+            why = _attempt(lambda: step(_eval_copy(model), (*inputs, y))) or "train_step ran on one row"
+        return LossPlan(label_dtype, step, step.name, why)
+    classes = loss is None and label_dtype == "int64"
+    if loss is None:
+        loss = torch.nn.CrossEntropyLoss() if classes else torch.nn.MSELoss()
+    step = LossStep(loss, input_names=input_names, classes=classes)
+    if out is None:
+        return LossPlan(label_dtype, step, step.name, why)
+    match_target(out, y, classes=classes)  # a shape error names both shapes now, not on every executor
+    if classes and label_range is not None and not 0 <= label_range[0] <= label_range[1] < out.shape[1]:
+        raise ValueError(f"the labels are class indices from {label_range[0]} to {label_range[1]}, but the model's "
+                         f"output {_shape(out)} has {out.shape[1]} classes (0 to {out.shape[1] - 1})")
+    return LossPlan(label_dtype, step, step.name, f"output {_shape(out)}")
+
+
+def _eval_copy(model):
+    probe = copy.deepcopy(model)  # a forward may keep state (counters, caches): the shipped model stays fresh
+    probe.eval()  # BatchNorm and dropout: one row is fine in eval mode
+    return probe
+
+
+def _attempt(fn) -> str | None:
+    """Run `fn` without gradients; None when it ran, else why not. InputTypeError is raised: it is the
+    user's data or hook, wherever it runs."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            fn()
+    except InputTypeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model may need the Spark task; workers check every batch
+        return f"probe skipped: {type(e).__name__}: {e}"
+    return None
+
+
+def _probe(model, inputs, names, call_model: bool):
+    """(output, None) from one forward pass, or (None, why not); dtype errors are raised, named.
+    A train_step hook calls the model its own way (an input may be sample weights): not probed here."""
+    if not call_model:
+        return None, None
+    got = []
+
+    def forward():
+        with explained(inputs, names):
+            got.append(_eval_copy(model)(*inputs))
+
+    why = _attempt(forward)
+    return (got[0], None) if why is None else (None, why)
