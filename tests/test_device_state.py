@@ -1,0 +1,175 @@
+"""The device code path (issue 11, step 2) run on the CPU: FlatParams with a torch tensor state, the buffer
+change and its apply on tensors, and whole fits on the torch path (worker_options tensor_state) that end
+bit-identical to the NumPy/Numba path. The codecs are bit-identical (tests/test_torch_codec.py), and every
+other operation of a step is the same float32 operation on either kind (gradshare/vectors.py), so a
+whole fit must be too. CUDA itself is not exercised here (no GPU on the test machines)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark import cloudpickle
+from torch import nn
+
+from gradshare import SharedTrainer
+from gradshare.demo import digits_split, mlp
+from gradshare.encoding import StepUpdate, apply_update, buffer_change, encode
+from gradshare.flat import FlatParams
+from gradshare.transport import param_hash
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+CPU = torch.device("cpu")
+
+
+def bn_mlp():
+    return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+# ------------------------------------------------------------------------------------ FlatParams
+def test_a_tensor_state_holds_the_same_values_and_the_module_aliases_it():
+    torch.manual_seed(0)
+    model = bn_mlp()
+    with torch.no_grad():
+        model[1].running_mean.uniform_()
+    reference = FlatParams(copy.deepcopy(model))  # the NumPy state of the same model
+    flat = FlatParams(model, device=CPU)
+    assert isinstance(flat.state, torch.Tensor) and flat.device == CPU
+    assert flat.state.dtype == torch.float32 and flat.state.shape == (flat.n_state,)
+    assert np.array_equal(flat.host_state(), reference.state)  # the same layout and values as the NumPy state
+    assert flat.array.data_ptr() == flat.state.data_ptr() and flat.array.numel() == flat.n_params
+    assert flat.buffer_array.data_ptr() == flat.state.data_ptr() + 4 * flat.n_params
+    flat.array[:5] = 2.5  # the module's parameters ARE the state's memory
+    assert torch.all(model[0].weight.view(-1)[:5] == 2.5)
+    model[1].running_var.fill_(3.0)  # and so are its float buffers
+    assert torch.all(flat.buffer_array[32:] == 3.0)
+    with torch.no_grad():
+        model[3].bias.add_(1.0)
+    assert torch.equal(flat.array[-10:], model[3].bias)
+
+
+def test_load_twin_views_and_host_state_of_a_tensor_state():
+    model = bn_mlp()
+    flat = FlatParams(model, device=CPU)
+    twin = flat.keep_twin()
+    assert isinstance(twin, torch.Tensor) and torch.equal(twin, flat.array)
+    assert twin.data_ptr() != flat.array.data_ptr()
+    values = np.arange(flat.n_state, dtype=np.float32)
+    flat.load(values)  # a host snapshot (the relay's) onto the device state, the twin following
+    assert np.array_equal(flat.host_state(), values)
+    assert np.array_equal(model[1].running_var.numpy(), values[-32:])
+    assert torch.equal(twin, flat.array)
+    flat.load(values.astype(np.float64))  # same_kind casting, as on the NumPy path
+    with pytest.raises(ValueError, match=r"\(\d+ parameters \+ 64 buffer entries\)"):
+        flat.load(values[:-1])
+    residual = torch.zeros(flat.n_params)
+    views = flat.views(residual)  # the direct path points the parameters at these (capture.py)
+    views[0].fill_(1.0)
+    assert residual[: model[0].weight.numel()].eq(1.0).all() and residual[model[0].weight.numel():].eq(0).all()
+    with pytest.raises(ValueError, match=r"contiguous float32 tensor of shape"):
+        flat.views(torch.zeros(flat.n_params + 1))
+    with pytest.raises(ValueError, match=r"C-contiguous float32 array"):
+        FlatParams(bn_mlp()).views(np.zeros(3, np.float32))
+
+
+def test_the_default_state_stays_numpy_and_a_device_model_is_refused_there():
+    flat = FlatParams(mlp(16))
+    assert isinstance(flat.state, np.ndarray) and flat.device is None and flat.host_state() is flat.state
+    model = mlp(16).to("meta")  # any non-CPU device: the NumPy state needs host memory
+    with pytest.raises(TypeError, match=r"on meta.*SharedTrainer\(device=\.\.\.\)"):
+        FlatParams(model)
+
+
+# ------------------------------------------------------------------------------------ buffers on tensors
+@SETTINGS
+@given(data=st.data(), n=st.integers(1, 300), world=st.integers(1, 7))
+def test_buffer_change_and_its_apply_are_the_same_bits_on_tensors(data, n, world):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    before = (rng.normal(size=n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    moved = rng.random(n) < data.draw(st.floats(0.0, 1.0))
+    after = np.where(moved, before * np.float32(0.9) + rng.normal(size=n).astype(np.float32), before)
+    assert before.dtype == after.dtype == np.float32
+    index, values = buffer_change(before, after, world)
+    t_index, t_values = buffer_change(torch.from_numpy(before), torch.from_numpy(after), world)
+    assert t_index.dtype == np.uint32 and t_values.dtype == np.float32
+    assert np.array_equal(t_index, index) and np.array_equal(t_values.view(np.uint32), values.view(np.uint32))
+    # ... and applied after a parameter message, into a state of 50 parameters then these buffers
+    residual = rng.normal(size=50).astype(np.float32)
+    update = StepUpdate(encode(residual, None, 0.5), index, values)
+    state = np.concatenate([rng.normal(size=50).astype(np.float32), before])
+    tensor = torch.from_numpy(state.copy())
+    apply_update(update, state, 0.5)
+    apply_update(update, tensor, 0.5)
+    assert np.array_equal(tensor.numpy().view(np.uint32), state.view(np.uint32))
+
+
+def test_a_non_finite_buffer_change_on_a_tensor_is_named():
+    before = torch.zeros(4)
+    after = torch.tensor([0.0, 1.0, float("inf"), 0.0])
+    with pytest.raises(ValueError, match=r"buffer entry 2 became inf"):
+        buffer_change(before, after, 2)
+
+
+# ------------------------------------------------------------------------------------ whole fits
+@pytest.fixture(scope="module")
+def digits(spark):
+    X_train, _, y_train, _ = digits_split(0)
+    rows = list(zip(X_train[:640], (int(v) for v in y_train[:640])))
+    return spark.sparkContext.parallelize(rows, 2).cache()
+
+
+FITS = {
+    "mlp": dict(model=lambda: mlp(32)),
+    "batchnorm": dict(model=bn_mlp),
+    "staleness-1": dict(model=lambda: mlp(32), staleness=1),
+    "general-path": dict(model=bn_mlp, staleness=1, worker_options={"direct_update": False}),
+}
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("case", list(FITS))
+def test_a_fit_on_the_tensor_path_is_bit_identical_to_the_numpy_path(digits, case):
+    kw = dict(FITS[case])
+    model, options = kw.pop("model"), kw.pop("worker_options", {})
+    fits = {tensor: SharedTrainer(model, epochs=2, device="cpu", worker_options={**options, "tensor_state": tensor},
+                                  **LOOPBACK, **kw).fit(digits)
+            for tensor in (False, True)}
+    for tensor, r in fits.items():
+        assert [rep["tensor_state"] for rep in r.worker_reports] == [tensor, tensor]
+        assert [rep["device"] for rep in r.worker_reports] == ["cpu", "cpu"]
+        assert all(rep["applied"] > 0 for rep in r.worker_reports)
+    numpy_fit, tensor_fit = fits[False], fits[True]
+    assert tensor_fit.param_hash == numpy_fit.param_hash
+    assert [h["loss"] for h in tensor_fit.history] == [h["loss"] for h in numpy_fit.history]
+    assert tensor_fit.worker_reports[0]["update_path"] == ("general" if "direct_update" in options else "direct")
+
+
+def test_device_is_checked_on_the_driver():
+    for bad in ("gpu", "cuda:x", "mps", 0, None):
+        with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda', 'cuda:N', 'auto'"):
+            SharedTrainer(mlp, device=bad)
+    assert SharedTrainer(mlp).device == "auto"
+    assert SharedTrainer(mlp, device=" CUDA:1 ").device == "cuda:1"  # the driver needs no GPU to name one
+    assert SharedTrainer(mlp, device=torch.device("cpu")).device == "cpu"
+    with pytest.raises(ValueError, match=r"worker_options\['tensor_state'\] must be True or False"):
+        SharedTrainer(mlp, worker_options={"tensor_state": "yes"})
+
+
+@pytest.mark.spark
+def test_auto_trains_on_the_cpu_without_a_gpu_and_cuda_is_refused_by_the_worker(digits):
+    if torch.cuda.is_available():  # a GPU machine: auto and cuda both train there
+        r = SharedTrainer(lambda: mlp(32), epochs=1, device="cuda", **LOOPBACK).fit(digits)
+        assert all(rep["device"].startswith("cuda") and rep["tensor_state"] for rep in r.worker_reports)
+        return
+    r = SharedTrainer(lambda: mlp(32), epochs=1, **LOOPBACK).fit(digits)  # device="auto"
+    assert [(rep["device"], rep["tensor_state"]) for rep in r.worker_reports] == [("cpu", False)] * 2
+    with pytest.raises(ValueError, match=r"worker rank \d failed: ValueError: device 'cuda' was asked for, "
+                                         r"but torch cannot use CUDA here"):
+        SharedTrainer(lambda: mlp(32), epochs=1, device="cuda", timeout=10.0, **LOOPBACK).fit(digits)
