@@ -162,14 +162,51 @@ def test_device_is_checked_on_the_driver():
         SharedTrainer(mlp, worker_options={"tensor_state": "yes"})
 
 
-@pytest.mark.spark
-def test_auto_trains_on_the_cpu_without_a_gpu_and_cuda_is_refused_by_the_worker(digits):
-    if torch.cuda.is_available():  # a GPU machine: auto and cuda both train there
-        r = SharedTrainer(lambda: mlp(32), epochs=1, device="cuda", **LOOPBACK).fit(digits)
-        assert all(rep["device"].startswith("cuda") and rep["tensor_state"] for rep in r.worker_reports)
+def _worker(device, **extra):
+    from gradshare import encoding
+    from gradshare.spark import PartitionData
+    from gradshare.worker import Worker, WorkerConfig
+
+    X, y = np.zeros((8, 64), np.float32), np.zeros(8, np.int64)
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
+                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                       threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(1,),
+                       epochs=1, batch_size=8, staleness=0, seed=0, label_dtype="int64", device=device, extra=extra)
+    return Worker(cfg, 0, PartitionData(X, y))
+
+
+def test_the_worker_resolves_its_device():
+    if torch.cuda.is_available():  # a GPU machine: auto and cuda train there, on the torch state
+        for device in ("auto", "cuda"):
+            w = _worker(device)
+            assert w.device.type == "cuda" and isinstance(w.flat.state, torch.Tensor)
+            assert w.flat.state.device == w.device and w.state.residual.device == w.device
         return
-    r = SharedTrainer(lambda: mlp(32), epochs=1, **LOOPBACK).fit(digits)  # device="auto"
-    assert [(rep["device"], rep["tensor_state"]) for rep in r.worker_reports] == [("cpu", False)] * 2
-    with pytest.raises(ValueError, match=r"worker rank \d failed: ValueError: device 'cuda' was asked for, "
-                                         r"but torch cannot use CUDA here"):
-        SharedTrainer(lambda: mlp(32), epochs=1, device="cuda", timeout=10.0, **LOOPBACK).fit(digits)
+    w = _worker("auto")  # no GPU: the CPU, and the NumPy state CPU users had before
+    assert w.device == CPU and isinstance(w.flat.state, np.ndarray) and isinstance(w.state.residual, np.ndarray)
+    w = _worker("cpu", tensor_state=True)
+    assert isinstance(w.flat.state, torch.Tensor) and isinstance(w.state.residual, torch.Tensor)
+    assert w.path.views[0].data_ptr() == w.state.residual.data_ptr()  # the direct path aliases the tensor residual
+    with pytest.raises(ValueError, match=r"device 'cuda' was asked for, but torch cannot use CUDA here"):
+        _worker("cuda")
+
+
+def test_the_device_step_benchmark_runs_both_paths_to_the_same_bits(tmp_path, capsys):
+    import argparse
+    import json
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import device_step
+    finally:
+        sys.path.pop(0)
+    parser = argparse.ArgumentParser()
+    device_step.add_arguments(parser)
+    out = tmp_path / "device_step.json"
+    args = parser.parse_args(["--widths", "64,48,10", "--steps", "4", "--warmup", "2", "--rounds", "2",
+                              "--threads", str(torch.get_num_threads()), "--json", str(out)])
+    assert device_step.run(args) == 0
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and res["bit_identical"] is True and res["steps"] == 8
+    assert "replicas bit-identical" in capsys.readouterr().out
