@@ -17,20 +17,16 @@ import json
 import os
 import sys
 
-from precision_step import gradshare_worker, timed  # this folder is on sys.path when a benchmark runs as a script
+# this folder is on sys.path when a benchmark runs as a script
+from precision_step import add_arguments as step_arguments
+from precision_step import gradshare_worker, timed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="where the torch path runs: cpu, cuda, cuda:N, auto")
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per path per round")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each block")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--widths", default="1024,768,256,10", help="MLP layer widths (default ~1 M params)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a worker's task CPUs)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    step_arguments(parser)  # --steps --warmup --rounds --batch-size --widths --threads --json
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a worker-step benchmark (device_step.py takes them too)."""
     parser.add_argument("--steps", type=int, default=60, help="timed steps per precision per round")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each block")
     parser.add_argument("--rounds", type=int, default=3)
