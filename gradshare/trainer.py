@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.device import check_device
+from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.precision import check_precision
 
 
