@@ -191,16 +191,23 @@ def test_the_worker_resolves_its_device():
         _worker("cuda")
 
 
-def test_the_device_step_benchmark_runs_both_paths_to_the_same_bits(tmp_path, capsys):
-    import argparse
-    import json
+def _benchmark(name: str):
+    """A module of benchmarks/ (they import each other as scripts do, from their own folder)."""
+    import importlib
     import os
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     try:
-        import device_step
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_the_device_step_benchmark_runs_both_paths_to_the_same_bits(tmp_path, capsys):
+    import argparse
+    import json
+
+    device_step = _benchmark("device_step")
     parser = argparse.ArgumentParser()
     device_step.add_arguments(parser)
     out = tmp_path / "device_step.json"
@@ -210,3 +217,37 @@ def test_the_device_step_benchmark_runs_both_paths_to_the_same_bits(tmp_path, ca
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and res["bit_identical"] is True and res["steps"] == 8
     assert "replicas bit-identical" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision, staleness, direct", [
+    ("bf16-mixed", 0, True), ("fp16-mixed", 1, True), ("fp16-mixed", 1, False), ("32", 2, False),
+])
+def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, direct):
+    """Autocast, the fp16 loss scaler and the lookahead (k >= 1, where one worker's own messages are all
+    it waits for) on the torch state, step by step against the NumPy state, without Spark."""
+    from gradshare import encoding
+    from gradshare.spark import PartitionData
+    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(96, 64)).astype(np.float32), rng.integers(0, 10, 96).astype(np.int64)
+    states = []
+    for tensor in (False, True):
+        torch.manual_seed(0)  # the same initial weights for both
+        cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
+                           loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+                           threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(),
+                           steps_per_epoch=(3,), epochs=3, batch_size=32, staleness=staleness, seed=0,
+                           label_dtype="int64", precision=precision, device="cpu",
+                           extra={"tensor_state": tensor, "direct_update": direct})
+        worker, log = Worker(cfg, 0, PartitionData(X, y)), _benchmark("precision_step").LocalLog()
+        worker.log = ApplyLog(log, worker.flat, 0, 10.0)
+        trail = []
+        for t in range(9):
+            worker.log.apply_through(t - 1 - staleness)
+            worker.step(log, t)
+            trail.append(param_hash(worker.flat.host_state()))
+        if staleness:
+            assert worker.state.pending  # own messages the log had not applied: the lookahead had work
+        states.append(trail)
+    assert states[0] == states[1]
