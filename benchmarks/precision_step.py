@@ -24,6 +24,7 @@ PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a worker-step benchmark (device_step.py takes them too)."""
     parser.add_argument("--steps", type=int, default=60, help="timed steps per precision per round")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each block")
     parser.add_argument("--rounds", type=int, default=3)
@@ -49,7 +50,8 @@ class LocalLog:
         return out
 
 
-def gradshare_worker(precision, widths, batch, total_steps):
+def gradshare_worker(precision, widths, batch, total_steps, **options):
+    """(step function, n_params, the Worker); `options` go to WorkerConfig (device_step.py: device, extra)."""
     import numpy as np
     import torch
 
@@ -66,7 +68,7 @@ def gradshare_worker(precision, widths, batch, total_steps):
         loss=torch.nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
         threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(clip=5.0),
         steps_per_epoch=(8,), epochs=math.ceil(total_steps / 8), batch_size=batch, staleness=0, seed=0,
-        label_dtype="int64", precision=precision,
+        label_dtype="int64", precision=precision, **options,
     )
     worker = Worker(cfg, 0, PartitionData(X, y))
     peer = LocalLog()
@@ -76,7 +78,7 @@ def gradshare_worker(precision, widths, batch, total_steps):
         worker.log.apply_through(t - 1)
         worker.step(peer, t)
 
-    return step, worker.flat.n_params
+    return step, worker.flat.n_params, worker
 
 
 def torch_loop(precision, widths, batch):
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     per_round = args.warmup + args.steps
     workers, loops, n_params = {}, {}, 0
     for p in PRECISIONS:
-        workers[p], n_params = gradshare_worker(p, widths, args.batch_size, per_round * args.rounds)
+        workers[p], n_params, _ = gradshare_worker(p, widths, args.batch_size, per_round * args.rounds)
         loops[p] = torch_loop(p, widths, args.batch_size)
     times = {(kind, p): [] for kind in ("gradshare", "torch") for p in PRECISIONS}
     for r in range(args.rounds):  # alternate, so a load change hits every precision alike

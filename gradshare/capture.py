@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import numpy as np
-
 from gradshare.encoding import share_step
 from gradshare.precision import plain_step
+from gradshare.vectors import copy_into
 
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
 # weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
@@ -90,7 +89,7 @@ class GeneralPath:
         # instead of the change being shared as part of the update. (A write through p.data or a
         # NumPy alias is not seen here: it is shared as update, and replicas stay equal.)
         if changed_in_place:
-            np.copyto(self.flat.twin, self.flat.array)
+            copy_into(self.flat.twin, self.flat.array)
 
     def optimizer_step(self, run=plain_step) -> bool:
         return run(self.optimizer)

@@ -92,3 +92,36 @@ def _check_cuda(dev, count: int, *, why: str) -> None:
         raise ValueError(f"{why}, but torch cannot use CUDA here (no GPU visible, or a CPU-only torch build)")
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"{why}, but torch sees only {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+
+
+def check_device(device) -> str:
+    """``device`` as the name a worker resolves (SharedTrainer checks it on the driver, which may have no
+    GPU of its own, so only the spelling is checked here; executors check that CUDA is usable)."""
+    import torch
+
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', 'auto' or a torch.device, got {device!r}")
+    name = device.strip().lower()
+    if name == "auto":
+        return name
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', 'auto' or a torch.device, got {device!r}")
+    return "cpu" if dev.type == "cpu" else str(dev)
+
+
+def select(device):
+    """Make a CUDA ``device`` CUDA's current one (kernels launched without a device, autocast's and the
+    loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -7,6 +7,11 @@ and applying a decoded message changes the module in place (DESIGN.md, "One trai
 vector (`state`: parameters then buffers) is what the relay holds, what the log changes, what a snapshot
 carries and what the end-of-fit hash covers, so a replica's buffers are as identical as its parameters
 (README, "BatchNorm and other buffers").
+
+On a device (issue 11, ``FlatParams(module, device=...)``) the buffer is a float32 torch tensor there, and
+`state`, `array`, `buffer_array` and `twin` are torch views of it instead of NumPy ones: the codec, the
+apply log and the worker take either (encoding/torch_codec.py, vectors.py). Without a device they stay
+the NumPy views the Numba kernels run on, the CPU default.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradshare.vectors import copy_into, copy_of, to_host
 
-def _check_dtype(kind: str, name: str, t: torch.Tensor) -> None:
+
+def _check_dtype(kind: str, name: str, t: torch.Tensor, on_device: bool) -> None:
     if t.dtype in (torch.float16, torch.bfloat16):
         # The buffer is the float32 master copy every update is encoded from and applied to;
         # half-precision compute is autocast's job (precision.py), not the state's.
@@ -27,8 +34,11 @@ def _check_dtype(kind: str, name: str, t: torch.Tensor) -> None:
         )
     if t.dtype != torch.float32:
         raise TypeError(f"{kind} {name!r} is {t.dtype}; gradshare trains float32 models (call model.float() first)")
-    if t.device.type != "cpu":
-        raise TypeError(f"{kind} {name!r} is on {t.device}; gradshare trains CPU models (call model.cpu() first)")
+    if t.device.type != "cpu" and not on_device:
+        # The NumPy state is host memory; SharedTrainer ships a CPU model and each worker moves it to
+        # its device (SharedTrainer(device=...)).
+        raise TypeError(f"{kind} {name!r} is on {t.device}; pass the model on the CPU (model.cpu()) and "
+                        "choose where it trains with SharedTrainer(device=...)")
 
 
 class FlatParams:
@@ -37,9 +47,14 @@ class FlatParams:
     `state` is that whole buffer (n_state = n_params + n_buffers entries); `array` its first n_params
     entries (the trainable parameters: what is encoded and sent), `buffer_array` the rest.
     Integer buffers (BatchNorm's num_batches_tracked) are not part of the state: they stay local.
+
+    device: None (default) for a NumPy state in host memory (the Numba path); a torch.device for a torch
+        tensor state there ("cpu" included: the device code path without a GPU, for tests). The
+        rebound parameters and buffers then live on it; move the rest of the module (integer buffers,
+        frozen parameters) with ``module.to(device)`` first.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, device: torch.device | None = None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -49,10 +64,10 @@ class FlatParams:
                 "there is nothing to train or share"
             )
         for name, p in named:
-            _check_dtype("parameter", name, p)
+            _check_dtype("parameter", name, p, device is not None)
         held = [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
         for name, b in held:
-            _check_dtype("buffer", name, b)
+            _check_dtype("buffer", name, b, device is not None)
         self.names = [name for name, _ in named]
         self.buffer_names = [name for name, _ in held]
         self.n_params = sum(p.numel() for _, p in named)
@@ -60,10 +75,12 @@ class FlatParams:
         self.n_state = self.n_params + self.n_buffers
         self.params = [p for _, p in named]
         self.buffers = [b for _, b in held]
-        self.buffer = torch.empty(self.n_state, dtype=torch.float32)
-        self.state: np.ndarray = self.buffer.numpy()  # shares memory with `buffer`
-        self.array: np.ndarray = self.state[: self.n_params]  # the parameters (a view: same memory)
-        self.buffer_array: np.ndarray = self.state[self.n_params :]
+        self.device = None if device is None else torch.device(device)
+        self.buffer = torch.empty(self.n_state, dtype=torch.float32, device=self.device)
+        # shares memory with `buffer`: a NumPy view on the default path, `buffer` itself on a device
+        self.state: np.ndarray | torch.Tensor = self.buffer if self.device is not None else self.buffer.numpy()
+        self.array = self.state[: self.n_params]  # the parameters (a view: same memory)
+        self.buffer_array = self.state[self.n_params :]
         self.live = self.views(self.array)  # the parameters' own views of `buffer`
         with torch.no_grad():
             for t, view in zip(self.params + self.buffers, self.live + self._slices(self.buffer_array, self.buffers)):
@@ -72,7 +89,7 @@ class FlatParams:
         self._owners = [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
                         for name in self.buffer_names]
         self._buffer_ptrs = [b.data_ptr() for b in self.buffers]
-        self.twin: np.ndarray | None = None  # see keep_twin()
+        self.twin: np.ndarray | torch.Tensor | None = None  # see keep_twin()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -96,27 +113,32 @@ class FlatParams:
             i -= b.numel()
         raise IndexError(i)
 
-    def _slices(self, array: np.ndarray, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = torch.from_numpy(array)
+    def _slices(self, array, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
         out, offset = [], 0
         for t in tensors:
             out.append(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         return out
 
-    def keep_twin(self) -> np.ndarray:
+    def keep_twin(self):
         """Allocate `twin`, a second copy of `array`. Whoever changes the parameters between steps
         (the apply log, `load`) changes both alike, so at the start of a step the twin still holds P
         after the step's local work has moved `array` away from it: the worker measures the update
         against it and rewinds `array` to it in one pass, without copying P every step."""
         if self.twin is None:
-            self.twin = self.array.copy()
+            self.twin = copy_of(self.array)
         return self.twin
 
-    def views(self, array: np.ndarray) -> list[torch.Tensor]:
-        """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params):
-        the layout of `buffer`, over any flat array."""
-        if array.dtype != np.float32 or array.shape != (self.n_params,) or not array.flags.c_contiguous:
+    def views(self, array) -> list[torch.Tensor]:
+        """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params; a
+        NumPy array, or a torch tensor on the state's device): the layout of `buffer`, over any flat array."""
+        if isinstance(array, torch.Tensor):
+            if (array.dtype != torch.float32 or tuple(array.shape) != (self.n_params,) or not array.is_contiguous()
+                    or array.device != self.buffer.device):
+                raise ValueError(f"need a contiguous float32 tensor of shape ({self.n_params},) on "
+                                 f"{self.buffer.device}, got {array.dtype} {tuple(array.shape)} on {array.device}")
+        elif array.dtype != np.float32 or array.shape != (self.n_params,) or not array.flags.c_contiguous:
             raise ValueError(f"need a C-contiguous float32 array of shape ({self.n_params},), got "
                              f"{array.dtype} {array.shape}")
         return self._slices(array, self.params)
@@ -133,6 +155,15 @@ class FlatParams:
         if values.shape != (self.n_state,):
             raise ValueError(f"state array has shape {values.shape}, the model needs ({self.n_state},) "
                              f"({self.n_params} parameters + {self.n_buffers} buffer entries)")
-        np.copyto(self.state, values, casting="same_kind")
+        if self.device is None:
+            np.copyto(self.state, values, casting="same_kind")
+        else:  # the host snapshot crosses to the device once
+            host = values.astype(np.float32, casting="same_kind", copy=False)
+            self.state.copy_(torch.from_numpy(np.ascontiguousarray(host)))
         if self.twin is not None:
-            np.copyto(self.twin, self.array)
+            copy_into(self.twin, self.array)
+
+    def host_state(self) -> np.ndarray:
+        """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy
+        from the device otherwise."""
+        return to_host(self.state)

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gradshare.device import check_device
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.precision import check_precision
 
@@ -91,7 +92,7 @@ class FitResult:
         return self.dense_bytes / moved if moved else math.inf
 
 
-WORKER_OPTIONS = ("profile", "direct_update")  # see SharedTrainer's docstring
+WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
 DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 
 
@@ -146,6 +147,13 @@ class SharedTrainer:
         stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
         (torch.amp.GradScaler, local to each worker); a step whose gradients overflow is skipped and sends
         an empty message (worker reports count them as skipped_steps). gradshare/precision.py.
+    device: where each worker trains: "auto" (default: the GPU Spark assigned to the task, from
+        TaskContext.resources()["gpu"], else CUDA's current device when torch has CUDA, else the CPU),
+        "cpu", "cuda" or "cuda:N". On a GPU the model, its batches, the flat state, the residual, the
+        encode and the apply log all live there (torch ops); only the sparse messages cross to the host.
+        On the CPU the NumPy state and the Numba kernels run, as before. The model is given on the CPU;
+        a CUDA device torch cannot use on an executor is a ValueError naming it. Worker reports say
+        where each rank trained (report["device"]).
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
         executors use to reach it (default: spark.driver.host).
@@ -175,7 +183,9 @@ class SharedTrainer:
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error.
     worker_options: {"profile": True} adds per-phase step timers to each worker report
         (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
-        P_after - P_before even where it could write it into the residual directly (capture.py).
+        P_after - P_before even where it could write it into the residual directly (capture.py);
+        {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
+        for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
     """
 
     def __init__(
@@ -216,6 +226,7 @@ class SharedTrainer:
         aggregate: str = "sum",
         drop_last: bool | str = "auto",
         precision: str = "32",
+        device: str = "auto",
     ):
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
@@ -242,6 +253,7 @@ class SharedTrainer:
         if drop_last not in ("auto", True, False):
             raise ValueError(f"drop_last must be 'auto', True or False, got {drop_last!r}")
         check_precision(precision)
+        self.device = check_device(device)
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if scheduler_interval not in ("step", "epoch"):
@@ -477,7 +489,7 @@ class SharedTrainer:
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
-                precision=self.precision, train_step=plan.step,
+                precision=self.precision, train_step=plan.step, device=self.device,
             )
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)

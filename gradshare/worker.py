@@ -44,6 +44,7 @@ from gradshare.errors import ProtocolError, TrainingError
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
+from gradshare.vectors import copy_of, index_for, where
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class WorkerConfig:
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
+    device: Any = "auto"  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/device.py)
     extra: dict = field(default_factory=dict)
     train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
 
@@ -177,20 +179,26 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, rank: int, data):
         import torch
 
+        from gradshare.device import resolve_device, select
         from gradshare.encoding import SharingState
         from gradshare.flat import FlatParams
         from gradshare.precision import Precision
 
         self.cfg, self.rank, self.data = cfg, rank, data
+        self.device = select(resolve_device(cfg.device))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
-        self.model = copy.deepcopy(cfg.model)
-        self.flat = FlatParams(self.model)
+        self.model = copy.deepcopy(cfg.model).to(self.device)
+        # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays
+        # for the Numba kernels, unless a test or benchmark asks for the torch path there ("tensor_state").
+        on_tensors = self.device.type != "cpu" or bool(cfg.extra.get("tensor_state"))
+        self.flat = FlatParams(self.model, device=self.device if on_tensors else None)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
-                                  follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0)
+                                  follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0,
+                                  device=self.flat.device)
         # The optimizer writes its update straight into the residual where it can; otherwise the step
         # measures it against a twin of P that the apply log keeps (capture.py).
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
@@ -214,8 +222,8 @@ class Worker:
             self._order_epoch = epoch
         idx = np.sort(self._order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size])
         # every input keeps its dtype (int64 token ids stay exact; batches.py)
-        inputs = (torch.from_numpy(np.ascontiguousarray(a[idx])) for a in self.data.inputs)
-        return (*inputs, self.labels[torch.from_numpy(idx)])
+        inputs = (torch.from_numpy(np.ascontiguousarray(a[idx])).to(self.device) for a in self.data.inputs)
+        return (*inputs, self.labels[torch.from_numpy(idx)].to(self.device))
 
     def _loss_of(self, batch):
         """The step's loss tensor for a batch (x1, ..., xn, labels): the user's train_step or
@@ -244,7 +252,8 @@ class Worker:
         if not self.evaluates:
             return None
         inputs, yv = self.cfg.validation
-        batch = (*(torch.as_tensor(a) for a in inputs), torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype)))
+        labels = torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype))
+        batch = tuple(torch.as_tensor(a).to(self.device) for a in (*inputs, labels))
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
@@ -267,7 +276,7 @@ class Worker:
         prof.lap("batch")
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
         versions = flat.versions()
-        buffers_before = flat.buffer_array.copy() if flat.n_buffers else None
+        buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
         prof.lap("lookahead")
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
@@ -293,7 +302,7 @@ class Worker:
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
-    def _take_buffer_change(self, before: np.ndarray | None) -> tuple:
+    def _take_buffer_change(self, before) -> tuple:
         """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
         take that change out of them (it reaches every replica, this one included, through the log,
         encoding/update.py) and return it as (indices, values ÷ world size)."""
@@ -305,11 +314,11 @@ class Worker:
         flat.buffer_array[:] = before
         return changed
 
-    def _look_ahead(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _look_ahead(self) -> tuple | None:
         """Add this rank's sent-but-not-yet-applied messages to P (both copies, the live one and the
         twin the update is measured from) and return what `_look_back` needs to take them out again:
-        (indices they touch, P there before, P there after). None (and nothing done) when no own
-        message is pending: the step runs at P as with k = 0.
+        (indices they touch, P there before, P there after), on P's device. None (and nothing done) when
+        no own message is pending: the step runs at P as with k = 0.
 
         Only the touched values are saved (a few per thousand parameters), not all of P: subtracting
         the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
@@ -320,7 +329,7 @@ class Worker:
         if not pending:
             return None
         live, twin = self.flat.array, self.flat.twin
-        idx = np.concatenate([i for _, _, i in pending])
+        idx = index_for(live, np.concatenate([i for _, _, i in pending]))
         saved = live[idx]
         for _, msg, _ in pending:  # in step order, the order the log will apply them
             apply(msg, live, self.cfg.apply_scale)
@@ -328,12 +337,12 @@ class Worker:
                 apply(msg, twin, self.cfg.apply_scale)
         return idx, saved, live[idx]
 
-    def _look_back(self, idx: np.ndarray, saved: np.ndarray, ahead: np.ndarray) -> None:
+    def _look_back(self, idx, saved, ahead) -> None:
         """After the step's encode (both copies equal again), restore P at the touched indices. Where
         forward/backward changed a touched value in place, that change stays in P, as everywhere else
         (see `_step`)."""
         now = self.flat.array[idx]
-        back = np.where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
+        back = where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
         self.flat.array[idx] = back
         if self.flat.twin is not None:
             self.flat.twin[idx] = back
@@ -383,9 +392,11 @@ class Worker:
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
             "update_path": self.path.name,  # capture.py
+            "device": str(self.flat.buffer.device),  # where it trained: "cpu", "cuda:0", ...
+            "tensor_state": self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
             "silent_steps": self.state.silent_steps,
             # integer buffers (BatchNorm's num_batches_tracked) are local; the result model takes rank 0's
-            "int_buffers": {name: b.numpy().copy() for name, b in self.model.named_buffers()
+            "int_buffers": {name: b.cpu().numpy().copy() for name, b in self.model.named_buffers()
                             if not b.is_floating_point()} if rank == 0 else {},
             "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
         }
@@ -482,7 +493,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
                 _, params = peer.fetch_snapshot(cfg.timeout)
                 worker.flat.load(params)
             report = worker.run(peer, start)
-            report["param_hash"] = param_hash(worker.flat.state)  # parameters and float buffers
+            report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
             report["counters"] = dict(peer.counters())
         except BaseException:
             # Vanish WITHOUT saying LEAVE: a LEAVE before FINISHED makes the relay declare the rank gone

@@ -58,18 +58,36 @@ class StepUpdate:
                 + self.buffer_value.astype("<f4", copy=False).tobytes())
 
 
-def buffer_change(before: np.ndarray, after: np.ndarray, world_size: int,
+def buffer_change(before, after, world_size: int,
                   name=lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
-    `name(i)` says which buffer entry i is in an error."""
-    delta = after - before
-    index = np.flatnonzero(delta)
-    values = (delta[index] / np.float32(world_size)).astype(np.float32)
+    `name(i)` says which buffer entry i is in an error. ``before``/``after`` are NumPy arrays or float32
+    torch tensors of one device: the change is found there, and only the changed entries come to the
+    host (the same bits either way)."""
+    if not isinstance(before, np.ndarray):
+        index, values = _tensor_change(before, after, world_size)
+    else:
+        delta = after - before
+        index = np.flatnonzero(delta)
+        values = (delta[index] / np.float32(world_size)).astype(np.float32)
     if not np.isfinite(values).all():
         bad = int(index[~np.isfinite(values)][0])
         raise ValueError(f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
                          f"{float(before[bad])}); a non-finite running statistic cannot be shared")
     return index.astype(np.uint32), values
+
+
+def _tensor_change(before, after, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    with torch.no_grad():
+        delta = after - before
+        index = torch.nonzero(delta).squeeze(1)
+        # A divisor tensor on the device, not a Python scalar: CUDA turns division by a host scalar into
+        # multiplication by its reciprocal, which rounds differently from NumPy's true division.
+        world = torch.tensor(float(world_size), dtype=torch.float32, device=delta.device)
+        values = delta[index] / world
+        return index.cpu().numpy(), values.cpu().numpy()
 
 
 def decode_update(payload: bytes, n_state: int, *, n_params: int) -> StepUpdate:
@@ -112,9 +130,18 @@ def _message(view: memoryview, n_params: int) -> Message:
 
 
 def apply_update(update: StepUpdate, state: np.ndarray, scale: float = 1.0) -> None:
-    """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32)."""
+    """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32).
+    ``state`` is a NumPy array or a float32 torch tensor on any device (the same bits: each index occurs
+    once, so each entry sees one float32 addition on either)."""
     n = update.message.n_params
     apply(update.message, state[:n], scale)
     if len(update.buffer_index):
         buffers = state[n:]
-        buffers[update.buffer_index] += update.buffer_value
+        if isinstance(buffers, np.ndarray):
+            buffers[update.buffer_index] += update.buffer_value
+        else:
+            import torch
+
+            index = torch.from_numpy(update.buffer_index.astype(np.int64)).to(buffers.device)
+            with torch.no_grad():
+                buffers[index] += torch.from_numpy(update.buffer_value).to(buffers.device)
