@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import GradshareError, TransportTimeout
+from gradshare.transport import events as ev
 from gradshare.transport import udp
 from gradshare.transport.relay_core import RelayCore, param_hash
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
@@ -132,6 +133,11 @@ class Relay:
             d = self._core.counters()
             d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
             return d
+
+    def failure(self) -> ev.Fail | None:
+        """The first FAIL a worker reported (its rank, attempt, error type and message), or None."""
+        with self._lock:
+            return next(iter(self._core.failures.values()), None)
 
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""

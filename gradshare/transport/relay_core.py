@@ -15,7 +15,9 @@ What the relay does (issue 3, DESIGN.md Transport + Consistency):
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
 - declares a rank silent for ``liveness_timeout`` gone, cut at the last step it holds contiguously;
-- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream.
+- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
+- records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
+  job on it (issue 11).
 """
 
 from __future__ import annotations
@@ -188,6 +190,7 @@ class RelayCore:
         self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
         self.snapshots: dict[int, Snapshot] = {}
         self.transfers: dict[int, Transfer] = {}         # rank -> transfer
+        self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
         self._snap_seq = 0
         self._out: list[tuple[bytes, Any]] = []
         self._events: deque = deque()
@@ -268,6 +271,11 @@ class RelayCore:
         if h.attempt < self.attempt:
             self.chan.drops["old_attempt"] += 1
             return
+        if h.kind == Kind.FAIL:              # accepted unjoined: a rank may fail before it could join
+            body = self.chan.open(h, data)
+            if body is not None:
+                self._on_fail(h, body, addr)
+            return
         if h.kind != Kind.JOIN and h.attempt != self.attempt:
             self.chan.drops["unknown_attempt"] += 1
             return
@@ -321,6 +329,22 @@ class RelayCore:
                 self._free_snapshots()
         else:
             self.chan.drops["unexpected_kind"] += 1
+
+    def _on_fail(self, h: wire.Header, body: bytes, addr: Any) -> None:
+        """Record a rank's deterministic failure (one per rank: ``failures`` stays bounded) and
+        acknowledge it; the FAIL is retransmitted until acknowledged, so duplicates are normal."""
+        msg = self.chan.control(Kind.FAIL, body)
+        if msg is None:
+            return
+        if msg.rank != h.sender or msg.attempt != h.attempt:
+            self.chan.drops["bad_fail"] += 1
+            return
+        known = self.failures.get(msg.rank)
+        if known is None or known.attempt != msg.attempt:
+            self.failures[msg.rank] = msg
+            self.c["failures"] += 1
+            self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message))
+        self._send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
