@@ -346,6 +346,7 @@ class SharedTrainer:
         import torch
 
         from gradshare.flat import FlatParams
+        from gradshare.shipping import pack_user_objects, skeleton
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
         from gradshare.transport import Relay, new_job_key
         from gradshare.transport.relay_core import default_apply_update
@@ -371,11 +372,11 @@ class SharedTrainer:
         loss = self.loss or (torch.nn.CrossEntropyLoss() if label_dtype == "int64" else torch.nn.MSELoss())
         metric = self.metric or (accuracy if label_dtype == "int64" and self.validation_data is not None else None)
 
-        # The job ships this copy: its parameters are the initial ones, each in its own storage (a
-        # parameter that is a view into a flat buffer would pickle the WHOLE buffer, once per parameter).
-        shipped = copy.deepcopy(model)
         flat = FlatParams(model)  # raises on a model with no trainable parameters
         initial = flat.array.copy()
+        # The job ships a skeleton: the flat state's tensors are meta tensors; the workers take their
+        # values from the relay's snapshot (shipping.py: the weights never sit twice in a worker).
+        shipped = skeleton(model, flat.params)
         rows = {s.index: s.rows for s in summaries}
         steps_per_epoch = tuple(math.ceil(rows[r] / self.batch_size) for r in range(world))
         rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
@@ -388,7 +389,7 @@ class SharedTrainer:
                       ).start()
         try:
             host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
-            cfg = WorkerConfig(
+            cfg = pack_user_objects(WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
                 model=shipped, loss=loss, optimizer=self.optimizer,
                 threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
@@ -398,7 +399,7 @@ class SharedTrainer:
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale,
-            )
+            ))
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
             final = relay.params
@@ -450,6 +451,9 @@ class SharedTrainer:
             while thread.is_alive():
                 thread.join(0.25)
                 bar.update(relay.progress())
+                failed = relay.failure()
+                if failed is not None:  # a worker's deterministic error: retries would repeat it
+                    raise _reported_error(failed)  # the handler below cancels the job
         except BaseException:
             sc.cancelJobGroup(group)
             thread.join(30.0)
@@ -457,6 +461,9 @@ class SharedTrainer:
         finally:
             bar.close()
         if "error" in out:
+            failed = relay.failure()  # a task fails only after its FAIL was acknowledged (or given up)
+            if failed is not None:
+                raise _reported_error(failed) from out["error"]
             raise _driver_error(out["error"], relay) from out["error"]
         return out["reports"]
 
@@ -499,6 +506,20 @@ class _ProgressBar:
 
 
 _TAGGED = re.compile(r"\[gradshare rank (\d+)\] (\w+): ([^\n]*)")
+# the closing line of a Python traceback: "ModuleNotFoundError: No module named 'x'" (dotted names too)
+_PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (.*)$", re.M)
+
+
+def _error_class(kind: str) -> type[Exception]:
+    """The class the driver raises for a worker's error named `kind`."""
+    cls = {"ValueError": ValueError, "TypeError": TypeError, "TransportTimeout": TransportTimeout}.get(kind)
+    return TrainingError if cls is None else cls
+
+
+def _reported_error(failed) -> Exception:
+    """The error for a FAIL a worker reported to the relay (transport.events.Fail)."""
+    return _error_class(failed.error_type)(
+        f"worker rank {failed.rank} failed: {failed.error_type}: {failed.message}")
 
 
 def _driver_error(exc: BaseException, relay) -> Exception:
@@ -507,12 +528,16 @@ def _driver_error(exc: BaseException, relay) -> Exception:
     found = _TAGGED.findall(text)
     if found:
         rank, kind, message = found[-1]  # the most recent failure
-        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(kind)
-        if cls is None:
-            cls = TransportTimeout if kind == "TransportTimeout" else TrainingError
-        return cls(f"worker rank {rank} failed: {kind}: {message}")
+        return _error_class(kind)(f"worker rank {rank} failed: {kind}: {message}")
     if isinstance(exc, GradshareError):
         return exc
+    # Spark failed the task before our code ran (e.g. unpickling the closure): the root cause is the
+    # LAST line of the Python traceback in its text; the first lines are Spark's own wrappers.
+    tail = text[text.rfind("Traceback (most recent call last)"):]
+    causes = _PY_ERROR.findall(tail)
+    if causes:
+        kind, message = causes[-1]
+        return TrainingError(f"the Spark training job failed: {kind}: {message.strip()[:500]}")
     first = next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300])
     return TrainingError(f"the Spark training job failed: {first.strip()}")
 
