@@ -84,6 +84,26 @@ def test_fail_names_are_bounded():
         ev.Fail(0, 0, "", "empty type")
 
 
+def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_link():
+    from gradshare.transport.relay_core import RelayCore
+    from transport_util import TOY
+
+    sim = Sim(world_size=1, n_params=20_000, seed=6, loss=0.1, dup=0.1, max_delay=0.003, datagram_size=400)
+    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400, snapshot_datagram_size=4000,
+                          snapshot_burst=16_000, **TOY)
+    p = sim.add_peer(0)
+    drive(sim, lambda: p.state == "joined")
+    into = np.zeros(sim.N, np.float32)
+    p.snap_into = into
+    p.request_snapshot(sim.now)
+    drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
+    step, params = p.snapshot
+    assert step == -1 and params is into and np.array_equal(into, sim.p0)
+    chunk = sim.relay.snap_chunk_bytes
+    assert 3900 < chunk <= 4000 - 42 and chunk % 4 == 0  # ten times the update chunks' payload
+    assert sim.relay.c["snapshot_chunks"] >= -(-4 * sim.N // chunk)
+
+
 # ------------------------------------------------------------------------------------ driver's message
 def test_driver_error_names_the_last_python_error_of_a_spark_failure():
     spark_text = (

@@ -6,6 +6,7 @@ waiters. Every public accessor takes the core's lock, so ``params``/``counters``
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -52,6 +53,12 @@ class Relay:
             raise GradshareError("relay already started")
         self._sock = udp.open_udp(self._bind, self._port, "relay")
         try:
+            # A snapshot burst must fit a peer's receive buffer; peers ask the kernel for the same size
+            # as we do (udp.py), so ours is the best guess of theirs. Linux reports twice the payload it
+            # holds (the rest is bookkeeping): a quarter leaves room for two concurrent transfers' bursts.
+            rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            with self._lock:
+                self._core.snapshot_burst = min(self._core.snapshot_burst, max(rcvbuf // 4, 1 << 16))
             host, port = self._sock.getsockname()[:2]
             self.address = (host, port)
             self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
