@@ -461,6 +461,7 @@ class SharedTrainer:
         except BaseException:
             sc.cancelJobGroup(group)
             thread.join(30.0)
+            _wait_tasks_gone(sc, group, 30.0)
             raise
         finally:
             bar.close()
@@ -494,6 +495,21 @@ def _snapshot_options(host: str, datagram_size: int) -> dict:
     if loopback:
         return {"snapshot_rate": SNAPSHOT_RATE_LOOPBACK, "snapshot_datagram_size": MAX_DATAGRAM_SIZE}
     return {"snapshot_rate": SNAPSHOT_RATE_NETWORK, "snapshot_datagram_size": datagram_size}
+
+
+def _wait_tasks_gone(sc, group: str, timeout: float) -> None:
+    """After cancelling `group`: wait (at most `timeout` s) until none of its stages still runs tasks.
+    Spark fails the job at once but kills its tasks a moment later; a fit started right after a failure
+    would find their slots busy."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = {s for j in tracker.getJobIdsForGroup(group) if (info := tracker.getJobInfo(j)) is not None
+                  for s in info.stageIds}
+        running = [tracker.getStageInfo(s) for s in stages & set(tracker.getActiveStageIds())]
+        if not any(info is not None and info.numActiveTasks for info in running):
+            return
+        time.sleep(0.1)
 
 
 def _is_calibrated(rule) -> bool:

@@ -207,7 +207,15 @@ def test_a_user_error_at_step_3_surfaces_at_once_with_its_message(spark, tmp_pat
     with open(marker) as f:
         latency = time.time() - float(f.read())
     assert latency < 10, f"the error surfaced {latency:.1f} s after it was raised"
-    assert not spark.sparkContext.statusTracker().getActiveJobsIds()
+    _assert_slots_free(spark)
+
+
+def _assert_slots_free(spark):
+    """The cancelled job's tasks are gone when fit raises: the next fit finds its slots."""
+    from gradshare.spark import busy_slots
+
+    sc = spark.sparkContext
+    assert not sc.statusTracker().getActiveJobsIds() and busy_slots(sc) == 0
 
 
 DRIVER_ONLY = '''
@@ -239,6 +247,7 @@ def test_a_model_class_the_executors_cannot_import_is_named(spark, tmp_path):
         with pytest.raises(TrainingError, match=rf"worker rank \d failed: ModuleNotFoundError: No module named '{name}'"):
             SharedTrainer(module.DriverOnlyNet, batch_size=4, **LOOPBACK).fit(rdd)
         assert time.monotonic() - t0 < 10
+        _assert_slots_free(spark)
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(name, None)
