@@ -8,7 +8,9 @@ Every measurement runs in a fresh process: each gradshare run in its own driver 
 session (2 workers, fresh Python workers), the single process as a plain `python` child. A worker
 reports its RSS at the task's start (after malloc_trim; interpreter, torch, pyspark) and its peak
 (VmHWM, reset at the task's start). A tiny fit runs first in the same Spark workers so that the big
-fit's baseline includes gradshare's imports and kernels, as a long job's does. The single process
+fit's baseline includes gradshare's imports and kernels, as a long job's does; a worker's baseline is
+the warm-up task's peak RSS (the same Python worker), before the big job's closure arrived, and
+"task start" is its RSS when the big job's task began (the closure unpickled). The single process
 trains the same model with the same optimizer on the same batch size and reports the same two figures.
 
 The default MLP (512-4950-4950-4950-10) has 51.6 M parameters (206 MB). The table also accounts the
@@ -84,12 +86,17 @@ def child_gradshare(widths, optimizer, steps, batch):
         rdd.count()
         common = dict(port=0, bind="127.0.0.1", verbose=0, batch_size=batch, timeout=300.0,
                       optimizer=make_optimizer(optimizer))
-        SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
+        warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
         result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
+        # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
+        # before this job's closure (which carried the model before issue 11) was unpickled; None if Spark
+        # started a fresh Python worker for this job
+        before = {r["pid"]: r["peak_rss_bytes"] for r in warm.worker_reports}
         keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path")
+        workers = [dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"]))
+                   for r in result.worker_reports]
         largest = max(p.numel() for p in result.model.parameters())
-        return {"workers": [{k: r[k] for k in keep} for r in result.worker_reports], "n_params": result.n_params,
-                "largest": largest, "seconds": result.seconds}
+        return {"workers": workers, "n_params": result.n_params, "largest": largest, "seconds": result.seconds}
     finally:
         spark.stop()
 
@@ -147,12 +154,13 @@ def main(argv=None):
         print(f"{'single process':24}{s_base / mib:>9.0f}M{s_peak / mib:>9.0f}M{s_peak / pb:>8.2f}"
               f"{(s_peak - s_base) / pb:>15.2f}")
         for w in shared["workers"]:
-            base, peak = w["start_rss_bytes"], w["peak_rss_bytes"]
+            base, peak = w["process_rss_bytes"] or w["start_rss_bytes"], w["peak_rss_bytes"]
             print(f"{'worker rank %d' % w['rank']:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
-                  f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds']:.2f} s, "
-                  f"{w['update_path']} path")
+                  f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
+                  f"{w['update_path']} path, task start {w['start_rss_bytes'] / mib:.0f}M"
+                  + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
         rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share)
-        base = max(w["start_rss_bytes"] for w in shared["workers"]) / pb
+        base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb
         print("accounted: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
               + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"
               + f" = {sum(rows.values()) + base:.2f} x P")
