@@ -40,7 +40,7 @@ import numpy as np
 
 from gradshare.capture import update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
-from gradshare.errors import ProtocolError, TrainingError
+from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -80,6 +80,7 @@ class WorkerConfig:
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
     device: Any = "auto"  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/device.py)
+    user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
     extra: dict = field(default_factory=dict)
     train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
 
@@ -176,7 +177,10 @@ def _bytes_in(counters: dict) -> int:
 class Worker:
     """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
 
-    def __init__(self, cfg: WorkerConfig, rank: int, data):
+    def __init__(self, cfg: WorkerConfig, rank: int, data, model=None):
+        """`model`: a module this worker owns and trains in place (the Spark task's, built from the
+        shipped skeleton); None trains a deep copy of ``cfg.model`` (drivers that step workers
+        themselves)."""
         import torch
 
         from gradshare.device import resolve_device, select
@@ -187,7 +191,7 @@ class Worker:
         self.cfg, self.rank, self.data = cfg, rank, data
         self.device = select(resolve_device(cfg.device))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
-        self.model = copy.deepcopy(cfg.model).to(self.device)
+        self.model = (copy.deepcopy(cfg.model) if model is None else model).to(self.device)
         # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays
         # for the Numba kernels, unless a test or benchmark asks for the torch path there ("tensor_state").
         on_tensors = self.device.type != "cpu" or bool(cfg.extra.get("tensor_state"))
@@ -440,11 +444,16 @@ class Worker:
         }
 
 
+FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its FAIL
+
+
 def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
     """The barrier task body: materialise rows, join the relay (resuming if it says so), train, report.
 
     Any failure is re-raised as TrainingError tagged "[gradshare rank R]" so the driver can name the
-    rank and the cause from Spark's job error.
+    rank and the cause from Spark's job error. A deterministic one (`is_deterministic`) is first
+    reported to the relay (FAIL), so the driver cancels the job at once instead of after Spark's stage
+    retries, which would fail the same way.
     """
     from pyspark import BarrierTaskContext
 
@@ -457,23 +466,89 @@ def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
         import torch
 
         torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (DESIGN.md, Spark)
+        start_rss = reset_peak_rss()  # a reused Python worker remembers the peaks of earlier tasks
         report = _run(cfg, rank, attempt, rows)
     except BaseException as e:  # noqa: BLE001 - re-raised with the rank named, cause chained
+        if is_deterministic(e):
+            _report_failure(cfg, rank, attempt, e)
         raise TrainingError(f"[gradshare rank {rank}] {type(e).__name__}: {e}") from e
     import os
 
     import gradshare
 
     report.update(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__))
+    report.update(start_rss_bytes=start_rss, peak_rss_bytes=_proc_status_bytes("VmHWM"))
     return [report]
 
 
+def is_deterministic(exc: BaseException) -> bool:
+    """Would a retried stage fail the same way? Errors of the user's model, loss, optimizer, scheduler,
+    metric or data (and of unpickling them) would: they are reported at once. Transport and liveness
+    problems (every GradshareError: a timeout, a rejected or failed peer), a lost connection, running out
+    of memory and the task being killed may pass on a retry: Spark's stage retry and resume handle them,
+    as they handle a process that dies without raising."""
+    return not isinstance(exc, (GradshareError, ConnectionError, MemoryError, KeyboardInterrupt, SystemExit))
+
+
+def _report_failure(cfg: WorkerConfig, rank: int, attempt: int, exc: BaseException) -> None:
+    """FAIL(rank, error type, message) to the relay from a fresh peer (the task may have failed before
+    it had one, e.g. unpickling the model), waiting briefly for the acknowledgement. Best effort: if the
+    relay cannot be reached, the error still reaches the driver through Spark."""
+    from gradshare.transport import Peer
+
+    try:
+        # n_params only sizes a joined peer's buffers; this one never joins
+        peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
+                    job_id=cfg.job_id, n_params=1, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
+                    insecure=cfg.insecure)
+    except (OSError, ValueError):
+        return
+    try:
+        peer.report_failure(type(exc).__name__, str(exc), min(cfg.timeout, FAIL_REPORT_SECONDS))
+    finally:
+        peer.close(linger=0.0, leave=False)
+
+
+def reset_peak_rss() -> int:
+    """Restart this process's peak-RSS count (VmHWM) from its current RSS, which it returns: the task's
+    baseline (interpreter, torch, pyspark). 0 where Linux's /proc is missing (no reports then).
+
+    First hand the heap's free pages back to the OS (glibc malloc_trim): a reused Python worker still
+    holds the pages an earlier task freed, which would hide this task's allocations from the count."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the count may then read low in a reused worker
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: "5" resets the peak RSS
+    except OSError:
+        return 0
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
+    from gradshare.shipping import materialize, unpack_user_objects
     from gradshare.spark import PartitionData
     from gradshare.transport import Peer, param_hash
 
     from pyspark import SparkFiles
 
+    cfg = unpack_user_objects(cfg)  # user classes resolve here, where a failure is reported (shipping.py)
     # a large partition spills into the executor's Spark scratch space, not the system temp dir
     data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
                                    spill_dir=SparkFiles.getRootDirectory())
@@ -482,17 +557,20 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         if expected != cfg.steps_per_epoch[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
-        worker = Worker(cfg, rank, data)
+        # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
+        worker = Worker(cfg, rank, data, model=materialize(cfg.model))
         peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
                     job_id=cfg.job_id, n_params=worker.flat.n_state, datagram_size=cfg.datagram_size,
                     timeout=cfg.timeout, insecure=cfg.insecure)
         try:
             info = peer.join(cfg.timeout)
             start = int(info.start_step)
-            if start > 0:  # a retried stage: continue from the relay's parameters, not from scratch
-                _, params = peer.fetch_snapshot(cfg.timeout)
-                worker.flat.load(params)
+            # the initial parameters (start 0) or, in a retried stage, the relay's current ones
+            t_load = time.monotonic()
+            _load_from_relay(peer, worker.flat, start, cfg.timeout)
+            t_load = time.monotonic() - t_load
             report = worker.run(peer, start)
+            report["snapshot_seconds"] = t_load
             report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
             report["counters"] = dict(peer.counters())
         except BaseException:
@@ -507,3 +585,17 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         return report
     finally:
         data.close()
+
+
+def _load_from_relay(peer, flat, start: int, timeout: float) -> None:
+    """Download the relay's state (parameters, float buffers) straight into the flat buffer (no second
+    copy of the model)."""
+    on_host = isinstance(flat.state, np.ndarray)  # a device state takes a host copy first (flat.load)
+    step, values = peer.fetch_snapshot(timeout, into=flat.state if on_host else None)
+    if step != start - 1:
+        raise ProtocolError(f"the relay's snapshot holds the log through step {step}; rank {peer.rank} "
+                            f"starts at step {start} and needs it through {start - 1}")
+    if not on_host:
+        flat.load(values)
+    elif flat.twin is not None:  # the twin must equal P between steps (flat.py, keep_twin)
+        np.copyto(flat.twin, flat.array)

@@ -96,3 +96,12 @@ class Sim:
         raise AssertionError(f"simulation did not finish in {max_iters} iterations: relay through "
                              f"{self.relay.complete_through}, peers "
                              f"{[(r, p.complete_through, p.blocking_key()) for r, p in self.peers.items()]}")
+
+
+def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
+    """Advance the simulation until ``until()`` holds."""
+    for _ in range(max_iters):
+        if until():
+            return
+        sim.step_time()
+    raise AssertionError("condition not reached")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.transport.relay_core import param_hash
-from harness import Sim
+from harness import Sim, drive
 
 
 def check_consistent(sim: Sim) -> None:
@@ -50,14 +50,6 @@ def test_synchronous_staleness_zero():
         sim.add_peer(r)
     sim.run(steps=15)
     check_consistent(sim)
-
-
-def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
-    for _ in range(max_iters):
-        if until():
-            return
-        sim.step_time()
-    raise AssertionError("condition not reached")
 
 
 def test_silent_peer_is_declared_gone_and_the_log_goes_on():

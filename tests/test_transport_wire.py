@@ -17,6 +17,7 @@ CONTROL = [
     ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))), ev.Heartbeat(-1, 5),
     ev.Status(0, -1, (3, -1, 7), (ev.Ended(1, -1, True),)), ev.Finished(9), ev.Leave(), ev.SnapRequest(),
     ev.SnapInfo(1, 5, 10, 1, 40, "ab"), ev.SnapNak(1, ((0, 3), (5, 9))), ev.SnapDone(1),
+    ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"), ev.FailAck(3, 700),
 ]
 
 
@@ -27,7 +28,7 @@ def test_control_round_trip(msg):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 15), st.binary(max_size=200))
+@given(st.integers(1, wire.Kind.FAIL_ACK), st.binary(max_size=200))
 def test_any_control_body_decodes_or_raises_decode_error(kind, body):
     try:
         wire.decode_control(kind, body)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 MAX_WORLD_SIZE = 128        # a STATUS (one entry per rank) must fit in one datagram
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
 MAX_NAK_ITEMS = 64
+MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
+MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits one datagram)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -148,6 +150,36 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class Fail:
+    """A rank's training failed with an error a retry would repeat (issue 11: the driver stops the job at
+    once instead of waiting out Spark's stage retries). Sent by a rank, joined or not; the relay answers
+    FAIL_ACK. ``attempt`` is repeated in the body so the acknowledgement can name it back."""
+
+    rank: int
+    attempt: int
+    error_type: str
+    message: str
+
+    def __post_init__(self) -> None:
+        _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
+        _check_int("attempt", self.attempt, 0, (1 << 16) - 1)
+        if not isinstance(self.error_type, str) or not 1 <= len(self.error_type) <= MAX_ERROR_TYPE:
+            raise ValueError(f"error_type must be a str of 1..{MAX_ERROR_TYPE} characters")
+        if not isinstance(self.message, str) or len(self.message) > MAX_ERROR_TEXT:
+            raise ValueError(f"message must be a str of at most {MAX_ERROR_TEXT} characters")
+
+
+@dataclass(frozen=True)
+class FailAck:
+    rank: int
+    attempt: int
+
+    def __post_init__(self) -> None:
+        _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
+        _check_int("attempt", self.attempt, 0, (1 << 16) - 1)
+
+
+@dataclass(frozen=True)
 class SnapRequest:
     pass
 
@@ -226,6 +258,16 @@ class PeerEnded:
     last_step: int
     gone: bool
     reason: str
+
+
+@dataclass(frozen=True)
+class PeerFailed:
+    """Relay: a rank reported a deterministic failure (FAIL)."""
+
+    rank: int
+    attempt: int
+    error_type: str
+    message: str
 
 
 @dataclass(frozen=True)

@@ -157,9 +157,18 @@ class Peer:
                                f"(is the relay running and reachable from {self.address[0]}?)")
             return self._core.welcome
 
-    def fetch_snapshot(self, timeout: float | None = None) -> tuple[int, np.ndarray]:
-        """(step, params): the relay's authoritative parameters with the log applied through ``step``."""
+    def fetch_snapshot(self, timeout: float | None = None, into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """(step, params): the relay's authoritative parameters with the log applied through ``step``.
+        ``into``: a writable C-contiguous float32 array of n_params that receives them (and is returned)
+        instead of a new array; on a timeout or a failed hash check it holds a partial download."""
         timeout = self.timeout if timeout is None else timeout
+        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
+                                 or into.shape != (self._core.n_params,) or not into.flags.c_contiguous
+                                 or not into.flags.writeable):
+            raise ValueError(f"into must be a writable C-contiguous float32 array of shape "
+                             f"({self._core.n_params},)")
+        with self._lock:
+            self._core.snap_into = into
         self._call(self._core.request_snapshot)
         with self._changed:
             def describe() -> str:
@@ -196,6 +205,24 @@ class Peer:
         """Block until at least one update is deliverable (True) or ``timeout`` passes (False)."""
         with self._changed:
             return self._wait_until(lambda: bool(self._core.ready), timeout)
+
+    def report_failure(self, error_type: str, message: str, timeout: float) -> bool:
+        """FAIL(rank, error_type, message) to the relay, joined or not, resent until acknowledged; True
+        once the relay acknowledged it, False after ``timeout`` (the caller raises its error either way)."""
+        with self._changed:
+            if self._failure is not None or self._closed:
+                return False
+            self._core.fail(error_type, message, time.monotonic())
+            out = self._flush_locked()
+        self._send(out)
+        with self._changed:
+            deadline = time.monotonic() + timeout
+            while not self._core.fail_acked and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.05))
+            return self._core.fail_acked
 
     def finish(self, last_step: int) -> None:
         """FINISHED(last_step): peers stop expecting this rank after it (retransmitted until confirmed)."""

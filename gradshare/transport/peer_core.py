@@ -26,12 +26,15 @@ from gradshare.transport.wire import RELAY_ID, Kind
 
 
 class SnapshotDownload:
-    __slots__ = ("info", "buf", "got", "last_chunk", "total")
+    __slots__ = ("info", "buf", "into", "got", "last_chunk", "total")
 
-    def __init__(self, info: ev.SnapInfo, now: float) -> None:
+    def __init__(self, info: ev.SnapInfo, now: float, into: np.ndarray | None = None) -> None:
         self.info = info
         self.total = info.n_params * 4
-        self.buf = bytearray(self.total)
+        # into: chunks land straight in the caller's parameter buffer (issue 11: no second copy of the
+        # model in a worker that takes its initial weights from the relay)
+        self.into = into
+        self.buf = bytearray(self.total) if into is None else memoryview(into).cast("B")
         self.got = RangeSet()
         self.last_chunk = now
 
@@ -84,6 +87,10 @@ class PeerCore:
         self.snap_requested = False
         self.snap: SnapshotDownload | None = None
         self.snapshot: tuple[int, np.ndarray] | None = None
+        self.snap_into: np.ndarray | None = None  # fetch_snapshot(into=...): the download's destination
+        self.failed: ev.Fail | None = None        # our FAIL, resent until the relay acknowledges it
+        self.fail_acked = False
+        self._last_fail = -1e18
         self.last_heard: float | None = None
         self._last_join = self._last_hb = self._last_snap_req = -1e18
         self._last_tick = now
@@ -147,6 +154,20 @@ class PeerCore:
         self._last_snap_req = now
         self._out.append(self.chan.seal_control(ev.SnapRequest()))
 
+    def fail(self, error_type: str, message: str, now: float) -> None:
+        """Report a deterministic failure (FAIL), joined or not; resent every ``heartbeat_interval`` until
+        FAIL_ACK. The message is cut to what fits one datagram: a FAIL is never chunked."""
+        text = message[:ev.MAX_ERROR_TEXT]
+        while True:
+            msg = ev.Fail(self.rank, self.attempt, error_type[-ev.MAX_ERROR_TYPE:], text)
+            if len(wire.encode_control(msg)[1]) <= self.chan.chunk_bytes or not text:
+                break
+            text = text[:len(text) * 3 // 4]
+        self.failed = msg
+        self.fail_acked = False
+        self._last_fail = now
+        self._out.append(self.chan.seal_control(msg))
+
     def pop_ready(self) -> list[ev.Update]:
         out = list(self.ready)
         self.ready.clear()
@@ -176,6 +197,8 @@ class PeerCore:
         return self._events.popleft() if self._events else None
 
     def next_timer(self) -> float:
+        if self.failed is not None and not self.fail_acked:
+            return self._last_fail + self.heartbeat_interval
         if self.state == "joining":
             return self._last_join + self.rto
         if self.state != "joined":
@@ -214,13 +237,19 @@ class PeerCore:
         if not genuine:
             self.chan.drops["bad_sender"] += 1
             return
-        if h.attempt != self.attempt and h.kind != Kind.REJECT:
+        if h.attempt != self.attempt and h.kind not in (Kind.REJECT, Kind.FAIL_ACK):
             self.chan.drops["other_attempt"] += 1
             return
         body = self.chan.open(h, data, replay_window=not forwarded)
         if body is None:
             return
         self.last_heard = now
+        if h.kind == Kind.FAIL_ACK:         # whatever our state: a failed peer may never have joined
+            msg = self.chan.control(h.kind, body)
+            if msg is not None and (msg.rank, msg.attempt) == (self.rank, self.attempt) and self.failed:
+                self.fail_acked = True
+                self._events.append(msg)
+            return
         if self.state in ("closed", "rejected"):
             self.chan.drops["after_close"] += 1
             return
@@ -393,7 +422,7 @@ class PeerCore:
                 or (msg.n_chunks - 1) * msg.chunk_bytes >= total):
             self.chan.drops["bad_snapshot_info"] += 1
             return
-        self.snap = SnapshotDownload(msg, now)
+        self.snap = SnapshotDownload(msg, now, self.snap_into)
 
     def _on_snap_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
         s = self.snap
@@ -411,7 +440,7 @@ class PeerCore:
             return
         s.buf[start:start + expected] = body
         if s.got.covers(0, s.info.n_chunks):
-            params = np.frombuffer(s.buf, dtype=np.float32).copy()
+            params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
             self._out.append(self.chan.seal_control(ev.SnapDone(s.info.snap_id)))
             if param_hash(params) != s.info.digest:
                 self.error = f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check"
@@ -419,11 +448,15 @@ class PeerCore:
             self.snapshot = (s.info.step, params)
             self.snap = None
             self.snap_requested = False
+            self.snap_into = None
             self._events.append(ev.SnapshotReady(s.info.step, params))
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
         self._last_tick = now
+        if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.heartbeat_interval:
+            self._last_fail = now
+            self._out.append(self.chan.seal_control(self.failed))   # sealed anew: the relay drops replays
         if self.state == "joining":
             if now >= self._last_join + self.rto:
                 self._send_join(now)

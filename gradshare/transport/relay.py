@@ -6,6 +6,7 @@ waiters. Every public accessor takes the core's lock, so ``params``/``counters``
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import GradshareError, TransportTimeout
+from gradshare.transport import events as ev
 from gradshare.transport import udp
 from gradshare.transport.relay_core import RelayCore, param_hash
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
@@ -51,6 +53,12 @@ class Relay:
             raise GradshareError("relay already started")
         self._sock = udp.open_udp(self._bind, self._port, "relay")
         try:
+            # A snapshot burst must fit a peer's receive buffer; peers ask the kernel for the same size
+            # as we do (udp.py), so ours is the best guess of theirs. Linux reports twice the payload it
+            # holds (the rest is bookkeeping): a quarter leaves room for two concurrent transfers' bursts.
+            rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            with self._lock:
+                self._core.snapshot_burst = min(self._core.snapshot_burst, max(rcvbuf // 4, 1 << 16))
             host, port = self._sock.getsockname()[:2]
             self.address = (host, port)
             self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
@@ -132,6 +140,11 @@ class Relay:
             d = self._core.counters()
             d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
             return d
+
+    def failure(self) -> ev.Fail | None:
+        """The first FAIL a worker reported (its rank, attempt, error type and message), or None."""
+        with self._lock:
+            return next(iter(self._core.failures.values()), None)
 
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""

@@ -15,7 +15,9 @@ What the relay does (issue 3, DESIGN.md Transport + Consistency):
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
 - declares a rank silent for ``liveness_timeout`` gone, cut at the last step it holds contiguously;
-- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream.
+- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
+- records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
+  job on it (issue 11).
 """
 
 from __future__ import annotations
@@ -142,7 +144,9 @@ class RelayCore:
                  history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
                  reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
                  max_ahead: int = 4096, nak_delay: float = 0.004, tick: float = 0.002,
-                 snapshot_rate: float = 50e6, max_snapshots: int = 2, defer_apply: bool = False) -> None:
+                 snapshot_rate: float = 50e6, snapshot_burst: int = 1 << 20,
+                 snapshot_datagram_size: int | None = None, max_snapshots: int = 2,
+                 defer_apply: bool = False) -> None:
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
             raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
@@ -163,7 +167,12 @@ class RelayCore:
                             attempt=0, datagram_size=datagram_size,
                             max_chunks=max(16, -(-max_message // 64)), max_windows=4 * world_size + 8)
         self.max_chunks_update = -(-max_message // self.chan.chunk_bytes)
-        self.snap_chunk_bytes = self.chan.chunk_bytes - self.chan.chunk_bytes % 4
+        # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
+        # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
+        # datagram from the relay up to wire.MAX_DATAGRAM_SIZE
+        snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
+        snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
+        self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
         # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
@@ -173,6 +182,9 @@ class RelayCore:
         self.nak_delay = nak_delay
         self.tick = tick
         self.snapshot_rate = snapshot_rate
+        # bytes one pacing tick may send, whatever the rate and however late the tick: a burst must fit
+        # the receivers' socket buffers (the shell sizes it from its own, see relay.py)
+        self.snapshot_burst = snapshot_burst
         self.max_snapshots = max_snapshots
         # defer_apply: receive_datagram only forwards; apply_pending() applies (the shell calls it after
         # sending, so applying to the authoritative copy never delays a forward)
@@ -186,6 +198,7 @@ class RelayCore:
         self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
         self.snapshots: dict[int, Snapshot] = {}
         self.transfers: dict[int, Transfer] = {}         # rank -> transfer
+        self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
         self._snap_seq = 0
         self._out: list[tuple[bytes, Any]] = []
         self._events: deque = deque()
@@ -266,6 +279,11 @@ class RelayCore:
         if h.attempt < self.attempt:
             self.chan.drops["old_attempt"] += 1
             return
+        if h.kind == Kind.FAIL:              # accepted unjoined: a rank may fail before it could join
+            body = self.chan.open(h, data)
+            if body is not None:
+                self._on_fail(h, body, addr)
+            return
         if h.kind != Kind.JOIN and h.attempt != self.attempt:
             self.chan.drops["unknown_attempt"] += 1
             return
@@ -319,6 +337,22 @@ class RelayCore:
                 self._free_snapshots()
         else:
             self.chan.drops["unexpected_kind"] += 1
+
+    def _on_fail(self, h: wire.Header, body: bytes, addr: Any) -> None:
+        """Record a rank's deterministic failure (one per rank: ``failures`` stays bounded) and
+        acknowledge it; the FAIL is retransmitted until acknowledged, so duplicates are normal."""
+        msg = self.chan.control(Kind.FAIL, body)
+        if msg is None:
+            return
+        if msg.rank != h.sender or msg.attempt != h.attempt:
+            self.chan.drops["bad_fail"] += 1
+            return
+        known = self.failures.get(msg.rank)
+        if known is None or known.attempt != msg.attempt:
+            self.failures[msg.rank] = msg
+            self.c["failures"] += 1
+            self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message))
+        self._send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
@@ -578,7 +612,8 @@ class RelayCore:
         if not self.transfers:
             return
         dt = min(max(now - self._last_tick, 0.0), 0.05)
-        budget = max(1, int(self.snapshot_rate * dt / self.snap_chunk_bytes / len(self.transfers)))
+        burst = min(self.snapshot_rate * dt, self.snapshot_burst)
+        budget = max(1, int(burst / self.snap_chunk_bytes / len(self.transfers)))
         for rank, t in list(self.transfers.items()):
             rs = self.ranks[rank]
             if now - t.last_activity > max(10.0, self.liveness_timeout) or rs.left or rs.ended:

@@ -57,6 +57,8 @@ class Kind:
     SNAP_CHUNK = 13
     SNAP_NAK = 14
     SNAP_DONE = 15
+    FAIL = 16
+    FAIL_ACK = 17
 
 
 CHUNKED_KINDS = frozenset({Kind.UPDATE, Kind.SNAP_CHUNK})
@@ -90,7 +92,7 @@ def decode_header(data: bytes, max_chunks: int) -> Header:
         raise DecodeError("bad magic")
     if version != VERSION:
         raise DecodeError(f"unsupported version {version}")
-    if not Kind.JOIN <= kind <= Kind.SNAP_DONE:
+    if not Kind.JOIN <= kind <= Kind.FAIL_ACK:
         raise DecodeError(f"unknown kind {kind}")
     if counter >= 1 << 48:
         raise DecodeError("nonce counter out of range")
@@ -217,6 +219,10 @@ def encode_control(msg: object) -> tuple[int, bytes]:
         return Kind.SNAP_NAK, _pack([msg.snap_id, [list(r) for r in msg.ranges]])
     if isinstance(msg, ev.SnapDone):
         return Kind.SNAP_DONE, _pack([msg.snap_id])
+    if isinstance(msg, ev.Fail):
+        return Kind.FAIL, _pack([msg.rank, msg.attempt, msg.error_type, msg.message])
+    if isinstance(msg, ev.FailAck):
+        return Kind.FAIL_ACK, _pack([msg.rank, msg.attempt])
     raise TypeError(f"not a control message: {type(msg).__name__}")
 
 
@@ -290,6 +296,12 @@ def decode_control(kind: int, body: bytes) -> object:
         if kind == Kind.SNAP_DONE:
             (snap_id,) = f
             return ev.SnapDone(snap_id)
+        if kind == Kind.FAIL:
+            rank, attempt, error_type, message = f
+            return ev.Fail(rank, attempt, error_type, message)
+        if kind == Kind.FAIL_ACK:
+            rank, attempt = f
+            return ev.FailAck(rank, attempt)
     except DecodeError:
         raise
     except (ValueError, TypeError) as exc:  # wrong arity (unpacking) or a constructor's range check

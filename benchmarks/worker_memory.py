@@ -1,0 +1,174 @@
+"""Worker memory (issue 11): peak RSS of a gradshare worker vs a single process, as multiples of the
+model's parameter bytes (4 B x parameters), for SGD and Adam, measured side by side in one run.
+
+    PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/worker_memory.py [--widths 512,4950,4950,4950,10]
+        [--optimizers sgd,adam] [--steps 4] [--json out.json]
+
+Every measurement runs in a fresh process: each gradshare run in its own driver with its own local[2]
+session (2 workers, fresh Python workers), the single process as a plain `python` child. A worker
+reports its RSS at the task's start (after malloc_trim; interpreter, torch, pyspark) and its peak
+(VmHWM, reset at the task's start). A tiny fit runs first in the same Spark workers so that the big
+fit's baseline includes gradshare's imports and kernels, as a long job's does; a worker's baseline is
+the warm-up task's peak RSS (the same Python worker), before the big job's closure arrived, and
+"task start" is its RSS when the big job's task began (the closure unpickled). The single process
+trains the same model with the same optimizer on the same batch size and reports the same two figures.
+
+The default MLP (512-4950-4950-4950-10) has 51.6 M parameters (206 MB). The table also accounts the
+peak with the buffers a step holds: parameters, gradients, optimizer state (Adam: 2 moments), the
+residual, the twin (general update path only), snapshot transfer (0: downloaded into the flat buffer),
+and single-tensor Adam's temporaries (sqrt and division over the largest parameter: 2 x its share).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from step_overhead import make_mlp  # noqa: E402 - benchmarks/ is this script's directory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_optimizer(name):
+    import torch
+
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.01)
+    return lambda params: torch.optim.Adam(params, lr=1e-3)
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_single(widths, optimizer, steps, batch):
+    """Plain torch in this process: the baseline a worker is compared with."""
+    import torch
+
+    from gradshare.worker import reset_peak_rss
+
+    torch.set_num_threads(1)
+    start = reset_peak_rss()
+    torch.manual_seed(0)
+    model = make_mlp(widths)
+    opt = make_optimizer(optimizer)(list(model.parameters()))
+    loss = torch.nn.CrossEntropyLoss()
+    x = torch.randn(batch, widths[0])
+    y = torch.randint(0, widths[-1], (batch,))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()
+        opt.step()
+    largest = max(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    return {"start_rss_bytes": start, "peak_rss_bytes": _status("VmHWM"), "n_params": n, "largest": largest}
+
+
+def child_gradshare(widths, optimizer, steps, batch):
+    import numpy as np
+    from torch import nn
+
+    from gradshare import SharedTrainer
+    from gradshare.spark import session_builder
+
+    spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        rng = np.random.default_rng(0)
+        rows = [(rng.standard_normal(widths[0]).astype(np.float32), int(rng.integers(widths[-1])))
+                for _ in range(2 * steps * batch)]
+        rdd = spark.sparkContext.parallelize(rows, 2).cache()
+        rdd.count()
+        common = dict(port=0, bind="127.0.0.1", verbose=0, batch_size=batch, timeout=300.0,
+                      optimizer=make_optimizer(optimizer))
+        warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
+        result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
+        # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
+        # before this job's closure (which carried the model before issue 11) was unpickled; None if Spark
+        # started a fresh Python worker for this job
+        before = {r["pid"]: r["peak_rss_bytes"] for r in warm.worker_reports}
+        keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path")
+        workers = [dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"]))
+                   for r in result.worker_reports]
+        largest = max(p.numel() for p in result.model.parameters())
+        return {"workers": workers, "n_params": result.n_params, "largest": largest, "seconds": result.seconds}
+    finally:
+        spark.stop()
+
+
+def accounted(optimizer, twin, largest_share):
+    """Buffers a worker step holds, in multiples of parameter bytes."""
+    rows = {"params": 1.0, "grads": 1.0}
+    if optimizer == "adam":
+        rows["adam moments"] = 2.0
+        rows["adam temporaries"] = 2 * largest_share
+    rows["residual"] = 1.0
+    rows["twin"] = 1.0 if twin else 0.0
+    rows["snapshot transfer"] = 0.0
+    return rows
+
+
+def run_child(kind, args, optimizer):
+    cmd = [sys.executable, __file__, "--child", kind, "--optimizer", optimizer, "--widths", args.widths,
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{kind}/{optimizer} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", default="512,4950,4950,4950,10", help="MLP layer widths")
+    parser.add_argument("--optimizers", default="sgd,adam")
+    parser.add_argument("--steps", type=int, default=4, help="steps per worker (and for the single process)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", choices=("single", "gradshare"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    if args.child:
+        fn = child_single if args.child == "single" else child_gradshare
+        print(json.dumps(fn(widths, args.optimizer, args.steps, args.batch_size)), flush=True)
+        return
+
+    results = {}
+    mib = 1 << 20
+    for optimizer in args.optimizers.split(","):
+        single = run_child("single", args, optimizer)
+        shared = run_child("gradshare", args, optimizer)
+        pb = 4 * shared["n_params"]
+        share = shared["largest"] / shared["n_params"]
+        print(f"\n{optimizer}: {shared['n_params'] / 1e6:.1f} M parameters = {pb / mib:.0f} MiB; "
+              f"largest parameter {share:.0%} of them")
+        print(f"{'':24}{'baseline':>10}{'peak':>10}{'peak/P':>8}{'(peak-base)/P':>15}")
+        s_base, s_peak = single["start_rss_bytes"], single["peak_rss_bytes"]
+        print(f"{'single process':24}{s_base / mib:>9.0f}M{s_peak / mib:>9.0f}M{s_peak / pb:>8.2f}"
+              f"{(s_peak - s_base) / pb:>15.2f}")
+        for w in shared["workers"]:
+            base, peak = w["process_rss_bytes"] or w["start_rss_bytes"], w["peak_rss_bytes"]
+            print(f"{'worker rank %d' % w['rank']:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
+                  f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
+                  f"{w['update_path']} path, task start {w['start_rss_bytes'] / mib:.0f}M"
+                  + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
+        rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share)
+        base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb
+        print("accounted: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
+              + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"
+              + f" = {sum(rows.values()) + base:.2f} x P")
+        results[optimizer] = {"single": single, "gradshare": shared, "accounted": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
