@@ -241,6 +241,10 @@ def test_bad_columns_are_named_before_any_spark_job(spark, fitted):
         (lambda: estimator(predictionCol="label", trainerOptions=LOOPBACK).fit(df.drop("prediction")),
          ValueError, "prediction column 'label' already exists"),
         (lambda: estimator(trainerOptions={"stalenes": 1}), ValueError, "unknown key 'stalenes'"),
+        (lambda: estimator(trainerOptions={"model": 1}), ValueError, "'model' (it is a Param or a constructor"),
+        (lambda: estimator(predictBatchSize=0), TypeError, "predictBatchSize"),
+        (lambda: estimator(epoch=2), ValueError, "no Param(s) ['epoch']"),
+        (lambda: GradshareEstimator(featuresCol="features").fit(df.drop("prediction")), ValueError, "needs a model"),
         (lambda: estimator(trainerOptions={"staleness": -1}).fit(df.drop("prediction")), ValueError,
          "staleness must be"),
     ]
@@ -267,3 +271,6 @@ def test_transform_takes_a_vector_or_an_array_column_alike(spark, fitted):
     by_vector = predictions(stage.transform(df), "probability")[0]
     by_array = predictions(stage.copy({stage.featuresCol: "a"}).transform(df.drop("v")), "probability")[0]
     assert np.array_equal(by_vector, by_array)
+    only = stage.copy({stage.probabilityCol: ""}).transform(df)  # Spark's convention: '' turns a column off
+    assert only.columns == ["a", "v", "prediction"]
+    assert np.array_equal(predictions(only, "prediction")[0], by_vector.argmax(axis=1).astype(np.float64))

@@ -111,27 +111,25 @@ class GradshareModel(Model, ColumnParams, Saved):
             check_new(schema, probability, "probability")
         columns, shapes = self._udf_inputs(schema, kinds)
 
-        if output["classification"]:
-            fields = [StructField("prediction", DoubleType())]
-            if probability:
-                fields.append(StructField("probability", ArrayType(DoubleType())))
-            return_type = StructType(fields)
+        if probability:  # a struct, so that one UDF call per row fills both columns
+            return_type = StructType([StructField("prediction", DoubleType()),
+                                      StructField("probability", ArrayType(DoubleType()))])
         else:
-            return_type = DoubleType() if output["scalar"] else ArrayType(DoubleType())
+            return_type = DoubleType() if output["classification"] or output["scalar"] else ArrayType(DoubleType())
         udf = predict_batch_udf(
             make_predict(self._broadcast(dataset.sparkSession.sparkContext), self.spec["inputs"], output,
                          bool(probability)),
             return_type=return_type, batch_size=self.getOrDefault(self.predictBatchSize),
             # one scalar input takes no shapes (pyspark would reshape it to [-1] + None)
             input_tensor_shapes=None if shapes == [None] else shapes)
-        if not output["classification"]:
+        if not probability:
             return dataset.withColumn(prediction, udf(*columns))
-        # one UDF call per row fills both columns; Spark keeps it one ArrowEvalPython node (the test
-        # checks the plan) because it does not collapse projections that would duplicate a Python UDF
+        # Spark keeps the UDF one ArrowEvalPython node (the test checks the plan): it does not collapse
+        # projections that would duplicate a Python UDF
         scratch = f"__gradshare_{self.uid}"
-        out = dataset.withColumn(scratch, udf(*columns)).withColumn(prediction, _struct_field(scratch, "prediction"))
-        if probability:
-            out = out.withColumn(probability, array_to_vector(_struct_field(scratch, "probability")))
+        out = dataset.withColumn(scratch, udf(*columns))
+        out = out.withColumn(prediction, _struct_field(scratch, "prediction"))
+        out = out.withColumn(probability, array_to_vector(_struct_field(scratch, "probability")))
         return out.drop(scratch)
 
     writer, reader = ModelWriter, ModelReader

@@ -36,6 +36,13 @@ def _optional(convert):
     return lambda value: None if value is None else convert(value)
 
 
+def _positive_int(value: Any) -> int:
+    number = TypeConverters.toInt(value)
+    if number < 1:
+        raise TypeError(f"must be an int >= 1, got {value!r}")
+    return number
+
+
 def _task(value: Any) -> str:
     if value not in TASKS:
         raise TypeError(f"task must be one of {TASKS}, got {value!r}")
@@ -75,14 +82,12 @@ class ColumnParams(Params):
     probabilityCol = Param(Params._dummy(), "probabilityCol", "classifiers: column of class probabilities "
                            "(softmax of the output, a vector); '' for none", TypeConverters.toString)
     predictBatchSize = Param(Params._dummy(), "predictBatchSize", "rows per forward pass in transform",
-                             TypeConverters.toInt)
-    task = Param(Params._dummy(), "task", "'auto' (classification when the fit's loss was CrossEntropyLoss or "
-                 "NLLLoss), 'classification' or 'regression'", _task)
+                             _positive_int)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(featuresCol="features", predictionCol="prediction", probabilityCol="probability",
-                         predictBatchSize=1024, task="auto")
+                         predictBatchSize=1024)
 
     def feature_columns(self) -> list[str]:
         cols = self.getOrDefault(self.featuresCol)
@@ -101,13 +106,15 @@ class EstimatorParams(ColumnParams):
     seed = Param(Params._dummy(), "seed", "SharedTrainer seed (model init, shuffles)", TypeConverters.toInt)
     numWorkers = Param(Params._dummy(), "numWorkers", "barrier tasks (None: the DataFrame's partitions)",
                        _optional(TypeConverters.toInt))
+    task = Param(Params._dummy(), "task", "'auto' (classification when the fit's loss was CrossEntropyLoss or "
+                 "NLLLoss), 'classification' or 'regression'", _task)
     trainerOptions = Param(Params._dummy(), "trainerOptions", "other SharedTrainer keyword options with JSON "
                            "values, e.g. {'threshold': 1e-3, 'port': 0}", _trainer_options)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(labelCol="label", epochs=1, batchSize=32, learningRate=None, seed=0, numWorkers=None,
-                         trainerOptions={})
+                         trainerOptions={}, task="auto")
 
 
 # ------------------------------------------------------------------------------------ schema checks

@@ -89,10 +89,11 @@ class _MakePredict:
             with torch.inference_mode():
                 out = module(*xs)
             if output["classification"]:
-                result = {"prediction": out.argmax(dim=1).to(torch.float64).numpy()}
-                if probability:
-                    result["probability"] = torch.softmax(out.float(), dim=1).to(torch.float64).numpy()
-                return result
+                classes = out.argmax(dim=1).to(torch.float64).numpy()
+                if not probability:
+                    return classes
+                return {"prediction": classes,
+                        "probability": torch.softmax(out.float(), dim=1).to(torch.float64).numpy()}
             values = out.reshape(len(out), -1).to(torch.float64).numpy()
             return values[:, 0] if output["scalar"] else values
 
