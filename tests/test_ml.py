@@ -16,7 +16,7 @@ from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import VectorUDT
-from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from pyspark.ml.tuning import CrossValidator, CrossValidatorModel, ParamGridBuilder
 from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType
 from torch import nn
@@ -163,7 +163,7 @@ def test_transform_of_100k_rows_stays_on_the_executors(spark, fitted):
 
 
 # ------------------------------------------------------------------------------------ tuning
-def test_cross_validator_picks_the_better_learning_rate(spark, digits):
+def test_cross_validator_picks_the_better_learning_rate(spark, digits, tmp_path):
     train, _ = digits
     data = VectorAssembler(inputCols=PIXELS, outputCol="features").transform(train)
     est = estimator(featuresCol="features").setParams(epochs=1)
@@ -174,6 +174,10 @@ def test_cross_validator_picks_the_better_learning_rate(spark, digits):
     low, high = model.avgMetrics
     assert high > low + 0.3, model.avgMetrics  # measured: 0.05 at lr 1e-5, 0.58 at lr 1e-2 (one epoch)
     assert isinstance(model.bestModel, GradshareModel)
+    model.save(str(tmp_path / "cv"))  # CrossValidatorModel saves its estimator and best model through ours
+    loaded = CrossValidatorModel.load(str(tmp_path / "cv"))
+    assert loaded.avgMetrics == model.avgMetrics
+    assert np.array_equal(*(predictions(m.transform(data), "prediction")[0] for m in (model, loaded)))
 
 
 # ------------------------------------------------------------------------------------ regression, several inputs
@@ -258,6 +262,9 @@ def test_bad_columns_are_named_before_any_spark_job(spark, fitted):
         (lambda: stage.copy({stage.featuresCol: "label"}).transform(df.drop("prediction")), TypeError,
          "features column 'label' has type bigint; the model was fitted on float32"),
     ]
+    three = VectorAssembler(inputCols=["label", "label", "label"], outputCol="v3").transform(df.drop("prediction"))
+    cases.append((lambda: stage.copy({stage.featuresCol: "v3"}).transform(three), ValueError,
+                  "features column 'v3' holds vectors of size 3; the model was fitted on float32[64]"))
     for action, kind, message in cases:
         jobs, outcome = jobs_started(spark, action)
         assert isinstance(outcome, kind) and message in str(outcome), (message, outcome)

@@ -82,6 +82,10 @@ class GradshareModel(Model, ColumnParams, Saved):
                         else f"arrays nested {len(shape)} deep")
                 raise TypeError(f"features column {name!r} has type {schema[name].dataType.simpleString()}; the "
                                 f"model was fitted on {spec['dtype']}{shape} rows, so it must hold {want}")
+            size = schema[name].metadata.get("ml_attr", {}).get("num_attrs")  # VectorAssembler's, when known
+            if kind == "vector" and size is not None and [size] != shape:
+                raise ValueError(f"features column {name!r} holds vectors of size {size}; the model was fitted on "
+                                 f"{spec['dtype']}{shape} rows")
             col = vector_to_array(F.col(name), "float32") if kind == "vector" else F.col(name)
             for _ in range(max(len(shape) - 1, 0)):
                 col = F.flatten(col)

@@ -10,6 +10,7 @@ carries no pickle).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import re
@@ -46,9 +47,9 @@ def output_spec(module, inputs: list[dict], loss_name: str, task: str) -> dict:
     """
     import torch
 
-    try:
+    try:  # on a copy: a forward may keep state (counters, caches), as in losses.py's probe
         with torch.no_grad():
-            out = module.eval()(*zero_batch(inputs))
+            out = copy.deepcopy(module).eval()(*zero_batch(inputs))
     except Exception as e:  # noqa: BLE001 - a model that cannot run on the driver cannot be described
         raise ValueError(f"transform needs the model's output shape, but it did not run on one row of zeros on "
                          f"the driver: {type(e).__name__}: {e}") from e
