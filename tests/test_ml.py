@@ -281,3 +281,8 @@ def test_transform_takes_a_vector_or_an_array_column_alike(spark, fitted):
     only = stage.copy({stage.probabilityCol: ""}).transform(df)  # Spark's convention: '' turns a column off
     assert only.columns == ["a", "v", "prediction"]
     assert np.array_equal(predictions(only, "prediction")[0], by_vector.argmax(axis=1).astype(np.float64))
+
+    with torch.no_grad():  # weights changed after a transform reach the executors on the next one
+        stage.torchModel[-1].weight.zero_()
+        stage.torchModel[-1].bias.zero_()
+    assert np.allclose(predictions(stage.transform(df), "probability")[0], 0.1) and not np.allclose(by_vector, 0.1)

@@ -40,7 +40,7 @@ class GradshareModel(Model, ColumnParams, Saved):
         self._module, self.architecture = module, architecture
         self.spec = spec or {}
         self.history = list(history or [])
-        self._weights: tuple | None = None  # (SparkContext, Broadcast) of this model's payload
+        self._weights: tuple | None = None  # (SparkContext, payload hash, Broadcast)
 
     @property
     def torchModel(self):
@@ -51,23 +51,27 @@ class GradshareModel(Model, ColumnParams, Saved):
         return bool(self.spec["output"]["classification"])
 
     def copy(self, extra=None):
-        # Params.copy is a shallow copy: the copy would share the cached broadcast, which is right
-        # (same weights), and the module, which users may change; give it its own module.
+        # Params.copy is shallow: give the copy its own module, which its user may go on changing
         that = super().copy(extra)
         that._module = copy.deepcopy(self._module)
         that._weights = None
         return that
 
     def _broadcast(self, sc):
-        """The weights as one broadcast per SparkContext, reused by every transform of this model."""
+        """The module as one broadcast, made again only when the SparkContext or the weights changed (a
+        user may fine-tune `torchModel` between transforms); serialising it once per transform is cheap
+        next to a Spark job."""
+        import hashlib
+
         from pyspark import cloudpickle
 
         from gradshare.ml.predict import dump_weights
 
-        if self._weights is None or self._weights[0] is not sc:
-            payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
-            self._weights = (sc, sc.broadcast(payload))
-        return self._weights[1]
+        payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
+        key = hashlib.sha256(payload[0] + payload[1]).digest()
+        if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
+            self._weights = (sc, key, sc.broadcast(payload))
+        return self._weights[2]
 
     def _udf_inputs(self, schema, kinds):
         """The input columns as predict_batch_udf takes them (flat arrays), and their shapes."""
