@@ -75,6 +75,8 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
             **self.getOrDefault(self.trainerOptions))
 
     def _fit(self, dataset) -> GradshareModel:
+        from torch import nn
+
         from gradshare.ml.predict import output_spec, parse_inputs
 
         # every check reads the schema or the options only: bad input fails here, before any Spark job
@@ -90,8 +92,6 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
         inputs = parse_inputs(result.extra["inputs"])
         spec = {"inputs": inputs, "loss": result.extra["loss"],
                 "output": output_spec(result.model, inputs, result.extra["loss"], self.getOrDefault(self.task))}
-        from torch import nn
-
         architecture = ModuleCopy(self.model) if isinstance(self.model, nn.Module) else self.model
         model = GradshareModel(result.model, architecture, spec, result.history)
         return self._copyValues(model)
