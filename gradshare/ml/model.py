@@ -1,0 +1,149 @@
+"""GradshareModel: the fitted Transformer; transform predicts on the executors (issue 14, item 1)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pyspark.ml import Model
+
+from gradshare.ml.params import ColumnParams, check_features, check_new
+from gradshare.ml.persist import ModelReader, ModelWriter, Saved
+
+
+class ModuleCopy:
+    """A zero-argument factory that returns a copy of a module: the architecture of an Estimator built
+    from an ``nn.Module`` instance rather than a factory."""
+
+    def __init__(self, module: Any):
+        self.module = module
+
+    def __call__(self):
+        return copy.deepcopy(self.module)
+
+
+class GradshareModel(Model, ColumnParams, Saved):
+    """A torch module fitted by `GradshareEstimator`, as a Spark ML Transformer.
+
+    ``transform(df)`` adds `predictionCol` (classifiers: the argmax class as a double, like Spark ML;
+    regressors: the output as a double, or an array of doubles when the model has several outputs per
+    row) and, for classifiers, `probabilityCol` (softmax of the output, an ML vector). It runs
+    `pyspark.ml.functions.predict_batch_udf` on the executors in Arrow batches of `predictBatchSize` rows:
+    nothing is collected to the driver, and the weights travel once, as a broadcast.
+
+    `torchModel` is the trained module on the driver; `history` the fit's per-epoch rows.
+    """
+
+    def __init__(self, module: Any = None, architecture: Any = None, spec: dict | None = None,
+                 history: list | None = None):
+        super().__init__()
+        self._module, self.architecture = module, architecture
+        self.spec = spec or {}
+        self.history = list(history or [])
+        self._weights: tuple | None = None  # (SparkContext, payload hash, Broadcast)
+
+    @property
+    def torchModel(self):
+        return self._module
+
+    @property
+    def isClassifier(self) -> bool:
+        return bool(self.spec["output"]["classification"])
+
+    def copy(self, extra=None):
+        # Params.copy is shallow: give the copy its own module, which its user may go on changing
+        that = super().copy(extra)
+        that._module = copy.deepcopy(self._module)
+        that._weights = None
+        return that
+
+    def _broadcast(self, sc):
+        """The module as one broadcast, made again only when the SparkContext or the weights changed (a
+        user may fine-tune `torchModel` between transforms); serialising it once per transform is cheap
+        next to a Spark job."""
+        import hashlib
+
+        from pyspark import cloudpickle
+
+        from gradshare.ml.predict import dump_weights
+
+        payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
+        key = hashlib.sha256(payload[0] + payload[1]).digest()
+        if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
+            self._weights = (sc, key, sc.broadcast(payload))
+        return self._weights[2]
+
+    def _udf_inputs(self, schema, kinds):
+        """The input columns as predict_batch_udf takes them (flat arrays), and their shapes."""
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.sql import functions as F
+
+        columns, shapes = [], []
+        for name, (kind, depth), spec in zip(self.feature_columns(), kinds, self.spec["inputs"]):
+            shape = spec["shape"]
+            if (kind == "number") != (not shape) or (kind == "array" and depth != len(shape)):
+                want = ("a number" if not shape else "a vector or an array" if len(shape) == 1
+                        else f"arrays nested {len(shape)} deep")
+                raise TypeError(f"features column {name!r} has type {schema[name].dataType.simpleString()}; the "
+                                f"model was fitted on {spec['dtype']}{shape} rows, so it must hold {want}")
+            size = schema[name].metadata.get("ml_attr", {}).get("num_attrs")  # VectorAssembler's, when known
+            if kind == "vector" and size is not None and [size] != shape:
+                raise ValueError(f"features column {name!r} holds vectors of size {size}; the model was fitted on "
+                                 f"{spec['dtype']}{shape} rows")
+            col = vector_to_array(F.col(name), "float32") if kind == "vector" else F.col(name)
+            for _ in range(max(len(shape) - 1, 0)):
+                col = F.flatten(col)
+            columns.append(col)
+            shapes.append(shape or None)
+        return columns, shapes
+
+    def _transform(self, dataset):
+        from pyspark.ml.functions import array_to_vector, predict_batch_udf
+        from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
+
+        from gradshare.ml.predict import make_predict
+
+        if self._module is None:
+            raise ValueError("this GradshareModel has no module; get one from GradshareEstimator.fit or .load")
+        # every check reads the schema only: bad input fails here, before any Spark job
+        schema = dataset.schema
+        kinds = check_features(schema, self.feature_columns())
+        if len(kinds) != len(self.spec["inputs"]):
+            raise ValueError(f"featuresCol names {len(kinds)} column(s) but the model was fitted with "
+                             f"{len(self.spec['inputs'])} input(s)")
+        prediction, probability = self.getOrDefault(self.predictionCol), self.getOrDefault(self.probabilityCol)
+        check_new(schema, prediction, "prediction")
+        output = self.spec["output"]
+        probability = probability if output["classification"] else ""
+        if probability:
+            check_new(schema, probability, "probability")
+        columns, shapes = self._udf_inputs(schema, kinds)
+
+        if probability:  # a struct, so that one UDF call per row fills both columns
+            return_type = StructType([StructField("prediction", DoubleType()),
+                                      StructField("probability", ArrayType(DoubleType()))])
+        else:
+            return_type = DoubleType() if output["classification"] or output["scalar"] else ArrayType(DoubleType())
+        udf = predict_batch_udf(
+            make_predict(self._broadcast(dataset.sparkSession.sparkContext), self.spec["inputs"], output,
+                         bool(probability)),
+            return_type=return_type, batch_size=self.getOrDefault(self.predictBatchSize),
+            # one scalar input takes no shapes (pyspark would reshape it to [-1] + None)
+            input_tensor_shapes=None if shapes == [None] else shapes)
+        if not probability:
+            return dataset.withColumn(prediction, udf(*columns))
+        # Spark keeps the UDF one ArrowEvalPython node (the test checks the plan): it does not collapse
+        # projections that would duplicate a Python UDF
+        scratch = f"__gradshare_{self.uid}"
+        out = dataset.withColumn(scratch, udf(*columns))
+        out = out.withColumn(prediction, _struct_field(scratch, "prediction"))
+        out = out.withColumn(probability, array_to_vector(_struct_field(scratch, "probability")))
+        return out.drop(scratch)
+
+    writer, reader = ModelWriter, ModelReader
+
+
+def _struct_field(column: str, field: str):
+    from pyspark.sql import functions as F
+
+    return F.col(column).getField(field)

@@ -1,0 +1,123 @@
+"""What runs on the executors in `GradshareModel.transform`, and the spec that says how (issue 14, item 1).
+
+The spec is plain JSON (saved in the model's metadata): each input's dtype and shape, whether the model
+is a classifier, and the width of its output. The weights reach the executors once per transform as
+one Spark broadcast of ``(architecture bytes, state_dict bytes)``; each Python worker builds the module
+from it once (pyspark's ModelCache, keyed by the predict_batch_udf) and reuses it for every batch.
+torch.save/cloudpickle here are Spark's own data path for a model, not gradshare's UDP wire (which
+carries no pickle).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import re
+from typing import Any
+
+import numpy as np
+
+_INPUT = re.compile(r"(float32|int64|bool)\[([0-9, ]*)\]")
+CLASSIFICATION_LOSSES = ("CrossEntropyLoss", "NLLLoss")
+
+
+def parse_inputs(described: str) -> list[dict]:
+    """FitResult.extra["inputs"] ("float32[64]" or "(float32[4], int64[])", batches.InputLayout.describe)
+    as [{"dtype": ..., "shape": [...]}, ...]."""
+    found = _INPUT.findall(described)
+    if not found:
+        raise ValueError(f"cannot read the fitted input layout {described!r}")
+    return [{"dtype": d, "shape": [int(s) for s in dims.split(",") if s.strip()]} for d, dims in found]
+
+
+def zero_batch(inputs: list[dict]):
+    """One row of zeros per input (zeros are valid ids for an Embedding too)."""
+    import torch
+
+    return tuple(torch.zeros((1, *i["shape"]), dtype=getattr(torch, i["dtype"])) for i in inputs)
+
+
+def output_spec(module, inputs: list[dict], loss_name: str, task: str) -> dict:
+    """Classifier or regressor, and the output's width, from the fitted loss and one forward pass on zeros.
+
+    Classification (task "auto" with CrossEntropyLoss/NLLLoss, or task "classification") needs a (B, C)
+    output: prediction = argmax as a double, probability = softmax. Regression: a (B,) or (B, 1) output
+    is a double column, anything wider an array of the row's flattened outputs.
+    """
+    import torch
+
+    try:  # on a copy: a forward may keep state (counters, caches), as in losses.py's probe
+        with torch.no_grad():
+            out = copy.deepcopy(module).eval()(*zero_batch(inputs))
+    except Exception as e:  # noqa: BLE001 - a model that cannot run on the driver cannot be described
+        raise ValueError(f"transform needs the model's output shape, but it did not run on one row of zeros on "
+                         f"the driver: {type(e).__name__}: {e}") from e
+    if not torch.is_tensor(out):
+        raise TypeError(f"transform needs a model returning one tensor; it returned {type(out).__name__}")
+    classify = task == "classification" or (task == "auto" and loss_name in CLASSIFICATION_LOSSES)
+    if classify and not (out.dim() == 2 and out.shape[1] > 1):
+        raise ValueError(f"a classifier's output must be (B, C) with C > 1 classes for prediction and probability "
+                         f"columns, but it has shape (B, {', '.join(map(str, out.shape[1:]))}); set task='regression' "
+                         "for the raw output")
+    width = int(np.prod(out.shape[1:], dtype=np.int64))
+    return {"classification": classify, "width": width, "scalar": not classify and width == 1}
+
+
+def make_predict(payload, inputs: list[dict], output: dict, probability: bool):
+    """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it)."""
+    return _MakePredict(payload, inputs, output, probability)
+
+
+class _MakePredict:
+    def __init__(self, payload, inputs, output, probability):
+        self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
+
+    def __call__(self):
+        import torch
+        from pyspark import TaskContext
+
+        module = load_module(*self.payload.value)
+        module.eval()
+        context = TaskContext.get()
+        if context is not None:  # DESIGN.md, "Spark": torch threads = the task's CPUs, no oversubscription
+            torch.set_num_threads(max(int(context.cpus()), 1))
+        dtypes = [np.dtype(i["dtype"]) for i in self.inputs]
+        output, probability = self.output, self.probability
+
+        def predict(*columns: np.ndarray):
+            xs = tuple(torch.from_numpy(np.ascontiguousarray(c, dtype=d)) for c, d in zip(columns, dtypes))
+            with torch.inference_mode():
+                out = module(*xs)
+            if output["classification"]:
+                classes = out.argmax(dim=1).to(torch.float64).numpy()
+                if not probability:
+                    return classes
+                return {"prediction": classes,
+                        "probability": torch.softmax(out.float(), dim=1).to(torch.float64).numpy()}
+            values = out.reshape(len(out), -1).to(torch.float64).numpy()
+            return values[:, 0] if output["scalar"] else values
+
+        # predict_batch_udf counts the function's parameters to match one column to each input
+        predict.__signature__ = inspect.Signature(
+            [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(dtypes))])
+        return predict
+
+
+def dump_weights(module) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def load_module(architecture: bytes, weights: bytes) -> Any:
+    """Build the module from its pickled factory and load the state_dict (weights_only: tensors, no code)."""
+    import pickle
+
+    import torch
+
+    module = pickle.loads(architecture)()
+    module.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
+    return module
