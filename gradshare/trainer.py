@@ -46,11 +46,14 @@ from gradshare.precision import check_precision
 
 
 def default_optimizer(params):
-    """Adam, lr 1e-3: the default `optimizer` factory (the adaptive threshold copes with its even-sized
-    updates by raising τ until the target sparsity holds)."""
+    """Adam, lr 1e-3, fused: the default `optimizer` factory. The fused kernel updates each parameter in
+    one pass: on this machine's CPU an Adam step over 8.4 M parameters takes 5 ms instead of the
+    multi-tensor (foreach) kernel's 46 ms, and it allocates no temporaries the size of a layer (a
+    worker's peak memory on the 51.6 M MLP: 7.85 instead of 8.63 × the parameter bytes; README,
+    "Failures and worker memory")."""
     import torch
 
-    return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.Adam(params, lr=1e-3, fused=True)
 
 
 @dataclass
@@ -118,7 +121,7 @@ class SharedTrainer:
         then the labels; the worker calls ``backward()`` and the optimizer. Gradient clipping goes with
         the optimizer: ``optimizer=gradshare.losses.clip_grad_norm(factory, max_norm)``. Without a
         `metric`, validation reports the hook's loss. Giving both `loss` and `train_step` is an error.
-    optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3)`` (`default_optimizer`).
+    optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3, fused=True)`` (`default_optimizer`).
         Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
     threshold: "auto" (default): each worker derives τ before every step from a sample of its residual
         so that about ``density`` of the entries cross it (`CalibratedThreshold`; no tuning, no silent
