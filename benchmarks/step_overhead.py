@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
+                                    warmup=0,  # the steady state: threshold="auto" at its density from step 0
                                     worker_options={"profile": True, "direct_update": not args.general})
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             with RelayCpu() as relay_cpu:
