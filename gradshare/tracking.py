@@ -78,7 +78,7 @@ def _import_mlflow():
 
 def tracked(fit):
     """Decorator for `SharedTrainer.fit`: with the trainer's `mlflow` option set, the fit runs inside
-    one MLflow run (nested under the caller's active run, if any) that ends FINISHED with the result
+    one MLflow run (nested under the calling thread's active run, if any) that ends FINISHED with the result
     logged, or FAILED when the fit raises."""
 
     @functools.wraps(fit)
