@@ -33,6 +33,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from typing import Any
 
 # keys of the mlflow= dict; anything else is a typo the user should hear about
@@ -78,8 +79,12 @@ def _import_mlflow():
 
 def tracked(fit):
     """Decorator for `SharedTrainer.fit`: with the trainer's `mlflow` option set, the fit runs inside
-    one MLflow run (nested under the calling thread's active run, if any) that ends FINISHED with the result
-    logged, or FAILED when the fit raises."""
+    one MLflow run (nested under the calling thread's active run, if any) that ends FINISHED with the
+    result logged, or FAILED when the fit raises.
+
+    MLflow failing before the fit (an unreachable server) raises before any Spark job. MLflow failing
+    after a fit that succeeded does not throw the trained model away: the fit returns its result and a
+    RuntimeWarning says what was not logged (the run is marked FAILED where the server still answers)."""
 
     @functools.wraps(fit)
     def wrapper(trainer, *args, **kwargs):
@@ -94,14 +99,29 @@ def tracked(fit):
         try:
             _log_params(client, run_id, {**trainer.options, **call})
             result = fit(trainer, *args, **kwargs)
-            log_result(result, run_id=run_id, log_model=config["log_model"])
         except BaseException:
-            client.set_terminated(run_id, "FAILED")
+            _end_run(client, run_id, "FAILED")
             raise
-        client.set_terminated(run_id, "FINISHED")
+        try:
+            log_result(result, run_id=run_id, log_model=config["log_model"])
+        except Exception as e:  # noqa: BLE001 - the result matters more than its log; said below
+            warnings.warn(f"the fit succeeded but logging it to MLflow run {run_id} failed: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            _end_run(client, run_id, "FAILED")
+            return result
+        _end_run(client, run_id, "FINISHED")
         return result
 
     return wrapper
+
+
+def _end_run(client, run_id: str, status: str) -> None:
+    """Mark the run ended; a tracking server that fails here must not hide the fit's own outcome."""
+    try:
+        client.set_terminated(run_id, status)
+    except Exception as e:  # noqa: BLE001 - reported, never silent
+        warnings.warn(f"could not mark MLflow run {run_id} {status}: {type(e).__name__}: {e}", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _start_run(mlflow, client, config: dict) -> str:

@@ -2,6 +2,7 @@
 (params, per-epoch metrics, the model as an artifact) in a local file store, a failed fit is a FAILED
 run, and FitResult.plot writes a real PNG, with and without validation data."""
 
+import json
 import struct
 import zlib
 
@@ -69,6 +70,9 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
     assert state.keys() == result.model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in result.model.state_dict().items())
     assert {f.path for f in store.list_artifacts(run.info.run_id)} == {"history.json", "model"}
+    history = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="history.json",
+                                                  dst_path=str(tmp_path / "dl"), tracking_uri=mlflow.get_tracking_uri())
+    assert json.load(open(history)) == json.loads(json.dumps(result.history))
 
     # the same fit drawn: a PNG with the validation panel
     png = result.plot(tmp_path / "fit.png")
@@ -88,6 +92,28 @@ def test_a_failed_fit_is_a_failed_run_nested_under_the_active_run(store):
     assert child.info.status == "FAILED"
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.data.params["epochs"] == "1"  # the params were logged before the fit started
+
+
+def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, monkeypatch):
+    from gradshare import tracking
+
+    class Trainer:  # what `tracked` needs of a SharedTrainer: its options and its mlflow config
+        options = {"epochs": 3}
+        mlflow = tracking.check_option({"experiment": "gradshare-late"})
+
+        @tracking.tracked
+        def fit(self, data):
+            return _result([_row(0)])
+
+    def broken(*args, **kwargs):
+        raise OSError("tracking server went away")
+
+    monkeypatch.setattr(tracking, "log_result", broken)
+    with pytest.warns(RuntimeWarning, match="the fit succeeded but logging it .* OSError: tracking server went away"):
+        result = Trainer().fit("data")
+    assert result.history == [_row(0)]
+    (run,) = _runs(store, "gradshare-late")
+    assert run.info.status == "FAILED" and run.data.params["epochs"] == "3"
 
 
 @pytest.mark.parametrize("value, error, match", [
