@@ -52,5 +52,5 @@ def test_the_readme_table_lists_every_option_with_its_default_in_signature_order
 
 def test_the_readme_points_to_the_ml_section_and_the_design_document():
     text = open(README, encoding="utf-8").read()
-    assert "## Spark ML: `gradshare.ml`" in text and '"Spark ML" below' in text
+    assert "## Spark ML: `gradshare.ml`" in text and '("Spark ML: `gradshare.ml`" below)' in text
     assert "docs/design.md" in text and os.path.exists(os.path.join(os.path.dirname(README), "docs", "design.md"))
