@@ -7,7 +7,7 @@ they compete for the same cores in the same way: the baseline tasks train their 
 locally (no sharing at all); the gradshare tasks run SharedTrainer's workers (relay on 127.0.0.1).
 Step times are taken inside the tasks, after `--warmup` steps (Spark start-up, materialisation and the
 adaptive threshold's first steps are not the steady state). Issue 4's target: ratio <= 1.25. The model
-defaults to the 8.4 M-parameter MLP of DESIGN.md's peer comparison (1024-2048-2048-1024-10, batch 64).
+defaults to the 8.4 M-parameter MLP of docs/design.md's peer comparison (1024-2048-2048-1024-10, batch 64).
 The optimizer is SGD with momentum on both sides (Adam's even-sized first updates make every entry
 cross τ until the adaptive threshold has caught up, which a 60-step run would mostly measure).
 """

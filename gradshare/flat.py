@@ -3,7 +3,7 @@ floating-point buffer (BatchNorm running statistics, any registered float buffer
 
 The module's parameters and buffers become views into the buffer, so the encoding kernels see the
 parameters as one 1-D NumPy array (`FlatParams.array`, the first `n_params` entries) without copies,
-and applying a decoded message changes the module in place (DESIGN.md, "One training step"). The whole
+and applying a decoded message changes the module in place (docs/design.md, "One training step"). The whole
 vector (`state`: parameters then buffers) is what the relay holds, what the log changes, what a snapshot
 carries and what the end-of-fit hash covers, so a replica's buffers are as identical as its parameters
 (README, "BatchNorm and other buffers").

@@ -1,6 +1,6 @@
 """Spark glue: session defaults, barrier slot checks, RDD/DataFrame → per-partition training rows.
 
-Nothing here trains; it only gets data and slots ready for the barrier stage (DESIGN.md, "Spark").
+Nothing here trains; it only gets data and slots ready for the barrier stage (docs/design.md, "Spark").
 pyspark is imported inside functions so that `import gradshare` stays light.
 """
 
@@ -265,7 +265,7 @@ class PartitionData:
     """One partition as one array per input plus the labels, held in memory or, past `spill_bytes`, in
     a local spill file (one record per row, a field per input: every dtype kept, batches.spill_dtype).
 
-    The rows are read from Spark once (DESIGN.md: "materialises its partition once") and then iterated
+    The rows are read from Spark once (docs/design.md: "materialises its partition once") and then iterated
     every epoch in a seeded shuffled order. `features` is one array, or a tuple of them for
     multi-input rows (then `inputs` is the same tuple; for one input, `inputs` is ``(features,)``).
     """

@@ -43,6 +43,7 @@ import numpy as np
 from gradshare.device import check_device
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.precision import check_precision
+from gradshare.tracking import check_option as check_mlflow_option, tracked
 
 
 def default_optimizer(params):
@@ -97,6 +98,13 @@ class FitResult:
         """dense bytes ÷ bytes actually moved (sent + received by the workers)."""
         moved = self.bytes_sent + self.bytes_received
         return self.dense_bytes / moved if moved else math.inf
+
+    def plot(self, path) -> str:
+        """Write a PNG of loss, validation metric and traffic per epoch to `path` (gradshare/plotting.py;
+        needs matplotlib). Returns the path."""
+        from gradshare.plotting import plot_result
+
+        return plot_result(self, path)
 
 
 WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
@@ -193,6 +201,9 @@ class SharedTrainer:
         P_after - P_before even where it could write it into the residual directly (capture.py);
         {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
         for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
+    mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
+        MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
+        the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
     """
 
     def __init__(
@@ -234,7 +245,10 @@ class SharedTrainer:
         drop_last: bool | str = "auto",
         precision: str = "32",
         device: str = "auto",
+        mlflow: bool | dict | None = None,
     ):
+        self.options = {k: v for k, v in locals().items() if k != "self"}  # as given: MLflow's params
+        self.mlflow = check_mlflow_option(mlflow)
         self.auto = threshold == "auto"
         if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
                                   and threshold > 0 and math.isfinite(threshold)):
@@ -403,6 +417,7 @@ class SharedTrainer:
         return data
 
     # ------------------------------------------------------------------------------------ fit
+    @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
     def fit(self, data, features_col: str | list[str] | None = None, label_col: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
 

@@ -1,6 +1,6 @@
 """What runs inside one Spark barrier task: a model replica, its residual, the step loop, the apply log.
 
-One step t on rank w (DESIGN.md, "One training step"):
+One step t on rank w (docs/design.md, "One training step"):
 
     batch → forward/backward → optimizer.step() on the flat buffer P
     u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
@@ -266,7 +266,7 @@ class Worker:
         return float(value)
 
     def step(self, peer, t: int) -> tuple[float, int, int]:
-        """Global step ``t`` of this rank: DESIGN.md's step (batch → forward/backward → optimizer step into
+        """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
         out = self._step(peer, t, *divmod(t, self.cfg.steps_per_epoch[self.rank]))
@@ -465,7 +465,7 @@ def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
     try:
         import torch
 
-        torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (DESIGN.md, Spark)
+        torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (docs/design.md, Spark)
         start_rss = reset_peak_rss()  # a reused Python worker remembers the peaks of earlier tasks
         report = _run(cfg, rank, attempt, rows)
     except BaseException as e:  # noqa: BLE001 - re-raised with the rank named, cause chained

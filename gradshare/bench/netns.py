@@ -3,7 +3,7 @@
     unshare --net [--map-root-user] -- sh -c 'ip link set lo up && tc qdisc add dev lo root tbf
         rate 1gbit burst 4mb latency 400ms && "$@"; rc=$?; tc qdisc del dev lo root; exit $rc' ...
 
-(DESIGN.md, "Measuring"; netem is not available on this kernel.) A fresh namespace has only `lo`, so
+(docs/design.md, "Measuring"; netem is not available on this kernel.) A fresh namespace has only `lo`, so
 nothing inside it — Spark, Gloo, the relay — can reach any other address. The namespace vanishes with
 its last process; the qdisc is deleted explicitly first. Every packet on `lo` passes the one qdisc
 once, so the rate is shared by both directions of every connection (a half-duplex link of that rate).
@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 
-# link name → tbf rate (None: not shaped). burst/latency as in DESIGN.md.
+# link name → tbf rate (None: not shaped). burst/latency as in docs/design.md.
 LINKS: dict[str, str | None] = {"unshaped": None, "1gbit": "1gbit", "100mbit": "100mbit"}
 BURST, LATENCY = "4mb", "400ms"
 

@@ -7,7 +7,7 @@ shards and per-rank batch order (`gradshare.spark.epoch_order`):
 - "ddp":      pyspark `TorchDistributor(num_processes=N, local_mode=False, use_gpu=False)`, DDP over
               Gloo, dense allreduce;
 - "powersgd": the same with DDP's PowerSGD hook, rank 2, in ONE bucket (`bucket_cap_mb` ≥ model size:
-              with the default 25 MB buckets the hook aborts on Gloo in torch 2.13, DESIGN.md "Measuring").
+              with the default 25 MB buckets the hook aborts on Gloo in torch 2.13, docs/design.md "Measuring").
 
 Every system uses Adam(lr=1e-3) (SharedTrainer's default optimizer), one torch thread per process, and
 the same LR schedule: a torch `LambdaLR` built by `lr_scheduler_factory` and stepped once per optimizer
@@ -342,7 +342,7 @@ def _ddp_run(spec: dict, rank: int, world: int) -> dict:
     if spec["powersgd"]:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        # One bucket holding the whole model: PowerSGD on Gloo aborts with several (DESIGN.md).
+        # One bucket holding the whole model: PowerSGD on Gloo aborts with several (docs/design.md).
         bucket_mb = n_params * 4 / 2**20 + 1
         ddp = DDP(model, bucket_cap_mb=bucket_mb)
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,

@@ -1,6 +1,6 @@
 """`gradshare bench transport`: N peers on loopback exchange real encoded updates through the relay.
 
-Reports, all measured side by side in one run (the machine is shared and noisy; DESIGN.md, Measuring):
+Reports, all measured side by side in one run (the machine is shared and noisy; docs/design.md, Measuring):
 - forwarded datagrams/s and MB/s at the relay, secure vs ``insecure`` (the cost of AEAD);
 - update latency p50/p99 (send → delivered and applied at every other peer) at a paced, non-saturating
   rate with the ranks' sends spread evenly over each step period (one update in flight at a time: the

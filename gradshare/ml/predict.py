@@ -80,7 +80,7 @@ class _MakePredict:
         module = load_module(*self.payload.value)
         module.eval()
         context = TaskContext.get()
-        if context is not None:  # DESIGN.md, "Spark": torch threads = the task's CPUs, no oversubscription
+        if context is not None:  # docs/design.md, "Spark": torch threads = the task's CPUs, no oversubscription
             torch.set_num_threads(max(int(context.cpus()), 1))
         dtypes = [np.dtype(i["dtype"]) for i in self.inputs]
         output, probability = self.output, self.probability

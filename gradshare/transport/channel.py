@@ -1,7 +1,7 @@
 """Sealing and opening datagrams for one endpoint: header, AEAD, replay window, drop counting.
 
 Shared by the relay and the peer cores; pure (no sockets, no clock). Every refused datagram is counted
-under a reason in ``drops`` (DESIGN.md: "dropped and counted, never applied, never a crash").
+under a reason in ``drops`` (docs/design.md: "dropped and counted, never applied, never a crash").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The apply-log cursor: which (step, rank) comes next in canonical order (DESIGN.md, Consistency).
+"""The apply-log cursor: which (step, rank) comes next in canonical order (docs/design.md, Consistency).
 
 A message is due only when every message before it in (step, rank) order is applied or known not to exist:
 its rank ended (FINISHED or declared gone) at an earlier step. Shared by the relay and every peer so that

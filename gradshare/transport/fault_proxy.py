@@ -1,5 +1,5 @@
 """A loopback UDP proxy that drops, duplicates, reorders and delays datagrams (seeded), for tests and the
-transport benchmark (netem is not available on this kernel; DESIGN.md, Measuring).
+transport benchmark (netem is not available on this kernel; docs/design.md, Measuring).
 
     with FaultProxy(relay.address, loss=0.05, duplicate=0.01, reorder=0.05, delay=0.002, seed=1) as proxy:
         Peer(proxy.address, ...)        # peers talk to the proxy; the relay sees one address per peer

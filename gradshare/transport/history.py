@@ -2,7 +2,7 @@
 
 The relay keeps every forwarded update here until every live peer has delivered it, so a NAK can be
 answered; a peer keeps its own unacknowledged updates. Eviction under pressure is counted by the caller:
-a NAK for an evicted entry is answered with an explicit error, never silence (DESIGN.md, Transport).
+a NAK for an evicted entry is answered with an explicit error, never silence (docs/design.md, Transport).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
 re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
 missing (from STATUS ``have`` and from later steps it already saw), and releases the apply log in canonical
-(step, rank) order, its own updates included (DESIGN.md, Consistency). It can also fetch a snapshot.
+(step, rank) order, its own updates included (docs/design.md, Consistency). It can also fetch a snapshot.
 """
 
 from __future__ import annotations

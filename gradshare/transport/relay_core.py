@@ -4,7 +4,7 @@
 ``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.
 No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``.
 
-What the relay does (issue 3, DESIGN.md Transport + Consistency):
+What the relay does (issue 3, docs/design.md Transport + Consistency):
 - admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
   a higher attempt cuts the log at ``complete_through`` and restarts it at ``complete_through + 1``;
 - reassembles updates, validates them (``decode_update``) BEFORE they enter the log, acknowledges them,
