@@ -782,7 +782,7 @@ def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epoch
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
                 "bytes_sent": row["bytes_sent"] if row else 0, "bytes_received": row["bytes_received"] if row else 0,
                 "seconds": row["seconds"] if row else 0.0, "val_metric": row["val_metric"] if row else None,
-                "resumed": tally["resumed"] or row is None or row["steps"] != tally["steps"],
+                "resumed": tally["resumed"],  # its steps were applied in more than one attempt
                 "skipped_steps": spe - tally["steps"],
             }
     return rows

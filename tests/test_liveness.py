@@ -1,0 +1,163 @@
+"""Liveness end to end on the real local Spark session (issue 12): a paused worker process is waited
+for and the fit is bit-identical to an undisturbed one; a stuck training thread is named with its step;
+a killed worker's resumed fit keeps every epoch whole; a partition that loads 40 s slower joins fine."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from pyspark import cloudpickle
+from torch import nn
+
+from gradshare import SharedTrainer, TrainingError
+from gradshare.demo import digits_split, mlp
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.spark
+LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+
+
+@pytest.fixture(scope="module")
+def digits(spark):
+    X_train, _, y_train, _ = digits_split(0)
+    rows = list(zip(X_train, (int(v) for v in y_train)))
+    return spark.sparkContext.parallelize(rows, 2).cache()
+
+
+def _rank():
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return None if ctx is None else ctx.partitionId()
+
+
+class Pauses(nn.Module):
+    """Rank 1's Python worker stops itself (SIGSTOP: the whole process, every thread) in its 10th
+    forward; the test continues it after `pause` seconds."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.net, self.marker, self.calls = mlp(), marker, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if _rank() == 1 and self.calls == 10 and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self.net(x)
+
+
+def _continue_after(marker: str, pause: float) -> threading.Thread:
+    def run():
+        while not os.path.exists(marker) or not open(marker).read():
+            time.sleep(0.01)
+        pid = int(open(marker).read())
+        while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "T":   # wait until it really stopped
+            time.sleep(0.01)
+        time.sleep(pause)
+        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_paused_worker_is_waited_for_and_the_fit_is_bit_identical(digits, tmp_path):
+    marker, liveness = str(tmp_path / "paused"), 1.0
+    kw = dict(epochs=2, batch_size=32, seed=5, liveness_timeout=liveness, **LOOPBACK)
+    thread = _continue_after(marker, 2 * liveness)
+    paused = SharedTrainer(lambda: Pauses(marker), **kw).fit(digits)
+    thread.join(5)
+    assert os.path.exists(marker)  # rank 1 really stopped
+    calm = SharedTrainer(lambda: Pauses(marker), **kw).fit(digits)  # the marker exists: no pause now
+    assert paused.param_hash == calm.param_hash  # k = 0, same seed: the same run, step for step
+    assert paused.resumed_from == 0 and paused.skipped_steps == 0 and paused.counters.get("gone", 0) == 0
+    assert [h["steps"] for h in paused.history] == [h["steps"] for h in calm.history]
+    assert paused.counters["applied"] == calm.counters["applied"] == paused.steps * 2 - 0  # every step once
+    assert any("rank 1" in i and "suspected" in i for i in paused.extra["incidents"])
+    assert any("came back" in i for i in paused.extra["incidents"])
+
+
+class Hangs(nn.Module):
+    """Rank 1's forward never returns from its 5th call (the process keeps answering)."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.net, self.marker, self.calls = mlp(), marker, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if _rank() == 1 and self.calls == 5:
+            with open(self.marker, "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(120)
+        return self.net(x)
+
+
+def test_a_stuck_training_thread_is_named_with_its_step_within_step_timeout(digits, tmp_path):
+    marker = str(tmp_path / "stuck")
+    with pytest.raises(TrainingError, match=r"worker rank 1 \(attempt \d+, at step 4\) stuck in step 4: "
+                                            r"no step finished for 2\.\d s \(step_timeout\)"):
+        SharedTrainer(lambda: Hangs(marker), epochs=1, step_timeout=2.0, **LOOPBACK).fit(digits)
+    assert time.time() - float(open(marker).read()) < 2.0 + 5.0
+
+
+class DiesOnce(nn.Module):
+    """Rank 1's Python worker exits in its 30th forward (epoch 1), on the first attempt only."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.net, self.marker, self.calls = mlp(), marker, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if _rank() == 1 and self.calls == 30 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(17)
+        return self.net(x)
+
+
+def test_after_a_kill_and_resume_the_history_has_every_epoch_whole(digits, tmp_path):
+    marker = str(tmp_path / "died")
+    result = SharedTrainer(lambda: DiesOnce(marker), epochs=3, batch_size=32, **LOOPBACK).fit(digits)
+    assert os.path.exists(marker) and result.resumed_from > 0
+    spe = [-(-len(p) // 32) for p in digits.glom().collect()]
+    assert [h["epoch"] for h in result.history] == [0, 1, 2]
+    assert [h["steps"] for h in result.history] == [sum(spe)] * 3  # 30 of 44 before issue 12
+    assert sum(h["skipped_steps"] for h in result.history) == 0 == result.skipped_steps
+    # the retried stage resumed inside epoch 1: that row joins both attempts' steps and says so
+    assert result.resumed_from // spe[1] == 1
+    assert [h["resumed"] for h in result.history] == [False, True, False]
+    assert all(h["loss"] > 0 and h["lr"] == pytest.approx(1e-3) for h in result.history)
+
+
+class LoadsSlowly:
+    """Partition 1's rows arrive 40 s late in the training task (not in the driver's pre-pass)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __call__(self, index, rows):
+        from pyspark import BarrierTaskContext, TaskContext
+
+        if index == 1 and isinstance(TaskContext.get(), BarrierTaskContext):
+            time.sleep(self.seconds)
+        return rows
+
+
+def test_a_partition_that_loads_40_s_slower_joins_under_the_default_settings(spark):
+    rows = [((i % 7) * 0.1 + (i % 3) * 0.5 * (1, 1, 1), i % 2) for i in range(64)]
+    import numpy as np
+
+    rows = [(np.asarray(x, np.float32), y) for x, y in rows]
+    rdd = spark.sparkContext.parallelize(rows, 2).mapPartitionsWithIndex(LoadsSlowly(40.0))
+    t0 = time.monotonic()
+    result = SharedTrainer(lambda: nn.Linear(3, 2), epochs=1, batch_size=8, **LOOPBACK).fit(rdd)
+    assert time.monotonic() - t0 > 40
+    assert result.steps == 4 and result.skipped_steps == 0 and result.counters.get("gone", 0) == 0
+    assert [h["steps"] for h in result.history] == [8]
