@@ -440,7 +440,11 @@ class SharedTrainer:
         payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean of the workers' τ at their
         epoch's last step), lr (rank 0's at the epoch's first step), silent_steps (steps that sent no
         entry, all workers), seconds (slowest worker), val_metric (None without validation_data),
-        loss_fn (the loss's name, as extra["loss"]).
+        loss_fn (the loss's name, as extra["loss"]), resumed (the epoch's steps span stage attempts: a
+        retried stage resumed inside it; its loss/sparsity/τ/payload/lr then come from the relay's tally
+        of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
+        went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
+        incidents (README "Liveness").
         """
         import torch
 
@@ -722,7 +726,7 @@ def _driver_error(exc: BaseException, relay) -> Exception:
     tasks' errors, which are often symptoms of it (a rank rejected because another was cut)."""
     text = str(exc)
     found = _TAGGED.findall(text)
-    cause = relay.first_cause()
+    cause = None if relay is None else relay.first_cause()
     first = "" if cause is None else f"first cause: {cause.describe()}; "
     if found:
         rank, kind, message = found[-1]  # the most recent failure
