@@ -54,13 +54,25 @@ class Pauses(nn.Module):
 
 
 def _continue_after(marker: str, pause: float) -> threading.Thread:
+    """SIGCONT the process whose pid `marker` holds, `pause` s after it stopped; nothing if it is gone
+    by then (on_rank_loss="restart": Spark killed it for the retry)."""
+    def state(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().split(") ")[1][0]
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+
     def run():
         while not os.path.exists(marker) or not open(marker).read():
             time.sleep(0.01)
         pid = int(open(marker).read())
-        while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "T":   # wait until it really stopped
+        while state(pid) not in ("T", None):  # wait until it really stopped
             time.sleep(0.01)
-        time.sleep(pause)
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:
+            if state(pid) != "T":
+                return
+            time.sleep(0.05)
         os.kill(pid, signal.SIGCONT)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -171,3 +183,14 @@ def test_continue_goes_on_without_the_paused_rank_and_counts_what_it_skipped(dig
     assert result.skipped_steps > 0
     assert [h["steps"] + h["skipped_steps"] for h in result.history] == [sum(spe)] * 2
     assert sum(h["skipped_steps"] for h in result.history) == result.skipped_steps
+
+
+def test_restart_retries_the_stage_at_once_and_skips_nothing(digits, tmp_path):
+    marker = str(tmp_path / "paused")
+    _continue_after(marker, 60.0)  # never, in practice: Spark kills the stopped worker for the retry
+    result = SharedTrainer(lambda: Pauses(marker), epochs=1, batch_size=32, seed=5, liveness_timeout=1.0,
+                           on_rank_loss="restart", **LOOPBACK).fit(digits)
+    spe = [-(-len(p) // 32) for p in digits.glom().collect()]
+    assert result.resumed_from > 0 and result.skipped_steps == 0 and result.counters.get("gone", 0) == 0
+    assert [h["steps"] for h in result.history] == [sum(spe)] and result.history[0]["resumed"]
+    assert any("restarts the stage" in i and "rank 1" in i for i in result.extra["incidents"])
