@@ -120,3 +120,27 @@ def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
     inc = sim.relay.fatal_incident()
     assert (inc.kind, inc.rank, inc.step) == ("stuck", 1, 3) and 1.0 < sim.now - t0 < 1.2
     assert "stuck in step 3" in inc.describe() and _kinds(sim) == ["stuck"]
+
+
+def test_the_driver_reports_the_first_cause_before_the_last_symptom():
+    from gradshare.errors import ProtocolError, TrainingError, TransportTimeout
+    from gradshare.trainer import _driver_error
+    from gradshare.transport import events as ev
+
+    class Relay:
+        def __init__(self, cause):
+            self.cause = cause
+
+        def first_cause(self):
+            return self.cause
+
+    cut = ev.Incident("gone", 1, 0, 65, 2.1, 10.0, "silent for more than 1 s (liveness_timeout)")
+    symptom = ("Job aborted: [gradshare rank 0] ProtocolError: peer rank 0: relay rejected rank 0 "
+               "(attempt 3): rank 0 was declared gone at step 70\n")
+    err = _driver_error(ProtocolError(symptom), Relay(cut))
+    assert isinstance(err, TrainingError)
+    assert str(err).startswith("first cause: rank 1 (attempt 0, at step 65) declared gone after 2.1 s")
+    assert "; worker rank 0 failed: ProtocolError: peer rank 0: relay rejected rank 0" in str(err)
+    silent = ev.Incident("silent", 1, 0, 9, 60.2, 70.0)
+    err = _driver_error(RuntimeError("Job aborted: stage failure\nSparkException: boom"), Relay(silent))
+    assert isinstance(err, TransportTimeout) and "rank 1 (attempt 0, at step 9) silent for 60.2 s" in str(err)
