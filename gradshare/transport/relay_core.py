@@ -258,7 +258,7 @@ class RelayCore:
         self.pending_meta: dict[tuple[int, int], dict] = {}  # their meta, accounted when applied
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
-        self._restarted = False                          # on_rank_loss="restart" fired in this attempt
+        self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
         self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
         self.snapshots: dict[int, Snapshot] = {}
         self.transfers: dict[int, Transfer] = {}         # rank -> transfer
@@ -474,6 +474,10 @@ class RelayCore:
     def _check_liveness(self, now: float) -> None:
         if self.attempt_started is None:
             return
+        if self._restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
+            for r in self.ranks:
+                if r.joined and not r.left and r.ended is None and r.suspected_since is None:
+                    self._send(r, ev.Reject(self._restart_reason))
         for rs in self.ranks:
             if rs.ended is not None:
                 continue
@@ -497,7 +501,7 @@ class RelayCore:
                     self._declare_gone(rs, f"silent for more than {bound:g} s ({what}); on_rank_loss='continue'",
                                        now, silent)
                     continue
-                if self.on_rank_loss == "restart" and not self._restarted:
+                if self.on_rank_loss == "restart" and self._restart_reason is None:
                     self._restart(rs, silent, now)
             if self.on_rank_loss == "wait" and silent > max(bound, self.give_up_after) and not rs.given_up:
                 rs.given_up = True        # one fatal incident per rank
@@ -506,13 +510,9 @@ class RelayCore:
     def _restart(self, rs: RankState, silent: float, now: float) -> None:
         """on_rank_loss="restart": reject every live rank of the attempt, so their tasks fail and Spark
         retries the barrier stage; the new attempt resumes after complete_through (nothing skipped)."""
-        self._restarted = True
         self._incident("restart", rs, silent, now, "on_rank_loss='restart'")
-        reason = (f"stage restart: rank {rs.rank} silent for {silent:.1f} s at step {self.owed_step(rs)} "
-                  f"(on_rank_loss='restart')")
-        for r in self.ranks:
-            if r.joined and not r.left and r.ended is None and r is not rs:
-                self._send(r, ev.Reject(reason))
+        self._restart_reason = (f"stage restart: rank {rs.rank} silent for {silent:.1f} s at step "
+                                f"{self.owed_step(rs)} (on_rank_loss='restart')")
 
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
@@ -566,7 +566,7 @@ class RelayCore:
         self.ranks = [RankState(r, now, self.nak_delay) for r in range(self.world_size)]
         self.pending.clear()
         self.pending_meta.clear()
-        self._restarted = False
+        self._restart_reason = None
         self.evicted.clear()
         self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len)
         self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
