@@ -1,6 +1,7 @@
 """Liveness end to end on the real local Spark session (issue 12): a paused worker process is waited
 for and the fit is bit-identical to an undisturbed one; a stuck training thread is named with its step;
-a killed worker's resumed fit keeps every epoch whole; a partition that loads 40 s slower joins fine."""
+a partition that loads 40 s slower joins fine; the restart and continue policies. (A killed worker's
+resumed history: tests/test_trainer.py, test_worker_killed_mid_training_resumes_from_the_relay.)"""
 
 import os
 import signal
@@ -118,35 +119,6 @@ def test_a_stuck_training_thread_is_named_with_its_step_within_step_timeout(digi
                                             r"no step finished for 2\.\d s \(step_timeout\)"):
         SharedTrainer(lambda: Hangs(marker), epochs=1, step_timeout=2.0, **LOOPBACK).fit(digits)
     assert time.time() - float(open(marker).read()) < 2.0 + 5.0
-
-
-class DiesOnce(nn.Module):
-    """Rank 1's Python worker exits in its 30th forward (epoch 1), on the first attempt only."""
-
-    def __init__(self, marker):
-        super().__init__()
-        self.net, self.marker, self.calls = mlp(), marker, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if _rank() == 1 and self.calls == 30 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(17)
-        return self.net(x)
-
-
-def test_after_a_kill_and_resume_the_history_has_every_epoch_whole(digits, tmp_path):
-    marker = str(tmp_path / "died")
-    result = SharedTrainer(lambda: DiesOnce(marker), epochs=3, batch_size=32, **LOOPBACK).fit(digits)
-    assert os.path.exists(marker) and result.resumed_from > 0
-    spe = [-(-len(p) // 32) for p in digits.glom().collect()]
-    assert [h["epoch"] for h in result.history] == [0, 1, 2]
-    assert [h["steps"] for h in result.history] == [sum(spe)] * 3  # 30 of 44 before issue 12
-    assert sum(h["skipped_steps"] for h in result.history) == 0 == result.skipped_steps
-    # the retried stage resumed inside epoch 1: that row joins both attempts' steps and says so
-    assert result.resumed_from // spe[1] == 1
-    assert [h["resumed"] for h in result.history] == [False, True, False]
-    assert all(h["loss"] > 0 and h["lr"] == pytest.approx(1e-3) for h in result.history)
 
 
 class LoadsSlowly:
