@@ -72,6 +72,8 @@ class FitResult:
     resumed_from: int  # 0, or the step a retried stage continued from
     seconds: float
     extra: dict = field(default_factory=dict)
+    # steps of data the log went on without (only on_rank_loss="continue" skips any; issue 12)
+    skipped_steps: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -195,7 +197,19 @@ class SharedTrainer:
         (ints → int64, floats → float32, bools; gradshare/batches.py), so token ids reach nn.Embedding
         exact; a row's features may be a tuple of arrays, the model is then called as model(x1, x2, ...).
     verbose: 0 quiet, 1 a progress bar fed by the relay.
-    timeout: seconds any single wait (join, receive, snapshot) may take before a clear error.
+    timeout: seconds any single wait (join, receive, snapshot) may take before a clear error; also how
+        long the relay waits for a suspected rank (on_rank_loss="wait") before it gives up with an error
+        naming the rank, its step and how long it was silent.
+    liveness_timeout: a rank silent this long is *suspected* (issue 12; README "Liveness"). A rank that
+        comes back (a GC pause, a stopped process) carries on with nothing lost or repeated.
+    on_rank_loss: what a suspected rank costs: "wait" (default: the log waits for it, at most `timeout`;
+        a task that really died fails the barrier stage and Spark's retry resumes from the relay),
+        "restart" (the relay fails the stage's live tasks so that Spark retries it at once; nothing is
+        skipped) or "continue" (the rank is declared gone and the log goes on without its data:
+        `FitResult.skipped_steps` and each history row's "skipped_steps" say how much was skipped).
+    step_timeout: seconds a worker's training thread may spend in one step (forward, backward,
+        optimizer, encode) while its process still answers; past it the fit stops with an error naming
+        the rank and the step (default 600).
     worker_options: {"profile": True} adds per-phase step timers to each worker report
         (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
         P_after - P_before even where it could write it into the residual directly (capture.py);
@@ -232,6 +246,8 @@ class SharedTrainer:
         datagram_size: int = 1400,
         timeout: float = 60.0,
         liveness_timeout: float = 30.0,
+        on_rank_loss: str = "wait",
+        step_timeout: float = 600.0,
         spill_bytes: int = 256 << 20,
         insecure: bool = False,
         worker_options: dict | None = None,
@@ -294,6 +310,11 @@ class SharedTrainer:
             raise ValueError(f"label_dtype must be None, 'int64' or 'float32', got {label_dtype!r}")
         if timeout <= 0 or liveness_timeout <= 0:
             raise ValueError(f"timeout and liveness_timeout must be > 0, got {timeout!r}, {liveness_timeout!r}")
+        if on_rank_loss not in ("wait", "restart", "continue"):
+            raise ValueError(f"on_rank_loss must be 'wait', 'restart' or 'continue', got {on_rank_loss!r}")
+        if not (isinstance(step_timeout, (int, float)) and not isinstance(step_timeout, bool) and step_timeout > 0):
+            raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+        self.on_rank_loss, self.step_timeout = on_rank_loss, float(step_timeout)
         if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
         if loss is not None and train_step is not None:
@@ -437,7 +458,11 @@ class SharedTrainer:
         payload_bytes, bytes_sent/bytes_received (UDP, all workers), tau (mean of the workers' τ at their
         epoch's last step), lr (rank 0's at the epoch's first step), silent_steps (steps that sent no
         entry, all workers), seconds (slowest worker), val_metric (None without validation_data),
-        loss_fn (the loss's name, as extra["loss"]).
+        loss_fn (the loss's name, as extra["loss"]), resumed (the epoch's steps span stage attempts: a
+        retried stage resumed inside it; its loss/sparsity/τ/payload/lr then come from the relay's tally
+        of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
+        went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
+        incidents (README "Liveness").
         """
         import torch
 
@@ -464,7 +489,9 @@ class SharedTrainer:
 
         # Pre-pass: validate every partition and count its rows (errors come back as data, so the
         # driver names partition and row instead of Spark retrying a failing task).
-        summaries = rdd.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)]).collect()
+        timed = rdd.mapPartitionsWithIndex(lambda i, it: [_timed(summarise_partition, i, it)]).collect()
+        summaries = [s for s, _ in timed]
+        load_seconds = max(seconds for _, seconds in timed)
         layout = check_summaries(summaries)
         names = input_names(layout.features, (features_col,) if isinstance(features_col, str)
                             else tuple(features_col or ()))
@@ -501,6 +528,8 @@ class SharedTrainer:
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
                       insecure=self.insecure, decode_update=functools.partial(decode_update, n_params=flat.n_params),
                       apply_update=functools.partial(apply_update, scale=scale),
+                      on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
+                      join_window=self._join_window(load_seconds),
                       **_snapshot_options(host, self.datagram_size)).start()
         try:
             cfg = pack_user_objects(WorkerConfig(
@@ -513,13 +542,14 @@ class SharedTrainer:
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
-                precision=self.precision, train_step=plan.step, device=self.device,
+                precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
             ))
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
             final = relay.params
             relay_hash = relay.param_hash()
             counters = dict(relay.counters())
+            tallies, incidents = relay.epoch_tallies(), relay.incidents()
         finally:
             relay.close()
 
@@ -533,14 +563,22 @@ class SharedTrainer:
                 t.data = t.data.clone()
         reports.sort(key=lambda r: r["rank"])
         _load_int_buffers(model, reports[0].get("int_buffers", {}))
-        history = [{**row, "loss_fn": plan.name} for row in _merge_history(reports)]
+        rows, skipped = _merge_history(reports, tallies, steps_per_epoch, self.epochs)
+        history = [{**row, "loss_fn": plan.name} for row in rows]
         return FitResult(
             model=model, history=history, counters=counters, worker_reports=reports,
             param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=cfg.final_step + 1,
             resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
             extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
-                   "probe": plan.probe},
+                   "probe": plan.probe, "incidents": [i.describe() for i in incidents]},
+            skipped_steps=skipped,
         )
+
+    def _join_window(self, load_seconds: float) -> float:
+        """How long after a stage attempt starts the relay waits for a rank it has not heard at all
+        (issue 12): `timeout`, plus a generous multiple of the slowest partition's read in the pre-pass
+        (the training read also builds arrays or a spill file). A task that is loading says so anyway."""
+        return max(self.timeout, self.liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
     def _run_job(self, sc, rdd, cfg, relay) -> list[dict]:
         """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
@@ -573,6 +611,9 @@ class SharedTrainer:
                 failed = relay.failure()
                 if failed is not None:  # a worker's deterministic error: retries would repeat it
                     raise _reported_error(failed)  # the handler below cancels the job
+                given_up = relay.fatal_incident()
+                if given_up is not None:  # a rank silent past `timeout`, or stuck past step_timeout
+                    raise _incident_error(given_up)
         except BaseException:
             sc.cancelJobGroup(group)
             thread.join(30.0)
@@ -586,6 +627,15 @@ class SharedTrainer:
                 raise _reported_error(failed) from out["error"]
             raise _driver_error(out["error"], relay) from out["error"]
         return out["reports"]
+
+
+JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
+
+
+def _timed(fn, *args):
+    """(fn(*args), seconds it took): the pre-pass reports each partition's read time (issue 12)."""
+    t0 = time.monotonic()
+    return fn(*args), time.monotonic() - t0
 
 
 # Every worker takes the initial weights from the relay's snapshot (shipping.py), so its speed is
@@ -682,13 +732,26 @@ def _reported_error(failed) -> Exception:
         f"worker rank {failed.rank} failed: {failed.error_type}: {failed.message}")
 
 
+def _incident_error(incident) -> Exception:
+    """The error for an incident after which the relay gave up on a rank (transport.events.Incident)."""
+    cls = TransportTimeout if incident.kind == "silent" else TrainingError
+    return cls(f"worker {incident.describe()}")
+
+
 def _driver_error(exc: BaseException, relay) -> Exception:
-    """Turn Spark's job failure into one clear error naming the rank and the cause."""
+    """Turn Spark's job failure into one clear error naming the rank and the cause: the relay's first
+    incident (the rank it suspected, cut or gave up on first, with its step; issue 12) before the
+    tasks' errors, which are often symptoms of it (a rank rejected because another was cut)."""
     text = str(exc)
     found = _TAGGED.findall(text)
+    cause = None if relay is None else relay.first_cause()
+    first = "" if cause is None else f"first cause: {cause.describe()}; "
     if found:
         rank, kind, message = found[-1]  # the most recent failure
-        return _error_class(kind)(f"worker rank {rank} failed: {kind}: {message}")
+        return _error_class(kind)(f"{first}worker rank {rank} failed: {kind}: {message}")
+    if cause is not None:
+        cls = TransportTimeout if cause.kind == "silent" else TrainingError
+        return cls(f"{first}the Spark training job failed: {_first_line(text)}")
     if isinstance(exc, GradshareError):
         return exc
     # Spark failed the task before our code ran (e.g. unpickling the closure): the root cause is the
@@ -698,8 +761,11 @@ def _driver_error(exc: BaseException, relay) -> Exception:
     if causes:
         kind, message = causes[-1]
         return TrainingError(f"the Spark training job failed: {kind}: {message.strip()[:500]}")
-    first = next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300])
-    return TrainingError(f"the Spark training job failed: {first.strip()}")
+    return TrainingError(f"the Spark training job failed: {_first_line(text)}")
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[:500]
 
 
 def _load_int_buffers(model, values: dict) -> None:
@@ -712,14 +778,48 @@ def _load_int_buffers(model, values: dict) -> None:
             buffers[name].copy_(torch.from_numpy(value))
 
 
-def _merge_history(reports: list[dict]) -> list[dict]:
-    """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time."""
-    epochs = sorted({h["epoch"] for r in reports for h in r["history"]})
+def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epochs: int) -> dict:
+    """(rank, epoch) -> that rank's history row. The last attempt's own row where it trained the whole
+    epoch; otherwise (a retried stage resumed inside it, or after it) a row made from the relay's tally
+    of the applied log, which holds the killed attempts' steps too (issue 12). "resumed" says which."""
+    own = {(r["rank"], h["epoch"]): h for r in reports for h in r["history"]}
+    rows = {}
+    for rank, spe in enumerate(steps_per_epoch):
+        for e in range(epochs):
+            row, tally = own.get((rank, e)), tallies.get((rank, e))
+            if tally is None and row is None:  # the log went on without this rank (on_rank_loss="continue")
+                rows[(rank, e)] = {"epoch": e, "steps": 0, "loss": 0.0, "sparsity": 0.0, "payload_bytes": 0,
+                                   "tau": None, "lr": None, "silent_steps": 0, "bytes_sent": 0,
+                                   "bytes_received": 0, "seconds": 0.0, "val_metric": None, "resumed": False,
+                                   "skipped_steps": spe}
+                continue
+            if tally is None or (row is not None and not tally["resumed"] and row["steps"] == tally["steps"]):
+                rows[(rank, e)] = {**row, "resumed": False, "skipped_steps": spe - row["steps"]}
+                continue
+            n = max(tally["steps"], 1)
+            rows[(rank, e)] = {
+                "epoch": e, "steps": tally["steps"], "loss": tally["loss"] / n, "sparsity": tally["sparsity"] / n,
+                "payload_bytes": int(tally["payload"]), "tau": tally["tau"], "lr": tally["lr"],
+                "silent_steps": tally["silent"],
+                # the workers' own counters and clocks: only the attempt that finished the epoch reported them
+                "bytes_sent": row["bytes_sent"] if row else 0, "bytes_received": row["bytes_received"] if row else 0,
+                "seconds": row["seconds"] if row else 0.0, "val_metric": row["val_metric"] if row else None,
+                "resumed": tally["resumed"],  # its steps were applied in more than one attempt
+                "skipped_steps": spe - tally["steps"],
+            }
+    return rows
+
+
+def _merge_history(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epochs: int) -> tuple[list[dict], int]:
+    """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time; and
+    the steps of data skipped in all (on_rank_loss="continue")."""
+    by_rank = _rank_rows(reports, tallies, steps_per_epoch, epochs)
     merged = []
-    for e in epochs:
-        rows = [h for r in reports for h in r["history"] if h["epoch"] == e]
+    for e in sorted({e for _, e in by_rank}):
+        rows = [by_rank[k] for k in sorted(by_rank) if k[1] == e]
         steps = sum(h["steps"] for h in rows)
         val = [h["val_metric"] for h in rows if h["val_metric"] is not None]
+        taus = [h["tau"] for h in rows if h["tau"] is not None]
         merged.append({
             "epoch": e,
             "steps": steps,
@@ -728,10 +828,12 @@ def _merge_history(reports: list[dict]) -> list[dict]:
             "payload_bytes": sum(h["payload_bytes"] for h in rows),
             "bytes_sent": sum(h["bytes_sent"] for h in rows),
             "bytes_received": sum(h["bytes_received"] for h in rows),
-            "tau": float(np.mean([h["tau"] for h in rows])),
-            "lr": rows[0]["lr"],
+            "tau": float(np.mean(taus)) if taus else float("nan"),
+            "lr": next((h["lr"] for h in rows if h["lr"] is not None), None),  # rank 0's unless it had none
             "silent_steps": sum(h["silent_steps"] for h in rows),
             "seconds": max(h["seconds"] for h in rows),
             "val_metric": val[0] if val else None,
+            "resumed": any(h["resumed"] for h in rows),
+            "skipped_steps": sum(h["skipped_steps"] for h in rows),
         })
-    return merged
+    return merged, sum(h["skipped_steps"] for h in merged)

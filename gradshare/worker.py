@@ -83,6 +83,7 @@ class WorkerConfig:
     user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
     extra: dict = field(default_factory=dict)
     train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
+    n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -299,10 +300,14 @@ class Worker:
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
         loss_value = float(loss.detach())
         prof.lap("encode")
-        peer.send_update(t, payload, {
-            "loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
-            "bytes": float(len(payload)), "epoch": float(epoch),
-        })
+        # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
+        # then still has the steps of the attempts before it (issue 12)
+        meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
+                "bytes": float(len(payload)), "epoch": float(epoch)}
+        lr = current_lr(self.optimizer)
+        if lr is not None:
+            meta["lr"] = lr
+        peer.send_update(t, payload, meta)
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
@@ -368,6 +373,7 @@ class Worker:
             log.apply_through(t - 1 - cfg.staleness)
             epoch, b = divmod(t, spe)
             acc["lr"] = current_lr(self.optimizer) if acc["lr"] is None else acc["lr"]
+            peer.begin_step(t)  # until its send_update: the relay's step_timeout watches this (issue 12)
             loss, entries, nbytes = self.step(peer, t)
             prof.end()
             acc["loss"] += loss
@@ -544,47 +550,65 @@ def _proc_status_bytes(field: str) -> int:
 def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
     from gradshare.shipping import materialize, unpack_user_objects
     from gradshare.spark import PartitionData
-    from gradshare.transport import Peer, param_hash
+    from gradshare.transport import param_hash
 
     from pyspark import SparkFiles
 
     cfg = unpack_user_objects(cfg)  # user classes resolve here, where a failure is reported (shipping.py)
-    # a large partition spills into the executor's Spark scratch space, not the system temp dir
-    data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
-                                   spill_dir=SparkFiles.getRootDirectory())
+    peer = None
+    if cfg.n_state:
+        # the peer exists before the partition is read: it says LOADING while the rows materialise, so a
+        # slow partition is a live task to the relay, not a silent one (issue 12)
+        peer = _new_peer(cfg, rank, attempt, cfg.n_state)
+        peer.loading()
+    data = None
     try:
+        # a large partition spills into the executor's Spark scratch space, not the system temp dir
+        data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
+                                       spill_dir=SparkFiles.getRootDirectory())
         expected = steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last)
         if expected != cfg.steps_per_epoch[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
         worker = Worker(cfg, rank, data, model=materialize(cfg.model))
-        peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                    job_id=cfg.job_id, n_params=worker.flat.n_state, datagram_size=cfg.datagram_size,
-                    timeout=cfg.timeout, insecure=cfg.insecure)
-        try:
-            info = peer.join(cfg.timeout)
-            start = int(info.start_step)
-            # the initial parameters (start 0) or, in a retried stage, the relay's current ones
-            t_load = time.monotonic()
-            _load_from_relay(peer, worker.flat, start, cfg.timeout)
-            t_load = time.monotonic() - t_load
-            report = worker.run(peer, start)
-            report["snapshot_seconds"] = t_load
-            report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
-            report["counters"] = dict(peer.counters())
-        except BaseException:
-            # Vanish WITHOUT saying LEAVE: a LEAVE before FINISHED makes the relay declare the rank gone
-            # and let the log go on without it, so the others would train past the failed step and the
-            # retried stage would skip this rank's data (a deterministic error would vanish). Silent, the
-            # rank stays expected: Spark retries the stage, which resumes at the failed step (with no
-            # retry, the relay's liveness timeout declares the rank gone).
-            peer.close(linger=0.0, leave=False)
-            raise
+        if peer is None:
+            peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
+        elif worker.flat.n_state != cfg.n_state:
+            raise ProtocolError(f"rank {rank}'s model has {worker.flat.n_state} state entries; the driver's "
+                                f"has {cfg.n_state}")
+        info = peer.join(cfg.timeout)
+        start = int(info.start_step)
+        # the initial parameters (start 0) or, in a retried stage, the relay's current ones
+        t_load = time.monotonic()
+        _load_from_relay(peer, worker.flat, start, cfg.timeout)
+        t_load = time.monotonic() - t_load
+        report = worker.run(peer, start)
+        report["snapshot_seconds"] = t_load
+        report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
+        report["counters"] = dict(peer.counters())
         peer.close()
         return report
+    except BaseException:
+        # Vanish WITHOUT saying LEAVE: a LEAVE before FINISHED makes the relay declare the rank gone
+        # and let the log go on without it, so the others would train past the failed step and the
+        # retried stage would skip this rank's data (a deterministic error would vanish). Silent, the
+        # rank stays expected: Spark retries the stage, which resumes at the failed step (with no
+        # retry, the relay's on_rank_loss policy decides; issue 12).
+        if peer is not None:
+            peer.close(linger=0.0, leave=False)
+        raise
     finally:
-        data.close()
+        if data is not None:
+            data.close()
+
+
+def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int):
+    from gradshare.transport import Peer
+
+    return Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
+                job_id=cfg.job_id, n_params=n_state, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
+                insecure=cfg.insecure)
 
 
 def _load_from_relay(peer, flat, start: int, timeout: float) -> None:

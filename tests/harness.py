@@ -15,7 +15,7 @@ RELAY = "relay"
 class Sim:
     def __init__(self, world_size: int = 3, n_params: int = 500, seed: int = 0, loss: float = 0.0,
                  dup: float = 0.0, max_delay: float = 0.0, key: bytes = b"k" * 32, datagram_size: int = 400,
-                 staleness: int = 1, liveness_timeout: float = 5.0) -> None:
+                 staleness: int = 1, liveness_timeout: float = 5.0, **relay_options) -> None:
         self.now = 0.0
         self.W, self.N, self.staleness = world_size, n_params, staleness
         self.key = key
@@ -24,7 +24,7 @@ class Sim:
         self.rng = np.random.default_rng(seed)
         self.p0 = self.rng.standard_normal(n_params).astype(np.float32)
         self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
-                               liveness_timeout=liveness_timeout, **TOY)
+                               liveness_timeout=liveness_timeout, **TOY, **relay_options)
         self.peers: dict[int, PeerCore] = {}
         self.params: dict[int, np.ndarray] = {}
         self.delivered: dict[int, list] = {}

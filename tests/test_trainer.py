@@ -257,7 +257,7 @@ def test_replica_that_diverges_is_a_consistency_error(spark):
 
 # ------------------------------------------------------------------------------------ restart
 class DiesOnce(nn.Module):
-    """Rank 1's Python worker calls os._exit on its 8th forward pass, on the first attempt only."""
+    """Rank 1's Python worker calls os._exit on its 30th forward pass (epoch 1), on the first attempt only."""
 
     def __init__(self, marker):
         super().__init__()
@@ -269,7 +269,7 @@ class DiesOnce(nn.Module):
 
         self.calls += 1
         ctx = TaskContext.get()
-        if ctx is not None and ctx.partitionId() == 1 and self.calls == 8 and not os.path.exists(self.marker):
+        if ctx is not None and ctx.partitionId() == 1 and self.calls == 30 and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             os._exit(17)
         return self.net(x)
@@ -286,6 +286,14 @@ def test_worker_killed_mid_training_resumes_from_the_relay(digits_rdd, tmp_path)
     assert result.steps == 3 * per_epoch  # the step count continued to the planned end
     assert all(r["param_hash"] == result.param_hash for r in result.worker_reports)
     assert evaluate_accuracy(result.model, X_test, y_test) > 0.5
+    # issue 12: the history keeps the killed attempt's steps; every epoch is whole (30 of 44 before)
+    spe = [-(-len(p) // 32) for p in rdd.glom().collect()]
+    assert [h["epoch"] for h in result.history] == [0, 1, 2]
+    assert [h["steps"] for h in result.history] == [sum(spe)] * 3
+    assert result.skipped_steps == 0 == sum(h["skipped_steps"] for h in result.history)
+    assert result.resumed_from // spe[1] == 1  # the retried stage resumed inside epoch 1, which says so
+    assert [h["resumed"] for h in result.history] == [False, True, False]
+    assert all(h["loss"] > 0 and h["lr"] == pytest.approx(1e-3) for h in result.history)
 
 
 # ------------------------------------------------------------------------------------ local-cluster

@@ -53,7 +53,7 @@ def test_synchronous_staleness_zero():
 
 
 def test_silent_peer_is_declared_gone_and_the_log_goes_on():
-    sim = Sim(world_size=3, seed=12, loss=0.02, liveness_timeout=0.5)
+    sim = Sim(world_size=3, seed=12, loss=0.02, liveness_timeout=0.5, on_rank_loss="continue")
     for r in range(3):
         sim.add_peer(r)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))

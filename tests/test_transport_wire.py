@@ -14,10 +14,10 @@ from gradshare.transport.crypto import Sealer, new_job_key
 
 CONTROL = [
     ev.Join(10, 4), ev.Welcome(10, 4, 3, 2), ev.Reject("no"), ev.Ack((1, 2, 3)),
-    ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))), ev.Heartbeat(-1, 5),
+    ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))), ev.Heartbeat(-1, 5), ev.Heartbeat(4, 5, 6),
     ev.Status(0, -1, (3, -1, 7), (ev.Ended(1, -1, True),)), ev.Finished(9), ev.Leave(), ev.SnapRequest(),
     ev.SnapInfo(1, 5, 10, 1, 40, "ab"), ev.SnapNak(1, ((0, 3), (5, 9))), ev.SnapDone(1),
-    ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"), ev.FailAck(3, 700),
+    ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"), ev.FailAck(3, 700), ev.Loading(),
 ]
 
 
@@ -28,7 +28,7 @@ def test_control_round_trip(msg):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, wire.Kind.FAIL_ACK), st.binary(max_size=200))
+@given(st.integers(1, wire.Kind.LOADING), st.binary(max_size=200))
 def test_any_control_body_decodes_or_raises_decode_error(kind, body):
     try:
         wire.decode_control(kind, body)

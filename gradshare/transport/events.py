@@ -98,10 +98,20 @@ class Nak:
 class Heartbeat:
     delivered_through: int   # the peer has delivered its log completely through this step
     sent_through: int        # last step the peer has sent
+    # the step the training thread is computing now, -1 while it waits on the log or does anything
+    # else: the relay times it against step_timeout (issue 12, progress not presence)
+    computing: int = -1
 
     def __post_init__(self) -> None:
         _check_step("delivered_through", self.delivered_through)
         _check_step("sent_through", self.sent_through)
+        _check_step("computing", self.computing)
+
+
+@dataclass(frozen=True)
+class Loading:
+    """A task of this attempt is alive and still materialising its partition (issue 12): sent before
+    JOIN, every heartbeat interval, so a slow partition is not mistaken for a dead task."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +278,47 @@ class PeerFailed:
     attempt: int
     error_type: str
     message: str
+
+
+INCIDENT_KINDS = ("suspected", "back", "silent", "stuck", "gone", "restart")
+FATAL_INCIDENTS = ("silent", "stuck")   # the relay gives up: the driver stops the job with this cause
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Relay: why and when it suspected, cut or gave up on a rank (issue 12: the driver reports the
+    first cause, not the last symptom). ``step`` is the step the rank owes the log (or is stuck in);
+    ``seconds`` how long it had been silent or stuck; ``at`` the relay's clock."""
+
+    kind: str
+    rank: int
+    attempt: int
+    step: int
+    seconds: float
+    at: float
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in INCIDENT_KINDS:
+            raise ValueError(f"kind must be one of {INCIDENT_KINDS} (got {self.kind!r})")
+        _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
+        _check_step("step", self.step)
+        if not self.seconds >= 0:
+            raise ValueError(f"seconds must be >= 0 (got {self.seconds!r})")
+
+    @property
+    def fatal(self) -> bool:
+        return self.kind in FATAL_INCIDENTS
+
+    def describe(self) -> str:
+        what = {"suspected": f"silent for {self.seconds:.1f} s (suspected)",
+                "back": f"came back after {self.seconds:.1f} s of silence",
+                "silent": f"silent for {self.seconds:.1f} s: the relay gave up waiting for it",
+                "stuck": f"stuck in step {self.step}: no step finished for {self.seconds:.1f} s (step_timeout)",
+                "gone": f"declared gone after {self.seconds:.1f} s",
+                "restart": f"silent for {self.seconds:.1f} s: the relay restarts the stage"}[self.kind]
+        tail = f" ({self.detail})" if self.detail else ""
+        return f"rank {self.rank} (attempt {self.attempt}, at step {self.step}) {what}{tail}"
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,21 @@ class Peer:
             raise TransportTimeout(describe())
 
     # --- API ----------------------------------------------------------------------------------------
+    def loading(self) -> None:
+        """Say LOADING to the relay now and every heartbeat interval until join(): this task is alive
+        and still materialising its partition (issue 12)."""
+        with self._changed:
+            self._check()
+            self._core.loading(time.monotonic())
+            out = self._flush_locked()
+        self._send(out)
+
+    def begin_step(self, step: int) -> None:
+        """The training thread starts computing ``step`` (until its send_update): heartbeats say so, and
+        the relay's step_timeout measures it (issue 12, progress not presence)."""
+        with self._lock:
+            self._core.computing = step
+
     def join(self, timeout: float | None = None) -> Welcome:
         """Join the relay; returns its WELCOME (``start_step`` 0 fresh, > 0 resume from a snapshot)."""
         timeout = self.timeout if timeout is None else timeout

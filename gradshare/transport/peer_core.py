@@ -64,7 +64,8 @@ class PeerCore:
         self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
         self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
         self.max_unacked = max_unacked
-        self.state = "new"                # new → joining → joined → (rejected | closed)
+        self.state = "new"                # new → (loading →) joining → joined → (rejected | closed)
+        self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
         self.error: str | None = None
         self.cursor: LogCursor | None = None
@@ -99,8 +100,17 @@ class PeerCore:
         self.c: Counter[str] = Counter()
 
     # --- application calls --------------------------------------------------------------------------
-    def join(self, now: float) -> None:
+    def loading(self, now: float) -> None:
+        """Tell the relay, every heartbeat interval until join(), that this task is alive and still
+        materialising its partition (issue 12: a slow partition is not a dead task)."""
         if self.state != "new":
+            raise LocalProtocolError(f"loading() called in state {self.state}")
+        self.state = "loading"
+        self._last_hb = now
+        self._out.append(self.chan.seal_control(ev.Loading()))
+
+    def join(self, now: float) -> None:
+        if self.state not in ("new", "loading"):
             raise LocalProtocolError(f"join() called in state {self.state}")
         self.state = "joining"
         self._send_join(now)
@@ -126,6 +136,7 @@ class PeerCore:
         self.tries[step] = 0
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
+        self.computing = -1
         self.c["updates_sent"] += 1
         self._advance()
 
@@ -201,6 +212,8 @@ class PeerCore:
             return self._last_fail + self.heartbeat_interval
         if self.state == "joining":
             return self._last_join + self.rto
+        if self.state == "loading":
+            return self._last_hb + self.heartbeat_interval
         if self.state != "joined":
             return self._last_tick + 1.0
         nxt = self._last_hb + self.heartbeat_interval
@@ -461,11 +474,17 @@ class PeerCore:
             if now >= self._last_join + self.rto:
                 self._send_join(now)
             return
+        if self.state == "loading":
+            if now >= self._last_hb + self.heartbeat_interval:
+                self._last_hb = now
+                self._out.append(self.chan.seal_control(ev.Loading()))
+            return
         if self.state != "joined":
             return
         if now >= self._last_hb + self.heartbeat_interval:
             self._last_hb = now
-            self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1)))
+            self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1,
+                                                                 self.computing)))
             if self.finish_step is not None and not self.finish_acked:
                 self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
         rto = self.current_rto()

@@ -146,6 +146,26 @@ class Relay:
         with self._lock:
             return next(iter(self._core.failures.values()), None)
 
+    def first_cause(self) -> ev.Incident | None:
+        """The earliest incident (suspicion, cut, give-up) that still explains a failure (issue 12)."""
+        with self._lock:
+            return self._core.first_cause()
+
+    def fatal_incident(self) -> ev.Incident | None:
+        """The first incident after which the relay gave up on a rank (silent past give_up_after, stuck
+        past step_timeout): the driver stops the job with it."""
+        with self._lock:
+            return self._core.fatal_incident()
+
+    def incidents(self) -> list[ev.Incident]:
+        with self._lock:
+            return list(self._core.incidents)
+
+    def epoch_tallies(self) -> dict[tuple[int, int], dict]:
+        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
+        with self._lock:
+            return {k: t.as_dict() for k, t in self._core.epochs.items()}
+
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""
         deadline = time.monotonic() + timeout

@@ -14,7 +14,16 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
   link, no spurious retransmits on a loaded machine;
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
-- declares a rank silent for ``liveness_timeout`` gone, cut at the last step it holds contiguously;
+- liveness (issue 12): a rank silent for ``liveness_timeout`` is *suspected*; what follows is the
+  ``on_rank_loss`` policy: "wait" (the log waits; after ``give_up_after`` s of silence a fatal
+  incident), "continue" (declared gone, cut at the last step it holds contiguously) or "restart" (every
+  live rank of the attempt is rejected, so Spark retries the stage, which resumes with nothing skipped).
+  A rank not heard at all in an attempt has ``join_window`` s from the attempt's start instead; a task
+  still materialising its partition says LOADING. A heartbeat naming the same ``computing`` step for
+  ``step_timeout`` s is a fatal "stuck" incident. Every suspicion, cut and give-up is an ``Incident``
+  in ``incidents`` (bounded), the first cause the driver reports;
+- accounts every applied update's meta per (rank, epoch) in ``epochs`` (bounded), so the history of a
+  retried stage includes the steps of the attempts before it;
 - serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
   job on it (issue 11).
@@ -69,7 +78,8 @@ def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -
 
 class RankState:
     __slots__ = ("rank", "addr", "session", "joined", "left", "last_heard", "received", "ended",
-                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late")
+                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late",
+                 "heard", "suspected_since", "computing", "computing_since", "given_up")
 
     def __init__(self, rank: int, now: float, nak_delay: float) -> None:
         self.rank = rank
@@ -86,6 +96,45 @@ class RankState:
         self.bytes_in = 0
         self.updates_in = 0
         self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
+        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
+        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
+        self.computing = -1                    # the step its heartbeat says the training thread computes
+        self.computing_since = now
+        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
+
+
+ON_RANK_LOSS = ("wait", "continue", "restart")
+MAX_INCIDENTS = 256
+MAX_EPOCH_ROWS = 1 << 16
+
+
+class EpochTally:
+    """What the applied log says about one (rank, epoch): sums of its steps' meta (issue 12)."""
+
+    __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "first_attempt", "last_attempt")
+
+    def __init__(self, attempt: int) -> None:
+        self.steps = 0
+        self.loss = self.sparsity = self.payload = 0.0
+        self.silent = 0
+        self.tau = self.lr = None
+        self.first_attempt = self.last_attempt = attempt
+
+    def add(self, meta: dict, attempt: int) -> None:
+        self.steps += 1
+        self.loss += meta.get("loss", 0.0)
+        self.sparsity += meta.get("sparsity", 0.0)
+        self.payload += meta.get("bytes", 0.0)
+        self.silent += meta.get("sparsity", 1.0) == 0.0
+        self.tau = meta.get("tau", self.tau)
+        if self.lr is None:
+            self.lr = meta.get("lr")
+        self.last_attempt = attempt
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "loss": self.loss, "sparsity": self.sparsity, "payload": self.payload,
+                "silent": self.silent, "tau": self.tau, "lr": self.lr,
+                "resumed": self.first_attempt != self.last_attempt}
 
 
 class Snapshot:
@@ -146,7 +195,8 @@ class RelayCore:
                  max_ahead: int = 4096, nak_delay: float = 0.004, tick: float = 0.002,
                  snapshot_rate: float = 50e6, snapshot_burst: int = 1 << 20,
                  snapshot_datagram_size: int | None = None, max_snapshots: int = 2,
-                 defer_apply: bool = False) -> None:
+                 defer_apply: bool = False, on_rank_loss: str = "wait", give_up_after: float = 60.0,
+                 join_window: float | None = None, step_timeout: float | None = None) -> None:
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
             raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
@@ -155,6 +205,16 @@ class RelayCore:
             raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
         if not liveness_timeout > 0:
             raise ValueError(f"liveness_timeout must be > 0 (got {liveness_timeout})")
+        if on_rank_loss not in ON_RANK_LOSS:
+            raise ValueError(f"on_rank_loss must be one of {ON_RANK_LOSS} (got {on_rank_loss!r})")
+        for name, value in (("give_up_after", give_up_after), ("join_window", join_window),
+                            ("step_timeout", step_timeout)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds (got {value!r})")
+        self.on_rank_loss = on_rank_loss
+        self.give_up_after = float(give_up_after)
+        self.join_window = float(join_window if join_window is not None else liveness_timeout)
+        self.step_timeout = step_timeout
         self.params = np.array(params, dtype=np.float32, copy=True)
         self.n_params = int(params.size)
         self.world_size = world_size
@@ -195,6 +255,10 @@ class RelayCore:
         self.cursor = LogCursor(world_size, 0)
         self.ranks = [RankState(r, now, nak_delay) for r in range(world_size)]
         self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
+        self.pending_meta: dict[tuple[int, int], dict] = {}  # their meta, accounted when applied
+        self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
+        self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
+        self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
         self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
         self.snapshots: dict[int, Snapshot] = {}
         self.transfers: dict[int, Transfer] = {}         # rank -> transfer
@@ -284,7 +348,7 @@ class RelayCore:
             if body is not None:
                 self._on_fail(h, body, addr)
             return
-        if h.kind != Kind.JOIN and h.attempt != self.attempt:
+        if h.kind not in (Kind.JOIN, Kind.LOADING) and h.attempt != self.attempt:
             self.chan.drops["unknown_attempt"] += 1
             return
         body = self.chan.open(h, data)
@@ -294,13 +358,16 @@ class RelayCore:
         if h.kind == Kind.JOIN:
             self._on_join(h, body, addr, now)
             return
+        if h.kind == Kind.LOADING:
+            self._on_loading(h, body, now)
+            return
         if rs is None or not rs.joined or rs.session != h.session:
             self.chan.drops["not_joined"] += 1
             return
         if rs.left:
             self.chan.drops["after_leave"] += 1
             return
-        rs.last_heard = now
+        self._heard(rs, now)
         rs.addr = addr                         # authenticated: follow a NAT rebinding
         if h.kind == Kind.UPDATE:
             self._on_update_chunk(rs, h, body, data, now)
@@ -311,6 +378,8 @@ class RelayCore:
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
             rs.sent_through = max(rs.sent_through, msg.sent_through)
+            if msg.computing != rs.computing:
+                rs.computing, rs.computing_since = msg.computing, now
             self._send(rs, self._status())
             self._trim_history()
         elif isinstance(msg, ev.Nak):
@@ -354,6 +423,97 @@ class RelayCore:
             self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message))
         self._send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
+    # --- liveness (issue 12) -------------------------------------------------------------------------
+    def _heard(self, rs: RankState, now: float) -> None:
+        if rs.suspected_since is not None:
+            self._incident("back", rs, now - rs.suspected_since, now)
+            rs.suspected_since = None
+        rs.heard = True
+        rs.last_heard = now
+
+    def _on_loading(self, h: wire.Header, body: bytes, now: float) -> None:
+        if self.chan.control(Kind.LOADING, body) is None:
+            return
+        if h.attempt > self.attempt:
+            self._start_attempt(h.attempt, now)    # a stage's first task to speak starts its attempt
+        self._heard(self.ranks[h.sender], now)
+
+    def owed_step(self, rs: RankState) -> int:
+        """The step of this rank the log waits for next."""
+        return rs.received.contiguous_from(self.cursor.start_step)
+
+    def _incident(self, kind: str, rs: RankState, seconds: float, now: float, detail: str = "",
+                  step: int | None = None) -> ev.Incident:
+        step = self.owed_step(rs) if step is None else step
+        inc = ev.Incident(kind, rs.rank, max(self.attempt, 0), min(step, ev.MAX_STEP), max(seconds, 0.0), now,
+                          detail)
+        if len(self.incidents) < MAX_INCIDENTS:
+            self.incidents.append(inc)
+        else:
+            self.c["incidents_dropped"] += 1
+        self.c[f"incident_{kind}"] += 1
+        self._events.append(inc)
+        return inc
+
+    def first_cause(self) -> ev.Incident | None:
+        """The earliest incident that still explains a failure: a suspicion the rank recovered from
+        (a later "back" of the same rank and attempt) does not."""
+        cleared: set[tuple[int, int]] = set()
+        for inc in reversed(self.incidents):
+            if inc.kind == "back":
+                cleared.add((inc.rank, inc.attempt))
+        for inc in self.incidents:
+            if inc.kind == "back" or (inc.kind == "suspected" and (inc.rank, inc.attempt) in cleared):
+                continue
+            return inc
+        return None
+
+    def fatal_incident(self) -> ev.Incident | None:
+        return next((i for i in self.incidents if i.fatal), None)
+
+    def _check_liveness(self, now: float) -> None:
+        if self.attempt_started is None:
+            return
+        if self._restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
+            for r in self.ranks:
+                if r.joined and not r.left and r.ended is None and r.suspected_since is None:
+                    self._send(r, ev.Reject(self._restart_reason))
+        for rs in self.ranks:
+            if rs.ended is not None:
+                continue
+            # progress, not presence: a process that answers but whose training thread has been in the
+            # same step for step_timeout (a paused process is the silence rule's, below)
+            if (self.step_timeout is not None and rs.computing >= 0 and not rs.given_up
+                    and now - rs.computing_since > self.step_timeout and now - rs.last_heard < self.liveness_timeout):
+                rs.given_up = True
+                self._incident("stuck", rs, now - rs.computing_since, now,
+                               f"step_timeout={self.step_timeout:g} s; its process still answers", rs.computing)
+            if rs.heard:
+                silent, bound, what = now - rs.last_heard, self.liveness_timeout, "liveness_timeout"
+            else:   # never heard in this attempt: the join window runs from the attempt's start
+                silent, bound, what = now - self.attempt_started, self.join_window, "join_window"
+            if silent <= bound:
+                continue
+            if rs.suspected_since is None:
+                rs.suspected_since = rs.last_heard if rs.heard else self.attempt_started
+                self._incident("suspected", rs, silent, now, f"{what}={bound:g} s")
+                if self.on_rank_loss == "continue":
+                    self._declare_gone(rs, f"silent for more than {bound:g} s ({what}); on_rank_loss='continue'",
+                                       now, silent)
+                    continue
+                if self.on_rank_loss == "restart" and self._restart_reason is None:
+                    self._restart(rs, silent, now)
+            if self.on_rank_loss == "wait" and silent > max(bound, self.give_up_after) and not rs.given_up:
+                rs.given_up = True        # one fatal incident per rank
+                self._incident("silent", rs, silent, now, f"on_rank_loss='wait' waits at most {self.give_up_after:g} s")
+
+    def _restart(self, rs: RankState, silent: float, now: float) -> None:
+        """on_rank_loss="restart": reject every live rank of the attempt, so their tasks fail and Spark
+        retries the barrier stage; the new attempt resumes after complete_through (nothing skipped)."""
+        self._incident("restart", rs, silent, now, "on_rank_loss='restart'")
+        self._restart_reason = (f"stage restart: rank {rs.rank} silent for {silent:.1f} s at step "
+                                f"{self.owed_step(rs)} (on_rank_loss='restart')")
+
     # --- join / attempts -----------------------------------------------------------------------------
     def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
         msg = self.chan.control(Kind.JOIN, body)
@@ -388,7 +548,7 @@ class RelayCore:
         rs.addr = addr
         rs.joined = True
         rs.left = False
-        rs.last_heard = now
+        self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
                                   self.complete_through))
         self._send(rs, self._status())
@@ -405,6 +565,8 @@ class RelayCore:
         self.cursor = LogCursor(self.world_size, base)
         self.ranks = [RankState(r, now, self.nak_delay) for r in range(self.world_size)]
         self.pending.clear()
+        self.pending_meta.clear()
+        self._restart_reason = None
         self.evicted.clear()
         self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len)
         self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
@@ -462,6 +624,7 @@ class RelayCore:
         rs.bytes_in += len(whole)
         if meta is not None:
             rs.meta = dict(meta, step=float(step))
+            self.pending_meta[(step, rs.rank)] = meta
         self.pending[(step, rs.rank)] = decoded
         self.c["updates_in"] += 1
         self._acks.setdefault(rs.rank, []).append(step)
@@ -527,9 +690,10 @@ class RelayCore:
         rs.left = True
         self._trim_history()
 
-    def _declare_gone(self, rs: RankState, reason: str) -> None:
+    def _declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
         if rs.ended is not None:
             return
+        self._incident("gone", rs, silent, rs.last_heard if now is None else now, reason[:200])
         cut = rs.received.contiguous_from(self.cursor.start_step) - 1
         self._end(rs, cut, gone=True, reason=reason)
 
@@ -539,6 +703,7 @@ class RelayCore:
         # anything held beyond the end does not exist in the log (never applied: it is after the cut)
         for key in [k for k in self.pending if k[1] == rs.rank and k[0] > last_step]:
             del self.pending[key]
+            self.pending_meta.pop(key, None)
         self.history.discard_where(lambda k: k[1] == rs.rank and k[0] > last_step)
         self.reasm.discard_where(lambda k: k[0] == rs.rank)
         self.c["gone" if gone else "finished"] += 1
@@ -574,6 +739,9 @@ class RelayCore:
             for k in row:
                 self.apply_update(self.pending.pop(k), self.params)
                 self.c["applied"] += 1
+                meta = self.pending_meta.pop(k, None)
+                if meta is not None and "epoch" in meta:
+                    self._tally(k[1], int(meta["epoch"]), meta)
             while cur.step == t:
                 if cur.next_key() is None:
                     break
@@ -582,6 +750,15 @@ class RelayCore:
         if cur.finished() and not self._log_complete_sent:
             self._log_complete_sent = True
             self._events.append(ev.LogComplete(cur.complete_through))
+
+    def _tally(self, rank: int, epoch: int, meta: dict) -> None:
+        tally = self.epochs.get((rank, epoch))
+        if tally is None:
+            if len(self.epochs) >= MAX_EPOCH_ROWS:
+                self.c["epoch_rows_dropped"] += 1
+                return
+            tally = self.epochs[(rank, epoch)] = EpochTally(self.attempt)
+        tally.add(meta, self.attempt)
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:
@@ -652,11 +829,7 @@ class RelayCore:
             self._send(self.ranks[rank], ev.Nak(tuple(items)))
             self.c["naks_sent"] += 1
         self.reasm.expire(now, max(30.0, self.liveness_timeout))
-        # liveness: counted from the first JOIN of the attempt, so a slow Spark launch is not a death
-        if self.attempt_started is not None:
-            for rs in self.ranks:
-                if rs.ended is None and now - max(rs.last_heard, self.attempt_started) > self.liveness_timeout:
-                    self._declare_gone(rs, f"silent for more than {self.liveness_timeout:g} s")
+        self._check_liveness(now)
 
     # --- helpers -------------------------------------------------------------------------------------
     def _status(self) -> ev.Status:

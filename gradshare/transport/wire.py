@@ -59,6 +59,7 @@ class Kind:
     SNAP_DONE = 15
     FAIL = 16
     FAIL_ACK = 17
+    LOADING = 18
 
 
 CHUNKED_KINDS = frozenset({Kind.UPDATE, Kind.SNAP_CHUNK})
@@ -92,7 +93,7 @@ def decode_header(data: bytes, max_chunks: int) -> Header:
         raise DecodeError("bad magic")
     if version != VERSION:
         raise DecodeError(f"unsupported version {version}")
-    if not Kind.JOIN <= kind <= Kind.FAIL_ACK:
+    if not Kind.JOIN <= kind <= Kind.LOADING:
         raise DecodeError(f"unknown kind {kind}")
     if counter >= 1 << 48:
         raise DecodeError("nonce counter out of range")
@@ -202,7 +203,7 @@ def encode_control(msg: object) -> tuple[int, bytes]:
     if isinstance(msg, ev.Nak):
         return Kind.NAK, _pack([[i.step, i.origin, list(i.chunks)] for i in msg.items])
     if isinstance(msg, ev.Heartbeat):
-        return Kind.HEARTBEAT, _pack([msg.delivered_through, msg.sent_through])
+        return Kind.HEARTBEAT, _pack([msg.delivered_through, msg.sent_through, msg.computing])
     if isinstance(msg, ev.Status):
         return Kind.STATUS, _pack([msg.start_step, msg.complete_through, list(msg.have),
                                    [[e.rank, e.last_step, e.gone] for e in msg.ended]])
@@ -223,6 +224,8 @@ def encode_control(msg: object) -> tuple[int, bytes]:
         return Kind.FAIL, _pack([msg.rank, msg.attempt, msg.error_type, msg.message])
     if isinstance(msg, ev.FailAck):
         return Kind.FAIL_ACK, _pack([msg.rank, msg.attempt])
+    if isinstance(msg, ev.Loading):
+        return Kind.LOADING, _pack([])
     raise TypeError(f"not a control message: {type(msg).__name__}")
 
 
@@ -256,8 +259,8 @@ def decode_control(kind: int, body: bytes) -> object:
                 items.append(ev.NakItem(step, origin, _ints(chunks, "chunks")))
             return ev.Nak(tuple(items))
         if kind == Kind.HEARTBEAT:
-            d, s = f
-            return ev.Heartbeat(d, s)
+            d, s, c = f
+            return ev.Heartbeat(d, s, c)
         if kind == Kind.STATUS:
             start, complete, have, ended = f
             if not isinstance(ended, list):
@@ -302,6 +305,10 @@ def decode_control(kind: int, body: bytes) -> object:
         if kind == Kind.FAIL_ACK:
             rank, attempt = f
             return ev.FailAck(rank, attempt)
+        if kind == Kind.LOADING:
+            if f:
+                raise DecodeError("LOADING has no fields")
+            return ev.Loading()
     except DecodeError:
         raise
     except (ValueError, TypeError) as exc:  # wrong arity (unpacking) or a constructor's range check
