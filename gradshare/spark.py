@@ -261,8 +261,9 @@ def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_
 
 
 # --------------------------------------------------------------------------------------- materialise
-# Rows are stacked into arrays a chunk at a time; a chunk holds at most this many bytes of rows (and
-# `chunk_rows` rows), so that wide rows do not make a chunk, and its Python row objects, a memory spike.
+# Rows are stacked into arrays a chunk at a time; a chunk holds at most this many bytes of rows, a quarter
+# of `spill_bytes` and `chunk_rows` rows, so that wide rows do not make a chunk (its Python row objects,
+# the stacked arrays and the spill records: three copies at once) a memory spike beyond the budget.
 CHUNK_BYTES = 4 << 20
 
 
@@ -344,7 +345,7 @@ class PartitionData:
                 if layout is None:
                     layout = here
                     row_bytes = sum(a.nbytes for a in arrays) + np.asarray(_label_value(y)).nbytes
-                    limit = max(1, min(chunk_rows, min(CHUNK_BYTES, spill_bytes) // max(row_bytes, 1)))
+                    limit = max(1, min(chunk_rows, min(CHUNK_BYTES, spill_bytes // 4) // max(row_bytes, 1)))
                 elif (diff := layout.difference(here)) is not None:
                     raise ValueError(f"partition {index} row {n}: {diff[0]} {diff[1]}, first row {diff[2]}")
                 xs.append(arrays)

@@ -214,6 +214,7 @@ class SpilledPartition:
         position, stop = b * batch_size, min((b + 1) * batch_size, self.rows)
         if not 0 <= position < stop:
             raise ValueError(f"batch {b} of {batch_size} rows is outside the partition's {self.rows} rows")
+        fields = [f"x{i}" for i in range(len(self.layout.dtypes))] + ["y"]
         pieces = []
         while position < stop:  # a batch may end in the next window (or span several small ones)
             w = shuffle.window_of(position)
@@ -221,8 +222,10 @@ class SpilledPartition:
                 self._load(w)
             first = position - int(shuffle.starts[w])
             take = min(stop, int(shuffle.starts[w + 1])) - position
-            pieces.append(self._buffer[self._order[first : first + take]])
+            rows = self._order[first : first + take]
+            pieces.append([self._buffer[f][rows] for f in fields])  # one gather per field: no record copy
             position += take
-        inputs, labels = self._split(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
-        return (*inputs, labels)
+        if len(pieces) == 1:
+            return tuple(pieces[0])
+        return tuple(np.concatenate(parts) for parts in zip(*pieces))
 
