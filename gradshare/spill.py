@@ -9,14 +9,14 @@ keeps what it can of the file; that memory is the OS's, shared and reclaimable, 
 
 Memory held by a spilled partition: one shuffle window (at most `window_bytes`, the trainer's
 `spill_bytes`: the same budget as an in-memory partition's), the batch being assembled, and the epoch's
-block order (4 bytes per block of ~1 MiB). Nothing grows with the row count.
+block order (a few bytes per block of ~1 MiB). Nothing else grows with the row count.
 
 Row order of a spilled epoch (`BlockShuffle`), a function of (seed, rank, epoch) and the file's shape:
 the file is cut into blocks of `block_rows` consecutive rows; the blocks are permuted; consecutive runs
 of `window_blocks` permuted blocks form windows; the rows of each window are permuted. An epoch reads
 each window once, each block of it with one contiguous read, which a disk serves at its sequential
-speed. This is the shuffle buffer that tf.data, Petastorm and Ray Data use for data larger than memory;
-the order differs from an in-memory partition's global permutation (`spark.epoch_order`), so a spilled
+speed. It is the block shuffle plus shuffle buffer that streaming loaders use for data larger than
+memory (Petastorm: shuffled row groups into a shuffling queue; tf.data: a shuffle buffer); the order differs from an in-memory partition's global permutation (`spark.epoch_order`), so a spilled
 and an in-memory run of the same data train alike but not bit for bit. A resumed attempt starting at
 any batch reads the same rows in the same order (the order is recomputed, not remembered).
 """
