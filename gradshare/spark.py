@@ -303,9 +303,10 @@ class PartitionData:
     def from_rows(cls, rows: Iterator[Any], label_dtype: str, *, spill_bytes: int = 256 << 20,
                   spill_dir: str | None = None, chunk_rows: int = 4096, index: int = 0):
         """Materialise a partition's (features, label) rows: a `PartitionData` while they take at most
-        `spill_bytes`, else a `spill.SpilledPartition` in `spill_dir`. Memory stays within about
-        `spill_bytes` plus one chunk either way: the rows held so far go to the file when they pass
-        the limit, and every later chunk goes there as soon as it is stacked."""
+        `spill_bytes`, else a `spill.SpilledPartition` in `spill_dir`. While the rows stream in, memory
+        stays within about `spill_bytes` plus one chunk: the rows held so far go to the file when they
+        pass the limit, and every later chunk goes there as soon as it is stacked (an in-memory
+        partition then joins its chunks: twice its size for a moment, as before)."""
         from gradshare.spill import SpillWriter
 
         if isinstance(spill_bytes, bool) or not isinstance(spill_bytes, (int, np.integer)) or spill_bytes < 1:
