@@ -99,10 +99,11 @@ def stack_inputs(xs: list[tuple[np.ndarray, ...]], n_inputs: int) -> tuple[np.nd
     return tuple(np.stack([row[i] for row in xs]) for i in range(n_inputs))
 
 
-def spill_dtype(layout: InputLayout) -> np.dtype:
-    """One spill-file record per row: a field per input, each with its own dtype and shape, so one file
-    (one memmap) holds every input and no dtype is lost."""
-    return np.dtype([(f"x{i}", d, s) for i, (d, s) in enumerate(zip(layout.dtypes, layout.shapes))], align=True)
+def spill_dtype(layout: InputLayout, label_dtype: str, label_shape: tuple[int, ...]) -> np.dtype:
+    """One spill-file record per row: a field per input (x0, x1, ...), each with its own dtype and shape,
+    and the label (y), so one file holds the whole row and no dtype is lost (spill.py)."""
+    fields = [(f"x{i}", d, s) for i, (d, s) in enumerate(zip(layout.dtypes, layout.shapes))]
+    return np.dtype([*fields, ("y", label_dtype, label_shape)], align=True)
 
 
 def validation_arrays(data: Any, layout: InputLayout, label_dtype: str,

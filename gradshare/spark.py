@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from gradshare.batches import InputLayout, is_multi, row_inputs, spill_dtype, stack_inputs
+from gradshare.batches import InputLayout, is_multi, row_inputs, stack_inputs
 
 # The directory that holds the `gradshare` package the driver imported. Executors put it on their
 # PYTHONPATH so that they run the same code as the driver (an editable install elsewhere, or none).
@@ -261,19 +261,29 @@ def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_
 
 
 # --------------------------------------------------------------------------------------- materialise
+# Rows are stacked into arrays a chunk at a time; a chunk holds at most this many bytes of rows, a quarter
+# of `spill_bytes` and `chunk_rows` rows, so that wide rows do not make a chunk (its Python row objects,
+# the stacked arrays and the spill records: three copies at once) a memory spike beyond the budget.
+CHUNK_BYTES = 4 << 20
+
+
 class PartitionData:
-    """One partition as one array per input plus the labels, held in memory or, past `spill_bytes`, in
-    a local spill file (one record per row, a field per input: every dtype kept, batches.spill_dtype).
+    """One partition in memory: one array per input plus the labels. A partition past `spill_bytes` is
+    a `spill.SpilledPartition` instead, streamed from a local spill file with bounded memory;
+    `from_rows` returns whichever fits.
 
     The rows are read from Spark once (docs/design.md: "materialises its partition once") and then iterated
-    every epoch in a seeded shuffled order. `features` is one array, or a tuple of them for
+    every epoch in a seeded shuffled order (`epoch_order`). `features` is one array, or a tuple of them for
     multi-input rows (then `inputs` is the same tuple; for one input, `inputs` is ``(features,)``).
     """
 
-    def __init__(self, features, labels: np.ndarray, spill_path: str | None = None):
+    spilled = False
+    spill_path = None
+
+    def __init__(self, features, labels: np.ndarray):
         self.multi = isinstance(features, tuple)
         self.inputs = features if self.multi else (features,)
-        self.labels, self.spill_path = labels, spill_path
+        self.labels = labels
 
     @property
     def features(self):
@@ -283,74 +293,79 @@ class PartitionData:
         return len(self.labels)
 
     def close(self) -> None:
-        if self.spill_path is not None:
-            self.inputs = self.labels = None  # drop the memmaps before the file goes
-            try:
-                os.remove(self.spill_path)
-            except OSError:
-                pass
-            self.spill_path = None
+        """Nothing to release (a `SpilledPartition` removes its file)."""
+
+    def read(self, start: int, stop: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """Rows start..stop-1 as (inputs, labels): the sequential read `SpilledPartition.read` also has."""
+        return tuple(a[start:stop] for a in self.inputs), self.labels[start:stop]
 
     @classmethod
     def from_rows(cls, rows: Iterator[Any], label_dtype: str, *, spill_bytes: int = 256 << 20,
-                  spill_dir: str | None = None, chunk_rows: int = 4096, index: int = 0) -> "PartitionData":
-        xs_chunks: list[tuple[np.ndarray, ...]] = []
-        ys_chunks: list[np.ndarray] = []
+                  spill_dir: str | None = None, chunk_rows: int = 4096, index: int = 0):
+        """Materialise a partition's (features, label) rows: a `PartitionData` while they take at most
+        `spill_bytes`, else a `spill.SpilledPartition` in `spill_dir`. While the rows stream in, memory
+        stays within about `spill_bytes` plus one chunk: the rows held so far go to the file when they
+        pass the limit, and every later chunk goes there as soon as it is stacked (an in-memory
+        partition then joins its chunks: twice its size for a moment, as before)."""
+        from gradshare.spill import SpillWriter
+
+        if isinstance(spill_bytes, bool) or not isinstance(spill_bytes, (int, np.integer)) or spill_bytes < 1:
+            raise ValueError(f"spill_bytes must be a positive number of bytes, got {spill_bytes!r}")
+        chunks: list[tuple[tuple[np.ndarray, ...], np.ndarray]] = []  # held in memory until the limit
         held = 0
-        spill = None  # (file, path, record dtype) once past the limit
+        writer: SpillWriter | None = None
         layout = None
         xs: list[tuple[np.ndarray, ...]] = []
         ys: list[Any] = []
         n = 0
+        limit = chunk_rows
 
         def flush() -> None:
-            nonlocal held, spill
+            nonlocal held, writer
             if not xs:
                 return
             cx = stack_inputs(xs, len(layout.dtypes))
             cy = np.asarray(ys, dtype=label_dtype)
             xs.clear()
             ys.clear()
+            if writer is not None:
+                writer.write(cx, cy)
+                return
             held += sum(c.nbytes for c in cx) + cy.nbytes
-            xs_chunks.append(cx)
-            ys_chunks.append(cy)
-            if spill is None and held > spill_bytes:
-                import tempfile
+            chunks.append((cx, cy))
+            if held > spill_bytes:  # from now on every row goes to the file, labels too
+                writer = SpillWriter(spill_dir, index, layout, label_dtype, cy.shape[1:])
+                while chunks:
+                    writer.write(*chunks.pop(0))
 
-                fd, path = tempfile.mkstemp(prefix=f"gradshare-part{index}-", suffix=".bin", dir=spill_dir)
-                spill = (os.fdopen(fd, "wb"), path, spill_dtype(layout))
-            if spill is not None:  # features go to disk; labels are small and stay in memory
-                for c in xs_chunks:
-                    records = np.empty(len(c[0]), dtype=spill[2])
-                    for i, arr in enumerate(c):
-                        records[f"x{i}"] = arr
-                    records.tofile(spill[0])
-                xs_chunks.clear()
-
-        for row in rows:
-            x, y = split_row(row)
-            arrays = row_inputs(x)
-            here = InputLayout.of(arrays, is_multi(x))
-            if layout is None:
-                layout = here
-            elif (diff := layout.difference(here)) is not None:
-                raise ValueError(f"partition {index} row {n}: {diff[0]} {diff[1]}, first row {diff[2]}")
-            xs.append(arrays)
-            ys.append(_label_value(y))
-            n += 1
-            if len(xs) >= chunk_rows:
-                flush()
-        flush()
+        try:
+            for row in rows:
+                x, y = split_row(row)
+                arrays = row_inputs(x)
+                here = InputLayout.of(arrays, is_multi(x))
+                if layout is None:
+                    layout = here
+                    row_bytes = sum(a.nbytes for a in arrays) + np.asarray(_label_value(y)).nbytes
+                    limit = max(1, min(chunk_rows, min(CHUNK_BYTES, spill_bytes // 4) // max(row_bytes, 1)))
+                elif (diff := layout.difference(here)) is not None:
+                    raise ValueError(f"partition {index} row {n}: {diff[0]} {diff[1]}, first row {diff[2]}")
+                xs.append(arrays)
+                ys.append(_label_value(y))
+                n += 1
+                if len(xs) >= limit:
+                    flush()
+            flush()
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
         if n == 0:
             raise ValueError(f"partition {index} is empty")
-        labels = np.concatenate(ys_chunks)
-        if spill is None:
-            inputs = tuple(np.concatenate([c[i] for c in xs_chunks]) for i in range(len(layout.dtypes)))
-        else:
-            spill[0].close()
-            records = np.memmap(spill[1], dtype=spill[2], mode="r", shape=(n,))
-            inputs = tuple(records[f"x{i}"] for i in range(len(layout.dtypes)))
-        return cls(inputs if layout.multi else inputs[0], labels, spill_path=None if spill is None else spill[1])
+        if writer is not None:
+            return writer.finish(window_bytes=spill_bytes)
+        labels = np.concatenate([c[1] for c in chunks])
+        inputs = tuple(np.concatenate([c[0][i] for c in chunks]) for i in range(len(layout.dtypes)))
+        return cls(inputs if layout.multi else inputs[0], labels)
 
 
 def epoch_order(n: int, seed: int, rank: int, epoch: int) -> np.ndarray:

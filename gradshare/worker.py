@@ -212,7 +212,9 @@ class Worker:
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
-        if len(data.labels) and cfg.label_dtype == "int64":
+        if data.spilled:  # its labels stay in the spill file; each batch reads its own (spill.py)
+            self.labels = None
+        elif len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
         else:
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.float32))
@@ -222,6 +224,10 @@ class Worker:
 
         from gradshare.spark import epoch_order
 
+        if self.labels is None:  # spilled: read in bounded shuffle windows, in their own order (spill.py)
+            *inputs, labels = self.data.batch(epoch, b, self.cfg.batch_size, self.cfg.seed, self.rank)
+            labels = labels.astype(np.int64 if self.cfg.label_dtype == "int64" else np.float32, copy=False)
+            return tuple(torch.from_numpy(a).to(self.device) for a in (*inputs, labels))
         if b == 0 or self._order_epoch != epoch:
             self._order = epoch_order(len(self.data), self.cfg.seed, self.rank, epoch)
             self._order_epoch = epoch
@@ -587,6 +593,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         report["snapshot_seconds"] = t_load
         report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
         report["counters"] = dict(peer.counters())
+        report["spilled"] = data.spilled
         peer.close()
         return report
     except BaseException:

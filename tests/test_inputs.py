@@ -97,12 +97,12 @@ def test_int64_ids_stay_exact_in_memory_and_spilled(tmp_path):
     try:
         assert spilled.spill_path is not None and mem.multi and spilled.multi
         for data in (mem, spilled):
-            ints, floats, flags = data.inputs
+            (ints, floats, flags), labels = data.read(0, 300)
             assert (ints.dtype, floats.dtype, flags.dtype) == (np.int64, np.float32, np.bool_)
             np.testing.assert_array_equal(ints, ids)  # exact, 2**24 + 1 and 2**31 + 7 + k alike
             np.testing.assert_array_equal(floats, np.arange(300) * 0.5)
             np.testing.assert_array_equal(flags, np.arange(300) % 2 == 0)
-            np.testing.assert_array_equal(data.labels, y)
+            np.testing.assert_array_equal(labels, y)
     finally:
         spilled.close()
 

