@@ -25,7 +25,7 @@ import pickle
 from typing import Any, Iterable
 
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
-USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step")
+USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
 
 
 def pack_user_objects(cfg):

@@ -43,6 +43,7 @@ import numpy as np
 from gradshare.device import check_device
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.precision import check_precision
+from gradshare.stopping import early_stopping_from
 from gradshare.tracking import check_option as check_mlflow_option, tracked
 
 
@@ -191,6 +192,18 @@ class SharedTrainer:
     validation_data: optional ``(X, y)`` arrays (X a tuple of arrays for multi-input rows, same dtypes
         and shapes as the training features); rank 0 evaluates `metric` (default: accuracy for int
         labels, else the loss) on its replica after every epoch.
+    early_stopping: None, or ``dict(patience=0, min_delta=0.0, mode="min"|"max", monitor="val_metric"|"loss")``
+        (or a `gradshare.stopping.EarlyStopping`): Keras's rule, applied by rank 0 to its epoch rows. The
+        decision travels in rank 0's next message of the log, so every rank stops after the same epoch
+        E — usually the epoch after the one that decided (gradshare/stopping.py) — at a step that is a
+        function of the log: replicas stay bit-identical and a rerun with the same seed stops at the
+        same epoch. ``result.extra["stopped_epoch"]`` is E (None: every epoch ran); history has epochs
+        0..E only. A retried stage restarts the rule's count (patience) from zero.
+    on_epoch_end: a callable or a list of them, ``fn(row) -> stop?``, run on rank 0 (inside its Spark
+        task, so prints go to the executor's log) after each epoch is scored, with rank 0's history row
+        (its own loss, val_metric, τ, ...). A truthy return asks for a stop, carried as early_stopping's.
+        Rank 0 rather than the driver because the driver sees the log only late and the decision must
+        travel in it.
     label_dtype: None (default: int labels → "int64"; float labels → "float32", or "int64" when they are
         whole numbers and the model is a classifier, see `loss`), or "int64" / "float32" to force
         class indices or regression targets. Features need no such option: each input keeps its dtype
@@ -242,6 +255,8 @@ class SharedTrainer:
         verbose: int = 1,
         validation_data: tuple | None = None,
         metric: Callable | None = None,
+        early_stopping: dict | None = None,
+        on_epoch_end: Callable | list | tuple | None = None,
         label_dtype: str | None = None,
         datagram_size: int = 1400,
         timeout: float = 60.0,
@@ -343,6 +358,11 @@ class SharedTrainer:
         self.lookahead = bool(lookahead)
         self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
+        self.early_stopping = early_stopping_from(early_stopping)
+        if self.early_stopping is not None and self.early_stopping.monitor == "val_metric" and validation_data is None:
+            raise ValueError("early_stopping monitors 'val_metric' but no validation_data is given; "
+                             "pass validation_data or monitor='loss'")
+        self.on_epoch_end = _callbacks(on_epoch_end)
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
         self.worker_options = dict(worker_options or {})
@@ -543,6 +563,7 @@ class SharedTrainer:
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
                 precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
+                early_stopping=self.early_stopping, on_epoch_end=self.on_epoch_end,
             ))
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -563,14 +584,17 @@ class SharedTrainer:
                 t.data = t.data.clone()
         reports.sort(key=lambda r: r["rank"])
         _load_int_buffers(model, reports[0].get("int_buffers", {}))
-        rows, skipped = _merge_history(reports, tallies, steps_per_epoch, self.epochs)
+        stopped = reports[0].get("stopped_epoch")  # the log carried it: every rank has the same one
+        epochs_run = self.epochs if stopped is None else stopped + 1
+        rows, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
         history = [{**row, "loss_fn": plan.name} for row in rows]
         return FitResult(
             model=model, history=history, counters=counters, worker_reports=reports,
-            param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=cfg.final_step + 1,
+            param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=max(r["last_step"] for r in reports) + 1,
             resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
             extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
-                   "probe": plan.probe, "incidents": [i.describe() for i in incidents]},
+                   "probe": plan.probe, "incidents": [i.describe() for i in incidents],
+                   "stopped_epoch": stopped},
             skipped_steps=skipped,
         )
 
@@ -630,6 +654,17 @@ class SharedTrainer:
 
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
+
+
+def _callbacks(option) -> tuple:
+    """`on_epoch_end`: None, one callable or a list of them."""
+    if option is None:
+        return ()
+    found = tuple(option) if isinstance(option, (list, tuple)) else (option,)
+    for i, f in enumerate(found):
+        if not callable(f):
+            raise ValueError(f"on_epoch_end[{i}] is {type(f).__name__}, not a callable (row) -> stop?")
+    return found
 
 
 def _timed(fn, *args):

@@ -44,6 +44,7 @@ from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
+from gradshare.stopping import should_stop, stop_epoch
 from gradshare.vectors import copy_of, index_for, where
 
 
@@ -84,6 +85,8 @@ class WorkerConfig:
     extra: dict = field(default_factory=dict)
     train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
+    early_stopping: Any = None  # stopping.EarlyStopping or None: rank 0 decides, the log carries it (stopping.py)
+    on_epoch_end: tuple | None = ()  # callables (row) -> truthy to stop; run on rank 0 after its epoch is scored
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -129,6 +132,7 @@ class ApplyLog:
         self.applied = 0
         self.last_key = (-1, -1)
         self.profile = OFF_PROFILE if profile is None else profile
+        self.stop_epoch: int | None = None  # rank 0's early-stop decision, once the log has applied it
 
     def _take(self, updates) -> None:
         for u in updates:
@@ -138,6 +142,13 @@ class ApplyLog:
             self.last_key = key
             if u.step >= self.start_step:  # older ones are inside the snapshot we resumed from
                 self.pending.append(u)
+            else:
+                self._note_stop(u)  # a resumed attempt still stops where the log said
+
+    def _note_stop(self, u) -> None:
+        """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
+        if u.sender == 0 and u.meta and "stop_epoch" in u.meta and self.stop_epoch is None:
+            self.stop_epoch = int(u.meta["stop_epoch"])
 
     def apply_through(self, step: int) -> None:
         if step <= self.applied_through:
@@ -148,6 +159,7 @@ class ApplyLog:
         flat, twin = self.flat, self.flat.twin
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
+            self._note_stop(u)
             update = self._decode(u.payload, flat.n_state, n_params=flat.n_params)
             self._apply_update(update, flat.state, self.scale)
             if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
@@ -209,6 +221,9 @@ class Worker:
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
                                 allow_direct=cfg.extra.get("direct_update", True))
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
+        self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
+        self.stop_requested = False  # rank 0: a stop was decided; its next message carries it
+        self.stop_sent = False
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -245,6 +260,21 @@ class Worker:
     def evaluates(self) -> bool:
         return self.cfg.validation is not None and self.rank == 0
 
+    @property
+    def closes_epochs(self) -> bool:
+        """Rank 0 runs the epoch's end (score, early-stopping rule, callbacks) once the log reaches it."""
+        return self.rank == 0 and (self.evaluates or self.stopper is not None or bool(self.cfg.on_epoch_end))
+
+    def _epoch_end(self, row: dict) -> None:
+        """Rank 0, after scoring an epoch: the callbacks (each sees a copy of the row) and the rule. Any
+        of them may ask for a stop; the next message carries it (stopping.py)."""
+        stop = False
+        for callback in self.cfg.on_epoch_end or ():
+            stop = bool(callback(dict(row))) or stop
+        if self.stopper is not None:
+            stop = should_stop(self.stopper, row) or stop
+        self.stop_requested = self.stop_requested or stop
+
     def _score(self, scores: deque, upto: int) -> None:
         """Score every epoch whose log step is <= `upto`, each on the log applied through its epoch's
         last step (every worker's messages, buffers included; the last epoch: the whole log, the model
@@ -255,6 +285,7 @@ class Worker:
             self.log.apply_through(through)
             row["val_metric"] = self._evaluate()
             self.profile.score(i, row["val_metric"])
+            self._epoch_end(row)
 
     def _evaluate(self) -> float | None:
         """Rank 0's validation score of its replica as it is now (None elsewhere)."""
@@ -313,6 +344,12 @@ class Worker:
         lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
+        if self.stop_requested and not self.stop_sent:
+            self.stop_sent = True  # one decision; a stop that comes too late to shorten any rank sends none
+            cfg = self.cfg
+            stop = stop_epoch(t, cfg.staleness, cfg.steps_per_epoch, cfg.epochs)
+            if stop is not None:
+                meta["stop_epoch"] = float(stop)
         peer.send_update(t, payload, meta)
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
@@ -373,10 +410,13 @@ class Worker:
         acc = self._fresh_epoch(peer)
         scores: deque = deque()  # (history row, its epoch's index in this run, the log step that scores it)
         t0 = time.monotonic()
-        for t in range(start_step, total):
+        t = start_step
+        while t < total:
             self._score(scores, t - 1 - cfg.staleness)  # before the step: the log is there anyway
             prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
+            if log.stop_epoch is not None:  # early stop: this rank ends after its epoch stop_epoch
+                total = min(total, (log.stop_epoch + 1) * spe)  # never before t (stopping.stop_epoch)
             epoch, b = divmod(t, spe)
             acc["lr"] = current_lr(self.optimizer) if acc["lr"] is None else acc["lr"]
             peer.begin_step(t)  # until its send_update: the relay's step_timeout watches this (issue 12)
@@ -390,11 +430,12 @@ class Worker:
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
                 prof.epoch(None)  # the training time of the epoch's end; the score comes with _score
-                if self.evaluates:  # the last epoch is scored on the model fit returns: the whole log
+                if self.closes_epochs:  # the last epoch is scored on the model fit returns: the whole log
                     scores.append((history[-1], len(history) - 1, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
                 acc = self._fresh_epoch(peer)
+            t += 1
         prof.finish()
         peer.finish(total - 1)
         self._score(scores, cfg.final_step)
@@ -403,6 +444,7 @@ class Worker:
             "rank": rank,
             "start_step": start_step,
             "last_step": total - 1,
+            "stopped_epoch": log.stop_epoch,  # None: every epoch ran
             "history": history,
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,
