@@ -78,8 +78,10 @@ def should_stop(rule: EarlyStopping, row: dict) -> bool:
 def stop_epoch(decided_at: int, staleness: int, steps_per_epoch: tuple[int, ...], epochs: int) -> int | None:
     """The epoch after which every rank stops, for a decision sent in rank 0's message of step
     `decided_at`: the first epoch that ends at step decided_at + k or later on every rank (each rank
-    applies that message before its step decided_at + 1 + k). None: no rank could stop before its
-    last epoch ends anyway."""
+    applies that message before its step decided_at + 1 + k). None when that epoch would be the last one
+    (or past it) on some rank: no stop then, so a stop always ends EVERY rank after the same epoch E and
+    every rank's history has epochs 0..E (the decision is reported, not dropped: FitResult.extra
+    "stop_requested_epoch")."""
     reach = decided_at + staleness
     epoch = max(-(-(reach + 1) // spe) - 1 for spe in steps_per_epoch)  # (E + 1)·spe − 1 >= reach
     return epoch if epoch < epochs - 1 else None

@@ -198,7 +198,9 @@ class SharedTrainer:
         E — usually the epoch after the one that decided (gradshare/stopping.py) — at a step that is a
         function of the log: replicas stay bit-identical and a rerun with the same seed stops at the
         same epoch. ``result.extra["stopped_epoch"]`` is E (None: every epoch ran); history has epochs
-        0..E only. A retried stage restarts the rule's count (patience) from zero.
+        0..E only. extra["stop_requested_epoch"]: the epoch whose end asked for the stop; a request that
+        comes too late for every rank to end after a common epoch before the last is not carried out and
+        shows only there. A retried stage restarts the rule's count (patience) from zero.
     on_epoch_end: a callable or a list of them, ``fn(row) -> stop?``, run on rank 0 (inside its Spark
         task, so prints go to the executor's log) after each epoch is scored, with rank 0's history row
         (its own loss, val_metric, τ, ...). A truthy return asks for a stop, carried as early_stopping's.
@@ -594,7 +596,7 @@ class SharedTrainer:
             resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
             extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
-                   "stopped_epoch": stopped},
+                   "stopped_epoch": stopped, "stop_requested_epoch": reports[0].get("stop_requested_epoch")},
             skipped_steps=skipped,
         )
 

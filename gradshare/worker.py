@@ -222,7 +222,7 @@ class Worker:
                                 allow_direct=cfg.extra.get("direct_update", True))
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
-        self.stop_requested = False  # rank 0: a stop was decided; its next message carries it
+        self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
         self.stop_sent = False
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
@@ -273,7 +273,8 @@ class Worker:
             stop = bool(callback(dict(row))) or stop
         if self.stopper is not None:
             stop = should_stop(self.stopper, row) or stop
-        self.stop_requested = self.stop_requested or stop
+        if stop and self.stop_requested is None:
+            self.stop_requested = row["epoch"]
 
     def _score(self, scores: deque, upto: int) -> None:
         """Score every epoch whose log step is <= `upto`, each on the log applied through its epoch's
@@ -344,7 +345,7 @@ class Worker:
         lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
-        if self.stop_requested and not self.stop_sent:
+        if self.stop_requested is not None and not self.stop_sent:
             self.stop_sent = True  # one decision; a stop that comes too late to shorten any rank sends none
             cfg = self.cfg
             stop = stop_epoch(t, cfg.staleness, cfg.steps_per_epoch, cfg.epochs)
@@ -445,6 +446,7 @@ class Worker:
             "start_step": start_step,
             "last_step": total - 1,
             "stopped_epoch": log.stop_epoch,  # None: every epoch ran
+            "stop_requested_epoch": self.stop_requested,  # rank 0: the epoch that asked (None elsewhere)
             "history": history,
             "applied": log.applied,
             "train_seconds": time.monotonic() - t0,

@@ -2,7 +2,6 @@
 every rank stops after the same epoch and the replicas stay bit-identical."""
 
 import itertools
-import os
 import sys
 
 import pytest
@@ -81,9 +80,9 @@ def _decided_at(epoch: int, staleness: int) -> int:
     return (epoch + 1) * SPE[0] + staleness
 
 
-def _fit(uneven, **kw):
+def _fit(uneven, epochs=8, **kw):
     rdd, validation = uneven
-    return SharedTrainer(mlp, batch_size=64, epochs=8, seed=5, validation_data=validation, **LOOPBACK,
+    return SharedTrainer(mlp, batch_size=64, epochs=epochs, seed=5, validation_data=validation, **LOOPBACK,
                          **kw).fit(rdd)
 
 
@@ -104,6 +103,7 @@ def test_early_stopping_stops_at_the_same_epoch_across_two_runs(uneven):
     stopped = stop_epoch(_decided_at(1, 0), 0, SPE, 8)
     assert stopped == 4
     _assert_stopped_consistently(first, stopped)
+    assert first.extra["stop_requested_epoch"] == 1
     again = _fit(uneven, early_stopping=dict(patience=0, min_delta=1.0, mode="max"))
     assert again.param_hash == first.param_hash
     assert [h["val_metric"] for h in again.history] == [h["val_metric"] for h in first.history]
@@ -124,4 +124,13 @@ def test_a_callback_stops_every_rank_at_staleness_one(uneven, tmp_path):
     assert stopped == 2
     _assert_stopped_consistently(result, stopped)
     assert open(seen).read().split("\n")[:-1] == [f"{e} True" for e in range(stopped + 1)]
-    assert os.path.exists(seen)
+    assert result.extra["stop_requested_epoch"] == 0
+
+
+def test_a_stop_too_late_for_a_common_epoch_is_reported_not_carried_out(uneven):
+    # asked at the end of epoch 1 of 3: rank 1 (5 steps an epoch) reads it in its epoch 4, past the last
+    result = _fit(uneven, epochs=3, on_epoch_end=lambda row: row["epoch"] == 1)
+    assert stop_epoch(_decided_at(1, 0), 0, SPE, 3) is None
+    assert result.extra["stopped_epoch"] is None and result.extra["stop_requested_epoch"] == 1
+    assert [h["epoch"] for h in result.history] == [0, 1, 2]
+    assert [r["last_step"] for r in result.worker_reports] == [3 * SPE[0] - 1, 3 * SPE[1] - 1]
