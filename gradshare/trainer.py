@@ -85,9 +85,17 @@ class FitResult:
 
     @property
     def bytes_received(self) -> int:
+        """UDP bytes the workers received for training (the model's snapshot downloads apart)."""
         from gradshare.worker import _bytes_in
 
         return sum(_bytes_in(r["counters"]) for r in self.worker_reports)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """UDP bytes of the model's downloads from the relay: every worker's initial state (4 B × the
+        state's entries, plus headers) and a resumed attempt's. Not in `bytes_received`/`traffic_ratio`:
+        it is the model's distribution, once per task, not the training's traffic."""
+        return sum(int(r["counters"].get("snapshot_bytes_in", 0)) for r in self.worker_reports)
 
     @property
     def dense_bytes(self) -> int:

@@ -184,7 +184,10 @@ def _bytes_out(counters: dict) -> int:
 
 
 def _bytes_in(counters: dict) -> int:
-    return int(counters.get("bytes_in", 0))
+    """UDP bytes received for training: without the model's snapshot downloads (the initial weights
+    every worker fetches from the relay, or a resumed attempt's state), which the Spark job closure
+    carried before and which are reported apart (`FitResult.snapshot_bytes`)."""
+    return int(counters.get("bytes_in", 0)) - int(counters.get("snapshot_bytes_in", 0))
 
 
 class Worker:

@@ -217,6 +217,10 @@ def test_batchnorm_models_match_the_single_process_in_eval_mode(digits, factory,
         assert bn.num_batches_tracked.item() == r.worker_reports[0]["last_step"] + 1
     # The hash every replica reported (fit raises on a mismatch) covers the buffers of the result.
     assert param_hash(FlatParams(r.model).state) == r.param_hash
+    # Every worker downloaded the initial state (parameters and buffers) from the relay; that is the
+    # model's distribution, counted apart from the training traffic.
+    assert r.snapshot_bytes >= 4 * FlatParams(r.model).n_state * r.world_size
+    assert r.bytes_received + r.snapshot_bytes == sum(rep["counters"]["bytes_in"] for rep in r.worker_reports)
     assert all(rep["param_hash"] == r.param_hash for rep in r.worker_reports)
 
 

@@ -250,7 +250,9 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
         n_params=result.n_params,
         extra={
             "profile_steps": {k: v for k, v in prof["steps"].items()},
-            "relay_bytes": int(c.get("bytes_in", 0)) + int(c.get("bytes_out", 0)),
+            # training traffic: the relay's snapshot sends (the workers' initial download) apart
+            "relay_bytes": int(c.get("bytes_in", 0)) + int(c.get("bytes_out", 0)) - int(c.get("snapshot_bytes_out", 0)),
+            "snapshot_bytes": result.snapshot_bytes,
             "worker_udp_bytes": result.bytes_sent + result.bytes_received,
             # per worker-step, sent + received (FitResult's dense_bytes counts the same way)
             "worker_udp_bytes_per_step": (result.bytes_sent + result.bytes_received) / max(worker_steps, 1),

@@ -226,7 +226,8 @@ class PeerCore:
         return nxt
 
     def counters(self) -> dict:
-        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "snapshot_bytes_in",
+                           "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["unacked"] = len(self.unacked)
@@ -270,6 +271,7 @@ class PeerCore:
             self._on_update_chunk(h, body, now)
             return
         if h.kind == Kind.SNAP_CHUNK:
+            self.c["snapshot_bytes_in"] += len(data)  # the model's download, not training traffic
             self._on_snap_chunk(h, body, now)
             return
         msg = self.chan.control(h.kind, body)

@@ -798,9 +798,10 @@ class RelayCore:
                 self._free_snapshots()
                 continue
             for i in t.take(budget):
-                self._out.append((self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i,
-                                                 t.n_chunks), rs.addr))
+                sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
+                self._out.append((sealed, rs.addr))
                 self.c["snapshot_chunks"] += 1
+                self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
