@@ -97,7 +97,8 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
                     delivered[key] = max(delivered.get(key, 0.0), now)
             return bool(updates)
 
-        barrier.wait(timeout)
+        barrier.wait(timeout)                  # every rank joined ...
+        barrier.wait(timeout)                  # ... and the parent took its "before" counters
         deadline = time.monotonic() + cfg["seconds"]
         t = 0
         while t < cfg["steps"] and (t < 2 or time.monotonic() < deadline):
@@ -161,6 +162,7 @@ def _thread_cpu(name: str) -> float:
 def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> dict:
     """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table."""
     import multiprocessing as mp
+    import threading
 
     import numpy as np
 
@@ -185,9 +187,10 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
         thread = f"gradshare-relay-{relay.address[1]}"
         try:
             barrier.wait(timeout + 60)
-        except Exception:
-            pass                                 # a child failed to join: its error comes through results
-        c0, cpu0 = relay.counters(), _thread_cpu(thread)
+            c0, cpu0 = relay.counters(), _thread_cpu(thread)
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            c0, cpu0 = relay.counters(), 0.0     # a child failed: its error comes through results
         outs = [results.get(timeout=timeout + 10 * args.seconds + 60) for _ in procs]
         errors = [o["error"] for o in outs if o["error"]]
         if errors:
