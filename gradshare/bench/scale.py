@@ -437,9 +437,12 @@ def plot(out: dict, path: str) -> None:
     ax[1].loglog(n, [r["relay_cpu_per_step_s"] * 1e3 for r in rows], "o-", label="measured")
     ax[1].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "--", label="a·D + b·N")
     ax[1].set(xlabel="peers N", ylabel="relay thread CPU per step (ms)", title="relay CPU per step")
-    for g in LINKS_GBIT:
-        ax[2].loglog([p["peers"] for p in proj], [p[f"{g}gbit_s"] * 1e3 for p in proj], "o-", label=f"{g} Gbit/s")
-    ax[2].set(xlabel="peers N", ylabel="step communication (ms)", title="projected, per-rank forwarding")
+    ax[2].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "k-", lw=2,
+                 label="relay CPU C")
+    for g in LINKS_GBIT:        # the link alone, dashed: a step takes the larger of it and C
+        ax[2].loglog([p["peers"] for p in proj], [8 * p["egress_bytes"] / (g * 1e9) * 1e3 for p in proj], "--",
+                     label=f"link 8E/B, {g} Gbit/s")
+    ax[2].set(xlabel="peers N", ylabel="ms per step", title="projected: max(link, relay CPU)")
     for a in ax:
         a.legend()
         a.grid(True, which="both", alpha=0.3)
