@@ -1,4 +1,4 @@
-"""`gradshare demo | bench encoding | bench device | bench transport | bench train | bench convergence | relay`.
+"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their command runs, so `gradshare bench encoding` never imports
@@ -19,6 +19,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "device"), "gradshare.bench.device",
      "device-generic (torch) encode vs torch add on cpu/cuda, beside the Numba path"),
     (("bench", "transport"), "gradshare.bench.transport", "relay throughput, latency, loss, crypto cost"),
+    (("bench", "scale"), "gradshare.bench.scale",
+     "relay egress, CPU, latency and exactly-once vs the number of peers; projected to 256"),
     (("bench", "train"), "gradshare.bench.train", "gradshare vs DDP dense vs DDP+PowerSGD vs single process"),
     (("bench", "convergence"), "gradshare.bench.convergence",
      "accuracy per epoch: gradshare vs DDP dense vs single process, N workers, LR schedules, seeds"),

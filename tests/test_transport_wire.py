@@ -15,7 +15,8 @@ from gradshare.transport.crypto import Sealer, new_job_key
 CONTROL = [
     ev.Join(10, 4), ev.Welcome(10, 4, 3, 2), ev.Reject("no"), ev.Ack((1, 2, 3)),
     ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))), ev.Heartbeat(-1, 5), ev.Heartbeat(4, 5, 6),
-    ev.Status(0, -1, (3, -1, 7), (ev.Ended(1, -1, True),)), ev.Finished(9), ev.Leave(), ev.SnapRequest(),
+    ev.Status(0, -1, 3, 0, (3, -1, 7), (ev.Ended(1, -1, True),)), ev.Status(2, 5, 300, 256, (9, 8), ()),
+    ev.Finished(9), ev.Leave(), ev.SnapRequest(),
     ev.SnapInfo(1, 5, 10, 1, 40, "ab"), ev.SnapNak(1, ((0, 3), (5, 9))), ev.SnapDone(1),
     ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"), ev.FailAck(3, 700), ev.Loading(),
 ]

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_WORLD_SIZE = 128        # a STATUS (one entry per rank) must fit in one datagram
+# Ranks travel as u16 (0xFFFF is the relay). 1024, not more: per-rank forwarding sends N·(N−1) updates a
+# step, so beyond a few hundred ranks the relay's egress, not this bound, is the limit (issue 13).
+MAX_WORLD_SIZE = 1024
+# A STATUS lists ranks in pages of at most this many (one datagram each; issue 13 item 2): worst case
+# 64 × (5-byte have + 11-byte ended entry) + framing ≈ 1.05 kB fits a 1400-byte datagram
+STATUS_PAGE_RANKS = 64
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
 MAX_NAK_ITEMS = 64
 MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
@@ -127,23 +132,32 @@ class Ended:
 
 @dataclass(frozen=True)
 class Status:
+    """One page of the relay's view: ranks ``first_rank .. first_rank + len(have) - 1`` of ``world_size``
+    (a job of more than STATUS_PAGE_RANKS ranks gets several pages, each its own datagram)."""
+
     start_step: int
     complete_through: int
-    have: tuple[int, ...]    # per rank: the relay holds (t, rank) for every start_step <= t <= have[rank]
-    ended: tuple[Ended, ...]
+    world_size: int
+    first_rank: int
+    have: tuple[int, ...]    # per page rank: the relay holds (t, rank) for every start_step <= t <= have[i]
+    ended: tuple[Ended, ...]  # the page's ranks that ended
 
     def __post_init__(self) -> None:
         _check_int("start_step", self.start_step, 0, MAX_STEP)
         _check_step("complete_through", self.complete_through)
-        if not 1 <= len(self.have) <= MAX_WORLD_SIZE:
-            raise ValueError(f"have must list 1..{MAX_WORLD_SIZE} ranks")
+        _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _check_int("first_rank", self.first_rank, 0, self.world_size - 1)
+        if not 1 <= len(self.have) <= min(STATUS_PAGE_RANKS, self.world_size - self.first_rank):
+            raise ValueError(f"have must list 1..{STATUS_PAGE_RANKS} ranks from first_rank {self.first_rank} "
+                             f"within world_size {self.world_size} (got {len(self.have)})")
         for h in self.have:
             _check_step("have", h)
-        if len(self.ended) > len(self.have):
-            raise ValueError("more ended ranks than ranks")
         for e in self.ended:
-            if e.rank >= len(self.have):
-                raise ValueError(f"ended rank {e.rank} is outside world size {len(self.have)}")
+            if not self.first_rank <= e.rank < self.first_rank + len(self.have):
+                raise ValueError(f"ended rank {e.rank} is outside this page (ranks {self.first_rank}.."
+                                 f"{self.first_rank + len(self.have) - 1})")
+        if len({e.rank for e in self.ended}) != len(self.ended):
+            raise ValueError("an ended rank is listed twice")
 
 
 @dataclass(frozen=True)

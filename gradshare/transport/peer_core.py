@@ -322,14 +322,17 @@ class PeerCore:
         self._events.append(ev.Welcomed(msg))
 
     def _on_status(self, msg: ev.Status) -> None:
-        if msg.start_step != self.cursor.start_step or len(msg.have) != self.world_size:
+        if msg.start_step != self.cursor.start_step or msg.world_size != self.world_size:
             self.chan.drops["stale_status"] += 1
             return
-        for r, h in enumerate(msg.have):
+        first = msg.first_rank           # one page of ranks (issue 13): the others come in other pages
+        for r, h in enumerate(msg.have, first):
             if h > self.known_high[r]:
                 self.known_high[r] = h
-        for s in [s for s in self.unacked if s <= msg.have[self.rank]]:
-            self._acked(s)
+        if first <= self.rank < first + len(msg.have):
+            own = msg.have[self.rank - first]
+            for s in [s for s in self.unacked if s <= own]:
+                self._acked(s)
         for e in msg.ended:
             if e.rank == self.rank:
                 if e.gone:

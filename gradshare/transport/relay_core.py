@@ -227,6 +227,10 @@ class RelayCore:
                             attempt=0, datagram_size=datagram_size,
                             max_chunks=max(16, -(-max_message // 64)), max_windows=4 * world_size + 8)
         self.max_chunks_update = -(-max_message // self.chan.chunk_bytes)
+        # STATUS pages: a page's worst case is ~16 bytes per rank + 32 of framing (events.STATUS_PAGE_RANKS)
+        self.status_ranks = max(1, min(ev.STATUS_PAGE_RANKS, (self.chan.chunk_bytes - 32) // 16))
+        self.status_pages = -(-world_size // self.status_ranks)
+        self._status_turn = [0] * world_size       # per rank: which page its next heartbeat gets
         # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
         # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
         # datagram from the relay up to wire.MAX_DATAGRAM_SIZE
@@ -250,6 +254,7 @@ class RelayCore:
         # sending, so applying to the authoritative copy never delays a forward)
         self.defer_apply = defer_apply
         self._apply_due = False
+        self._trim_due = False
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
@@ -380,8 +385,14 @@ class RelayCore:
             rs.sent_through = max(rs.sent_through, msg.sent_through)
             if msg.computing != rs.computing:
                 rs.computing, rs.computing_since = msg.computing, now
-            self._send(rs, self._status())
-            self._trim_history()
+            # one STATUS page per heartbeat, the pages in turn: a heartbeat's answer stays one datagram
+            # at any world size (issue 13), and each peer still sees every rank every `pages` heartbeats
+            turn = self._status_turn[rs.rank]
+            self._status_turn[rs.rank] = turn + 1
+            self._send(rs, self._status(turn % self.status_pages))
+            # trim on the next timer, not per heartbeat: a trim scans every rank, and N ranks each
+            # heartbeating made that O(N²) per second (issue 13 item 2)
+            self._trim_due = True
         elif isinstance(msg, ev.Nak):
             self._on_nak(rs, msg, now)
         elif isinstance(msg, ev.Finished):
@@ -551,7 +562,8 @@ class RelayCore:
         self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
                                   self.complete_through))
-        self._send(rs, self._status())
+        for page in range(self.status_pages):
+            self._send(rs, self._status(page))
         if first:
             self._events.append(ev.PeerJoined(rs.rank, h.attempt, addr))
 
@@ -682,7 +694,7 @@ class RelayCore:
                                          f"{self.cursor.start_step}"))
                 return
             self._end(rs, last_step, gone=False, reason="finished")
-        self._send(rs, self._status())
+        self._send(rs, self._status(rs.rank // self.status_ranks))   # the page that confirms its end
 
     def _on_leave(self, rs: RankState) -> None:
         if rs.ended is None:
@@ -708,7 +720,7 @@ class RelayCore:
         self.reasm.discard_where(lambda k: k[0] == rs.rank)
         self.c["gone" if gone else "finished"] += 1
         self._events.append(ev.PeerEnded(rs.rank, last_step, gone, reason))
-        status = self._status()
+        status = self._status(rs.rank // self.status_ranks)     # only the ended rank's page changed
         for r in self.ranks:
             if r.joined and not r.left:
                 self._send(r, status)
@@ -806,6 +818,9 @@ class RelayCore:
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
         self.apply_pending()
+        if self._trim_due:
+            self._trim_due = False
+            self._trim_history()
         self._pace(now)
         self._last_tick = now
         while self.recent:                   # insertion order is time order: drop from the front
@@ -833,11 +848,13 @@ class RelayCore:
         self._check_liveness(now)
 
     # --- helpers -------------------------------------------------------------------------------------
-    def _status(self) -> ev.Status:
+    def _status(self, page: int) -> ev.Status:
+        """STATUS page ``page``: ranks page·status_ranks onwards, as many as fit one datagram."""
         start = self.cursor.start_step
-        return ev.Status(start, self.complete_through,
-                         tuple(r.received.contiguous_from(start) - 1 for r in self.ranks),
-                         tuple(r.ended for r in self.ranks if r.ended is not None))
+        ranks = self.ranks[page * self.status_ranks:(page + 1) * self.status_ranks]
+        return ev.Status(start, self.complete_through, self.world_size, ranks[0].rank,
+                         tuple(r.received.contiguous_from(start) - 1 for r in ranks),
+                         tuple(r.ended for r in ranks if r.ended is not None))
 
     def _send(self, rs: RankState, msg: object) -> None:
         if rs.addr is not None:

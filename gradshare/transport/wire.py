@@ -205,8 +205,8 @@ def encode_control(msg: object) -> tuple[int, bytes]:
     if isinstance(msg, ev.Heartbeat):
         return Kind.HEARTBEAT, _pack([msg.delivered_through, msg.sent_through, msg.computing])
     if isinstance(msg, ev.Status):
-        return Kind.STATUS, _pack([msg.start_step, msg.complete_through, list(msg.have),
-                                   [[e.rank, e.last_step, e.gone] for e in msg.ended]])
+        return Kind.STATUS, _pack([msg.start_step, msg.complete_through, msg.world_size, msg.first_rank,
+                                   list(msg.have), [[e.rank, e.last_step, e.gone] for e in msg.ended]])
     if isinstance(msg, ev.Finished):
         return Kind.FINISHED, _pack([msg.last_step])
     if isinstance(msg, ev.Leave):
@@ -262,7 +262,7 @@ def decode_control(kind: int, body: bytes) -> object:
             d, s, c = f
             return ev.Heartbeat(d, s, c)
         if kind == Kind.STATUS:
-            start, complete, have, ended = f
+            start, complete, world_size, first_rank, have, ended = f
             if not isinstance(ended, list):
                 raise DecodeError("ended is not a list")
             out = []
@@ -273,7 +273,7 @@ def decode_control(kind: int, body: bytes) -> object:
                 if not isinstance(gone, bool):
                     raise DecodeError("gone is not a bool")
                 out.append(ev.Ended(r, last, gone))
-            return ev.Status(start, complete, _ints(have, "have"), tuple(out))
+            return ev.Status(start, complete, world_size, first_rank, _ints(have, "have"), tuple(out))
         if kind == Kind.FINISHED:
             (last,) = f
             return ev.Finished(last)

@@ -1,0 +1,459 @@
+"""`gradshare bench scale`: how the relay's traffic and CPU grow with the number of peers (issue 13).
+
+For each N in ``--peers`` a real :class:`~gradshare.transport.Relay` (a thread of this process, as in the
+driver) serves N real :class:`~gradshare.transport.Peer` objects spread over ``--procs`` processes
+(several peers per process: 64 processes would only measure the scheduler of a 2-core machine). Every
+rank sends a synthetic encoded update each step (real codec bytes at ``--density``), sealed with the job
+key, over loopback; steps are synchronous (staleness 0: a rank sends step t once its log is complete
+through t-1), so a step's traffic is the burst a training step makes. Peers only receive: applying 10 M
+parameters in 64 replicas would measure memory bandwidth, not the transport; the relay applies the log to
+its own copy as in training. Per N it reports
+
+- relay egress bytes and datagrams per step (``bytes_out`` of the relay, control traffic included),
+  beside the per-rank forwarding model N·(N−1)·m;
+- relay CPU per step: CPU time of the relay thread alone (``pthread_getcpuclockid``), so the peers'
+  load on the same cores does not count;
+- update latency p50/p99: a rank's send → the moment every other peer has received it (in canonical
+  order, so it includes waiting for the step's other updates);
+- exactly-once: every peer received every rank's every step (through that rank's last step) exactly once.
+
+Heartbeat traffic vs N (up to 256: STATUS pages) is measured on the protocol cores over an in-memory link
+with a simulated clock (STYLE 12), and a projected step-communication table at 1/10/25 Gbit/s for N up to
+256 is fitted from the measured costs (the model is printed and stored with the table).
+
+``--forwarding`` has one choice today, ``per-rank`` (the relay forwards each rank's datagrams to every
+other rank); issue 13 item 1 adds an aggregated mode beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+FORWARDING_MODES = ("per-rank",)
+LINKS_GBIT = (1, 10, 25)
+PROJECT_TO = (2, 4, 8, 16, 32, 64, 128, 256)
+HEARTBEAT_PEERS = (2, 8, 32, 128, 256)
+
+
+def peer_counts(text: str) -> list[int]:
+    """``--peers`` value: comma-separated ints >= 2, e.g. ``2,4,8``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--peers must be comma-separated integers (got {text!r})") from None
+    if not values or any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"--peers needs at least one count, each >= 2 (got {text!r})")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=peer_counts, default=[2, 4, 8, 16, 32, 64],
+                        help="comma-separated peer counts (default 2,4,8,16,32,64)")
+    parser.add_argument("--params", type=int, default=10_000_000, help="parameter count")
+    parser.add_argument("--density", type=float, default=1e-3, help="fraction of entries per update")
+    parser.add_argument("--forwarding", choices=FORWARDING_MODES, default="per-rank",
+                        help="relay forwarding mode (aggregated: issue 13 item 1)")
+    parser.add_argument("--steps", type=int, default=30, help="at most this many steps per peer count")
+    parser.add_argument("--seconds", type=float, default=12.0,
+                        help="at most this long sending steps per peer count (at least 2 steps are run)")
+    parser.add_argument("--procs", type=int, default=2, help="peer processes (peers are spread over them)")
+    parser.add_argument("--datagram-size", type=int, default=1400)
+    parser.add_argument("--heartbeat-peers", type=peer_counts, default=list(HEARTBEAT_PEERS),
+                        help="peer counts for the heartbeat-traffic measurement (protocol cores)")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
+    parser.add_argument("--png", metavar="PATH", help="write a plot to PATH")
+
+
+# --- peers (child process) ---------------------------------------------------------------------------
+
+def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
+    """Several ranks in one process: join, then synchronous steps; records deliveries for the parent."""
+    from collections import Counter
+
+    from gradshare.transport import Peer
+
+    W, messages, timeout = cfg["peers"], cfg["messages"], cfg["timeout"]
+    out: dict = {"ranks": ranks, "error": None}
+    peers: list = []
+    try:
+        for r in ranks:
+            peers.append(Peer(tuple(cfg["address"]), r, W, 0, cfg["key"], 1, cfg["params"],
+                              datagram_size=cfg["datagram_size"], timeout=timeout))
+        for p in peers:
+            p.join(timeout)
+        send_t: dict = {}
+        delivered: dict = {}                   # (step, sender) -> when the last local receiver got it
+        counts = {p.rank: Counter() for p in peers}
+
+        def record(p, updates) -> bool:
+            now = time.monotonic()
+            for u in updates:
+                counts[p.rank][(u.step, u.sender)] += 1
+                if u.sender != p.rank:
+                    key = (u.step, u.sender)
+                    delivered[key] = max(delivered.get(key, 0.0), now)
+            return bool(updates)
+
+        barrier.wait(timeout)                  # every rank joined ...
+        barrier.wait(timeout)                  # ... and the parent took its "before" counters
+        deadline = time.monotonic() + cfg["seconds"]
+        t = 0
+        while t < cfg["steps"] and (t < 2 or time.monotonic() < deadline):
+            for p in peers:
+                send_t[(t, p.rank)] = time.monotonic()
+                p.send_update(t, messages[(t * W + p.rank) % len(messages)])
+            # poll every local peer (not one blocking receive after another): each delivery is stamped
+            # when it happens, not when the loop comes round to its receiver
+            waiting, give_up = list(peers), time.monotonic() + timeout
+            while waiting:
+                moved = False
+                for p in waiting:
+                    moved |= record(p, p.receive())
+                waiting = [p for p in waiting if p.complete_through < t]
+                if waiting and not moved:
+                    if time.monotonic() > give_up:
+                        raise TimeoutError(f"ranks {[p.rank for p in waiting]}: step {t} incomplete "
+                                           f"after {timeout:g} s")
+                    waiting[0].wait(0.002)
+            t += 1
+        for p in peers:
+            p.finish(t - 1)
+        for p in peers:
+            record(p, p.receive(until_step=1 << 31, timeout=timeout))
+        # exactly-once, checked here (shipping every (step, sender, receiver) would be millions of tuples):
+        # per receiver and sender, the steps received must be 0..last with no repeats
+        received_through = {}
+        duplicates = gaps = 0
+        for r, c in counts.items():
+            through = [-1] * W
+            for s in range(W):
+                steps = sorted(step for (step, sender) in c if sender == s)
+                through[s] = steps[-1] if steps else -1
+                gaps += len(steps) != through[s] + 1
+            duplicates += sum(v - 1 for v in c.values())
+            received_through[r] = through
+        out.update(send_t=send_t, delivered=delivered, last_step=t - 1, received_through=received_through,
+                   duplicates=duplicates, gaps=gaps,
+                   retransmits=sum(p.counters().get("retransmits", 0) for p in peers))
+    except BaseException as exc:  # reported to the parent
+        out["error"] = f"ranks {ranks[0]}..{ranks[-1]}: {exc!r}"
+        barrier.abort()
+    finally:
+        for p in peers:
+            p.close()
+        results.put(out)
+
+
+def _thread_cpu(name: str) -> float:
+    """CPU seconds used so far by this process's thread called ``name`` (the relay's I/O thread)."""
+    import threading
+
+    for th in threading.enumerate():
+        if th.name == name:
+            return time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+    raise RuntimeError(f"no thread named {name!r} (did the relay start?)")
+
+
+# --- one peer count -----------------------------------------------------------------------------------
+
+def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> dict:
+    """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table."""
+    import multiprocessing as mp
+    import threading
+
+    import numpy as np
+
+    from gradshare.transport import Relay, new_job_key
+
+    ctx = mp.get_context("spawn")
+    key = new_job_key()
+    relay = Relay(np.zeros(args.params, np.float32), n_peers, key, 1, port=0, bind="127.0.0.1",
+                  datagram_size=args.datagram_size).start()
+    procs = []
+    try:
+        n_procs = max(1, min(args.procs, n_peers))
+        groups = [list(range(n_peers))[i::n_procs] for i in range(n_procs)]
+        timeout = 120.0
+        cfg = dict(address=relay.address, peers=n_peers, params=args.params, key=key, messages=messages,
+                   steps=args.steps, seconds=args.seconds, datagram_size=args.datagram_size, timeout=timeout)
+        barrier = ctx.Barrier(n_procs + 1)       # + this process: counters start once every rank joined
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_host_main, args=(cfg, g, barrier, results), daemon=True) for g in groups]
+        for p in procs:
+            p.start()
+        thread = f"gradshare-relay-{relay.address[1]}"
+        try:
+            barrier.wait(timeout + 60)
+            c0, cpu0 = relay.counters(), _thread_cpu(thread)
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            c0, cpu0 = relay.counters(), 0.0     # a child failed: its error comes through results
+        outs = [results.get(timeout=timeout + 10 * args.seconds + 60) for _ in procs]
+        errors = [o["error"] for o in outs if o["error"]]
+        if errors:
+            raise RuntimeError(f"{n_peers} peers: " + "; ".join(errors))
+        relay.wait_finished(60)
+        c1, cpu1 = relay.counters(), _thread_cpu(thread)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        relay.close()
+    last = {}
+    send_t: dict = {}
+    delivered: dict = {}
+    for o in outs:
+        last.update({r: o["last_step"] for r in o["ranks"]})
+        send_t.update(o["send_t"])
+        for k, v in o["delivered"].items():
+            delivered[k] = max(delivered.get(k, 0.0), v)
+    expected = [last[s] for s in range(n_peers)]
+    exactly_once = all(o["duplicates"] == 0 and o["gaps"] == 0
+                       and all(th == expected for th in o["received_through"].values()) for o in outs)
+    # step 0 pays for first-touch costs (buffers, caches) in every process: latency from step 1 on
+    lat = np.array([delivered[k] - ts for k, ts in send_t.items() if k[0] >= 1 and k in delivered]) * 1e3
+    if len(lat) + n_peers < len(send_t):   # an update nobody else received (exactly_once is False then)
+        exactly_once = False
+    updates = c1["updates_in"] - c0["updates_in"]
+    steps = updates / n_peers
+    forwarded = c1["forwarded"] - c0["forwarded"]
+    bytes_out = c1["bytes_out"] - c0["bytes_out"]
+    dgrams_out = c1["datagrams_out"] - c0["datagrams_out"]
+    per_update_dgrams = forwarded / max(updates * (n_peers - 1), 1)
+    message_wire = _wire_bytes(messages, args.datagram_size)
+    return {
+        "peers": n_peers, "forwarding": args.forwarding, "steps": steps, "updates": updates,
+        "egress_bytes_per_step": bytes_out / steps,
+        "egress_datagrams_per_step": dgrams_out / steps,
+        "forwarded_datagrams_per_step": forwarded / steps,
+        "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": message_wire,
+        "model_egress_bytes_per_step": n_peers * (n_peers - 1) * message_wire,
+        "relay_cpu_per_step_s": (cpu1 - cpu0) / steps,
+        "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "exactly_once": bool(exactly_once and c1["applied"] == c1["updates_in"]),
+        "relay_retransmits": c1["retransmits"] - c0["retransmits"],
+        "peer_retransmits": sum(o["retransmits"] for o in outs),
+        "relay_drops": c1["drops"],
+    }
+
+
+# --- heartbeats (protocol cores, simulated clock) ------------------------------------------------------
+
+def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
+                      datagram_size: int = 1400) -> dict:
+    """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.
+
+    Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the
+    protocol, not the machine): ``seconds`` of simulated time in steps of ``tick``."""
+    from gradshare.transport.memory import joined_cores
+
+    relay, peers = joined_cores(n_peers, 1000, b"\x02" * 32, 1, datagram_size=datagram_size)
+    relay.datagrams_to_send()
+    counts = {"in_datagrams": 0, "in_bytes": 0, "out_datagrams": 0, "out_bytes": 0}
+    cpu = 0.0
+    steps = int(round(seconds / tick))
+    for i in range(1, steps + 1):
+        now = i * tick
+        for r, p in enumerate(peers):
+            p.handle_timer(now)
+            for d in p.datagrams_to_send():
+                counts["in_datagrams"] += 1
+                counts["in_bytes"] += len(d)
+                c = time.thread_time()
+                relay.receive_datagram(d, r, now)
+                cpu += time.thread_time() - c
+        c = time.thread_time()
+        if now >= relay.next_timer():
+            relay.handle_timer(now)
+        out = relay.datagrams_to_send()
+        cpu += time.thread_time() - c
+        for d, r in out:
+            counts["out_datagrams"] += 1
+            counts["out_bytes"] += len(d)
+            peers[r].receive_datagram(d, "relay", now)
+    errors = [p.error for p in peers if p.error]
+    if errors:
+        raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
+    per_s = {k + "_per_s": v / seconds for k, v in counts.items()}
+    return {"peers": n_peers, **per_s, "relay_cpu_per_s": cpu / seconds,
+            "out_bytes_per_peer_per_s": counts["out_bytes"] / seconds / n_peers,
+            "max_datagram": max(1, datagram_size)}
+
+
+# --- model ---------------------------------------------------------------------------------------------
+
+def fit_costs(rows: list[dict]) -> dict:
+    """Relay CPU per step ≈ a·(forwarded datagrams per step) + b·(updates per step), least squares ≥ 0.
+
+    ``a`` is the per-datagram cost of forwarding (sendto + bookkeeping: AEAD is the origin's and the
+    receiver's, not the relay's), ``b`` the per-update cost (reassembly, validation, decode + apply to the
+    authoritative copy, ACK). One row gives ``a`` alone (b = 0)."""
+    import numpy as np
+
+    A = np.array([[r["forwarded_datagrams_per_step"], r["peers"]] for r in rows], float)
+    y = np.array([r["relay_cpu_per_step_s"] for r in rows], float)
+    if len(rows) >= 2:
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if a < 0 or b < 0:                      # one term is noise: keep the other alone
+            a, b = max(float(np.dot(A[:, 0], y) / np.dot(A[:, 0], A[:, 0])), 0.0), 0.0
+    else:
+        a, b = y[0] / max(A[0, 0], 1.0), 0.0
+    return {"per_datagram_s": float(a), "per_update_s": float(b)}
+
+
+def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
+    """Projected step-communication time for per-rank forwarding, from the measured rows.
+
+    Model (stated in the output): per step the relay sends E(N) = N·(N−1)·w bytes in D(N) = N·(N−1)·d
+    datagrams, w and d the measured wire bytes and datagrams of one forwarded update (headers and tags
+    included). Its CPU needs C(N) = a·D(N) + b·N (``fit_costs``); its link needs 8·E(N)/B. The two overlap
+    (the relay sends while it works), so a step's communication takes max(8·E/B, C). Not included: the
+    peers' own receive cost (parallel across machines), propagation delay, and loss repair."""
+    costs = fit_costs(rows)
+    last = max(rows, key=lambda r: r["peers"])
+    d = last["datagrams_per_update"]
+    w = last["forwarded_bytes_per_update"]
+    table = []
+    for n in sizes:
+        pairs = n * (n - 1)
+        e, dg = pairs * w, pairs * d
+        cpu = costs["per_datagram_s"] * dg + costs["per_update_s"] * n
+        row = {"peers": n, "egress_bytes": e, "datagrams": dg, "relay_cpu_s": cpu}
+        for g in links:
+            wire_s = 8 * e / (g * 1e9)
+            row[f"{g}gbit_s"] = max(wire_s, cpu)
+            row[f"{g}gbit_bound"] = "link" if wire_s >= cpu else "relay cpu"
+        table.append(row)
+    model = ("per step: E(N) = N(N-1)*w bytes in D(N) = N(N-1)*d datagrams leave the relay; "
+             f"w = {w:,.0f} B and d = {d:.2f} datagrams per forwarded update (measured); relay CPU "
+             f"C(N) = a*D + b*N with a = {costs['per_datagram_s'] * 1e6:.2f} us/datagram and "
+             f"b = {costs['per_update_s'] * 1e6:.1f} us/update (least squares over the measured N); "
+             "step communication = max(8*E/B, C) at link rate B (link and CPU overlap); peers' receive "
+             "cost, propagation and loss repair excluded")
+    return {"model": model, "costs": costs, "bytes_per_update": w, "datagrams_per_update": d,
+            "table": table}
+
+
+# --- driver ---------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from gradshare.bench.transport import _make_messages
+    from gradshare.transport.relay_core import default_apply_update, default_decode_update
+
+    if args.params < 1 or not 0 < args.density <= 1:
+        raise ValueError(f"--params must be >= 1 and --density in (0, 1] (got {args.params}, {args.density})")
+    if args.steps < 2 or args.procs < 1 or not args.seconds > 0:
+        raise ValueError("--steps must be >= 2, --procs >= 1 and --seconds > 0")
+    messages = _make_messages(args.params, args.density, 8, seed=0)
+    # warm the relay's decode+apply kernels (Numba) so that no N pays for compilation
+    default_apply_update(default_decode_update(messages[0], args.params), np.zeros(args.params, np.float32))
+    rows = []
+    for n in args.peers:
+        row = run_one(n, args, messages)
+        rows.append(row)
+        _print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
+                   message_bytes=row["forwarded_bytes_per_update"])
+    heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
+    projection = project(rows)
+    out = {"params": args.params, "density": args.density, "forwarding": args.forwarding,
+           "datagram_size": args.datagram_size, "procs": args.procs, "runs": rows, "heartbeats": heartbeats,
+           "projection": projection}
+    _print_tail(heartbeats, projection)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    if args.png:
+        plot(out, args.png)
+    return 0
+
+
+def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
+    """Mean bytes on the wire for one update (every chunk's header and AEAD tag included)."""
+    from gradshare.transport.wire import HEADER_BYTES, encode_update_body
+
+    tag = 16
+    chunk = datagram_size - HEADER_BYTES - tag
+    total = 0
+    for m in messages:
+        body = len(encode_update_body(m, None))
+        n = max(1, -(-body // chunk))
+        total += body + n * (HEADER_BYTES + tag)
+    return total / len(messages)
+
+
+def _print_row(r: dict, header: bool, params: int, density: float, message_bytes: float) -> None:
+    if header:
+        print(f"scale ({r['forwarding']} forwarding): {params:,} params, density {density:g}, "
+              f"{message_bytes:,.0f} B/update on the wire")
+        print(f"{'N':>4}{'steps':>7}{'egress MB/step':>16}{'model MB':>10}{'dgrams/step':>13}"
+              f"{'relay CPU ms/step':>19}{'p50 ms':>9}{'p99 ms':>9}{'retx':>7}{'exactly once':>14}")
+    p50 = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.1f}"
+    p99 = "-" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:.1f}"
+    print(f"{r['peers']:>4}{r['steps']:>7.0f}{r['egress_bytes_per_step'] / 1e6:>16.3f}"
+          f"{r['model_egress_bytes_per_step'] / 1e6:>10.3f}{r['egress_datagrams_per_step']:>13,.0f}"
+          f"{r['relay_cpu_per_step_s'] * 1e3:>19.2f}{p50:>9}{p99:>9}"
+          f"{r['relay_retransmits'] + r['peer_retransmits']:>7}{str(r['exactly_once']):>14}", flush=True)
+
+
+def _print_tail(heartbeats: list[dict], projection: dict) -> None:
+    print("\nheartbeat traffic at the relay, idle job (protocol cores, simulated 1 s):")
+    print(f"{'N':>5}{'in dgrams/s':>13}{'out dgrams/s':>14}{'out kB/s':>10}{'out B/s per peer':>18}"
+          f"{'relay CPU ms/s':>16}")
+    for h in heartbeats:
+        print(f"{h['peers']:>5}{h['in_datagrams_per_s']:>13,.0f}{h['out_datagrams_per_s']:>14,.0f}"
+              f"{h['out_bytes_per_s'] / 1e3:>10.1f}{h['out_bytes_per_peer_per_s']:>18,.0f}"
+              f"{h['relay_cpu_per_s'] * 1e3:>16.2f}")
+    print("\nprojected step communication, per-rank forwarding:")
+    print("model: " + projection["model"])
+    heads = "".join(f"{f'{g} Gbit/s ms':>16}" for g in LINKS_GBIT)
+    print(f"{'N':>5}{'egress MB':>12}{'relay CPU ms':>14}{heads}")
+    for row in projection["table"]:
+        cells = "".join(f"{row[f'{g}gbit_s'] * 1e3:>11.1f} {'L' if row[f'{g}gbit_bound'] == 'link' else 'C':>4}"
+                        for g in LINKS_GBIT)
+        print(f"{row['peers']:>5}{row['egress_bytes'] / 1e6:>12.2f}{row['relay_cpu_s'] * 1e3:>14.1f}{cells}")
+    print("(L: the link bounds the step; C: the relay's CPU does)")
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, proj = out["runs"], out["projection"]["table"]
+    n = [r["peers"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].loglog(n, [r["egress_bytes_per_step"] / 1e6 for r in rows], "o-", label="measured")
+    ax[0].loglog([p["peers"] for p in proj], [p["egress_bytes"] / 1e6 for p in proj], "--",
+                 label="N(N-1)·w (model)")
+    ax[0].set(xlabel="peers N", ylabel="relay egress per step (MB)", title="egress per step")
+    ax[1].loglog(n, [r["relay_cpu_per_step_s"] * 1e3 for r in rows], "o-", label="measured")
+    ax[1].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "--", label="a·D + b·N")
+    ax[1].set(xlabel="peers N", ylabel="relay thread CPU per step (ms)", title="relay CPU per step")
+    ax[2].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "k-", lw=2,
+                 label="relay CPU C")
+    for g in LINKS_GBIT:        # the link alone, dashed: a step takes the larger of it and C
+        ax[2].loglog([p["peers"] for p in proj], [8 * p["egress_bytes"] / (g * 1e9) * 1e3 for p in proj], "--",
+                     label=f"link 8E/B, {g} Gbit/s")
+    ax[2].set(xlabel="peers N", ylabel="ms per step", title="projected: max(link, relay CPU)")
+    for a in ax:
+        a.legend()
+        a.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"gradshare bench scale: {out['params']:,} params, density {out['density']:g}, "
+                 f"{out['forwarding']} forwarding")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,87 @@
+"""SharedTrainer with more workers (issue 13 item 4): bit-identical replicas and traffic per step vs the
+per-rank forwarding model of `gradshare bench scale`.
+
+``python -m gradshare.bench.scale_train --master local[8] --workers 8`` (or ``local-cluster[4,2,1024]``)
+trains the demo MLP on digits and prints one JSON line. The CPUs are oversubscribed on a small machine,
+which is fine: correctness and traffic are measured here, not time.
+
+Model (the same as bench scale's): per step the relay forwards each rank's update to the N−1 others, so
+its egress is (N−1)·Σ_r w_r, w_r the update's wire bytes (payload + 2-byte meta length + meta + 58 bytes
+of header and AEAD tag per datagram), plus control traffic (ACKs, STATUS pages answering heartbeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
+
+
+def wire_bytes(payload: float, datagram_size: int = 1400) -> tuple[float, int]:
+    """(wire bytes, datagrams) of one update of ``payload`` encoder bytes (header + tag per chunk)."""
+    from gradshare.transport.wire import HEADER_BYTES
+
+    body = payload + 2 + META_BYTES
+    per_datagram = HEADER_BYTES + 16
+    n = max(1, math.ceil(body / (datagram_size - per_datagram)))
+    return body + per_datagram * n, n
+
+
+def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
+    """Train the demo MLP with ``workers`` workers on ``spark``; figures for the scale report."""
+    from gradshare.demo import digits_split, evaluate_accuracy, mlp
+    from gradshare.trainer import SharedTrainer
+
+    X_train, X_test, y_train, y_test = digits_split(seed)
+    rdd = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), workers)
+    r = SharedTrainer(mlp, batch_size=32, epochs=epochs, seed=seed, port=0, bind="127.0.0.1",
+                      verbose=0).fit(rdd)
+    c = r.counters
+    updates = c["updates_in"]
+    steps = updates / workers                       # every rank sends one update per step
+    payload = sum(h["payload_bytes"] for h in r.history) / max(updates, 1)
+    w, d = wire_bytes(payload)
+    model = (workers - 1) * workers * w
+    egress = c["bytes_out"] / steps
+    return {
+        "workers": workers, "master": spark.sparkContext.master, "steps": steps, "n_params": r.n_params,
+        "bit_identical": len({w["param_hash"] for w in r.worker_reports} | {r.param_hash}) == 1,
+        "distinct_executors": len({w["pid"] for w in r.worker_reports}),
+        "accuracy": evaluate_accuracy(r.model, X_test, y_test),
+        "payload_bytes_per_update": payload,
+        "relay_egress_bytes_per_step": egress,
+        "model_forward_bytes_per_step": model,
+        "egress_over_model": egress / model,
+        # what is not forwarding is control (ACKs, STATUS pages answering 20 Hz heartbeats): per second,
+        # not per step, so it dominates when oversubscribed CPUs make steps slow
+        "control_bytes_per_s": (c["bytes_out"] - model * steps) / r.seconds,
+        "forwarded_datagrams_per_update": c["forwarded"] / max(updates, 1),
+        "model_forwarded_datagrams_per_update": (workers - 1) * d,
+        "relay_retransmits": c["retransmits"], "seconds": r.seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--master", default="local[4]", help="Spark master, e.g. local[8], local-cluster[4,2,1024]")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.epochs < 1:
+        raise ValueError("--workers and --epochs must be >= 1")
+    from gradshare.spark import get_or_create_session
+
+    spark, created = get_or_create_session(master=args.master)
+    try:
+        print(json.dumps(train_run(spark, args.workers, args.epochs)), flush=True)
+    finally:
+        if created:
+            spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
