@@ -72,6 +72,10 @@ class Precision:
         if self.scaler is None:
             return plain_step(optimizer)
         before = self.scaler.get_scale()
+        # Unscale first (torch's recipe for clipping under a scaler): a fused optimizer would otherwise
+        # take the scale into its kernel, and a pre-step hook (losses.clip_grad_norm) would see the
+        # gradients × 65536
+        self.scaler.unscale_(optimizer)
         self.scaler.step(optimizer)
         self.scaler.update()
         after = self.scaler.get_scale()

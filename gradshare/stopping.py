@@ -63,11 +63,12 @@ def early_stopping_from(option) -> EarlyStopping | None:
 def should_stop(rule: EarlyStopping, row: dict) -> bool:
     """Feed one epoch's row (rank 0's) to the rule; True when patience is exhausted."""
     value = row.get(rule.monitor)
-    if value is None or not math.isfinite(value):
-        raise ValueError(f"early_stopping monitors {rule.monitor!r} but epoch {row.get('epoch')} has "
-                         f"{value!r} (monitor 'val_metric' needs validation_data)")
-    better = (rule.best is None or (value < rule.best - rule.min_delta if rule.mode == "min"
-                                    else value > rule.best + rule.min_delta))
+    if value is None:
+        raise ValueError(f"early_stopping monitors {rule.monitor!r} but epoch {row.get('epoch')} has no "
+                         "value for it (monitor 'val_metric' needs validation_data)")
+    # a NaN/inf score (a diverged epoch) is no improvement, as in Keras: patience decides, the fit goes on
+    better = math.isfinite(value) and (rule.best is None or (
+        value < rule.best - rule.min_delta if rule.mode == "min" else value > rule.best + rule.min_delta))
     if better:
         rule.best, rule.waited = value, 0
         return False

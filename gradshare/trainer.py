@@ -208,7 +208,9 @@ class SharedTrainer:
         same epoch. ``result.extra["stopped_epoch"]`` is E (None: every epoch ran); history has epochs
         0..E only. extra["stop_requested_epoch"]: the epoch whose end asked for the stop; a request that
         comes too late for every rank to end after a common epoch before the last is not carried out and
-        shows only there. A retried stage restarts the rule's count (patience) from zero.
+        shows only there. Known limit: a retried stage (a worker's process died) forgets a stop decided
+        before the restart (the relay does not keep it across attempts yet) and restarts the rule's
+        count (patience) from zero, so such a fit may run every epoch.
     on_epoch_end: a callable or a list of them, ``fn(row) -> stop?``, run on rank 0 (inside its Spark
         task, so prints go to the executor's log) after each epoch is scored, with rank 0's history row
         (its own loss, val_metric, τ, ...). A truthy return asks for a stop, carried as early_stopping's.

@@ -143,7 +143,9 @@ class ApplyLog:
             if u.step >= self.start_step:  # older ones are inside the snapshot we resumed from
                 self.pending.append(u)
             else:
-                self._note_stop(u)  # a resumed attempt still stops where the log said
+                # older than a resumed attempt's start: inside its snapshot. (The relay starts a new
+                # attempt's log at its start, so a stop decided before a restart is not seen here.)
+                self._note_stop(u)
 
     def _note_stop(self, u) -> None:
         """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
@@ -343,8 +345,10 @@ class Worker:
         prof.lap("encode")
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it (issue 12)
-        meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
+        meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params,
                 "bytes": float(len(payload)), "epoch": float(epoch)}
+        if taken:  # a skipped fp16 step's empty message carries a placeholder τ, not one that was used
+            meta["tau"] = msg.threshold
         lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
@@ -411,6 +415,7 @@ class Worker:
         self.log = log
         history: list[dict] = []
         self._resume_schedule(start_step, spe)
+        self._resume_counters(start_step)
         acc = self._fresh_epoch(peer)
         scores: deque = deque()  # (history row, its epoch's index in this run, the log step that scores it)
         t0 = time.monotonic()
@@ -467,6 +472,16 @@ class Worker:
             report["profile"] = prof.report()
         return report
 
+    def _resume_counters(self, start_step: int) -> None:
+        """A resumed attempt's BatchNorm layers count the batches the attempts before it ran (one
+        training forward a step): integer buffers are local, not in the relay's snapshot, and
+        BatchNorm(momentum=None) averages with 1/num_batches_tracked."""
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        for m in self.model.modules():
+            if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
+                m.num_batches_tracked.add_(start_step)
+
     def _resume_schedule(self, start_step: int, spe: int) -> None:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
         if self.scheduler is None or start_step == 0:
@@ -495,7 +510,7 @@ class Worker:
             "payload_bytes": acc["payload"],
             "bytes_sent": _bytes_out(c) - acc["out0"],
             "bytes_received": _bytes_in(c) - acc["in0"],
-            "tau": float(self.state.tau),  # the epoch's last step's τ
+            "tau": None if self.state.tau is None else float(self.state.tau),  # the last encoded step's τ
             "lr": acc["lr"],  # at the epoch's first step
             "silent_steps": acc["silent"],
             "seconds": time.monotonic() - acc["t0"],

@@ -134,3 +134,12 @@ def test_a_stop_too_late_for_a_common_epoch_is_reported_not_carried_out(uneven):
     assert result.extra["stopped_epoch"] is None and result.extra["stop_requested_epoch"] == 1
     assert [h["epoch"] for h in result.history] == [0, 1, 2]
     assert [r["last_step"] for r in result.worker_reports] == [3 * SPE[0] - 1, 3 * SPE[1] - 1]
+
+
+def test_a_nan_score_counts_as_no_improvement():
+    # a diverged epoch (NaN loss or metric) does not kill the fit: patience decides, as in Keras
+    rule = EarlyStopping(patience=1, mode="min", monitor="loss")
+    assert not should_stop(rule, {"epoch": 0, "loss": 1.0})
+    assert not should_stop(rule, {"epoch": 1, "loss": float("nan")})
+    assert should_stop(rule, {"epoch": 2, "loss": float("nan")})
+    assert rule.best == 1.0

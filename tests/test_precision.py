@@ -185,3 +185,27 @@ def test_a_half_precision_model_is_refused_on_the_driver(digits):
     rdd, _ = digits
     with pytest.raises(TypeError, match=r"parameter '0.weight' is torch.bfloat16.*precision='bf16-mixed'"):
         SharedTrainer(lambda: mlp().to(torch.bfloat16), precision="bf16-mixed", **LOOPBACK).fit(rdd)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradient_clipping_sees_unscaled_gradients_under_fp16(fused):
+    # A fused optimizer takes the loss scale into its kernel unless the scaler unscaled first: a
+    # clipping pre-hook (losses.clip_grad_norm) would then clip gradients × 65536.
+    from gradshare.losses import clip_grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    seen = []
+    opt = clip_grad_norm(lambda p: torch.optim.Adam(p, lr=0.1, fused=fused), 1e6)(model.parameters())
+    opt.register_step_pre_hook(lambda *_: seen.append(
+        float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))))
+    x = torch.full((4, 3), 0.01)
+    model(x).float().square().mean().backward()  # the gradient in float32, unscaled
+    true_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    opt.zero_grad()
+    prec = Precision("fp16-mixed")
+    with prec.autocast():
+        loss = model(x).float().square().mean()
+    prec.backward(loss)
+    assert prec.step(opt)
+    assert seen[0] == pytest.approx(true_norm, rel=1e-2)  # not × the scale (65536)

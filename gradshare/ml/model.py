@@ -70,6 +70,8 @@ class GradshareModel(Model, ColumnParams, Saved):
         payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
         key = hashlib.sha256(payload[0] + payload[1]).digest()
         if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
+            if self._weights is not None and self._weights[0] is sc:
+                self._weights[2].unpersist()  # a fine-tuned model's old copy leaves the executors
             self._weights = (sc, key, sc.broadcast(payload))
         return self._weights[2]
 
