@@ -87,6 +87,9 @@ class WorkerConfig:
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
     early_stopping: Any = None  # stopping.EarlyStopping or None: rank 0 decides, the log carries it (stopping.py)
     on_epoch_end: tuple | None = ()  # callables (row) -> truthy to stop; run on rank 0 after its epoch is scored
+    checkpoint: Any = None  # checkpoint.CheckpointPlan or None: write state every plan.every epochs
+    resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
+    first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -308,7 +311,7 @@ class Worker:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
-        out = self._step(peer, t, *divmod(t, self.cfg.steps_per_epoch[self.rank]))
+        out = self._step(peer, t, *divmod(self._global(t), self.cfg.steps_per_epoch[self.rank]))
         if self.scheduler is not None and self.cfg.scheduler_interval == "step":
             self.scheduler.step()
         return out
@@ -332,7 +335,7 @@ class Worker:
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
         prof.lap("optimizer")
-        msg = self.path.encode(state, t) if taken else skipped_step(state)  # P is P_before again here
+        msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
             self._look_back(*looked)
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
@@ -341,7 +344,7 @@ class Worker:
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it (issue 12)
         meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params, "tau": msg.threshold,
-                "bytes": float(len(payload)), "epoch": float(epoch)}
+                "bytes": float(len(payload)), "epoch": float(epoch - self.cfg.first_epoch)}
         lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
@@ -354,6 +357,11 @@ class Worker:
         peer.send_update(t, payload, meta)
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
+
+    def _global(self, t: int) -> int:
+        """Step t of this fit's log as a step of the whole training (a resumed fit's log starts at 0):
+        what the data order and a calibrated τ's warm-up count in, so they go on where they stopped."""
+        return t + self.cfg.first_epoch * self.cfg.steps_per_epoch[self.rank]
 
     def _take_buffer_change(self, before) -> tuple:
         """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
@@ -435,6 +443,7 @@ class Worker:
                     scores.append((history[-1], len(history) - 1, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
+                self._checkpoint(epoch + cfg.first_epoch, t, total)
                 acc = self._fresh_epoch(peer)
             t += 1
         prof.finish()
@@ -463,6 +472,20 @@ class Worker:
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
         return report
+
+    def _checkpoint(self, epoch: int, t: int, total: int) -> None:
+        """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
+        parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
+        next step would apply the log through t first anyway: applying it now changes nothing."""
+        plan = self.cfg.checkpoint
+        if plan is None or ((epoch + 1) % plan.every and t != total - 1):
+            return
+        from gradshare.checkpoint import write_manifest, write_rank
+
+        self.log.apply_through(t)
+        write_rank(plan, epoch + 1, self)
+        if self.rank == 0:
+            write_manifest(plan, epoch + 1, self.cfg.timeout)
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
@@ -632,6 +655,10 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         # the initial parameters (start 0) or, in a retried stage, the relay's current ones
         t_load = time.monotonic()
         _load_from_relay(peer, worker.flat, start, cfg.timeout)
+        if cfg.resume is not None and start == 0:  # a retried stage keeps what its first attempt learnt
+            from gradshare.checkpoint import load_rank
+
+            load_rank(cfg.resume, worker)
         t_load = time.monotonic() - t_load
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load
