@@ -25,7 +25,8 @@ point; afterwards P is restored bit for bit (exact for one worker, partial for s
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
-them from zero — that is what a restart loses.
+them from zero — that is what a restart loses — unless the fit resumes from a checkpoint
+(gradshare/checkpoint.py), which holds them.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ class Worker:
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
         self.stop_sent = False
+        self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -468,6 +470,7 @@ class Worker:
             "int_buffers": {name: b.cpu().numpy().copy() for name, b in self.model.named_buffers()
                             if not b.is_floating_point()} if rank == 0 else {},
             "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
+            "checkpoint_seconds": self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
@@ -483,9 +486,11 @@ class Worker:
         from gradshare.checkpoint import write_manifest, write_rank
 
         self.log.apply_through(t)
+        t0 = time.monotonic()
         write_rank(plan, epoch + 1, self)
         if self.rank == 0:
             write_manifest(plan, epoch + 1, self.cfg.timeout)
+        self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
