@@ -80,6 +80,15 @@ def check_writable(root: str) -> None:
         raise ValueError(f"checkpoint_dir={root!r} is not writable: {e}") from e
 
 
+def check_fresh(root: str, epochs_done: int) -> None:
+    """A fit writes epoch-<E> for E > epochs_done: refuse to mix its files with an earlier fit's there."""
+    taken = sorted(n for n in os.listdir(root) if n.startswith("epoch-") and n[6:].isdigit()
+                   and int(n[6:]) > epochs_done)
+    if taken:
+        raise ValueError(f"checkpoint_dir={root!r} already holds {', '.join(taken)}, which this fit would overwrite; "
+                         "give an empty directory, or remove them")
+
+
 def job_of(world_size: int, steps_per_epoch: tuple, batch_size: int, seed: int, shapes: list) -> dict:
     """The facts a checkpoint must share with the fit that resumes from it."""
     return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
@@ -123,8 +132,9 @@ def _jsonable_fields(obj, what: str) -> dict:
     return out
 
 
-def write_rank(plan: CheckpointPlan, epochs_done: int, worker) -> None:
-    """Worker `worker.rank`'s state after its last step of epoch epochs_done-1, then its file list."""
+def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int) -> None:
+    """Worker `worker.rank`'s state after its last step of epoch epochs_done-1, then its file list,
+    tagged with the fit's `run` (its job id) so that rank 0 never takes an earlier fit's list."""
     import io
 
     import torch
@@ -158,24 +168,38 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker) -> None:
              for n in ("residual.npy", "local.pt", "state.json")}
     if worker.rank == 0:
         files[PARAMS] = _digest(os.path.join(directory, PARAMS))
-    _write_atomic(os.path.join(directory, f"rank-{worker.rank}.json"), json.dumps(files).encode())
+    _write_atomic(os.path.join(directory, f"rank-{worker.rank}.json"), json.dumps({"run": run, "files": files}).encode())
 
 
-def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float) -> None:
-    """Rank 0: once every rank's file list is there (at most `timeout` s), the manifest, last."""
+def _file_list(path: str, run: int) -> dict | None:
+    """A rank's file list if this fit (`run`) wrote it; None while it is missing or an earlier fit's."""
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):  # not there yet (lists are replaced atomically, never half written)
+        return None
+    return found["files"] if found.get("run") == run else None
+
+
+def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: int) -> None:
+    """Rank 0: once every rank's file list of this fit is there (at most `timeout` s), the manifest, last."""
     directory = epoch_dir(plan.root, epochs_done)
     world = plan.job["world_size"]
-    lists = [os.path.join(directory, f"rank-{r}.json") for r in range(world)]
+    lists: dict = {}
     deadline = time.monotonic() + timeout
-    while not all(os.path.exists(p) for p in lists):
+    while len(lists) < world:
+        for r in range(world):
+            if r not in lists and (found := _file_list(os.path.join(directory, f"rank-{r}.json"), run)) is not None:
+                lists[r] = found
+        if len(lists) == world:
+            break
         if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(lists) if not os.path.exists(p)]
+            missing = sorted(set(range(world)) - set(lists))
             raise TransportTimeout(f"checkpoint {directory}: rank(s) {missing} wrote no state within {timeout} s")
         time.sleep(POLL_SECONDS)
     files = {}
-    for p in lists:
-        with open(p) as f:
-            files.update(json.load(f))
+    for r in range(world):
+        files.update(lists[r])
     manifest = {"format": FORMAT, "epochs_done": epochs_done, "job": plan.job, "files": files}
     _write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest).encode())
 

@@ -519,9 +519,10 @@ class SharedTrainer:
         t_start = time.monotonic()
         resume = self._read_checkpoint(resume_from)  # a corrupt one fails here, before any Spark job
         if self.checkpoint_dir is not None:
-            from gradshare.checkpoint import check_writable
+            from gradshare.checkpoint import check_fresh, check_writable
 
             check_writable(self.checkpoint_dir)
+            check_fresh(self.checkpoint_dir, 0 if resume is None else resume["epochs_done"])
         model = self._build_model()
         self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)

@@ -487,9 +487,9 @@ class Worker:
 
         self.log.apply_through(t)
         t0 = time.monotonic()
-        write_rank(plan, epoch + 1, self)
+        write_rank(plan, epoch + 1, self, self.cfg.job_id)
         if self.rank == 0:
-            write_manifest(plan, epoch + 1, self.cfg.timeout)
+            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id)
         self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:

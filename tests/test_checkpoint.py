@@ -103,6 +103,8 @@ def test_a_checkpoint_of_another_model_or_job_is_refused_naming_both(rdd, checkp
         SharedTrainer(mlp, epochs=4, batch_size=64, seed=4, **LOOPBACK).fit(rdd, resume_from=root)
     with pytest.raises(ValueError, match="2 epoch"):
         trainer(2).fit(rdd, resume_from=root)
+    with pytest.raises(ValueError, match="already holds epoch-00001, epoch-00002"):
+        trainer(1, checkpoint_dir=root).fit(rdd)  # never mixes its files with another fit's
 
 
 def test_bad_checkpoint_options(rdd, tmp_path):
