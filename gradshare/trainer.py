@@ -17,7 +17,8 @@ Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a wo
 The new attempt joins the relay with a higher attempt number and continues from the relay's
 parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
 optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
-sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
+sent) and the threshold rule's adaptation; they restart from zero / the initial τ. A new fit started
+with `resume_from=` a checkpoint (checkpoint_dir=) keeps them all (gradshare/checkpoint.py).
 
 Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
 state: each step's change of them travels exactly, averaged over the workers, in the same log as the
@@ -233,6 +234,13 @@ class SharedTrainer:
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
         the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
+    checkpoint_dir: None, or a local directory (or file: URI) shared by the executors (local[N],
+        local-cluster, a shared mount): after every `checkpoint_every`-th epoch and the last, each worker
+        writes its residual, optimizer, lr scheduler, CPU RNG and integer buffers, its τ rule and loss
+        scaler, and rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
+        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed). Needs
+        staleness 0 and the same steps per epoch on every partition; Hadoop-FS URIs are refused for now.
+    checkpoint_every: epochs between checkpoints (default 1).
     """
 
     def __init__(
