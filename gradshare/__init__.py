@@ -6,6 +6,7 @@ The public surface is re-exported here; everything else is internal.
 from typing import TYPE_CHECKING
 
 from gradshare.errors import (
+    CheckpointError,
     ConsistencyError,
     DecodeError,
     GradshareError,
@@ -73,4 +74,5 @@ __all__ = [
     "TransportTimeout",
     "ConsistencyError",
     "TrainingError",
+    "CheckpointError",
 ]

@@ -7,7 +7,8 @@
     │       └── DecodeError         bytes that do not decode to a valid message
     ├── TransportTimeout            a peer or the relay did not answer in time (also a TimeoutError)
     ├── ConsistencyError            replicas diverged: parameter hashes differ at the end of a fit
-    └── TrainingError               a Spark task or the training job failed; says which and why
+    ├── TrainingError               a Spark task or the training job failed; says which and why
+    └── CheckpointError             a checkpoint is incomplete, corrupt or truncated (also a ValueError)
 
 Bad arguments from a caller raise plain ``ValueError``/``TypeError`` naming the argument.
 """
@@ -47,6 +48,10 @@ class TrainingError(GradshareError):
     """The training job failed; the message names the task/worker and the cause."""
 
 
+class CheckpointError(GradshareError, ValueError):
+    """A checkpoint cannot be loaded whole: no manifest, or a file that does not match it (checkpoint.py)."""
+
+
 __all__ = [
     "GradshareError",
     "ProtocolError",
@@ -56,4 +61,5 @@ __all__ = [
     "TransportTimeout",
     "ConsistencyError",
     "TrainingError",
+    "CheckpointError",
 ]

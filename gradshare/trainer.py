@@ -17,7 +17,8 @@ Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a wo
 The new attempt joins the relay with a higher attempt number and continues from the relay's
 parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
 optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
-sent) and the threshold rule's adaptation; they restart from zero / the initial τ.
+sent) and the threshold rule's adaptation; they restart from zero / the initial τ. A new fit started
+with `resume_from=` a checkpoint (checkpoint_dir=) keeps them all (gradshare/checkpoint.py).
 
 Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
 state: each step's change of them travels exactly, averaged over the workers, in the same log as the
@@ -243,6 +244,13 @@ class SharedTrainer:
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
         the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
+    checkpoint_dir: None, or a local directory (or file: URI) shared by the executors (local[N],
+        local-cluster, a shared mount): after every `checkpoint_every`-th epoch and the last, each worker
+        writes its residual, optimizer, lr scheduler, CPU RNG and integer buffers, its τ rule and loss
+        scaler, and rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
+        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed). Needs
+        staleness 0 and the same steps per epoch on every partition; Hadoop-FS URIs are refused for now.
+    checkpoint_every: epochs between checkpoints (default 1).
     """
 
     def __init__(
@@ -289,6 +297,8 @@ class SharedTrainer:
         precision: str = "32",
         device: str = "auto",
         mlflow: bool | dict | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 1,
     ):
         self.options = {k: v for k, v in locals().items() if k != "self"}  # as given: MLflow's params
         self.mlflow = check_mlflow_option(mlflow)
@@ -342,6 +352,15 @@ class SharedTrainer:
         if not (isinstance(step_timeout, (int, float)) and not isinstance(step_timeout, bool) and step_timeout > 0):
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
         self.on_rank_loss, self.step_timeout = on_rank_loss, float(step_timeout)
+        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1 (epochs), got {checkpoint_every!r}")
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_dir = None
+        if checkpoint_dir is not None:
+            from gradshare.checkpoint import local_dir
+
+            self.checkpoint_dir = local_dir(checkpoint_dir, "checkpoint_dir")
+            _check_checkpoint_staleness("checkpoint_dir", staleness)
         if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
         if loss is not None and train_step is not None:
@@ -471,7 +490,8 @@ class SharedTrainer:
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
-    def fit(self, data, features_col: str | list[str] | None = None, label_col: str | None = None) -> FitResult:
+    def fit(self, data, features_col: str | list[str] | None = None, label_col: str | None = None,
+            resume_from: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
 
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
@@ -495,6 +515,12 @@ class SharedTrainer:
         of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
         went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
         incidents (README "Liveness").
+
+        resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
+        latest complete checkpoint): the fit continues after epoch E-1 up to `epochs` in all, from the
+        saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
+        state (gradshare/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
+        the start of the whole training; extra["resumed_from"] names the checkpoint.
         """
         import torch
 
@@ -509,6 +535,12 @@ class SharedTrainer:
         from gradshare.worker import steps_per_epoch as steps_in
 
         t_start = time.monotonic()
+        resume = self._read_checkpoint(resume_from)  # a corrupt one fails here, before any Spark job
+        if self.checkpoint_dir is not None:
+            from gradshare.checkpoint import check_fresh, check_writable
+
+            check_writable(self.checkpoint_dir)
+            check_fresh(self.checkpoint_dir, 0 if resume is None else resume["epochs_done"])
         model = self._build_model()
         self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)
@@ -552,6 +584,11 @@ class SharedTrainer:
                              f"{self.batch_size} is left with drop_last={self.drop_last!r}; repartition the "
                              "data or lower batch_size")
         rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
+        saving, first_epoch, epochs = self._checkpoint_plan(model, world, steps_per_epoch, resume)
+        if resume is not None:
+            from gradshare.checkpoint import load_params
+
+            initial = load_params(resume)  # shapes checked by _checkpoint_plan, contents by the manifest
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
@@ -568,7 +605,7 @@ class SharedTrainer:
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
                 model=shipped, loss=getattr(plan.step, "loss", None), optimizer=self.optimizer,
                 threshold_rule=rule, residual_clip=clip, steps_per_epoch=steps_per_epoch,
-                epochs=self.epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
+                epochs=epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=validation,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
@@ -576,6 +613,7 @@ class SharedTrainer:
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
                 precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
                 early_stopping=self.early_stopping, on_epoch_end=self.on_epoch_end,
+                checkpoint=saving, resume=resume, first_epoch=first_epoch,
             ))
             reports = self._run_job(sc, rdd, cfg, relay)
             relay.wait_finished(self.timeout)
@@ -597,18 +635,51 @@ class SharedTrainer:
         reports.sort(key=lambda r: r["rank"])
         _load_int_buffers(model, reports[0].get("int_buffers", {}))
         stopped = reports[0].get("stopped_epoch")  # the log carried it: every rank has the same one
-        epochs_run = self.epochs if stopped is None else stopped + 1
+        epochs_run = epochs if stopped is None else stopped + 1
         rows, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
-        history = [{**row, "loss_fn": plan.name} for row in rows]
+        # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
+        history = [{**row, "epoch": row["epoch"] + first_epoch, "loss_fn": plan.name} for row in rows]
         return FitResult(
             model=model, history=history, counters=counters, worker_reports=reports,
             param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=max(r["last_step"] for r in reports) + 1,
             resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
             extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
-                   "stopped_epoch": stopped, "stop_requested_epoch": reports[0].get("stop_requested_epoch")},
+                   "stopped_epoch": _offset(stopped, first_epoch),
+                   "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
+                   "resumed_from": None if resume is None else resume["directory"]},
             skipped_steps=skipped,
         )
+
+    def _read_checkpoint(self, resume_from):
+        """resume_from's manifest, every file checked against it (checkpoint.py); None without one."""
+        if resume_from is None:
+            return None
+        from gradshare.checkpoint import find, read_manifest
+
+        _check_checkpoint_staleness("resume_from", self.staleness)
+        return read_manifest(find(resume_from))
+
+    def _checkpoint_plan(self, model, world: int, steps_per_epoch: tuple, resume):
+        """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
+        from gradshare.checkpoint import CheckpointPlan, check_job, job_of
+
+        if self.checkpoint_dir is None and resume is None:
+            return None, 0, self.epochs
+        if len(set(steps_per_epoch)) > 1:
+            raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
+                             f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
+        shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+        job = job_of(world, steps_per_epoch, self.batch_size, self.seed, shapes)
+        first = 0
+        if resume is not None:
+            check_job(resume, job)
+            first = resume["epochs_done"]
+            if first >= self.epochs:
+                raise ValueError(f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={self.epochs} "
+                                 "leaves none to train (epochs counts from the start of the training)")
+        plan = None if self.checkpoint_dir is None else CheckpointPlan(self.checkpoint_dir, self.checkpoint_every, job)
+        return plan, first, self.epochs - first
 
     def _join_window(self, load_seconds: float) -> float:
         """How long after a stage attempt starts the relay waits for a rank it has not heard at all
@@ -666,6 +737,16 @@ class SharedTrainer:
 
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
+
+
+def _check_checkpoint_staleness(argument: str, staleness: int) -> None:
+    if staleness:
+        raise ValueError(f"{argument} needs staleness=0 (an epoch's end is then a point every replica reaches "
+                         f"with the whole log applied); got staleness={staleness}")
+
+
+def _offset(epoch, first_epoch: int):
+    return None if epoch is None else epoch + first_epoch
 
 
 def _callbacks(option) -> tuple:

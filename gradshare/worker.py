@@ -25,7 +25,8 @@ point; afterwards P is restored bit for bit (exact for one worker, partial for s
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
-them from zero — that is what a restart loses.
+them from zero — that is what a restart loses — unless the fit resumes from a checkpoint
+(gradshare/checkpoint.py), which holds them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class WorkerConfig:
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
     early_stopping: Any = None  # stopping.EarlyStopping or None: rank 0 decides, the log carries it (stopping.py)
     on_epoch_end: tuple | None = ()  # callables (row) -> truthy to stop; run on rank 0 after its epoch is scored
+    checkpoint: Any = None  # checkpoint.CheckpointPlan or None: write state every plan.every epochs
+    resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
+    first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -229,6 +233,7 @@ class Worker:
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
         self.stop_sent = False
+        self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -313,7 +318,7 @@ class Worker:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
-        out = self._step(peer, t, *divmod(t, self.cfg.steps_per_epoch[self.rank]))
+        out = self._step(peer, t, *divmod(self._global(t), self.cfg.steps_per_epoch[self.rank]))
         if self.scheduler is not None and self.cfg.scheduler_interval == "step":
             self.scheduler.step()
         return out
@@ -337,7 +342,7 @@ class Worker:
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
         prof.lap("optimizer")
-        msg = self.path.encode(state, t) if taken else skipped_step(state)  # P is P_before again here
+        msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
             self._look_back(*looked)
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
@@ -346,7 +351,7 @@ class Worker:
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it (issue 12)
         meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params,
-                "bytes": float(len(payload)), "epoch": float(epoch)}
+                "bytes": float(len(payload)), "epoch": float(epoch - self.cfg.first_epoch)}
         if taken:  # a skipped fp16 step's empty message carries a placeholder τ, not one that was used
             meta["tau"] = msg.threshold
         lr = current_lr(self.optimizer)
@@ -361,6 +366,11 @@ class Worker:
         peer.send_update(t, payload, meta)
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
+
+    def _global(self, t: int) -> int:
+        """Step t of this fit's log as a step of the whole training (a resumed fit's log starts at 0):
+        what the data order and a calibrated τ's warm-up count in, so they go on where they stopped."""
+        return t + self.cfg.first_epoch * self.cfg.steps_per_epoch[self.rank]
 
     def _take_buffer_change(self, before) -> tuple:
         """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
@@ -443,6 +453,7 @@ class Worker:
                     scores.append((history[-1], len(history) - 1, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
+                self._checkpoint(epoch + cfg.first_epoch, t, total)
                 acc = self._fresh_epoch(peer)
             t += 1
         prof.finish()
@@ -467,6 +478,7 @@ class Worker:
             "int_buffers": {name: b.cpu().numpy().copy() for name, b in self.model.named_buffers()
                             if not b.is_floating_point()} if rank == 0 else {},
             "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
+            "checkpoint_seconds": self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
         }
         if prof is not OFF_PROFILE:
             report["profile"] = prof.report()
@@ -481,6 +493,22 @@ class Worker:
         for m in self.model.modules():
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
+
+    def _checkpoint(self, epoch: int, t: int, total: int) -> None:
+        """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
+        parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
+        next step would apply the log through t first anyway: applying it now changes nothing."""
+        plan = self.cfg.checkpoint
+        if plan is None or ((epoch + 1) % plan.every and t != total - 1):
+            return
+        from gradshare.checkpoint import write_manifest, write_rank
+
+        self.log.apply_through(t)
+        t0 = time.monotonic()
+        write_rank(plan, epoch + 1, self, self.cfg.job_id)
+        if self.rank == 0:
+            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id)
+        self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
@@ -650,6 +678,10 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         # the initial parameters (start 0) or, in a retried stage, the relay's current ones
         t_load = time.monotonic()
         _load_from_relay(peer, worker.flat, start, cfg.timeout)
+        if cfg.resume is not None and start == 0:  # a retried stage keeps what its first attempt learnt
+            from gradshare.checkpoint import load_rank
+
+            load_rank(cfg.resume, worker)
         t_load = time.monotonic() - t_load
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load

@@ -1,0 +1,79 @@
+"""Checkpoint write time and size (issue 14, item 3 target) for the 10.5 M-parameter benchmark MLP
+(1024-2048-2048-2048-10, gradshare/bench/workloads.py), with Adam (the default optimizer).
+
+    PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/checkpoint_write.py [--epochs 2]
+        [--steps 4] [--json out.json]
+
+One local[2] session, 2 workers, random rows (batch 64, `--steps` steps per epoch per worker). After a
+1-epoch warm-up fit, the same fit runs twice side by side: without checkpoints, then with a checkpoint
+after every epoch. Reported: the checkpoint's size on disk (and as a multiple of the parameter bytes:
+params + each worker's residual and two Adam moments ≈ 1 + 3 × workers), each rank's seconds spent
+writing (worker reports' checkpoint_seconds; rank 0's include waiting for the other rank's files and
+writing the manifest), and the fit's wall time with and without, as a ratio.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    import numpy as np
+
+    from gradshare import SharedTrainer
+    from gradshare.bench.workloads import mlp
+    from gradshare.spark import session_builder
+
+    spark = session_builder("local[2]", app_name="checkpoint-bench").getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    rng = np.random.default_rng(0)
+    rows = [(rng.standard_normal(1024, dtype=np.float32), int(rng.integers(10)))
+            for _ in range(2 * 64 * args.steps)]
+    rdd = spark.sparkContext.parallelize(rows, 2).cache()
+    rdd.count()
+    root = tempfile.mkdtemp(prefix="gradshare-ckpt-bench-")
+    try:
+        options = dict(epochs=args.epochs, batch_size=64, port=0, bind="127.0.0.1", verbose=0)
+        SharedTrainer(mlp, **{**options, "epochs": 1}).fit(rdd)  # warm-up: Python workers, imports, kernels
+        plain = SharedTrainer(mlp, **options).fit(rdd)
+        saved = SharedTrainer(mlp, checkpoint_dir=root, **options).fit(rdd)
+        last = os.path.join(root, f"epoch-{args.epochs:05d}")
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(last) for f in files)
+        param_bytes = 4 * saved.n_params
+        per_rank = [r["checkpoint_seconds"] / args.epochs for r in saved.worker_reports]
+        result = {
+            "n_params": saved.n_params, "workers": saved.world_size, "epochs": args.epochs,
+            "steps_per_epoch": args.steps, "checkpoint_bytes": size, "checkpoint_x_param_bytes": size / param_bytes,
+            "write_seconds_per_checkpoint_by_rank": per_rank,
+            "fit_seconds_plain": plain.seconds, "fit_seconds_checkpointed": saved.seconds,
+            "train_seconds_per_epoch_rank0": plain.worker_reports[0]["train_seconds"] / args.epochs,
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        spark.stop()
+    print(f"model: {result['n_params']:,} parameters ({param_bytes / 1e6:.1f} MB), {result['workers']} workers, Adam")
+    print(f"checkpoint size: {size / 1e6:.1f} MB = {result['checkpoint_x_param_bytes']:.2f} x parameter bytes")
+    print("write time per checkpoint by rank: " + ", ".join(f"{s:.3f} s" for s in per_rank))
+    print(f"training time per epoch (rank 0, no checkpoints): {result['train_seconds_per_epoch_rank0']:.2f} s")
+    print(f"fit wall time: {plain.seconds:.2f} s without, {saved.seconds:.2f} s with a checkpoint per epoch "
+          f"({saved.seconds / plain.seconds:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Checkpoints (issue 14, item 3): a fit stopped and resumed from its checkpoint ends bit-identical to
+an uninterrupted one; bad checkpoint_dir / resume_from / corrupt checkpoints fail before training."""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from pyspark import cloudpickle
+
+from gradshare import SharedTrainer
+from gradshare.checkpoint import MANIFEST
+from gradshare.demo import digits_split, mlp
+from gradshare.errors import CheckpointError
+from gradshare.transport import param_hash
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
+
+LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+ROWS = 640  # two partitions of 320 rows: 5 steps per epoch at batch 64 on both ranks
+
+
+def step_lr(optimizer):
+    import torch
+
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
+
+
+def trainer(epochs, **options):
+    # threshold="auto" with its 2-epoch warm-up and a per-step schedule: τ's step count, the residual's
+    # lr and Adam's moments must all carry over for the resumed run to match
+    return SharedTrainer(mlp, epochs=epochs, batch_size=64, seed=3, lr_scheduler=step_lr, **LOOPBACK, **options)
+
+
+@pytest.fixture(scope="module")
+def rdd(spark):
+    X_train, _, y_train, _ = digits_split(0)
+    rows = list(zip(X_train[:ROWS], (int(v) for v in y_train[:ROWS])))
+    return spark.sparkContext.parallelize(rows, 2).cache()
+
+
+@pytest.fixture(scope="module")
+def checkpointed(rdd, tmp_path_factory):
+    """(checkpoint_dir of a 2-epoch fit that wrote one after each epoch, that fit's result)."""
+    root = str(tmp_path_factory.mktemp("ckpt") / "run")
+    return root, trainer(2, checkpoint_dir=root).fit(rdd)
+
+
+def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(rdd, checkpointed):
+    root, first = checkpointed
+    assert sorted(os.listdir(root)) == ["epoch-00001", "epoch-00002"]
+    whole = trainer(4).fit(rdd)
+    resumed = trainer(4).fit(rdd, resume_from=root)  # the dir: its latest checkpoint, after epoch 1
+    assert resumed.param_hash == whole.param_hash
+    assert [h["epoch"] for h in resumed.history] == [2, 3]
+    assert resumed.extra["resumed_from"] == os.path.join(root, "epoch-00002")
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history[2:]]
+    # a checkpoint written in the middle of a fit (after epoch 0 of 2) resumes as exactly
+    middle = trainer(4).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
+    assert middle.param_hash == whole.param_hash
+    # the 2-epoch fit's own result is the state its last checkpoint holds
+    assert param_hash(np.load(os.path.join(root, "epoch-00002", "params.npy"))) == first.param_hash
+
+
+def test_a_checkpoint_holds_each_workers_state_with_checksums(checkpointed):
+    root, _ = checkpointed
+    manifest = json.load(open(os.path.join(root, "epoch-00002", MANIFEST)))
+    assert manifest["epochs_done"] == 2 and manifest["job"]["steps_per_epoch"] == [5, 5]
+    assert set(manifest["files"]) == {"params.npy"} | {f"rank-{r}/{n}" for r in (0, 1)
+                                                       for n in ("residual.npy", "local.pt", "state.json")}
+    state = json.load(open(os.path.join(root, "epoch-00002", "rank-1", "state.json")))
+    assert state["rule"]["warmup_steps"] == 10 and state["lr"] is not None
+
+
+def _copy(root, tmp_path, name):
+    target = tmp_path / name
+    shutil.copytree(os.path.join(root, "epoch-00002"), target)
+    return target
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: open(d / "rank-1" / "residual.npy", "r+b").write(b"\x00" * 200), "residual.npy is corrupt"),
+    (lambda d: os.truncate(d / "rank-0" / "local.pt", 100), "local.pt is corrupt or truncated"),
+    (lambda d: os.remove(d / "params.npy"), "params.npy is missing"),
+    (lambda d: os.remove(d / MANIFEST), "no complete checkpoint"),
+    (lambda d: open(d / MANIFEST, "w").write("{"), "unreadable manifest"),
+])
+def test_a_damaged_checkpoint_is_refused_before_any_job(rdd, checkpointed, tmp_path, damage, match):
+    target = _copy(checkpointed[0], tmp_path, "damaged")
+    damage(target)
+    with pytest.raises(CheckpointError, match=match):
+        trainer(4).fit(rdd, resume_from=str(target))
+
+
+def test_a_checkpoint_of_another_model_or_job_is_refused_naming_both(rdd, checkpointed):
+    root, _ = checkpointed
+    wider = SharedTrainer(lambda: mlp(64), epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, **LOOPBACK)
+    with pytest.raises(ValueError, match=r"0\.weight has shape \(128, 64\) there and \(64, 64\) in this model"):
+        wider.fit(rdd, resume_from=root)
+    with pytest.raises(ValueError, match="its seed is 3, this fit's is 4"):
+        SharedTrainer(mlp, epochs=4, batch_size=64, seed=4, **LOOPBACK).fit(rdd, resume_from=root)
+    with pytest.raises(ValueError, match="2 epoch"):
+        trainer(2).fit(rdd, resume_from=root)
+    with pytest.raises(ValueError, match="already holds epoch-00001, epoch-00002"):
+        trainer(1, checkpoint_dir=root).fit(rdd)  # never mixes its files with another fit's
+
+
+def test_bad_checkpoint_options(rdd, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="checkpoint_dir=.* is not writable"):
+        trainer(1, checkpoint_dir=str(blocker / "ckpt")).fit(rdd)
+    with pytest.raises(ValueError, match="only local paths"):
+        trainer(1, checkpoint_dir="hdfs://namenode/ckpt")
+    with pytest.raises(ValueError, match="staleness=0"):
+        trainer(1, checkpoint_dir=str(tmp_path), staleness=1)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        trainer(1, checkpoint_dir=str(tmp_path), checkpoint_every=0)
