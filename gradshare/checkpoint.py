@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from gradshare.errors import CheckpointError, TransportTimeout
+from gradshare.flat import int_buffers, load_int_buffers
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -149,7 +150,7 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int) -> None
     local = {"optimizer": worker.optimizer.state_dict(),
              "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None,
              "rng": torch.get_rng_state(),
-             "int_buffers": {n: b.cpu() for n, b in worker.model.named_buffers() if not b.is_floating_point()}}
+             "int_buffers": int_buffers(worker.model)}
     buf = io.BytesIO()
     torch.save(local, buf)
     with open(os.path.join(own, "local.pt"), "wb") as f:
@@ -301,10 +302,7 @@ def load_rank(resume: dict, worker) -> None:
     if worker.scheduler is not None and local["scheduler"] is not None:
         worker.scheduler.load_state_dict(local["scheduler"])
     torch.set_rng_state(local["rng"])
-    buffers = dict(worker.model.named_buffers())
-    with torch.no_grad():
-        for name, value in local["int_buffers"].items():
-            buffers[name].copy_(value)
+    load_int_buffers(worker.model, local["int_buffers"])
     for name, value in meta["rule"].items():
         setattr(state.rule, name, value)
     state.lr, state.lr_ref, state.tau, state.silent_steps = meta["lr"], meta["lr_ref"], meta["tau"], meta["silent_steps"]

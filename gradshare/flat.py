@@ -167,3 +167,17 @@ class FlatParams:
         """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy
         from the device otherwise."""
         return to_host(self.state)
+
+
+def int_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's integer buffers (BatchNorm's num_batches_tracked), copied to the CPU: they are not
+    part of the flat state, so whoever carries a replica's state (a report, a checkpoint) takes them."""
+    return {name: b.detach().cpu().clone() for name, b in module.named_buffers() if not b.is_floating_point()}
+
+
+def load_int_buffers(module: nn.Module, values: dict) -> None:
+    """Copy `values` (tensors or arrays, from `int_buffers`) into the module's integer buffers."""
+    buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for name, value in values.items():
+            buffers[name].copy_(torch.as_tensor(value))

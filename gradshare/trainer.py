@@ -525,7 +525,7 @@ class SharedTrainer:
         import torch
 
         from gradshare.batches import input_names, validation_arrays
-        from gradshare.flat import FlatParams
+        from gradshare.flat import FlatParams, load_int_buffers
         from gradshare.losses import plan_loss
         from gradshare.shipping import pack_user_objects, skeleton
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
@@ -633,7 +633,7 @@ class SharedTrainer:
             for t in flat.tensors:
                 t.data = t.data.clone()
         reports.sort(key=lambda r: r["rank"])
-        _load_int_buffers(model, reports[0].get("int_buffers", {}))
+        load_int_buffers(model, reports[0].get("int_buffers", {}))
         stopped = reports[0].get("stopped_epoch")  # the log carried it: every rank has the same one
         epochs_run = epochs if stopped is None else stopped + 1
         rows, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
@@ -894,16 +894,6 @@ def _driver_error(exc: BaseException, relay) -> Exception:
 
 def _first_line(text: str) -> str:
     return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[:500]
-
-
-def _load_int_buffers(model, values: dict) -> None:
-    """Copy rank 0's integer buffers (BatchNorm's num_batches_tracked) into the result model."""
-    import torch
-
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in values.items():
-            buffers[name].copy_(torch.from_numpy(value))
 
 
 def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epochs: int) -> dict:

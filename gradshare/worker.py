@@ -460,6 +460,8 @@ class Worker:
         peer.finish(total - 1)
         self._score(scores, cfg.final_step)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
+        from gradshare.flat import int_buffers
+
         report = {
             "rank": rank,
             "start_step": start_step,
@@ -475,8 +477,7 @@ class Worker:
             "tensor_state": self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
             "silent_steps": self.state.silent_steps,
             # integer buffers (BatchNorm's num_batches_tracked) are local; the result model takes rank 0's
-            "int_buffers": {name: b.cpu().numpy().copy() for name, b in self.model.named_buffers()
-                            if not b.is_floating_point()} if rank == 0 else {},
+            "int_buffers": {name: b.numpy() for name, b in int_buffers(self.model).items()} if rank == 0 else {},
             "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
             "checkpoint_seconds": self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
         }
