@@ -137,11 +137,12 @@ def check_shards(summaries, layout, names: tuple[str, ...]) -> list[int]:
     the shard, the row and the column or input; returns the rows of every shard."""
     rows = []
     for s in sorted(summaries, key=lambda s: s.index):
-        if s.features is None and s.rows == 0:  # an empty shard: that rank scores nothing
+        if s.rows == 0 and s.error == f"partition {s.index} is empty":  # that rank scores nothing
             rows.append(0)
             continue
-        if s.error is not None:
-            raise (TypeError if s.error_type == "TypeError" else ValueError)(f"bad validation_data: shard {s.error}")
+        if s.error is not None:  # "partition 1 row 3: ..." of the shards
+            raise (TypeError if s.error_type == "TypeError" else ValueError)(
+                f"bad validation_data: {s.error.replace('partition', 'shard', 1)}")
         diff = layout.features.difference(s.features)
         if diff is not None:  # "features input 1 of dtype" -> "column 'b' of dtype" where there are columns
             what = diff[0]

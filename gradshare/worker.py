@@ -732,6 +732,9 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
         report["counters"] = dict(peer.counters())
         report["spilled"] = data.spilled
+        if cfg.shards:  # this rank's validation shard: rows, and whether they went to a spill file
+            report["validation_rows"], report["validation_spilled"] = (0, False) if shard is None else (
+                len(shard), shard.spilled)
         peer.close()
         return report
     except BaseException:

@@ -135,8 +135,11 @@ def test_a_sum_count_metric_is_reduced_exactly(spark, uneven):
     def errors(outputs, labels):  # (misclassified rows, rows): reducible as it is
         return float((outputs.argmax(1) != labels).sum()), float(len(labels))
 
+    # spill_bytes of 16 kB: the shards (and the training partitions) stream from spill files
     result = SharedTrainer(mlp, batch_size=64, epochs=1, seed=5, validation_data=shards, metric=errors,
-                           **LOOPBACK).fit(rdd)
+                           spill_bytes=16 << 10, **LOOPBACK).fit(rdd)
+    assert [r["validation_spilled"] for r in result.worker_reports] == [True, True]
+    assert sum(r["validation_rows"] for r in result.worker_reports) == len(y_test)
     with torch.no_grad():
         wrong = int((result.model(torch.from_numpy(X_test)).argmax(1) != torch.from_numpy(y_test)).sum())
     assert result.history[-1]["val_metric"] == wrong / len(y_test)  # the last epoch: the model fit returns
@@ -175,11 +178,34 @@ def test_bad_validation_columns_are_named_before_any_spark_job(spark, uneven):
         SharedTrainer(mlp, validation_data=shards, on_rank_loss="continue")
 
 
-def test_validation_rows_of_another_shape_name_the_shard(spark, uneven):
+def test_validation_rows_of_another_shape_or_type_name_the_shard(spark, uneven):
     rdd, _, _ = uneven
     narrow = spark.sparkContext.parallelize([(np.zeros(63, np.float32), 1)] * 10, 2)
     with pytest.raises(ValueError, match=r"bad validation_data: shard 0 has features of shape \(63,\).*\(64,\)"):
         SharedTrainer(mlp, validation_data=narrow, **LOOPBACK).fit(rdd)
+    texts = spark.sparkContext.parallelize([(np.zeros(64, np.float32), "one")] * 4, 2)
+    with pytest.raises(TypeError, match="bad validation_data: shard 0 row 0: label 'one'"):
+        SharedTrainer(mlp, validation_data=texts, **LOOPBACK).fit(rdd)
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, a, b):
+        return self.a(a) + self.b(b)
+
+
+def test_a_multi_input_shard_names_the_column(spark):
+    rows = [([0.5, 1.0], [1.0, 0.0, 2.0], i % 2) for i in range(16)]
+    train = spark.createDataFrame(rows, ["a", "b", "y"])
+    short = spark.createDataFrame([(a, b[:2], y) for a, b, y in rows], ["a", "b", "y"])
+    with pytest.raises(ValueError, match=r"shard \d has column 'b' of shape \(2,\), the training data \(3,\)"):
+        SharedTrainer(TwoInputs, validation_data=short, **LOOPBACK).fit(train, features_col=["a", "b"], label_col="y")
+    result = SharedTrainer(TwoInputs, validation_data=train, epochs=1, batch_size=4, **LOOPBACK).fit(
+        train, features_col=["a", "b"], label_col="y")
+    assert result.history[0]["val_metric"] is not None
 
 
 # ------------------------------------------------------------------------------------ gradshare.ml
