@@ -166,11 +166,12 @@ def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> I
     m, n = have[index], into[index]
     it = iter(rows)
     for j in range(n):
-        chunk = list(itertools.islice(it, (j + 1) * m // n - j * m // n))
+        size = (j + 1) * m // n - j * m // n
+        chunk = list(itertools.islice(it, size))
+        if len(chunk) < size or (j == n - 1 and next(it, None) is not None):
+            raise ValueError(f"validation shard {index} does not have the {m} rows its pre-pass counted: the "
+                             "validation RDD is not deterministic (cache or checkpoint it)")
         yield chunk
-    if next(it, None) is not None:
-        raise ValueError(f"validation shard {index} has more than the {m} rows its pre-pass counted: the "
-                         "validation RDD is not deterministic (cache or checkpoint it)")
 
 
 def zip_shards(train, shards, train_rows: list[int], shard_rows: list[int]):
