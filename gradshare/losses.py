@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gradshare.validation import metric_value
+
 
 def _shape(t) -> str:
     """A batch tensor's shape with the batch dimension written B: what the user's model sees."""
@@ -118,10 +120,12 @@ class LossStep:
         out = self.outputs(model, inputs)
         return self.loss(out, match_target(out, y, classes=self.classes))
 
-    def evaluate(self, model, batch, metric: Callable | None) -> float:
+    def evaluate(self, model, batch, metric: Callable | None):
         *inputs, y = batch
         out = self.outputs(model, inputs)
-        return float(metric(out, y) if metric is not None else self.loss(out, match_target(out, y, classes=self.classes)))
+        if metric is not None:  # a number, or a (sum, count) pair (validation.py's reduction rule)
+            return metric_value(metric(out, y))
+        return float(self.loss(out, match_target(out, y, classes=self.classes)))
 
 
 class HookStep:
@@ -140,12 +144,12 @@ class HookStep:
             raise InputTypeError(f"train_step must return a scalar loss tensor, got {shape}")
         return loss
 
-    def evaluate(self, model, batch, metric: Callable | None) -> float:
+    def evaluate(self, model, batch, metric: Callable | None):
         if metric is None:  # validation: the hook's own loss
             return float(self(model, batch))
         *inputs, y = batch
         with explained(inputs, self.input_names):
-            return float(metric(model(*inputs), y))
+            return metric_value(metric(model(*inputs), y))
 
 
 def _name(fn: Any) -> str:

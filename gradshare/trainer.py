@@ -46,6 +46,7 @@ from gradshare.errors import ConsistencyError, GradshareError, TrainingError, Tr
 from gradshare.precision import check_precision
 from gradshare.stopping import early_stopping_from
 from gradshare.tracking import check_option as check_mlflow_option, tracked
+from gradshare.validation import is_distributed
 
 
 def default_optimizer(params):
@@ -199,8 +200,16 @@ class SharedTrainer:
         follows the k = 0 trajectory bit for bit). P itself still changes only through the log. On by
         default; it has no effect at k = 0.
     validation_data: optional ``(X, y)`` arrays (X a tuple of arrays for multi-input rows, same dtypes
-        and shapes as the training features); rank 0 evaluates `metric` (default: accuracy for int
-        labels, else the loss) on its replica after every epoch.
+        and shapes as the training features): rank 0 evaluates `metric` (default: accuracy for int
+        labels, else the loss) on its replica after every epoch. Or a DataFrame (the columns fit's
+        features_col/label_col name, of the training columns' types; checked before any Spark job) or an
+        RDD of (features, label) rows: cut into one shard per worker, read like the training partitions
+        (memory or spill file), and scored by EVERY worker on its replica at the same log point (the
+        epoch's last step); the partial sums are all-gathered through Spark's barrier and reduced, so
+        every rank holds the same val_metric (gradshare/validation.py). The reduction: a metric returning
+        a number is a mean over the batch's rows (summed as value × rows), one returning ``(sum, count)``
+        is summed as it is; val_metric = Σ sum / Σ count (exact for accuracy, the mean loss, MSE; not for
+        AUC or F1: use the in-memory pair for those). Needs on_rank_loss other than "continue".
     early_stopping: None, or ``dict(patience=0, min_delta=0.0, mode="min"|"max", monitor="val_metric"|"loss")``
         (or a `gradshare.stopping.EarlyStopping`): Keras's rule, applied by rank 0 to its epoch rows. The
         decision travels in rank 0's next message of the log, so every rank stops after the same epoch
@@ -390,6 +399,10 @@ class SharedTrainer:
         self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
         self.early_stopping = early_stopping_from(early_stopping)
+        if is_distributed(validation_data) and on_rank_loss == "continue":
+            raise ValueError("validation_data as a DataFrame or RDD needs every worker's shard scored; "
+                             "on_rank_loss='continue' would go on without one (use 'wait' or 'restart', or an "
+                             "in-memory (X, y) pair)")
         if self.early_stopping is not None and self.early_stopping.monitor == "val_metric" and validation_data is None:
             raise ValueError("early_stopping monitors 'val_metric' but no validation_data is given; "
                              "pass validation_data or monitor='loss'")
@@ -531,6 +544,7 @@ class SharedTrainer:
         from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
         from gradshare.transport import Relay, new_job_key
         from gradshare.encoding import apply_update, decode_update
+        from gradshare.validation import accuracy_sums
         from gradshare.worker import WorkerConfig, accuracy
         from gradshare.worker import steps_per_epoch as steps_in
 
@@ -544,6 +558,11 @@ class SharedTrainer:
         model = self._build_model()
         self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)
+        shards = None
+        if is_distributed(self.validation_data):  # its columns are checked here, before any Spark job
+            from gradshare.validation import validation_rows
+
+            shards = validation_rows(self.validation_data, data, features_col, label_col)
         sc = rdd.context
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
             n = self.num_workers
@@ -563,12 +582,21 @@ class SharedTrainer:
                          train_step=self.train_step, label_dtype=self.label_dtype, input_names=names,
                          label_range=layout.label_range)
         label_dtype = plan.label_dtype
-        validation = None
-        if self.validation_data is not None:
+        validation = job_rdd = None
+        if shards is not None:
+            from gradshare.validation import check_shards, shards_of, zip_shards
+
+            shards = shards_of(shards, world)
+            shard_rows = check_shards(shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)])
+                                      .collect(), layout, names)
+            job_rdd = zip_shards(rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
+                                 shard_rows)
+        elif self.validation_data is not None:
             validation = validation_arrays(self.validation_data, layout.features, label_dtype, layout.label_shape)
         # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
         classes = label_dtype == "int64" and self.train_step is None
-        metric = self.metric or (accuracy if classes and validation is not None else None)
+        default = accuracy if validation is not None else accuracy_sums if shards is not None else None
+        metric = self.metric or (default if classes else None)
 
         flat = FlatParams(model)  # raises on a model with no trainable parameters
         initial = flat.state.copy()  # parameters, then float buffers
@@ -613,9 +641,9 @@ class SharedTrainer:
                 follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
                 precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
                 early_stopping=self.early_stopping, on_epoch_end=self.on_epoch_end,
-                checkpoint=saving, resume=resume, first_epoch=first_epoch,
+                checkpoint=saving, resume=resume, first_epoch=first_epoch, shards=shards is not None,
             ))
-            reports = self._run_job(sc, rdd, cfg, relay)
+            reports = self._run_job(sc, rdd if job_rdd is None else job_rdd, cfg, relay)
             relay.wait_finished(self.timeout)
             final = relay.params
             relay_hash = relay.param_hash()

@@ -91,6 +91,7 @@ class WorkerConfig:
     checkpoint: Any = None  # checkpoint.CheckpointPlan or None: write state every plan.every epochs
     resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
+    shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -234,6 +235,8 @@ class Worker:
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
         self.stop_sent = False
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
+        self.shard = None  # this rank's validation rows (cfg.shards; None: none or an empty shard)
+        self.gather: Callable | None = None  # the barrier's allGather (str -> list[str]) that reduces shard scores
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -286,22 +289,48 @@ class Worker:
         if stop and self.stop_requested is None:
             self.stop_requested = row["epoch"]
 
-    def _score(self, scores: deque, upto: int) -> None:
-        """Score every epoch whose log step is <= `upto`, each on the log applied through its epoch's
-        last step (every worker's messages, buffers included; the last epoch: the whole log, the model
-        fit returns). Called before each step with the step's own apply bound, so scoring never applies
-        the log further than the step would: validation does not change what is trained."""
-        while scores and scores[0][2] <= upto:
-            row, i, through = scores.popleft()
+    def _score(self, scores: deque, upto: int, history: list[dict]) -> None:
+        """Score every epoch (entries (epoch, log step)) whose log step is <= `upto`, each on the log
+        applied through its epoch's last step (every worker's messages, buffers included; the last
+        epoch: the whole log, the model fit returns). Called before each step with the step's own apply
+        bound, so scoring never applies the log further than the step would: validation does not change
+        what is trained."""
+        while scores and scores[0][1] <= upto:
+            epoch, through = scores.popleft()
             self.log.apply_through(through)
-            row["val_metric"] = self._evaluate()
-            self.profile.score(i, row["val_metric"])
-            self._epoch_end(row)
+            if self.log.stop_epoch is not None and epoch > self.log.stop_epoch:
+                continue  # shards: an epoch the stop cut; the log decides it alike on every rank
+            value = self._evaluate()
+            i = next((i for i in range(len(history) - 1, -1, -1) if history[i]["epoch"] == epoch), None)
+            if i is None:  # shards, a retried stage: this rank closed the epoch in an earlier attempt
+                continue
+            history[i]["val_metric"] = value
+            self.profile.score(i, value)
+            if self.rank == 0:
+                self._epoch_end(history[i])
+
+    def _shard_points(self, start_step: int) -> list[tuple[int, int]]:
+        """Shards: every rank scores epoch e on the log through the step where the longest rank ends it
+        (the same point, the same allGather calls in the same order on every rank, whatever each rank's
+        steps per epoch); only the epochs this attempt reaches."""
+        if not self.cfg.shards:
+            return []
+        ends = (max((e + 1) * spe for spe in self.cfg.steps_per_epoch) - 1 for e in range(self.cfg.epochs))
+        return [(e, end) for e, end in enumerate(ends) if end >= start_step]
 
     def _evaluate(self) -> float | None:
-        """Rank 0's validation score of its replica as it is now (None elsewhere)."""
+        """Rank 0's validation score of its replica as it is now (None elsewhere); with shards, every
+        rank's shard sums reduced over all ranks (validation.py)."""
         import torch
 
+        if self.cfg.shards:
+            import json
+
+            from gradshare.validation import SCORE_BATCH_ROWS, reduce_sums, shard_sums
+
+            sums = shard_sums(self.model, self.train_step, self.shard, self.cfg.metric, self.cfg.label_dtype,
+                              max(SCORE_BATCH_ROWS, self.cfg.batch_size), self.device)
+            return reduce_sums(self.gather(json.dumps(sums)))
         if not self.evaluates:
             return None
         inputs, yv = self.cfg.validation
@@ -312,7 +341,9 @@ class Worker:
         with torch.no_grad():
             value = self.train_step.evaluate(self.model, batch, self.cfg.metric)
         self.model.train(was_training)
-        return float(value)
+        from gradshare.validation import as_mean
+
+        return as_mean(value)
 
     def step(self, peer, t: int) -> tuple[float, int, int]:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
@@ -427,11 +458,11 @@ class Worker:
         self._resume_schedule(start_step, spe)
         self._resume_counters(start_step)
         acc = self._fresh_epoch(peer)
-        scores: deque = deque()  # (history row, its epoch's index in this run, the log step that scores it)
+        scores: deque = deque(self._shard_points(start_step))  # (epoch, the log step that scores it)
         t0 = time.monotonic()
         t = start_step
         while t < total:
-            self._score(scores, t - 1 - cfg.staleness)  # before the step: the log is there anyway
+            self._score(scores, t - 1 - cfg.staleness, history)  # before the step: the log is there anyway
             prof.begin()
             log.apply_through(t - 1 - cfg.staleness)
             if log.stop_epoch is not None:  # early stop: this rank ends after its epoch stop_epoch
@@ -449,8 +480,8 @@ class Worker:
             if b == spe - 1:
                 history.append(self._close_epoch(peer, epoch, acc))
                 prof.epoch(None)  # the training time of the epoch's end; the score comes with _score
-                if self.closes_epochs:  # the last epoch is scored on the model fit returns: the whole log
-                    scores.append((history[-1], len(history) - 1, cfg.final_step if t == total - 1 else t))
+                if self.closes_epochs and not cfg.shards:  # the last epoch: on the whole log, the model fit returns
+                    scores.append((epoch, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self._checkpoint(epoch + cfg.first_epoch, t, total)
@@ -458,7 +489,7 @@ class Worker:
             t += 1
         prof.finish()
         peer.finish(total - 1)
-        self._score(scores, cfg.final_step)
+        self._score(scores, cfg.final_step, history)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
         from gradshare.flat import int_buffers
 
@@ -658,17 +689,29 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         # slow partition is a live task to the relay, not a silent one (issue 12)
         peer = _new_peer(cfg, rank, attempt, cfg.n_state)
         peer.loading()
-    data = None
+    data = shard = None
     try:
         # a large partition spills into the executor's Spark scratch space, not the system temp dir
-        data = PartitionData.from_rows(rows, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
-                                       spill_dir=SparkFiles.getRootDirectory())
+        def read(part):
+            return PartitionData.from_rows(part, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
+                                           spill_dir=SparkFiles.getRootDirectory())
+
+        if cfg.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
+            from gradshare.validation import split_rows
+
+            data, shard = split_rows(rows, read, read, cfg.timeout)
+        else:
+            data = read(rows)
         expected = steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last)
         if expected != cfg.steps_per_epoch[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
         worker = Worker(cfg, rank, data, model=materialize(cfg.model))
+        if cfg.shards:
+            from pyspark import BarrierTaskContext
+
+            worker.shard, worker.gather = shard, BarrierTaskContext.get().allGather
         if peer is None:
             peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
         elif worker.flat.n_state != cfg.n_state:
@@ -689,6 +732,9 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
         report["counters"] = dict(peer.counters())
         report["spilled"] = data.spilled
+        if cfg.shards:  # this rank's validation shard: rows, and whether they went to a spill file
+            report["validation_rows"], report["validation_spilled"] = (0, False) if shard is None else (
+                len(shard), shard.spilled)
         peer.close()
         return report
     except BaseException:
@@ -703,6 +749,8 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
     finally:
         if data is not None:
             data.close()
+        if shard is not None:
+            shard.close()
 
 
 def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int):

@@ -7,11 +7,11 @@ from typing import Any, Callable
 from pyspark.ml import Estimator
 
 from gradshare.ml.model import GradshareModel, ModuleCopy
-from gradshare.ml.params import EstimatorParams, check_features, check_label, check_new
+from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
 from gradshare.ml.persist import EstimatorReader, EstimatorWriter, Saved
 
 # the constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
-OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric")
+OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
 
 
 class LearningRate:
@@ -36,19 +36,23 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
                                  epochs=5, learningRate=1e-2, trainerOptions={"verbose": 0})
         model = Pipeline(stages=[assembler, scaler, est]).fit(df)
 
-    model, optimizer, loss, train_step, lr_scheduler, metric: as in `SharedTrainer` (model: an
-    ``nn.Module`` or a zero-argument factory). Params: the columns (`featuresCol` may be a list: one
-    model input per column), epochs, batchSize, learningRate, seed, numWorkers, and `trainerOptions`
-    for every other SharedTrainer option (JSON values). Saving pickles the objects with cloudpickle:
+    model, optimizer, loss, train_step, lr_scheduler, metric, on_epoch_end: as in `SharedTrainer`
+    (model: an ``nn.Module`` or a zero-argument factory). Params: the columns (`featuresCol` may be a
+    list: one model input per column), epochs, batchSize, learningRate, seed, numWorkers,
+    `validationIndicatorCol` (a boolean column: its true rows are the validation data, split across
+    the workers and scored on all of them after every epoch; the rest train), and `trainerOptions`
+    for every other SharedTrainer option (JSON values, e.g. ``{"early_stopping": {"patience": 2,
+    "mode": "max"}}``). Saving pickles the objects with cloudpickle:
     loading needs the model's class importable, as with any pickled torch module.
     """
 
     def __init__(self, model: Any = None, *, optimizer: Callable | None = None, loss: Callable | None = None,
                  train_step: Callable | None = None, lr_scheduler: Callable | None = None,
-                 metric: Callable | None = None, **params: Any):
+                 metric: Callable | None = None, on_epoch_end: Callable | list | None = None, **params: Any):
         super().__init__()
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.train_step, self.lr_scheduler, self.metric = train_step, lr_scheduler, metric
+        self.on_epoch_end = on_epoch_end
         self.setParams(**params)
 
     def setParams(self, **params: Any) -> "GradshareEstimator":
@@ -58,8 +62,9 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
                              f"{sorted(p.name for p in self.params)}")
         return self._set(**params)
 
-    def trainer(self):
-        """The SharedTrainer these Params describe (it checks every option; no Spark job)."""
+    def trainer(self, validation_data=None):
+        """The SharedTrainer these Params describe (it checks every option; no Spark job); `fit` gives
+        it the validationIndicatorCol rows as validation_data."""
         from gradshare.trainer import SharedTrainer, default_optimizer
 
         if self.model is None:
@@ -70,7 +75,8 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
             optimizer = LearningRate(optimizer or default_optimizer, lr)
         return SharedTrainer(
             self.model, self.loss, optimizer, train_step=self.train_step, lr_scheduler=self.lr_scheduler,
-            metric=self.metric, epochs=self.getOrDefault(self.epochs), batch_size=self.getOrDefault(self.batchSize),
+            metric=self.metric, on_epoch_end=self.on_epoch_end, validation_data=validation_data,
+            epochs=self.getOrDefault(self.epochs), batch_size=self.getOrDefault(self.batchSize),
             seed=self.getOrDefault(self.seed), num_workers=self.getOrDefault(self.numWorkers),
             **self.getOrDefault(self.trainerOptions))
 
@@ -86,14 +92,31 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
         label = self.getOrDefault(self.labelCol)
         check_label(schema, label)
         check_new(schema, self.getOrDefault(self.predictionCol), "prediction")
-        trainer = self.trainer()
+        train, validation = self._split(dataset)
+        trainer = self.trainer(validation)
 
-        result = trainer.fit(dataset, features_col=self.getOrDefault(self.featuresCol), label_col=label)
+        result = trainer.fit(train, features_col=self.getOrDefault(self.featuresCol), label_col=label)
         inputs = parse_inputs(result.extra["inputs"])
         spec = {"inputs": inputs, "loss": result.extra["loss"],
                 "output": output_spec(result.model, inputs, result.extra["loss"], self.getOrDefault(self.task))}
         architecture = ModuleCopy(self.model) if isinstance(self.model, nn.Module) else self.model
         model = GradshareModel(result.model, architecture, spec, result.history)
         return self._copyValues(model)
+
+    def _split(self, dataset):
+        """(training rows, validation rows or None) by validationIndicatorCol; checked on the schema."""
+        from pyspark.sql import functions as F
+
+        column = self.getOrDefault(self.validationIndicatorCol)
+        stopping = self.getOrDefault(self.trainerOptions).get("early_stopping")
+        if not column:
+            # SharedTrainer's own error would point at validation_data, which the Estimator cannot pass
+            if isinstance(stopping, dict) and stopping.get("monitor", "val_metric") == "val_metric":
+                raise ValueError("trainerOptions early_stopping monitors 'val_metric' but there is no validation "
+                                 "data: set validationIndicatorCol to a boolean column marking the validation "
+                                 "rows, or monitor='loss'")
+            return dataset, None
+        check_indicator(dataset.schema, column)
+        return dataset.filter(~F.col(column)), dataset.filter(F.col(column))
 
     writer, reader = EstimatorWriter, EstimatorReader

@@ -18,8 +18,12 @@ from typing import Any
 from pyspark.ml.param import Param, Params, TypeConverters
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
-_NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "epochs", "batch_size",
-                "seed", "num_workers", "validation_data"}
+_NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
+                "batch_size", "seed", "num_workers", "validation_data"}
+# where the Estimator takes each of them instead (the hint of an error naming one in trainerOptions)
+_INSTEAD = {"validation_data": "the validationIndicatorCol Param (a boolean column marking validation rows)",
+            "batch_size": "the batchSize Param", "num_workers": "the numWorkers Param", "epochs": "the epochs Param",
+            "seed": "the seed Param"}
 TASKS = ("auto", "classification", "regression")
 
 
@@ -62,8 +66,8 @@ def _trainer_options(value: Any) -> dict:
     known = trainer_option_names()
     for key, item in value.items():
         if key not in known:
-            hint = (" (it is a Param or a constructor argument of GradshareEstimator)" if key in _NOT_OPTIONS
-                    else f"; known: {sorted(known)}")
+            instead = _INSTEAD.get(key, "a constructor argument of GradshareEstimator")
+            hint = f"; use {instead}" if key in _NOT_OPTIONS else f"; known: {sorted(known)}"
             raise ValueError(f"trainerOptions has unknown key {key!r}{hint}")
         try:
             json.dumps(item, allow_nan=False)
@@ -108,13 +112,16 @@ class EstimatorParams(ColumnParams):
                        _optional(TypeConverters.toInt))
     task = Param(Params._dummy(), "task", "'auto' (classification when the fit's loss was CrossEntropyLoss or "
                  "NLLLoss), 'classification' or 'regression'", _task)
+    validationIndicatorCol = Param(Params._dummy(), "validationIndicatorCol", "boolean column: true marks a "
+                                   "validation row (scored on every worker after each epoch), false a training "
+                                   "row; '' for none", TypeConverters.toString)
     trainerOptions = Param(Params._dummy(), "trainerOptions", "other SharedTrainer keyword options with JSON "
                            "values, e.g. {'threshold': 1e-3, 'port': 0}", _trainer_options)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(labelCol="label", epochs=1, batchSize=32, learningRate=None, seed=0, numWorkers=None,
-                         trainerOptions={}, task="auto")
+                         trainerOptions={}, task="auto", validationIndicatorCol="")
 
 
 # ------------------------------------------------------------------------------------ schema checks
@@ -150,6 +157,16 @@ def check_features(schema, columns: list[str]) -> list[tuple[str, int]]:
                             "array of numbers or a number (VectorAssembler makes a vector of several columns)")
         kinds.append(kind)
     return kinds
+
+
+def check_indicator(schema, column: str) -> None:
+    """validationIndicatorCol exists and is boolean (Spark ML's GBT takes the same kind of column)."""
+    from pyspark.sql.types import BooleanType
+
+    dtype = _field(schema, column, "validationIndicatorCol")
+    if not isinstance(dtype, BooleanType):
+        raise TypeError(f"validationIndicatorCol {column!r} has type {dtype.simpleString()}; it must be boolean "
+                        "(true: a validation row)")
 
 
 def check_label(schema, column: str) -> None:
