@@ -565,8 +565,9 @@ class SharedTrainer:
             shards = validation_rows(self.validation_data, data, features_col, label_col)
         sc = rdd.context
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
-            n = self.num_workers
-            rdd = rdd.coalesce(n) if n < rdd.getNumPartitions() else rdd.repartition(n)
+            # Always a shuffle: Spark refuses a barrier stage over a coalesced RDD, whose parent has
+            # another partition count (SPARK-24820), so coalesce(n) would fail once the job starts.
+            rdd = rdd.repartition(self.num_workers)
         world = rdd.getNumPartitions()
         check_barrier_slots(sc, world)
 

@@ -162,6 +162,16 @@ def test_dataframe_with_vector_and_array_columns(spark):
         SharedTrainer(model, **LOOPBACK).fit(arr)
 
 
+def test_fewer_workers_than_partitions_trains_on_every_row(spark):
+    """num_workers below the partition count: the rows are reshuffled into that many partitions (a
+    coalesced parent is refused by Spark's barrier scheduler, SPARK-24820) and none is lost."""
+    rdd = small_rdd(spark, rows=[(np.full(3, i, np.float32), i % 2) for i in range(32)], parts=4)
+    r = SharedTrainer(tiny_model, num_workers=2, epochs=1, batch_size=4, **LOOPBACK).fit(rdd)
+    assert r.world_size == 2
+    # 32 rows in batches of 4 on two ranks: 8 steps in all, 9 when the split is not a multiple of 4
+    assert sum(w["steps_run"] for w in r.worker_reports) in (8, 9)
+
+
 # ------------------------------------------------------------------------------------ bad input
 def small_rdd(spark, rows=None, parts=2):
     if rows is None:
