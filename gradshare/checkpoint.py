@@ -159,7 +159,8 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int) -> None
     scaler = worker.precision.scaler
     meta = {"rule": _jsonable_fields(state.rule, "threshold rule"), "lr": state.lr, "lr_ref": state.lr_ref,
             "tau": state.tau, "silent_steps": state.silent_steps, "skipped_steps": worker.precision.skipped,
-            "scaler": scaler.state_dict() if scaler is not None else None, "epochs_done": epochs_done}
+            "scaler": scaler.state_dict() if scaler is not None else None, "epochs_done": epochs_done,
+            "stopping": _stopping_state(worker)}
     with open(os.path.join(own, "state.json"), "w") as f:
         json.dump(meta, f)
     if worker.rank == 0:
@@ -170,6 +171,33 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int) -> None
     if worker.rank == 0:
         files[PARAMS] = _digest(os.path.join(directory, PARAMS))
     _write_atomic(os.path.join(directory, f"rank-{worker.rank}.json"), json.dumps({"run": run, "files": files}).encode())
+
+
+def _stopping_state(worker) -> dict:
+    """Early stopping as this rank holds it after the epoch (stopping.py; rank 0 scored it first): the
+    rule's best and count, the stop request and the stop epoch the log carries, in whole-training epochs
+    (a resumed fit's log counts its own from 0)."""
+    first = worker.cfg.first_epoch
+    rule = worker.stopper
+    return {"best": None if rule is None else rule.best, "waited": None if rule is None else rule.waited,
+            "stop_requested": None if worker.stop_requested is None else worker.stop_requested + first,
+            "stop_sent": worker.stop_sent,
+            "stop_epoch": None if worker.log.stop_epoch is None else worker.log.stop_epoch + first,
+            # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
+            # here sends it as the uninterrupted one does, and the relay keeps the score for the row
+            "epoch_notes": {k: v + first if k == "val_epoch" else v for k, v in worker.epoch_notes.items()}}
+
+
+def _load_stopping(worker, saved: dict | None) -> None:
+    if not saved:  # a checkpoint of a fit without these fields
+        return
+    first = worker.cfg.first_epoch
+    if worker.stopper is not None and saved["waited"] is not None:
+        worker.stopper.best, worker.stopper.waited = saved["best"], saved["waited"]
+    if saved["stop_requested"] is not None:
+        worker.stop_requested, worker.stop_sent = saved["stop_requested"] - first, saved["stop_sent"]
+    worker.inherited_stop = None if saved["stop_epoch"] is None else saved["stop_epoch"] - first
+    worker.epoch_notes = {k: v - first if k == "val_epoch" else v for k, v in saved.get("epoch_notes", {}).items()}
 
 
 def _file_list(path: str, run: int) -> dict | None:
@@ -224,6 +252,14 @@ def find(path) -> str:
 
 def read_manifest(directory: str) -> dict:
     """The manifest of `directory`, with every file it lists checked against its size and sha256."""
+    manifest = parse_manifest(directory)
+    for name, want in manifest["files"].items():
+        verify(directory, name, want)
+    return manifest
+
+
+def parse_manifest(directory: str) -> dict:
+    """The manifest of `directory`, its files unchecked (a worker checks its own: `load_rank`)."""
     try:
         with open(os.path.join(directory, MANIFEST)) as f:
             manifest = json.load(f)
@@ -232,8 +268,6 @@ def read_manifest(directory: str) -> dict:
         raise CheckpointError(f"checkpoint {directory}: unreadable {MANIFEST}: {e}") from e
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory}: format {manifest.get('format')!r}, expected {FORMAT}")
-    for name, want in files.items():
-        verify(directory, name, want)
     if PARAMS not in files or any(f"rank-{r}/state.json" not in files for r in range(job["world_size"])):
         raise CheckpointError(f"checkpoint {directory}: the manifest does not list every rank's files")
     return {"directory": directory, "epochs_done": epochs_done, "job": job, "files": files}
@@ -266,6 +300,50 @@ def check_job(manifest: dict, job: dict) -> None:
         if have[key] != want[key]:
             raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have[key]!r}, "
                              f"this fit's is {want[key]!r}")
+
+
+def manifest_for(cfg, epochs_done: int) -> dict:
+    """The checkpoint after `epochs_done` epochs that the relay restarted this attempt at (WELCOME's
+    "checkpoint" note, `rollback_point`): the fit's resume_from, or one this fit wrote."""
+    if cfg.resume is not None and cfg.resume["epochs_done"] == epochs_done:
+        return cfg.resume
+    if cfg.checkpoint is None:
+        raise CheckpointError(f"the relay restarted at the checkpoint after epoch {epochs_done}, but this fit "
+                              "has no checkpoint_dir")
+    return parse_manifest(epoch_dir(cfg.checkpoint.root, epochs_done))
+
+
+def rollback_point(plan: CheckpointPlan | None, resume: dict | None, first_epoch: int, steps_per_epoch: int,
+                   complete_through: int):
+    """RelayCore's `rollback` for a fit with checkpoints: the latest complete checkpoint of this fit whose
+    step the relay's log has reached (or the fit's resume_from, at step -1), as (step the log holds it
+    through, parameters, epochs done in this fit's log, whole-training epochs done); None without one.
+
+    A checkpoint that does not read back whole (a file missing, truncated or changed) is passed over
+    for the one before it: a retried stage never starts from half a checkpoint."""
+    candidates = []
+    if plan is not None and os.path.isdir(plan.root):
+        done = sorted((int(n[6:]) for n in os.listdir(plan.root) if n.startswith("epoch-") and n[6:].isdigit()),
+                      reverse=True)
+        candidates = [epoch_dir(plan.root, e) for e in done
+                      if e > first_epoch and (e - first_epoch) * steps_per_epoch - 1 <= complete_through]
+    for directory in candidates:
+        try:
+            manifest = read_manifest(directory)
+            if manifest["job"] != plan.job:
+                continue
+            return _point(manifest, first_epoch, steps_per_epoch)
+        except CheckpointError:
+            continue  # cut short (no manifest yet) or damaged: the one before it
+    if resume is not None:
+        return _point(resume, first_epoch, steps_per_epoch)
+    return None
+
+
+def _point(manifest: dict, first_epoch: int, steps_per_epoch: int):
+    verify(manifest["directory"], PARAMS, manifest["files"][PARAMS])  # it may have changed since it was read
+    local = manifest["epochs_done"] - first_epoch
+    return local * steps_per_epoch - 1, load_params(manifest), local, manifest["epochs_done"]
 
 
 def load_params(manifest: dict) -> np.ndarray:
@@ -309,3 +387,5 @@ def load_rank(resume: dict, worker) -> None:
     worker.precision.skipped = meta["skipped_steps"]
     if worker.precision.scaler is not None and meta["scaler"] is not None:
         worker.precision.scaler.load_state_dict(meta["scaler"])
+    _load_stopping(worker, meta.get("stopping"))
+    worker.restored = True  # its lr schedule and batch counters are the checkpoint's (Worker.run)

@@ -14,11 +14,16 @@ data raised) reports it to the relay, and the driver cancels the job at once and
 (issue 11) instead of waiting out Spark's stage retries.
 
 Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a worker process dies.
-The new attempt joins the relay with a higher attempt number and continues from the relay's
-parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
-optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
-sent) and the threshold rule's adaptation; they restart from zero / the initial τ. A new fit started
-with `resume_from=` a checkpoint (checkpoint_dir=) keeps them all (gradshare/checkpoint.py).
+The new attempt joins the relay with a higher attempt number. With checkpoints (checkpoint_dir= or
+resume_from=), the relay rolls the whole fit back to the last complete one: its parameters, the log
+restarted after its step, and every rank loads its residual, optimizer, scheduler, RNG, τ rule and
+early-stopping state from it, so at staleness 0 the retried fit ends bit-identical to an uninterrupted
+one (the epochs after the checkpoint run again; their rows are the rerun's, the killed attempt's rows
+of the epochs before it stay). Without one it continues from the relay's parameters and step (the
+relay's `complete_through + 1`) and loses every worker's optimizer state (Adam moments, momentum
+buffers), its residual (sub-threshold update mass not yet sent) and the threshold rule's adaptation;
+they restart from zero / the initial τ. Either way the relay hands the new attempt rank 0's early-stopping
+state and any stop already decided (WELCOME's notes), so a retried stage keeps them.
 
 Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
 state: each step's change of them travels exactly, averaged over the workers, in the same log as the
@@ -142,7 +147,7 @@ class SharedTrainer:
         the optimizer: ``optimizer=gradshare.losses.clip_grad_norm(factory, max_norm)``. Without a
         `metric`, validation reports the hook's loss. Giving both `loss` and `train_step` is an error.
     optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3, fused=True)`` (`default_optimizer`).
-        Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
+        Optimizer state stays on each worker (DL4J's design) and is lost on a restart without a checkpoint.
     threshold: "auto" (default): each worker derives τ before every step from a sample of its residual
         so that about ``density`` of the entries cross it (`CalibratedThreshold`; no tuning, no silent
         step). A number: τ itself, the initial threshold (Strom 2015), meant for the optimizer's initial
@@ -209,9 +214,10 @@ class SharedTrainer:
         same epoch. ``result.extra["stopped_epoch"]`` is E (None: every epoch ran); history has epochs
         0..E only. extra["stop_requested_epoch"]: the epoch whose end asked for the stop; a request that
         comes too late for every rank to end after a common epoch before the last is not carried out and
-        shows only there. Known limit: a retried stage (a worker's process died) forgets a stop decided
-        before the restart (the relay does not keep it across attempts yet) and restarts the rule's
-        count (patience) from zero, so such a fit may run every epoch.
+        shows only there. A retried stage (a worker's process died) keeps the rule's state and a stop
+        decided before it: the relay records both from rank 0's messages and hands them to the new
+        attempt (a checkpoint holds them too). Without a checkpoint, an epoch whose end the killed
+        attempt reached but whose score no applied message carried yet is not scored.
     on_epoch_end: a callable or a list of them, ``fn(row) -> stop?``, run on rank 0 (inside its Spark
         task, so prints go to the executor's log) after each epoch is scored, with rank 0's history row
         (its own loss, val_metric, τ, ...). A truthy return asks for a stop, carried as early_stopping's.
@@ -599,6 +605,7 @@ class SharedTrainer:
                       apply_update=functools.partial(apply_update, scale=scale),
                       on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
                       join_window=self._join_window(load_seconds),
+                      rollback=_rollback(saving, resume, first_epoch, steps_per_epoch),
                       **_snapshot_options(host, self.datagram_size)).start()
         try:
             cfg = pack_user_objects(WorkerConfig(
@@ -620,7 +627,7 @@ class SharedTrainer:
             final = relay.params
             relay_hash = relay.param_hash()
             counters = dict(relay.counters())
-            tallies, incidents = relay.epoch_tallies(), relay.incidents()
+            tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
         finally:
             relay.close()
 
@@ -647,7 +654,9 @@ class SharedTrainer:
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
                    "stopped_epoch": _offset(stopped, first_epoch),
                    "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
-                   "resumed_from": None if resume is None else resume["directory"]},
+                   "resumed_from": None if resume is None else resume["directory"],
+                   # a retried stage restarted at a checkpoint: the steps it went back from and to
+                   "rolled_back": rolled_back},
             skipped_steps=skipped,
         )
 
@@ -737,6 +746,15 @@ class SharedTrainer:
 
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
+
+
+def _rollback(saving, resume, first_epoch: int, steps_per_epoch: tuple):
+    """The relay's `rollback` (relay_core): with checkpoints, a retried stage restarts at the last one."""
+    if saving is None and resume is None:
+        return None
+    from gradshare.checkpoint import rollback_point
+
+    return functools.partial(rollback_point, saving, resume, first_epoch, steps_per_epoch[0])
 
 
 def _check_checkpoint_staleness(argument: str, staleness: int) -> None:
@@ -921,7 +939,9 @@ def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epoch
                 "silent_steps": tally["silent"],
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
                 "bytes_sent": row["bytes_sent"] if row else 0, "bytes_received": row["bytes_received"] if row else 0,
-                "seconds": row["seconds"] if row else 0.0, "val_metric": row["val_metric"] if row else None,
+                "seconds": row["seconds"] if row else 0.0,
+                # rank 0's score: its own row's, or the one its next message carried (a killed attempt's)
+                "val_metric": row["val_metric"] if row and row["val_metric"] is not None else tally.get("val_metric"),
                 "resumed": tally["resumed"],  # its steps were applied in more than one attempt
                 "skipped_steps": spe - tally["steps"],
             }
