@@ -363,9 +363,9 @@ class SharedTrainer:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_dir = None
         if checkpoint_dir is not None:
-            from gradshare.checkpoint import local_dir
+            from gradshare.checkpoint import checkpoint_root
 
-            self.checkpoint_dir = local_dir(checkpoint_dir, "checkpoint_dir")
+            self.checkpoint_dir = checkpoint_root(checkpoint_dir, "checkpoint_dir")
             _check_checkpoint_staleness("checkpoint_dir", staleness)
         if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
@@ -541,16 +541,11 @@ class SharedTrainer:
         from gradshare.worker import steps_per_epoch as steps_in
 
         t_start = time.monotonic()
-        resume = self._read_checkpoint(resume_from)  # a corrupt one fails here, before any Spark job
-        if self.checkpoint_dir is not None:
-            from gradshare.checkpoint import check_fresh, check_writable
-
-            check_writable(self.checkpoint_dir)
-            check_fresh(self.checkpoint_dir, 0 if resume is None else resume["epochs_done"])
-        model = self._build_model()
-        self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)
         sc = rdd.context
+        stores, resume = self._open_checkpoints(resume_from, sc)  # a corrupt one fails here, before any Spark job
+        model = self._build_model()
+        self._check_scheduler(model)
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
             n = self.num_workers
             rdd = rdd.coalesce(n) if n < rdd.getNumPartitions() else rdd.repartition(n)
@@ -594,7 +589,7 @@ class SharedTrainer:
         if resume is not None:
             from gradshare.checkpoint import load_params
 
-            initial = load_params(resume)  # shapes checked by _checkpoint_plan, contents by the manifest
+            initial = load_params(stores["resume"], resume)  # shapes checked by _checkpoint_plan, contents by the manifest
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
@@ -605,9 +600,11 @@ class SharedTrainer:
                       apply_update=functools.partial(apply_update, scale=scale),
                       on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
                       join_window=self._join_window(load_seconds),
-                      rollback=_rollback(saving, resume, first_epoch, steps_per_epoch),
+                      rollback=_rollback(saving, resume, stores, first_epoch, steps_per_epoch),
                       **_snapshot_options(host, self.datagram_size)).start()
+        service = None
         try:
+            saving, resume, service = _serve_checkpoints(stores, saving, resume, key, self.bind, host, self.timeout)
             cfg = pack_user_objects(WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
                 model=shipped, loss=getattr(plan.step, "loss", None), optimizer=self.optimizer,
@@ -630,6 +627,8 @@ class SharedTrainer:
             tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
         finally:
             relay.close()
+            if service is not None:
+                service.close()
 
         bad = [(r["rank"], r["param_hash"]) for r in reports if r["param_hash"] != relay_hash]
         if bad:
@@ -660,14 +659,16 @@ class SharedTrainer:
             skipped_steps=skipped,
         )
 
-    def _read_checkpoint(self, resume_from):
-        """resume_from's manifest, every file checked against it (checkpoint.py); None without one."""
-        if resume_from is None:
-            return None
-        from gradshare.checkpoint import find, read_manifest
+    def _open_checkpoints(self, resume_from, sc) -> tuple[dict, dict | None]:
+        """The driver's checkpoint stores and resume_from's manifest, every file checked against it
+        (checkpoint.py); ({}, None) without checkpoints."""
+        if resume_from is None and self.checkpoint_dir is None:
+            return {}, None
+        from gradshare.checkpoint import open_stores
 
-        _check_checkpoint_staleness("resume_from", self.staleness)
-        return read_manifest(find(resume_from))
+        if resume_from is not None:
+            _check_checkpoint_staleness("resume_from", self.staleness)
+        return open_stores(self.checkpoint_dir, resume_from, sc)
 
     def _checkpoint_plan(self, model, world: int, steps_per_epoch: tuple, resume):
         """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
@@ -748,13 +749,29 @@ class SharedTrainer:
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
 
 
-def _rollback(saving, resume, first_epoch: int, steps_per_epoch: tuple):
+def _rollback(saving, resume, stores: dict, first_epoch: int, steps_per_epoch: tuple):
     """The relay's `rollback` (relay_core): with checkpoints, a retried stage restarts at the last one."""
     if saving is None and resume is None:
         return None
     from gradshare.checkpoint import rollback_point
 
-    return functools.partial(rollback_point, saving, resume, first_epoch, steps_per_epoch[0])
+    return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])
+
+
+def _serve_checkpoints(stores: dict, saving, resume, key: bytes, bind: str, host: str, timeout: float):
+    """A Hadoop-FS checkpoint_dir or resume_from: start the driver's checkpoint service and tell the
+    workers where it is (checkpoint.py); local ones need none. (plan, resume manifest, service or None)."""
+    from dataclasses import replace
+
+    from gradshare.checkpoint import start_service
+
+    service = start_service(stores, key, bind, timeout)
+    if service is None:
+        return saving, resume, None
+    address = (host, service.address[1])
+    saving = None if saving is None else replace(saving, service=address)
+    resume = None if resume is None else {**resume, "service": address}
+    return saving, resume, service
 
 
 def _check_checkpoint_staleness(argument: str, staleness: int) -> None:

@@ -237,6 +237,7 @@ class Worker:
         self.restored = False  # state loaded from a checkpoint: the schedule and counters are where it left them
         self.epoch_notes: dict = {}  # rank 0: its epoch end (score, rule state) for its next message's meta
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
+        self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -539,9 +540,13 @@ class Worker:
         self._score(scores, t)
         self.log.apply_through(t)
         t0 = time.monotonic()
-        write_rank(plan, epoch + 1, self, self.cfg.job_id)
+        if self.checkpoint_store is None:
+            from gradshare.checkpoint import worker_store
+
+            self.checkpoint_store = worker_store(self.cfg, "checkpoint", self.rank)
+        write_rank(plan, epoch + 1, self, self.cfg.job_id, self.checkpoint_store)
         if self.rank == 0:
-            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id)
+            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id, self.checkpoint_store)
         self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
@@ -717,7 +722,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         if "checkpoint" in notes:  # the relay restarted the log at a checkpoint: the rest of the state too
             from gradshare.checkpoint import load_rank, manifest_for
 
-            load_rank(manifest_for(cfg, int(notes["checkpoint"])), worker)
+            load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load
