@@ -250,12 +250,15 @@ class SharedTrainer:
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
         the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
-    checkpoint_dir: None, or a local directory (or file: URI) shared by the executors (local[N],
-        local-cluster, a shared mount): after every `checkpoint_every`-th epoch and the last, each worker
-        writes its residual, optimizer, lr scheduler, CPU RNG and integer buffers, its τ rule and loss
-        scaler, and rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
-        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed). Needs
-        staleness 0 and the same steps per epoch on every partition; Hadoop-FS URIs are refused for now.
+    checkpoint_dir: None, a local directory (or file: URI) shared by the executors (local[N],
+        local-cluster, a shared mount), or any Hadoop-FS URI (hdfs://, s3a://, ...: written through
+        Spark's FileSystem API on the driver, the workers stream their files to it; ckpt_service.py):
+        after every `checkpoint_every`-th epoch and the last, each worker writes its residual, optimizer,
+        lr scheduler, CPU RNG and integer buffers, its τ rule, loss scaler and early-stopping state, and
+        rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
+        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed), and a retried
+        stage restarts at the last one (module docstring, "Restart"). Needs staleness 0 and the same
+        steps per epoch on every partition.
     checkpoint_every: epochs between checkpoints (default 1).
     """
 
@@ -523,10 +526,11 @@ class SharedTrainer:
         incidents (README "Liveness").
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
-        latest complete checkpoint): the fit continues after epoch E-1 up to `epochs` in all, from the
+        latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
         saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
         state (gradshare/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
-        the start of the whole training; extra["resumed_from"] names the checkpoint.
+        the start of the whole training; extra["resumed_from"] names the checkpoint. extra["rolled_back"]:
+        each time a retried stage restarted at a checkpoint ({"attempt", "from", "to"}: log steps).
         """
         import torch
 
