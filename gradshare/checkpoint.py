@@ -45,7 +45,7 @@ import numpy as np
 
 from gradshare.errors import CheckpointError, TransportTimeout
 from gradshare.flat import int_buffers, load_int_buffers
-from gradshare.stores import CHUNK, Digest, LocalStore, is_local, read_all
+from gradshare.stores import CHUNK, Digest, LocalStore, error_line, is_local, read_all
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -102,15 +102,7 @@ def check_writable(store) -> None:
         store.write(probe, [b"ok"])
         store.remove(probe)
     except Exception as e:  # noqa: BLE001 - OSError locally; a Py4J error wrapping Java's IOException otherwise
-        raise ValueError(f"checkpoint_dir={store.where()!r} is not writable: {_first_line(e)}") from e
-
-
-def _first_line(e: Exception) -> str:
-    """The cause in one line; for a Py4J error, the Java exception (its own first line is "An error
-    occurred while calling o65.getFileSystem")."""
-    java = getattr(e, "java_exception", None)
-    text = str(java.toString()) if java is not None else str(e)
-    return (text.strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"checkpoint_dir={store.where()!r} is not writable: {error_line(e)}") from e
 
 
 def _epochs_in(store) -> list[int]:
@@ -346,7 +338,7 @@ def _read_checked(store, manifest: dict, name: str, load):
         raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is missing") from e
     except Exception as e:  # noqa: BLE001 - bytes np/torch/json cannot parse, a Hadoop checksum error, ...
         _check(manifest, name, reader.digest.result())  # what was read: the digest says why, mostly
-        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is unreadable: {_first_line(e)}") from e
+        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is unreadable: {error_line(e)}") from e
     _check(manifest, name, got)
     return value
 
@@ -493,13 +485,13 @@ def open_stores(checkpoint_dir: str | None, resume_from, spark_context) -> tuple
         try:
             store = stores["resume"] = driver_store(root, spark_context)
         except Exception as e:  # noqa: BLE001 - Hadoop's error (no FileSystem for the scheme, ...) via Py4J
-            raise ValueError(f"resume_from={root!r} cannot be read: {_first_line(e)}") from e
+            raise ValueError(f"resume_from={root!r} cannot be read: {error_line(e)}") from e
         resume = read_manifest(store, find(store), "resume")
     if checkpoint_dir is not None:
         try:
             store = stores["checkpoint"] = driver_store(checkpoint_dir, spark_context)
         except Exception as e:  # noqa: BLE001 - as above
-            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} is not writable: {_first_line(e)}") from e
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} is not writable: {error_line(e)}") from e
         check_writable(store)
         check_fresh(store, 0 if resume is None else resume["epochs_done"])
     return stores, resume

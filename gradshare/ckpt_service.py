@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
-from gradshare.stores import CHUNK
+from gradshare.stores import CHUNK, error_line
 
 MAX_FRAME = CHUNK + 4096  # a data chunk, its mark and tag; a request or answer is far smaller
 MAX_CONNECTIONS = 64      # concurrent operations the driver serves; more wait in the listen backlog
@@ -174,8 +174,8 @@ class CheckpointService:
             request = link.receive_json()
             try:
                 answer = self._do(link, request)
-            except (OSError, ValueError, KeyError, RemoteProtocolError) as e:
-                answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - the store's error (Py4J's wraps Java's IOException) goes back
+                answer = {"ok": False, "error": f"{type(e).__name__}: {error_line(e)}"}
                 self._note(f"{request.get('op')} {request.get('name')}: {answer['error']}")
             link.send_json(answer)
         except Exception as e:  # noqa: BLE001 - a bad or broken connection never takes the driver down

@@ -8,13 +8,16 @@
 
 Names are '/'-separated paths relative to the store's root. Data moves in chunks of at most CHUNK
 bytes, so no file is held whole in one buffer beyond what its writer or reader holds anyway; `digest`
-of the bytes written is computed on the way.
+of the bytes written is computed on the way. HadoopStore spools each file through a temporary file on
+the driver's disk for the one operation (see its `write`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
 
@@ -25,6 +28,12 @@ def is_local(path: str) -> bool:
     """A local path or file: URI ("C:" is a drive, not a scheme)."""
     scheme = urlparse(path).scheme
     return scheme in ("", "file") or len(scheme) == 1
+
+
+def file_chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            yield chunk
 
 
 class Digest:
@@ -67,9 +76,7 @@ class LocalStore:
 
     def read(self, name: str) -> Iterator[bytes]:
         """The file's bytes in chunks; FileNotFoundError when it is not there."""
-        with open(self.where(name), "rb") as f:
-            while chunk := f.read(CHUNK):
-                yield chunk
+        return file_chunks(self.where(name))
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self.where(name))
@@ -96,7 +103,6 @@ class HadoopStore:
         self.sc, self.root = spark_context, root.rstrip("/")
         jvm = spark_context._jvm
         self._path = jvm.org.apache.hadoop.fs.Path
-        self._io = jvm.org.apache.commons.io.IOUtils
         self.fs = self._path(self.root).getFileSystem(spark_context._jsc.hadoopConfiguration())
 
     def where(self, name: str = "") -> str:
@@ -105,37 +111,42 @@ class HadoopStore:
     def _p(self, name: str):
         return self._path(self.where(name))
 
+    # Data does not cross Py4J: its byte arrays travel base64-encoded through the gateway socket (a
+    # checkpoint of the 10.5 M MLP took 6.3 s a rank that way, against 0.9 s on the direct path). A file
+    # is spooled, in chunks, to a local temporary file on the driver and Hadoop copies it from there
+    # (copyFromLocalFile / copyToLocalFile), so the bytes move inside the JVM. The spool file lives only
+    # for the one operation; memory stays at one chunk.
     def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict:
-        target = self._p(f"{name}.tmp-{os.getpid()}" if atomic else name)
         digest = Digest()
-        out = self.fs.create(target, True)
+        fd, spool = tempfile.mkstemp(prefix="gradshare-ckpt-")
         try:
-            for chunk in chunks:
-                out.write(bytearray(digest.update(chunk)))
-        finally:
-            out.close()
-        if atomic:  # Hadoop's rename does not replace: the old file goes first (a reader polls for it)
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(digest.update(chunk))
             final = self._p(name)
-            if self.fs.exists(final):
-                self.fs.delete(final, False)
-            if not self.fs.rename(target, final):
-                raise OSError(f"could not rename {self.where(name)}.tmp-* to {self.where(name)}")
+            target = self._p(f"{name}.tmp-{uuid.uuid4().hex}") if atomic else final
+            self.fs.copyFromLocalFile(True, True, self._path(f"file://{spool}"), target)  # deletes the spool
+            if atomic:  # Hadoop's rename does not replace: the old file goes first (a reader polls for it)
+                if self.fs.exists(final):
+                    self.fs.delete(final, False)
+                if not self.fs.rename(target, final):
+                    raise OSError(f"could not rename {target.toString()} to {self.where(name)}")
+        finally:
+            if os.path.exists(spool):
+                os.remove(spool)
         return digest.result()
 
     def read(self, name: str) -> Iterator[bytes]:
         p = self._p(name)
         if not self.fs.exists(p):
             raise FileNotFoundError(f"{self.where(name)} does not exist")
-        left = self.fs.getFileStatus(p).getLen()
-        stream = self.fs.open(p)
+        fd, spool = tempfile.mkstemp(prefix="gradshare-ckpt-")
+        os.close(fd)
         try:
-            while left > 0:
-                n = min(CHUNK, left)
-                chunk = bytes(self._io.toByteArray(stream, n))  # exactly n bytes, or an IOException
-                left -= n
-                yield chunk
+            self.fs.copyToLocalFile(False, p, self._path(f"file://{spool}"), True)  # raw: no .crc beside it
+            yield from file_chunks(spool)
         finally:
-            stream.close()
+            os.remove(spool)
 
     def exists(self, name: str) -> bool:
         return bool(self.fs.exists(self._p(name)))
@@ -156,6 +167,14 @@ class HadoopStore:
 
     def remove(self, name: str) -> None:
         self.fs.delete(self._p(name), False)
+
+
+def error_line(e: BaseException) -> str:
+    """The cause in one line; for a Py4J error, the Java exception (Py4J's own first line is "An error
+    occurred while calling o65.getFileSystem")."""
+    java = getattr(e, "java_exception", None)
+    text = str(java.toString()) if java is not None else str(e)
+    return (text.strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def read_all(store, name: str, limit: int) -> bytes:

@@ -168,3 +168,5 @@ def test_a_stop_decided_before_a_killed_worker_survives_the_retried_stage(uneven
     assert [h["epoch"] for h in result.history] == list(range(stopped + 1))
     assert [r["last_step"] for r in result.worker_reports] == [(stopped + 1) * 11 - 1, (stopped + 1) * 5 - 1]
     assert all(r["param_hash"] == result.param_hash for r in result.worker_reports)
+    # epochs 0-2 are the killed attempt's rows (the relay's tallies): their scores came with them
+    assert all(h["val_metric"] is not None for h in result.history)
