@@ -11,9 +11,10 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.checkpoint import MANIFEST
+from gradshare.checkpoint import MANIFEST, CheckpointPlan, rollback_point
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import CheckpointError
+from gradshare.stores import HadoopStore
 from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
@@ -137,7 +138,7 @@ def viewfs(spark, tmp_path_factory):
     return "viewfs://gradshare-test/ckpt", str(local)
 
 
-def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(rdd, viewfs, whole):
+def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(spark, rdd, viewfs, whole):
     uri, local = viewfs
     first = trainer(2, checkpoint_dir=f"{uri}/run").fit(rdd)
     # the files are there, written through Hadoop (its local filesystem leaves .crc checksum files)
@@ -152,8 +153,16 @@ def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(rdd, viewf
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history[2:]]
     assert sorted(n for n in os.listdir(os.path.join(local, "more")) if n.startswith("epoch-")) == [
         "epoch-00003", "epoch-00004"]
-    # a damaged file is refused before any job, as on the local path
+    # a retried stage's rollback point, read through Hadoop by the relay: the latest checkpoint the log
+    # has reached (5 steps an epoch: epoch-00002 holds the log through step 9)
+    job = json.load(open(os.path.join(local, "run", "epoch-00002", MANIFEST)))["job"]
+    plan, stores = CheckpointPlan(f"{uri}/run", 1, job), {"checkpoint": HadoopStore(spark.sparkContext, f"{uri}/run")}
+    assert rollback_point(plan, None, stores, 0, 5, 3) is None  # before the first checkpoint: none
+    through, params, done, _ = rollback_point(plan, None, stores, 0, 5, 12)
+    assert (through, done) == (9, 2) and param_hash(params) == first.param_hash
+    # a damaged file is refused before any job, as on the local path; a rollback passes over it
     with open(os.path.join(local, "run", "epoch-00002", "rank-1", "state.json"), "r+b") as f:
         f.write(b"#")
     with pytest.raises(CheckpointError, match="state.json is corrupt"):
         trainer(4).fit(rdd, resume_from=f"{uri}/run")
+    assert rollback_point(plan, None, stores, 0, 5, 12)[:1] == (4,)  # epoch-00001's step
