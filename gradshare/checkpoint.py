@@ -20,74 +20,101 @@ A checkpoint is the state after the last step of an epoch E-1 (E epochs done), i
 The data position is (epochs done): each epoch's order is a function of (seed, rank, epoch) (spill.py),
 so a resumed fit at epoch E reads exactly what an uninterrupted one would.
 
-Limits (documented in the README): workers write their own state with local file I/O, so
-checkpoint_dir must be a local path (or file: URI) that the executors share with the driver (true for
-local[N] and local-cluster); checkpoints need staleness 0 and the same steps per epoch on every rank (so
-that an epoch's end is one step of the log that every rank reaches).
+Where: checkpoint_dir (and resume_from) is a local path (or file: URI) or any Hadoop-FS URI
+(stores.py). A local one is written by the workers themselves with file I/O (it must be shared by the
+executors and the driver: local[N], local-cluster, a shared mount). Any other goes through Spark's
+Hadoop FileSystem API on the driver: the workers stream their files to the driver's checkpoint service
+(ckpt_service.py), which writes them there and serves them back for a resume or a rollback. Both paths
+run the same code below on a store; files move in bounded chunks, digests are taken on the way.
+
+A retried stage restarts at the last checkpoint of its fit (`rollback_point`, the relay's rollback).
+
+Limits (documented in the README): checkpoints need staleness 0 and the same steps per epoch on every
+rank (so that an epoch's end is one step of the log that every rank reaches).
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
 import json
 import os
 import time
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 import numpy as np
 
 from gradshare.errors import CheckpointError, TransportTimeout
 from gradshare.flat import int_buffers, load_int_buffers
+from gradshare.stores import CHUNK, Digest, LocalStore, error_line, is_local, read_all
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 PARAMS = "params.npy"
+RANK_FILES = ("residual.npy", "local.pt", "state.json")  # each rank's, in rank-<r>/
 POLL_SECONDS = 0.05  # rank 0 polls for the other ranks' file lists
+MAX_JSON = 64 << 20  # manifests, file lists, state.json: far smaller; a bigger one is not ours
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
     """What the workers need to write checkpoints; shipped in WorkerConfig."""
 
-    root: str  # a local directory
+    root: str  # a local directory or a Hadoop-FS URI
     every: int  # epochs between checkpoints (the fit's last epoch always writes one)
     job: dict  # `job_of`: compared on resume
+    service: tuple | None = None  # the driver's checkpoint service (host, port) when root is not local
 
 
-def local_dir(path, argument: str) -> str:
-    """`path` as a local directory name; a URI of another filesystem is refused (module docstring)."""
+def checkpoint_root(path, argument: str) -> str:
+    """`path` as a checkpoint root: an absolute local directory, or the Hadoop-FS URI as given."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{argument} must be a path or file: URI, got {type(path).__name__}")
+        raise TypeError(f"{argument} must be a path or a Hadoop-FS URI, got {type(path).__name__}")
     path = os.fspath(path)
-    parsed = urlparse(path)
-    if parsed.scheme == "file":
-        return parsed.path
-    if parsed.scheme and len(parsed.scheme) > 1:  # "C:" is a drive, not a scheme
-        raise ValueError(f"{argument}={path!r}: only local paths and file: URIs are supported (workers write "
-                         "their state with local file I/O, so the directory must be shared by the executors)")
-    return os.path.abspath(path)
+    return LocalStore(path).root if is_local(path) else path.rstrip("/")
 
 
-def check_writable(root: str) -> None:
-    """Create `root` and write a probe file in it: a checkpoint_dir we cannot write fails before training."""
-    probe = os.path.join(root, f".gradshare-probe-{os.getpid()}")
+def driver_store(root: str, spark_context):
+    """The driver's store for `root`: local file I/O, or Spark's Hadoop FileSystem API."""
+    if is_local(root):
+        return LocalStore(root)
+    from gradshare.stores import HadoopStore
+
+    return HadoopStore(spark_context, root)
+
+
+def worker_store(cfg, source: str, rank: int):
+    """Worker `rank`'s store for "checkpoint" (cfg.checkpoint.root) or "resume" (cfg.resume's root):
+    the directory itself when it is local, else the driver's service (ckpt_service.py)."""
+    root = cfg.checkpoint.root if source == "checkpoint" else cfg.resume["root"]
+    service = cfg.checkpoint.service if cfg.checkpoint is not None else cfg.resume.get("service")
+    if is_local(root):
+        return LocalStore(root)
+    from gradshare.ckpt_service import ServiceStore
+
+    return ServiceStore(service, cfg.key, source, rank, cfg.timeout, root)
+
+
+def check_writable(store) -> None:
+    """Create the root and write a probe file in it: a checkpoint_dir we cannot write fails before training."""
+    probe = f".gradshare-probe-{os.getpid()}"
     try:
-        os.makedirs(root, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"checkpoint_dir={root!r} is not writable: {e}") from e
+        store.makedirs()
+        store.write(probe, [b"ok"])
+        store.remove(probe)
+    except Exception as e:  # noqa: BLE001 - OSError locally; a Py4J error wrapping Java's IOException otherwise
+        raise ValueError(f"checkpoint_dir={store.where()!r} is not writable: {error_line(e)}") from e
 
 
-def check_fresh(root: str, epochs_done: int) -> None:
+def _epochs_in(store) -> list[int]:
+    return sorted(int(n[6:]) for n in store.list() if n.startswith("epoch-") and n[6:].isdigit())
+
+
+def check_fresh(store, epochs_done: int) -> None:
     """A fit writes epoch-<E> for E > epochs_done: refuse to mix its files with an earlier fit's there."""
-    taken = sorted(n for n in os.listdir(root) if n.startswith("epoch-") and n[6:].isdigit()
-                   and int(n[6:]) > epochs_done)
+    taken = [epoch_dir(e) for e in _epochs_in(store) if e > epochs_done]
     if taken:
-        raise ValueError(f"checkpoint_dir={root!r} already holds {', '.join(taken)}, which this fit would overwrite; "
-                         "give an empty directory, or remove them")
+        raise ValueError(f"checkpoint_dir={store.where()!r} already holds {', '.join(taken)}, which this fit would "
+                         "overwrite; give an empty directory, or remove them")
 
 
 def job_of(world_size: int, steps_per_epoch: tuple, batch_size: int, seed: int, shapes: list) -> dict:
@@ -96,27 +123,45 @@ def job_of(world_size: int, steps_per_epoch: tuple, batch_size: int, seed: int, 
             "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes]}
 
 
-def epoch_dir(root: str, epochs_done: int) -> str:
-    return os.path.join(root, f"epoch-{epochs_done:05d}")
+def epoch_dir(epochs_done: int) -> str:
+    return f"epoch-{epochs_done:05d}"
 
 
-def _digest(path: str) -> dict:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return {"sha256": h.hexdigest(), "bytes": size}
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def npy_chunks(array: np.ndarray):
+    """An array as .npy bytes in chunks, straight from its memory (np.save's format, no copy of it)."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    yield header.getvalue()
+    data = memoryview(array.reshape(-1)).cast("B")
+    for i in range(0, len(data), CHUNK):
+        yield bytes(data[i:i + CHUNK])
+
+
+class _ChunkReader:
+    """A read-only file over a chunk iterator, hashing what passes (np.lib.format.read_array reads
+    an array from it in bounded pieces)."""
+
+    def __init__(self, chunks):
+        self.chunks, self.buf, self.digest = iter(chunks), b"", Digest()
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self.buf) < n:
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                break
+            self.buf += self.digest.update(chunk)
+        out, self.buf = (self.buf, b"") if n < 0 else (self.buf[:n], self.buf[n:])
+        return out
+
+    def finish(self) -> dict:
+        """Read to the end (a file longer than its array) and return the digest of it all."""
+        self.read()
+        return self.digest.result()
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -133,121 +178,197 @@ def _jsonable_fields(obj, what: str) -> dict:
     return out
 
 
-def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int) -> None:
+def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) -> None:
     """Worker `worker.rank`'s state after its last step of epoch epochs_done-1, then its file list,
     tagged with the fit's `run` (its job id) so that rank 0 never takes an earlier fit's list."""
-    import io
-
     import torch
 
-    directory = epoch_dir(plan.root, epochs_done)
-    own = os.path.join(directory, f"rank-{worker.rank}")
-    os.makedirs(own, exist_ok=True)
+    directory = epoch_dir(epochs_done)
+    own = f"rank-{worker.rank}"
     residual = worker.state.residual
     residual = residual.detach().cpu().numpy() if hasattr(residual, "detach") else residual
-    with open(os.path.join(own, "residual.npy"), "wb") as f:
-        np.save(f, residual, allow_pickle=False)
+    files = {f"{own}/residual.npy": store.write(f"{directory}/{own}/residual.npy", npy_chunks(residual))}
     local = {"optimizer": worker.optimizer.state_dict(),
              "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None,
              "rng": torch.get_rng_state(),
              "int_buffers": int_buffers(worker.model)}
     buf = io.BytesIO()
     torch.save(local, buf)
-    with open(os.path.join(own, "local.pt"), "wb") as f:
-        f.write(buf.getvalue())
+    view = buf.getbuffer()
+    files[f"{own}/local.pt"] = store.write(f"{directory}/{own}/local.pt",
+                                           (bytes(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)))
+    del view
     state = worker.state
     scaler = worker.precision.scaler
     meta = {"rule": _jsonable_fields(state.rule, "threshold rule"), "lr": state.lr, "lr_ref": state.lr_ref,
             "tau": state.tau, "silent_steps": state.silent_steps, "skipped_steps": worker.precision.skipped,
-            "scaler": scaler.state_dict() if scaler is not None else None, "epochs_done": epochs_done}
-    with open(os.path.join(own, "state.json"), "w") as f:
-        json.dump(meta, f)
+            "scaler": scaler.state_dict() if scaler is not None else None, "epochs_done": epochs_done,
+            "stopping": _stopping_state(worker)}
+    files[f"{own}/state.json"] = store.write(f"{directory}/{own}/state.json", [json.dumps(meta).encode()])
     if worker.rank == 0:
-        with open(os.path.join(directory, PARAMS), "wb") as f:
-            np.save(f, worker.flat.host_state(), allow_pickle=False)
-    files = {os.path.relpath(os.path.join(own, n), directory): _digest(os.path.join(own, n))
-             for n in ("residual.npy", "local.pt", "state.json")}
-    if worker.rank == 0:
-        files[PARAMS] = _digest(os.path.join(directory, PARAMS))
-    _write_atomic(os.path.join(directory, f"rank-{worker.rank}.json"), json.dumps({"run": run, "files": files}).encode())
+        files[PARAMS] = store.write(f"{directory}/{PARAMS}", npy_chunks(worker.flat.host_state()))
+    store.write(f"{directory}/rank-{worker.rank}.json", [json.dumps({"run": run, "files": files}).encode()],
+                atomic=True)
 
 
-def _file_list(path: str, run: int) -> dict | None:
+def _stopping_state(worker) -> dict:
+    """Early stopping as this rank holds it after the epoch (stopping.py; rank 0 scored it first): the
+    rule's best and count, the stop request and the stop epoch the log carries, in whole-training epochs
+    (a resumed fit's log counts its own from 0)."""
+    first = worker.cfg.first_epoch
+    rule = worker.stopper
+    return {"best": None if rule is None else rule.best, "waited": None if rule is None else rule.waited,
+            "stop_requested": None if worker.stop_requested is None else worker.stop_requested + first,
+            "stop_sent": worker.stop_sent,
+            "stop_epoch": None if worker.log.stop_epoch is None else worker.log.stop_epoch + first,
+            # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
+            # here sends it as the uninterrupted one does, and the relay keeps the score for the row
+            "epoch_notes": {k: v + first if k == "val_epoch" else v for k, v in worker.epoch_notes.items()}}
+
+
+def _load_stopping(worker, saved: dict | None) -> None:
+    if not saved:  # a checkpoint of a fit without these fields
+        return
+    first = worker.cfg.first_epoch
+    if worker.stopper is not None and saved["waited"] is not None:
+        worker.stopper.best, worker.stopper.waited = saved["best"], saved["waited"]
+    if saved["stop_requested"] is not None:
+        worker.stop_requested, worker.stop_sent = saved["stop_requested"] - first, saved["stop_sent"]
+    worker.inherited_stop = None if saved["stop_epoch"] is None else saved["stop_epoch"] - first
+    worker.epoch_notes = {k: v - first if k == "val_epoch" else v for k, v in saved.get("epoch_notes", {}).items()}
+
+
+def _file_list(store, name: str, run: int) -> dict | None:
     """A rank's file list if this fit (`run`) wrote it; None while it is missing or an earlier fit's."""
     try:
-        with open(path) as f:
-            found = json.load(f)
-    except (OSError, ValueError):  # not there yet (lists are replaced atomically, never half written)
+        found = json.loads(read_all(store, name, MAX_JSON))
+    except (FileNotFoundError, ValueError):  # not there yet (lists are replaced atomically, never half written)
         return None
     return found["files"] if found.get("run") == run else None
 
 
-def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: int) -> None:
+def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: int, store) -> None:
     """Rank 0: once every rank's file list of this fit is there (at most `timeout` s), the manifest, last."""
-    directory = epoch_dir(plan.root, epochs_done)
+    directory = epoch_dir(epochs_done)
     world = plan.job["world_size"]
     lists: dict = {}
     deadline = time.monotonic() + timeout
     while len(lists) < world:
         for r in range(world):
-            if r not in lists and (found := _file_list(os.path.join(directory, f"rank-{r}.json"), run)) is not None:
+            if r not in lists and (found := _file_list(store, f"{directory}/rank-{r}.json", run)) is not None:
                 lists[r] = found
         if len(lists) == world:
             break
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(lists))
-            raise TransportTimeout(f"checkpoint {directory}: rank(s) {missing} wrote no state within {timeout} s")
+            raise TransportTimeout(f"checkpoint {store.where(directory)}: rank(s) {missing} wrote no state "
+                                   f"within {timeout} s")
         time.sleep(POLL_SECONDS)
     files = {}
     for r in range(world):
         files.update(lists[r])
     manifest = {"format": FORMAT, "epochs_done": epochs_done, "job": plan.job, "files": files}
-    _write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest).encode())
+    store.write(f"{directory}/{MANIFEST}", [json.dumps(manifest).encode()], atomic=True)
 
 
 # ------------------------------------------------------------------------------------------ reading
-def find(path) -> str:
-    """The checkpoint `resume_from` names: a directory with a manifest, or a checkpoint_dir (its latest
-    checkpoint that has one)."""
-    path = local_dir(path, "resume_from")
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        return path
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"resume_from={path!r} does not exist")
-    done = sorted(n for n in os.listdir(path) if n.startswith("epoch-")
-                  and os.path.exists(os.path.join(path, n, MANIFEST)))
+def find(store) -> str:
+    """The checkpoint in `store` (resume_from's): "" when its root holds a manifest, else its latest
+    epoch-<E> that has one (a checkpoint_dir)."""
+    if store.exists(MANIFEST):
+        return ""
+    if not store.is_dir():
+        raise FileNotFoundError(f"resume_from={store.where()!r} does not exist")
+    done = [epoch_dir(e) for e in _epochs_in(store) if store.exists(f"{epoch_dir(e)}/{MANIFEST}")]
     if not done:
-        raise CheckpointError(f"resume_from={path!r} holds no complete checkpoint (no {MANIFEST}; one is "
-                                "written last, so a checkpoint cut short has none)")
-    return os.path.join(path, done[-1])
+        raise CheckpointError(f"resume_from={store.where()!r} holds no complete checkpoint (no {MANIFEST}; one is "
+                              "written last, so a checkpoint cut short has none)")
+    return done[-1]
 
 
-def read_manifest(directory: str) -> dict:
-    """The manifest of `directory`, with every file it lists checked against its size and sha256."""
+def read_manifest(store, prefix: str, source: str) -> dict:
+    """The manifest of checkpoint `prefix` in `store`, with every file it lists checked against its size
+    and sha256."""
+    manifest = parse_manifest(store, prefix, source)
+    for name, want in manifest["files"].items():
+        verify(store, manifest, name)
+    return manifest
+
+
+def parse_manifest(store, prefix: str, source: str) -> dict:
+    """The manifest of checkpoint `prefix` in `store`, its files unchecked (a worker checks its own:
+    `load_rank`). `source`: which of the fit's stores holds it ("checkpoint" or "resume": worker_store)."""
+    directory = store.where(prefix)
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_all(store, _join(prefix, MANIFEST), MAX_JSON))
         files, job, epochs_done = manifest["files"], manifest["job"], int(manifest["epochs_done"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {directory}: unreadable {MANIFEST}: {e}") from e
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory}: format {manifest.get('format')!r}, expected {FORMAT}")
-    for name, want in files.items():
-        verify(directory, name, want)
-    if PARAMS not in files or any(f"rank-{r}/state.json" not in files for r in range(job["world_size"])):
+    if PARAMS not in files or any(f"rank-{r}/{n}" not in files for r in range(job["world_size"]) for n in RANK_FILES):
         raise CheckpointError(f"checkpoint {directory}: the manifest does not list every rank's files")
-    return {"directory": directory, "epochs_done": epochs_done, "job": job, "files": files}
+    return {"directory": directory, "root": store.where(), "prefix": prefix, "source": source,
+            "epochs_done": epochs_done, "job": job, "files": files}
 
 
-def verify(directory: str, name: str, want: dict) -> None:
-    path = os.path.join(directory, name)
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {directory}: {name} is missing")
-    got = _digest(path)
+def _reader(store, manifest: dict, name: str) -> _ChunkReader:
+    try:
+        return _ChunkReader(store.read(_join(manifest["prefix"], name)))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is missing") from e
+
+
+def _check(manifest: dict, name: str, got: dict) -> None:
+    want = manifest["files"][name]
     if got != want:
-        raise CheckpointError(f"checkpoint {directory}: {name} is corrupt or truncated ({got['bytes']} bytes, "
-                                f"sha256 {got['sha256'][:12]}…; the manifest says {want['bytes']} bytes, "
-                                f"{want['sha256'][:12]}…)")
+        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is corrupt or truncated ({got['bytes']} "
+                              f"bytes, sha256 {got['sha256'][:12]}…; the manifest says {want['bytes']} bytes, "
+                              f"{want['sha256'][:12]}…)")
+
+
+def _read_checked(store, manifest: dict, name: str, load):
+    """load(reader) on the file's stream, then its digest checked: a damaged file is an error before
+    anything uses what was read."""
+    reader = _reader(store, manifest, name)
+    try:
+        value = load(reader)
+        got = reader.finish()
+    except FileNotFoundError as e:  # a stream opens lazily: a missing file shows here
+        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is missing") from e
+    except Exception as e:  # noqa: BLE001 - bytes np/torch/json cannot parse, a Hadoop checksum error, ...
+        _check(manifest, name, reader.digest.result())  # what was read: the digest says why, mostly
+        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is unreadable: {error_line(e)}") from e
+    _check(manifest, name, got)
+    return value
+
+
+def verify(store, manifest: dict, name: str) -> None:
+    _read_checked(store, manifest, name, lambda reader: None)
+
+
+def _array(reader: _ChunkReader, limit: int) -> np.ndarray:
+    """A .npy array from the stream, refused before allocation when its header promises more than
+    `limit` bytes (the manifest's size) or Python objects."""
+    fmt = np.lib.format
+    version = fmt.read_magic(reader)
+    read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, fortran, dtype = read_header(reader)
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype.hasobject or fortran or count * dtype.itemsize > limit:
+        raise ValueError(f"array header {shape} {dtype} does not fit the file's {limit} bytes")
+    array = np.empty(shape, dtype)
+    view = memoryview(array.reshape(-1)).cast("B")
+    for i in range(0, len(view), CHUNK):
+        piece = reader.read(min(CHUNK, len(view) - i))
+        if len(piece) != min(CHUNK, len(view) - i):
+            raise EOFError(f"the array ends after {i + len(piece)} of {len(view)} bytes")
+        view[i:i + len(piece)] = piece
+    return array
+
+
+def _array_of(manifest: dict, name: str):
+    return lambda reader: _array(reader, manifest["files"][name]["bytes"])
 
 
 def check_job(manifest: dict, job: dict) -> None:
@@ -268,36 +389,75 @@ def check_job(manifest: dict, job: dict) -> None:
                              f"this fit's is {want[key]!r}")
 
 
-def load_params(manifest: dict) -> np.ndarray:
-    with open(os.path.join(manifest["directory"], PARAMS), "rb") as f:
-        return np.load(f, allow_pickle=False)
+def manifest_for(cfg, epochs_done: int, rank: int) -> dict:
+    """The checkpoint after `epochs_done` epochs that the relay restarted this attempt at (WELCOME's
+    "checkpoint" note, `rollback_point`): the fit's resume_from, or one this fit wrote."""
+    if cfg.resume is not None and cfg.resume["epochs_done"] == epochs_done:
+        return cfg.resume
+    if cfg.checkpoint is None:
+        raise CheckpointError(f"the relay restarted at the checkpoint after epoch {epochs_done}, but this fit "
+                              "has no checkpoint_dir")
+    return parse_manifest(worker_store(cfg, "checkpoint", rank), epoch_dir(epochs_done), "checkpoint")
 
 
-def load_rank(resume: dict, worker) -> None:
+def rollback_point(plan: CheckpointPlan | None, resume: dict | None, stores: dict, first_epoch: int,
+                   steps_per_epoch: int, complete_through: int):
+    """RelayCore's `rollback` for a fit with checkpoints: the latest complete checkpoint of this fit whose
+    step the relay's log has reached (or the fit's resume_from, at step -1), as (step the log holds it
+    through, parameters, epochs done in this fit's log, whole-training epochs done); None without one.
+    `stores`: the driver's, by source ("checkpoint", "resume").
+
+    A checkpoint that does not read back whole (a file missing, truncated or changed) is passed over
+    for the one before it: a retried stage never starts from half a checkpoint."""
+    if plan is not None:
+        store = stores["checkpoint"]
+        for e in reversed(_epochs_in(store)):
+            if e <= first_epoch or (e - first_epoch) * steps_per_epoch - 1 > complete_through:
+                continue
+            try:
+                manifest = read_manifest(store, epoch_dir(e), "checkpoint")
+                if manifest["job"] == plan.job:
+                    return _point(store, manifest, first_epoch, steps_per_epoch)
+            except CheckpointError:
+                continue  # cut short (no manifest yet) or damaged: the one before it
+    if resume is not None:
+        return _point(stores["resume"], resume, first_epoch, steps_per_epoch)
+    return None
+
+
+def _point(store, manifest: dict, first_epoch: int, steps_per_epoch: int):
+    local = manifest["epochs_done"] - first_epoch
+    return local * steps_per_epoch - 1, load_params(store, manifest), local, manifest["epochs_done"]
+
+
+def load_params(store, manifest: dict) -> np.ndarray:
+    """The checkpoint's shared state, checked against its digest (it may have changed since it was read)."""
+    return _read_checked(store, manifest, PARAMS, _array_of(manifest, PARAMS))
+
+
+def load_rank(manifest: dict, worker) -> None:
     """Worker state from a checkpoint the driver verified; re-checked here (the files may have changed
     since), all of it before any of it is loaded."""
-    import io
-
     import torch
 
-    directory, rank = resume["directory"], worker.rank
-    names = [f"rank-{rank}/{n}" for n in ("residual.npy", "local.pt", "state.json")]
-    blobs = {}
-    for name in names:
-        verify(directory, name, resume["files"][name])
-        with open(os.path.join(directory, name), "rb") as f:
-            blobs[name] = f.read()
-    residual = np.load(io.BytesIO(blobs[names[0]]), allow_pickle=False)
-    local = torch.load(io.BytesIO(blobs[names[1]]), weights_only=True)
-    meta = json.loads(blobs[names[2]])
+    rank = worker.rank
+    store = worker_store(worker.cfg, manifest["source"], rank)
+    directory = manifest["directory"]
+    name = f"rank-{rank}/residual.npy"
+    residual = _read_checked(store, manifest, name, _array_of(manifest, name))
+    # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
+    local = _read_checked(store, manifest, f"rank-{rank}/local.pt",
+                          lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
+    meta = _read_checked(store, manifest, f"rank-{rank}/state.json", lambda reader: json.loads(reader.read()))
     state = worker.state
     if residual.shape != tuple(state.residual.shape):
         raise CheckpointError(f"checkpoint {directory}: rank {rank}'s residual has shape {residual.shape}, "
-                                f"the model {tuple(state.residual.shape)}")
+                              f"the model {tuple(state.residual.shape)}")
     if isinstance(state.residual, np.ndarray):
         np.copyto(state.residual, residual)
     else:
         state.residual.copy_(torch.from_numpy(residual))
+    del residual
     worker.optimizer.load_state_dict(local["optimizer"])
     if worker.scheduler is not None and local["scheduler"] is not None:
         worker.scheduler.load_state_dict(local["scheduler"])
@@ -309,3 +469,38 @@ def load_rank(resume: dict, worker) -> None:
     worker.precision.skipped = meta["skipped_steps"]
     if worker.precision.scaler is not None and meta["scaler"] is not None:
         worker.precision.scaler.load_state_dict(meta["scaler"])
+    _load_stopping(worker, meta.get("stopping"))
+    worker.restored = True  # its lr schedule and batch counters are the checkpoint's (Worker.run)
+
+
+# ------------------------------------------------------------------------------------------ the driver
+def open_stores(checkpoint_dir: str | None, resume_from, spark_context) -> tuple[dict, dict | None]:
+    """The driver's stores by source ({"checkpoint": ..., "resume": ...}) and resume_from's manifest,
+    every file of it checked; checkpoint_dir writable and holding no later checkpoints. All before any
+    Spark job."""
+    stores: dict = {}
+    resume = None
+    if resume_from is not None:
+        root = checkpoint_root(resume_from, "resume_from")
+        try:
+            store = stores["resume"] = driver_store(root, spark_context)
+        except Exception as e:  # noqa: BLE001 - Hadoop's error (no FileSystem for the scheme, ...) via Py4J
+            raise ValueError(f"resume_from={root!r} cannot be read: {error_line(e)}") from e
+        resume = read_manifest(store, find(store), "resume")
+    if checkpoint_dir is not None:
+        try:
+            store = stores["checkpoint"] = driver_store(checkpoint_dir, spark_context)
+        except Exception as e:  # noqa: BLE001 - as above
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} is not writable: {error_line(e)}") from e
+        check_writable(store)
+        check_fresh(store, 0 if resume is None else resume["epochs_done"])
+    return stores, resume
+
+
+def start_service(stores: dict, key: bytes, bind: str, timeout: float):
+    """The driver's checkpoint service (ckpt_service.py) when a store is not local, else None."""
+    if all(isinstance(store, LocalStore) for store in stores.values()):
+        return None
+    from gradshare.ckpt_service import CheckpointService
+
+    return CheckpointService(stores, key, bind, timeout).start()

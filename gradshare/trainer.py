@@ -14,11 +14,16 @@ data raised) reports it to the relay, and the driver cancels the job at once and
 (issue 11) instead of waiting out Spark's stage retries.
 
 Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a worker process dies.
-The new attempt joins the relay with a higher attempt number and continues from the relay's
-parameters and step (the relay's `complete_through + 1`). What a restart loses: every worker's
-optimizer state (Adam moments, momentum buffers), its residual (sub-threshold update mass not yet
-sent) and the threshold rule's adaptation; they restart from zero / the initial τ. A new fit started
-with `resume_from=` a checkpoint (checkpoint_dir=) keeps them all (gradshare/checkpoint.py).
+The new attempt joins the relay with a higher attempt number. With checkpoints (checkpoint_dir= or
+resume_from=), the relay rolls the whole fit back to the last complete one: its parameters, the log
+restarted after its step, and every rank loads its residual, optimizer, scheduler, RNG, τ rule and
+early-stopping state from it, so at staleness 0 the retried fit ends bit-identical to an uninterrupted
+one (the epochs after the checkpoint run again; their rows are the rerun's, the killed attempt's rows
+of the epochs before it stay). Without one it continues from the relay's parameters and step (the
+relay's `complete_through + 1`) and loses every worker's optimizer state (Adam moments, momentum
+buffers), its residual (sub-threshold update mass not yet sent) and the threshold rule's adaptation;
+they restart from zero / the initial τ. Either way the relay hands the new attempt rank 0's early-stopping
+state and any stop already decided (WELCOME's notes), so a retried stage keeps them.
 
 Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
 state: each step's change of them travels exactly, averaged over the workers, in the same log as the
@@ -143,7 +148,7 @@ class SharedTrainer:
         the optimizer: ``optimizer=gradshare.losses.clip_grad_norm(factory, max_norm)``. Without a
         `metric`, validation reports the hook's loss. Giving both `loss` and `train_step` is an error.
     optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3, fused=True)`` (`default_optimizer`).
-        Optimizer state stays on each worker (DL4J's design) and is lost on a restart.
+        Optimizer state stays on each worker (DL4J's design) and is lost on a restart without a checkpoint.
     threshold: "auto" (default): each worker derives τ before every step from a sample of its residual
         so that about ``density`` of the entries cross it (`CalibratedThreshold`; no tuning, no silent
         step). A number: τ itself, the initial threshold (Strom 2015), meant for the optimizer's initial
@@ -218,9 +223,10 @@ class SharedTrainer:
         same epoch. ``result.extra["stopped_epoch"]`` is E (None: every epoch ran); history has epochs
         0..E only. extra["stop_requested_epoch"]: the epoch whose end asked for the stop; a request that
         comes too late for every rank to end after a common epoch before the last is not carried out and
-        shows only there. Known limit: a retried stage (a worker's process died) forgets a stop decided
-        before the restart (the relay does not keep it across attempts yet) and restarts the rule's
-        count (patience) from zero, so such a fit may run every epoch.
+        shows only there. A retried stage (a worker's process died) keeps the rule's state and a stop
+        decided before it: the relay records both from rank 0's messages and hands them to the new
+        attempt (a checkpoint holds them too). Without a checkpoint, an epoch whose end the killed
+        attempt reached but whose score no applied message carried yet is not scored.
     on_epoch_end: a callable or a list of them, ``fn(row) -> stop?``, run on rank 0 (inside its Spark
         task, so prints go to the executor's log) after each epoch is scored, with rank 0's history row
         (its own loss, val_metric, τ, ...). A truthy return asks for a stop, carried as early_stopping's.
@@ -253,12 +259,15 @@ class SharedTrainer:
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
         the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
-    checkpoint_dir: None, or a local directory (or file: URI) shared by the executors (local[N],
-        local-cluster, a shared mount): after every `checkpoint_every`-th epoch and the last, each worker
-        writes its residual, optimizer, lr scheduler, CPU RNG and integer buffers, its τ rule and loss
-        scaler, and rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
-        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed). Needs
-        staleness 0 and the same steps per epoch on every partition; Hadoop-FS URIs are refused for now.
+    checkpoint_dir: None, a local directory (or file: URI) shared by the executors (local[N],
+        local-cluster, a shared mount), or any Hadoop-FS URI (hdfs://, s3a://, ...: written through
+        Spark's FileSystem API on the driver, the workers stream their files to it; ckpt_service.py):
+        after every `checkpoint_every`-th epoch and the last, each worker writes its residual, optimizer,
+        lr scheduler, CPU RNG and integer buffers, its τ rule, loss scaler and early-stopping state, and
+        rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
+        `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed), and a retried
+        stage restarts at the last one (module docstring, "Restart"). Needs staleness 0 and the same
+        steps per epoch on every partition.
     checkpoint_every: epochs between checkpoints (default 1).
     """
 
@@ -366,9 +375,9 @@ class SharedTrainer:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_dir = None
         if checkpoint_dir is not None:
-            from gradshare.checkpoint import local_dir
+            from gradshare.checkpoint import checkpoint_root
 
-            self.checkpoint_dir = local_dir(checkpoint_dir, "checkpoint_dir")
+            self.checkpoint_dir = checkpoint_root(checkpoint_dir, "checkpoint_dir")
             _check_checkpoint_staleness("checkpoint_dir", staleness)
         if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
@@ -530,10 +539,11 @@ class SharedTrainer:
         incidents (README "Liveness").
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
-        latest complete checkpoint): the fit continues after epoch E-1 up to `epochs` in all, from the
+        latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
         saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
         state (gradshare/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
-        the start of the whole training; extra["resumed_from"] names the checkpoint.
+        the start of the whole training; extra["resumed_from"] names the checkpoint. extra["rolled_back"]:
+        each time a retried stage restarted at a checkpoint ({"attempt", "from", "to"}: log steps).
         """
         import torch
 
@@ -549,14 +559,6 @@ class SharedTrainer:
         from gradshare.worker import steps_per_epoch as steps_in
 
         t_start = time.monotonic()
-        resume = self._read_checkpoint(resume_from)  # a corrupt one fails here, before any Spark job
-        if self.checkpoint_dir is not None:
-            from gradshare.checkpoint import check_fresh, check_writable
-
-            check_writable(self.checkpoint_dir)
-            check_fresh(self.checkpoint_dir, 0 if resume is None else resume["epochs_done"])
-        model = self._build_model()
-        self._check_scheduler(model)
         rdd = self._to_rdd(data, features_col, label_col)
         shards = None
         if is_distributed(self.validation_data):  # its columns are checked here, before any Spark job
@@ -564,6 +566,9 @@ class SharedTrainer:
 
             shards = validation_rows(self.validation_data, data, features_col, label_col)
         sc = rdd.context
+        stores, resume = self._open_checkpoints(resume_from, sc)  # a corrupt one fails here, before any Spark job
+        model = self._build_model()
+        self._check_scheduler(model)
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
             # Always a shuffle: Spark refuses a barrier stage over a coalesced RDD, whose parent has
             # another partition count (SPARK-24820), so coalesce(n) would fail once the job starts.
@@ -617,7 +622,7 @@ class SharedTrainer:
         if resume is not None:
             from gradshare.checkpoint import load_params
 
-            initial = load_params(resume)  # shapes checked by _checkpoint_plan, contents by the manifest
+            initial = load_params(stores["resume"], resume)  # shapes checked by _checkpoint_plan, contents by the manifest
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
@@ -628,8 +633,11 @@ class SharedTrainer:
                       apply_update=functools.partial(apply_update, scale=scale),
                       on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
                       join_window=self._join_window(load_seconds),
+                      rollback=_rollback(saving, resume, stores, first_epoch, steps_per_epoch),
                       **_snapshot_options(host, self.datagram_size)).start()
+        service = None
         try:
+            saving, resume, service = _serve_checkpoints(stores, saving, resume, key, self.bind, host, self.timeout)
             cfg = pack_user_objects(WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
                 model=shipped, loss=getattr(plan.step, "loss", None), optimizer=self.optimizer,
@@ -649,9 +657,11 @@ class SharedTrainer:
             final = relay.params
             relay_hash = relay.param_hash()
             counters = dict(relay.counters())
-            tallies, incidents = relay.epoch_tallies(), relay.incidents()
+            tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
         finally:
             relay.close()
+            if service is not None:
+                service.close()
 
         bad = [(r["rank"], r["param_hash"]) for r in reports if r["param_hash"] != relay_hash]
         if bad:
@@ -676,18 +686,22 @@ class SharedTrainer:
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
                    "stopped_epoch": _offset(stopped, first_epoch),
                    "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
-                   "resumed_from": None if resume is None else resume["directory"]},
+                   "resumed_from": None if resume is None else resume["directory"],
+                   # a retried stage restarted at a checkpoint: the steps it went back from and to
+                   "rolled_back": rolled_back},
             skipped_steps=skipped,
         )
 
-    def _read_checkpoint(self, resume_from):
-        """resume_from's manifest, every file checked against it (checkpoint.py); None without one."""
-        if resume_from is None:
-            return None
-        from gradshare.checkpoint import find, read_manifest
+    def _open_checkpoints(self, resume_from, sc) -> tuple[dict, dict | None]:
+        """The driver's checkpoint stores and resume_from's manifest, every file checked against it
+        (checkpoint.py); ({}, None) without checkpoints."""
+        if resume_from is None and self.checkpoint_dir is None:
+            return {}, None
+        from gradshare.checkpoint import open_stores
 
-        _check_checkpoint_staleness("resume_from", self.staleness)
-        return read_manifest(find(resume_from))
+        if resume_from is not None:
+            _check_checkpoint_staleness("resume_from", self.staleness)
+        return open_stores(self.checkpoint_dir, resume_from, sc)
 
     def _checkpoint_plan(self, model, world: int, steps_per_epoch: tuple, resume):
         """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
@@ -766,6 +780,31 @@ class SharedTrainer:
 
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
+
+
+def _rollback(saving, resume, stores: dict, first_epoch: int, steps_per_epoch: tuple):
+    """The relay's `rollback` (relay_core): with checkpoints, a retried stage restarts at the last one."""
+    if saving is None and resume is None:
+        return None
+    from gradshare.checkpoint import rollback_point
+
+    return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])
+
+
+def _serve_checkpoints(stores: dict, saving, resume, key: bytes, bind: str, host: str, timeout: float):
+    """A Hadoop-FS checkpoint_dir or resume_from: start the driver's checkpoint service and tell the
+    workers where it is (checkpoint.py); local ones need none. (plan, resume manifest, service or None)."""
+    from dataclasses import replace
+
+    from gradshare.checkpoint import start_service
+
+    service = start_service(stores, key, bind, timeout)
+    if service is None:
+        return saving, resume, None
+    address = (host, service.address[1])
+    saving = None if saving is None else replace(saving, service=address)
+    resume = None if resume is None else {**resume, "service": address}
+    return saving, resume, service
 
 
 def _check_checkpoint_staleness(argument: str, staleness: int) -> None:
@@ -950,7 +989,9 @@ def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epoch
                 "silent_steps": tally["silent"],
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
                 "bytes_sent": row["bytes_sent"] if row else 0, "bytes_received": row["bytes_received"] if row else 0,
-                "seconds": row["seconds"] if row else 0.0, "val_metric": row["val_metric"] if row else None,
+                "seconds": row["seconds"] if row else 0.0,
+                # rank 0's score: its own row's, or the one its next message carried (a killed attempt's)
+                "val_metric": row["val_metric"] if row and row["val_metric"] is not None else tally.get("val_metric"),
                 "resumed": tally["resumed"],  # its steps were applied in more than one attempt
                 "skipped_steps": spe - tally["steps"],
             }

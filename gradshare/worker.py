@@ -25,8 +25,8 @@ point; afterwards P is restored bit for bit (exact for one worker, partial for s
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
-them from zero — that is what a restart loses — unless the fit resumes from a checkpoint
-(gradshare/checkpoint.py), which holds them.
+them from zero — that is what a restart loses — unless there is a checkpoint (gradshare/checkpoint.py),
+which holds them: a fit resumed from one, or a retried stage, which the relay restarts at the last one.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ApplyLog:
                 self.pending.append(u)
             else:
                 # older than a resumed attempt's start: inside its snapshot. (The relay starts a new
-                # attempt's log at its start, so a stop decided before a restart is not seen here.)
+                # attempt's log at its start; a stop decided before it comes in WELCOME's notes.)
                 self._note_stop(u)
 
     def _note_stop(self, u) -> None:
@@ -234,9 +234,13 @@ class Worker:
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
         self.stop_sent = False
+        self.inherited_stop: int | None = None  # a stop the log decided before this attempt (`inherit`)
+        self.restored = False  # state loaded from a checkpoint: the schedule and counters are where it left them
+        self.epoch_notes: dict = {}  # rank 0: its epoch end (score, rule state) for its next message's meta
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self.shard = None  # this rank's validation rows (cfg.shards; None: none or an empty shard)
         self.gather: Callable | None = None  # the barrier's allGather (str -> list[str]) that reduces shard scores
+        self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self._order_epoch = -1
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
@@ -286,8 +290,26 @@ class Worker:
             stop = bool(callback(dict(row))) or stop
         if self.stopper is not None:
             stop = should_stop(self.stopper, row) or stop
+            if self.stopper.best is not None:
+                self.epoch_notes["es_best"] = self.stopper.best
+            self.epoch_notes["es_waited"] = self.stopper.waited
+        if row["val_metric"] is not None:  # the relay keeps it for the epoch's row (a retried stage's history)
+            self.epoch_notes.update(val_epoch=row["epoch"], val_metric=row["val_metric"])
         if stop and self.stop_requested is None:
             self.stop_requested = row["epoch"]
+
+    def inherit(self, notes: dict) -> None:
+        """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
+        relay_core.AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
+        if "stop_epoch" in notes:
+            self.inherited_stop = int(notes["stop_epoch"])
+        if self.rank != 0:
+            return
+        if "stop_requested" in notes:  # sent in a message the log holds: never sent twice
+            self.stop_requested, self.stop_sent = int(notes["stop_requested"]), True
+        if self.stopper is not None and "es_waited" in notes:
+            self.stopper.best = notes.get("es_best")
+            self.stopper.waited = int(notes["es_waited"])
 
     def _score(self, scores: deque, upto: int, history: list[dict]) -> None:
         """Score every epoch (entries (epoch, log step)) whose log step is <= `upto`, each on the log
@@ -385,6 +407,9 @@ class Worker:
                 "bytes": float(len(payload)), "epoch": float(epoch - self.cfg.first_epoch)}
         if taken:  # a skipped fp16 step's empty message carries a placeholder τ, not one that was used
             meta["tau"] = msg.threshold
+        if self.epoch_notes:  # rank 0's last epoch end: the relay keeps it for a retried stage
+            meta.update(self.epoch_notes)
+            self.epoch_notes = {}
         lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
@@ -392,6 +417,7 @@ class Worker:
             self.stop_sent = True  # one decision; a stop that comes too late to shorten any rank sends none
             cfg = self.cfg
             stop = stop_epoch(t, cfg.staleness, cfg.steps_per_epoch, cfg.epochs)
+            meta["stop_requested"] = float(self.stop_requested)
             if stop is not None:
                 meta["stop_epoch"] = float(stop)
         peer.send_update(t, payload, meta)
@@ -454,9 +480,13 @@ class Worker:
         prof = self.profile
         log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof, scale=cfg.apply_scale)
         self.log = log
+        log.stop_epoch = self.inherited_stop
+        if log.stop_epoch is not None:  # decided before this attempt: this rank may even be done already
+            total = min(total, (log.stop_epoch + 1) * spe)
         history: list[dict] = []
-        self._resume_schedule(start_step, spe)
-        self._resume_counters(start_step)
+        if not self.restored:  # a checkpoint's state already has them where its step left them
+            self._resume_schedule(start_step, spe)
+            self._resume_counters(start_step)
         acc = self._fresh_epoch(peer)
         scores: deque = deque(self._shard_points(start_step))  # (epoch, the log step that scores it)
         t0 = time.monotonic()
@@ -484,11 +514,12 @@ class Worker:
                     scores.append((epoch, cfg.final_step if t == total - 1 else t))
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
-                self._checkpoint(epoch + cfg.first_epoch, t, total)
+                self._checkpoint(epoch + cfg.first_epoch, t, total, scores, history)
                 acc = self._fresh_epoch(peer)
             t += 1
         prof.finish()
-        peer.finish(total - 1)
+        # a rank whose last step the log held before this attempt's start has nothing to send in it
+        peer.finish(max(total, start_step) - 1)
         self._score(scores, cfg.final_step, history)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
         from gradshare.flat import int_buffers
@@ -526,20 +557,27 @@ class Worker:
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
 
-    def _checkpoint(self, epoch: int, t: int, total: int) -> None:
+    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque, history: list[dict]) -> None:
         """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
         parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
-        next step would apply the log through t first anyway: applying it now changes nothing."""
+        next step would apply the log through t first anyway: applying it (and scoring the epoch, which
+        would happen before that step) now changes nothing, and the checkpoint then holds the rule's
+        state and stop request after this epoch: a fit resumed from it decides as an uninterrupted one."""
         plan = self.cfg.checkpoint
         if plan is None or ((epoch + 1) % plan.every and t != total - 1):
             return
         from gradshare.checkpoint import write_manifest, write_rank
 
+        self._score(scores, t, history)
         self.log.apply_through(t)
         t0 = time.monotonic()
-        write_rank(plan, epoch + 1, self, self.cfg.job_id)
+        if self.checkpoint_store is None:
+            from gradshare.checkpoint import worker_store
+
+            self.checkpoint_store = worker_store(self.cfg, "checkpoint", self.rank)
+        write_rank(plan, epoch + 1, self, self.cfg.job_id, self.checkpoint_store)
         if self.rank == 0:
-            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id)
+            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id, self.checkpoint_store)
         self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
@@ -722,10 +760,12 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
         # the initial parameters (start 0) or, in a retried stage, the relay's current ones
         t_load = time.monotonic()
         _load_from_relay(peer, worker.flat, start, cfg.timeout)
-        if cfg.resume is not None and start == 0:  # a retried stage keeps what its first attempt learnt
-            from gradshare.checkpoint import load_rank
+        notes = dict(info.notes)
+        worker.inherit(notes)
+        if "checkpoint" in notes:  # the relay restarted the log at a checkpoint: the rest of the state too
+            from gradshare.checkpoint import load_rank, manifest_for
 
-            load_rank(cfg.resume, worker)
+            load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load

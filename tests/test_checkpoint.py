@@ -11,9 +11,10 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.checkpoint import MANIFEST
+from gradshare.checkpoint import MANIFEST, CheckpointPlan, rollback_point
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import CheckpointError
+from gradshare.stores import HadoopStore
 from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
@@ -48,10 +49,15 @@ def checkpointed(rdd, tmp_path_factory):
     return root, trainer(2, checkpoint_dir=root).fit(rdd)
 
 
-def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(rdd, checkpointed):
+@pytest.fixture(scope="module")
+def whole(rdd):
+    """The uninterrupted 4-epoch fit every resumed one must equal."""
+    return trainer(4).fit(rdd)
+
+
+def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(rdd, checkpointed, whole):
     root, first = checkpointed
     assert sorted(os.listdir(root)) == ["epoch-00001", "epoch-00002"]
-    whole = trainer(4).fit(rdd)
     resumed = trainer(4).fit(rdd, resume_from=root)  # the dir: its latest checkpoint, after epoch 1
     assert resumed.param_hash == whole.param_hash
     assert [h["epoch"] for h in resumed.history] == [2, 3]
@@ -112,9 +118,51 @@ def test_bad_checkpoint_options(rdd, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="checkpoint_dir=.* is not writable"):
         trainer(1, checkpoint_dir=str(blocker / "ckpt")).fit(rdd)
-    with pytest.raises(ValueError, match="only local paths"):
-        trainer(1, checkpoint_dir="hdfs://namenode/ckpt")
+    with pytest.raises(ValueError, match='checkpoint_dir=.* is not writable: .*No FileSystem for scheme "nosuchfs"'):
+        trainer(1, checkpoint_dir="nosuchfs://somewhere/ckpt").fit(rdd)
     with pytest.raises(ValueError, match="staleness=0"):
         trainer(1, checkpoint_dir=str(tmp_path), staleness=1)
     with pytest.raises(ValueError, match="checkpoint_every"):
         trainer(1, checkpoint_dir=str(tmp_path), checkpoint_every=0)
+
+
+# ------------------------------------------------------------------------------------ through Hadoop's FileSystem
+@pytest.fixture(scope="module")
+def viewfs(spark, tmp_path_factory):
+    """A Hadoop-FS URI that is no local path: viewfs://gradshare-test/ckpt, a Hadoop mount of a local
+    directory (Hadoop's ViewFileSystem). Executors cannot open it with file I/O: workers must reach it
+    through the driver's checkpoint service, and the driver through Spark's FileSystem API."""
+    local = tmp_path_factory.mktemp("hadoop")
+    spark.sparkContext._jsc.hadoopConfiguration().set("fs.viewfs.mounttable.gradshare-test.link./ckpt",
+                                                      f"file://{local}")
+    return "viewfs://gradshare-test/ckpt", str(local)
+
+
+def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(spark, rdd, viewfs, whole):
+    uri, local = viewfs
+    first = trainer(2, checkpoint_dir=f"{uri}/run").fit(rdd)
+    # the files are there, written through Hadoop (its local filesystem leaves .crc checksum files)
+    assert sorted(n for n in os.listdir(os.path.join(local, "run")) if n.startswith("epoch-")) == [
+        "epoch-00001", "epoch-00002"]
+    assert os.path.exists(os.path.join(local, "run", "epoch-00002", ".manifest.json.crc"))
+    assert param_hash(np.load(os.path.join(local, "run", "epoch-00002", "params.npy"))) == first.param_hash
+    # resumed through the same API: the driver reads the manifest and parameters, the workers their state
+    resumed = trainer(4, checkpoint_dir=f"{uri}/more").fit(rdd, resume_from=f"{uri}/run")
+    assert resumed.param_hash == whole.param_hash
+    assert resumed.extra["resumed_from"] == f"{uri}/run/epoch-00002"
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history[2:]]
+    assert sorted(n for n in os.listdir(os.path.join(local, "more")) if n.startswith("epoch-")) == [
+        "epoch-00003", "epoch-00004"]
+    # a retried stage's rollback point, read through Hadoop by the relay: the latest checkpoint the log
+    # has reached (5 steps an epoch: epoch-00002 holds the log through step 9)
+    job = json.load(open(os.path.join(local, "run", "epoch-00002", MANIFEST)))["job"]
+    plan, stores = CheckpointPlan(f"{uri}/run", 1, job), {"checkpoint": HadoopStore(spark.sparkContext, f"{uri}/run")}
+    assert rollback_point(plan, None, stores, 0, 5, 3) is None  # before the first checkpoint: none
+    through, params, done, _ = rollback_point(plan, None, stores, 0, 5, 12)
+    assert (through, done) == (9, 2) and param_hash(params) == first.param_hash
+    # a damaged file is refused before any job, as on the local path; a rollback passes over it
+    with open(os.path.join(local, "run", "epoch-00002", "rank-1", "state.json"), "r+b") as f:
+        f.write(b"#")
+    with pytest.raises(CheckpointError, match="state.json is corrupt"):
+        trainer(4).fit(rdd, resume_from=f"{uri}/run")
+    assert rollback_point(plan, None, stores, 0, 5, 12)[:1] == (4,)  # epoch-00001's step

@@ -16,6 +16,7 @@ MAX_WORLD_SIZE = 1024
 STATUS_PAGE_RANKS = 64
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
 MAX_NAK_ITEMS = 64
+MAX_NOTES = 16             # WELCOME: (name, value) notes an attempt inherits
 MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
 MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits one datagram)
 
@@ -47,12 +48,19 @@ class Welcome:
     world_size: int
     start_step: int          # first step of this attempt's log (0 fresh, complete_through+1 on resume)
     complete_through: int
+    # what the attempt inherits besides the parameters (relay_core.AttemptNotes): rank 0's early-stopping
+    # state and decision, the checkpoint a retried stage rolled back to; (name, value) pairs
+    notes: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("n_params", self.n_params, 1, 1 << 40)
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("start_step", self.start_step, 0, MAX_STEP)
         _check_step("complete_through", self.complete_through)
+        if not isinstance(self.notes, tuple) or len(self.notes) > MAX_NOTES or not all(
+                isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], str) and 0 < len(n[0]) <= 32
+                and isinstance(n[1], float) for n in self.notes):
+            raise ValueError(f"notes must be at most {MAX_NOTES} (name, float) pairs, names of 1..32 characters")
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,12 @@ class Relay:
         with self._lock:
             return {k: t.as_dict() for k, t in self._core.epochs.items()}
 
+    def rolled_back(self) -> list[dict]:
+        """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
+        "to": the checkpoint's step} (RelayCore's `rollback`)."""
+        with self._lock:
+            return list(self._core.rolled_back)
+
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""
         deadline = time.monotonic() + timeout

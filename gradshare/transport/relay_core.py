@@ -23,7 +23,12 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
   ``step_timeout`` s is a fatal "stuck" incident. Every suspicion, cut and give-up is an ``Incident``
   in ``incidents`` (bounded), the first cause the driver reports;
 - accounts every applied update's meta per (rank, epoch) in ``epochs`` (bounded), so the history of a
-  retried stage includes the steps of the attempts before it;
+  retried stage includes the steps of the attempts before it (rank 0's validation score of an epoch
+  too, from the message after it scored it);
+- keeps what a new attempt inherits besides the parameters (``AttemptNotes``): rank 0's early-stopping
+  state and stop decision as of the cut, handed over in WELCOME's notes; and, given a ``rollback``
+  (checkpoints, issue 14), restarts a retried stage's log at the last checkpoint instead of at
+  ``complete_through + 1``: the parameters, tallies and notes go back to that step;
 - serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
   job on it (issue 11).
@@ -111,13 +116,14 @@ MAX_EPOCH_ROWS = 1 << 16
 class EpochTally:
     """What the applied log says about one (rank, epoch): sums of its steps' meta (issue 12)."""
 
-    __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "first_attempt", "last_attempt")
+    __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "val_metric", "first_attempt",
+                 "last_attempt")
 
     def __init__(self, attempt: int) -> None:
         self.steps = 0
         self.loss = self.sparsity = self.payload = 0.0
         self.silent = 0
-        self.tau = self.lr = None
+        self.tau = self.lr = self.val_metric = None
         self.first_attempt = self.last_attempt = attempt
 
     def add(self, meta: dict, attempt: int) -> None:
@@ -133,8 +139,43 @@ class EpochTally:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "loss": self.loss, "sparsity": self.sparsity, "payload": self.payload,
-                "silent": self.silent, "tau": self.tau, "lr": self.lr,
+                "silent": self.silent, "tau": self.tau, "lr": self.lr, "val_metric": self.val_metric,
                 "resumed": self.first_attempt != self.last_attempt}
+
+
+# rank 0's meta keys that a new attempt inherits (worker.py sends them, stopping.py defines them)
+NOTE_KEYS = ("es_best", "es_waited", "stop_epoch", "stop_requested")
+
+
+class AttemptNotes:
+    """Rank 0's epoch-end state as the applied log carries it: (step, {key: value}) in log order, one
+    entry per message that carried any of NOTE_KEYS (at most one per epoch), bounded. `at(step)` is the
+    state after the log through `step`: what an attempt that starts after `step` inherits."""
+
+    def __init__(self, limit: int = MAX_EPOCH_ROWS) -> None:
+        self.entries: list[tuple[int, dict]] = []
+        self.limit = limit
+        self.dropped = 0
+
+    def add(self, step: int, meta: dict) -> None:
+        found = {k: float(meta[k]) for k in NOTE_KEYS if k in meta}
+        if not found:
+            return
+        if len(self.entries) >= self.limit:  # a fit of more epochs than this keeps its newest state
+            self.entries.pop(0)
+            self.dropped += 1
+        self.entries.append((step, found))
+
+    def cut(self, step: int) -> None:
+        """Forget what steps after `step` said (a rollback to a checkpoint at `step`)."""
+        self.entries = [(t, found) for t, found in self.entries if t <= step]
+
+    def at(self, step: int) -> tuple[tuple[str, float], ...]:
+        state: dict = {}
+        for t, found in self.entries:
+            if t <= step:
+                state.update(found)
+        return tuple(sorted(state.items()))
 
 
 class Snapshot:
@@ -196,7 +237,13 @@ class RelayCore:
                  snapshot_rate: float = 50e6, snapshot_burst: int = 1 << 20,
                  snapshot_datagram_size: int | None = None, max_snapshots: int = 2,
                  defer_apply: bool = False, on_rank_loss: str = "wait", give_up_after: float = 60.0,
-                 join_window: float | None = None, step_timeout: float | None = None) -> None:
+                 join_window: float | None = None, step_timeout: float | None = None,
+                 rollback: Callable[[int], Any] | None = None) -> None:
+        """rollback: None, or ``rollback(complete_through) -> None | (through, params, epochs_done, note)``,
+        asked when a new attempt starts: the log restarts after step `through` (<= complete_through) from
+        `params` (the state the log holds through it), per-(rank, epoch) tallies of epochs >= epochs_done
+        (counted in the log's epochs) are dropped, and WELCOME's notes add ``("checkpoint", note)``.
+        The trainer's reads the last checkpoint (checkpoint.py); it is called under the relay's lock."""
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
             raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
@@ -215,6 +262,10 @@ class RelayCore:
         self.give_up_after = float(give_up_after)
         self.join_window = float(join_window if join_window is not None else liveness_timeout)
         self.step_timeout = step_timeout
+        self.rollback = rollback
+        self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
+        self.attempt_notes: tuple[tuple[str, float], ...] = ()  # what this attempt's WELCOME hands over
+        self.rolled_back: list[dict] = []                # one entry per rollback: the attempt and the step
         self.params = np.array(params, dtype=np.float32, copy=True)
         self.n_params = int(params.size)
         self.world_size = world_size
@@ -561,16 +612,33 @@ class RelayCore:
         rs.left = False
         self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
-                                  self.complete_through))
+                                  self.complete_through, self.attempt_notes))
         for page in range(self.status_pages):
             self._send(rs, self._status(page))
         if first:
             self._events.append(ev.PeerJoined(rs.rank, h.attempt, addr))
 
     def _start_attempt(self, attempt: int, now: float) -> None:
-        """A retried stage: drop everything after complete_through and restart the log after it."""
+        """A retried stage: drop everything after complete_through (or after the checkpoint `rollback`
+        names) and restart the log after it."""
         self.apply_pending()                   # complete_through must be current before it becomes the cut
         base = self.complete_through + 1
+        extra: tuple = ()
+        point = None if self.rollback is None else self.rollback(self.complete_through)
+        if point is not None:
+            through, params, epochs_done, note = point
+            if not -1 <= through <= self.complete_through or np.shape(params) != self.params.shape:
+                raise ValueError(f"rollback to step {through} with {np.shape(params)} values: the relay holds "
+                                 f"the log through {self.complete_through} and {self.params.shape} values")
+            np.copyto(self.params, params)
+            base = through + 1
+            self.notes.cut(through)
+            for key in [k for k in self.epochs if k[1] >= epochs_done]:  # those epochs run again, whole
+                del self.epochs[key]
+            if self.c["attempts"]:             # a retried stage (the first attempt of a resumed fit is none)
+                self.rolled_back.append({"attempt": attempt, "from": self.complete_through, "to": through})
+            extra = (("checkpoint", float(note)),)
+        self.attempt_notes = self.notes.at(base - 1) + extra
         self.attempt = attempt
         self.chan.attempt = attempt
         self.attempt_started = now
@@ -754,6 +822,10 @@ class RelayCore:
                 meta = self.pending_meta.pop(k, None)
                 if meta is not None and "epoch" in meta:
                     self._tally(k[1], int(meta["epoch"]), meta)
+                if meta is not None and k[1] == 0:
+                    self.notes.add(t, meta)
+                    if "val_epoch" in meta and "val_metric" in meta:
+                        self._tally_score(int(meta["val_epoch"]), meta["val_metric"])
             while cur.step == t:
                 if cur.next_key() is None:
                     break
@@ -771,6 +843,12 @@ class RelayCore:
                 return
             tally = self.epochs[(rank, epoch)] = EpochTally(self.attempt)
         tally.add(meta, self.attempt)
+
+    def _tally_score(self, epoch: int, value: float) -> None:
+        """Rank 0's validation score of `epoch`, from the message after it scored it (worker.py)."""
+        tally = self.epochs.get((0, epoch))
+        if tally is not None:
+            tally.val_metric = value
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:

@@ -195,7 +195,8 @@ def encode_control(msg: object) -> tuple[int, bytes]:
     if isinstance(msg, ev.Join):
         return Kind.JOIN, _pack([msg.n_params, msg.world_size])
     if isinstance(msg, ev.Welcome):
-        return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through])
+        return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through,
+                                    [list(n) for n in msg.notes]])
     if isinstance(msg, ev.Reject):
         return Kind.REJECT, _pack([msg.reason])
     if isinstance(msg, ev.Ack):
@@ -243,8 +244,10 @@ def decode_control(kind: int, body: bytes) -> object:
             n, w = f
             return ev.Join(n, w)
         if kind == Kind.WELCOME:
-            n, w, s, c = f
-            return ev.Welcome(n, w, s, c)
+            n, w, s, c, notes = f
+            if not isinstance(notes, list) or not all(isinstance(x, list) for x in notes):
+                raise DecodeError("WELCOME notes must be a list of [name, value] pairs")
+            return ev.Welcome(n, w, s, c, tuple(tuple(x) for x in notes))
         if kind == Kind.REJECT:
             (reason,) = f
             return ev.Reject(reason)
