@@ -120,6 +120,20 @@ class FitResult:
 
 
 WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
+FORWARDING = ("per-rank", "aggregate", "auto")
+# forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
+# cost the relay less than decoding N messages and re-encoding the whole model (README "Aggregated
+# forwarding", docs/bench-scale-aggregate.json)
+AGGREGATE_FROM = 8
+
+
+def forwarding_for(forwarding: str, world_size: int) -> str:
+    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM."""
+    if forwarding == "auto":
+        return "aggregate" if world_size >= AGGREGATE_FROM else "per-rank"
+    return forwarding
+
+
 DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 
 
@@ -169,6 +183,12 @@ class SharedTrainer:
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
         step of DDP's averaged gradient would; README "Convergence").
+    forwarding: how the relay shares a step's messages (issue 13 item 1; README "Aggregated
+        forwarding"): "per-rank" (default: each rank's message goes to every other rank, N·(N−1)
+        messages a step), "aggregate" (the relay adds the step's N messages into a residual of its own
+        and sends ONE re-encoded message of about one rank's size to every rank: N messages a step;
+        two-level error feedback, gradshare/encoding/aggregate.py) or "auto" ("aggregate" from
+        AGGREGATE_FROM workers on, where it measured faster). ``result.extra["forwarding"]`` says which ran.
     precision: "32" (default), "bf16-mixed" or "fp16-mixed" (Lightning's names): the forward and the loss
         run under torch.autocast with that dtype; parameters, gradients, optimizer, residual and messages
         stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
@@ -293,6 +313,7 @@ class SharedTrainer:
         scheduler_interval: str = "step",
         follow_lr: bool = True,
         aggregate: str = "sum",
+        forwarding: str = "per-rank",
         drop_last: bool | str = "auto",
         precision: str = "32",
         device: str = "auto",
@@ -330,6 +351,8 @@ class SharedTrainer:
         self.device = check_device(device)
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
+        if forwarding not in FORWARDING:
+            raise ValueError(f"forwarding must be one of {FORWARDING}, got {forwarding!r}")
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
@@ -381,6 +404,7 @@ class SharedTrainer:
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
         self.aggregate = aggregate
+        self.forwarding = forwarding
         self.drop_last = drop_last
         self.precision = precision
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
@@ -592,6 +616,14 @@ class SharedTrainer:
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
+        forwarding = forwarding_for(self.forwarding, world)
+        aggregator = None
+        if forwarding == "aggregate":
+            from gradshare.encoding.aggregate import AggregateState
+
+            # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
+            agg_rule = copy.deepcopy(rule) if _is_calibrated(rule) else None
+            aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
         host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
@@ -599,6 +631,7 @@ class SharedTrainer:
                       apply_update=functools.partial(apply_update, scale=scale),
                       on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
                       join_window=self._join_window(load_seconds),
+                      forwarding=forwarding, aggregator=aggregator,
                       **_snapshot_options(host, self.datagram_size)).start()
         try:
             cfg = pack_user_objects(WorkerConfig(
@@ -647,7 +680,8 @@ class SharedTrainer:
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
                    "stopped_epoch": _offset(stopped, first_epoch),
                    "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
-                   "resumed_from": None if resume is None else resume["directory"]},
+                   "resumed_from": None if resume is None else resume["directory"],
+                   "forwarding": forwarding},
             skipped_steps=skipped,
         )
 

@@ -15,6 +15,9 @@ MAX_WORLD_SIZE = 1024
 # 64 × (5-byte have + 11-byte ended entry) + framing ≈ 1.05 kB fits a 1400-byte datagram
 STATUS_PAGE_RANKS = 64
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
+# The origin of the relay's aggregated message of a step (forwarding="aggregate", issue 13 item 1): one
+# past the largest rank, so it sorts after every rank of a step and never names one
+AGGREGATE_ORIGIN = MAX_WORLD_SIZE
 MAX_NAK_ITEMS = 64
 MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
 MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits one datagram)
@@ -47,12 +50,15 @@ class Welcome:
     world_size: int
     start_step: int          # first step of this attempt's log (0 fresh, complete_through+1 on resume)
     complete_through: int
+    aggregate: bool = False  # the log is the relay's one aggregated message per step (issue 13 item 1)
 
     def __post_init__(self) -> None:
         _check_int("n_params", self.n_params, 1, 1 << 40)
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("start_step", self.start_step, 0, MAX_STEP)
         _check_step("complete_through", self.complete_through)
+        if type(self.aggregate) is not bool:
+            raise ValueError(f"aggregate must be a bool (got {self.aggregate!r})")
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class NakItem:
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)
-        _check_int("origin", self.origin, 0, MAX_WORLD_SIZE - 1)
+        _check_int("origin", self.origin, 0, AGGREGATE_ORIGIN)
         if len(self.chunks) > MAX_NAK_ITEMS:
             raise ValueError(f"at most {MAX_NAK_ITEMS} chunk indices per NAK item")
         for c in self.chunks:
@@ -264,7 +270,7 @@ class Update:
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)
-        _check_int("sender", self.sender, 0, MAX_WORLD_SIZE - 1)
+        _check_int("sender", self.sender, 0, AGGREGATE_ORIGIN)
         if not isinstance(self.payload, bytes):
             raise TypeError("payload must be bytes")
 

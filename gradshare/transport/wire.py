@@ -32,6 +32,7 @@ from gradshare.transport import events as ev
 MAGIC = b"GS"
 VERSION = 1
 RELAY_ID = 0xFFFF
+AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN   # the origin field of the relay's aggregated messages
 HEADER = struct.Struct("<2sBBHHQIQHIII")
 HEADER_BYTES = HEADER.size
 DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
@@ -195,7 +196,8 @@ def encode_control(msg: object) -> tuple[int, bytes]:
     if isinstance(msg, ev.Join):
         return Kind.JOIN, _pack([msg.n_params, msg.world_size])
     if isinstance(msg, ev.Welcome):
-        return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through])
+        fields = [msg.n_params, msg.world_size, msg.start_step, msg.complete_through]
+        return Kind.WELCOME, _pack(fields + [True] if msg.aggregate else fields)
     if isinstance(msg, ev.Reject):
         return Kind.REJECT, _pack([msg.reason])
     if isinstance(msg, ev.Ack):
@@ -243,8 +245,10 @@ def decode_control(kind: int, body: bytes) -> object:
             n, w = f
             return ev.Join(n, w)
         if kind == Kind.WELCOME:
-            n, w, s, c = f
-            return ev.Welcome(n, w, s, c)
+            n, w, s, c, *agg = f      # a fifth field only with aggregated forwarding
+            if len(agg) > 1:
+                raise DecodeError(f"WELCOME has {4 + len(agg)} fields, at most 5")
+            return ev.Welcome(n, w, s, c, *agg)
         if kind == Kind.REJECT:
             (reason,) = f
             return ev.Reject(reason)

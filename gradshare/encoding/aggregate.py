@@ -1,0 +1,88 @@
+"""The relay's aggregate of one step: every rank's message summed into the relay's own residual, then
+re-encoded as ONE message (issue 13 item 1, "aggregated forwarding"; STYLE 10: state + function).
+
+    state = AggregateState(n_params, n_buffers, rule=CalibratedThreshold(density=1e-3))
+    agg = aggregate_step(state, [update_rank0, update_rank1, ...], step)   # StepUpdate, rank order
+
+Why re-sparsify instead of an exact aggregate: with a calibrated τ ("auto", the default) every rank has
+its own τ, and the union of N messages of m entries each holds ≈ N·m entries at low overlap, so an exact
+aggregate (signed counts per index, or the messages grouped by τ) still costs ≈ N·m per receiver, i.e.
+≈ N²·m at the relay. Keeping the relay's egress near N·m needs the relay to send a message about the
+size of one rank's. This is two-level error feedback, as in hierarchical / "double-squeeze" compression
+(Tang et al., ICML 2019): what the relay does not send stays in its residual and goes out in a later
+step, so no update mass is lost, only delayed.
+
+Buffer sections (BatchNorm statistics, encoding/update.py) are not thresholded: each rank already sent
+its change ÷ N exactly, so the aggregate carries their float32 sum, added in rank order from 0, whole.
+
+Every replica and the relay apply only the aggregated messages, in step order, so they stay
+bit-identical; the relay is the only holder of this residual (it is not part of a replica's state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gradshare.encoding.codec import apply
+from gradshare.encoding.sharing import SharingState, share_step
+from gradshare.encoding.threshold import CalibratedThreshold
+from gradshare.encoding.update import StepUpdate
+
+
+class AggregateState:
+    """The relay's aggregation state for one job.
+
+    n_params: the message part of the state (the model's parameters).
+    n_buffers: float buffer entries after them (0 for a model without BatchNorm statistics).
+    rule: the τ rule of the aggregated message; a `CalibratedThreshold` (default: the workers'
+        default density) keeps the aggregated message about the size of one rank's.
+    """
+
+    def __init__(self, n_params: int, n_buffers: int = 0, rule=None) -> None:
+        if isinstance(n_buffers, bool) or not isinstance(n_buffers, (int, np.integer)) or n_buffers < 0:
+            raise ValueError(f"n_buffers must be an int >= 0, got {n_buffers!r}")
+        rule = CalibratedThreshold() if rule is None else rule
+        # follow_lr off: the relay has no learning rate; its residual holds already-scaled updates
+        self.sharing = SharingState(n_params, rule, follow_lr=False)
+        self.n_buffers = int(n_buffers)
+        self.steps = 0          # aggregates made (the calibration's step count when none is given)
+
+    @property
+    def n_params(self) -> int:
+        return self.sharing.n_params
+
+    @property
+    def residual(self) -> np.ndarray:
+        return self.sharing.residual
+
+
+def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: int) -> StepUpdate:
+    """Add ``updates`` (one step's messages, in rank order) to the relay's residual and encode the
+    step's one aggregated `StepUpdate` from it (the residual keeps what is not sent).
+
+    Each message adds ±τ_r at its entries with float32 arithmetic, in the given order, so the result is
+    a function of the messages and their order alone: the relay's aggregate is reproducible."""
+    residual = state.residual
+    index: list[np.ndarray] = []
+    for i, u in enumerate(updates):
+        if u.message.n_params != state.n_params:
+            raise ValueError(f"updates[{i}] is for {u.message.n_params} parameters, the aggregate for "
+                             f"{state.n_params}")
+        apply(u.message, residual)
+        if len(u.buffer_index):
+            if int(u.buffer_index[-1]) >= state.n_buffers:
+                raise ValueError(f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the "
+                                 f"aggregate has {state.n_buffers}")
+            index.append(u.buffer_index)
+    message = share_step(state.sharing, step)
+    state.steps += 1
+    if not index:
+        return StepUpdate(message)
+    total = np.zeros(state.n_buffers, np.float32)
+    for u in updates:          # rank order, one float32 addition per entry and rank
+        if len(u.buffer_index):
+            total[u.buffer_index] += u.buffer_value
+    where = np.unique(np.concatenate(index)).astype(np.uint32)
+    return StepUpdate(message, where, total[where])
