@@ -273,7 +273,7 @@ def test_retried_stage_resumes_from_snapshot_over_sockets():
                 got = p.receive(until_step=6, timeout=10)
                 assert [(u.step, u.sender) for u in got] == [(t, s) for t in range(4, 7) for s in range(2)]
                 for u in got:
-                    apply(u.payload, params[r])
+                    toy_apply_payload(u.payload, params[r])
             relay.wait_finished(10)
             assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
             assert relay.counters()["attempt"] == 1 and relay.complete_through == 6
