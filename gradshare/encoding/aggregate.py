@@ -26,9 +26,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradshare.encoding.codec import apply
-from gradshare.encoding.sharing import SharingState, share_step
-from gradshare.encoding.threshold import CalibratedThreshold
+from gradshare.encoding.sharing import SharingState
+from gradshare.encoding.threshold import CalibratedThreshold, encode_step
 from gradshare.encoding.update import StepUpdate
+
+# A calibrated τ that more than this many times the target share of the sample reaches is a value
+# many entries hold exactly (a tie), and Strom's rule would send every one of them
+TIE_SLACK = 1.25
 
 
 class AggregateState:
@@ -36,14 +40,17 @@ class AggregateState:
 
     n_params: the message part of the state (the model's parameters).
     n_buffers: float buffer entries after them (0 for a model without BatchNorm statistics).
-    rule: the τ rule of the aggregated message; a `CalibratedThreshold` (default: the workers'
-        default density) keeps the aggregated message about the size of one rank's.
+    rule: the τ rule of the aggregated message, a `CalibratedThreshold` (default: the workers'
+        default density): the aggregated message stays about the size of one rank's.
     """
 
     def __init__(self, n_params: int, n_buffers: int = 0, rule=None) -> None:
         if isinstance(n_buffers, bool) or not isinstance(n_buffers, (int, np.integer)) or n_buffers < 0:
             raise ValueError(f"n_buffers must be an int >= 0, got {n_buffers!r}")
         rule = CalibratedThreshold() if rule is None else rule
+        if not isinstance(rule, CalibratedThreshold):
+            raise TypeError(f"rule must be a CalibratedThreshold (the aggregate's size follows its density), "
+                            f"got {type(rule).__name__}")
         # follow_lr off: the relay has no learning rate; its residual holds already-scaled updates
         self.sharing = SharingState(n_params, rule, follow_lr=False)
         self.n_buffers = int(n_buffers)
@@ -76,7 +83,7 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
                 raise ValueError(f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the "
                                  f"aggregate has {state.n_buffers}")
             index.append(u.buffer_index)
-    message = share_step(state.sharing, step)
+    message = encode_step(residual, None, state.sharing.rule, tau=aggregate_threshold(state, step))
     state.steps += 1
     if not index:
         return StepUpdate(message)
@@ -86,3 +93,21 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
             total[u.buffer_index] += u.buffer_value
     where = np.unique(np.concatenate(index)).astype(np.uint32)
     return StepUpdate(message, where, total[where])
+
+
+def aggregate_threshold(state: AggregateState, step: int) -> float:
+    """The calibrated τ of the step (the rule's quantile of a strided sample of the residual), made a
+    float32 ulp larger when the sample says a tie at τ would send far more than the target share.
+
+    Why: each rank's message adds exactly ±τ_r, so the relay's residual holds N groups of equal
+    magnitudes, and the quantile often lands on one of them; under Strom's rule (send |r| ≥ τ) the
+    whole group would go, up to one more rank's message. Above the tie those entries wait a step (or
+    more) in the residual instead, and the aggregate stays near the target size (issue 13: ≤ 2·N·m)."""
+    sharing = state.sharing
+    tau = sharing.threshold(step)
+    rule, n = sharing.rule, sharing.n_params
+    stride = rule.stride(n, step)
+    sample = sharing.residual[step % stride::stride]
+    if np.count_nonzero(np.abs(sample) >= np.float32(tau)) > TIE_SLACK * rule.target(step, n) * sample.size + 1:
+        tau = float(np.nextafter(np.float32(tau), np.float32(np.inf)))
+    return tau

@@ -802,6 +802,7 @@ class RelayCore:
         self._keep(step, AGGREGATE_ORIGIN, sealed)
         self._forward(AGGREGATE_ORIGIN, step, sealed, self._last_now)
         self.c["aggregates"] += 1
+        self.c["aggregate_wire_bytes"] += _total_len(sealed)      # one peer's copy
         self.c["aggregate_entries"] += agg.message.n_entries
 
     def _tally(self, rank: int, epoch: int, meta: dict) -> None:
