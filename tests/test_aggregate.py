@@ -47,7 +47,7 @@ def real_apply(payload: bytes, params: np.ndarray) -> None:
 def oracle_step(residual, buffers_n, updates, density):
     """(residual after, entry codes, τ or None, buffer index, buffer values) of one aggregate, by hand:
     add each message's ±τ in rank order, τ = the k-th largest |residual| (one float32 ulp up when more
-    than 1.25× the target share reach it: a tie), Strom's rule; buffers summed."""
+    than 2× the target share reach it: a tie), Strom's rule; buffers summed."""
     r = residual.copy()
     for u in updates:
         idx, sign = decode_entries(u.message)
@@ -56,7 +56,7 @@ def oracle_step(residual, buffers_n, updates, density):
     if tau is None:
         r_after, codes = r, np.empty(0, np.int64)
     else:
-        if sum(abs(v) >= np.float32(tau) for v in r) > 1.25 * density * r.size + 1:
+        if sum(abs(v) >= np.float32(tau) for v in r) > 2 * density * r.size + 1:
             tau = np.nextafter(np.float32(tau), np.float32(np.inf))
         r_after, codes = accumulate_encode(r, None, np.float32(tau))
     total = np.zeros(buffers_n, np.float32)
