@@ -122,9 +122,10 @@ class FitResult:
 WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
 FORWARDING = ("per-rank", "aggregate", "auto")
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
-# cost the relay less than decoding N messages and re-encoding the whole model (README "Aggregated
-# forwarding", docs/bench-scale-aggregate.json)
-AGGREGATE_FROM = 8
+# cost the relay less CPU and latency than one re-encode of the whole model a step (measured at 10 M
+# params: N = 8 per-rank 10.5 ms/step, aggregate 22 ms; N = 16: 35 ms vs 25 ms; README "Aggregated
+# forwarding", docs/bench-scale.json and docs/bench-scale-aggregate.json)
+AGGREGATE_FROM = 16
 
 
 def forwarding_for(forwarding: str, world_size: int) -> str:
@@ -353,6 +354,9 @@ class SharedTrainer:
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
         if forwarding not in FORWARDING:
             raise ValueError(f"forwarding must be one of {FORWARDING}, got {forwarding!r}")
+        if forwarding == "aggregate" and checkpoint_dir is not None:
+            raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation residual is "
+                             "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
@@ -616,7 +620,13 @@ class SharedTrainer:
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
-        forwarding = forwarding_for(self.forwarding, world)
+        # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
+        # checkpointed fit per-rank, so that a resumed one stays bit-identical
+        checkpointed = self.checkpoint_dir is not None or resume is not None
+        forwarding = "per-rank" if checkpointed and self.forwarding == "auto" else forwarding_for(self.forwarding, world)
+        if checkpointed and forwarding == "aggregate":
+            raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
+                             "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
         aggregator = None
         if forwarding == "aggregate":
             from gradshare.encoding.aggregate import AggregateState

@@ -102,3 +102,5 @@ def test_auto_forwarding_aggregates_from_aggregate_from_workers():
     assert forwarding_for("per-rank", 64) == "per-rank" and forwarding_for("aggregate", 2) == "aggregate"
     with pytest.raises(ValueError, match="forwarding must be one of"):
         SharedTrainer(mlp, forwarding="tree")
+    with pytest.raises(ValueError, match="cannot be checkpointed"):
+        SharedTrainer(mlp, forwarding="aggregate", checkpoint_dir="/tmp/nowhere")

@@ -385,14 +385,13 @@ def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from gradshare.bench.transport import _make_messages
     from gradshare.transport.relay_core import default_apply_update, default_decode_update
 
     if args.params < 1 or not 0 < args.density <= 1:
         raise ValueError(f"--params must be >= 1 and --density in (0, 1] (got {args.params}, {args.density})")
     if args.steps < 2 or args.procs < 1 or not args.seconds > 0:
         raise ValueError("--steps must be >= 2, --procs >= 1 and --seconds > 0")
-    messages = _make_messages(args.params, args.density, 8, seed=0)
+    messages = rank_messages(args.params, args.density, 8, seed=0)
     # warm the relay's decode+apply kernels (Numba) so that no N pays for compilation
     default_apply_update(default_decode_update(messages[0], args.params), np.zeros(args.params, np.float32))
     rows = []
@@ -413,6 +412,25 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         plot(out, args.png)
     return 0
+
+
+def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[bytes]:
+    """``count`` synthetic rank messages of ``density`` entries, each with its own τ (1e-3 · (1 + i/count)),
+    as calibrated ranks have: with one τ for all, the relay's residual would hold nothing but exact ties,
+    which no training produces (aggregate.py's tie rule would hold most of it back)."""
+    import numpy as np
+
+    from gradshare.encoding import encode
+
+    rng = np.random.default_rng(seed)
+    k = max(1, int(round(n_params * density)))
+    out = []
+    for i in range(count):
+        tau = np.float32(1e-3 * (1 + i / count))
+        r = np.zeros(n_params, np.float32)
+        r[rng.choice(n_params, size=k, replace=False)] = tau * rng.choice(np.float32([-1.5, 1.5]), size=k)
+        out.append(encode(r, None, tau).to_bytes())
+    return out
 
 
 def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
