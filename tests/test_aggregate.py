@@ -197,3 +197,31 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
         assert c["aggregates"] == 20 and c["applied"] == 60
         assert proxy.stats["dropped"] > 0
         assert c["retransmits"] + sum(pc["retransmits"] for pc in counters) > 0
+
+
+def test_welcome_says_aggregate_only_when_it_is_and_decodes_both_forms():
+    from gradshare.errors import DecodeError
+    from gradshare.transport import events as ev
+    from gradshare.transport import wire
+    from gradshare.transport.wire import _pack
+
+    for agg in (False, True):
+        kind, body = wire.encode_control(ev.Welcome(10, 2, 0, -1, agg))
+        assert wire.decode_control(kind, body) == ev.Welcome(10, 2, 0, -1, agg)
+    assert len(wire.encode_control(ev.Welcome(10, 2, 0, -1))[1]) < len(wire.encode_control(ev.Welcome(10, 2, 0, -1, True))[1])
+    with pytest.raises(DecodeError, match="WELCOME"):
+        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, True, 1]))
+    with pytest.raises(DecodeError):
+        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, 1]))     # not a bool
+
+
+def test_an_aggregating_peer_takes_no_rank_sealed_update():
+    sim = aggregate_sim(world_size=2, seed=5)
+    for r in range(2):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    p0, p1 = sim.peers[0], sim.peers[1]
+    p0.send_update(0, real_payload(sim.rng, sim.N, 20), None, sim.now)
+    for d in p0.datagrams_to_send():     # as if the relay forwarded rank 0's own datagrams per rank
+        p1.receive_datagram(d, "relay", sim.now)
+    assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbox and not p1.ready
