@@ -52,6 +52,17 @@ def test_aggregated_fit_is_bit_identical_and_learns_at_staleness_0_and_1(digits_
     assert acc_s1 > 0.6 and s1.param_hash != a.param_hash
 
 
+def test_an_early_stop_travels_in_the_aggregate(digits_rdd):
+    # rank 0 asks after epoch 0; the decision rides in rank 0's meta to the relay, which carries it in
+    # the step's aggregate: every rank stops after the same epoch (else the hashes would differ)
+    r, _ = _fit(digits_rdd, epochs=4, on_epoch_end=lambda row: row["epoch"] == 0)
+    _check_aggregated(r)
+    stopped = r.extra["stopped_epoch"]
+    assert stopped is not None and stopped < 3
+    assert [h["epoch"] for h in r.history] == list(range(stopped + 1))
+    assert all(rep["stopped_epoch"] == stopped for rep in r.worker_reports)
+
+
 class BatchNormMLP(nn.Module):
     def __init__(self):
         super().__init__()
