@@ -119,10 +119,12 @@ def aggregate_sim(world_size=4, n_params=3000, **kw) -> Sim:
 
 
 def check_aggregated(sim: Sim, first: int, last: int) -> None:
-    """Every peer got the aggregate of every step first..last exactly once, in order, and nothing
+    """Every live peer got the aggregate of every step first..last exactly once, in order, and nothing
     else; every replica equals the relay's parameters bit for bit."""
     want = [(t, AGGREGATE_ORIGIN) for t in range(first, last + 1)]
     for r, delivered in sim.delivered.items():
+        if r in sim.silent:
+            continue
         assert [(u.step, u.sender) for u in delivered] == want, f"rank {r}"
         assert param_hash(sim.params[r]) == param_hash(sim.relay.params), f"rank {r}"
 
@@ -149,6 +151,20 @@ def test_ranks_of_unequal_length_end_the_aggregated_log_at_the_last_step():
     sim.run(steps=0, last_step={0: 4, 1: 9, 2: 6})
     check_aggregated(sim, 0, 9)
     assert sim.relay.counters()["updates_in"] == 5 + 10 + 7
+
+
+def test_a_rank_declared_gone_leaves_the_aggregates_to_the_others():
+    # on_rank_loss="continue": a silent rank is cut (here before its first step); the aggregates of
+    # every step then hold the live ranks' messages only, and the log completes
+    sim = aggregate_sim(world_size=3, seed=9, liveness_timeout=0.3, on_rank_loss="continue")
+    for r in range(3):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    sim.silent.add(2)
+    sim.run(steps=6)
+    check_aggregated(sim, 0, 5)
+    assert sim.relay.ranks[2].ended.gone and sim.relay.counters()["updates_in"] == 12
+    assert sim.relay.counters()["aggregates"] == 6
 
 
 def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through():
