@@ -122,9 +122,9 @@ class FitResult:
 WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
 FORWARDING = ("per-rank", "aggregate", "auto")
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
-# cost the relay less CPU and latency than one re-encode of the whole model a step (measured at 10 M
-# params: N = 8 per-rank 10.5 ms/step, aggregate 22 ms; N = 16: 35 ms vs 25 ms; README "Aggregated
-# forwarding", docs/bench-scale.json and docs/bench-scale-aggregate.json)
+# cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
+# accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
+# 14 ms, per-rank retransmitting; README "Aggregated forwarding", docs/bench-scale*.json)
 AGGREGATE_FROM = 16
 
 
