@@ -153,6 +153,26 @@ def test_ranks_of_unequal_length_end_the_aggregated_log_at_the_last_step():
     assert sim.relay.counters()["updates_in"] == 5 + 10 + 7
 
 
+def test_the_aggregate_of_a_step_waits_for_a_paused_rank():
+    # on_rank_loss="wait" (the default): a silent rank is suspected, the step's aggregate waits for it,
+    # and when it comes back everything goes on with nothing lost or repeated
+    sim = aggregate_sim(world_size=3, seed=12, liveness_timeout=0.3)
+    for r in range(3):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    sim.silent.add(2)
+    for r in (0, 1):
+        sim.peers[r].send_update(0, real_payload(sim.rng, sim.N, 30), None, sim.now)
+    t0 = sim.now
+    drive(sim, lambda: sim.now - t0 > 1.0)
+    assert [i.kind for i in sim.relay.incidents] == ["suspected"] and sim.relay.complete_through == -1
+    assert sim.relay.counters()["aggregates"] == 0
+    sim.silent.discard(2)
+    sim.run(steps=5)
+    check_aggregated(sim, 0, 4)
+    assert [i.kind for i in sim.relay.incidents] == ["suspected", "back"]
+
+
 def test_a_rank_declared_gone_leaves_the_aggregates_to_the_others():
     # on_rank_loss="continue": a silent rank is cut (here before its first step); the aggregates of
     # every step then hold the live ranks' messages only, and the log completes
