@@ -544,7 +544,7 @@ class SharedTrainer:
         retried stage resumed inside it; its loss/sparsity/τ/payload/lr then come from the relay's tally
         of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
         went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
-        incidents (README "Liveness").
+        incidents (README "Liveness"). extra["forwarding"]: "per-rank" or "aggregate", what ran.
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint): the fit continues after epoch E-1 up to `epochs` in all, from the

@@ -13,6 +13,10 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
 - learns per rank how late chunks may be before it NAKs them (``LateAllowance``): fast repair on a lossy
   link, no spurious retransmits on a loaded machine;
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
+- or, with ``forwarding="aggregate"`` (issue 13 item 1), forwards nothing per rank: once a step's row is
+  complete it adds the row into its own residual (``aggregator``, encoding/aggregate.py), seals ONE
+  re-encoded message of origin AGGREGATE_ORIGIN, applies only that, sends it to every peer and keeps it
+  in the history for NAK repair; WELCOME tells the peers;
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
 - liveness (issue 12): a rank silent for ``liveness_timeout`` is *suspected*; what follows is the
   ``on_rank_loss`` policy: "wait" (the log waits; after ``give_up_after`` s of silence a fatal
