@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="at most this long sending steps per peer count (at least 2 steps are run)")
     parser.add_argument("--procs", type=int, default=2, help="peer processes (peers are spread over them)")
     parser.add_argument("--datagram-size", type=int, default=1400)
+    parser.add_argument("--aggregate-datagram-size", type=int, default=None,
+                        help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
+                             "--datagram-size; 65000 is what SharedTrainer uses on loopback)")
     parser.add_argument("--heartbeat-peers", type=peer_counts, default=list(HEARTBEAT_PEERS),
                         help="peer counts for the heartbeat-traffic measurement (protocol cores)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
@@ -185,7 +188,8 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
     aggregator = (AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
                   if aggregate else None)
     relay = Relay(np.zeros(args.params, np.float32), n_peers, key, 1, port=0, bind="127.0.0.1",
-                  datagram_size=args.datagram_size, forwarding=args.forwarding, aggregator=aggregator).start()
+                  datagram_size=args.datagram_size, forwarding=args.forwarding, aggregator=aggregator,
+                  snapshot_datagram_size=args.aggregate_datagram_size).start()
     procs = []
     try:
         n_procs = max(1, min(args.procs, n_peers))
@@ -403,8 +407,8 @@ def run(args: argparse.Namespace) -> int:
     heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
     projection = project(rows)
     out = {"params": args.params, "density": args.density, "forwarding": args.forwarding,
-           "datagram_size": args.datagram_size, "procs": args.procs, "runs": rows, "heartbeats": heartbeats,
-           "projection": projection}
+           "datagram_size": args.datagram_size, "aggregate_datagram_size": args.aggregate_datagram_size,
+           "procs": args.procs, "runs": rows, "heartbeats": heartbeats, "projection": projection}
     _print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:

@@ -254,6 +254,10 @@ class RelayCore:
         snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
         self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
+        # the relay's own aggregates (forwarding="aggregate") travel in datagrams of the same size: the
+        # relay seals them, so unlike a rank's forwarded datagrams their size is its choice, and one
+        # sendto per peer instead of ~16 is most of what an aggregate costs the relay on loopback
+        self.aggregate_chunk_bytes = snap_chunk
         # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
@@ -803,7 +807,8 @@ class RelayCore:
         if stop is not None and "stop_epoch" in stop:     # rank 0's early-stop decision rides along
             meta = {"stop_epoch": stop["stop_epoch"]}
         body = wire.encode_update_body(agg.to_bytes(self.aggregator.n_buffers), meta)
-        sealed = tuple(self.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step))
+        sealed = tuple(self.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
+                                             chunk_bytes=self.aggregate_chunk_bytes))
         self._keep(step, AGGREGATE_ORIGIN, sealed)
         self._forward(AGGREGATE_ORIGIN, step, sealed, self._last_now)
         self.c["aggregates"] += 1
