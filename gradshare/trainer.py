@@ -625,7 +625,9 @@ class SharedTrainer:
         # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
         # checkpointed fit per-rank, so that a resumed one stays bit-identical
         checkpointed = self.checkpoint_dir is not None or resume is not None
-        forwarding = "per-rank" if checkpointed and self.forwarding == "auto" else forwarding_for(self.forwarding, world)
+        forwarding = forwarding_for(self.forwarding, world)
+        if checkpointed and self.forwarding == "auto":
+            forwarding = "per-rank"
         if checkpointed and forwarding == "aggregate":
             raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
                              "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")

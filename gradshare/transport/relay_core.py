@@ -331,8 +331,8 @@ class RelayCore:
         return self.cursor.finished() and not self._apply_due
 
     def counters(self) -> dict:
-        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded", "updates_in", "applied", "naks_sent",
-                           "aggregates"), 0)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
+                           "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
