@@ -103,8 +103,12 @@ def test_aggregate_keeps_what_it_does_not_send_and_refuses_a_foreign_size():
         apply_update(u, total)
     assert agg.message.n_entries < 50
     assert np.allclose(sent + state.residual, total, atol=1e-5)
-    with pytest.raises(ValueError, match=r"updates\[0\] is for 10 parameters"):
-        aggregate_step(state, [real_update(rng, 10, 3)], 1)
+    before = state.residual.copy()
+    with pytest.raises(ValueError, match=r"updates\[1\] is for 10 parameters"):
+        aggregate_step(state, [real_update(rng, 5000, 3), real_update(rng, 10, 3)], 1)
+    assert np.array_equal(state.residual, before)      # nothing of a refused row was added
+    with pytest.raises(ValueError, match=r"updates\[0\] changes buffer entry"):
+        aggregate_step(state, [real_update(rng, 5000, 3, buffers=4)], 1)
 
 
 # --- the protocol in aggregate mode (in-memory link) -------------------------------------------------------

@@ -57,8 +57,8 @@ class AggregateState:
         self.rule = rule
         self.n_params = int(n_params)
         self.n_buffers = int(n_buffers)
-        # no learning-rate following (SharingState's): the relay has no rate, its residual holds the
-        # ranks' already-scaled updates
+        # no learning-rate following (SharingState's): the relay has no rate; its residual holds the
+        # ranks' messages as sent (an apply scale, aggregate="mean", comes when the aggregate is applied)
         self.residual = np.zeros(self.n_params, np.float32)
         self.steps = 0          # aggregates made
 
@@ -70,17 +70,16 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
     Each message adds ±τ_r at its entries with float32 arithmetic, in the given order, so the result is
     a function of the messages and their order alone: the relay's aggregate is reproducible."""
     residual = state.residual
-    index: list[np.ndarray] = []
-    for i, u in enumerate(updates):
+    for i, u in enumerate(updates):      # all checked before any is added: a refusal changes nothing
         if u.message.n_params != state.n_params:
             raise ValueError(f"updates[{i}] is for {u.message.n_params} parameters, the aggregate for "
                              f"{state.n_params}")
+        if len(u.buffer_index) and int(u.buffer_index[-1]) >= state.n_buffers:
+            raise ValueError(f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the "
+                             f"aggregate has {state.n_buffers}")
+    index = [u.buffer_index for u in updates if len(u.buffer_index)]
+    for u in updates:
         apply(u.message, residual)
-        if len(u.buffer_index):
-            if int(u.buffer_index[-1]) >= state.n_buffers:
-                raise ValueError(f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the "
-                                 f"aggregate has {state.n_buffers}")
-            index.append(u.buffer_index)
     message = encode_step(residual, None, state.rule, tau=aggregate_threshold(state, step))
     state.steps += 1
     if not index:
