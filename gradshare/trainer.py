@@ -126,6 +126,21 @@ class FitResult:
 
 
 WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
+FORWARDING = ("per-rank", "aggregate", "auto")
+# forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
+# cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
+# accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
+# 14 ms, per-rank retransmitting; README "Aggregated forwarding", docs/bench-scale*.json)
+AGGREGATE_FROM = 16
+
+
+def forwarding_for(forwarding: str, world_size: int) -> str:
+    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM."""
+    if forwarding == "auto":
+        return "aggregate" if world_size >= AGGREGATE_FROM else "per-rank"
+    return forwarding
+
+
 DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 
 
@@ -175,6 +190,14 @@ class SharedTrainer:
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
         step of DDP's averaged gradient would; README "Convergence").
+    forwarding: how the relay shares a step's messages (issue 13 item 1; README "Aggregated
+        forwarding"): "per-rank" (each rank's message goes to every other rank, N·(N−1) messages a
+        step), "aggregate" (the relay adds the step's N messages into a residual of its own and sends ONE
+        re-encoded message of about one rank's size to every rank: N messages a step; two-level error
+        feedback, gradshare/encoding/aggregate.py; it delays some update mass, ~2 points of digits
+        accuracy after 6 epochs at N = 4 and 8) or "auto" (default: "aggregate" from AGGREGATE_FROM = 16
+        workers on, where it measured faster, "per-rank" below and for a checkpointed fit).
+        ``result.extra["forwarding"]`` says which ran.
     precision: "32" (default), "bf16-mixed" or "fp16-mixed" (Lightning's names): the forward and the loss
         run under torch.autocast with that dtype; parameters, gradients, optimizer, residual and messages
         stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
@@ -311,6 +334,7 @@ class SharedTrainer:
         scheduler_interval: str = "step",
         follow_lr: bool = True,
         aggregate: str = "sum",
+        forwarding: str = "auto",
         drop_last: bool | str = "auto",
         precision: str = "32",
         device: str = "auto",
@@ -348,6 +372,11 @@ class SharedTrainer:
         self.device = check_device(device)
         if aggregate not in ("sum", "mean"):
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
+        if forwarding not in FORWARDING:
+            raise ValueError(f"forwarding must be one of {FORWARDING}, got {forwarding!r}")
+        if forwarding == "aggregate" and checkpoint_dir is not None:
+            raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation residual is "
+                             "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
@@ -399,6 +428,7 @@ class SharedTrainer:
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
         self.aggregate = aggregate
+        self.forwarding = forwarding
         self.drop_last = drop_last
         self.precision = precision
         self._rule_for(1)  # density / warmup_density checked now, not on the executors
@@ -536,7 +566,7 @@ class SharedTrainer:
         retried stage resumed inside it; its loss/sparsity/τ/payload/lr then come from the relay's tally
         of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
         went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
-        incidents (README "Liveness").
+        incidents (README "Liveness"). extra["forwarding"]: "per-rank" or "aggregate", what ran.
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
@@ -626,6 +656,22 @@ class SharedTrainer:
 
         key, job_id = new_job_key(), secrets.randbits(31)
         scale = 1.0 / world if self.aggregate == "mean" else 1.0
+        # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
+        # checkpointed fit per-rank, so that a resumed one stays bit-identical
+        checkpointed = self.checkpoint_dir is not None or resume is not None
+        forwarding = forwarding_for(self.forwarding, world)
+        if checkpointed and self.forwarding == "auto":
+            forwarding = "per-rank"
+        if checkpointed and forwarding == "aggregate":
+            raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
+                             "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
+        aggregator = None
+        if forwarding == "aggregate":
+            from gradshare.encoding.aggregate import AggregateState
+
+            # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
+            agg_rule = copy.deepcopy(rule) if _is_calibrated(rule) else None
+            aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
         host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
@@ -634,6 +680,7 @@ class SharedTrainer:
                       on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
                       join_window=self._join_window(load_seconds),
                       rollback=_rollback(saving, resume, stores, first_epoch, steps_per_epoch),
+                      forwarding=forwarding, aggregator=aggregator,
                       **_snapshot_options(host, self.datagram_size)).start()
         service = None
         try:
@@ -688,7 +735,8 @@ class SharedTrainer:
                    "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
                    "resumed_from": None if resume is None else resume["directory"],
                    # a retried stage restarted at a checkpoint: the steps it went back from and to
-                   "rolled_back": rolled_back},
+                   "rolled_back": rolled_back,
+                   "forwarding": forwarding},
             skipped_steps=skipped,
         )
 

@@ -46,6 +46,7 @@ from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
 from gradshare.stopping import should_stop, stop_epoch
+from gradshare.transport.events import AGGREGATE_ORIGIN
 from gradshare.vectors import copy_of, index_for, where
 
 
@@ -154,7 +155,8 @@ class ApplyLog:
 
     def _note_stop(self, u) -> None:
         """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
-        if u.sender == 0 and u.meta and "stop_epoch" in u.meta and self.stop_epoch is None:
+        # aggregated forwarding: the relay's aggregate carries rank 0's decision (relay_core._aggregate)
+        if u.sender in (0, AGGREGATE_ORIGIN) and u.meta and "stop_epoch" in u.meta and self.stop_epoch is None:
             self.stop_epoch = int(u.meta["stop_epoch"])
 
     def apply_through(self, step: int) -> None:

@@ -24,12 +24,16 @@ class Sim:
         self.rng = np.random.default_rng(seed)
         self.p0 = self.rng.standard_normal(n_params).astype(np.float32)
         self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
-                               liveness_timeout=liveness_timeout, **TOY, **relay_options)
+                               liveness_timeout=liveness_timeout, **{**TOY, **relay_options})
         self.peers: dict[int, PeerCore] = {}
         self.params: dict[int, np.ndarray] = {}
         self.delivered: dict[int, list] = {}
         self.sent: dict[tuple[int, int], bytes] = {}
         self.silent: set[int] = set()
+        # what a rank sends and how a delivered payload is applied (the toy codec unless a test sets the
+        # real one, e.g. for the relay's aggregate, which decodes and re-encodes)
+        self.make_payload = lambda n_entries: random_update(self.rng, self.N, n_entries)
+        self.apply_payload = toy_apply_payload
 
     def add_peer(self, rank: int, attempt: int = 0) -> PeerCore:
         p = PeerCore(rank, self.W, attempt, self.key, 42, self.N, now=self.now,
@@ -56,7 +60,7 @@ class Sim:
         for r, p in self.peers.items():
             for u in p.pop_ready():
                 self.delivered[r].append(u)
-                toy_apply_payload(u.payload, self.params[r])
+                self.apply_payload(u.payload, self.params[r])
 
     def step_time(self, max_dt: float = 0.01) -> None:
         cands = [self.relay.next_timer()] + [p.next_timer() for p in self.peers.values()]
@@ -83,7 +87,7 @@ class Sim:
                 end = last_step.get(r, p.welcome.start_step + steps - 1)
                 t = p.next_step
                 if t <= end and p.complete_through >= t - 1 - self.staleness:
-                    payload = random_update(self.rng, self.N, int(self.rng.choice(entries)))
+                    payload = self.make_payload(int(self.rng.choice(entries)))
                     self.sent[(t, r)] = payload
                     p.send_update(t, payload, {"loss": float(t)}, self.now)
                 elif t > end and p.finish_step is None:

@@ -41,10 +41,30 @@ def test_peers_argument_is_checked(text):
         scale.peer_counts(text)
 
 
-def test_only_per_rank_forwarding_is_offered_today(capsys):
+def test_an_unknown_forwarding_mode_is_refused_naming_the_modes(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "scale", "--forwarding", "aggregated"])
-    assert "per-rank" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "per-rank" in err and "'aggregate'" in err
+
+
+def test_aggregate_run_is_exactly_once_per_step_with_one_message_per_peer(tmp_path):
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--forwarding", "aggregate", "--peers", "3,5", "--params", "200000",
+                 "--density", "0.02", "--steps", "4", "--seconds", "2", "--heartbeat-peers", "2",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for r in res["runs"]:
+        n = r["peers"]
+        assert r["exactly_once"] and r["steps"] == 4 and r["forwarding"] == "aggregate"
+        # one aggregate per step and peer: N messages, not N·(N−1)
+        assert r["forwarded_datagrams_per_step"] == pytest.approx(n * r["datagrams_per_update"])
+        # egress = the aggregates + control (ACKs, STATUS pages, FINISHED of a 4-step run): within the
+        # target 2·N·m but for the control's few kB
+        assert r["model_egress_bytes_per_step"] <= r["egress_bytes_per_step"]
+        assert r["egress_bytes_per_step"] <= r["target_egress_bytes_per_step"] + 4000
+        assert r["latency_p99_ms"] >= r["latency_p50_ms"] > 0
+    assert "E(N) = N*w" in res["projection"]["model"] and res["projection"]["costs"]["per_step_s"] >= 0
 
 
 def _row(n: int, cpu: float, d: float = 2.0, w: float = 2800.0) -> dict:

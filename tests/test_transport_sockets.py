@@ -17,15 +17,16 @@ N = 2000
 
 
 def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
-             world_size=None):
+             world_size=None, make=random_update, apply=toy_apply_payload):
     """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
-    `world_size` (default W) ranks; returns each peer's applied params and log."""
+    `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
+    and ``apply(payload, params)``: the codec (default the toy one)."""
     peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
     params = [np.zeros(N, np.float32) for _ in range(W)]
     logs: list[list] = [[] for _ in range(W)]
     sent = {}
     errors = []
-    payloads = {(t, r): random_update(rng, N, int(rng.choice(entries))) for t in range(steps) for r in range(W)}
+    payloads = {(t, r): make(rng, N, int(rng.choice(entries))) for t in range(steps) for r in range(W)}
 
     def work(r):
         try:
@@ -35,13 +36,13 @@ def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), stal
                 if t - 1 - staleness >= 0:
                     for u in p.receive(until_step=t - 1 - staleness, timeout=20):
                         logs[r].append((u.step, u.sender))
-                        toy_apply_payload(u.payload, params[r])
+                        apply(u.payload, params[r])
                 p.send_update(t, payloads[(t, r)], {"loss": 1.0 / (t + 1)})
                 sent[(t, r)] = payloads[(t, r)]
             p.finish(steps - 1)
             for u in p.receive(until_step=steps - 1, timeout=20):
                 logs[r].append((u.step, u.sender))
-                toy_apply_payload(u.payload, params[r])
+                apply(u.payload, params[r])
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 

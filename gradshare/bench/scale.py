@@ -21,8 +21,11 @@ Heartbeat traffic vs N (up to 256: STATUS pages) is measured on the protocol cor
 with a simulated clock (STYLE 12), and a projected step-communication table at 1/10/25 Gbit/s for N up to
 256 is fitted from the measured costs (the model is printed and stored with the table).
 
-``--forwarding`` has one choice today, ``per-rank`` (the relay forwards each rank's datagrams to every
-other rank); issue 13 item 1 adds an aggregated mode beside it.
+``--forwarding per-rank`` (the relay forwards each rank's datagrams to every other rank) or
+``aggregate`` (issue 13 item 1: the relay adds a step's N messages into its own residual and sends one
+re-encoded message, at ``--density``, to every rank; encoding/aggregate.py). In aggregate mode the
+peers receive one message per step, origin AGGREGATE_ORIGIN; exactly-once is checked per step, and a
+rank's update latency is its send → the moment every peer has the step's aggregate.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import json
 import sys
 import time
 
-FORWARDING_MODES = ("per-rank",)
+FORWARDING_MODES = ("per-rank", "aggregate")
 LINKS_GBIT = (1, 10, 25)
 PROJECT_TO = (2, 4, 8, 16, 32, 64, 128, 256)
 HEARTBEAT_PEERS = (2, 8, 32, 128, 256)
@@ -55,12 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=int, default=10_000_000, help="parameter count")
     parser.add_argument("--density", type=float, default=1e-3, help="fraction of entries per update")
     parser.add_argument("--forwarding", choices=FORWARDING_MODES, default="per-rank",
-                        help="relay forwarding mode (aggregated: issue 13 item 1)")
+                        help="relay forwarding mode: per-rank, or aggregate (issue 13 item 1)")
     parser.add_argument("--steps", type=int, default=30, help="at most this many steps per peer count")
     parser.add_argument("--seconds", type=float, default=12.0,
                         help="at most this long sending steps per peer count (at least 2 steps are run)")
     parser.add_argument("--procs", type=int, default=2, help="peer processes (peers are spread over them)")
     parser.add_argument("--datagram-size", type=int, default=1400)
+    parser.add_argument("--aggregate-datagram-size", type=int, default=None,
+                        help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
+                             "--datagram-size; 65000 is what SharedTrainer uses on loopback)")
     parser.add_argument("--heartbeat-peers", type=peer_counts, default=list(HEARTBEAT_PEERS),
                         help="peer counts for the heartbeat-traffic measurement (protocol cores)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
@@ -74,8 +80,11 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
     from collections import Counter
 
     from gradshare.transport import Peer
+    from gradshare.transport.events import AGGREGATE_ORIGIN
 
     W, messages, timeout = cfg["peers"], cfg["messages"], cfg["timeout"]
+    aggregate = cfg["forwarding"] == "aggregate"
+    senders = [AGGREGATE_ORIGIN] if aggregate else list(range(W))
     out: dict = {"ranks": ranks, "error": None}
     peers: list = []
     try:
@@ -124,15 +133,16 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
         for p in peers:
             record(p, p.receive(until_step=1 << 31, timeout=timeout))
         # exactly-once, checked here (shipping every (step, sender, receiver) would be millions of tuples):
-        # per receiver and sender, the steps received must be 0..last with no repeats
+        # per receiver and sender (aggregated: the relay's one sender), the steps received must be
+        # 0..last with no repeats
         received_through = {}
         duplicates = gaps = 0
         for r, c in counts.items():
-            through = [-1] * W
-            for s in range(W):
+            through = [-1] * len(senders)
+            for i, s in enumerate(senders):
                 steps = sorted(step for (step, sender) in c if sender == s)
-                through[s] = steps[-1] if steps else -1
-                gaps += len(steps) != through[s] + 1
+                through[i] = steps[-1] if steps else -1
+                gaps += len(steps) != through[i] + 1
             duplicates += sum(v - 1 for v in c.values())
             received_through[r] = through
         out.update(send_t=send_t, delivered=delivered, last_step=t - 1, received_through=received_through,
@@ -166,18 +176,27 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
 
     import numpy as np
 
+    from gradshare.encoding import CalibratedThreshold
+    from gradshare.encoding.aggregate import AggregateState
     from gradshare.transport import Relay, new_job_key
+    from gradshare.transport.events import AGGREGATE_ORIGIN
 
     ctx = mp.get_context("spawn")
     key = new_job_key()
+    aggregate = args.forwarding == "aggregate"
+    # the aggregate is encoded at the ranks' density: one message of about one rank's size per step
+    aggregator = (AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
+                  if aggregate else None)
     relay = Relay(np.zeros(args.params, np.float32), n_peers, key, 1, port=0, bind="127.0.0.1",
-                  datagram_size=args.datagram_size).start()
+                  datagram_size=args.datagram_size, forwarding=args.forwarding, aggregator=aggregator,
+                  snapshot_datagram_size=args.aggregate_datagram_size).start()
     procs = []
     try:
         n_procs = max(1, min(args.procs, n_peers))
         groups = [list(range(n_peers))[i::n_procs] for i in range(n_procs)]
         timeout = 120.0
         cfg = dict(address=relay.address, peers=n_peers, params=args.params, key=key, messages=messages,
+                   forwarding=args.forwarding,
                    steps=args.steps, seconds=args.seconds, datagram_size=args.datagram_size, timeout=timeout)
         barrier = ctx.Barrier(n_procs + 1)       # + this process: counters start once every rank joined
         results = ctx.Queue()
@@ -211,11 +230,13 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
         send_t.update(o["send_t"])
         for k, v in o["delivered"].items():
             delivered[k] = max(delivered.get(k, 0.0), v)
-    expected = [last[s] for s in range(n_peers)]
+    expected = [max(last.values())] if aggregate else [last[s] for s in range(n_peers)]
     exactly_once = all(o["duplicates"] == 0 and o["gaps"] == 0
                        and all(th == expected for th in o["received_through"].values()) for o in outs)
     # step 0 pays for first-touch costs (buffers, caches) in every process: latency from step 1 on
-    lat = np.array([delivered[k] - ts for k, ts in send_t.items() if k[0] >= 1 and k in delivered]) * 1e3
+    # aggregated: a rank's update reaches the others inside its step's aggregate
+    got = {k: delivered.get((k[0], AGGREGATE_ORIGIN) if aggregate else k) for k in send_t}
+    lat = np.array([got[k] - ts for k, ts in send_t.items() if k[0] >= 1 and got[k] is not None]) * 1e3
     if len(lat) + n_peers < len(send_t):   # an update nobody else received (exactly_once is False then)
         exactly_once = False
     updates = c1["updates_in"] - c0["updates_in"]
@@ -223,15 +244,25 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
     forwarded = c1["forwarded"] - c0["forwarded"]
     bytes_out = c1["bytes_out"] - c0["bytes_out"]
     dgrams_out = c1["datagrams_out"] - c0["datagrams_out"]
-    per_update_dgrams = forwarded / max(updates * (n_peers - 1), 1)
     message_wire = _wire_bytes(messages, args.datagram_size)
+    if aggregate:
+        # what went out per step and peer: one aggregate (its datagrams, wire bytes from the relay's tally)
+        per_update_dgrams = forwarded / max(steps * n_peers, 1)
+        per_update_bytes = (c1.get("aggregate_wire_bytes", 0) - c0.get("aggregate_wire_bytes", 0)) / max(steps, 1)
+        model_egress = n_peers * per_update_bytes
+    else:
+        per_update_dgrams = forwarded / max(updates * (n_peers - 1), 1)
+        per_update_bytes = message_wire
+        model_egress = n_peers * (n_peers - 1) * message_wire
     return {
         "peers": n_peers, "forwarding": args.forwarding, "steps": steps, "updates": updates,
         "egress_bytes_per_step": bytes_out / steps,
         "egress_datagrams_per_step": dgrams_out / steps,
         "forwarded_datagrams_per_step": forwarded / steps,
-        "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": message_wire,
-        "model_egress_bytes_per_step": n_peers * (n_peers - 1) * message_wire,
+        "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": per_update_bytes,
+        "rank_message_wire_bytes": message_wire,
+        "target_egress_bytes_per_step": 2 * n_peers * message_wire,     # issue 13: <= 2·N·m
+        "model_egress_bytes_per_step": model_egress,
         "relay_cpu_per_step_s": (cpu1 - cpu0) / steps,
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
@@ -292,47 +323,61 @@ def fit_costs(rows: list[dict]) -> dict:
 
     ``a`` is the per-datagram cost of forwarding (sendto + bookkeeping: AEAD is the origin's and the
     receiver's, not the relay's), ``b`` the per-update cost (reassembly, validation, decode + apply to the
-    authoritative copy, ACK). One row gives ``a`` alone (b = 0)."""
+    authoritative copy, ACK). One row gives ``a`` alone (b = 0). Aggregated rows add ``c``, the cost of
+    the step's one aggregate (calibrate + encode the relay's residual, apply it, seal it), the same at
+    any N."""
     import numpy as np
 
-    A = np.array([[r["forwarded_datagrams_per_step"], r["peers"]] for r in rows], float)
     y = np.array([r["relay_cpu_per_step_s"] for r in rows], float)
+    if rows[0].get("forwarding") == "aggregate":
+        A = np.array([[r["forwarded_datagrams_per_step"], r["peers"], 1.0] for r in rows], float)
+        coef = np.linalg.lstsq(A, y, rcond=None)[0] if len(rows) >= 3 else np.array([0.0, 0.0, y.mean()])
+        if (coef < 0).any():                   # noise: keep the non-negative terms, refit them
+            keep = coef >= 0
+            coef = np.zeros(3)
+            coef[keep] = np.linalg.lstsq(A[:, keep], y, rcond=None)[0].clip(0)
+        return {"per_datagram_s": float(coef[0]), "per_update_s": float(coef[1]), "per_step_s": float(coef[2])}
+    A = np.array([[r["forwarded_datagrams_per_step"], r["peers"]] for r in rows], float)
     if len(rows) >= 2:
         (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
         if a < 0 or b < 0:                      # one term is noise: keep the other alone
             a, b = max(float(np.dot(A[:, 0], y) / np.dot(A[:, 0], A[:, 0])), 0.0), 0.0
     else:
         a, b = y[0] / max(A[0, 0], 1.0), 0.0
-    return {"per_datagram_s": float(a), "per_update_s": float(b)}
+    return {"per_datagram_s": float(a), "per_update_s": float(b), "per_step_s": 0.0}
 
 
 def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
-    """Projected step-communication time for per-rank forwarding, from the measured rows.
+    """Projected step-communication time, from the measured rows.
 
-    Model (stated in the output): per step the relay sends E(N) = N·(N−1)·w bytes in D(N) = N·(N−1)·d
+    Model (stated in the output): per step the relay sends E(N) = P(N)·w bytes in D(N) = P(N)·d
     datagrams, w and d the measured wire bytes and datagrams of one forwarded update (headers and tags
-    included). Its CPU needs C(N) = a·D(N) + b·N (``fit_costs``); its link needs 8·E(N)/B. The two overlap
-    (the relay sends while it works), so a step's communication takes max(8·E/B, C). Not included: the
-    peers' own receive cost (parallel across machines), propagation delay, and loss repair."""
+    included), P(N) = N·(N−1) messages per-rank or N aggregated. Its CPU needs C(N) = a·D(N) + b·N + c
+    (``fit_costs``; c = 0 per-rank); its link needs 8·E(N)/B. The two overlap (the relay sends while it
+    works), so a step's communication takes max(8·E/B, C). Not included: the peers' own receive cost
+    (parallel across machines), propagation delay, and loss repair."""
     costs = fit_costs(rows)
     last = max(rows, key=lambda r: r["peers"])
     d = last["datagrams_per_update"]
     w = last["forwarded_bytes_per_update"]
+    aggregate = last.get("forwarding") == "aggregate"
     table = []
     for n in sizes:
-        pairs = n * (n - 1)
+        pairs = n if aggregate else n * (n - 1)
         e, dg = pairs * w, pairs * d
-        cpu = costs["per_datagram_s"] * dg + costs["per_update_s"] * n
+        cpu = costs["per_datagram_s"] * dg + costs["per_update_s"] * n + costs["per_step_s"]
         row = {"peers": n, "egress_bytes": e, "datagrams": dg, "relay_cpu_s": cpu}
         for g in links:
             wire_s = 8 * e / (g * 1e9)
             row[f"{g}gbit_s"] = max(wire_s, cpu)
             row[f"{g}gbit_bound"] = "link" if wire_s >= cpu else "relay cpu"
         table.append(row)
-    model = ("per step: E(N) = N(N-1)*w bytes in D(N) = N(N-1)*d datagrams leave the relay; "
-             f"w = {w:,.0f} B and d = {d:.2f} datagrams per forwarded update (measured); relay CPU "
-             f"C(N) = a*D + b*N with a = {costs['per_datagram_s'] * 1e6:.2f} us/datagram and "
-             f"b = {costs['per_update_s'] * 1e6:.1f} us/update (least squares over the measured N); "
+    what = "N" if aggregate else "N(N-1)"
+    model = (f"per step: E(N) = {what}*w bytes in D(N) = {what}*d datagrams leave the relay; "
+             f"w = {w:,.0f} B and d = {d:.2f} datagrams per forwarded {'aggregate' if aggregate else 'update'} "
+             f"(measured); relay CPU C(N) = a*D + b*N + c with a = {costs['per_datagram_s'] * 1e6:.2f} "
+             f"us/datagram, b = {costs['per_update_s'] * 1e6:.1f} us/update and c = "
+             f"{costs['per_step_s'] * 1e3:.2f} ms/step (least squares over the measured N); "
              "step communication = max(8*E/B, C) at link rate B (link and CPU overlap); peers' receive "
              "cost, propagation and loss repair excluded")
     return {"model": model, "costs": costs, "bytes_per_update": w, "datagrams_per_update": d,
@@ -344,14 +389,13 @@ def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from gradshare.bench.transport import _make_messages
     from gradshare.transport.relay_core import default_apply_update, default_decode_update
 
     if args.params < 1 or not 0 < args.density <= 1:
         raise ValueError(f"--params must be >= 1 and --density in (0, 1] (got {args.params}, {args.density})")
     if args.steps < 2 or args.procs < 1 or not args.seconds > 0:
         raise ValueError("--steps must be >= 2, --procs >= 1 and --seconds > 0")
-    messages = _make_messages(args.params, args.density, 8, seed=0)
+    messages = rank_messages(args.params, args.density, 8, seed=0)
     # warm the relay's decode+apply kernels (Numba) so that no N pays for compilation
     default_apply_update(default_decode_update(messages[0], args.params), np.zeros(args.params, np.float32))
     rows = []
@@ -359,19 +403,38 @@ def run(args: argparse.Namespace) -> int:
         row = run_one(n, args, messages)
         rows.append(row)
         _print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
-                   message_bytes=row["forwarded_bytes_per_update"])
+                   message_bytes=row["rank_message_wire_bytes"])
     heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
     projection = project(rows)
     out = {"params": args.params, "density": args.density, "forwarding": args.forwarding,
-           "datagram_size": args.datagram_size, "procs": args.procs, "runs": rows, "heartbeats": heartbeats,
-           "projection": projection}
-    _print_tail(heartbeats, projection)
+           "datagram_size": args.datagram_size, "aggregate_datagram_size": args.aggregate_datagram_size,
+           "procs": args.procs, "runs": rows, "heartbeats": heartbeats, "projection": projection}
+    _print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(out, indent=2, default=str) + "\n")
     if args.png:
         plot(out, args.png)
     return 0
+
+
+def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[bytes]:
+    """``count`` synthetic rank messages of ``density`` entries, each with its own τ (1e-3 · (1 + i/count)),
+    as calibrated ranks have: with one τ for all, the relay's residual would hold nothing but exact ties,
+    which no training produces (aggregate.py's tie rule would hold most of it back)."""
+    import numpy as np
+
+    from gradshare.encoding import encode
+
+    rng = np.random.default_rng(seed)
+    k = max(1, int(round(n_params * density)))
+    out = []
+    for i in range(count):
+        tau = np.float32(1e-3 * (1 + i / count))
+        r = np.zeros(n_params, np.float32)
+        r[rng.choice(n_params, size=k, replace=False)] = tau * rng.choice(np.float32([-1.5, 1.5]), size=k)
+        out.append(encode(r, None, tau).to_bytes())
+    return out
 
 
 def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
@@ -402,7 +465,7 @@ def _print_row(r: dict, header: bool, params: int, density: float, message_bytes
           f"{r['relay_retransmits'] + r['peer_retransmits']:>7}{str(r['exactly_once']):>14}", flush=True)
 
 
-def _print_tail(heartbeats: list[dict], projection: dict) -> None:
+def _print_tail(heartbeats: list[dict], projection: dict, forwarding: str) -> None:
     print("\nheartbeat traffic at the relay, idle job (protocol cores, simulated 1 s):")
     print(f"{'N':>5}{'in dgrams/s':>13}{'out dgrams/s':>14}{'out kB/s':>10}{'out B/s per peer':>18}"
           f"{'relay CPU ms/s':>16}")
@@ -410,7 +473,7 @@ def _print_tail(heartbeats: list[dict], projection: dict) -> None:
         print(f"{h['peers']:>5}{h['in_datagrams_per_s']:>13,.0f}{h['out_datagrams_per_s']:>14,.0f}"
               f"{h['out_bytes_per_s'] / 1e3:>10.1f}{h['out_bytes_per_peer_per_s']:>18,.0f}"
               f"{h['relay_cpu_per_s'] * 1e3:>16.2f}")
-    print("\nprojected step communication, per-rank forwarding:")
+    print(f"\nprojected step communication, {forwarding} forwarding:")
     print("model: " + projection["model"])
     heads = "".join(f"{f'{g} Gbit/s ms':>16}" for g in LINKS_GBIT)
     print(f"{'N':>5}{'egress MB':>12}{'relay CPU ms':>14}{heads}")
@@ -431,11 +494,14 @@ def plot(out: dict, path: str) -> None:
     n = [r["peers"] for r in rows]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     ax[0].loglog(n, [r["egress_bytes_per_step"] / 1e6 for r in rows], "o-", label="measured")
+    what = "N·w" if out["forwarding"] == "aggregate" else "N(N-1)·w"
     ax[0].loglog([p["peers"] for p in proj], [p["egress_bytes"] / 1e6 for p in proj], "--",
-                 label="N(N-1)·w (model)")
+                 label=f"{what} (model)")
+    if out["forwarding"] == "aggregate":
+        ax[0].loglog(n, [r["target_egress_bytes_per_step"] / 1e6 for r in rows], ":", label="target 2·N·m")
     ax[0].set(xlabel="peers N", ylabel="relay egress per step (MB)", title="egress per step")
     ax[1].loglog(n, [r["relay_cpu_per_step_s"] * 1e3 for r in rows], "o-", label="measured")
-    ax[1].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "--", label="a·D + b·N")
+    ax[1].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "--", label="a·D + b·N + c")
     ax[1].set(xlabel="peers N", ylabel="relay thread CPU per step (ms)", title="relay CPU per step")
     ax[2].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "k-", lw=2,
                  label="relay CPU C")

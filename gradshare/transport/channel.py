@@ -47,8 +47,9 @@ class Channel:
         return self.seal(kind, body)
 
     def seal_chunks(self, kind: int, body: bytes, origin: int, step: int,
-                    only: tuple[int, ...] | None = None) -> list[bytes]:
-        chunks = wire.split(body, self.chunk_bytes)
+                    only: tuple[int, ...] | None = None, chunk_bytes: int | None = None) -> list[bytes]:
+        """``body`` as sealed chunks of ``chunk_bytes`` (default: what fits ``datagram_size``)."""
+        chunks = wire.split(body, chunk_bytes or self.chunk_bytes)
         n = len(chunks)
         idx = range(n) if not only else [i for i in only if i < n]
         return [self.seal(kind, chunks[i], origin, step, i, n) for i in idx]

@@ -15,6 +15,9 @@ MAX_WORLD_SIZE = 1024
 # 64 × (5-byte have + 11-byte ended entry) + framing ≈ 1.05 kB fits a 1400-byte datagram
 STATUS_PAGE_RANKS = 64
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
+# The origin of the relay's aggregated message of a step (forwarding="aggregate", issue 13 item 1): one
+# past the largest rank, so it sorts after every rank of a step and never names one
+AGGREGATE_ORIGIN = MAX_WORLD_SIZE
 MAX_NAK_ITEMS = 64
 MAX_NOTES = 16             # WELCOME: (name, value) notes an attempt inherits
 MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
@@ -51,6 +54,7 @@ class Welcome:
     # what the attempt inherits besides the parameters (relay_core.AttemptNotes): rank 0's early-stopping
     # state and decision, the checkpoint a retried stage rolled back to; (name, value) pairs
     notes: tuple[tuple[str, float], ...] = ()
+    aggregate: bool = False  # the log is the relay's one aggregated message per step (issue 13 item 1)
 
     def __post_init__(self) -> None:
         _check_int("n_params", self.n_params, 1, 1 << 40)
@@ -61,6 +65,8 @@ class Welcome:
                 isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], str) and 0 < len(n[0]) <= 32
                 and isinstance(n[1], float) for n in self.notes):
             raise ValueError(f"notes must be at most {MAX_NOTES} (name, float) pairs, names of 1..32 characters")
+        if type(self.aggregate) is not bool:
+            raise ValueError(f"aggregate must be a bool (got {self.aggregate!r})")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class NakItem:
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)
-        _check_int("origin", self.origin, 0, MAX_WORLD_SIZE - 1)
+        _check_int("origin", self.origin, 0, AGGREGATE_ORIGIN)
         if len(self.chunks) > MAX_NAK_ITEMS:
             raise ValueError(f"at most {MAX_NAK_ITEMS} chunk indices per NAK item")
         for c in self.chunks:
@@ -272,7 +278,7 @@ class Update:
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)
-        _check_int("sender", self.sender, 0, MAX_WORLD_SIZE - 1)
+        _check_int("sender", self.sender, 0, AGGREGATE_ORIGIN)
         if not isinstance(self.payload, bytes):
             raise TypeError("payload must be bytes")
 

@@ -4,6 +4,11 @@ A peer joins the relay, sends its own updates (kept until acknowledged, retransm
 re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
 missing (from STATUS ``have`` and from later steps it already saw), and releases the apply log in canonical
 (step, rank) order, its own updates included (docs/design.md, Consistency). It can also fetch a snapshot.
+
+With aggregated forwarding (the relay's WELCOME says so; issue 13 item 1) the log is the relay's one
+aggregated message per step instead: origin AGGREGATE_ORIGIN, sealed by the relay, one slot per step (a
+one-slot cursor), and the peer's own messages are not in it. It ends at the last step of the last rank
+to end (each rank's end still comes from STATUS, its own from ``finish``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import Reassembler
 from gradshare.transport.relay_core import param_hash
-from gradshare.transport.wire import RELAY_ID, Kind
+from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
 class SnapshotDownload:
@@ -67,6 +72,8 @@ class PeerCore:
         self.state = "new"                # new → (loading →) joining → joined → (rejected | closed)
         self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
+        self.aggregate = False            # the log is the relay's aggregate (set from WELCOME)
+        self.rank_ends: dict[int, int] = {}   # aggregate mode: rank -> last step (the cursor has one slot)
         self.error: str | None = None
         self.cursor: LogCursor | None = None
         self.inbox: dict[tuple[int, int], ev.Update] = {}
@@ -130,7 +137,8 @@ class PeerCore:
         payload = bytes(payload)
         body = wire.encode_update_body(payload, meta)
         _, clean_meta = wire.decode_update_body(body)
-        self._store(ev.Update(step, self.rank, payload, clean_meta))
+        if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
+            self._store(ev.Update(step, self.rank, payload, clean_meta))
         self.unacked.put(step, body)
         self.sent_at[step] = self.first_sent[step] = now
         self.tries[step] = 0
@@ -147,8 +155,7 @@ class PeerCore:
                                      f"{self.next_step - 1}")
         if self.finish_step is None:
             self.finish_step = last_step
-            self.cursor.end(self.rank, last_step)
-            self._drop_after_end(self.rank, last_step)
+            self._rank_end(self.rank, last_step)
             self._advance()
         self._out.append(self.chan.seal_control(ev.Finished(last_step)))
 
@@ -187,8 +194,9 @@ class PeerCore:
         return out
 
     def blocking_key(self) -> tuple[int, int] | None:
-        """The (step, rank) the log waits for, or None."""
-        return None if self.cursor is None else self.cursor.next_key()
+        """The (step, rank) the log waits for (rank AGGREGATE_ORIGIN: the relay's aggregate), or None."""
+        key = None if self.cursor is None else self.cursor.next_key()
+        return (key[0], AGGREGATE_ORIGIN) if key is not None and self.aggregate else key
 
     @property
     def complete_through(self) -> int:
@@ -244,7 +252,9 @@ class PeerCore:
         # the relay forwards an update chunk as its origin sealed it (sender = origin, another rank);
         # everything else comes from the relay itself
         forwarded = h.kind == Kind.UPDATE
-        if forwarded:
+        if forwarded and self.aggregate:    # the relay's own aggregate (retransmissions: the same bytes)
+            genuine = h.sender == RELAY_ID and h.origin == AGGREGATE_ORIGIN
+        elif forwarded:
             genuine = h.sender == h.origin and h.sender < self.world_size and h.sender != self.rank
         else:
             genuine = h.sender == RELAY_ID
@@ -317,7 +327,10 @@ class PeerCore:
             return
         self.welcome = msg
         self.state = "joined"
-        self.cursor = LogCursor(self.world_size, msg.start_step)
+        self.aggregate = msg.aggregate
+        self.cursor = LogCursor(1 if msg.aggregate else self.world_size, msg.start_step)
+        if msg.aggregate:
+            self.known_high[0] = msg.complete_through
         self.next_step = msg.start_step
         self._events.append(ev.Welcomed(msg))
 
@@ -326,9 +339,12 @@ class PeerCore:
             self.chan.drops["stale_status"] += 1
             return
         first = msg.first_rank           # one page of ranks (issue 13): the others come in other pages
-        for r, h in enumerate(msg.have, first):
-            if h > self.known_high[r]:
-                self.known_high[r] = h
+        if self.aggregate:               # the relay made (and sent) every aggregate it has applied
+            self.known_high[0] = max(self.known_high[0], msg.complete_through)
+        else:
+            for r, h in enumerate(msg.have, first):
+                if h > self.known_high[r]:
+                    self.known_high[r] = h
         if first <= self.rank < first + len(msg.have):
             own = msg.have[self.rank - first]
             for s in [s for s in self.unacked if s <= own]:
@@ -340,9 +356,8 @@ class PeerCore:
                 elif self.finish_step == e.last_step:
                     self.finish_acked = True
                 continue
-            if e.rank not in self.cursor.ends:
-                self.cursor.end(e.rank, e.last_step)
-                self._drop_after_end(e.rank, e.last_step)
+            if e.rank not in (self.rank_ends if self.aggregate else self.cursor.ends):
+                self._rank_end(e.rank, e.last_step)
                 self._events.append(ev.PeerEnded(e.rank, e.last_step, e.gone,
                                                  "declared gone" if e.gone else "finished"))
         self._advance()
@@ -352,7 +367,10 @@ class PeerCore:
         if cur is None:
             self.chan.drops["before_welcome"] += 1
             return
-        key = (h.step, h.origin)       # origin: another rank of this job (checked before authentication)
+        # origin: another rank of this job, or the aggregate (checked before authentication); the aggregate
+        # has the cursor's one slot
+        slot = 0 if self.aggregate else h.origin
+        key = (h.step, slot)
         if key in self.inbox or h.step < cur.start_step or cur.done_before(*key):
             self.chan.drops["duplicate"] += 1
             return
@@ -362,10 +380,10 @@ class PeerCore:
         if h.step > cur.step + self.max_ahead:
             self.chan.drops["too_far_ahead"] += 1
             return
-        if h.step > self.known_high[h.origin]:
+        if h.step > self.known_high[slot]:
             # the relay forwards only whole updates, so any chunk of (t, r) proves (t, r) and every earlier
             # step of r exist: a partial (t, r) can be NAKed at once, not only after r's next step shows up
-            self.known_high[h.origin] = h.step
+            self.known_high[slot] = h.step
         if len(self.inbox) + len(self.ready) >= self.inbox_messages or self.inbox_nbytes >= self.inbox_bytes:
             self.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
             return
@@ -380,16 +398,29 @@ class PeerCore:
         except DecodeError:
             self.chan.drops["bad_update"] += 1
             return
-        self.known_high[h.origin] = max(self.known_high[h.origin], h.step)
-        self._store(ev.Update(h.step, h.origin, payload, meta))
+        self.known_high[slot] = max(self.known_high[slot], h.step)
+        self._store(ev.Update(h.step, h.origin, payload, meta), slot)
         self.c["updates_received"] += 1
         self._advance()
 
-    def _store(self, u: ev.Update) -> None:
-        key = (u.step, u.sender)
+    def _store(self, u: ev.Update, slot: int | None = None) -> None:
+        key = (u.step, u.sender if slot is None else slot)
         self.inbox[key] = u
         self.inbox_nbytes += len(u.payload)
         self.missing.pop(key, None)
+
+    def _rank_end(self, rank: int, last_step: int) -> None:
+        """Rank ``rank`` has no step after ``last_step``. Aggregated, the log (one slot) ends once every
+        rank has ended, at the latest of their ends: each step up to it has a message of some rank."""
+        if not self.aggregate:
+            self.cursor.end(rank, last_step)
+            self._drop_after_end(rank, last_step)
+            return
+        self.rank_ends[rank] = last_step
+        if len(self.rank_ends) == self.world_size:
+            end = max(self.rank_ends.values())
+            self.cursor.end(0, end)
+            self._drop_after_end(0, end)
 
     def _drop_after_end(self, rank: int, last_step: int) -> None:
         for key in [k for k in self.inbox if k[1] == rank and k[0] > last_step]:
@@ -530,9 +561,9 @@ class PeerCore:
         # step needs a repair). Before the first RTT sample: ``nak_interval``.
         delay = self.nak_delay if self.srtt is None else max(self.nak_delay, self.srtt)
         renak = 2 * delay if self.srtt is not None else self.nak_interval
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
+        slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
+                                                                 if r != self.rank)
+        for r, origin in slots:
             end = cur.ends.get(r)
             hi = end if end is not None else self.known_high[r]
             t = cur.step if r >= cur.rank else cur.step + 1
@@ -556,7 +587,7 @@ class PeerCore:
                 elif now - m[1] < renak:
                     continue
                 m[1] = now
-                items.append(ev.NakItem(key[0], r, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
+                items.append(ev.NakItem(key[0], origin, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
         if items:
             self._out.append(self.chan.seal_control(ev.Nak(tuple(items))))
             self.c["naks_sent"] += 1

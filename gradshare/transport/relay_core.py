@@ -13,6 +13,10 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
 - learns per rank how late chunks may be before it NAKs them (``LateAllowance``): fast repair on a lossy
   link, no spurious retransmits on a loaded machine;
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
+- or, with ``forwarding="aggregate"`` (issue 13 item 1), forwards nothing per rank: once a step's row is
+  complete it adds the row into its own residual (``aggregator``, encoding/aggregate.py), seals ONE
+  re-encoded message of origin AGGREGATE_ORIGIN, applies only that, sends it to every peer and keeps it
+  in the history for NAK repair; WELCOME tells the peers;
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
 - liveness (issue 12): a rank silent for ``liveness_timeout`` is *suspected*; what follows is the
   ``on_rank_loss`` policy: "wait" (the log waits; after ``give_up_after`` s of silence a fatal
@@ -50,7 +54,7 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import LateAllowance, Reassembler
-from gradshare.transport.wire import RELAY_ID, Kind
+from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
 def param_hash(array: np.ndarray) -> str:
@@ -109,6 +113,7 @@ class RankState:
 
 
 ON_RANK_LOSS = ("wait", "continue", "restart")
+FORWARDING = ("per-rank", "aggregate")
 MAX_INCIDENTS = 256
 MAX_EPOCH_ROWS = 1 << 16
 
@@ -238,7 +243,8 @@ class RelayCore:
                  snapshot_datagram_size: int | None = None, max_snapshots: int = 2,
                  defer_apply: bool = False, on_rank_loss: str = "wait", give_up_after: float = 60.0,
                  join_window: float | None = None, step_timeout: float | None = None,
-                 rollback: Callable[[int], Any] | None = None) -> None:
+                 rollback: Callable[[int], Any] | None = None,
+                 forwarding: str = "per-rank", aggregator: Any = None) -> None:
         """rollback: None, or ``rollback(complete_through) -> None | (through, params, epochs_done, note)``,
         asked when a new attempt starts: the log restarts after step `through` (<= complete_through) from
         `params` (the state the log holds through it), per-(rank, epoch) tallies of epochs >= epochs_done
@@ -254,11 +260,22 @@ class RelayCore:
             raise ValueError(f"liveness_timeout must be > 0 (got {liveness_timeout})")
         if on_rank_loss not in ON_RANK_LOSS:
             raise ValueError(f"on_rank_loss must be one of {ON_RANK_LOSS} (got {on_rank_loss!r})")
+        if forwarding not in FORWARDING:
+            raise ValueError(f"forwarding must be one of {FORWARDING} (got {forwarding!r})")
         for name, value in (("give_up_after", give_up_after), ("join_window", join_window),
                             ("step_timeout", step_timeout)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds (got {value!r})")
         self.on_rank_loss = on_rank_loss
+        # "aggregate" (issue 13 item 1): ranks' messages are not forwarded; once a step's row is complete
+        # the relay sends ONE message re-encoded from its own residual (encoding/aggregate.py) to every
+        # peer, under origin AGGREGATE_ORIGIN, and applies only that one itself
+        self.forwarding = forwarding
+        if forwarding == "aggregate" and aggregator is None:
+            from gradshare.encoding.aggregate import AggregateState
+
+            aggregator = AggregateState(int(np.asarray(params).size))
+        self.aggregator = aggregator if forwarding == "aggregate" else None
         self.give_up_after = float(give_up_after)
         self.join_window = float(join_window if join_window is not None else liveness_timeout)
         self.step_timeout = step_timeout
@@ -288,6 +305,10 @@ class RelayCore:
         snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
         self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
+        # the relay's own aggregates (forwarding="aggregate") travel in datagrams of the same size: the
+        # relay seals them, so unlike a rank's forwarded datagrams their size is its choice, and one
+        # sendto per peer instead of ~16 is most of what an aggregate costs the relay on loopback
+        self.aggregate_chunk_bytes = snap_chunk
         # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
@@ -324,6 +345,7 @@ class RelayCore:
         self._events: deque = deque()
         self._acks: dict[int, list[int]] = {}
         self._last_tick = now
+        self._last_now = now                  # the latest datagram's time: aggregates are sent "now"
         self._log_complete_sent = False
         self.c: Counter[str] = Counter()                # counters (drops live in chan.drops)
         self.recent: dict[tuple[int, int], float] = {}  # (step, origin) -> forwarded at, the last nak_delay
@@ -360,7 +382,8 @@ class RelayCore:
         return self.cursor.finished() and not self._apply_due
 
     def counters(self) -> dict:
-        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded", "updates_in", "applied", "naks_sent"), 0)
+        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
+                           "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
         d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
@@ -612,7 +635,7 @@ class RelayCore:
         rs.left = False
         self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
-                                  self.complete_through, self.attempt_notes))
+                                  self.complete_through, self.attempt_notes, self.aggregator is not None))
         for page in range(self.status_pages):
             self._send(rs, self._status(page))
         if first:
@@ -708,11 +731,17 @@ class RelayCore:
         self.pending[(step, rs.rank)] = decoded
         self.c["updates_in"] += 1
         self._acks.setdefault(rs.rank, []).append(step)
-        for key in self.history.put((step, rs.rank), sealed):
+        if self.aggregator is None:
+            self._keep(step, rs.rank, sealed)
+            self._forward(rs.rank, step, sealed, now)
+        self._last_now = now
+        self._request_apply()
+
+    def _keep(self, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
+        """Into the bounded history, for NAK repair (what the caps evict is remembered: NAK → error)."""
+        for key in self.history.put((step, origin), sealed):
             self.evicted.add(key)
             self.c["history_evicted"] += 1
-        self._forward(rs.rank, step, sealed, now)
-        self._request_apply()
 
     def _refuse_update(self, rs: RankState, step: int, why: str) -> None:
         """An authenticated peer sent an update that does not decode: it must never enter the log.
@@ -722,7 +751,7 @@ class RelayCore:
         self._declare_gone(rs, f"sent an invalid update at step {step}")
 
     def _forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
-        """Send the origin's own datagrams, unchanged, to every other live peer."""
+        """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
         targets = [r.addr for r in self.ranks if r.rank != origin and r.joined and not r.left
                    and not (r.ended is not None and r.ended.gone)]
         if not targets:
@@ -816,8 +845,11 @@ class RelayCore:
             row = [(t, r) for r in range(cur.rank, self.world_size) if cur.exists(t, r) is not False]
             if any(k not in self.pending for k in row):
                 break
+            if self.aggregator is not None:
+                self._aggregate(t, [self.pending.pop(k) for k in row])
             for k in row:
-                self.apply_update(self.pending.pop(k), self.params)
+                if self.aggregator is None:
+                    self.apply_update(self.pending.pop(k), self.params)
                 self.c["applied"] += 1
                 meta = self.pending_meta.pop(k, None)
                 if meta is not None and "epoch" in meta:
@@ -834,6 +866,26 @@ class RelayCore:
         if cur.finished() and not self._log_complete_sent:
             self._log_complete_sent = True
             self._events.append(ev.LogComplete(cur.complete_through))
+
+    def _aggregate(self, step: int, decoded: list) -> None:
+        """Step ``step``'s row is complete: encode its one aggregated message (rank order), apply it to
+        the authoritative parameters, send it to every live peer and keep it for NAK repair."""
+        from gradshare.encoding.aggregate import aggregate_step
+
+        agg = aggregate_step(self.aggregator, decoded, step)
+        self.apply_update(agg, self.params)
+        meta = None
+        stop = self.pending_meta.get((step, 0))
+        if stop is not None and "stop_epoch" in stop:     # rank 0's early-stop decision rides along
+            meta = {"stop_epoch": stop["stop_epoch"]}
+        body = wire.encode_update_body(agg.to_bytes(self.aggregator.n_buffers), meta)
+        sealed = tuple(self.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
+                                             chunk_bytes=self.aggregate_chunk_bytes))
+        self._keep(step, AGGREGATE_ORIGIN, sealed)
+        self._forward(AGGREGATE_ORIGIN, step, sealed, self._last_now)
+        self.c["aggregates"] += 1
+        self.c["aggregate_wire_bytes"] += _total_len(sealed)      # one peer's copy
+        self.c["aggregate_entries"] += agg.message.n_entries
 
     def _tally(self, rank: int, epoch: int, meta: dict) -> None:
         tally = self.epochs.get((rank, epoch))
@@ -895,6 +947,7 @@ class RelayCore:
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
+        self._last_now = now
         self.apply_pending()
         if self._trim_due:
             self._trim_due = False

@@ -32,6 +32,7 @@ from gradshare.transport import events as ev
 MAGIC = b"GS"
 VERSION = 1
 RELAY_ID = 0xFFFF
+AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN   # the origin field of the relay's aggregated messages
 HEADER = struct.Struct("<2sBBHHQIQHIII")
 HEADER_BYTES = HEADER.size
 DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
@@ -196,7 +197,7 @@ def encode_control(msg: object) -> tuple[int, bytes]:
         return Kind.JOIN, _pack([msg.n_params, msg.world_size])
     if isinstance(msg, ev.Welcome):
         return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through,
-                                    [list(n) for n in msg.notes]])
+                                    [list(n) for n in msg.notes], msg.aggregate])
     if isinstance(msg, ev.Reject):
         return Kind.REJECT, _pack([msg.reason])
     if isinstance(msg, ev.Ack):
@@ -244,10 +245,12 @@ def decode_control(kind: int, body: bytes) -> object:
             n, w = f
             return ev.Join(n, w)
         if kind == Kind.WELCOME:
-            n, w, s, c, notes = f
+            if len(f) != 6:
+                raise DecodeError(f"WELCOME has {len(f)} fields, expected 6")
+            n, w, s, c, notes, aggregate = f
             if not isinstance(notes, list) or not all(isinstance(x, list) for x in notes):
                 raise DecodeError("WELCOME notes must be a list of [name, value] pairs")
-            return ev.Welcome(n, w, s, c, tuple(tuple(x) for x in notes))
+            return ev.Welcome(n, w, s, c, tuple(tuple(x) for x in notes), aggregate)
         if kind == Kind.REJECT:
             (reason,) = f
             return ev.Reject(reason)
