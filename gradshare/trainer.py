@@ -119,7 +119,7 @@ class FitResult:
         return plot_result(self, path)
 
 
-WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
+WORKER_OPTIONS = ("profile", "direct_update", "tensor_state", "step_in_backward")  # see SharedTrainer's docstring
 DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 
 
@@ -239,6 +239,8 @@ class SharedTrainer:
     worker_options: {"profile": True} adds per-phase step timers to each worker report
         (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
         P_after - P_before even where it could write it into the residual directly (capture.py);
+        {"step_in_backward": False} steps the optimizer after backward even where it could step each
+        parameter as its gradient is ready (capture.py; the same bits, more memory);
         {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
         for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one

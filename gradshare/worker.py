@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.capture import update_path
+from gradshare.capture import needs_all_gradients, update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.losses import LossStep
@@ -227,8 +227,11 @@ class Worker:
                                   device=self.flat.device)
         # The optimizer writes its update straight into the residual where it can; otherwise the step
         # measures it against a twin of P that the apply log keeps (capture.py).
+        # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
+        # not all live at once, unless something needs them all (capture.py, needs_all_gradients)
+        in_backward = cfg.extra.get("step_in_backward", True) and needs_all_gradients(self.optimizer, self.precision) is None
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
-                                allow_direct=cfg.extra.get("direct_update", True))
+                                allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward)
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
@@ -331,16 +334,21 @@ class Worker:
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
         prof.lap("lookahead")
+        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
             loss = self._loss_of(batch)
-        self.precision.backward(loss)
+        if self.path.in_backward:  # the optimizer steps inside backward, one parameter at a time (capture.py)
+            self.path.backward(lambda: self.precision.backward(loss))
+        else:
+            self.precision.backward(loss)
         prof.lap("compute")
         changed = self._take_buffer_change(buffers_before)
         self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
-        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
-        taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
+        # False: the fp16 loss scaler skipped it
+        taken = True if self.path.in_backward else self.path.optimizer_step(self.precision.step)
+        self.optimizer.zero_grad(set_to_none=True)  # nothing reads them now: free them before the encode
         prof.lap("optimizer")
         msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
@@ -473,6 +481,7 @@ class Worker:
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
             "update_path": self.path.name,  # capture.py
+            "step_in_backward": self.path.in_backward,  # capture.py: each parameter stepped in backward
             "device": str(self.flat.buffer.device),  # where it trained: "cpu", "cuda:0", ...
             "tensor_state": self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
             "silent_steps": self.state.silent_steps,

@@ -1,0 +1,147 @@
+"""Stepping the optimizer in backward (gradshare/capture.py, issue 11 memory): each parameter is stepped
+from its gradient hook and its gradient dropped at once. The worker must learn exactly what it learns
+with one optimizer step after backward (checked, not assumed, for every optimizer the direct path
+takes), and fall back to that step when something needs every gradient at once."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gradshare import encoding
+from gradshare.losses import clip_grad_norm
+from gradshare.spark import PartitionData
+from gradshare.transport import param_hash
+from gradshare.worker import ApplyLog, Worker, WorkerConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from precision_step import LocalLog  # noqa: E402 - the one-rank transport the benchmarks use
+
+STEPS = 6
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+
+
+class DetachedReuse(nn.Module):
+    """`a` is used again, detached, nearer the input than its own gradient's node: that node's backward
+    runs after `a` was stepped, and must not see `a` as modified (the step wrote into the residual)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = nn.Parameter(torch.randn(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = x * self.b * self.a.detach().sum(0)  # saves a.detach() to give b its gradient
+        return self.head(h @ self.a)
+
+
+def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS):
+    """(worker, hashes of the parameters after each step, the residual)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(64, 16)).astype(np.float32), rng.integers(0, 4, 64).astype(np.int64)
+    torch.manual_seed(0)  # the same initial weights every time
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model(),
+                       loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
+                       threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
+                       epochs=2, batch_size=16, staleness=0, seed=0, label_dtype="int64", precision=precision,
+                       extra={"step_in_backward": in_backward, "direct_update": direct})
+    worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
+    worker.log = ApplyLog(log, worker.flat, 0, 10.0)
+    hashes = []
+    for t in range(steps):
+        worker.log.apply_through(t - 1)
+        worker.step(log, t)
+        hashes.append(param_hash(worker.flat.host_state()))
+    return worker, hashes, worker.state.residual.copy()
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adam-foreach-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_stepping_in_backward_learns_the_same_bits(name):
+    on, hashes_on, residual_on = _run(OPTIMIZERS[name])
+    off, hashes_off, residual_off = _run(OPTIMIZERS[name], in_backward=False)
+    assert on.path.in_backward and not off.path.in_backward
+    assert hashes_on == hashes_off
+    assert np.array_equal(residual_on, residual_off)
+    assert len(set(hashes_on)) == STEPS  # the model moved every step: the comparison had something to see
+    for p_on, p_off in zip(on.flat.params, off.flat.params):  # the optimizer's state too (moments, step)
+        for key, value in off.optimizer.state[p_off].items():
+            assert torch.equal(torch.as_tensor(on.optimizer.state[p_on][key]), torch.as_tensor(value)), key
+
+
+def test_at_most_one_gradient_lives_during_backward_and_none_after_the_step():
+    worker, _, _ = _run(OPTIMIZERS["adam-fused"], steps=1)
+    live = []
+
+    def count(_):  # registered after the worker's hook, so it runs after that hook stepped and dropped p
+        live.append(sum(p.grad is not None for p in worker.flat.params))
+
+    for p in worker.flat.params:
+        p.register_post_accumulate_grad_hook(count)
+    worker.step(worker.log.peer, 1)
+    assert live == [0] * len(worker.flat.params)
+    assert all(p.grad is None for p in worker.flat.params)
+
+
+def test_a_parameter_reused_detached_nearer_the_input_still_trains_the_same():
+    on, hashes_on, residual_on = _run(OPTIMIZERS["adam"], model=DetachedReuse)
+    _, hashes_off, residual_off = _run(OPTIMIZERS["adam"], model=DetachedReuse, in_backward=False)
+    assert on.path.in_backward
+    assert hashes_on == hashes_off and np.array_equal(residual_on, residual_off)
+
+
+def test_a_backward_the_worker_did_not_start_steps_nothing():
+    worker, _, _ = _run(OPTIMIZERS["sgd"], steps=0)
+    before = worker.state.residual.copy()
+    worker.model(torch.ones(2, 16)).sum().backward()  # e.g. a user's own gradient check
+    assert np.array_equal(worker.state.residual, before)
+    assert all(p.grad is not None for p in worker.flat.params)
+
+
+@pytest.mark.parametrize("case", ["fp16-mixed", "clip_grad_norm", "global hook", "general path", "asked"])
+def test_it_falls_back_to_one_step_after_backward_when_every_gradient_is_needed(case):
+    make, options = OPTIMIZERS["adam"], {}
+    if case == "fp16-mixed":  # the scaler unscales and checks inf/NaN over all gradients
+        options["precision"] = "fp16-mixed"
+    elif case == "clip_grad_norm":  # clips their total norm in a step pre-hook
+        make = clip_grad_norm(make, 0.5)
+    elif case == "general path":  # weight decay reads P: the update is measured after the whole step
+        make = lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-3)  # noqa: E731
+    elif case == "asked":
+        options["in_backward"] = False
+    handle = register_optimizer_step_pre_hook(lambda *_: None) if case == "global hook" else None
+    try:
+        worker, hashes, _ = _run(make, **options)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert not worker.path.in_backward
+    assert len(set(hashes)) == STEPS  # and it trains
+
+
+def test_bf16_autocast_steps_in_backward_to_the_same_bits():
+    on, hashes_on, _ = _run(OPTIMIZERS["adam-fused"], precision="bf16-mixed")
+    _, hashes_off, _ = _run(OPTIMIZERS["adam-fused"], precision="bf16-mixed", in_backward=False)
+    assert on.path.in_backward and hashes_on == hashes_off
