@@ -238,6 +238,7 @@ class Worker:
         self.stop_sent = False
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self._order_epoch = -1
+        self._trim_due = False  # release_free_memory before the next backward (after a large message)
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
         if data.spilled:  # its labels stay in the spill file; each batch reads its own (spill.py)
@@ -333,6 +334,8 @@ class Worker:
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
+        if self._trim_due:  # before the step's peak (backward): the last step's big transients are garbage
+            release_free_memory()
         prof.lap("lookahead")
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -372,6 +375,9 @@ class Worker:
             if stop is not None:
                 meta["stop_epoch"] = float(stop)
         peer.send_update(t, payload, meta)
+        # a message this large (density ~1e-2 and up: a warm-up, Adam's first steps) left its codes and
+        # payloads freed but held, and the others' messages of the step will be as large
+        self._trim_due = len(payload) >= TRIM_PAYLOAD_BYTES
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
@@ -556,6 +562,7 @@ class Worker:
         }
 
 
+TRIM_PAYLOAD_BYTES = 1 << 20  # a step whose message is this large trims the heap before the next backward
 FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its FAIL
 
 
@@ -621,19 +628,35 @@ def _report_failure(cfg: WorkerConfig, rank: int, attempt: int, exc: BaseExcepti
         peer.close(linger=0.0, leave=False)
 
 
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc malloc_trim, every arena). Freed blocks below
+    glibc's mmap threshold (which grows to 32 MB as large blocks are freed) stay in the process's RSS
+    until trimmed: a worker's big transients (the snapshot's datagrams, a dense message's codes and
+    payloads) would otherwise sit under the next step's peak (benchmarks/worker_memory.py: ~60 MB on the
+    51.6 M MLP). No-op where the C library is not glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to trim with
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # libc's malloc_trim, False where there is none; looked up on first use
+
+
 def reset_peak_rss() -> int:
     """Restart this process's peak-RSS count (VmHWM) from its current RSS, which it returns: the task's
     baseline (interpreter, torch, pyspark). 0 where Linux's /proc is missing (no reports then).
 
-    First hand the heap's free pages back to the OS (glibc malloc_trim): a reused Python worker still
-    holds the pages an earlier task freed, which would hide this task's allocations from the count."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the count may then read low in a reused worker
-        pass
+    First hand the heap's free pages back to the OS (`release_free_memory`): a reused Python worker
+    still holds the pages an earlier task freed, which would hide this task's allocations from the count."""
+    release_free_memory()  # not glibc: the count may then read low in a reused worker
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux >= 4.0: "5" resets the peak RSS
@@ -693,6 +716,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
 
             load_rank(cfg.resume, worker)
         t_load = time.monotonic() - t_load
+        release_free_memory()  # the snapshot's datagrams and the model's first storage are garbage now
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load
         report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
