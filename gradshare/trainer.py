@@ -239,8 +239,9 @@ class SharedTrainer:
     worker_options: {"profile": True} adds per-phase step timers to each worker report
         (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
         P_after - P_before even where it could write it into the residual directly (capture.py);
-        {"step_in_backward": False} steps the optimizer after backward even where it could step each
-        parameter as its gradient is ready (capture.py; the same bits, more memory);
+        {"step_in_backward": True/False} steps each parameter's optimizer as its gradient is ready, where
+        nothing needs every gradient at once / never (capture.py; the same bits; default: where that
+        frees at least 64 MiB of gradients);
         {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
         for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.capture import needs_all_gradients, update_path
+from gradshare.capture import frees_enough, needs_all_gradients, update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.losses import LossStep
@@ -228,8 +228,11 @@ class Worker:
         # The optimizer writes its update straight into the residual where it can; otherwise the step
         # measures it against a twin of P that the apply log keeps (capture.py).
         # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
-        # not all live at once, unless something needs them all (capture.py, needs_all_gradients)
-        in_backward = cfg.extra.get("step_in_backward", True) and needs_all_gradients(self.optimizer, self.precision) is None
+        # not all live at once, unless something needs them all (capture.py, needs_all_gradients); by
+        # default only where that frees enough memory to pay for the per-parameter steps
+        wanted = cfg.extra.get("step_in_backward")
+        in_backward = ((frees_enough(self.flat) if wanted is None else wanted)
+                       and needs_all_gradients(self.optimizer, self.precision) is None)
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
                                 allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward)
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself

@@ -52,7 +52,7 @@ def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=Tru
                        loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
                        threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
                        epochs=2, batch_size=16, staleness=0, seed=0, label_dtype="int64", precision=precision,
-                       extra={"step_in_backward": in_backward, "direct_update": direct})
+                       extra={"direct_update": direct, **({} if in_backward is None else {"step_in_backward": in_backward})})
     worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
     worker.log = ApplyLog(log, worker.flat, 0, 10.0)
     hashes = []
@@ -139,6 +139,17 @@ def test_it_falls_back_to_one_step_after_backward_when_every_gradient_is_needed(
             handle.remove()
     assert not worker.path.in_backward
     assert len(set(hashes)) == STEPS  # and it trains
+
+
+def test_by_default_it_steps_in_backward_only_where_that_frees_enough_memory(monkeypatch):
+    from gradshare import capture
+
+    small = sum(p.numel() * 4 for p in mlp().parameters())
+    assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
+    monkeypatch.setattr(capture, "IN_BACKWARD_MIN_BYTES", small - 24 * 24 * 4)  # all but the largest (24 x 24)
+    assert _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
+    monkeypatch.setattr(capture, "IN_BACKWARD_MIN_BYTES", small - 24 * 24 * 4 + 1)
+    assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
 
 
 def test_bf16_autocast_steps_in_backward_to_the_same_bits():
