@@ -43,7 +43,7 @@ class DetachedReuse(nn.Module):
         return self.head(h @ self.a)
 
 
-def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS):
+def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS, staleness=0):
     """(worker, hashes of the parameters after each step, the residual)."""
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(64, 16)).astype(np.float32), rng.integers(0, 4, 64).astype(np.int64)
@@ -51,13 +51,13 @@ def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=Tru
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model(),
                        loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
                        threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
-                       epochs=2, batch_size=16, staleness=0, seed=0, label_dtype="int64", precision=precision,
+                       epochs=2, batch_size=16, staleness=staleness, seed=0, label_dtype="int64", precision=precision,
                        extra={"direct_update": direct, **({} if in_backward is None else {"step_in_backward": in_backward})})
     worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
     worker.log = ApplyLog(log, worker.flat, 0, 10.0)
     hashes = []
     for t in range(steps):
-        worker.log.apply_through(t - 1)
+        worker.log.apply_through(t - 1 - staleness)
         worker.step(log, t)
         hashes.append(param_hash(worker.flat.host_state()))
     return worker, hashes, worker.state.residual.copy()
@@ -152,7 +152,10 @@ def test_by_default_it_steps_in_backward_only_where_that_frees_enough_memory(mon
     assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
 
 
-def test_bf16_autocast_steps_in_backward_to_the_same_bits():
-    on, hashes_on, _ = _run(OPTIMIZERS["adam-fused"], precision="bf16-mixed")
-    _, hashes_off, _ = _run(OPTIMIZERS["adam-fused"], precision="bf16-mixed", in_backward=False)
+@pytest.mark.parametrize("precision, staleness", [("bf16-mixed", 0), ("32", 1)])
+def test_autocast_and_the_lookahead_step_in_backward_to_the_same_bits(precision, staleness):
+    """bf16 autocast; staleness 1, where each step runs at P + this rank's own unapplied messages."""
+    on, hashes_on, _ = _run(OPTIMIZERS["adam-fused"], precision=precision, staleness=staleness)
+    _, hashes_off, _ = _run(OPTIMIZERS["adam-fused"], precision=precision, staleness=staleness, in_backward=False)
     assert on.path.in_backward and hashes_on == hashes_off
+    assert not staleness or on.state.pending  # the lookahead had own messages to step at
