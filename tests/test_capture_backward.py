@@ -159,3 +159,20 @@ def test_autocast_and_the_lookahead_step_in_backward_to_the_same_bits(precision,
     _, hashes_off, _ = _run(OPTIMIZERS["adam-fused"], precision=precision, staleness=staleness, in_backward=False)
     assert on.path.in_backward and hashes_on == hashes_off
     assert not staleness or on.state.pending  # the lookahead had own messages to step at
+
+
+@pytest.mark.spark
+def test_a_two_worker_fit_steps_in_backward_to_the_same_model(spark):
+    """Through the relay, 2 workers, the default fused Adam: forced on and off, the same parameters."""
+    from gradshare import SharedTrainer
+    from gradshare.demo import digits_split
+
+    X, _, y, _ = digits_split(0)
+    rdd = spark.sparkContext.parallelize(list(zip(X[:256], (int(v) for v in y[:256]))), 2).cache()
+    fits = {}
+    for on in (True, False):
+        model = lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))  # noqa: E731
+        fits[on] = SharedTrainer(model, batch_size=32, epochs=1, seed=5, port=0, bind="127.0.0.1", verbose=0,
+                                 worker_options={"step_in_backward": on}).fit(rdd)
+        assert [r["step_in_backward"] for r in fits[on].worker_reports] == [on, on]
+    assert fits[True].param_hash == fits[False].param_hash
