@@ -43,7 +43,8 @@ class DetachedReuse(nn.Module):
         return self.head(h @ self.a)
 
 
-def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS, staleness=0):
+def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS, staleness=0,
+         tensor_state=False):
     """(worker, hashes of the parameters after each step, the residual)."""
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(64, 16)).astype(np.float32), rng.integers(0, 4, 64).astype(np.int64)
@@ -52,7 +53,8 @@ def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=Tru
                        loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
                        threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
                        epochs=2, batch_size=16, staleness=staleness, seed=0, label_dtype="int64", precision=precision,
-                       extra={"direct_update": direct, **({} if in_backward is None else {"step_in_backward": in_backward})})
+                       extra={"direct_update": direct, "tensor_state": tensor_state,
+                              **({} if in_backward is None else {"step_in_backward": in_backward})})
     worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
     worker.log = ApplyLog(log, worker.flat, 0, 10.0)
     hashes = []
@@ -60,7 +62,8 @@ def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=Tru
         worker.log.apply_through(t - 1 - staleness)
         worker.step(log, t)
         hashes.append(param_hash(worker.flat.host_state()))
-    return worker, hashes, worker.state.residual.copy()
+    residual = worker.state.residual
+    return worker, hashes, residual.cpu().numpy().copy() if tensor_state else residual.copy()
 
 
 OPTIMIZERS = {
@@ -152,12 +155,16 @@ def test_by_default_it_steps_in_backward_only_where_that_frees_enough_memory(mon
     assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
 
 
-@pytest.mark.parametrize("precision, staleness", [("bf16-mixed", 0), ("32", 1)])
-def test_autocast_and_the_lookahead_step_in_backward_to_the_same_bits(precision, staleness):
-    """bf16 autocast; staleness 1, where each step runs at P + this rank's own unapplied messages."""
-    on, hashes_on, _ = _run(OPTIMIZERS["adam-fused"], precision=precision, staleness=staleness)
-    _, hashes_off, _ = _run(OPTIMIZERS["adam-fused"], precision=precision, staleness=staleness, in_backward=False)
-    assert on.path.in_backward and hashes_on == hashes_off
+@pytest.mark.parametrize("precision, staleness, tensor_state", [("bf16-mixed", 0, False), ("32", 1, False),
+                                                                ("32", 1, True)])
+def test_autocast_the_lookahead_and_the_device_state_step_in_backward_to_the_same_bits(precision, staleness,
+                                                                                       tensor_state):
+    """bf16 autocast; staleness 1, where each step runs at P + this rank's own unapplied messages; the
+    torch state and residual a GPU uses, here on the CPU."""
+    kw = dict(precision=precision, staleness=staleness, tensor_state=tensor_state)
+    on, hashes_on, residual_on = _run(OPTIMIZERS["adam-fused"], **kw)
+    _, hashes_off, residual_off = _run(OPTIMIZERS["adam-fused"], in_backward=False, **kw)
+    assert on.path.in_backward and hashes_on == hashes_off and np.array_equal(residual_on, residual_off)
     assert not staleness or on.state.pending  # the lookahead had own messages to step at
 
 
