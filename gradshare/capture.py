@@ -18,7 +18,7 @@ layer's gradient instead of a gradient for every parameter (51.6 M-parameter MLP
 about half of P's bytes). The one optimizer steps once per parameter: the others hold no gradient at
 that moment (they are None before their own hook and again after it), and torch's optimizers skip a
 parameter without one. Every update this file allows is element-wise per parameter, so the update is
-bit-identical to one step over all of them (tests/test_capture.py checks SGD, Adam, fused Adam, ...).
+bit-identical to one step over all of them (tests/test_capture_backward.py checks eleven optimizers).
 It is not used, and the step runs after backward as before, when something needs every gradient at
 once: a loss scaler (fp16-mixed: unscale and the inf/NaN check cover all gradients), a step hook on the
 optimizer (e.g. losses.clip_grad_norm, which clips their total norm) or a global one, the general path,
@@ -86,12 +86,13 @@ def needs_all_gradients(optimizer, precision) -> str | None:
 
     if getattr(precision, "scaler", None) is not None:
         return "a loss scaler unscales and checks all gradients"
-    own = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None))
+    own = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
     if any(h is None for h in own):  # an optimizer torch does not build this way: do not guess
         return "the optimizer's step hooks cannot be inspected"
     if any(own):
         return "the optimizer has a step hook (e.g. gradient clipping)"
-    if any(getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")):
+    if any(getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks",
+                                                              "_global_optimizer_post_hooks")):
         return "a global optimizer step hook is registered"
     return None
 
