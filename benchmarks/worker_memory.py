@@ -14,9 +14,14 @@ the warm-up task's peak RSS (the same Python worker), before the big job's closu
 trains the same model with the same optimizer on the same batch size and reports the same two figures.
 
 The default MLP (512-4950-4950-4950-10) has 51.6 M parameters (206 MB). The table also accounts the
-peak with the buffers a step holds: parameters, gradients, optimizer state (Adam: 2 moments), the
-residual, the twin (general update path only), snapshot transfer (0: downloaded into the flat buffer),
-and single-tensor Adam's temporaries (sqrt and division over the largest parameter: 2 x its share).
+peak with the buffers a step holds: parameters, gradients (the largest parameter's share when the
+worker steps each parameter in backward, capture.py; all of them otherwise), optimizer state (Adam,
+fused or not: 2 moments), the residual, the twin (general update path only), snapshot transfer (0:
+downloaded into the flat buffer), and single-tensor Adam's temporaries (sqrt and division over the
+largest parameter: 2 x its share). A worker's baseline holds, besides the interpreter, pyspark's
+worker, torch and gradshare with Numba and its loaded kernels, the ~75 MB of torch._dynamo (and
+sympy) that torch imports on any optimizer's first step: the single process imports it after its
+"start", so there it is part of peak - start.
 """
 
 import argparse
@@ -94,7 +99,8 @@ def child_gradshare(widths, optimizer, steps, batch):
         # before this job's closure (which carried the model before issue 11) was unpickled; None if Spark
         # started a fresh Python worker for this job
         before = {r["pid"]: r["peak_rss_bytes"] for r in warm.worker_reports}
-        keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path")
+        keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path",
+                "step_in_backward")
         workers = [dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"]))
                    for r in result.worker_reports]
         largest = max(p.numel() for p in result.model.parameters())
@@ -103,11 +109,12 @@ def child_gradshare(widths, optimizer, steps, batch):
         spark.stop()
 
 
-def accounted(optimizer, twin, largest_share):
+def accounted(optimizer, twin, largest_share, in_backward=False):
     """Buffers a worker step holds, in multiples of parameter bytes."""
-    rows = {"params": 1.0, "grads": 1.0}
-    if optimizer == "adam":
+    rows = {"params": 1.0, "grads": largest_share if in_backward else 1.0}
+    if optimizer in ("adam", "adam-fused"):
         rows["adam moments"] = 2.0
+    if optimizer == "adam":  # single-tensor Adam: temporaries over the parameter it steps
         rows["adam temporaries"] = 2 * largest_share
     rows["residual"] = 1.0
     rows["twin"] = 1.0 if twin else 0.0
@@ -159,9 +166,11 @@ def main(argv=None):
             base, peak = w["process_rss_bytes"] or w["start_rss_bytes"], w["peak_rss_bytes"]
             print(f"{'worker rank %d' % w['rank']:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
                   f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
-                  f"{w['update_path']} path, task start {w['start_rss_bytes'] / mib:.0f}M"
+                  f"{w['update_path']} path{' (step in backward)' if w.get('step_in_backward') else ''}, "
+                  f"task start {w['start_rss_bytes'] / mib:.0f}M"
                   + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
-        rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share)
+        rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share,
+                         all(w.get("step_in_backward") for w in shared["workers"]))
         base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb
         print("accounted: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
               + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"

@@ -10,6 +10,22 @@ own state alone. For those the step can write straight into the residual: while 
 runs, each parameter's storage is pointed at its slice of the residual, so ``p.add_(delta)`` is
 ``r += delta``. P is not touched, nothing is rewound, and no twin is kept. Any optimizer that reads
 the parameter's value (weight decay, or an unknown class) takes the general path.
+
+Stepping in backward (issue 11, memory). On the direct path the optimizer may also step each parameter
+as soon as its gradient is ready, from a post-accumulate-grad hook, and drop that gradient at once
+(PyTorch's "optimizer step in backward" recipe): a worker then never holds more than about one
+layer's gradient instead of a gradient for every parameter (51.6 M-parameter MLP: the peak falls by
+about half of P's bytes). The one optimizer steps once per parameter: the others hold no gradient at
+that moment (they are None before their own hook and again after it), and torch's optimizers skip a
+parameter without one. Every update this file allows is element-wise per parameter, so the update is
+bit-identical to one step over all of them (tests/test_capture_backward.py checks eleven optimizers).
+It is not used, and the step runs after backward as before, when something needs every gradient at
+once: a loss scaler (fp16-mixed: unscale and the inf/NaN check cover all gradients), a step hook on the
+optimizer (e.g. losses.clip_grad_norm, which clips their total norm) or a global one, the general path,
+or ``worker_options={"step_in_backward": False}``. Each per-parameter step costs an optimizer call
+(~50 µs of Python on a CPU), so by default it is used only where it frees at least
+IN_BACKWARD_MIN_BYTES (every gradient but the largest); ``{"step_in_backward": True}`` uses it
+wherever it is allowed.
 """
 
 from __future__ import annotations
@@ -51,14 +67,77 @@ def aliased(params, views):
             p.data = v
 
 
+# Stepping in backward pays for its per-parameter optimizer calls (a 6-tensor 35 k-parameter MLP: +0.3 ms
+# on a 1.2 ms step) only where it frees this much; the 51.6 M MLP of benchmarks/worker_memory.py frees 109 MB.
+IN_BACKWARD_MIN_BYTES = 64 << 20
+
+
+def frees_enough(flat) -> bool:
+    """Whether stepping in backward frees at least IN_BACKWARD_MIN_BYTES: the bytes of every gradient
+    but the largest (which is alive at its own step)."""
+    sizes = [p.numel() * p.element_size() for p in flat.params]
+    return sum(sizes) - max(sizes) >= IN_BACKWARD_MIN_BYTES
+
+
+def needs_all_gradients(optimizer, precision) -> str | None:
+    """Why this step must see every gradient at once (a short reason), or None when each parameter
+    may be stepped in backward as its gradient is ready (module docstring)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    if getattr(precision, "scaler", None) is not None:
+        return "a loss scaler unscales and checks all gradients"
+    own = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
+    if any(h is None for h in own):  # an optimizer torch does not build this way: do not guess
+        return "the optimizer's step hooks cannot be inspected"
+    if any(own):
+        return "the optimizer has a step hook (e.g. gradient clipping)"
+    if any(getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks",
+                                                              "_global_optimizer_post_hooks")):
+        return "a global optimizer step hook is registered"
+    return None
+
+
 class DirectPath:
-    """The optimizer writes its update into the residual (`aliased`); P is never moved."""
+    """The optimizer writes its update into the residual (`aliased`); P is never moved. With
+    `in_backward`, each parameter's step runs from its gradient hook during backward (module docstring)."""
 
     name = "direct"
 
-    def __init__(self, flat, optimizer, residual) -> None:
+    def __init__(self, flat, optimizer, residual, in_backward: bool = False) -> None:
         self.flat, self.optimizer = flat, optimizer
         self.views = flat.views(residual)
+        self.in_backward = bool(in_backward)
+        self._armed = False  # hooks step only inside `backward`, never in a backward the worker did not start
+        if self.in_backward:
+            for p, v in zip(flat.params, self.views):
+                p.register_post_accumulate_grad_hook(self._hook_for(v))
+
+    def _hook_for(self, view):
+        import torch
+
+        unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+        def step_now(p) -> None:
+            if not self._armed:
+                return
+            version = p._version
+            with aliased((p,), (view,)):
+                self.optimizer.step()  # only p has a gradient now: the others are skipped
+            if unsafe_set_version is not None:
+                # P itself did not change (the step wrote into the residual): a node that saved P (or a
+                # detached alias of it) and runs its backward later must not see it as modified
+                unsafe_set_version((p,), (version,))
+            p.grad = None
+
+        return step_now
+
+    def backward(self, backward) -> None:
+        """Run `backward()` (the precision's loss.backward) with the per-parameter steps armed."""
+        self._armed = True
+        try:
+            backward()
+        finally:
+            self._armed = False
 
     def after_compute(self, changed_in_place: bool) -> None:
         """Nothing to keep: an in-place change of P by forward/backward stays in P (worker.py)."""
@@ -78,6 +157,7 @@ class GeneralPath:
     apply log keeps equal to P (FlatParams.keep_twin); the fused encode puts P_before back."""
 
     name = "general"
+    in_backward = False  # P_after must hold every parameter's step before the update is measured
 
     def __init__(self, flat, optimizer) -> None:
         self.flat, self.optimizer = flat, optimizer
@@ -98,8 +178,10 @@ class GeneralPath:
         return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)
 
 
-def update_path(flat, optimizer, residual, allow_direct: bool = True):
-    """The direct path where the optimizer allows it (and the caller does), else the general one."""
+def update_path(flat, optimizer, residual, allow_direct: bool = True, in_backward: bool = False):
+    """The direct path where the optimizer allows it (and the caller does), else the general one.
+    `in_backward`: the direct path steps each parameter during backward (the caller has checked
+    `needs_all_gradients`); the general path never does."""
     if allow_direct and writes_update_only(optimizer):
-        return DirectPath(flat, optimizer, residual)
+        return DirectPath(flat, optimizer, residual, in_backward=in_backward)
     return GeneralPath(flat, optimizer)

@@ -125,7 +125,7 @@ class FitResult:
         return plot_result(self, path)
 
 
-WORKER_OPTIONS = ("profile", "direct_update", "tensor_state")  # see SharedTrainer's docstring
+WORKER_OPTIONS = ("profile", "direct_update", "tensor_state", "step_in_backward")  # see SharedTrainer's docstring
 FORWARDING = ("per-rank", "aggregate", "auto")
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
 # cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
@@ -277,6 +277,9 @@ class SharedTrainer:
     worker_options: {"profile": True} adds per-phase step timers to each worker report
         (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
         P_after - P_before even where it could write it into the residual directly (capture.py);
+        {"step_in_backward": True/False} steps each parameter's optimizer as its gradient is ready, where
+        nothing needs every gradient at once / never (capture.py; the same bits; default: where that
+        frees at least 64 MiB of gradients);
         {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
         for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one

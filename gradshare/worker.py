@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.capture import update_path
+from gradshare.capture import frees_enough, needs_all_gradients, update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.losses import LossStep
@@ -230,8 +230,14 @@ class Worker:
                                   device=self.flat.device)
         # The optimizer writes its update straight into the residual where it can; otherwise the step
         # measures it against a twin of P that the apply log keeps (capture.py).
+        # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
+        # not all live at once, unless something needs them all (capture.py, needs_all_gradients); by
+        # default only where that frees enough memory to pay for the per-parameter steps
+        wanted = cfg.extra.get("step_in_backward")
+        in_backward = ((frees_enough(self.flat) if wanted is None else wanted)
+                       and needs_all_gradients(self.optimizer, self.precision) is None)
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
-                                allow_direct=cfg.extra.get("direct_update", True))
+                                allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward)
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
@@ -244,6 +250,7 @@ class Worker:
         self.gather: Callable | None = None  # the barrier's allGather (str -> list[str]) that reduces shard scores
         self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self._order_epoch = -1
+        self._trim_due = False  # release_free_memory before the next backward (after a large message)
         self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
         if data.spilled:  # its labels stay in the spill file; each batch reads its own (spill.py)
@@ -385,17 +392,24 @@ class Worker:
         looked = self._look_ahead()  # None: no own message pending, the step runs at P itself
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
+        if self._trim_due:  # before the step's peak (backward): the last step's big transients are garbage
+            release_free_memory()
         prof.lap("lookahead")
+        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
             loss = self._loss_of(batch)
-        self.precision.backward(loss)
+        if self.path.in_backward:  # the optimizer steps inside backward, one parameter at a time (capture.py)
+            self.path.backward(lambda: self.precision.backward(loss))
+        else:
+            self.precision.backward(loss)
         prof.lap("compute")
         changed = self._take_buffer_change(buffers_before)
         self.path.after_compute(flat.versions() != versions)
         prof.lap("snapshot")
-        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
-        taken = self.path.optimizer_step(self.precision.step)  # False: the fp16 loss scaler skipped it
+        # False: the fp16 loss scaler skipped it
+        taken = True if self.path.in_backward else self.path.optimizer_step(self.precision.step)
+        self.optimizer.zero_grad(set_to_none=True)  # nothing reads them now: free them before the encode
         prof.lap("optimizer")
         msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
         if looked is not None:
@@ -423,6 +437,9 @@ class Worker:
             if stop is not None:
                 meta["stop_epoch"] = float(stop)
         peer.send_update(t, payload, meta)
+        # a message this large (density ~1e-2 and up: a warm-up, Adam's first steps) left its codes and
+        # payloads freed but held, and the others' messages of the step will be as large
+        self._trim_due = len(payload) >= TRIM_PAYLOAD_BYTES
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
@@ -537,6 +554,7 @@ class Worker:
             "train_seconds": time.monotonic() - t0,
             "steps_run": max(total - start_step, 0),
             "update_path": self.path.name,  # capture.py
+            "step_in_backward": self.path.in_backward,  # capture.py: each parameter stepped in backward
             "device": str(self.flat.buffer.device),  # where it trained: "cpu", "cuda:0", ...
             "tensor_state": self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
             "silent_steps": self.state.silent_steps,
@@ -618,6 +636,7 @@ class Worker:
         }
 
 
+TRIM_PAYLOAD_BYTES = 1 << 20  # a step whose message is this large trims the heap before the next backward
 FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its FAIL
 
 
@@ -683,19 +702,35 @@ def _report_failure(cfg: WorkerConfig, rank: int, attempt: int, exc: BaseExcepti
         peer.close(linger=0.0, leave=False)
 
 
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc malloc_trim, every arena). Freed blocks below
+    glibc's mmap threshold (which grows to 32 MB as large blocks are freed) stay in the process's RSS
+    until trimmed: a worker's big transients (the snapshot's datagrams, a dense message's codes and
+    payloads) would otherwise sit under the next step's peak (benchmarks/worker_memory.py: ~60 MB on the
+    51.6 M MLP). No-op where the C library is not glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to trim with
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # libc's malloc_trim, False where there is none; looked up on first use
+
+
 def reset_peak_rss() -> int:
     """Restart this process's peak-RSS count (VmHWM) from its current RSS, which it returns: the task's
     baseline (interpreter, torch, pyspark). 0 where Linux's /proc is missing (no reports then).
 
-    First hand the heap's free pages back to the OS (glibc malloc_trim): a reused Python worker still
-    holds the pages an earlier task freed, which would hide this task's allocations from the count."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the count may then read low in a reused worker
-        pass
+    First hand the heap's free pages back to the OS (`release_free_memory`): a reused Python worker
+    still holds the pages an earlier task freed, which would hide this task's allocations from the count."""
+    release_free_memory()  # not glibc: the count may then read low in a reused worker
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux >= 4.0: "5" resets the peak RSS
@@ -769,6 +804,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
 
             load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
+        release_free_memory()  # the snapshot's datagrams and the model's first storage are garbage now
         report = worker.run(peer, start)
         report["snapshot_seconds"] = t_load
         report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers

@@ -11,11 +11,44 @@ Conventions shared by every kernel here:
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
-from llvmlite import ir
-from numba import config, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+
+def _import_numba_arraymath_without_scipy_linalg() -> None:
+    """Import numba.np.arraymath while scipy.linalg cannot be imported.
+
+    Numba imports that module when it first compiles or loads a cached kernel, and at import it probes
+    for a BLAS (for np.dot/np.cov inside jitted code) by importing scipy.linalg.cython_blas, which
+    brings all of scipy.linalg: ~15 MB of every worker's RSS (issue 11, benchmarks/worker_memory.py)
+    for routines no kernel here calls. Without the probe, np.cov/np.corrcoef in other jitted code use
+    numba's own inner product; np.dot and numba's linalg still import scipy when they are compiled.
+    Nothing is refused when scipy.linalg is already loaded (someone uses it) or arraymath is."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+
+    class NoScipyLinalg:  # a meta path finder for the one import below
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "scipy.linalg" or name.startswith("scipy.linalg."):
+                raise ImportError("scipy.linalg is not loaded for numba's BLAS probe (gradshare kernels.py)")
+            return None
+
+    finder = NoScipyLinalg()
+    sys.meta_path.insert(0, finder)
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+
+
+_import_numba_arraymath_without_scipy_linalg()
+
+from llvmlite import ir  # noqa: E402 - after the import above, which must come first
+from numba import config, njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 # Block of the fused accumulate+encode pass. Adding u to r and counting |r| >= τ over a block is
 # branch-free and vectorises; only blocks that hold an entry are scanned again, while they are still
