@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import DecodeError, LocalProtocolError
+from gradshare.hashing import param_hash
 from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
@@ -26,7 +27,6 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.relay_core import param_hash
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import GradshareError, TransportTimeout
+from gradshare.hashing import param_hash
 from gradshare.transport import events as ev
 from gradshare.transport import udp
-from gradshare.transport.relay_core import RelayCore, param_hash
+from gradshare.transport.relay_core import RelayCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
 DRAIN_BATCH = 512

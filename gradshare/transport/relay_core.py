@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import DecodeError
+from gradshare.hashing import param_hash
 from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
@@ -55,16 +56,6 @@ from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import LateAllowance, Reassembler
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
-
-
-def param_hash(array: np.ndarray) -> str:
-    """Hash of a float32 parameter vector (blake2b-128 of its bytes): equal hashes = bit-identical."""
-    import hashlib
-
-    a = np.asarray(array)
-    if a.dtype != np.float32:
-        raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
-    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
 
 
 def _total_len(datagrams: tuple[bytes, ...]) -> int:
