@@ -52,7 +52,7 @@ from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History
+from gradshare.transport.history import History, StepKeys
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import LateAllowance, Reassembler
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
@@ -304,7 +304,7 @@ class RelayCore:
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
         self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message, keep_raw=True)
-        self.history = History(history_entries, history_bytes, size=_total_len)
+        self.history = History(history_entries, history_bytes, size=_total_len, by_step=True)
         self.max_ahead = max_ahead
         self.nak_delay = nak_delay
         self.tick = tick
@@ -327,7 +327,8 @@ class RelayCore:
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
         self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
-        self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
+        self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
+        self._trim_floor = -2                            # the floor the last trim dropped through
         self.snapshots: dict[int, Snapshot] = {}
         self.transfers: dict[int, Transfer] = {}         # rank -> transfer
         self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
@@ -662,7 +663,8 @@ class RelayCore:
         self.pending_meta.clear()
         self._restart_reason = None
         self.evicted.clear()
-        self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len)
+        self._trim_floor = -2
+        self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len, by_step=True)
         self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
                                  keep_raw=True)
         self.transfers.clear()
@@ -994,14 +996,19 @@ class RelayCore:
         self._acks.clear()
 
     def _trim_history(self) -> None:
-        """Forget forwarded updates that every peer still in the job has delivered and the relay applied."""
+        """Forget forwarded updates that every peer still in the job has delivered and the relay applied.
+
+        Only when that floor rose, and only the entries at or below it, in step order: no entry at or
+        below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
+        and a heartbeat that moved nothing costs one pass over the ranks (issue 13 item 5)."""
         live = [r.delivered_through for r in self.ranks if r.joined and not r.left
                 and not (r.ended is not None and r.ended.gone)]
         unjoined = any(not r.joined and r.ended is None for r in self.ranks)
         if unjoined:
             return
         floor = min(live + [self.complete_through]) if live else self.complete_through
-        if self.history and floor >= self.cursor.start_step:
-            self.history.discard_where(lambda k: k[0] <= floor)
-        if self.evicted:                  # nobody can still NAK what every peer has delivered
-            self.evicted = {k for k in self.evicted if k[0] > floor}
+        if floor <= self._trim_floor:
+            return
+        self._trim_floor = floor
+        self.history.discard_through(floor)
+        self.evicted.discard_through(floor)   # nobody can still NAK what every peer has delivered
