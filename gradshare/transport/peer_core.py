@@ -186,6 +186,31 @@ class PeerCore:
         self._last_fail = now
         self._out.append(self.chan.seal_control(msg))
 
+    def begin_step(self, step: int) -> None:
+        """The training thread computes ``step`` now (until its send_update): heartbeats say so."""
+        self.computing = step
+
+    def snapshot_destination(self, into: np.ndarray | None) -> None:
+        """Where the next snapshot download lands (None: a new array)."""
+        self.snap_into = into
+
+    def has_ready(self) -> bool:
+        """An update is deliverable (``pop_ready`` returns it)."""
+        return bool(self.ready)
+
+    def finished(self) -> bool:
+        """The whole log is delivered: every rank ended and nothing of it is missing."""
+        return self.cursor is not None and self.cursor.finished()
+
+    def heard_at(self) -> float | None:
+        """When an authenticated datagram last came from the relay (None: never)."""
+        return self.last_heard
+
+    def snapshot_progress(self) -> tuple[int, int] | None:
+        """(chunks received, chunks in all) of the snapshot being downloaded; None before its SNAP_INFO."""
+        s = self.snap
+        return None if s is None else (s.got.count(), s.info.n_chunks)
+
     def pop_ready(self) -> list[ev.Update]:
         out = list(self.ready)
         self.ready.clear()
@@ -288,9 +313,8 @@ class PeerCore:
         if msg is None:
             return
         if isinstance(msg, ev.Reject):
-            self.error = f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}"
             self.state = "rejected"
-            self._events.append(ev.Rejected(msg.reason))
+            self._fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
         elif isinstance(msg, ev.Welcome):
             self._on_welcome(msg)
         elif self.cursor is None:
@@ -321,9 +345,9 @@ class PeerCore:
         if self.state != "joining" or self.welcome is not None:
             return                                     # a duplicate WELCOME (our JOIN was retransmitted)
         if msg.n_params != self.n_params or msg.world_size != self.world_size:
-            self.error = (f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
-                          f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
             self.state = "rejected"
+            self._fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
+                            f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
             return
         self.welcome = msg
         self.state = "joined"
@@ -352,7 +376,7 @@ class PeerCore:
         for e in msg.ended:
             if e.rank == self.rank:
                 if e.gone:
-                    self.error = f"the relay declared rank {self.rank} gone at step {e.last_step}"
+                    self._fail_with(f"the relay declared rank {self.rank} gone at step {e.last_step}")
                 elif self.finish_step == e.last_step:
                     self.finish_acked = True
                 continue
@@ -492,7 +516,8 @@ class PeerCore:
             params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
             self._out.append(self.chan.seal_control(ev.SnapDone(s.info.snap_id)))
             if param_hash(params) != s.info.digest:
-                self.error = f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check"
+                self._fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
+                                ev.SnapshotFailed)
                 return
             self.snapshot = (s.info.step, params)
             self.snap = None
@@ -593,6 +618,13 @@ class PeerCore:
             self.c["naks_sent"] += 1
 
     # --- helpers -------------------------------------------------------------------------------------
+    def _fail_with(self, error: str, event=ev.Rejected) -> None:
+        """This peer cannot go on: every later call raises ``error``; the shell learns it from the event
+        (a repeated cause, e.g. one STATUS page per heartbeat, is told once)."""
+        if error != self.error:
+            self.error = error
+            self._events.append(event(error))
+
     def _send_join(self, now: float) -> None:
         self._last_join = now
         self._out.append(self.chan.seal_control(ev.Join(self.n_params, self.world_size)))

@@ -388,6 +388,21 @@ class RelayCore:
         d["history_bytes"] = self.history.nbytes
         return d
 
+    def param_hash(self) -> str:
+        """param_hash of the authoritative parameters."""
+        return param_hash(self.params)
+
+    def copy_params(self) -> np.ndarray:
+        return self.params.copy()
+
+    def epoch_tallies(self) -> dict[tuple[int, int], dict]:
+        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
+        return {k: t.as_dict() for k, t in self.epochs.items()}
+
+    def cap_snapshot_burst(self, nbytes: int) -> None:
+        """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
+        self.snapshot_burst = min(self.snapshot_burst, nbytes)
+
     def progress(self) -> dict:
         return {
             "complete_through": self.complete_through,
@@ -533,20 +548,10 @@ class RelayCore:
         return inc
 
     def first_cause(self) -> ev.Incident | None:
-        """The earliest incident that still explains a failure: a suspicion the rank recovered from
-        (a later "back" of the same rank and attempt) does not."""
-        cleared: set[tuple[int, int]] = set()
-        for inc in reversed(self.incidents):
-            if inc.kind == "back":
-                cleared.add((inc.rank, inc.attempt))
-        for inc in self.incidents:
-            if inc.kind == "back" or (inc.kind == "suspected" and (inc.rank, inc.attempt) in cleared):
-                continue
-            return inc
-        return None
+        return ev.first_cause(self.incidents)
 
     def fatal_incident(self) -> ev.Incident | None:
-        return next((i for i in self.incidents if i.fatal), None)
+        return ev.first_fatal(self.incidents)
 
     def _check_liveness(self, now: float) -> None:
         if self.attempt_started is None:
@@ -652,6 +657,7 @@ class RelayCore:
                 del self.epochs[key]
             if self.c["attempts"]:             # a retried stage (the first attempt of a resumed fit is none)
                 self.rolled_back.append({"attempt": attempt, "from": self.complete_through, "to": through})
+                self._events.append(ev.RolledBack(attempt, self.complete_through, through))
             extra = (("checkpoint", float(note)),)
         self.attempt_notes = self.notes.at(base - 1) + extra
         self.attempt = attempt
