@@ -27,6 +27,7 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
@@ -69,7 +70,7 @@ class PeerCore:
         self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
         self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
         self.max_unacked = max_unacked
-        self.state = "new"                # new → (loading →) joining → joined → (rejected | closed)
+        self.state = PeerState.NEW        # states.PEER_TRANSITIONS: the only way it changes is _to()
         self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
         self.aggregate = False            # the log is the relay's aggregate (set from WELCOME)
@@ -110,16 +111,12 @@ class PeerCore:
     def loading(self, now: float) -> None:
         """Tell the relay, every heartbeat interval until join(), that this task is alive and still
         materialising its partition (issue 12: a slow partition is not a dead task)."""
-        if self.state != "new":
-            raise LocalProtocolError(f"loading() called in state {self.state}")
-        self.state = "loading"
+        self._to(PeerTrigger.LOADING)
         self._last_hb = now
         self._out.append(self.chan.seal_control(ev.Loading()))
 
     def join(self, now: float) -> None:
-        if self.state not in ("new", "loading"):
-            raise LocalProtocolError(f"join() called in state {self.state}")
-        self.state = "joining"
+        self._to(PeerTrigger.JOIN)
         self._send_join(now)
 
     def send_update(self, step: int, payload: bytes, meta: dict | None, now: float) -> None:
@@ -160,9 +157,9 @@ class PeerCore:
         self._out.append(self.chan.seal_control(ev.Finished(last_step)))
 
     def leave(self) -> None:
-        if self.state in ("joined", "joining"):
+        if self.state in (PeerState.JOINED, PeerState.JOINING):
             self._out.append(self.chan.seal_control(ev.Leave()))
-        self.state = "closed"
+        self._to(PeerTrigger.LEAVE)
 
     def request_snapshot(self, now: float) -> None:
         self._check_usable("fetch_snapshot")
@@ -243,11 +240,11 @@ class PeerCore:
     def next_timer(self) -> float:
         if self.failed is not None and not self.fail_acked:
             return self._last_fail + self.heartbeat_interval
-        if self.state == "joining":
+        if self.state == PeerState.JOINING:
             return self._last_join + self.rto
-        if self.state == "loading":
+        if self.state == PeerState.LOADING:
             return self._last_hb + self.heartbeat_interval
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             return self._last_tick + 1.0
         nxt = self._last_hb + self.heartbeat_interval
         if self.missing or len(self.reasm) or self.snap_requested:
@@ -299,7 +296,7 @@ class PeerCore:
                 self.fail_acked = True
                 self._events.append(msg)
             return
-        if self.state in ("closed", "rejected"):
+        if self.state in (PeerState.CLOSED, PeerState.REJECTED):
             self.chan.drops["after_close"] += 1
             return
         if h.kind == Kind.UPDATE:
@@ -313,7 +310,7 @@ class PeerCore:
         if msg is None:
             return
         if isinstance(msg, ev.Reject):
-            self.state = "rejected"
+            self._to(PeerTrigger.REJECT)
             self._fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
         elif isinstance(msg, ev.Welcome):
             self._on_welcome(msg)
@@ -342,15 +339,15 @@ class PeerCore:
             self.chan.drops["unexpected_kind"] += 1
 
     def _on_welcome(self, msg: ev.Welcome) -> None:
-        if self.state != "joining" or self.welcome is not None:
+        if self.state != PeerState.JOINING or self.welcome is not None:
             return                                     # a duplicate WELCOME (our JOIN was retransmitted)
         if msg.n_params != self.n_params or msg.world_size != self.world_size:
-            self.state = "rejected"
+            self._to(PeerTrigger.REJECT)
             self._fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
                             f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
             return
         self.welcome = msg
-        self.state = "joined"
+        self._to(PeerTrigger.WELCOME)
         self.aggregate = msg.aggregate
         self.cursor = LogCursor(1 if msg.aggregate else self.world_size, msg.start_step)
         if msg.aggregate:
@@ -531,16 +528,16 @@ class PeerCore:
         if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.heartbeat_interval:
             self._last_fail = now
             self._out.append(self.chan.seal_control(self.failed))   # sealed anew: the relay drops replays
-        if self.state == "joining":
+        if self.state == PeerState.JOINING:
             if now >= self._last_join + self.rto:
                 self._send_join(now)
             return
-        if self.state == "loading":
+        if self.state == PeerState.LOADING:
             if now >= self._last_hb + self.heartbeat_interval:
                 self._last_hb = now
                 self._out.append(self.chan.seal_control(ev.Loading()))
             return
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             return
         if now >= self._last_hb + self.heartbeat_interval:
             self._last_hb = now
@@ -625,6 +622,9 @@ class PeerCore:
             self.error = error
             self._events.append(event(error))
 
+    def _to(self, trigger: PeerTrigger) -> None:
+        self.state = transition(PEER_TRANSITIONS, self.state, trigger, f"peer rank {self.rank}")
+
     def _send_join(self, now: float) -> None:
         self._last_join = now
         self._out.append(self.chan.seal_control(ev.Join(self.n_params, self.world_size)))
@@ -632,5 +632,5 @@ class PeerCore:
     def _check_usable(self, what: str) -> None:
         if self.error:
             raise LocalProtocolError(f"{what}: {self.error}")
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             raise LocalProtocolError(f"{what} needs a joined peer (state {self.state}); call join() first")

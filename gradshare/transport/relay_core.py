@@ -55,6 +55,8 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History, StepKeys
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import LateAllowance, Reassembler
+from gradshare.transport.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
+                                        RankTrigger, transition)
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
@@ -77,7 +79,7 @@ def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -
 
 
 class RankState:
-    __slots__ = ("rank", "addr", "session", "joined", "left", "last_heard", "received", "ended",
+    __slots__ = ("rank", "addr", "session", "status", "last_heard", "received", "ended",
                  "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late",
                  "heard", "suspected_since", "computing", "computing_since", "given_up")
 
@@ -85,8 +87,7 @@ class RankState:
         self.rank = rank
         self.addr: Any = None
         self.session: int | None = None
-        self.joined = False
-        self.left = False
+        self.status = RankStatus.WAITING    # states.RANK_TRANSITIONS: changed only by to()
         self.last_heard = now
         self.received = RangeSet()          # steps whose update the relay holds completely
         self.ended: ev.Ended | None = None
@@ -101,6 +102,27 @@ class RankState:
         self.computing = -1                    # the step its heartbeat says the training thread computes
         self.computing_since = now
         self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
+
+    def to(self, trigger: RankTrigger) -> None:
+        self.status = transition(RANK_TRANSITIONS, self.status, trigger, f"relay rank {self.rank}")
+
+    @property
+    def joined(self) -> bool:
+        return self.status in JOINED_STATES
+
+    @property
+    def left(self) -> bool:
+        return self.status in LEFT_STATES
+
+    @property
+    def connected(self) -> bool:
+        """Joined and not left: it gets STATUS pages (a rank declared gone learns it from them)."""
+        return self.joined and not self.left
+
+    @property
+    def live(self) -> bool:
+        """Connected and not declared gone: it gets the log's updates."""
+        return self.connected and self.status not in GONE_STATES
 
 
 ON_RANK_LOSS = ("wait", "continue", "restart")
@@ -378,7 +400,7 @@ class RelayCore:
                            "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
-        d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
+        d["peers"] = sum(1 for r in self.ranks if r.connected)
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
         d["last_step"] = max((r.received.contiguous_from(self.cursor.start_step) - 1 for r in self.ranks),
                              default=-1)
@@ -558,7 +580,7 @@ class RelayCore:
             return
         if self._restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
             for r in self.ranks:
-                if r.joined and not r.left and r.ended is None and r.suspected_since is None:
+                if r.connected and r.ended is None and r.suspected_since is None:
                     self._send(r, ev.Reject(self._restart_reason))
         for rs in self.ranks:
             if rs.ended is not None:
@@ -628,8 +650,7 @@ class RelayCore:
         first = not rs.joined or rs.session != h.session
         rs.session = h.session
         rs.addr = addr
-        rs.joined = True
-        rs.left = False
+        rs.to(RankTrigger.JOIN)
         self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
                                   self.complete_through, self.attempt_notes, self.aggregator is not None))
@@ -751,8 +772,7 @@ class RelayCore:
 
     def _forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
         """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
-        targets = [r.addr for r in self.ranks if r.rank != origin and r.joined and not r.left
-                   and not (r.ended is not None and r.ended.gone)]
+        targets = [r.addr for r in self.ranks if r.rank != origin and r.live]
         if not targets:
             return
         self.recent[(step, origin)] = now
@@ -795,7 +815,7 @@ class RelayCore:
     def _on_leave(self, rs: RankState) -> None:
         if rs.ended is None:
             self._declare_gone(rs, "left before FINISHED")
-        rs.left = True
+        rs.to(RankTrigger.LEAVE)
         self._trim_history()
 
     def _declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
@@ -806,6 +826,7 @@ class RelayCore:
         self._end(rs, cut, gone=True, reason=reason)
 
     def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
+        rs.to(RankTrigger.GONE if gone else RankTrigger.FINISH)
         rs.ended = ev.Ended(rs.rank, last_step, gone)
         self.cursor.end(rs.rank, last_step)
         # anything held beyond the end does not exist in the log (never applied: it is after the cut)
@@ -818,7 +839,7 @@ class RelayCore:
         self._events.append(ev.PeerEnded(rs.rank, last_step, gone, reason))
         status = self._status(rs.rank // self.status_ranks)     # only the ended rank's page changed
         for r in self.ranks:
-            if r.joined and not r.left:
+            if r.connected:
                 self._send(r, status)
         self._request_apply()
 
@@ -1007,9 +1028,8 @@ class RelayCore:
         Only when that floor rose, and only the entries at or below it, in step order: no entry at or
         below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
         and a heartbeat that moved nothing costs one pass over the ranks (issue 13 item 5)."""
-        live = [r.delivered_through for r in self.ranks if r.joined and not r.left
-                and not (r.ended is not None and r.ended.gone)]
-        unjoined = any(not r.joined and r.ended is None for r in self.ranks)
+        live = [r.delivered_through for r in self.ranks if r.live]
+        unjoined = any(r.status == RankStatus.WAITING for r in self.ranks)
         if unjoined:
             return
         floor = min(live + [self.complete_through]) if live else self.complete_through
