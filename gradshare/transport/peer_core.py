@@ -24,7 +24,7 @@ from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History
+from gradshare.transport.outstanding import Outstanding
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import Reassembler
 from gradshare.transport.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
@@ -80,14 +80,7 @@ class PeerCore:
         self.inbox: dict[tuple[int, int], ev.Update] = {}
         self.inbox_nbytes = 0
         self.ready: deque[ev.Update] = deque()
-        self.unacked = History(max_unacked, max_unacked_bytes)
-        self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
-        # step -> first send, for RTT samples. Karn: a step whose chunks were re-sent (timeout or the relay's
-        # NAK) gives no sample, else the RTT would include loss repair and inflate every later timeout
-        self.first_sent: dict[int, float] = {}
-        self.tries: dict[int, int] = {}
-        self.srtt: float | None = None          # RFC 6298 smoothed RTT / variation -> retransmit timeout
-        self.rttvar = 0.0
+        self.unacked = Outstanding(max_unacked, max_unacked_bytes, rto)   # ours, until the relay has them
         self.next_step: int | None = None
         self.finish_step: int | None = None
         self.finish_acked = False
@@ -136,9 +129,7 @@ class PeerCore:
         _, clean_meta = wire.decode_update_body(body)
         if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
             self._store(ev.Update(step, self.rank, payload, clean_meta))
-        self.unacked.put(step, body)
-        self.sent_at[step] = self.first_sent[step] = now
-        self.tries[step] = 0
+        self.unacked.add(step, body, now)
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
         self.computing = -1
@@ -318,10 +309,7 @@ class PeerCore:
             self.chan.drops["before_welcome"] += 1
         elif isinstance(msg, ev.Ack):
             for s in msg.steps:
-                first = self.first_sent.get(s)
-                if first is not None and self.tries.get(s) == 0:
-                    self._rtt_sample(now - first)
-                self._acked(s)
+                self.unacked.acked(s, now)
         elif isinstance(msg, ev.Nak):
             for item in msg.items:
                 body = self.unacked.get(item.step) if item.origin == self.rank else None
@@ -329,7 +317,7 @@ class PeerCore:
                     continue
                 ds = self.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
                 self._out.extend(ds)
-                self.first_sent.pop(item.step, None)       # Karn: no RTT sample from a repaired step
+                self.unacked.repaired(item.step)       # Karn: no RTT sample from a repaired step
                 self.c["retransmits"] += len(ds)
         elif isinstance(msg, ev.Status):
             self._on_status(msg)
@@ -368,8 +356,7 @@ class PeerCore:
                     self.known_high[r] = h
         if first <= self.rank < first + len(msg.have):
             own = msg.have[self.rank - first]
-            for s in [s for s in self.unacked if s <= own]:
-                self._acked(s)
+            self.unacked.acked_through(own)
         for e in msg.ended:
             if e.rank == self.rank:
                 if e.gone:
@@ -463,25 +450,10 @@ class PeerCore:
             self.c["delivered"] += 1
             cur.advance()
 
-    def _acked(self, step: int) -> None:
-        self.unacked.pop(step)
-        self.sent_at.pop(step, None)
-        self.first_sent.pop(step, None)
-        self.tries.pop(step, None)
-
-    def _rtt_sample(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-
     def current_rto(self) -> float:
         """Retransmit timeout: RFC 6298 from ACK round trips, never below the configured ``rto``. Under
         load the round trip grows (queues); a fixed timeout would then retransmit what is merely late."""
-        if self.srtt is None:
-            return self.rto
-        return min(max(self.rto, self.srtt + 4 * self.rttvar), 10.0)
+        return self.unacked.rto()
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_info(self, msg: ev.SnapInfo, now: float) -> None:
@@ -545,16 +517,11 @@ class PeerCore:
                                                                  self.computing)))
             if self.finish_step is not None and not self.finish_acked:
                 self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
-        rto = self.current_rto()
-        for step in list(self.unacked):
-            tries = self.tries.get(step, 0)
-            if now - self.sent_at.get(step, now) >= rto * (1 << min(tries, 6)):   # exponential backoff
-                ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
-                self._out.extend(ds)
-                self.sent_at[step] = now
-                self.tries[step] = tries + 1
-                self.c["retransmits"] += len(ds)
-                self.c["timeouts"] += 1
+        for step in self.unacked.due(now):           # exponential backoff
+            ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
+            self._out.extend(ds)
+            self.c["retransmits"] += len(ds)
+            self.c["timeouts"] += 1
         self._nak_missing(now)
         self.reasm.expire(now, 30.0)
         if self.snap_requested:
@@ -581,8 +548,9 @@ class PeerCore:
         # Re-NAK when the answer is overdue, after two of those: a lost NAK or retransmission then costs
         # a few ms, not a fixed 50 ms that stalls the whole staleness window (at 5 % loss nearly every
         # step needs a repair). Before the first RTT sample: ``nak_interval``.
-        delay = self.nak_delay if self.srtt is None else max(self.nak_delay, self.srtt)
-        renak = 2 * delay if self.srtt is not None else self.nak_interval
+        srtt = self.unacked.srtt
+        delay = self.nak_delay if srtt is None else max(self.nak_delay, srtt)
+        renak = 2 * delay if srtt is not None else self.nak_interval
         slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
                                                                  if r != self.rank)
         for r, origin in slots:
