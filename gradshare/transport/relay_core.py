@@ -55,6 +55,7 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History, StepKeys
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import LateAllowance, Reassembler
+from gradshare.transport.snapshots import SnapshotServer
 from gradshare.transport.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
                                         RankTrigger, transition)
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
@@ -196,53 +197,6 @@ class AttemptNotes:
         return tuple(sorted(state.items()))
 
 
-class Snapshot:
-    __slots__ = ("snap_id", "step", "data", "digest", "n_params")
-
-    def __init__(self, snap_id: int, step: int, params: np.ndarray) -> None:
-        self.snap_id = snap_id
-        self.step = step
-        self.n_params = params.size
-        self.data = params.astype(np.float32, copy=True).tobytes()
-        self.digest = param_hash(params)
-
-
-class Transfer:
-    """One paced snapshot transfer to one rank: a first pass in order, then NAKed ranges."""
-
-    __slots__ = ("snap", "next_index", "n_chunks", "resend", "last_activity", "chunk_bytes")
-
-    def __init__(self, snap: Snapshot, chunk_bytes: int, now: float) -> None:
-        self.snap = snap
-        self.chunk_bytes = chunk_bytes
-        self.n_chunks = max(1, -(-len(snap.data) // chunk_bytes))
-        self.next_index = 0
-        self.resend = RangeSet()
-        self.last_activity = now
-
-    def info(self) -> ev.SnapInfo:
-        return ev.SnapInfo(self.snap.snap_id, self.snap.step, self.snap.n_params, self.n_chunks,
-                           self.chunk_bytes, self.snap.digest)
-
-    def take(self, budget: int) -> list[int]:
-        out: list[int] = []
-        for a, b in list(self.resend):
-            for i in range(a, min(b, a + budget - len(out))):
-                out.append(i)
-            if len(out) >= budget:
-                break
-        if out:
-            # remove what we took from the resend set (it is sorted; we took a prefix of it)
-            self.resend.discard_below(out[-1] + 1)
-        while len(out) < budget and self.next_index < self.n_chunks:
-            out.append(self.next_index)
-            self.next_index += 1
-        return out
-
-    def chunk(self, i: int) -> bytes:
-        return self.snap.data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
-
-
 class RelayCore:
     def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
                  now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, liveness_timeout: float = 30.0,
@@ -318,6 +272,10 @@ class RelayCore:
         snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
         self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
+        # bytes one pacing tick may send, whatever the rate and however late the tick: a burst must fit
+        # the receivers' socket buffers (the shell sizes it from its own, see relay.py)
+        self.snaps = SnapshotServer(self.snap_chunk_bytes, snapshot_rate, snapshot_burst, max_snapshots,
+                                    max(10.0, float(liveness_timeout)))
         # the relay's own aggregates (forwarding="aggregate") travel in datagrams of the same size: the
         # relay seals them, so unlike a rank's forwarded datagrams their size is its choice, and one
         # sendto per peer instead of ~16 is most of what an aggregate costs the relay on loopback
@@ -330,11 +288,6 @@ class RelayCore:
         self.max_ahead = max_ahead
         self.nak_delay = nak_delay
         self.tick = tick
-        self.snapshot_rate = snapshot_rate
-        # bytes one pacing tick may send, whatever the rate and however late the tick: a burst must fit
-        # the receivers' socket buffers (the shell sizes it from its own, see relay.py)
-        self.snapshot_burst = snapshot_burst
-        self.max_snapshots = max_snapshots
         # defer_apply: receive_datagram only forwards; apply_pending() applies (the shell calls it after
         # sending, so applying to the authoritative copy never delays a forward)
         self.defer_apply = defer_apply
@@ -351,10 +304,7 @@ class RelayCore:
         self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
         self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
         self._trim_floor = -2                            # the floor the last trim dropped through
-        self.snapshots: dict[int, Snapshot] = {}
-        self.transfers: dict[int, Transfer] = {}         # rank -> transfer
         self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
-        self._snap_seq = 0
         self._out: list[tuple[bytes, Any]] = []
         self._events: deque = deque()
         self._acks: dict[int, list[int]] = {}
@@ -368,6 +318,11 @@ class RelayCore:
     @property
     def complete_through(self) -> int:
         return self.cursor.complete_through
+
+    @property
+    def transfers(self) -> dict:
+        """rank -> its snapshot transfer in flight."""
+        return self.snaps.transfers
 
     @property
     def drops(self) -> Counter:
@@ -423,7 +378,7 @@ class RelayCore:
 
     def cap_snapshot_burst(self, nbytes: int) -> None:
         """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
-        self.snapshot_burst = min(self.snapshot_burst, nbytes)
+        self.snaps.cap_burst(nbytes)
 
     def progress(self) -> dict:
         return {
@@ -505,19 +460,10 @@ class RelayCore:
         elif isinstance(msg, ev.SnapRequest):
             self._on_snap_request(rs, now)
         elif isinstance(msg, ev.SnapNak):
-            t = self.transfers.get(rs.rank)
-            if t is None or t.snap.snap_id != msg.snap_id:
+            if not self.snaps.nak(rs.rank, msg.snap_id, msg.ranges, now):
                 self.chan.drops["stale_snapshot"] += 1
-                return
-            for a, b in msg.ranges:
-                if b <= t.n_chunks:
-                    t.resend.add(a, b)
-            t.last_activity = now
         elif isinstance(msg, ev.SnapDone):
-            t = self.transfers.get(rs.rank)
-            if t is not None and t.snap.snap_id == msg.snap_id:
-                del self.transfers[rs.rank]
-                self._free_snapshots()
+            self.snaps.done(rs.rank, msg.snap_id)
         else:
             self.chan.drops["unexpected_kind"] += 1
 
@@ -694,8 +640,7 @@ class RelayCore:
         self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len, by_step=True)
         self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
                                  keep_raw=True)
-        self.transfers.clear()
-        self.snapshots.clear()
+        self.snaps.clear()
         self.recent.clear()
         self._acks.clear()
         self._log_complete_sent = False
@@ -925,45 +870,24 @@ class RelayCore:
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:
         self.apply_pending()
-        t = self.transfers.get(rs.rank)
+        new = rs.rank not in self.snaps.transfers
+        t = self.snaps.request(rs.rank, self.complete_through, self.params, now)
         if t is None:
-            snap = next((s for s in self.snapshots.values() if s.step == self.complete_through), None)
-            if snap is None:
-                if len(self.snapshots) >= self.max_snapshots:
-                    self._free_snapshots()
-                if len(self.snapshots) >= self.max_snapshots:
-                    self.chan.drops["snapshot_busy"] += 1
-                    return                       # the peer asks again; an in-flight transfer finishes first
-                self._snap_seq += 1
-                snap = self.snapshots[self._snap_seq] = Snapshot(self._snap_seq, self.complete_through,
-                                                                 self.params)
-            t = self.transfers[rs.rank] = Transfer(snap, self.snap_chunk_bytes, now)
+            self.chan.drops["snapshot_busy"] += 1
+            return
+        if new:
             self.c["snapshots"] += 1
-        t.last_activity = now
         self._send(rs, t.info())
 
-    def _free_snapshots(self) -> None:
-        used = {t.snap.snap_id for t in self.transfers.values()}
-        for sid in [s for s in self.snapshots if s not in used]:
-            del self.snapshots[sid]
-
     def _pace(self, now: float) -> None:
-        if not self.transfers:
-            return
-        dt = min(max(now - self._last_tick, 0.0), 0.05)
-        burst = min(self.snapshot_rate * dt, self.snapshot_burst)
-        budget = max(1, int(burst / self.snap_chunk_bytes / len(self.transfers)))
-        for rank, t in list(self.transfers.items()):
-            rs = self.ranks[rank]
-            if now - t.last_activity > max(10.0, self.liveness_timeout) or rs.left or rs.ended:
-                del self.transfers[rank]
-                self._free_snapshots()
-                continue
-            for i in t.take(budget):
-                sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
-                self._out.append((sealed, rs.addr))
-                self.c["snapshot_chunks"] += 1
-                self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
+        def abandoned(rank: int) -> bool:
+            return self.ranks[rank].left or self.ranks[rank].ended is not None
+
+        for rank, t, i in self.snaps.pace(now, self._last_tick, abandoned):
+            sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
+            self._out.append((sealed, self.ranks[rank].addr))
+            self.c["snapshot_chunks"] += 1
+            self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
