@@ -7,7 +7,7 @@ import pytest
 
 from gradshare.errors import LocalProtocolError
 from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RankState
+from gradshare.transport.ranks import RankState
 from gradshare.transport.states import (PEER_TRANSITIONS, RANK_TRANSITIONS, PeerState, PeerTrigger, RankStatus,
                                         RankTrigger, transition)
 

@@ -53,11 +53,10 @@ from gradshare.transport import wire
 from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History, StepKeys
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import LateAllowance, Reassembler
+from gradshare.transport.ranks import RankState, RankTable
+from gradshare.transport.reassembly import Reassembler
 from gradshare.transport.snapshots import SnapshotServer
-from gradshare.transport.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
-                                        RankTrigger, transition)
+from gradshare.transport.states import RankTrigger
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
@@ -77,53 +76,6 @@ def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -
     from gradshare.encoding import apply_update
 
     apply_update(decoded, params, scale)
-
-
-class RankState:
-    __slots__ = ("rank", "addr", "session", "status", "last_heard", "received", "ended",
-                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late",
-                 "heard", "suspected_since", "computing", "computing_since", "given_up")
-
-    def __init__(self, rank: int, now: float, nak_delay: float) -> None:
-        self.rank = rank
-        self.addr: Any = None
-        self.session: int | None = None
-        self.status = RankStatus.WAITING    # states.RANK_TRANSITIONS: changed only by to()
-        self.last_heard = now
-        self.received = RangeSet()          # steps whose update the relay holds completely
-        self.ended: ev.Ended | None = None
-        self.delivered_through = -1
-        self.sent_through = -1
-        self.meta: dict | None = None
-        self.bytes_in = 0
-        self.updates_in = 0
-        self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
-        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
-        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
-        self.computing = -1                    # the step its heartbeat says the training thread computes
-        self.computing_since = now
-        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
-
-    def to(self, trigger: RankTrigger) -> None:
-        self.status = transition(RANK_TRANSITIONS, self.status, trigger, f"relay rank {self.rank}")
-
-    @property
-    def joined(self) -> bool:
-        return self.status in JOINED_STATES
-
-    @property
-    def left(self) -> bool:
-        return self.status in LEFT_STATES
-
-    @property
-    def connected(self) -> bool:
-        """Joined and not left: it gets STATUS pages (a rank declared gone learns it from them)."""
-        return self.joined and not self.left
-
-    @property
-    def live(self) -> bool:
-        """Connected and not declared gone: it gets the log's updates."""
-        return self.connected and self.status not in GONE_STATES
 
 
 ON_RANK_LOSS = ("wait", "continue", "restart")
@@ -296,7 +248,7 @@ class RelayCore:
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
-        self.ranks = [RankState(r, now, nak_delay) for r in range(world_size)]
+        self.ranks = RankTable(world_size, now, nak_delay)
         self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
         self.pending_meta: dict[tuple[int, int], dict] = {}  # their meta, accounted when applied
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
@@ -355,10 +307,9 @@ class RelayCore:
                            "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
-        d["peers"] = sum(1 for r in self.ranks if r.connected)
+        d["peers"] = len(self.ranks.connected())
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
-        d["last_step"] = max((r.received.contiguous_from(self.cursor.start_step) - 1 for r in self.ranks),
-                             default=-1)
+        d["last_step"] = max(self.ranks.have(self.cursor.start_step), default=-1)
         d["complete_through"] = self.complete_through
         d["attempt"] = self.attempt
         d["history_entries"] = len(self.history)
@@ -631,7 +582,7 @@ class RelayCore:
         self.chan.attempt = attempt
         self.attempt_started = now
         self.cursor = LogCursor(self.world_size, base)
-        self.ranks = [RankState(r, now, self.nak_delay) for r in range(self.world_size)]
+        self.ranks = RankTable(self.world_size, now, self.nak_delay)
         self.pending.clear()
         self.pending_meta.clear()
         self._restart_reason = None
@@ -717,7 +668,7 @@ class RelayCore:
 
     def _forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
         """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
-        targets = [r.addr for r in self.ranks if r.rank != origin and r.live]
+        targets = self.ranks.forward_targets(origin)
         if not targets:
             return
         self.recent[(step, origin)] = now
@@ -783,9 +734,8 @@ class RelayCore:
         self.c["gone" if gone else "finished"] += 1
         self._events.append(ev.PeerEnded(rs.rank, last_step, gone, reason))
         status = self._status(rs.rank // self.status_ranks)     # only the ended rank's page changed
-        for r in self.ranks:
-            if r.connected:
-                self._send(r, status)
+        for r in self.ranks.connected():
+            self._send(r, status)
         self._request_apply()
 
     def _request_apply(self) -> None:
@@ -952,12 +902,8 @@ class RelayCore:
         Only when that floor rose, and only the entries at or below it, in step order: no entry at or
         below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
         and a heartbeat that moved nothing costs one pass over the ranks (issue 13 item 5)."""
-        live = [r.delivered_through for r in self.ranks if r.live]
-        unjoined = any(r.status == RankStatus.WAITING for r in self.ranks)
-        if unjoined:
-            return
-        floor = min(live + [self.complete_through]) if live else self.complete_through
-        if floor <= self._trim_floor:
+        floor = self.ranks.delivered_floor(self.complete_through)
+        if floor is None or floor <= self._trim_floor:
             return
         self._trim_floor = floor
         self.history.discard_through(floor)
