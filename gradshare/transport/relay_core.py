@@ -2,7 +2,10 @@
 
 ``receive_datagram(data, addr, now)`` consumes one datagram; ``datagrams_to_send()`` returns
 ``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.
-No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``.
+No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``, and learns
+what happened from ``next_event()``. Its parts: the rank table and each rank's lifecycle (``ranks.py``,
+``states.py``), the bounded history trimmed in step order (``history.py``), snapshot serving
+(``snapshots.py``).
 
 What the relay does (issue 3, docs/design.md Transport + Consistency):
 - admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
@@ -33,7 +36,7 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
   state and stop decision as of the cut, handed over in WELCOME's notes; and, given a ``rollback``
   (checkpoints, issue 14), restarts a retried stage's log at the last checkpoint instead of at
   ``complete_through + 1``: the parameters, tallies and notes go back to that step;
-- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
+- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream (``snapshots.py``);
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
   job on it (issue 11).
 """
@@ -224,8 +227,9 @@ class RelayCore:
         snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
         self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
-        # bytes one pacing tick may send, whatever the rate and however late the tick: a burst must fit
-        # the receivers' socket buffers (the shell sizes it from its own, see relay.py)
+        # snapshot serving (snapshots.py): paced at snapshot_rate, at most snapshot_burst bytes a tick
+        # however late the tick (a burst must fit the receivers' socket buffers: the shell caps it from its
+        # own, relay.py); a transfer idle for max(10 s, liveness_timeout) is dropped
         self.snaps = SnapshotServer(self.snap_chunk_bytes, snapshot_rate, snapshot_burst, max_snapshots,
                                     max(10.0, float(liveness_timeout)))
         # the relay's own aggregates (forwarding="aggregate") travel in datagrams of the same size: the
