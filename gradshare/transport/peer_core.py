@@ -1,4 +1,6 @@
-"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time.
+"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time,
+and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
+updates wait for their acknowledgement in ``outstanding.py``.
 
 A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
 re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
