@@ -14,7 +14,7 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.stopping import stop_epoch
-from gradshare.transport.relay_core import param_hash
+from gradshare.hashing import param_hash
 from harness import Sim, drive
 from transport_util import random_update
 

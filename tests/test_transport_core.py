@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradshare.transport.relay_core import param_hash
+from gradshare.hashing import param_hash
 from harness import Sim, drive
 
 

@@ -349,6 +349,22 @@ class Incident:
         return f"rank {self.rank} (attempt {self.attempt}, at step {self.step}) {what}{tail}"
 
 
+def first_cause(incidents: list[Incident]) -> Incident | None:
+    """The earliest incident that still explains a failure: a suspicion the rank recovered from
+    (a later "back" of the same rank and attempt) does not."""
+    cleared = {(inc.rank, inc.attempt) for inc in incidents if inc.kind == "back"}
+    for inc in incidents:
+        if inc.kind == "back" or (inc.kind == "suspected" and (inc.rank, inc.attempt) in cleared):
+            continue
+        return inc
+    return None
+
+
+def first_fatal(incidents: list[Incident]) -> Incident | None:
+    """The first incident after which the relay gave up on a rank."""
+    return next((i for i in incidents if i.fatal), None)
+
+
 @dataclass(frozen=True)
 class AttemptStarted:
     attempt: int
@@ -362,6 +378,9 @@ class Welcomed:
 
 @dataclass(frozen=True)
 class Rejected:
+    """Peer: the relay refused this peer (REJECT, a WELCOME for another job, declared gone); ``reason``
+    is what every later call raises."""
+
     reason: str
 
 
@@ -369,6 +388,22 @@ class Rejected:
 class SnapshotReady:
     step: int
     params: object           # np.ndarray float32
+
+
+@dataclass(frozen=True)
+class SnapshotFailed:
+    """Peer: a downloaded snapshot failed its hash check; ``reason`` is what every later call raises."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """Relay: a retried stage restarted its log at a checkpoint (``rollback``), not at complete_through."""
+
+    attempt: int
+    from_step: int           # complete_through when the attempt started
+    to_step: int             # the checkpoint's step: the log restarts after it
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,15 @@
 The relay keeps every forwarded update here until every live peer has delivered it, so a NAK can be
 answered; a peer keeps its own unacknowledged updates. Eviction under pressure is counted by the caller:
 a NAK for an evicted entry is answered with an explicit error, never silence (docs/design.md, Transport).
+
+The relay forgets whole steps at once (everything at or below the step every live peer has delivered):
+``StepKeys`` gives those keys up in step order, touching only them, so a trim costs what it removes and
+not a scan of the whole history on every heartbeat (issue 13 item 5).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -16,13 +21,16 @@ class History:
     """``size(entry)`` is what an entry counts against ``max_bytes`` (``len`` of bytes by default; the relay
     stores tuples of datagrams)."""
 
-    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[Any], int] = len) -> None:
+    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[Any], int] = len,
+                 by_step: bool = False) -> None:
+        """by_step: keys are ``(step, ...)`` tuples and ``discard_through`` is used (the relay)."""
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"max_entries ({max_entries}) and max_bytes ({max_bytes}) must be >= 1")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.size = size
         self._d: OrderedDict[Hashable, Any] = OrderedDict()
+        self._steps = StepKeys() if by_step else None
         self.nbytes = 0
 
     def put(self, key: Hashable, data: Any) -> list[Hashable]:
@@ -31,10 +39,12 @@ class History:
             self.pop(key)
         self._d[key] = data
         self.nbytes += self.size(data)
+        if self._steps is not None:
+            self._steps.add(key)
         evicted = []
         while len(self._d) > 1 and (len(self._d) > self.max_entries or self.nbytes > self.max_bytes):
-            k, v = self._d.popitem(last=False)
-            self.nbytes -= self.size(v)
+            k = next(iter(self._d))
+            self.pop(k)
             evicted.append(k)
         return evicted
 
@@ -45,7 +55,22 @@ class History:
         v = self._d.pop(key, None)
         if v is not None:
             self.nbytes -= self.size(v)
+            if self._steps is not None:
+                self._steps.discard(key)
         return v
+
+    def discard_through(self, step: int) -> int:
+        """Drop every entry whose key's step is <= ``step`` (needs ``by_step``); returns how many."""
+        keys = self._steps.discard_through(step)
+        for k in keys:
+            v = self._d.pop(k)
+            self.nbytes -= self.size(v)
+        return len(keys)
+
+    @property
+    def examined(self) -> int:
+        """Keys ``discard_through`` has looked at so far (the work a trim costs; tests count it)."""
+        return self._steps.examined if self._steps is not None else 0
 
     def discard_where(self, pred) -> int:
         keys = [k for k in self._d if pred(k)]
@@ -61,3 +86,50 @@ class History:
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(list(self._d))
+
+
+class StepKeys:
+    """A set of ``(step, ...)`` keys that gives up every key at or below a step in step order.
+
+    A min-heap beside the set: ``discard_through`` pops only the keys it returns (plus keys removed
+    earlier, which the heap still holds: lazy deletion). Those stale heap entries are bounded: when they
+    outnumber the live keys the heap is rebuilt from the set (amortised O(1) per removal)."""
+
+    def __init__(self) -> None:
+        self._set: set[tuple] = set()
+        self._heap: list[tuple] = []
+        self.examined = 0
+
+    def add(self, key: tuple) -> None:
+        if key not in self._set:
+            self._set.add(key)
+            heapq.heappush(self._heap, key)
+
+    def discard(self, key: tuple) -> None:
+        self._set.discard(key)
+        if len(self._heap) > 2 * len(self._set) + 64:
+            self._heap = sorted(self._set)          # a sorted list is a heap
+
+    def discard_through(self, step: int) -> list[tuple]:
+        out = []
+        heap = self._heap
+        while heap and heap[0][0] <= step:
+            key = heapq.heappop(heap)
+            self.examined += 1
+            if key in self._set:
+                self._set.remove(key)
+                out.append(key)
+        return out
+
+    def clear(self) -> None:
+        self._set.clear()
+        self._heap.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._set
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(list(self._set))

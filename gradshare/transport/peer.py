@@ -3,6 +3,8 @@
 The receiver thread drains the socket into the core and runs its timer; the training thread calls
 ``send_update``/``receive``/``finish`` which take the same lock. Every wait has a timeout whose error names
 what did not answer: the relay's address, or the (step, sender) the log is waiting for.
+Waiters are resolved from the core's events (``Welcomed``, ``SnapshotReady``, ``Rejected``...); the shell
+asks the core only through its methods (issue 13 item 5).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
 from gradshare.transport import udp
+from gradshare.transport import events as ev
 from gradshare.transport.events import Update, Welcome
 from gradshare.transport.peer_core import PeerCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
@@ -35,6 +38,7 @@ class Peer:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (got {timeout!r})")
         self.timeout = float(timeout)
+        self._rank, self._n_params = rank, n_params
         self._core = PeerCore(rank, world_size, attempt, key, job_id, n_params, now=time.monotonic(),
                               datagram_size=datagram_size, insecure=insecure, **core_options)
         try:
@@ -48,6 +52,12 @@ class Peer:
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self._io_drops: Counter[str] = Counter()
+        # what the core's events said (lock held): its WELCOME, the snapshot fetched, why it cannot go
+        # on, whether the relay acknowledged our FAIL
+        self._welcome: Welcome | None = None
+        self._snapshot: tuple[int, np.ndarray] | None = None
+        self._error: str | None = None
+        self._fail_acked = False
         self._sock = udp.open_udp(bind if bind is not None else udp.local_bind_for(infos[0][4][0]), 0,
                                   f"peer rank {rank}")
         self.address = self._sock.getsockname()[:2]
@@ -61,7 +71,7 @@ class Peer:
 
     @property
     def rank(self) -> int:
-        return self._core.rank
+        return self._rank
 
     def _where(self) -> str:
         return f"relay {self.relay_address[0]}:{self.relay_address[1]}"
@@ -81,13 +91,13 @@ class Peer:
                         continue
                     with lock:
                         core.receive_datagram(data, addr, time.monotonic())
-                        out = self._publish_locked(bool(core.ready))
+                        out = self._publish_locked(core.has_ready())
                     self._send(out)
                 with lock:
                     now = time.monotonic()
                     if now >= core.next_timer():
                         core.handle_timer(now)
-                    out = self._publish_locked(bool(core.error))
+                    out = self._publish_locked(False)
                 self._send(out)
         except BaseException as exc:
             with lock:
@@ -99,17 +109,25 @@ class Peer:
             udp.send_all(self._sock, ((d, self._relay_sockaddr) for d in out), self._io_drops)
 
     def _publish_locked(self, news: bool) -> list[bytes]:
-        """(Lock held.) Drain the core's events and wake the training thread if anything it may be
+        """(Lock held.) Act on the core's events and wake the training thread if anything it may be
         waiting for changed (``news`` or any event); returns the datagrams the core wants sent."""
         out = self._core.datagrams_to_send()
-        while self._core.next_event() is not None:
+        while (e := self._core.next_event()) is not None:
             news = True
+            if isinstance(e, ev.Welcomed):
+                self._welcome = e.info
+            elif isinstance(e, ev.SnapshotReady):
+                self._snapshot = (e.step, e.params)
+            elif isinstance(e, (ev.Rejected, ev.SnapshotFailed)):
+                self._error = e.reason
+            elif isinstance(e, ev.FailAck):
+                self._fail_acked = True
         if news:
             self._changed.notify_all()
         return out
 
     def _flush_locked(self) -> list[bytes]:
-        return self._core.datagrams_to_send()
+        return self._publish_locked(False)
 
     def _call(self, method, *args) -> None:
         """Run a core method under the lock (after the usual checks), then send what it produced."""
@@ -124,8 +142,8 @@ class Peer:
         if self._failure is not None:
             raise GradshareError(f"peer rank {self.rank}: receiver thread failed: {self._failure!r}") \
                 from self._failure
-        if self._core.error:
-            raise ProtocolError(f"peer rank {self.rank}: {self._core.error}")
+        if self._error:
+            raise ProtocolError(f"peer rank {self.rank}: {self._error}")
         if self._closed:
             raise GradshareError(f"peer rank {self.rank} is closed")
 
@@ -160,17 +178,17 @@ class Peer:
         """The training thread starts computing ``step`` (until its send_update): heartbeats say so, and
         the relay's step_timeout measures it (issue 12, progress not presence)."""
         with self._lock:
-            self._core.computing = step
+            self._core.begin_step(step)
 
     def join(self, timeout: float | None = None) -> Welcome:
         """Join the relay; returns its WELCOME (``start_step`` 0 fresh, > 0 resume from a snapshot)."""
         timeout = self.timeout if timeout is None else timeout
         self._call(self._core.join)
         with self._changed:
-            self._wait(lambda: self._core.welcome is not None, timeout,
+            self._wait(lambda: self._welcome is not None, timeout,
                        lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
                                f"(is the relay running and reachable from {self.address[0]}?)")
-            return self._core.welcome
+            return self._welcome
 
     def fetch_snapshot(self, timeout: float | None = None, into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """(step, params): the relay's authoritative parameters with the log applied through ``step``.
@@ -178,20 +196,21 @@ class Peer:
         instead of a new array; on a timeout or a failed hash check it holds a partial download."""
         timeout = self.timeout if timeout is None else timeout
         if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
-                                 or into.shape != (self._core.n_params,) or not into.flags.c_contiguous
+                                 or into.shape != (self._n_params,) or not into.flags.c_contiguous
                                  or not into.flags.writeable):
             raise ValueError(f"into must be a writable C-contiguous float32 array of shape "
-                             f"({self._core.n_params},)")
+                             f"({self._n_params},)")
         with self._lock:
-            self._core.snap_into = into
+            self._core.snapshot_destination(into)
+            self._snapshot = None
         self._call(self._core.request_snapshot)
         with self._changed:
             def describe() -> str:
-                s = self._core.snap
-                got = "no SNAP_INFO" if s is None else f"{s.got.count()}/{s.info.n_chunks} chunks"
+                got = self._core.snapshot_progress()
+                got = "no SNAP_INFO" if got is None else f"{got[0]}/{got[1]} chunks"
                 return f"{self._where()}: snapshot for rank {self.rank} incomplete after {timeout:g} s ({got})"
-            self._wait(lambda: self._core.snapshot is not None, timeout, describe)
-            return self._core.snapshot
+            self._wait(lambda: self._snapshot is not None, timeout, describe)
+            return self._snapshot
 
     def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
         self._call(self._core.send_update, step, payload, meta)
@@ -202,24 +221,24 @@ class Peer:
         timeout = self.timeout if timeout is None else timeout
         with self._changed:
             self._check()
-            if self._core.cursor is None:
+            if self._welcome is None:
                 raise GradshareError(f"peer rank {self.rank}: receive() before join()")
             if until_step is not None:
                 def describe() -> str:
                     key = self._core.blocking_key()
                     what = "nothing" if key is None else f"update (step {key[0]}, sender {key[1]})"
-                    heard = self._core.last_heard
+                    heard = self._core.heard_at()
                     ago = "never" if heard is None else f"{time.monotonic() - heard:.1f} s ago"
                     return (f"peer rank {self.rank}: log not complete through step {until_step} after "
                             f"{timeout:g} s; waiting for {what} from {self._where()} (last heard {ago})")
-                self._wait(lambda: self._core.complete_through >= until_step or self._core.cursor.finished(),
+                self._wait(lambda: self._core.complete_through >= until_step or self._core.finished(),
                            timeout, describe)
             return self._core.pop_ready()
 
     def wait(self, timeout: float) -> bool:
         """Block until at least one update is deliverable (True) or ``timeout`` passes (False)."""
         with self._changed:
-            return self._wait_until(lambda: bool(self._core.ready), timeout)
+            return self._wait_until(self._core.has_ready, timeout)
 
     def report_failure(self, error_type: str, message: str, timeout: float) -> bool:
         """FAIL(rank, error_type, message) to the relay, joined or not, resent until acknowledged; True
@@ -227,17 +246,18 @@ class Peer:
         with self._changed:
             if self._failure is not None or self._closed:
                 return False
+            self._fail_acked = False
             self._core.fail(error_type, message, time.monotonic())
             out = self._flush_locked()
         self._send(out)
         with self._changed:
             deadline = time.monotonic() + timeout
-            while not self._core.fail_acked and self._failure is None:
+            while not self._fail_acked and self._failure is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._changed.wait(min(left, 0.05))
-            return self._core.fail_acked
+            return self._fail_acked
 
     def finish(self, last_step: int) -> None:
         """FINISHED(last_step): peers stop expecting this rank after it (retransmitted until confirmed)."""
@@ -262,7 +282,8 @@ class Peer:
         try:
             if not leave:
                 return
-            if self._thread.is_alive() and self._core.state == "joined" and not self._core.error:
+            # joined (its WELCOME came) and not refused since: what was sent may still need its ACK
+            if self._thread.is_alive() and self._welcome is not None and not self._error:
                 deadline = time.monotonic() + linger
                 with self._changed:
                     while not self._core.idle() and time.monotonic() < deadline and self._failure is None:

@@ -1,4 +1,6 @@
-"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time.
+"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time,
+and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
+updates wait for their acknowledgement in ``outstanding.py``.
 
 A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
 re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
@@ -19,14 +21,15 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import DecodeError, LocalProtocolError
+from gradshare.hashing import param_hash
 from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History
+from gradshare.transport.outstanding import Outstanding
 from gradshare.transport.rangeset import RangeSet
 from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.relay_core import param_hash
+from gradshare.transport.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
@@ -69,7 +72,7 @@ class PeerCore:
         self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
         self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
         self.max_unacked = max_unacked
-        self.state = "new"                # new → (loading →) joining → joined → (rejected | closed)
+        self.state = PeerState.NEW        # states.PEER_TRANSITIONS: the only way it changes is _to()
         self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
         self.aggregate = False            # the log is the relay's aggregate (set from WELCOME)
@@ -79,14 +82,7 @@ class PeerCore:
         self.inbox: dict[tuple[int, int], ev.Update] = {}
         self.inbox_nbytes = 0
         self.ready: deque[ev.Update] = deque()
-        self.unacked = History(max_unacked, max_unacked_bytes)
-        self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
-        # step -> first send, for RTT samples. Karn: a step whose chunks were re-sent (timeout or the relay's
-        # NAK) gives no sample, else the RTT would include loss repair and inflate every later timeout
-        self.first_sent: dict[int, float] = {}
-        self.tries: dict[int, int] = {}
-        self.srtt: float | None = None          # RFC 6298 smoothed RTT / variation -> retransmit timeout
-        self.rttvar = 0.0
+        self.unacked = Outstanding(max_unacked, max_unacked_bytes, rto)   # ours, until the relay has them
         self.next_step: int | None = None
         self.finish_step: int | None = None
         self.finish_acked = False
@@ -110,16 +106,12 @@ class PeerCore:
     def loading(self, now: float) -> None:
         """Tell the relay, every heartbeat interval until join(), that this task is alive and still
         materialising its partition (issue 12: a slow partition is not a dead task)."""
-        if self.state != "new":
-            raise LocalProtocolError(f"loading() called in state {self.state}")
-        self.state = "loading"
+        self._to(PeerTrigger.LOADING)
         self._last_hb = now
         self._out.append(self.chan.seal_control(ev.Loading()))
 
     def join(self, now: float) -> None:
-        if self.state not in ("new", "loading"):
-            raise LocalProtocolError(f"join() called in state {self.state}")
-        self.state = "joining"
+        self._to(PeerTrigger.JOIN)
         self._send_join(now)
 
     def send_update(self, step: int, payload: bytes, meta: dict | None, now: float) -> None:
@@ -139,9 +131,7 @@ class PeerCore:
         _, clean_meta = wire.decode_update_body(body)
         if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
             self._store(ev.Update(step, self.rank, payload, clean_meta))
-        self.unacked.put(step, body)
-        self.sent_at[step] = self.first_sent[step] = now
-        self.tries[step] = 0
+        self.unacked.add(step, body, now)
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
         self.computing = -1
@@ -160,9 +150,9 @@ class PeerCore:
         self._out.append(self.chan.seal_control(ev.Finished(last_step)))
 
     def leave(self) -> None:
-        if self.state in ("joined", "joining"):
+        if self.state in (PeerState.JOINED, PeerState.JOINING):
             self._out.append(self.chan.seal_control(ev.Leave()))
-        self.state = "closed"
+        self._to(PeerTrigger.LEAVE)
 
     def request_snapshot(self, now: float) -> None:
         self._check_usable("fetch_snapshot")
@@ -185,6 +175,31 @@ class PeerCore:
         self.fail_acked = False
         self._last_fail = now
         self._out.append(self.chan.seal_control(msg))
+
+    def begin_step(self, step: int) -> None:
+        """The training thread computes ``step`` now (until its send_update): heartbeats say so."""
+        self.computing = step
+
+    def snapshot_destination(self, into: np.ndarray | None) -> None:
+        """Where the next snapshot download lands (None: a new array)."""
+        self.snap_into = into
+
+    def has_ready(self) -> bool:
+        """An update is deliverable (``pop_ready`` returns it)."""
+        return bool(self.ready)
+
+    def finished(self) -> bool:
+        """The whole log is delivered: every rank ended and nothing of it is missing."""
+        return self.cursor is not None and self.cursor.finished()
+
+    def heard_at(self) -> float | None:
+        """When an authenticated datagram last came from the relay (None: never)."""
+        return self.last_heard
+
+    def snapshot_progress(self) -> tuple[int, int] | None:
+        """(chunks received, chunks in all) of the snapshot being downloaded; None before its SNAP_INFO."""
+        s = self.snap
+        return None if s is None else (s.got.count(), s.info.n_chunks)
 
     def pop_ready(self) -> list[ev.Update]:
         out = list(self.ready)
@@ -218,11 +233,11 @@ class PeerCore:
     def next_timer(self) -> float:
         if self.failed is not None and not self.fail_acked:
             return self._last_fail + self.heartbeat_interval
-        if self.state == "joining":
+        if self.state == PeerState.JOINING:
             return self._last_join + self.rto
-        if self.state == "loading":
+        if self.state == PeerState.LOADING:
             return self._last_hb + self.heartbeat_interval
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             return self._last_tick + 1.0
         nxt = self._last_hb + self.heartbeat_interval
         if self.missing or len(self.reasm) or self.snap_requested:
@@ -274,7 +289,7 @@ class PeerCore:
                 self.fail_acked = True
                 self._events.append(msg)
             return
-        if self.state in ("closed", "rejected"):
+        if self.state in (PeerState.CLOSED, PeerState.REJECTED):
             self.chan.drops["after_close"] += 1
             return
         if h.kind == Kind.UPDATE:
@@ -288,19 +303,15 @@ class PeerCore:
         if msg is None:
             return
         if isinstance(msg, ev.Reject):
-            self.error = f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}"
-            self.state = "rejected"
-            self._events.append(ev.Rejected(msg.reason))
+            self._to(PeerTrigger.REJECT)
+            self._fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
         elif isinstance(msg, ev.Welcome):
             self._on_welcome(msg)
         elif self.cursor is None:
             self.chan.drops["before_welcome"] += 1
         elif isinstance(msg, ev.Ack):
             for s in msg.steps:
-                first = self.first_sent.get(s)
-                if first is not None and self.tries.get(s) == 0:
-                    self._rtt_sample(now - first)
-                self._acked(s)
+                self.unacked.acked(s, now)
         elif isinstance(msg, ev.Nak):
             for item in msg.items:
                 body = self.unacked.get(item.step) if item.origin == self.rank else None
@@ -308,7 +319,7 @@ class PeerCore:
                     continue
                 ds = self.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
                 self._out.extend(ds)
-                self.first_sent.pop(item.step, None)       # Karn: no RTT sample from a repaired step
+                self.unacked.repaired(item.step)       # Karn: no RTT sample from a repaired step
                 self.c["retransmits"] += len(ds)
         elif isinstance(msg, ev.Status):
             self._on_status(msg)
@@ -318,15 +329,15 @@ class PeerCore:
             self.chan.drops["unexpected_kind"] += 1
 
     def _on_welcome(self, msg: ev.Welcome) -> None:
-        if self.state != "joining" or self.welcome is not None:
+        if self.state != PeerState.JOINING or self.welcome is not None:
             return                                     # a duplicate WELCOME (our JOIN was retransmitted)
         if msg.n_params != self.n_params or msg.world_size != self.world_size:
-            self.error = (f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
-                          f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
-            self.state = "rejected"
+            self._to(PeerTrigger.REJECT)
+            self._fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
+                            f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
             return
         self.welcome = msg
-        self.state = "joined"
+        self._to(PeerTrigger.WELCOME)
         self.aggregate = msg.aggregate
         self.cursor = LogCursor(1 if msg.aggregate else self.world_size, msg.start_step)
         if msg.aggregate:
@@ -347,12 +358,11 @@ class PeerCore:
                     self.known_high[r] = h
         if first <= self.rank < first + len(msg.have):
             own = msg.have[self.rank - first]
-            for s in [s for s in self.unacked if s <= own]:
-                self._acked(s)
+            self.unacked.acked_through(own)
         for e in msg.ended:
             if e.rank == self.rank:
                 if e.gone:
-                    self.error = f"the relay declared rank {self.rank} gone at step {e.last_step}"
+                    self._fail_with(f"the relay declared rank {self.rank} gone at step {e.last_step}")
                 elif self.finish_step == e.last_step:
                     self.finish_acked = True
                 continue
@@ -442,25 +452,10 @@ class PeerCore:
             self.c["delivered"] += 1
             cur.advance()
 
-    def _acked(self, step: int) -> None:
-        self.unacked.pop(step)
-        self.sent_at.pop(step, None)
-        self.first_sent.pop(step, None)
-        self.tries.pop(step, None)
-
-    def _rtt_sample(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-
     def current_rto(self) -> float:
         """Retransmit timeout: RFC 6298 from ACK round trips, never below the configured ``rto``. Under
         load the round trip grows (queues); a fixed timeout would then retransmit what is merely late."""
-        if self.srtt is None:
-            return self.rto
-        return min(max(self.rto, self.srtt + 4 * self.rttvar), 10.0)
+        return self.unacked.rto()
 
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_info(self, msg: ev.SnapInfo, now: float) -> None:
@@ -492,7 +487,8 @@ class PeerCore:
             params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
             self._out.append(self.chan.seal_control(ev.SnapDone(s.info.snap_id)))
             if param_hash(params) != s.info.digest:
-                self.error = f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check"
+                self._fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
+                                ev.SnapshotFailed)
                 return
             self.snapshot = (s.info.step, params)
             self.snap = None
@@ -506,16 +502,16 @@ class PeerCore:
         if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.heartbeat_interval:
             self._last_fail = now
             self._out.append(self.chan.seal_control(self.failed))   # sealed anew: the relay drops replays
-        if self.state == "joining":
+        if self.state == PeerState.JOINING:
             if now >= self._last_join + self.rto:
                 self._send_join(now)
             return
-        if self.state == "loading":
+        if self.state == PeerState.LOADING:
             if now >= self._last_hb + self.heartbeat_interval:
                 self._last_hb = now
                 self._out.append(self.chan.seal_control(ev.Loading()))
             return
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             return
         if now >= self._last_hb + self.heartbeat_interval:
             self._last_hb = now
@@ -523,16 +519,11 @@ class PeerCore:
                                                                  self.computing)))
             if self.finish_step is not None and not self.finish_acked:
                 self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
-        rto = self.current_rto()
-        for step in list(self.unacked):
-            tries = self.tries.get(step, 0)
-            if now - self.sent_at.get(step, now) >= rto * (1 << min(tries, 6)):   # exponential backoff
-                ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
-                self._out.extend(ds)
-                self.sent_at[step] = now
-                self.tries[step] = tries + 1
-                self.c["retransmits"] += len(ds)
-                self.c["timeouts"] += 1
+        for step in self.unacked.due(now):           # exponential backoff
+            ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
+            self._out.extend(ds)
+            self.c["retransmits"] += len(ds)
+            self.c["timeouts"] += 1
         self._nak_missing(now)
         self.reasm.expire(now, 30.0)
         if self.snap_requested:
@@ -559,8 +550,9 @@ class PeerCore:
         # Re-NAK when the answer is overdue, after two of those: a lost NAK or retransmission then costs
         # a few ms, not a fixed 50 ms that stalls the whole staleness window (at 5 % loss nearly every
         # step needs a repair). Before the first RTT sample: ``nak_interval``.
-        delay = self.nak_delay if self.srtt is None else max(self.nak_delay, self.srtt)
-        renak = 2 * delay if self.srtt is not None else self.nak_interval
+        srtt = self.unacked.srtt
+        delay = self.nak_delay if srtt is None else max(self.nak_delay, srtt)
+        renak = 2 * delay if srtt is not None else self.nak_interval
         slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
                                                                  if r != self.rank)
         for r, origin in slots:
@@ -593,6 +585,16 @@ class PeerCore:
             self.c["naks_sent"] += 1
 
     # --- helpers -------------------------------------------------------------------------------------
+    def _fail_with(self, error: str, event=ev.Rejected) -> None:
+        """This peer cannot go on: every later call raises ``error``; the shell learns it from the event
+        (a repeated cause, e.g. one STATUS page per heartbeat, is told once)."""
+        if error != self.error:
+            self.error = error
+            self._events.append(event(error))
+
+    def _to(self, trigger: PeerTrigger) -> None:
+        self.state = transition(PEER_TRANSITIONS, self.state, trigger, f"peer rank {self.rank}")
+
     def _send_join(self, now: float) -> None:
         self._last_join = now
         self._out.append(self.chan.seal_control(ev.Join(self.n_params, self.world_size)))
@@ -600,5 +602,5 @@ class PeerCore:
     def _check_usable(self, what: str) -> None:
         if self.error:
             raise LocalProtocolError(f"{what}: {self.error}")
-        if self.state != "joined":
+        if self.state != PeerState.JOINED:
             raise LocalProtocolError(f"{what} needs a joined peer (state {self.state}); call join() first")

@@ -2,6 +2,8 @@
 
 The thread only moves datagrams between the socket and the core, arms one timer, and hands events to
 waiters. Every public accessor takes the core's lock, so ``params``/``counters`` are consistent snapshots.
+What the shell knows of the job (failures, incidents, rollbacks, whether the log is complete) it learns
+from the core's events, and it asks the core only through its methods (issue 13 item 5).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport import events as ev
 from gradshare.transport import udp
-from gradshare.transport.relay_core import RelayCore, param_hash
+from gradshare.transport.relay_core import MAX_INCIDENTS, RelayCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
 DRAIN_BATCH = 512
@@ -45,6 +47,14 @@ class Relay:
         self._failure: BaseException | None = None
         self._io_drops: Counter[str] = Counter()
         self.events: deque = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
+        # what the events said: the log is complete (this attempt), the ranks ended in it, each rank's
+        # latest FAIL (first reporter first), the first incidents, the rollbacks
+        self._world_size = world_size
+        self._log_complete = False
+        self._ended: set[int] = set()
+        self._failures: dict[int, ev.Fail] = {}
+        self._incidents: list[ev.Incident] = []
+        self._rolled_back: list[dict] = []
         self.address: tuple[str, int] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -58,7 +68,7 @@ class Relay:
             # holds (the rest is bookkeeping): a quarter leaves room for two concurrent transfers' bursts.
             rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
             with self._lock:
-                self._core.snapshot_burst = min(self._core.snapshot_burst, max(rcvbuf // 4, 1 << 16))
+                self._core.cap_snapshot_burst(max(rcvbuf // 4, 1 << 16))
             host, port = self._sock.getsockname()[:2]
             self.address = (host, port)
             self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
@@ -92,6 +102,7 @@ class Relay:
                     with lock:
                         core.receive_datagram(data, addr, time.monotonic())
                         out = core.datagrams_to_send()
+                        self._take_events_locked()
                     if out:
                         udp.send_all(sock, out, drops)
                 with lock:
@@ -100,17 +111,35 @@ class Relay:
                     if now >= core.next_timer():
                         core.handle_timer(now)
                     out = core.datagrams_to_send()
-                    changed = False
-                    while (e := core.next_event()) is not None:
-                        self.events.append(e)
-                        changed = True
-                    if changed:
-                        self._changed.notify_all()
+                    self._take_events_locked()
                 udp.send_all(sock, out, drops)
         except BaseException as exc:   # the thread must not die silently: waiters re-raise this
             with lock:
                 self._failure = exc
                 self._changed.notify_all()
+
+    def _take_events_locked(self) -> None:
+        """(Lock held.) Act on the core's events and wake the waiters if there were any."""
+        changed = False
+        while (e := self._core.next_event()) is not None:
+            changed = True
+            self.events.append(e)
+            if isinstance(e, ev.LogComplete):
+                self._log_complete = True
+            elif isinstance(e, ev.AttemptStarted):        # a new attempt's log starts over
+                self._log_complete = False
+                self._ended.clear()
+            elif isinstance(e, ev.PeerEnded):
+                self._ended.add(e.rank)
+            elif isinstance(e, ev.PeerFailed):
+                self._failures[e.rank] = ev.Fail(e.rank, e.attempt, e.error_type, e.message)
+            elif isinstance(e, ev.Incident):
+                if len(self._incidents) < MAX_INCIDENTS:
+                    self._incidents.append(e)
+            elif isinstance(e, ev.RolledBack):
+                self._rolled_back.append({"attempt": e.attempt, "from": e.from_step, "to": e.to_step})
+        if changed:
+            self._changed.notify_all()
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -120,7 +149,7 @@ class Relay:
     @property
     def params(self) -> np.ndarray:
         with self._lock:
-            return self._core.params.copy()
+            return self._core.copy_params()
 
     @property
     def complete_through(self) -> int:
@@ -129,7 +158,7 @@ class Relay:
 
     def param_hash(self) -> str:
         with self._lock:
-            return param_hash(self._core.params)
+            return self._core.param_hash()
 
     def progress(self) -> dict:
         with self._lock:
@@ -144,43 +173,43 @@ class Relay:
     def failure(self) -> ev.Fail | None:
         """The first FAIL a worker reported (its rank, attempt, error type and message), or None."""
         with self._lock:
-            return next(iter(self._core.failures.values()), None)
+            return next(iter(self._failures.values()), None)
 
     def first_cause(self) -> ev.Incident | None:
         """The earliest incident (suspicion, cut, give-up) that still explains a failure (issue 12)."""
         with self._lock:
-            return self._core.first_cause()
+            return ev.first_cause(self._incidents)
 
     def fatal_incident(self) -> ev.Incident | None:
         """The first incident after which the relay gave up on a rank (silent past give_up_after, stuck
         past step_timeout): the driver stops the job with it."""
         with self._lock:
-            return self._core.fatal_incident()
+            return ev.first_fatal(self._incidents)
 
     def incidents(self) -> list[ev.Incident]:
         with self._lock:
-            return list(self._core.incidents)
+            return list(self._incidents)
 
     def epoch_tallies(self) -> dict[tuple[int, int], dict]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         with self._lock:
-            return {k: t.as_dict() for k, t in self._core.epochs.items()}
+            return self._core.epoch_tallies()
 
     def rolled_back(self) -> list[dict]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
         "to": the checkpoint's step} (RelayCore's `rollback`)."""
         with self._lock:
-            return list(self._core.rolled_back)
+            return list(self._rolled_back)
 
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not self._core.finished():
+            while not self._log_complete:
                 self._check()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    waiting = [r.rank for r in self._core.ranks if r.ended is None]
+                    waiting = [r for r in range(self._world_size) if r not in self._ended]
                     raise TransportTimeout(
                         f"relay {self.address}: ranks {waiting} neither FINISHED nor declared gone within "
                         f"{timeout:g} s (log complete through step {self._core.complete_through})")

@@ -2,7 +2,10 @@
 
 ``receive_datagram(data, addr, now)`` consumes one datagram; ``datagrams_to_send()`` returns
 ``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.
-No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``.
+No sockets, threads or clocks here: the shell in ``relay.py`` moves bytes and passes ``now``, and learns
+what happened from ``next_event()``. Its parts: the rank table and each rank's lifecycle (``ranks.py``,
+``states.py``), the bounded history trimmed in step order (``history.py``), snapshot serving
+(``snapshots.py``).
 
 What the relay does (issue 3, docs/design.md Transport + Consistency):
 - admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
@@ -33,7 +36,7 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
   state and stop decision as of the cut, handed over in WELCOME's notes; and, given a ``rollback``
   (checkpoints, issue 14), restarts a retried stage's log at the last checkpoint instead of at
   ``complete_through + 1``: the parameters, tallies and notes go back to that step;
-- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream;
+- serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream (``snapshots.py``);
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
   job on it (issue 11).
 """
@@ -47,24 +50,18 @@ from typing import Any
 import numpy as np
 
 from gradshare.errors import DecodeError
+from gradshare.hashing import param_hash
 from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.channel import Channel
 from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import LateAllowance, Reassembler
+from gradshare.transport.history import History, StepKeys
+from gradshare.transport.ranks import RankState, RankTable
+from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.snapshots import SnapshotServer
+from gradshare.transport.tallies import MAX_EPOCH_ROWS, AttemptNotes, EpochTally
+from gradshare.transport.states import RankTrigger
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
-
-
-def param_hash(array: np.ndarray) -> str:
-    """Hash of a float32 parameter vector (blake2b-128 of its bytes): equal hashes = bit-identical."""
-    import hashlib
-
-    a = np.asarray(array)
-    if a.dtype != np.float32:
-        raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
-    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
 
 
 def _total_len(datagrams: tuple[bytes, ...]) -> int:
@@ -85,151 +82,9 @@ def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -
     apply_update(decoded, params, scale)
 
 
-class RankState:
-    __slots__ = ("rank", "addr", "session", "joined", "left", "last_heard", "received", "ended",
-                 "delivered_through", "sent_through", "meta", "bytes_in", "updates_in", "late",
-                 "heard", "suspected_since", "computing", "computing_since", "given_up")
-
-    def __init__(self, rank: int, now: float, nak_delay: float) -> None:
-        self.rank = rank
-        self.addr: Any = None
-        self.session: int | None = None
-        self.joined = False
-        self.left = False
-        self.last_heard = now
-        self.received = RangeSet()          # steps whose update the relay holds completely
-        self.ended: ev.Ended | None = None
-        self.delivered_through = -1
-        self.sent_through = -1
-        self.meta: dict | None = None
-        self.bytes_in = 0
-        self.updates_in = 0
-        self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
-        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
-        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
-        self.computing = -1                    # the step its heartbeat says the training thread computes
-        self.computing_since = now
-        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
-
-
 ON_RANK_LOSS = ("wait", "continue", "restart")
 FORWARDING = ("per-rank", "aggregate")
 MAX_INCIDENTS = 256
-MAX_EPOCH_ROWS = 1 << 16
-
-
-class EpochTally:
-    """What the applied log says about one (rank, epoch): sums of its steps' meta (issue 12)."""
-
-    __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "val_metric", "first_attempt",
-                 "last_attempt")
-
-    def __init__(self, attempt: int) -> None:
-        self.steps = 0
-        self.loss = self.sparsity = self.payload = 0.0
-        self.silent = 0
-        self.tau = self.lr = self.val_metric = None
-        self.first_attempt = self.last_attempt = attempt
-
-    def add(self, meta: dict, attempt: int) -> None:
-        self.steps += 1
-        self.loss += meta.get("loss", 0.0)
-        self.sparsity += meta.get("sparsity", 0.0)
-        self.payload += meta.get("bytes", 0.0)
-        self.silent += meta.get("sparsity", 1.0) == 0.0
-        self.tau = meta.get("tau", self.tau)
-        if self.lr is None:
-            self.lr = meta.get("lr")
-        self.last_attempt = attempt
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "loss": self.loss, "sparsity": self.sparsity, "payload": self.payload,
-                "silent": self.silent, "tau": self.tau, "lr": self.lr, "val_metric": self.val_metric,
-                "resumed": self.first_attempt != self.last_attempt}
-
-
-# rank 0's meta keys that a new attempt inherits (worker.py sends them, stopping.py defines them)
-NOTE_KEYS = ("es_best", "es_waited", "stop_epoch", "stop_requested")
-
-
-class AttemptNotes:
-    """Rank 0's epoch-end state as the applied log carries it: (step, {key: value}) in log order, one
-    entry per message that carried any of NOTE_KEYS (at most one per epoch), bounded. `at(step)` is the
-    state after the log through `step`: what an attempt that starts after `step` inherits."""
-
-    def __init__(self, limit: int = MAX_EPOCH_ROWS) -> None:
-        self.entries: list[tuple[int, dict]] = []
-        self.limit = limit
-        self.dropped = 0
-
-    def add(self, step: int, meta: dict) -> None:
-        found = {k: float(meta[k]) for k in NOTE_KEYS if k in meta}
-        if not found:
-            return
-        if len(self.entries) >= self.limit:  # a fit of more epochs than this keeps its newest state
-            self.entries.pop(0)
-            self.dropped += 1
-        self.entries.append((step, found))
-
-    def cut(self, step: int) -> None:
-        """Forget what steps after `step` said (a rollback to a checkpoint at `step`)."""
-        self.entries = [(t, found) for t, found in self.entries if t <= step]
-
-    def at(self, step: int) -> tuple[tuple[str, float], ...]:
-        state: dict = {}
-        for t, found in self.entries:
-            if t <= step:
-                state.update(found)
-        return tuple(sorted(state.items()))
-
-
-class Snapshot:
-    __slots__ = ("snap_id", "step", "data", "digest", "n_params")
-
-    def __init__(self, snap_id: int, step: int, params: np.ndarray) -> None:
-        self.snap_id = snap_id
-        self.step = step
-        self.n_params = params.size
-        self.data = params.astype(np.float32, copy=True).tobytes()
-        self.digest = param_hash(params)
-
-
-class Transfer:
-    """One paced snapshot transfer to one rank: a first pass in order, then NAKed ranges."""
-
-    __slots__ = ("snap", "next_index", "n_chunks", "resend", "last_activity", "chunk_bytes")
-
-    def __init__(self, snap: Snapshot, chunk_bytes: int, now: float) -> None:
-        self.snap = snap
-        self.chunk_bytes = chunk_bytes
-        self.n_chunks = max(1, -(-len(snap.data) // chunk_bytes))
-        self.next_index = 0
-        self.resend = RangeSet()
-        self.last_activity = now
-
-    def info(self) -> ev.SnapInfo:
-        return ev.SnapInfo(self.snap.snap_id, self.snap.step, self.snap.n_params, self.n_chunks,
-                           self.chunk_bytes, self.snap.digest)
-
-    def take(self, budget: int) -> list[int]:
-        out: list[int] = []
-        for a, b in list(self.resend):
-            for i in range(a, min(b, a + budget - len(out))):
-                out.append(i)
-            if len(out) >= budget:
-                break
-        if out:
-            # remove what we took from the resend set (it is sorted; we took a prefix of it)
-            self.resend.discard_below(out[-1] + 1)
-        while len(out) < budget and self.next_index < self.n_chunks:
-            out.append(self.next_index)
-            self.next_index += 1
-        return out
-
-    def chunk(self, i: int) -> bytes:
-        return self.snap.data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
-
-
 class RelayCore:
     def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
                  now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, liveness_timeout: float = 30.0,
@@ -305,6 +160,11 @@ class RelayCore:
         snap_size = wire.check_datagram_size(snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
         self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
+        # snapshot serving (snapshots.py): paced at snapshot_rate, at most snapshot_burst bytes a tick
+        # however late the tick (a burst must fit the receivers' socket buffers: the shell caps it from its
+        # own, relay.py); a transfer idle for max(10 s, liveness_timeout) is dropped
+        self.snaps = SnapshotServer(self.snap_chunk_bytes, snapshot_rate, snapshot_burst, max_snapshots,
+                                    max(10.0, float(liveness_timeout)))
         # the relay's own aggregates (forwarding="aggregate") travel in datagrams of the same size: the
         # relay seals them, so unlike a rank's forwarded datagrams their size is its choice, and one
         # sendto per peer instead of ~16 is most of what an aggregate costs the relay on loopback
@@ -313,15 +173,10 @@ class RelayCore:
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
         self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message, keep_raw=True)
-        self.history = History(history_entries, history_bytes, size=_total_len)
+        self.history = History(history_entries, history_bytes, size=_total_len, by_step=True)
         self.max_ahead = max_ahead
         self.nak_delay = nak_delay
         self.tick = tick
-        self.snapshot_rate = snapshot_rate
-        # bytes one pacing tick may send, whatever the rate and however late the tick: a burst must fit
-        # the receivers' socket buffers (the shell sizes it from its own, see relay.py)
-        self.snapshot_burst = snapshot_burst
-        self.max_snapshots = max_snapshots
         # defer_apply: receive_datagram only forwards; apply_pending() applies (the shell calls it after
         # sending, so applying to the authoritative copy never delays a forward)
         self.defer_apply = defer_apply
@@ -330,17 +185,15 @@ class RelayCore:
         self.attempt = -1                      # no attempt yet; the first JOIN starts one
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
-        self.ranks = [RankState(r, now, nak_delay) for r in range(world_size)]
+        self.ranks = RankTable(world_size, now, nak_delay)
         self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
         self.pending_meta: dict[tuple[int, int], dict] = {}  # their meta, accounted when applied
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
         self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
-        self.evicted: set[tuple[int, int]] = set()      # history entries lost to the caps (NAK → error)
-        self.snapshots: dict[int, Snapshot] = {}
-        self.transfers: dict[int, Transfer] = {}         # rank -> transfer
+        self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
+        self._trim_floor = -2                            # the floor the last trim dropped through
         self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
-        self._snap_seq = 0
         self._out: list[tuple[bytes, Any]] = []
         self._events: deque = deque()
         self._acks: dict[int, list[int]] = {}
@@ -354,6 +207,11 @@ class RelayCore:
     @property
     def complete_through(self) -> int:
         return self.cursor.complete_through
+
+    @property
+    def transfers(self) -> dict:
+        """rank -> its snapshot transfer in flight."""
+        return self.snaps.transfers
 
     @property
     def drops(self) -> Counter:
@@ -386,15 +244,29 @@ class RelayCore:
                            "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
-        d["peers"] = sum(1 for r in self.ranks if r.joined and not r.left)
+        d["peers"] = len(self.ranks.connected())
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
-        d["last_step"] = max((r.received.contiguous_from(self.cursor.start_step) - 1 for r in self.ranks),
-                             default=-1)
+        d["last_step"] = max(self.ranks.have(self.cursor.start_step), default=-1)
         d["complete_through"] = self.complete_through
         d["attempt"] = self.attempt
         d["history_entries"] = len(self.history)
         d["history_bytes"] = self.history.nbytes
         return d
+
+    def param_hash(self) -> str:
+        """param_hash of the authoritative parameters."""
+        return param_hash(self.params)
+
+    def copy_params(self) -> np.ndarray:
+        return self.params.copy()
+
+    def epoch_tallies(self) -> dict[tuple[int, int], dict]:
+        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
+        return {k: t.as_dict() for k, t in self.epochs.items()}
+
+    def cap_snapshot_burst(self, nbytes: int) -> None:
+        """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
+        self.snaps.cap_burst(nbytes)
 
     def progress(self) -> dict:
         return {
@@ -476,19 +348,10 @@ class RelayCore:
         elif isinstance(msg, ev.SnapRequest):
             self._on_snap_request(rs, now)
         elif isinstance(msg, ev.SnapNak):
-            t = self.transfers.get(rs.rank)
-            if t is None or t.snap.snap_id != msg.snap_id:
+            if not self.snaps.nak(rs.rank, msg.snap_id, msg.ranges, now):
                 self.chan.drops["stale_snapshot"] += 1
-                return
-            for a, b in msg.ranges:
-                if b <= t.n_chunks:
-                    t.resend.add(a, b)
-            t.last_activity = now
         elif isinstance(msg, ev.SnapDone):
-            t = self.transfers.get(rs.rank)
-            if t is not None and t.snap.snap_id == msg.snap_id:
-                del self.transfers[rs.rank]
-                self._free_snapshots()
+            self.snaps.done(rs.rank, msg.snap_id)
         else:
             self.chan.drops["unexpected_kind"] += 1
 
@@ -541,27 +404,17 @@ class RelayCore:
         return inc
 
     def first_cause(self) -> ev.Incident | None:
-        """The earliest incident that still explains a failure: a suspicion the rank recovered from
-        (a later "back" of the same rank and attempt) does not."""
-        cleared: set[tuple[int, int]] = set()
-        for inc in reversed(self.incidents):
-            if inc.kind == "back":
-                cleared.add((inc.rank, inc.attempt))
-        for inc in self.incidents:
-            if inc.kind == "back" or (inc.kind == "suspected" and (inc.rank, inc.attempt) in cleared):
-                continue
-            return inc
-        return None
+        return ev.first_cause(self.incidents)
 
     def fatal_incident(self) -> ev.Incident | None:
-        return next((i for i in self.incidents if i.fatal), None)
+        return ev.first_fatal(self.incidents)
 
     def _check_liveness(self, now: float) -> None:
         if self.attempt_started is None:
             return
         if self._restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
             for r in self.ranks:
-                if r.joined and not r.left and r.ended is None and r.suspected_since is None:
+                if r.connected and r.ended is None and r.suspected_since is None:
                     self._send(r, ev.Reject(self._restart_reason))
         for rs in self.ranks:
             if rs.ended is not None:
@@ -631,8 +484,7 @@ class RelayCore:
         first = not rs.joined or rs.session != h.session
         rs.session = h.session
         rs.addr = addr
-        rs.joined = True
-        rs.left = False
+        rs.to(RankTrigger.JOIN)
         self._heard(rs, now)
         self._send(rs, ev.Welcome(self.n_params, self.world_size, self.cursor.start_step,
                                   self.complete_through, self.attempt_notes, self.aggregator is not None))
@@ -660,22 +512,23 @@ class RelayCore:
                 del self.epochs[key]
             if self.c["attempts"]:             # a retried stage (the first attempt of a resumed fit is none)
                 self.rolled_back.append({"attempt": attempt, "from": self.complete_through, "to": through})
+                self._events.append(ev.RolledBack(attempt, self.complete_through, through))
             extra = (("checkpoint", float(note)),)
         self.attempt_notes = self.notes.at(base - 1) + extra
         self.attempt = attempt
         self.chan.attempt = attempt
         self.attempt_started = now
         self.cursor = LogCursor(self.world_size, base)
-        self.ranks = [RankState(r, now, self.nak_delay) for r in range(self.world_size)]
+        self.ranks = RankTable(self.world_size, now, self.nak_delay)
         self.pending.clear()
         self.pending_meta.clear()
         self._restart_reason = None
         self.evicted.clear()
-        self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len)
+        self._trim_floor = -2
+        self.history = History(self.history.max_entries, self.history.max_bytes, size=_total_len, by_step=True)
         self.reasm = Reassembler(self.reasm.max_messages, self.reasm.max_bytes, self.reasm.max_message_bytes,
                                  keep_raw=True)
-        self.transfers.clear()
-        self.snapshots.clear()
+        self.snaps.clear()
         self.recent.clear()
         self._acks.clear()
         self._log_complete_sent = False
@@ -752,8 +605,7 @@ class RelayCore:
 
     def _forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
         """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
-        targets = [r.addr for r in self.ranks if r.rank != origin and r.joined and not r.left
-                   and not (r.ended is not None and r.ended.gone)]
+        targets = self.ranks.forward_targets(origin)
         if not targets:
             return
         self.recent[(step, origin)] = now
@@ -796,7 +648,7 @@ class RelayCore:
     def _on_leave(self, rs: RankState) -> None:
         if rs.ended is None:
             self._declare_gone(rs, "left before FINISHED")
-        rs.left = True
+        rs.to(RankTrigger.LEAVE)
         self._trim_history()
 
     def _declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
@@ -807,6 +659,7 @@ class RelayCore:
         self._end(rs, cut, gone=True, reason=reason)
 
     def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
+        rs.to(RankTrigger.GONE if gone else RankTrigger.FINISH)
         rs.ended = ev.Ended(rs.rank, last_step, gone)
         self.cursor.end(rs.rank, last_step)
         # anything held beyond the end does not exist in the log (never applied: it is after the cut)
@@ -818,9 +671,8 @@ class RelayCore:
         self.c["gone" if gone else "finished"] += 1
         self._events.append(ev.PeerEnded(rs.rank, last_step, gone, reason))
         status = self._status(rs.rank // self.status_ranks)     # only the ended rank's page changed
-        for r in self.ranks:
-            if r.joined and not r.left:
-                self._send(r, status)
+        for r in self.ranks.connected():
+            self._send(r, status)
         self._request_apply()
 
     def _request_apply(self) -> None:
@@ -905,45 +757,24 @@ class RelayCore:
     # --- snapshots -----------------------------------------------------------------------------------
     def _on_snap_request(self, rs: RankState, now: float) -> None:
         self.apply_pending()
-        t = self.transfers.get(rs.rank)
+        new = rs.rank not in self.snaps.transfers
+        t = self.snaps.request(rs.rank, self.complete_through, self.params, now)
         if t is None:
-            snap = next((s for s in self.snapshots.values() if s.step == self.complete_through), None)
-            if snap is None:
-                if len(self.snapshots) >= self.max_snapshots:
-                    self._free_snapshots()
-                if len(self.snapshots) >= self.max_snapshots:
-                    self.chan.drops["snapshot_busy"] += 1
-                    return                       # the peer asks again; an in-flight transfer finishes first
-                self._snap_seq += 1
-                snap = self.snapshots[self._snap_seq] = Snapshot(self._snap_seq, self.complete_through,
-                                                                 self.params)
-            t = self.transfers[rs.rank] = Transfer(snap, self.snap_chunk_bytes, now)
+            self.chan.drops["snapshot_busy"] += 1
+            return
+        if new:
             self.c["snapshots"] += 1
-        t.last_activity = now
         self._send(rs, t.info())
 
-    def _free_snapshots(self) -> None:
-        used = {t.snap.snap_id for t in self.transfers.values()}
-        for sid in [s for s in self.snapshots if s not in used]:
-            del self.snapshots[sid]
-
     def _pace(self, now: float) -> None:
-        if not self.transfers:
-            return
-        dt = min(max(now - self._last_tick, 0.0), 0.05)
-        burst = min(self.snapshot_rate * dt, self.snapshot_burst)
-        budget = max(1, int(burst / self.snap_chunk_bytes / len(self.transfers)))
-        for rank, t in list(self.transfers.items()):
-            rs = self.ranks[rank]
-            if now - t.last_activity > max(10.0, self.liveness_timeout) or rs.left or rs.ended:
-                del self.transfers[rank]
-                self._free_snapshots()
-                continue
-            for i in t.take(budget):
-                sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
-                self._out.append((sealed, rs.addr))
-                self.c["snapshot_chunks"] += 1
-                self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
+        def abandoned(rank: int) -> bool:
+            return self.ranks[rank].left or self.ranks[rank].ended is not None
+
+        for rank, t, i in self.snaps.pace(now, self._last_tick, abandoned):
+            sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
+            self._out.append((sealed, self.ranks[rank].addr))
+            self.c["snapshot_chunks"] += 1
+            self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
 
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
@@ -1003,14 +834,14 @@ class RelayCore:
         self._acks.clear()
 
     def _trim_history(self) -> None:
-        """Forget forwarded updates that every peer still in the job has delivered and the relay applied."""
-        live = [r.delivered_through for r in self.ranks if r.joined and not r.left
-                and not (r.ended is not None and r.ended.gone)]
-        unjoined = any(not r.joined and r.ended is None for r in self.ranks)
-        if unjoined:
+        """Forget forwarded updates that every peer still in the job has delivered and the relay applied.
+
+        Only when that floor rose, and only the entries at or below it, in step order: no entry at or
+        below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
+        and a heartbeat that moved nothing costs one pass over the ranks (issue 13 item 5)."""
+        floor = self.ranks.delivered_floor(self.complete_through)
+        if floor is None or floor <= self._trim_floor:
             return
-        floor = min(live + [self.complete_through]) if live else self.complete_through
-        if self.history and floor >= self.cursor.start_step:
-            self.history.discard_where(lambda k: k[0] <= floor)
-        if self.evicted:                  # nobody can still NAK what every peer has delivered
-            self.evicted = {k for k in self.evicted if k[0] > floor}
+        self._trim_floor = floor
+        self.history.discard_through(floor)
+        self.evicted.discard_through(floor)   # nobody can still NAK what every peer has delivered
