@@ -309,7 +309,7 @@ class Worker:
 
     def inherit(self, notes: dict) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
-        relay_core.AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
+        transport/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
         if "stop_epoch" in notes:
             self.inherited_stop = int(notes["stop_epoch"])
         if self.rank != 0:

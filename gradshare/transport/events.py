@@ -51,7 +51,7 @@ class Welcome:
     world_size: int
     start_step: int          # first step of this attempt's log (0 fresh, complete_through+1 on resume)
     complete_through: int
-    # what the attempt inherits besides the parameters (relay_core.AttemptNotes): rank 0's early-stopping
+    # what the attempt inherits besides the parameters (tallies.AttemptNotes): rank 0's early-stopping
     # state and decision, the checkpoint a retried stage rolled back to; (name, value) pairs
     notes: tuple[tuple[str, float], ...] = ()
     aggregate: bool = False  # the log is the relay's one aggregated message per step (issue 13 item 1)
