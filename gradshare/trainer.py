@@ -162,6 +162,10 @@ class SharedTrainer:
     follow_lr: when the learning rate changes from η to η', rescale each worker's residual by η'/η and
         scale a numeric τ by η'/η₀, so annealing reaches the model (corrected error feedback,
         encoding/sharing.py). On by default.
+    local_view: each worker takes its gradient at the shared parameters plus its own residual (the
+        updates it has not sent yet), not at the shared parameters alone, so a direction it has already
+        pushed stops being pushed (gradshare/local_view.py; README "Convergence"). On by default; costs
+        one more float32 copy of the parameters per worker and one add per step.
     drop_last: what happens to a partition's final batch when it is shorter than batch_size: True drops
         it, False keeps it, "auto" (default) drops it only when it is a single row and the model has a
         BatchNorm layer (training-mode BatchNorm cannot normalise one row). A partition left with no
@@ -292,6 +296,7 @@ class SharedTrainer:
         lr_scheduler: Callable | None = None,
         scheduler_interval: str = "step",
         follow_lr: bool = True,
+        local_view: bool = True,
         aggregate: str = "sum",
         drop_last: bool | str = "auto",
         precision: str = "32",
@@ -380,6 +385,7 @@ class SharedTrainer:
         self.warmup_density = warmup_density
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
+        self.local_view = bool(local_view)
         self.aggregate = aggregate
         self.drop_last = drop_last
         self.precision = precision
@@ -610,7 +616,7 @@ class SharedTrainer:
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=validation,
                 metric=metric, extra=self.worker_options, lookahead=self.lookahead,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
-                follow_lr=self.follow_lr, apply_scale=scale, drop_last=drop_last,
+                follow_lr=self.follow_lr, local_view=self.local_view, apply_scale=scale, drop_last=drop_last,
                 precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
                 early_stopping=self.early_stopping, on_epoch_end=self.on_epoch_end,
                 checkpoint=saving, resume=resume, first_epoch=first_epoch,
