@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alternate baseline and gradshare this many times (the machine is shared)")
     parser.add_argument("--general", action="store_true",
                         help="force the general update path (P_after - P_before against a twin) for an A/B")
+    parser.add_argument("--no-local-view", action="store_true",
+                        help="SharedTrainer(local_view=False): the gradient at P, for an A/B of the local view's cost")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -142,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
                                     epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
                                     warmup=0,  # the steady state: threshold="auto" at its density from step 0
+                                    local_view=not args.no_local_view,
                                     worker_options={"profile": True, "direct_update": not args.general})
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             with RelayCpu() as relay_cpu:

@@ -42,6 +42,7 @@ import numpy as np
 from gradshare.capture import frees_enough, needs_all_gradients, update_path
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
+from gradshare.local_view import LocalView, NoView
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -93,6 +94,7 @@ class WorkerConfig:
     resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
+    local_view: bool = True  # forward/backward at P + own residual (local_view.py); False: at P
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -238,6 +240,8 @@ class Worker:
                        and needs_all_gradients(self.optimizer, self.precision) is None)
         self.path = update_path(self.flat, self.optimizer, self.state.residual,
                                 allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward)
+        # the gradient is taken at P + this worker's unsent residual (local_view.py, issue 10)
+        self.view = LocalView(self.flat, cfg.apply_scale) if cfg.local_view else NoView()
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
@@ -397,12 +401,13 @@ class Worker:
         prof.lap("lookahead")
         state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
         self.optimizer.zero_grad(set_to_none=True)
-        with self.precision.autocast():
-            loss = self._loss_of(batch)
-        if self.path.in_backward:  # the optimizer steps inside backward, one parameter at a time (capture.py)
-            self.path.backward(lambda: self.precision.backward(loss))
-        else:
-            self.precision.backward(loss)
+        with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
+            with self.precision.autocast():
+                loss = self._loss_of(batch)
+            if self.path.in_backward:  # the optimizer steps inside backward, one parameter at a time (capture.py)
+                self.path.backward(lambda: self.precision.backward(loss))
+            else:
+                self.precision.backward(loss)
         prof.lap("compute")
         changed = self._take_buffer_change(buffers_before)
         self.path.after_compute(flat.versions() != versions)
