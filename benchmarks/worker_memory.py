@@ -2,7 +2,7 @@
 model's parameter bytes (4 B x parameters), for SGD and Adam, measured side by side in one run.
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/worker_memory.py [--widths 512,4950,4950,4950,10]
-        [--optimizers sgd,adam] [--steps 4] [--json out.json]
+        [--optimizers sgd,adam] [--steps 4] [--json out.json] [--no-local-view]
 
 Every measurement runs in a fresh process: each gradshare run in its own driver with its own local[2]
 session (2 workers, fresh Python workers), the single process as a plain `python` child. A worker
@@ -76,7 +76,7 @@ def child_single(widths, optimizer, steps, batch):
     return {"start_rss_bytes": start, "peak_rss_bytes": _status("VmHWM"), "n_params": n, "largest": largest}
 
 
-def child_gradshare(widths, optimizer, steps, batch):
+def child_gradshare(widths, optimizer, steps, batch, local_view=True):
     import numpy as np
     from torch import nn
 
@@ -92,7 +92,7 @@ def child_gradshare(widths, optimizer, steps, batch):
         rdd = spark.sparkContext.parallelize(rows, 2).cache()
         rdd.count()
         common = dict(port=0, bind="127.0.0.1", verbose=0, batch_size=batch, timeout=300.0,
-                      optimizer=make_optimizer(optimizer))
+                      optimizer=make_optimizer(optimizer), local_view=local_view)
         warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
         result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
         # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
@@ -109,7 +109,7 @@ def child_gradshare(widths, optimizer, steps, batch):
         spark.stop()
 
 
-def accounted(optimizer, twin, largest_share, in_backward=False):
+def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True):
     """Buffers a worker step holds, in multiples of parameter bytes."""
     rows = {"params": 1.0, "grads": largest_share if in_backward else 1.0}
     if optimizer in ("adam", "adam-fused"):
@@ -118,13 +118,15 @@ def accounted(optimizer, twin, largest_share, in_backward=False):
         rows["adam temporaries"] = 2 * largest_share
     rows["residual"] = 1.0
     rows["twin"] = 1.0 if twin else 0.0
+    rows["local view"] = 1.0 if local_view else 0.0  # P + residual, the point forward/backward run at
     rows["snapshot transfer"] = 0.0
     return rows
 
 
 def run_child(kind, args, optimizer):
     cmd = [sys.executable, __file__, "--child", kind, "--optimizer", optimizer, "--widths", args.widths,
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+           "--local-view" if args.local_view else "--no-local-view"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -140,13 +142,18 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4, help="steps per worker (and for the single process)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--local-view", action=argparse.BooleanOptionalAction, default=True,
+                        help="SharedTrainer(local_view=...): the default keeps a P + residual buffer (4 B/param)")
     parser.add_argument("--child", choices=("single", "gradshare"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     if args.child:
-        fn = child_single if args.child == "single" else child_gradshare
-        print(json.dumps(fn(widths, args.optimizer, args.steps, args.batch_size)), flush=True)
+        if args.child == "single":
+            out = child_single(widths, args.optimizer, args.steps, args.batch_size)
+        else:
+            out = child_gradshare(widths, args.optimizer, args.steps, args.batch_size, args.local_view)
+        print(json.dumps(out), flush=True)
         return
 
     results = {}
@@ -170,12 +177,12 @@ def main(argv=None):
                   f"task start {w['start_rss_bytes'] / mib:.0f}M"
                   + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
         rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share,
-                         all(w.get("step_in_backward") for w in shared["workers"]))
+                         all(w.get("step_in_backward") for w in shared["workers"]), args.local_view)
         base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb
         print("accounted: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
               + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"
               + f" = {sum(rows.values()) + base:.2f} x P")
-        results[optimizer] = {"single": single, "gradshare": shared, "accounted": rows}
+        results[optimizer] = {"single": single, "gradshare": shared, "accounted": rows, "local_view": args.local_view}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
