@@ -26,10 +26,11 @@ def channel(key, sender, job=9, attempt=0, insecure=False):
                    max_chunks=1 << 20, max_windows=1)
 
 
-def make_flood(key: bytes, captured: list, rng: random.Random):
-    wrong_key = channel(new_job_key(), 0)
-    wrong_job = channel(key, 1, job=10)
-    stranger = channel(key, 2)                         # right key, a session that never joined
+def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: int = N):
+    """FLOOD forged datagrams for a job ``job`` of ``n`` parameters (``captured``: genuine ones to replay)."""
+    wrong_key = channel(new_job_key(), 0, job=job)
+    wrong_job = channel(key, 1, job=job + 1)
+    stranger = channel(key, 2, job=job)                # right key, a session that never joined
     body = wire.encode_update_body(toy_encode(1.0, [1, 2]), None)
     kinds = ["random", "wrong_key", "wrong_job", "truncated", "oversized", "replayed", "stranger",
              "bad_indices"]
@@ -51,7 +52,7 @@ def make_flood(key: bytes, captured: list, rng: random.Random):
         elif k == "stranger":
             yield stranger.seal(wire.Kind.UPDATE, body, 2, rng.randrange(50), rng.randrange(3), 3)
         else:
-            idx = [rng.randrange(-2 * N, 2 * N) or 1 for _ in range(5)]
+            idx = [rng.randrange(-2 * n, 2 * n) or 1 for _ in range(5)]
             yield stranger.seal(wire.Kind.UPDATE, wire.encode_update_body(toy_encode(1.0, idx), None),
                                 2, rng.randrange(50), 0, 1)
 

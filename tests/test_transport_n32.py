@@ -13,7 +13,7 @@ from gradshare.transport import param_hash
 from gradshare.transport.events import AGGREGATE_ORIGIN
 from harness import RELAY, Sim, drive
 from test_aggregate import aggregate_sim
-from test_transport_flood import make_flood
+from test_transport_flood import FLOOD, make_flood
 
 W = 32
 MODES = ["per-rank", "aggregate"]
@@ -26,15 +26,13 @@ def sim32(mode: str, **kw) -> Sim:
     return Sim(world_size=W, n_params=2000, **kw)
 
 
-def check_log(sim: Sim, mode: str, steps: int, ranks=None) -> None:
+def check_log(sim: Sim, mode: str, steps: int) -> None:
     """Every live peer delivered the whole log exactly once, in order, and every replica equals the
     relay's parameters bit for bit."""
-    ranks = range(W) if ranks is None else ranks
     if mode == "aggregate":
         want = [(t, AGGREGATE_ORIGIN) for t in range(steps)]
     else:
         want = sorted((t, r) for (t, r) in sim.sent)
-    assert len(want) == (steps if mode == "aggregate" else steps * len(ranks))
     for r, delivered in sim.delivered.items():
         if r in sim.silent:
             continue
@@ -49,8 +47,82 @@ def test_32_peers_on_a_lossy_duplicating_reordering_link_are_exactly_once(mode, 
     for r in range(W):
         sim.add_peer(r)
     sim.run(steps=4, entries=(3, 200))
+    assert len(sim.sent) == 4 * W
     check_log(sim, mode, 4)
     c = sim.relay.counters()
     assert c["updates_in"] == 4 * W and c["applied"] == 4 * W
     assert sim.link.dropped > 0
     assert c["retransmits"] + sum(p.counters()["retransmits"] for p in sim.peers.values()) > 0
+
+
+def send_step(sim: Sim, t: int, ranks) -> None:
+    for r in ranks:
+        payload = sim.make_payload(int(sim.rng.choice((3, 200))))
+        sim.sent[(t, r)] = payload
+        sim.peers[r].send_update(t, payload, None, sim.now)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_peer_among_32_is_cut_and_the_log_goes_on(mode):
+    sim = sim32(mode, seed=5, loss=0.02, dup=0.01, max_delay=0.002, liveness_timeout=0.3,
+                on_rank_loss="continue")
+    for r in range(W):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
+    for t in range(2):
+        send_step(sim, t, range(W))
+        drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
+    sim.silent.add(17)                     # killed: no FINISHED, no LEAVE, never heard again
+    sim.run(steps=5)
+    assert sim.relay.ranks[17].ended.gone and sim.relay.cursor.ends[17] == 1
+    assert [i.kind for i in sim.relay.incidents][-1] == "gone"
+    # the killed rank's steps 0 and 1 stay in the log, nothing after them
+    assert sorted(sim.sent) == sorted([(t, r) for t in range(5) for r in range(W) if r != 17] + [(0, 17), (1, 17)])
+    check_log(sim, mode, 5)
+    assert sim.relay.counters()["applied"] == 5 * (W - 1) + 2
+
+
+def add_flood(sim: Sim, flood, per_tick: int) -> list[int]:
+    """After every time step, ``per_tick`` forged datagrams at the relay (from addresses no peer has),
+    interleaved with the genuine traffic until the flood is spent; returns the running count."""
+    forged = [0]
+    step_time = sim.step_time
+
+    def step_with_flood(max_dt: float = 0.01) -> None:
+        step_time(max_dt)
+        for data in flood:
+            sim.relay.receive_datagram(data, ("forger", forged[0] % 7), sim.now)
+            forged[0] += 1
+            if forged[0] % per_tick == 0:
+                break
+
+    sim.step_time = step_with_flood
+    return forged
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers(mode):
+    sim = sim32(mode, seed=8, loss=0.01, dup=0.01, max_delay=0.002)
+    captured: list[bytes] = []
+    send = sim.link.send
+
+    def tap(data, dst, src, now):
+        if dst == RELAY and len(captured) < 2000:
+            captured.append(data)
+        send(data, dst, src, now)
+
+    sim.link.send = tap
+    forged = add_flood(sim, make_flood(sim.key, captured, random.Random(4), job=42, n=sim.N), per_tick=400)
+    for r in range(W):
+        sim.add_peer(r)
+    sim.run(steps=6, entries=(3, 200))
+    assert forged[0] == FLOOD, "the flood ended after the exchange: raise per_tick"
+    check_log(sim, mode, 6)
+    c = sim.relay.counters()
+    assert c["updates_in"] == 6 * W and c["applied"] == 6 * W
+    drops = c["drops"]
+    for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
+        assert drops.get(reason, 0) > 0, (reason, drops)
+    assert drops.get("bad_update", 0) == 0
+    # every forged datagram is refused and counted (in memory nothing is lost to a socket buffer)
+    assert sum(drops.values()) - drops.get("duplicate", 0) - drops.get("duplicate_chunk", 0) >= FLOOD
