@@ -126,3 +126,98 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers(mode):
     assert drops.get("bad_update", 0) == 0
     # every forged datagram is refused and counted (in memory nothing is lost to a socket buffer)
     assert sum(drops.values()) - drops.get("duplicate", 0) - drops.get("duplicate_chunk", 0) >= FLOOD
+
+
+# --- a relay that cannot keep up --------------------------------------------------------------------------
+
+def throttle(sim: Sim, rate: float, inbox: int) -> dict:
+    """Make the relay slow: what reaches it waits in a bounded inbox of ``inbox`` datagrams (a full one
+    drops the datagram and counts it, as a full socket buffer does) and the relay takes at most ``rate``
+    datagrams per simulated second from it. Returns the inbox's counters."""
+    queue: list = []
+    stats = {"overflow": 0, "max_inbox": 0}
+    receive = sim.relay.receive_datagram
+    clock = {"last": sim.now, "credit": 0.0}
+
+    def enqueue(data, src, now):
+        if len(queue) >= inbox:
+            stats["overflow"] += 1
+            return
+        queue.append((data, src))
+        stats["max_inbox"] = max(stats["max_inbox"], len(queue))
+
+    def drain():
+        clock["credit"] = min(clock["credit"] + (sim.now - clock["last"]) * rate, inbox)
+        clock["last"] = sim.now
+        while queue and clock["credit"] >= 1:
+            clock["credit"] -= 1
+            data, src = queue.pop(0)
+            receive(data, src, sim.now)
+
+    step_time = sim.step_time
+
+    def step_and_drain(max_dt: float = 0.01) -> None:
+        step_time(min(max_dt, 0.002))          # the relay's own tick
+        drain()
+
+    sim.relay.receive_datagram = enqueue
+    sim.step_time = step_and_drain
+    return stats
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
+    k, steps = 1, 8
+    # datagrams/s the relay takes: heartbeats alone are W × 20/s, so aggregated (few datagrams a step) it
+    # must be slower still to be what paces the ranks
+    rate = 2000.0 if mode == "per-rank" else 1000.0
+    # per rank, an inbox of 64 makes it collapse rather than slow down: the W - 1 peers NAK an origin's
+    # step that overflowed (a later step of it was forwarded), every 2·RTT, and those NAKs crowd out the
+    # origin's own retransmission (8 steps took 39 simulated s instead of 1.4); the transport does not
+    # back off such NAKs yet, so the test sizes the inbox like a socket buffer that still overflows
+    inbox_size = 256 if mode == "per-rank" else 64
+    fast = sim32(mode, seed=3, loss=0.01, dup=0.01, max_delay=0.002, staleness=k)
+    for r in range(W):
+        fast.add_peer(r)
+    fast.run(steps=steps, entries=(3, 200))
+
+    sim = sim32(mode, seed=3, loss=0.01, dup=0.01, max_delay=0.002, staleness=k)
+    inbox = throttle(sim, rate, inbox=inbox_size)
+    # Bounds, from the staleness rule (a rank sends step t once its log is complete through t-1-k):
+    # aggregated, a peer's log is the relay's, so a rank sends at most k+1 steps past the relay's
+    # complete_through. Per rank, a rank's own updates enter its log before the relay has them: the others
+    # stop at k+1 past it and that rank at most k+1 past the others, so 2(k+1).
+    ahead = k + 1 if mode == "aggregate" else 2 * (k + 1)
+    # What the relay holds unapplied (pending or reassembling) is those steps of each rank; what the peers
+    # hold undelivered likewise, and a rank's unacknowledged updates are its steps past the relay's.
+    held = W * ahead
+    # The history is trimmed to what every peer has delivered, which the relay learns from heartbeats
+    # (every 50 ms); at this rate the log completes about one step in that time (W ranks × ~2 datagrams
+    # of update, plus the heartbeats), so allow 4 steps of lag on top.
+    history = W * (ahead + 4) if mode == "per-rank" else ahead + 4
+    worst = {"ahead": 0, "relay_held": 0, "history": 0, "peer_held": 0, "unacked": 0}
+    step_time = sim.step_time
+
+    def watched(max_dt: float = 0.01) -> None:
+        step_time(max_dt)
+        rel = sim.relay
+        live = [p for p in sim.peers.values() if p.next_step is not None]
+        worst["ahead"] = max([worst["ahead"]] + [p.next_step - 1 - rel.complete_through for p in live])
+        worst["relay_held"] = max(worst["relay_held"], len(rel.pending) + len(rel.reasm))
+        worst["history"] = max(worst["history"], len(rel.history))
+        worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbox) + len(p.reasm) for p in live])
+        worst["unacked"] = max([worst["unacked"]] + [len(p.unacked.bodies) for p in live])
+
+    sim.step_time = watched
+    for r in range(W):
+        sim.add_peer(r)
+    sim.run(steps=steps, entries=(3, 200), max_iters=10**6)
+    check_log(sim, mode, steps)
+    c = sim.relay.counters()
+    assert c["updates_in"] == steps * W and c["applied"] == steps * W
+    assert inbox["overflow"] > 0                   # it really could not keep up: its inbox overflowed
+    assert sim.now > 1.5 * fast.now, (sim.now, fast.now)        # and the ranks went at its pace
+    assert worst["ahead"] <= ahead, worst
+    assert worst["relay_held"] <= held and worst["peer_held"] <= held, worst
+    assert worst["unacked"] <= ahead + 1, worst
+    assert worst["history"] <= history, worst
