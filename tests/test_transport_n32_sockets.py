@@ -1,0 +1,40 @@
+"""32 peers over real loopback sockets (issue 13, "Bad input and failures"): through the lossy,
+duplicating, reordering fault proxy, in both forwarding modes, every update is delivered exactly once and
+the replicas end bit-identical. The peers are threads of this process, several per core."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradshare.transport import Relay, new_job_key, param_hash
+from gradshare.transport.events import AGGREGATE_ORIGIN
+from gradshare.transport.fault_proxy import FaultProxy
+from test_aggregate import real_apply, real_payload
+from test_transport_sockets import N, exchange
+from transport_util import TOY, random_update, toy_apply_payload
+
+W = 32
+STEPS = 5
+
+
+# per rank the proxy (one Python thread) carries W·(W-1) forwards a step: 1 % loss keeps that case to
+# ~10 s on the shared 2-core machine; the simulation (test_transport_n32.py) covers 1/5/20 % in both modes
+@pytest.mark.parametrize("mode, loss", [("per-rank", 0.01), ("aggregate", 0.05)])
+def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
+    key = new_job_key()
+    codec = dict(make=real_payload, apply=real_apply) if mode == "aggregate" else \
+        dict(make=random_update, apply=toy_apply_payload)
+    options = dict(forwarding=mode) if mode == "aggregate" else dict(TOY)
+    with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay, \
+            FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy:
+        params, logs, expected, counters = exchange(relay, key, W, STEPS, np.random.default_rng(3),
+                                                    address=proxy.address, entries=(3, 100), **codec)
+        want = [(t, AGGREGATE_ORIGIN) for t in range(STEPS)] if mode == "aggregate" else expected
+        for r in range(W):
+            assert logs[r] == want, f"rank {r}"
+            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        c = relay.counters()
+        assert c["updates_in"] == W * STEPS and c["applied"] == W * STEPS
+        assert proxy.stats["dropped"] > 0
+        assert c["retransmits"] + sum(pc["retransmits"] for pc in counters) > 0
