@@ -11,6 +11,7 @@ from gradshare.transport import Relay, new_job_key, param_hash
 from gradshare.transport.events import AGGREGATE_ORIGIN
 from gradshare.transport.fault_proxy import FaultProxy
 from test_aggregate import real_apply, real_payload
+from test_transport_flood import FLOOD, flooded
 from test_transport_sockets import N, exchange
 from transport_util import TOY, random_update, toy_apply_payload
 
@@ -18,14 +19,19 @@ W = 32
 STEPS = 5
 
 
+def codec_for(mode: str) -> tuple[dict, dict]:
+    """(relay options, exchange codec): aggregated, the relay re-encodes, so the real codec."""
+    if mode == "aggregate":
+        return dict(forwarding=mode), dict(make=real_payload, apply=real_apply)
+    return dict(TOY), dict(make=random_update, apply=toy_apply_payload)
+
+
 # per rank the proxy (one Python thread) carries W·(W-1) forwards a step: 1 % loss keeps that case to
 # ~10 s on the shared 2-core machine; the simulation (test_transport_n32.py) covers 1/5/20 % in both modes
 @pytest.mark.parametrize("mode, loss", [("per-rank", 0.01), ("aggregate", 0.05)])
 def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
     key = new_job_key()
-    codec = dict(make=real_payload, apply=real_apply) if mode == "aggregate" else \
-        dict(make=random_update, apply=toy_apply_payload)
-    options = dict(forwarding=mode) if mode == "aggregate" else dict(TOY)
+    options, codec = codec_for(mode)
     with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay, \
             FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy:
         params, logs, expected, counters = exchange(relay, key, W, STEPS, np.random.default_rng(3),
@@ -38,3 +44,25 @@ def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
         assert c["updates_in"] == W * STEPS and c["applied"] == W * STEPS
         assert proxy.stats["dropped"] > 0
         assert c["retransmits"] + sum(pc["retransmits"] for pc in counters) > 0
+
+
+@pytest.mark.parametrize("mode", ["per-rank", "aggregate"])
+def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets(mode):
+    # the flood starts first and, paced at RATE, lasts ~12 s: longer than the whole exchange
+    key = new_job_key()
+    options, codec = codec_for(mode)
+    with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay:
+        (params, logs, expected, _), sent = flooded(
+            relay, key, lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), **codec))
+        assert sent == FLOOD
+        want = [(t, AGGREGATE_ORIGIN) for t in range(20)] if mode == "aggregate" else expected
+        for r in range(W):
+            assert logs[r] == want, f"rank {r}"
+            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        c = relay.counters()
+        assert c["updates_in"] == W * 20 and c["applied"] == W * 20
+        drops = c["drops"]
+        for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
+            assert drops.get(reason, 0) > 0, (reason, drops)
+        assert drops.get("bad_update", 0) == 0
+        assert sum(drops.values()) > FLOOD * 0.5        # the rest may be lost in a full socket buffer
