@@ -4,9 +4,13 @@ the replicas end bit-identical. The peers are threads of this process, several p
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from gradshare.encoding import apply_update
 from gradshare.transport import Relay, new_job_key, param_hash
 from gradshare.transport.events import AGGREGATE_ORIGIN
 from gradshare.transport.fault_proxy import FaultProxy
@@ -66,3 +70,48 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
             assert drops.get(reason, 0) > 0, (reason, drops)
         assert drops.get("bad_update", 0) == 0
         assert sum(drops.values()) > FLOOD * 0.5        # the rest may be lost in a full socket buffer
+
+
+@pytest.mark.parametrize("mode", ["per-rank", "aggregate"])
+def test_a_relay_whose_apply_is_slow_paces_32_peers_and_drops_nothing(mode):
+    # every apply sleeps: 32 updates a step take the relay's thread ≥ 32 ms per rank, one aggregate 20 ms
+    options, codec = codec_for(mode)
+    apply = options.get("apply_update") or (lambda u, params: apply_update(u, params))
+    pause = 0.001 if mode == "per-rank" else 0.02
+
+    def slow_apply(decoded, params):
+        time.sleep(pause)
+        apply(decoded, params)
+
+    key, steps, k = new_job_key(), 8, 1
+    with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1",
+               **{**options, "apply_update": slow_apply}) as relay:
+        worst = {"ahead": 0, "history": 0}
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.005):
+                c = relay.counters()
+                worst["ahead"] = max(worst["ahead"], c["last_step"] - c["complete_through"])
+                worst["history"] = max(worst["history"], c["history_entries"])
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            params, logs, expected, _ = exchange(relay, key, W, steps, np.random.default_rng(5), entries=(3, 100),
+                                                 staleness=k, **codec)
+        finally:
+            done.set()
+            sampler.join(5)
+        want = [(t, AGGREGATE_ORIGIN) for t in range(steps)] if mode == "aggregate" else expected
+        for r in range(W):
+            assert logs[r] == want, f"rank {r}"
+            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        c = relay.counters()
+        assert c["updates_in"] == W * steps and c["applied"] == W * steps
+        # the bounds of test_transport_n32's slowed relay: no rank's updates run more than k+1 (aggregated)
+        # or 2(k+1) (per rank) steps past the relay's applied log, and the history holds those steps plus
+        # the few the heartbeats lag by
+        ahead = k + 1 if mode == "aggregate" else 2 * (k + 1)
+        assert worst["ahead"] <= ahead, worst
+        assert worst["history"] <= (ahead + 4) * (1 if mode == "aggregate" else W), worst

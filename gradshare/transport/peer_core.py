@@ -560,7 +560,8 @@ class PeerCore:
         srtt = self.unacked.srtt
         delay = self.nak_delay if srtt is None else max(self.nak_delay, srtt)
         renak = 2 * delay if srtt is not None else self.nak_interval
-        def unproven(r: int, step: int) -> bool:
+
+        def unproven(r: int, step: int) -> bool:      # may the relay not have (step, r) yet?
             return not self.aggregate and step > self.status_high[r]
 
         slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
