@@ -30,6 +30,15 @@ def codec_for(mode: str) -> tuple[dict, dict]:
     return dict(TOY), dict(make=random_update, apply=toy_apply_payload)
 
 
+def check_replicas(relay, mode: str, steps: int, expected, logs, params) -> None:
+    """Every rank delivered the log exactly once, in order (aggregated: one message a step), and its
+    parameters equal the relay's bit for bit."""
+    want = [(t, AGGREGATE_ORIGIN) for t in range(steps)] if mode == "aggregate" else expected
+    for r in range(W):
+        assert logs[r] == want, f"rank {r}"
+        assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+
+
 # per rank the proxy (one Python thread) carries W·(W-1) forwards a step: 1 % loss keeps that case to
 # ~10 s on the shared 2-core machine; the simulation (test_transport_n32.py) covers 1/5/20 % in both modes
 @pytest.mark.parametrize("mode, loss", [("per-rank", 0.01), ("aggregate", 0.05)])
@@ -40,10 +49,7 @@ def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
             FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy:
         params, logs, expected, counters = exchange(relay, key, W, STEPS, np.random.default_rng(3),
                                                     address=proxy.address, entries=(3, 100), **codec)
-        want = [(t, AGGREGATE_ORIGIN) for t in range(STEPS)] if mode == "aggregate" else expected
-        for r in range(W):
-            assert logs[r] == want, f"rank {r}"
-            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        check_replicas(relay, mode, STEPS, expected, logs, params)
         c = relay.counters()
         assert c["updates_in"] == W * STEPS and c["applied"] == W * STEPS
         assert proxy.stats["dropped"] > 0
@@ -59,10 +65,7 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
         (params, logs, expected, _), sent = flooded(
             relay, key, lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), **codec))
         assert sent == FLOOD
-        want = [(t, AGGREGATE_ORIGIN) for t in range(20)] if mode == "aggregate" else expected
-        for r in range(W):
-            assert logs[r] == want, f"rank {r}"
-            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        check_replicas(relay, mode, 20, expected, logs, params)
         c = relay.counters()
         assert c["updates_in"] == W * 20 and c["applied"] == W * 20
         drops = c["drops"]
@@ -103,10 +106,7 @@ def test_a_relay_whose_apply_is_slow_paces_32_peers_and_drops_nothing(mode):
         finally:
             done.set()
             sampler.join(5)
-        want = [(t, AGGREGATE_ORIGIN) for t in range(steps)] if mode == "aggregate" else expected
-        for r in range(W):
-            assert logs[r] == want, f"rank {r}"
-            assert param_hash(params[r]) == relay.param_hash(), f"rank {r}"
+        check_replicas(relay, mode, steps, expected, logs, params)
         c = relay.counters()
         assert c["updates_in"] == W * steps and c["applied"] == W * steps
         # the bounds of test_transport_n32's slowed relay: no rank's updates run more than k+1 (aggregated)
