@@ -26,10 +26,11 @@ def channel(key, sender, job=9, attempt=0, insecure=False):
                    max_chunks=1 << 20, max_windows=1)
 
 
-def make_flood(key: bytes, captured: list, rng: random.Random):
-    wrong_key = channel(new_job_key(), 0)
-    wrong_job = channel(key, 1, job=10)
-    stranger = channel(key, 2)                         # right key, a session that never joined
+def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: int = N):
+    """FLOOD forged datagrams for a job ``job`` of ``n`` parameters (``captured``: genuine ones to replay)."""
+    wrong_key = channel(new_job_key(), 0, job=job)
+    wrong_job = channel(key, 1, job=job + 1)
+    stranger = channel(key, 2, job=job)                # right key, a session that never joined
     body = wire.encode_update_body(toy_encode(1.0, [1, 2]), None)
     kinds = ["random", "wrong_key", "wrong_job", "truncated", "oversized", "replayed", "stranger",
              "bad_indices"]
@@ -51,9 +52,53 @@ def make_flood(key: bytes, captured: list, rng: random.Random):
         elif k == "stranger":
             yield stranger.seal(wire.Kind.UPDATE, body, 2, rng.randrange(50), rng.randrange(3), 3)
         else:
-            idx = [rng.randrange(-2 * N, 2 * N) or 1 for _ in range(5)]
+            idx = [rng.randrange(-2 * n, 2 * n) or 1 for _ in range(5)]
             yield stranger.seal(wire.Kind.UPDATE, wire.encode_update_body(toy_encode(1.0, idx), None),
                                 2, rng.randrange(50), 0, 1)
+
+
+def flooded(relay, key: bytes, run_exchange):
+    """Run ``run_exchange()`` while a thread sends the FLOOD of forged datagrams (make_flood, with
+    genuine ones the peers sent to replay) to the relay at RATE; returns its result and how many were sent."""
+    captured: list[bytes] = []
+    original = Peer._send
+
+    def tap(self, out):
+        if len(captured) < 2000:
+            captured.extend(out[:4])
+        original(self, out)
+
+    Peer._send = tap
+    sent = [0]
+    stop = threading.Event()
+
+    def flood():
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            rng = random.Random(4)
+            t0 = time.monotonic()
+            for i, d in enumerate(make_flood(key, captured, rng)):
+                if stop.is_set():
+                    break
+                s.sendto(d, relay.address)
+                sent[0] += 1
+                if i % 100 == 0:
+                    ahead = (i / RATE) - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        finally:
+            s.close()
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        time.sleep(0.2)
+        result = run_exchange()
+    finally:
+        Peer._send = original
+        flooder.join(60)
+        stop.set()
+    return result, sent[0]
 
 
 def test_flood_of_forged_datagrams_during_exchange():
@@ -67,46 +112,9 @@ def test_flood_of_forged_datagrams_during_exchange():
             insider.send_update(0, toy_encode(1.0, [N + 5, -(N + 9)]))
             relay.wait_for(lambda core: core.ranks[W].ended is not None, 5, "insider declared gone")
 
-        captured: list[bytes] = []
-        original = Peer._send
-
-        def tap(self, out):
-            if len(captured) < 2000:
-                captured.extend(out[:4])
-            original(self, out)
-
-        Peer._send = tap
-        sent = [0]
-        stop = threading.Event()
-
-        def flood():
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                rng = random.Random(4)
-                t0 = time.monotonic()
-                for i, d in enumerate(make_flood(key, captured, rng)):
-                    if stop.is_set():
-                        break
-                    s.sendto(d, relay.address)
-                    sent[0] += 1
-                    if i % 100 == 0:
-                        ahead = (i / RATE) - (time.monotonic() - t0)
-                        if ahead > 0:
-                            time.sleep(ahead)
-            finally:
-                s.close()
-
-        flooder = threading.Thread(target=flood)
-        flooder.start()
-        try:
-            time.sleep(0.2)
-            params, logs, expected, _ = exchange(relay, key, W, 150, np.random.default_rng(7),
-                                                 world_size=W + 1)
-        finally:
-            Peer._send = original
-            flooder.join(60)
-            stop.set()
-        assert sent[0] == FLOOD
+        (params, logs, expected, _), sent = flooded(
+            relay, key, lambda: exchange(relay, key, W, 150, np.random.default_rng(7), world_size=W + 1))
+        assert sent == FLOOD
         c = relay.counters()
         assert c["applied"] == len(expected) and c["updates_in"] == len(expected)
         for r in range(W):

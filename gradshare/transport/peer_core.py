@@ -87,7 +87,10 @@ class PeerCore:
         self.finish_step: int | None = None
         self.finish_acked = False
         self.known_high = [-1] * world_size
-        self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK]
+        # per rank: what the relay's STATUS says it holds contiguously (per-rank forwarding); known_high can
+        # be ahead of it, since the relay forwards (t, r) before it has (t-1, r)
+        self.status_high = [-1] * world_size
+        self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK, NAKs]
         self.snap_requested = False
         self.snap: SnapshotDownload | None = None
         self.snapshot: tuple[int, np.ndarray] | None = None
@@ -356,6 +359,8 @@ class PeerCore:
             for r, h in enumerate(msg.have, first):
                 if h > self.known_high[r]:
                     self.known_high[r] = h
+                if h > self.status_high[r]:
+                    self.status_high[r] = h
         if first <= self.rank < first + len(msg.have):
             own = msg.have[self.rank - first]
             self.unacked.acked_through(own)
@@ -391,8 +396,10 @@ class PeerCore:
             self.chan.drops["too_far_ahead"] += 1
             return
         if h.step > self.known_high[slot]:
-            # the relay forwards only whole updates, so any chunk of (t, r) proves (t, r) and every earlier
-            # step of r exist: a partial (t, r) can be NAKed at once, not only after r's next step shows up
+            # the relay forwards only whole updates, so any chunk of (t, r) proves (t, r) exists: a partial
+            # (t, r) can be NAKed at once, not only after r's next step shows up. Earlier steps of r may not
+            # have reached the relay yet (per-rank forwarding is not in step order): _nak_missing backs off
+            # on those until STATUS says the relay has them
             self.known_high[slot] = h.step
         if len(self.inbox) + len(self.ready) >= self.inbox_messages or self.inbox_nbytes >= self.inbox_bytes:
             self.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
@@ -553,6 +560,10 @@ class PeerCore:
         srtt = self.unacked.srtt
         delay = self.nak_delay if srtt is None else max(self.nak_delay, srtt)
         renak = 2 * delay if srtt is not None else self.nak_interval
+
+        def unproven(r: int, step: int) -> bool:      # may the relay not have (step, r) yet?
+            return not self.aggregate and step > self.status_high[r]
+
         slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
                                                                  if r != self.rank)
         for r, origin in slots:
@@ -566,7 +577,7 @@ class PeerCore:
                     continue
                 m = self.missing.get(key)
                 if m is None:
-                    self.missing[key] = [now, -1e18]
+                    self.missing[key] = [now, -1e18, 0]
                     continue
                 p = self.reasm.partials.get(key)
                 if now - m[0] < delay:
@@ -576,9 +587,15 @@ class PeerCore:
                         continue                    # chunks are still arriving
                     if p.last_seen < m[1] and now - m[1] < renak:
                         continue                    # nothing new since our last NAK: its answer may be late
-                elif now - m[1] < renak:
+                elif now - m[1] < renak * (1 << min(max(int(m[2]) - 1, 0), 4) if unproven(r, key[0]) else 1):
+                    # the relay may not have it yet: per-rank forwarding is not in step order, so a later
+                    # step of r seen here does not prove it reached the relay. Asking at the flat rate
+                    # meanwhile made W - 1 peers flood a relay that could not keep up with NAKs it could
+                    # not answer, crowding out the origin's own retransmission (issue 13, a slowed relay at
+                    # N = 32): back off, at most 16x, until STATUS says the relay holds it
                     continue
                 m[1] = now
+                m[2] += 1
                 items.append(ev.NakItem(key[0], origin, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
         if items:
             self._out.append(self.chan.seal_control(ev.Nak(tuple(items))))
