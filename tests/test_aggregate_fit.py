@@ -13,6 +13,7 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, evaluate_accuracy, mlp
 from gradshare.trainer import AGGREGATE_FROM, forwarding_for
+from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -80,23 +81,6 @@ def test_aggregated_fit_carries_batchnorm_statistics_whole(digits_rdd):
     # the running statistics moved (they travel in the aggregate's buffer section, summed), and
     # every replica has the same bits of them (the hash covers parameters and float buffers)
     assert float(bn.running_var.sub(1).abs().max()) > 0.01 and acc > 0.6
-
-
-class DiesOnce(nn.Module):
-    def __init__(self, marker):
-        super().__init__()
-        self.net = mlp()
-        self.marker, self.calls = marker, 0
-
-    def forward(self, x):
-        from pyspark import TaskContext
-
-        self.calls += 1
-        ctx = TaskContext.get()
-        if ctx is not None and ctx.partitionId() == 1 and self.calls == 30 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(17)
-        return self.net(x)
 
 
 def test_aggregated_fit_resumes_after_a_worker_dies(digits_rdd, tmp_path):

@@ -9,39 +9,18 @@ import sys
 import numpy as np
 import pytest
 from pyspark import cloudpickle
-from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.demo import digits_split, mlp
+from gradshare.demo import digits_split
 from gradshare.stopping import stop_epoch
 from gradshare.hashing import param_hash
+from dying import DiesOnce
 from harness import Sim, drive
 from transport_util import random_update
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
-
-
-class DiesOnce(nn.Module):
-    """Rank `rank`'s Python worker calls os._exit on its `at`-th training forward of a task, on the
-    first attempt only (the marker file says it happened; evaluation forwards are not counted)."""
-
-    def __init__(self, marker, rank, at):
-        super().__init__()
-        self.net = mlp()
-        self.marker, self.rank, self.at, self.calls = marker, rank, at, 0
-
-    def forward(self, x):
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if self.training and ctx is not None and ctx.partitionId() == self.rank:
-            self.calls += 1
-            if self.calls == self.at and not os.path.exists(self.marker):
-                open(self.marker, "w").close()
-                os._exit(17)
-        return self.net(x)
 
 
 # ------------------------------------------------------------------------------------ the relay, in memory

@@ -19,6 +19,7 @@ from torch import nn
 
 from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
 from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
+from dying import DiesOnce
 
 # Executors cannot import this test module: ship its model classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -271,25 +272,6 @@ def test_replica_that_diverges_is_a_consistency_error(spark):
 
 
 # ------------------------------------------------------------------------------------ restart
-class DiesOnce(nn.Module):
-    """Rank 1's Python worker calls os._exit on its 30th forward pass (epoch 1), on the first attempt only."""
-
-    def __init__(self, marker):
-        super().__init__()
-        self.net = mlp()
-        self.marker, self.calls = marker, 0
-
-    def forward(self, x):
-        from pyspark import TaskContext
-
-        self.calls += 1
-        ctx = TaskContext.get()
-        if ctx is not None and ctx.partitionId() == 1 and self.calls == 30 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(17)
-        return self.net(x)
-
-
 def test_worker_killed_mid_training_resumes_from_the_relay(digits_rdd, tmp_path):
     rdd, (X_test, y_test) = digits_rdd
     marker = str(tmp_path / "died")
