@@ -37,3 +37,14 @@ def spark():
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def digits_rdd(spark):
+    """scikit-learn's digits, training rows as a cached 2-partition RDD of (features, label), plus the
+    test arrays: the end-to-end fits of several files share it."""
+    from gradshare.demo import digits_split
+
+    X_train, X_test, y_train, y_test = digits_split(0)
+    rows = list(zip(X_train, (int(v) for v in y_train)))
+    return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)

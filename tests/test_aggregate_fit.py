@@ -11,7 +11,7 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.demo import digits_split, evaluate_accuracy, mlp
+from gradshare.demo import evaluate_accuracy, mlp
 from gradshare.trainer import AGGREGATE_FROM, forwarding_for
 from dying import DiesOnce
 
@@ -19,13 +19,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
-
-
-@pytest.fixture(scope="module")
-def digits_rdd(spark):
-    X_train, X_test, y_train, y_test = digits_split(0)
-    rows = list(zip(X_train, (int(v) for v in y_train)))
-    return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)
 
 
 def _fit(digits_rdd, model=mlp, **kw):

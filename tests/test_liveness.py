@@ -15,7 +15,7 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
-from gradshare.demo import digits_split, mlp
+from gradshare.demo import mlp
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -24,10 +24,8 @@ LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 
 
 @pytest.fixture(scope="module")
-def digits(spark):
-    X_train, _, y_train, _ = digits_split(0)
-    rows = list(zip(X_train, (int(v) for v in y_train)))
-    return spark.sparkContext.parallelize(rows, 2).cache()
+def digits(digits_rdd):
+    return digits_rdd[0]
 
 
 def _rank():

@@ -29,13 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 
 
-@pytest.fixture(scope="module")
-def digits_rdd(spark):
-    X_train, X_test, y_train, y_test = digits_split(0)
-    rows = list(zip(X_train, (int(v) for v in y_train)))
-    return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)
-
-
 def _threads():
     return {t.ident for t in threading.enumerate()}
 
