@@ -399,7 +399,8 @@ class Worker:
         if self._trim_due:  # before the step's peak (backward): the last step's big transients are garbage
             release_free_memory()
         prof.lap("lookahead")
-        state.set_lr(current_lr(self.optimizer))  # rescales the residual if a schedule moved the lr
+        lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
+        state.set_lr(lr)  # rescales the residual if a schedule moved the lr
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
@@ -431,7 +432,6 @@ class Worker:
         if self.epoch_notes:  # rank 0's last epoch end: the relay keeps it for a retried stage
             meta.update(self.epoch_notes)
             self.epoch_notes = {}
-        lr = current_lr(self.optimizer)
         if lr is not None:
             meta["lr"] = lr
         if self.stop_requested is not None and not self.stop_sent:
