@@ -147,7 +147,8 @@ class _ChunkReader:
     an array from it in bounded pieces)."""
 
     def __init__(self, chunks):
-        self.chunks, self.buf, self.digest = iter(chunks), b"", Digest()
+        # a bytearray: appending a chunk to bytes would copy all read so far (quadratic on a whole file)
+        self.chunks, self.buf, self.digest = iter(chunks), bytearray(), Digest()
 
     def read(self, n: int = -1) -> bytes:
         while n < 0 or len(self.buf) < n:
@@ -155,7 +156,9 @@ class _ChunkReader:
             if chunk is None:
                 break
             self.buf += self.digest.update(chunk)
-        out, self.buf = (self.buf, b"") if n < 0 else (self.buf[:n], self.buf[n:])
+        end = len(self.buf) if n < 0 else n
+        out = bytes(self.buf[:end])
+        del self.buf[:end]
         return out
 
     def finish(self) -> dict:
@@ -290,7 +293,7 @@ def read_manifest(store, prefix: str, source: str) -> dict:
     """The manifest of checkpoint `prefix` in `store`, with every file it lists checked against its size
     and sha256."""
     manifest = parse_manifest(store, prefix, source)
-    for name, want in manifest["files"].items():
+    for name in manifest["files"]:
         verify(store, manifest, name)
     return manifest
 
@@ -415,8 +418,11 @@ def rollback_point(plan: CheckpointPlan | None, resume: dict | None, stores: dic
             if e <= first_epoch or (e - first_epoch) * steps_per_epoch - 1 > complete_through:
                 continue
             try:
-                manifest = read_manifest(store, epoch_dir(e), "checkpoint")
+                manifest = parse_manifest(store, epoch_dir(e), "checkpoint")
                 if manifest["job"] == plan.job:
+                    for name in manifest["files"]:  # the parameters are checked as _point loads them
+                        if name != PARAMS:
+                            verify(store, manifest, name)
                     return _point(store, manifest, first_epoch, steps_per_epoch)
             except CheckpointError:
                 continue  # cut short (no manifest yet) or damaged: the one before it

@@ -230,12 +230,14 @@ class ServiceStore:
 
     def _connect(self, op: str, name: str, **extra):
         what = f"rank {self.rank}'s checkpoint {op} of {self.where(name)} through the driver {self.address}"
-        with self._named(what):
+        with self._named(what):  # the request too: a driver gone mid-handshake is named like any failure
             sock = socket.create_connection(self.address, timeout=self.timeout)
-            sock.settimeout(self.timeout)
-            salt = _exactly(sock, 7)
-        link = _Sealed(sock, self.key, salt, b"C")
-        link.send_json({"op": op, "store": self.store, "name": name, "rank": self.rank, **extra})
+            try:
+                link = _Sealed(sock, self.key, _exactly(sock, 7), b"C")
+                link.send_json({"op": op, "store": self.store, "name": name, "rank": self.rank, **extra})
+            except BaseException:
+                sock.close()
+                raise
         return sock, link, what
 
     def _call(self, op: str, name: str, body=None, **extra) -> dict:

@@ -100,7 +100,7 @@ class HadoopStore:
     same for saved models). Only usable on the driver."""
 
     def __init__(self, spark_context, root: str):
-        self.sc, self.root = spark_context, root.rstrip("/")
+        self.root = root.rstrip("/")
         jvm = spark_context._jvm
         self._path = jvm.org.apache.hadoop.fs.Path
         self.fs = self._path(self.root).getFileSystem(spark_context._jsc.hadoopConfiguration())

@@ -30,6 +30,7 @@ import itertools
 import json
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -227,8 +228,9 @@ def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, time
         train = read_train(training_rows())
     finally:
         done.set()
-        if train is None:  # failed: let the reader end, drop what it read
-            while thread.is_alive():
+        if train is None:  # failed: let the reader end (bounded, like the join below), drop what it read
+            deadline = time.monotonic() + timeout
+            while thread.is_alive() and time.monotonic() < deadline:
                 try:
                     chunks.get(timeout=0.1)
                 except queue.Empty:

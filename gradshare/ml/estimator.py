@@ -107,11 +107,13 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
         """(training rows, validation rows or None) by validationIndicatorCol; checked on the schema."""
         from pyspark.sql import functions as F
 
+        from gradshare.stopping import early_stopping_from
+
         column = self.getOrDefault(self.validationIndicatorCol)
-        stopping = self.getOrDefault(self.trainerOptions).get("early_stopping")
+        stopping = early_stopping_from(self.getOrDefault(self.trainerOptions).get("early_stopping"))
         if not column:
             # SharedTrainer's own error would point at validation_data, which the Estimator cannot pass
-            if isinstance(stopping, dict) and stopping.get("monitor", "val_metric") == "val_metric":
+            if stopping is not None and stopping.monitor == "val_metric":
                 raise ValueError("trainerOptions early_stopping monitors 'val_metric' but there is no validation "
                                  "data: set validationIndicatorCol to a boolean column marking the validation "
                                  "rows, or monitor='loss'")
