@@ -134,10 +134,11 @@ FORWARDING = ("per-rank", "aggregate", "auto")
 AGGREGATE_FROM = 16
 
 
-def forwarding_for(forwarding: str, world_size: int) -> str:
-    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM."""
+def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False) -> str:
+    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM, and
+    per-rank for a checkpointed fit (a checkpoint does not hold the relay's aggregation residual)."""
     if forwarding == "auto":
-        return "aggregate" if world_size >= AGGREGATE_FROM else "per-rank"
+        return "aggregate" if world_size >= AGGREGATE_FROM and not checkpointed else "per-rank"
     return forwarding
 
 
@@ -436,7 +437,6 @@ class SharedTrainer:
         self.threshold_algorithm = threshold_algorithm
         self.density = density  # None: CalibratedThreshold's default
         self.warmup = DEFAULT_WARMUP_EPOCHS if warmup is None else float(warmup)
-        self.warmup_given = warmup
         self.warmup_density = warmup_density
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
@@ -496,7 +496,7 @@ class SharedTrainer:
             given = {k: v for k, v in (("density", self.density), ("warmup_density", self.warmup_density))
                      if v is not None}
             steps = round(self.warmup * steps_per_epoch)
-            if self.warmup_given is None and steps > 0:
+            if self.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
                 steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
             return encoding.CalibratedThreshold(warmup_steps=steps, **given)
         if algo == "fixed":
@@ -676,9 +676,7 @@ class SharedTrainer:
         # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
         # checkpointed fit per-rank, so that a resumed one stays bit-identical
         checkpointed = self.checkpoint_dir is not None or resume is not None
-        forwarding = forwarding_for(self.forwarding, world)
-        if checkpointed and self.forwarding == "auto":
-            forwarding = "per-rank"
+        forwarding = forwarding_for(self.forwarding, world, checkpointed)
         if checkpointed and forwarding == "aggregate":
             raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
                              "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
@@ -726,6 +724,8 @@ class SharedTrainer:
             relay.close()
             if service is not None:
                 service.close()
+        # connections the checkpoint service refused or lost (a worker's own failed call raises in it)
+        service_errors = [] if service is None else list(service.errors)
 
         bad = [(r["rank"], r["param_hash"]) for r in reports if r["param_hash"] != relay_hash]
         if bad:
@@ -753,6 +753,7 @@ class SharedTrainer:
                    "resumed_from": None if resume is None else resume["directory"],
                    # a retried stage restarted at a checkpoint: the steps it went back from and to
                    "rolled_back": rolled_back,
+                   "checkpoint_service_errors": service_errors,
                    "forwarding": forwarding},
             skipped_steps=skipped,
         )
@@ -995,8 +996,12 @@ def _reported_error(failed) -> Exception:
 
 def _incident_error(incident) -> Exception:
     """The error for an incident after which the relay gave up on a rank (transport.events.Incident)."""
-    cls = TransportTimeout if incident.kind == "silent" else TrainingError
-    return cls(f"worker {incident.describe()}")
+    return _incident_class(incident)(f"worker {incident.describe()}")
+
+
+def _incident_class(incident) -> type:
+    """A rank that went silent is a timeout; any other incident a training error."""
+    return TransportTimeout if incident.kind == "silent" else TrainingError
 
 
 def _driver_error(exc: BaseException, relay) -> Exception:
@@ -1011,8 +1016,7 @@ def _driver_error(exc: BaseException, relay) -> Exception:
         rank, kind, message = found[-1]  # the most recent failure
         return _error_class(kind)(f"{first}worker rank {rank} failed: {kind}: {message}")
     if cause is not None:
-        cls = TransportTimeout if cause.kind == "silent" else TrainingError
-        return cls(f"{first}the Spark training job failed: {_first_line(text)}")
+        return _incident_class(cause)(f"{first}the Spark training job failed: {_first_line(text)}")
     if isinstance(exc, GradshareError):
         return exc
     # Spark failed the task before our code ran (e.g. unpickling the closure): the root cause is the
