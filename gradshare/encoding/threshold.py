@@ -215,12 +215,12 @@ def quantile_threshold(values: np.ndarray, density: float) -> float | None:
     if m == 0:
         return None
     k = min(m, max(1, round(density * m)))
-    kth = float(np.partition(a, m - k)[m - k])
-    if kth <= 0.0:
-        nonzero = a[a > 0]
-        if nonzero.size == 0:
-            return None
-        kth = float(nonzero.min())
+    # select among the non-zero values: the same k-th largest, and np.partition degenerates on a mostly
+    # zero array (a relay's aggregation residual: 9 ms instead of 0.4 ms on 64 k values)
+    nonzero = a[a > 0]
+    if nonzero.size == 0:
+        return None
+    kth = float(nonzero.min()) if nonzero.size < k else float(np.partition(nonzero, nonzero.size - k)[nonzero.size - k])
     return min(max(kth, MIN_THRESHOLD), MAX_THRESHOLD)
 
 
