@@ -439,16 +439,10 @@ def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[
 
 def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
     """Mean bytes on the wire for one update (every chunk's header and AEAD tag included)."""
-    from gradshare.transport.wire import HEADER_BYTES, encode_update_body
+    from gradshare.bench.scale_train import sealed_size
+    from gradshare.transport.wire import encode_update_body
 
-    tag = 16
-    chunk = datagram_size - HEADER_BYTES - tag
-    total = 0
-    for m in messages:
-        body = len(encode_update_body(m, None))
-        n = max(1, -(-body // chunk))
-        total += body + n * (HEADER_BYTES + tag)
-    return total / len(messages)
+    return sum(sealed_size(len(encode_update_body(m, None)), datagram_size)[0] for m in messages) / len(messages)
 
 
 def _print_row(r: dict, header: bool, params: int, density: float, message_bytes: float) -> None:

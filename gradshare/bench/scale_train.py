@@ -20,14 +20,20 @@ import sys
 META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 
 
-def wire_bytes(payload: float, datagram_size: int = 1400) -> tuple[float, int]:
-    """(wire bytes, datagrams) of one update of ``payload`` encoder bytes (header + tag per chunk)."""
+def sealed_size(body: float, datagram_size: int = 1400) -> tuple[float, int]:
+    """(wire bytes, datagrams) of an update body of ``body`` bytes, cut into chunks that each carry a
+    header and an AEAD tag."""
+    from gradshare.transport.crypto import TAG_BYTES
     from gradshare.transport.wire import HEADER_BYTES
 
-    body = payload + 2 + META_BYTES
-    per_datagram = HEADER_BYTES + 16
+    per_datagram = HEADER_BYTES + TAG_BYTES
     n = max(1, math.ceil(body / (datagram_size - per_datagram)))
     return body + per_datagram * n, n
+
+
+def wire_bytes(payload: float, datagram_size: int = 1400) -> tuple[float, int]:
+    """(wire bytes, datagrams) of one update of ``payload`` encoder bytes and a worker's meta."""
+    return sealed_size(payload + 2 + META_BYTES, datagram_size)
 
 
 def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
