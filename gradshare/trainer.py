@@ -591,6 +591,8 @@ class SharedTrainer:
         state (gradshare/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
         the start of the whole training; extra["resumed_from"] names the checkpoint. extra["rolled_back"]:
         each time a retried stage restarted at a checkpoint ({"attempt", "from", "to"}: log steps).
+        extra["checkpoint_service_errors"]: connections the driver's checkpoint service (a Hadoop-FS
+        checkpoint_dir) refused or lost, at most 100.
         """
         import torch
 
