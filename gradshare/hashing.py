@@ -16,7 +16,9 @@ def param_hash(array: np.ndarray) -> str:
     a = np.asarray(array)
     if a.dtype != np.float32:
         raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
-    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+    # the ignore: numpy's stubs give ndarray its buffer protocol (__buffer__) for Python >= 3.12 only
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(flat, digest_size=16).hexdigest()  # type: ignore[arg-type]
 
 
 __all__ = ["param_hash"]

@@ -27,8 +27,8 @@ def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int 
         p.join(0.0)
         for d in p.datagrams_to_send():
             relay.receive_datagram(d, r, 0.0)
-    for d, r in relay.datagrams_to_send():
-        peers[r].receive_datagram(d, "relay", 0.0)
+    for d, addr in relay.datagrams_to_send():
+        peers[addr].receive_datagram(d, "relay", 0.0)  # type: ignore[call-overload]  # addresses here are ranks
     not_joined = [p.rank for p in peers if p.state != "joined"]
     if not_joined:
         raise RuntimeError(f"ranks {not_joined} did not join over the in-memory link")

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"gradshare relay: {exc}", file=sys.stderr)
         return 1
+    assert relay.address is not None       # start() set it
     print(f"relay listening on {relay.address[0]}:{relay.address[1]} for {args.world_size} ranks, "
           f"{params.size} parameters{' (INSECURE)' if args.insecure else ''}", flush=True)
     deadline = None if args.duration is None else time.monotonic() + args.duration
