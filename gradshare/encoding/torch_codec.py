@@ -79,6 +79,7 @@ def encode_tensor(
     if rewind:
         if base is None:
             raise ValueError("rewind needs a base to rewind the update to")
+        assert update is not None   # a base needs an update: checked above
         if _overlap(update, base) or _overlap(update, residual):
             raise ValueError("update must not overlap base or residual when rewind is set")
     tau = _codec._threshold_value(threshold)
@@ -89,6 +90,7 @@ def encode_tensor(
             # u = update − base is rounded to float32 before it is added, as the fused kernel does.
             residual.add_(update if base is None else update - base)
             if rewind:
+                assert base is not None  # rewind needs a base: checked above
                 update.copy_(base)
         tau_t = torch.tensor(tau, dtype=torch.float32, device=device)
         found = _entries(residual, tau_t)

@@ -25,13 +25,21 @@ A job without buffers sends the bare `Message` bytes, exactly as before.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from gradshare.encoding.codec import apply
+from gradshare.encoding.codec import Vector, apply
 from gradshare.encoding.message import HEADER, HEADER_SIZE, Message
 from gradshare.errors import DecodeError
+
+if TYPE_CHECKING:
+    import torch
+
+# before and after are of one kind: two arrays, or two tensors (of one device)
+V = TypeVar("V", np.ndarray, "torch.Tensor")
 
 BUFFER_MAGIC = b"GB"
 BUFFER_VERSION = 1
@@ -58,8 +66,8 @@ class StepUpdate:
                 + self.buffer_value.astype("<f4", copy=False).tobytes())
 
 
-def buffer_change(before, after, world_size: int,
-                  name=lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
+def buffer_change(before: V, after: V, world_size: int,
+                  name: Callable[[int], str] = lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
     `name(i)` says which buffer entry i is in an error. ``before``/``after`` are NumPy arrays or float32
     torch tensors of one device: the change is found there, and only the changed entries come to the
@@ -77,7 +85,7 @@ def buffer_change(before, after, world_size: int,
     return index.astype(np.uint32), values
 
 
-def _tensor_change(before, after, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _tensor_change(before: torch.Tensor, after: torch.Tensor, world_size: int) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
     with torch.no_grad():
@@ -129,7 +137,7 @@ def _message(view: memoryview, n_params: int) -> Message:
     return msg
 
 
-def apply_update(update: StepUpdate, state: np.ndarray, scale: float = 1.0) -> None:
+def apply_update(update: StepUpdate, state: Vector, scale: float = 1.0) -> None:
     """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32).
     ``state`` is a NumPy array or a float32 torch tensor on any device (the same bits: each index occurs
     once, so each entry sees one float32 addition on either)."""
