@@ -42,8 +42,8 @@ class SnapshotDownload:
         # into: chunks land straight in the caller's parameter buffer (issue 11: no second copy of the
         # model in a worker that takes its initial weights from the relay)
         self.into = into
-        # the ignore: numpy's stubs give ndarray its buffer protocol (__buffer__) for Python >= 3.12 only
-        self.buf = bytearray(self.total) if into is None else memoryview(into).cast("B")  # type: ignore[arg-type]
+        # into.data is memoryview(into) (numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only)
+        self.buf = bytearray(self.total) if into is None else into.data.cast("B")
         self.got = RangeSet()
         self.last_chunk = now
 

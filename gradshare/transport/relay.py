@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,11 +21,42 @@ from numpy.typing import NDArray
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport import events as ev
 from gradshare.transport import udp
-from gradshare.transport.relay_core import MAX_INCIDENTS, RelayCore
+from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from gradshare.encoding.aggregate import AggregateState
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02
+
+
+class RelayOptions(TypedDict, total=False):
+    """RelayCore's tunables, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
+
+    decode_update: Callable[[bytes, int], Decoded]
+    apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    history_entries: int
+    history_bytes: int
+    reassembly_messages: int
+    reassembly_bytes: int
+    max_ahead: int
+    nak_delay: float
+    tick: float
+    snapshot_rate: float
+    snapshot_burst: int
+    snapshot_datagram_size: int | None
+    max_snapshots: int
+    defer_apply: bool
+    on_rank_loss: str
+    give_up_after: float
+    join_window: float | None
+    step_timeout: float | None
+    rollback: Callable[[int], RollbackPoint | None] | None
+    forwarding: str
+    aggregator: AggregateState | None
 
 
 class Relay:
@@ -33,7 +64,8 @@ class Relay:
 
     def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
                  port: int = 40123, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 liveness_timeout: float = 30.0, insecure: bool = False, **core_options: Any) -> None:
+                 liveness_timeout: float = 30.0, insecure: bool = False,
+                 **core_options: Unpack[RelayOptions]) -> None:
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
         core_options.setdefault("defer_apply", True)
