@@ -6,8 +6,8 @@ import errno
 import ipaddress
 import select
 import socket
-import time
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Protocol, cast
