@@ -235,6 +235,23 @@ def test_relay_command_line(tmp_path, capsys):
         main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10"])
 
 
+def test_fetch_snapshot_again_in_one_session():
+    """Each fetch gets the parameters through the step the relay holds now (the second one used to wait
+    for its timeout at "0/N chunks": the first download's SNAP_DONE reached the relay after it)."""
+    key = new_job_key()
+    rng = np.random.default_rng(6)
+    n = 200_000                                       # several hundred chunks: the last one is the race
+    with Relay(rng.standard_normal(n).astype(np.float32), 1, key, 8, port=0, bind="127.0.0.1", **TOY) as relay:
+        with Peer(relay.address, 0, 1, 0, key, 8, n, timeout=10) as p:
+            p.join(5)
+            for t in (-1, -1, 0, 1):                  # back to back first: the closest race
+                if t >= 0:
+                    p.send_update(t, random_update(rng, n, 30))
+                    p.receive(until_step=t, timeout=5)
+                step, snap = p.fetch_snapshot(5)
+                assert step == t and param_hash(snap) == relay.param_hash()
+
+
 def test_retried_stage_resumes_from_snapshot_over_sockets():
     """Attempt 0 dies after step 3 (rank 1 never sends step 4); attempt 1 cuts (4, 0) and resumes at 4
     from a snapshot of the parameters through step 3."""

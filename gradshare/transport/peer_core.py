@@ -96,6 +96,7 @@ class PeerCore:
         self.snap: SnapshotDownload | None = None
         self.snapshot: tuple[int, NDArray[np.float32]] | None = None
         self.snap_into: NDArray[np.float32] | None = None  # fetch_snapshot(into=...): the download's destination
+        self.snap_done_id: int | None = None      # the last completed download's snap_id (_ask_snapshot)
         self.failed: ev.Fail | None = None        # our FAIL, resent until the relay acknowledges it
         self.fail_acked = False
         self._last_fail = -1e18
@@ -164,7 +165,16 @@ class PeerCore:
         self.snap_requested = True
         self.snap = None
         self.snapshot = None
+        self._ask_snapshot(now)
+
+    def _ask_snapshot(self, now: float) -> None:
+        """SNAP_REQUEST, after SNAP_DONE of the previous download again. The relay answers a rank's request
+        with that rank's transfer in flight, and a finished one stays in flight until its SNAP_DONE: lost,
+        the next fetch got the old step's snapshot; sent late (the shell sends it from the receiver thread,
+        a fetch after it can overtake it), it removed the transfer the relay had just named to us."""
         self._last_snap_req = now
+        if self.snap_done_id is not None:
+            self._out.append(self.chan.seal_control(ev.SnapDone(self.snap_done_id)))
         self._out.append(self.chan.seal_control(ev.SnapRequest()))
 
     def fail(self, error_type: str, message: str, now: float) -> None:
@@ -503,6 +513,7 @@ class PeerCore:
                                 ev.SnapshotFailed)
                 return
             self.snapshot = (s.info.step, params)
+            self.snap_done_id = s.info.snap_id
             self.snap = None
             self.snap_requested = False
             self.snap_into = None
@@ -543,10 +554,15 @@ class PeerCore:
         self.reasm.expire(now, 30.0)
         if self.snap_requested:
             if self.snap is None and now - self._last_snap_req >= self.rto:
-                self._last_snap_req = now
-                self._out.append(self.chan.seal_control(ev.SnapRequest()))
+                self._ask_snapshot(now)
             elif self.snap is not None and now - self.snap.last_chunk >= 2 * self.nak_interval:
                 self.snap.last_chunk = now
+                if now - self._last_snap_req >= self.rto:
+                    # no chunk came: the relay may have dropped the transfer (idle, or a late SNAP_DONE of
+                    # ours named its id), and it drops NAKs of a transfer it does not hold. A request gets
+                    # a new one, or the same SNAP_INFO again, which is ignored.
+                    self._last_snap_req = now
+                    self._out.append(self.chan.seal_control(ev.SnapRequest()))
                 gaps = self.snap.got.gaps(0, self.snap.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
                 for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
                     self._out.append(self.chan.seal_control(
