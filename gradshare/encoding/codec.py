@@ -11,24 +11,18 @@ a diverged step cannot be sent as ±τ entries.
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
 from gradshare.encoding import kernels as _k
 from gradshare.encoding import rice as _rice
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message, bitmap_size, to_float32_threshold
-
-if TYPE_CHECKING:  # for annotations only: the NumPy path never imports torch
-    import torch
-    from typing_extensions import TypeIs
-
-# A flat float32 vector: a NumPy array (the Numba kernels) or a torch tensor on any device (torch_codec.py).
-# The public codec takes either and dispatches on the residual's (or the parameters') kind.
-Vector = Union[np.ndarray, "torch.Tensor"]
+# The public codec takes either kind of Vector and dispatches on the residual's (or the parameters') kind.
+# "as Vector": re-exported, the encoding modules name it from here.
+from gradshare.vectors import Vector as Vector
+from gradshare.vectors import is_tensor
 
 
 def _check_vector(name: str, array: object, *, writable: bool, n: int | None = None) -> np.ndarray:
@@ -45,13 +39,6 @@ def _check_vector(name: str, array: object, *, writable: bool, n: int | None = N
     if n is not None and array.size != n:
         raise ValueError(f"{name} has {array.size} elements, expected {n}")
     return array
-
-
-def _is_tensor(x: object) -> TypeIs[torch.Tensor]:
-    """Whether ``x`` is a torch.Tensor, without importing torch (`gradshare bench encoding` never does):
-    if torch is not imported, nothing can be a tensor."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _threshold_value(threshold: object) -> float:
@@ -163,7 +150,7 @@ def encode(
     the same message, bit for bit; update and base must then be tensors on the residual's device, and
     ``threads`` is not used (torch's own threads or the GPU do the work).
     """
-    if _is_tensor(residual):
+    if is_tensor(residual):
         from gradshare.encoding.torch_codec import encode_tensor
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -235,7 +222,7 @@ def apply(message: Message, params: Vector, scale: float = 1.0) -> None:
     that applies the same messages in the same order gets bit-identical parameters. A torch.Tensor
     ``params`` (any device) is updated by `torch_codec.apply_tensor`, to the same bits.
     """
-    if _is_tensor(params):
+    if is_tensor(params):
         from gradshare.encoding.torch_codec import apply_tensor
 
         return apply_tensor(message, params, scale)

@@ -21,8 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gradshare.encoding.codec import Vector, _is_tensor, encode
+from gradshare.encoding.codec import encode
 from gradshare.encoding.message import Message, to_float32_threshold
+from gradshare.vectors import Vector, is_tensor
 
 # DL4J defaults (AdaptiveThresholdAlgorithm): start at 1e-3, keep the sparsity (entries / parameters)
 # inside [1e-4, 1e-2], move τ by a factor 0.5**(1/20) per step: a factor 2 in 20 steps.
@@ -224,7 +225,7 @@ def quantile_threshold(values: Vector, density: float) -> float | None:
     value then crosses); None when all are zero or the array is empty (nothing to send). A torch
     tensor is searched on its device (`torch_codec.quantile_threshold_tensor`, the identical τ).
     """
-    if _is_tensor(values):
+    if is_tensor(values):
         from gradshare.encoding.torch_codec import quantile_threshold_tensor
 
         return quantile_threshold_tensor(values, density)
@@ -322,13 +323,13 @@ class ResidualClipping:
         """Clip ``residual`` (a float32 NumPy array, or a float32 torch tensor on any device) in place
         if ``step`` is due; returns whether it clipped."""
         tau = to_float32_threshold(threshold)
-        tensor = _is_tensor(residual)
+        tensor = is_tensor(residual)
         if not tensor and (not isinstance(residual, np.ndarray) or residual.dtype != np.float32):
             raise TypeError("residual must be a float32 numpy.ndarray or torch.Tensor")
         if not self.due(step):
             return False
         bound = np.float32(min(self.clip * tau, 3.4e38))
-        if _is_tensor(residual):     # as `tensor`, asked again so that the checker narrows residual
+        if is_tensor(residual):     # as `tensor`, asked again so that the checker narrows residual
             from gradshare.encoding.torch_codec import clip_tensor_
 
             clip_tensor_(residual, bound)

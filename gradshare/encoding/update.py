@@ -27,19 +27,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradshare.encoding.codec import Vector, apply
+from gradshare.encoding.codec import apply
 from gradshare.encoding.message import HEADER, HEADER_SIZE, Message
 from gradshare.errors import DecodeError
+from gradshare.vectors import SameVector, Vector
 
 if TYPE_CHECKING:
     import torch
-
-# before and after are of one kind: two arrays, or two tensors (of one device)
-V = TypeVar("V", np.ndarray, "torch.Tensor")
 
 BUFFER_MAGIC = b"GB"
 BUFFER_VERSION = 1
@@ -66,7 +64,7 @@ class StepUpdate:
                 + self.buffer_value.astype("<f4", copy=False).tobytes())
 
 
-def buffer_change(before: V, after: V, world_size: int,
+def buffer_change(before: SameVector, after: SameVector, world_size: int,
                   name: Callable[[int], str] = lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
     `name(i)` says which buffer entry i is in an error. ``before``/``after`` are NumPy arrays or float32
