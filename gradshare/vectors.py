@@ -5,6 +5,9 @@ float32 operation on either kind, so both paths keep the same bits (encoding/tor
 
 Indices that address such a vector are host int64 arrays (a message's entries are decoded on the host);
 `index_for` moves them next to a tensor once, so a lookahead gathers and scatters on the device.
+
+This module never imports torch at load (the codec imports it, and the NumPy path must not pay ~3 s for
+torch): a tensor branch imports it where it runs, when a tensor shows it is loaded already.
 """
 
 from __future__ import annotations

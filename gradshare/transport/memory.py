@@ -12,16 +12,16 @@ import numpy as np
 
 from gradshare.transport.events import Address
 from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.relay import RelayOptions
 from gradshare.transport.relay_core import RelayCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
 
-    from gradshare.transport.relay import RelayOptions
 
-    class CoreOptions(RelayOptions, total=False):  # what Relay sets itself, RelayCore takes from here
-        liveness_timeout: float
+class CoreOptions(RelayOptions, total=False):  # what Relay sets itself, RelayCore takes from here
+    liveness_timeout: float
 
 
 def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int | str, *,

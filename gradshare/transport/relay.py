@@ -24,9 +24,10 @@ from gradshare.transport import udp
 from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
 
+    # the encoding package loads Numba: the transport imports it where used (relay_core.py, its seam)
     from gradshare.encoding.aggregate import AggregateState
 
 DRAIN_BATCH = 512

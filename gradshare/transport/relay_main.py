@@ -4,7 +4,8 @@
     gradshare relay --new-key job.key ...      # create the key file (mode 0600) and use it
 
 The key never travels over UDP: hand ``job.key`` to the workers the way the Spark job ships it.
-Top-level imports stay light (the CLI imports this module to build its parser).
+The CLI imports this module to build its parser, which loads the transport package (its __init__) anyway:
+what the relay needs is imported here at the top.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import argparse
 import os
 import sys
 import time
+
+import numpy as np
+
+from gradshare.errors import TransportTimeout
+from gradshare.transport import Relay, new_job_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +56,6 @@ def _job_id(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from gradshare.errors import TransportTimeout
-    from gradshare.transport import Relay, new_job_key
-
     if args.params_file:
         params = np.load(args.params_file).astype(np.float32, copy=False).reshape(-1)
     elif args.n_params:
