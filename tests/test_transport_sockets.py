@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gradshare.errors import ProtocolError, TransportTimeout
+from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
 from transport_util import TOY, random_update, toy_apply_payload
 
@@ -129,8 +129,8 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
         relay = Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="127.0.0.1").start()
         p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
         p.join(3)
-        with pytest.raises(Exception):
-            p.send_update(5, b"")               # wrong step: LocalProtocolError
+        with pytest.raises(LocalProtocolError, match="must send step 0 next"):
+            p.send_update(5, b"")               # wrong step: our misuse, not the wire's
         p.close()
         p.close()                                # idempotent
         relay.close()
