@@ -177,10 +177,20 @@ class CoreMisuse(RuleBasedStateMachine):
         p.leave()
         assert p.state == PeerState.CLOSED
 
-    @rule(rank=ranks, into=st.booleans())
+    @rule(rank=ranks, into=st.sampled_from(["new", "given", "short", "float64", "read-only"]))
     def request_snapshot(self, rank, into):
         p = self._peer(rank)
-        p.snapshot_destination(np.zeros(N, np.float32) if into else None)
+        buffers = {"new": None, "given": np.zeros(N, np.float32), "short": np.zeros(N - 1, np.float32),
+                   "float64": np.zeros(N), "read-only": np.zeros(N, np.float32)}
+        buffers["read-only"].flags.writeable = False
+        before = p.snap_into
+        try:
+            p.snapshot_destination(buffers[into])
+        except ValueError as e:     # a wrong buffer is refused at once, not when the chunks arrive
+            assert into in ("short", "float64", "read-only") and "into must be" in str(e)
+            assert p.snap_into is before
+        else:
+            assert into in ("new", "given")
         try:
             p.request_snapshot(self.now)
         except LocalProtocolError:
