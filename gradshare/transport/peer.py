@@ -217,13 +217,8 @@ class Peer:
         ``into``: a writable C-contiguous float32 array of n_params that receives them (and is returned)
         instead of a new array; on a timeout or a failed hash check it holds a partial download."""
         timeout = self.timeout if timeout is None else timeout
-        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
-                                 or into.shape != (self._n_params,) or not into.flags.c_contiguous
-                                 or not into.flags.writeable):
-            raise ValueError(f"into must be a writable C-contiguous float32 array of shape "
-                             f"({self._n_params},)")
         with self._lock:
-            self._core.snapshot_destination(into)
+            self._core.snapshot_destination(into)     # ValueError for a wrong `into`
             self._snapshot = None
         self._call(self._core.request_snapshot)
         with self._changed:

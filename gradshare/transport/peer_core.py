@@ -196,7 +196,12 @@ class PeerCore:
         self.computing = step
 
     def snapshot_destination(self, into: np.ndarray | None) -> None:
-        """Where the next snapshot download lands (None: a new array)."""
+        """Where the next snapshot download lands (None: a new array). Checked here, not when the chunks
+        arrive: a wrong buffer would otherwise fail inside receive_datagram, in the shell's I/O thread."""
+        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
+                                 or into.shape != (self.n_params,) or not into.flags.c_contiguous
+                                 or not into.flags.writeable):
+            raise ValueError(f"into must be a writable C-contiguous float32 array of shape ({self.n_params},)")
         self.snap_into = into
 
     def has_ready(self) -> bool:
