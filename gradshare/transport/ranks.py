@@ -61,8 +61,9 @@ class RankState:
 
 class RankTable(list):
     """Ranks 0..world_size-1 of one attempt (a new attempt gets a new table): a list of `RankState`, so
-    that the look-up the relay makes on every datagram is a list's (a Python ``__getitem__`` cost 3 % of
-    the core's per-datagram time in `gradshare bench transport`), plus the table's queries."""
+    that the look-up the relay makes on every datagram is a list's, not a Python ``__getitem__`` (with the
+    flags above: the core's own cost per datagram, codec aside, 8.4 -> 8.1 us at N = 2), plus the
+    table's queries."""
 
     def __init__(self, world_size: int, now: float, nak_delay: float) -> None:
         super().__init__(RankState(r, now, nak_delay) for r in range(world_size))
