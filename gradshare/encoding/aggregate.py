@@ -102,6 +102,8 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
 
 
 _ADD_BATCH = 1024       # codes decoded per batch before they are added (as codec._APPLY_BATCH)
+_NO_BYTES = np.empty(0, np.uint8)      # the payload argument of the form not in use
+_NO_WORDS = np.empty(0, np.uint64)
 
 
 def _add(state: AggregateState, message: Message) -> None:
@@ -113,10 +115,11 @@ def _add(state: AggregateState, message: Message) -> None:
     r, bound = state.residual, state._bound
     batch = np.empty(min(message.n_entries, _ADD_BATCH), np.int64)
     if message.form == SPARSE:
-        _bm._sparse_add_bounded(np.frombuffer(message.payload, np.uint8), message.n_entries, steps, r, bound,
-                                _bm.SHIFT, batch)
+        _bm._payload_add_bounded(False, np.frombuffer(message.payload, np.uint8), _NO_WORDS, message.n_entries,
+                                 steps, r, bound, _bm.SHIFT, batch)
     elif message.form == RICE:
-        _bm._rice_add_bounded(message._padded, message.n_entries, steps, r, bound, _bm.SHIFT, batch)
+        _bm._payload_add_bounded(True, _NO_BYTES, message._padded, message.n_entries, steps, r, bound,
+                                 _bm.SHIFT, batch)
     elif message.form == BITMAP:
         _bm._codes_add_bounded(_codes(message), steps, r, bound, _bm.SHIFT)
 

@@ -51,28 +51,19 @@ def _add_batch_bounded(batch, cnt, steps, r, bound, shift):
 
 
 @njit(nogil=True, cache=True)
-def _sparse_add_bounded(p, n_entries, steps, r, bound, shift, batch):
-    """_add_batch_bounded over a VALIDATED sparse payload, ``batch.size`` codes at a time (prefetching
-    each target in ``r`` as it is decoded, as kernels._sparse_apply)."""
-    pos = 0
+def _payload_add_bounded(rice, sparse_bytes, rice_words, n_entries, steps, r, bound, shift, batch):
+    """_add_batch_bounded over a VALIDATED payload, ``batch.size`` codes at a time, prefetching each
+    target in ``r`` as it is decoded (as kernels._sparse_apply and rice._rice_apply): the rice form from
+    ``rice_words`` (rice.padded_words) if ``rice``, else the sparse form from ``sparse_bytes``."""
+    pos = 8 if rice else 0       # rice: a bit position after the k byte; sparse: a byte position
     prev = -1
     done = 0
     while done < n_entries:
         cnt = min(batch.size, n_entries - done)
-        pos, prev = _k._sparse_decode_batch(p, pos, prev, batch, cnt, r)
-        _add_batch_bounded(batch, cnt, steps, r, bound, shift)
-        done += cnt
-
-
-@njit(nogil=True, cache=True)
-def _rice_add_bounded(words, n_entries, steps, r, bound, shift, batch):
-    """_add_batch_bounded over a VALIDATED rice payload (as rice._rice_apply)."""
-    bitpos = 8  # after the k byte
-    prev = -1
-    done = 0
-    while done < n_entries:
-        cnt = min(batch.size, n_entries - done)
-        bitpos, prev = _rice._rice_decode_batch(words, bitpos, prev, batch, cnt, r)
+        if rice:
+            pos, prev = _rice._rice_decode_batch(rice_words, pos, prev, batch, cnt, r)
+        else:
+            pos, prev = _k._sparse_decode_batch(sparse_bytes, pos, prev, batch, cnt, r)
         _add_batch_bounded(batch, cnt, steps, r, bound, shift)
         done += cnt
 
