@@ -77,7 +77,6 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
 
     Each message adds ±τ_r at its entries with float32 arithmetic, in the given order, so the result is
     a function of the messages and their order alone: the relay's aggregate is reproducible."""
-    residual = state.residual
     for i, u in enumerate(updates):      # all checked before any is added: a refusal changes nothing
         if u.message.n_params != state.n_params:
             raise ValueError(f"updates[{i}] is for {u.message.n_params} parameters, the aggregate for "
