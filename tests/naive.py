@@ -186,3 +186,12 @@ def apply_step_update(codes: np.ndarray, tau: float, buffer_index, buffer_value,
     for i, v in zip(buffer_index, buffer_value):
         out[n_params + int(i)] = np.float32(out[n_params + int(i)] + np.float32(v))
     return out
+
+
+def block_max_abs(values: np.ndarray, width: int) -> np.ndarray:
+    """Per block of ``width`` values: max |value| (0 for none; NaN when the block holds a NaN)."""
+    out = np.zeros(-(-values.size // width), np.float32)
+    for b in range(out.size):
+        block = np.abs(values[b * width:(b + 1) * width])
+        out[b] = np.nan if np.isnan(block).any() else block.max()
+    return out

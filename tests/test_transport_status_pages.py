@@ -91,3 +91,45 @@ def test_heartbeat_traffic_per_peer_does_not_grow_with_n():
     assert per_peer[0] == pytest.approx(per_peer[1], rel=0.05)
     # a page holds at most STATUS_PAGE_RANKS ranks, so per-peer bytes may grow until N fills a page, no more
     assert large["out_bytes_per_peer_per_s"] < 20 * wire.DEFAULT_DATAGRAM_SIZE * 1.05
+
+
+def _page_by_hand(relay, page: int) -> ev.Status:
+    start, n = relay.cursor.start_step, relay.status_ranks
+    ranks = list(relay.ranks)[page * n:(page + 1) * n]
+    return ev.Status(start, relay.complete_through, relay.world_size, page * n,
+                     tuple(r.received.contiguous_from(start) - 1 for r in ranks),
+                     tuple(r.ended for r in ranks if r.ended is not None))
+
+
+def test_a_kept_page_is_served_until_what_it_shows_changes():
+    """The relay keeps each page as last built (every peer's heartbeat asks for one, 20 times a second):
+    an update of one of its ranks, a rank's end and complete_through moving each give a fresh page."""
+    from gradshare.encoding import encode
+
+    W = 200
+    relay, peers = joined_cores(W, 10, b"k" * 32, 1)
+    relay.datagrams_to_send()
+    n = relay.status_ranks
+    empty = encode(np.zeros(10, np.float32), None, 1.0).to_bytes()
+    kept = [relay._status(p) for p in range(relay.status_pages)]
+    assert all(relay._status(p) is kept[p] for p in range(relay.status_pages))    # nothing changed
+
+    def send(rank: int, step: int) -> None:
+        peers[rank].send_update(step, empty, None, 0.1)
+        for d in peers[rank].datagrams_to_send():
+            relay.receive_datagram(d, rank, 0.1)
+
+    send(3, 0)                                        # rank 3 is on page 0
+    assert relay._status(0).have[3] == 0 and relay._status(0) == _page_by_hand(relay, 0)
+    assert relay._status(1) is kept[1]
+    peers[n + 1].finish(-1, 0.2)                      # a rank of page 1 ends before its first step
+    for d in peers[n + 1].datagrams_to_send():
+        relay.receive_datagram(d, n + 1, 0.2)
+    assert [e.rank for e in relay._status(1).ended] == [n + 1] and relay._status(1) == _page_by_hand(relay, 1)
+    for r in range(W):
+        if r not in (3, n + 1):
+            send(r, 0)
+    relay.apply_pending()
+    assert relay.complete_through == 0
+    assert all(relay._status(p) == _page_by_hand(relay, p) for p in range(relay.status_pages))
+    assert relay._status(2).complete_through == 0

@@ -168,6 +168,12 @@ class RelayCore:
         self.status_ranks = max(1, min(ev.STATUS_PAGE_RANKS, (self.chan.chunk_bytes - 32) // 16))
         self.status_pages = -(-world_size // self.status_ranks)
         self._status_turn = [0] * world_size       # per rank: which page its next heartbeat gets
+        # the pages as last built: every peer's heartbeat (20/s each) is answered with one, so at N = 32
+        # a page is asked for ~640 times a second and changes far less often. A page is rebuilt when
+        # its key moves: the attempt (a new cursor and rank table), complete_through, or the page's
+        # change count, bumped where one of its ranks gets an update (_on_update_chunk) or ends (_end)
+        self._pages: dict[int, tuple[tuple[int, int, int], ev.Status]] = {}
+        self._page_changes = [0] * self.status_pages
         # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
         # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
         # datagram from the relay up to wire.MAX_DATAGRAM_SIZE
@@ -593,6 +599,7 @@ class RelayCore:
             self._refuse_update(rs, step, str(exc))
             return
         rs.received.add(step)
+        self._page_changes[rs.rank // self.status_ranks] += 1
         rs.updates_in += 1
         rs.bytes_in += len(whole)
         if meta is not None:
@@ -678,6 +685,7 @@ class RelayCore:
     def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
         rs.to(RankTrigger.GONE if gone else RankTrigger.FINISH)
         rs.ended = ev.Ended(rs.rank, last_step, gone)
+        self._page_changes[rs.rank // self.status_ranks] += 1
         self.cursor.end(rs.rank, last_step)
         # anything held beyond the end does not exist in the log (never applied: it is after the cut)
         for key in [k for k in self.pending if k[1] == rs.rank and k[0] > last_step]:
@@ -830,11 +838,17 @@ class RelayCore:
     # --- helpers -------------------------------------------------------------------------------------
     def _status(self, page: int) -> ev.Status:
         """STATUS page ``page``: ranks page·status_ranks onwards, as many as fit one datagram."""
+        key = (self.attempt, self.complete_through, self._page_changes[page])
+        built = self._pages.get(page)
+        if built is not None and built[0] == key:
+            return built[1]
         start = self.cursor.start_step
         ranks = self.ranks[page * self.status_ranks:(page + 1) * self.status_ranks]
-        return ev.Status(start, self.complete_through, self.world_size, ranks[0].rank,
-                         tuple(r.received.contiguous_from(start) - 1 for r in ranks),
-                         tuple(r.ended for r in ranks if r.ended is not None))
+        status = ev.Status(start, self.complete_through, self.world_size, ranks[0].rank,
+                           tuple(r.received.contiguous_from(start) - 1 for r in ranks),
+                           tuple(r.ended for r in ranks if r.ended is not None))
+        self._pages[page] = (key, status)
+        return status
 
     def _send(self, rs: RankState, msg: ev.ControlMessage) -> None:
         if rs.addr is not None:
