@@ -252,8 +252,9 @@ def error_class_name(exc: BaseException) -> str:
     """The class the driver raises for `exc`: its nearest class in gradshare.errors, else ValueError or
     TypeError where it is exactly one of those (or InputTypeError), else TrainingError."""
     for cls in type(exc).__mro__:
-        if cls.__module__ == errors.__name__ and getattr(errors, cls.__name__, None) is cls:
-            return cls.__name__
+        found: str = cls.__name__
+        if cls.__module__ == errors.__name__ and getattr(errors, found, None) is cls:
+            return found
     name = type(exc).__name__
     name = _KEPT_BY_NAME.get(name, name)
     return name if name in _KEPT_BUILTINS else "TrainingError"
