@@ -295,6 +295,14 @@ class WorkerFailure:
     cause: str | None = None  # the first cause of the chain ("Type: message"), when there is a chain
     attempt: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {self.rank!r}")
+        if self.step is not None and (not isinstance(self.step, int) or self.step < 0):
+            raise ValueError(f"step must be None or an int >= 0, got {self.step!r}")
+        if not self.error_type or not self.error_class:
+            raise ValueError("error_type and error_class must name a class")
+
     @classmethod
     def from_exception(cls, exc: BaseException, rank: int, step: int | None, attempt: int = 0) -> WorkerFailure:
         root = first_cause(exc)
@@ -344,7 +352,7 @@ class WorkerFailure:
         if not klass:
             short = kind.rsplit(".", 1)[-1]
             klass = short if short in errors.__all__ else _KEPT_BY_NAME.get(short, short)
-        return cls(int(rank), None if step in ("", "-1") else int(step), kind.rsplit(".", 1)[-1], message,
+        return cls(int(rank), None if not step or int(step) < 0 else int(step), kind.rsplit(".", 1)[-1], message,
                    klass if klass in errors.__all__ or klass in _KEPT_BUILTINS else "TrainingError")
 
 
@@ -368,7 +376,12 @@ def _from_json(line: str) -> WorkerFailure | None:
         return None
     if not (d["step"] is None or isinstance(d["step"], int)) or not (d["cause"] is None or isinstance(d["cause"], str)):
         return None
-    return WorkerFailure(**d)
+    if resolve_error_class(d["error_class"]).__name__ != d["error_class"]:
+        d["error_class"] = "TrainingError"  # not a class the driver raises by name
+    try:
+        return WorkerFailure(**d)
+    except ValueError:
+        return None
 
 
 __all__ = ["Counters", "EpochStats", "Progress", "WorkerFailure", "WorkerReport", "error_class_name",

@@ -326,7 +326,7 @@ class Worker:
             if self.log.stop_epoch is not None and epoch > self.log.stop_epoch:
                 continue  # shards: an epoch the stop cut; the log decides it alike on every rank
             value = self._evaluate()
-            i = next((i for i in range(len(history) - 1, -1, -1) if history[i]["epoch"] == epoch), None)
+            i = next((i for i in range(len(history) - 1, -1, -1) if history[i].epoch == epoch), None)
             if i is None:  # shards, a retried stage: this rank closed the epoch in an earlier attempt
                 continue
             history[i] = history[i].scored(value)

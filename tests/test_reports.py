@@ -11,13 +11,14 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
-from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
+from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.trainer import FitResult, _driver_error
 from gradshare.transport import Peer, Relay, new_job_key, wire
 from gradshare.transport import events as ev
@@ -150,6 +151,19 @@ def test_the_text_form_rebuilds_the_failure_from_sparks_job_error():
     assert (old.rank, old.step, old.error_class) == (0, None, "ConsistencyError")
     assert WorkerFailure.from_text("[gradshare rank 0] SomeUserError: x").error_class == "TrainingError"
     assert WorkerFailure.from_text("no tag here") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["[gradshare rank 3, step -7, DecodeError] ", "[gradshare rank 0] ", "X: y",
+                                 FAILURE_JSON, '{"rank":1}', '{"rank":-1,"step":2}', "\n", "Error: ",
+                                 '{"rank":1,"step":null,"error_type":"E","message":"m","error_class":"NoSuch",'
+                                 '"cause":null,"attempt":0}']), max_size=6),
+       st.text(max_size=40))
+def test_any_spark_text_gives_a_failure_or_none_never_an_error(parts, noise):
+    found = WorkerFailure.from_text("".join(parts) + noise)
+    if found is not None:
+        assert found.rank >= 0 and (found.step is None or found.step >= 0)
+        assert type(found.error()).__name__ == found.error_class  # a class the driver can raise
 
 
 def test_the_driver_raises_the_reported_class_before_reading_text_and_an_incident_first():
