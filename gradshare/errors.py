@@ -17,7 +17,15 @@ from __future__ import annotations
 
 
 class GradshareError(Exception):
-    """Root of every error gradshare raises on purpose."""
+    """Root of every error gradshare raises on purpose.
+
+    An error a worker raised carries, on the driver, the rank, the step it was in (None: before its
+    first step) and the first cause of its chain as text; None on errors raised on the driver itself
+    (reports.WorkerFailure sets them)."""
+
+    rank: int | None = None
+    step: int | None = None
+    cause: str | None = None
 
 
 class ProtocolError(GradshareError):

@@ -41,7 +41,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -49,6 +49,7 @@ import numpy as np
 from gradshare.device import check_device
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.precision import check_precision
+from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.stopping import early_stopping_from
 from gradshare.tracking import check_option as check_mlflow_option, tracked
 from gradshare.validation import is_distributed
@@ -70,9 +71,9 @@ class FitResult:
     """What `fit` returns. `history` has one dict per epoch (see `SharedTrainer.fit`)."""
 
     model: Any
-    history: list[dict]
-    counters: dict  # the relay's transport counters
-    worker_reports: list[dict]
+    history: list[dict]  # EpochStats.as_dict() rows: plain dicts users index, JSON-dump and log
+    counters: Counters  # the relay's transport counters (read like a dict: counters["applied"])
+    worker_reports: list[WorkerReport]  # one per rank (read like a dict: report["param_hash"])
     param_hash: str
     world_size: int
     n_params: int
@@ -86,29 +87,25 @@ class FitResult:
     @property
     def bytes_sent(self) -> int:
         """UDP bytes the workers sent (datagrams incl. headers, acks and retransmits)."""
-        from gradshare.worker import _bytes_out
-
-        return sum(_bytes_out(r["counters"]) for r in self.worker_reports)
+        return sum(r.counters.bytes_sent for r in self.worker_reports)
 
     @property
     def bytes_received(self) -> int:
         """UDP bytes the workers received for training (the model's snapshot downloads apart)."""
-        from gradshare.worker import _bytes_in
-
-        return sum(_bytes_in(r["counters"]) for r in self.worker_reports)
+        return sum(r.counters.training_bytes_in for r in self.worker_reports)
 
     @property
     def snapshot_bytes(self) -> int:
         """UDP bytes of the model's downloads from the relay: every worker's initial state (4 B × the
         state's entries, plus headers) and a resumed attempt's. Not in `bytes_received`/`traffic_ratio`:
         it is the model's distribution, once per task, not the training's traffic."""
-        return sum(int(r["counters"].get("snapshot_bytes_in", 0)) for r in self.worker_reports)
+        return sum(r.counters.snapshot_bytes_in for r in self.worker_reports)
 
     @property
     def dense_bytes(self) -> int:
         """What dense float32 sharing would move for the same steps: each worker sends 4·N bytes per
         step and receives every other worker's 4·N (a parameter-server / relay layout)."""
-        steps = sum(r["last_step"] + 1 for r in self.worker_reports)
+        steps = sum(r.last_step + 1 for r in self.worker_reports)
         return 4 * self.n_params * steps * self.world_size
 
     @property
@@ -720,7 +717,7 @@ class SharedTrainer:
             relay.wait_finished(self.timeout)
             final = relay.params
             relay_hash = relay.param_hash()
-            counters = dict(relay.counters())
+            counters = Counters.from_dict(relay.counters())
             tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
         finally:
             relay.close()
@@ -729,7 +726,7 @@ class SharedTrainer:
         # connections the checkpoint service refused or lost (a worker's own failed call raises in it)
         service_errors = [] if service is None else list(service.errors)
 
-        bad = [(r["rank"], r["param_hash"]) for r in reports if r["param_hash"] != relay_hash]
+        bad = [(r.rank, r.param_hash) for r in reports if r.param_hash != relay_hash]
         if bad:
             raise ConsistencyError(f"replicas diverged from the relay (hash {relay_hash}): "
                                    + ", ".join(f"rank {r} has {h}" for r, h in bad))
@@ -737,21 +734,21 @@ class SharedTrainer:
         with torch.no_grad():  # give the result its own per-tensor storages (see `shipped`)
             for t in flat.tensors:
                 t.data = t.data.clone()
-        reports.sort(key=lambda r: r["rank"])
-        load_int_buffers(model, reports[0].get("int_buffers", {}))
-        stopped = reports[0].get("stopped_epoch")  # the log carried it: every rank has the same one
+        reports.sort(key=lambda r: r.rank)
+        load_int_buffers(model, dict(reports[0].int_buffers))
+        stopped = reports[0].stopped_epoch  # the log carried it: every rank has the same one
         epochs_run = epochs if stopped is None else stopped + 1
         rows, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
         # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
-        history = [{**row, "epoch": row["epoch"] + first_epoch, "loss_fn": plan.name} for row in rows]
+        history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=plan.name).as_dict() for row in rows]
         return FitResult(
             model=model, history=history, counters=counters, worker_reports=reports,
-            param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=max(r["last_step"] for r in reports) + 1,
-            resumed_from=max(r["start_step"] for r in reports), seconds=time.monotonic() - t_start,
+            param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=max(r.last_step for r in reports) + 1,
+            resumed_from=max(r.start_step for r in reports), seconds=time.monotonic() - t_start,
             extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
                    "stopped_epoch": _offset(stopped, first_epoch),
-                   "stop_requested_epoch": _offset(reports[0].get("stop_requested_epoch"), first_epoch),
+                   "stop_requested_epoch": _offset(reports[0].stop_requested_epoch, first_epoch),
                    "resumed_from": None if resume is None else resume["directory"],
                    # a retried stage restarted at a checkpoint: the steps it went back from and to
                    "rolled_back": rolled_back,
@@ -798,7 +795,7 @@ class SharedTrainer:
         (the training read also builds arrays or a spill file). A task that is loading says so anyway."""
         return max(self.timeout, self.liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
-    def _run_job(self, sc, rdd, cfg, relay) -> list[dict]:
+    def _run_job(self, sc, rdd, cfg, relay) -> list[WorkerReport]:
         """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
         from functools import partial
 
@@ -843,7 +840,7 @@ class SharedTrainer:
             failed = relay.failure()  # a task fails only after its FAIL was acknowledged (or given up)
             if failed is not None:
                 raise _reported_error(failed) from out["error"]
-            raise _driver_error(out["error"], relay) from out["error"]
+            raise _driver_error(out["error"], relay, relay.reported_failure()) from out["error"]
         return out["reports"]
 
 
@@ -958,42 +955,42 @@ class _ProgressBar:
             self.bar = tqdm(total=total, desc="gradshare", unit="step")
 
     def update(self, progress: dict) -> None:
+        """`progress`: Relay.progress(); each rank's latest step summary is the worker's `Progress`."""
         if self.bar is None or not progress:
             return
         done = int(progress.get("complete_through", -1)) + 1
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
         ranks = (progress.get("ranks") or {}).values()
-        metas = [r["meta"] for r in ranks if isinstance(r, dict) and isinstance(r.get("meta"), dict)]
-        if metas:
-            def mean(k):
-                vals = [float(m[k]) for m in metas if m.get(k) is not None]
+        latest = [p for r in ranks if isinstance(r, dict) and (p := Progress.from_meta(r.get("meta"))) is not None]
+        if latest:
+            def mean(values: list[float | None]) -> float:
+                vals = [v for v in values if v is not None]
                 return sum(vals) / len(vals) if vals else float("nan")
 
-            self.bar.set_postfix(loss=f"{mean('loss'):.4f}", sparsity=f"{mean('sparsity'):.2e}",
-                                 tau=f"{mean('tau'):.2e}", kb_step=f"{mean('bytes') / 1024:.2f}", refresh=False)
+            self.bar.set_postfix(loss=f"{mean([p.loss for p in latest]):.4f}",
+                                 sparsity=f"{mean([p.sparsity for p in latest]):.2e}",
+                                 tau=f"{mean([p.tau for p in latest]):.2e}",
+                                 kb_step=f"{mean([p.bytes for p in latest]) / 1024:.2f}", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-_TAGGED = re.compile(r"\[gradshare rank (\d+)\] (\w+): ([^\n]*)")
 # the closing line of a Python traceback: "ModuleNotFoundError: No module named 'x'" (dotted names too)
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (.*)$", re.M)
 
 
-def _error_class(kind: str) -> type[Exception]:
-    """The class the driver raises for a worker's error named `kind`."""
-    cls = {"ValueError": ValueError, "TypeError": TypeError, "InputTypeError": TypeError,  # batches.py
-           "TransportTimeout": TransportTimeout}.get(kind)
-    return TrainingError if cls is None else cls
+def _failure_of(fail) -> WorkerFailure:
+    """The WorkerFailure a FAIL carried (transport.events.Fail: its msgpack fields)."""
+    return WorkerFailure(fail.rank, None if fail.step < 0 else fail.step, fail.error_type, fail.message,
+                         fail.error_class, fail.cause or None, fail.attempt)
 
 
 def _reported_error(failed) -> Exception:
-    """The error for a FAIL a worker reported to the relay (transport.events.Fail)."""
-    return _error_class(failed.error_type)(
-        f"worker rank {failed.rank} failed: {failed.error_type}: {failed.message}")
+    """The error for a fatal FAIL a worker reported to the relay: the class the worker raised."""
+    return _failure_of(failed).error()
 
 
 def _incident_error(incident) -> Exception:
@@ -1006,17 +1003,22 @@ def _incident_class(incident) -> type:
     return TransportTimeout if incident.kind == "silent" else TrainingError
 
 
-def _driver_error(exc: BaseException, relay) -> Exception:
+def _driver_error(exc: BaseException, relay, reported=None) -> Exception:
     """Turn Spark's job failure into one clear error naming the rank and the cause: the relay's first
     incident (the rank it suspected, cut or gave up on first, with its step; issue 12) before the
-    tasks' errors, which are often symptoms of it (a rank rejected because another was cut)."""
+    tasks' errors, which are often symptoms of it (a rank rejected because another was cut).
+
+    The worker's error (reports.WorkerFailure) comes from the relay, which the failing task reported it
+    to (FAIL, retryable or not: `reported`, Relay.reported_failure); only when none arrived (the relay unreachable, the report lost) from
+    its text form in Spark's error. It is raised as the class the worker raised, or, after an incident,
+    as the incident's class (the worker's error is then a symptom; it stays in the message and in
+    the error's `worker_failure`)."""
     text = str(exc)
-    found = _TAGGED.findall(text)
+    failure = _failure_of(reported) if reported is not None else WorkerFailure.from_text(text)
     cause = None if relay is None else relay.first_cause()
     first = "" if cause is None else f"first cause: {cause.describe()}; "
-    if found:
-        rank, kind, message = found[-1]  # the most recent failure
-        return _error_class(kind)(f"{first}worker rank {rank} failed: {kind}: {message}")
+    if failure is not None:
+        return failure.error(first, None if cause is None else _incident_class(cause))
     if cause is not None:
         return _incident_class(cause)(f"{first}the Spark training job failed: {_first_line(text)}")
     if isinstance(exc, GradshareError):
@@ -1035,64 +1037,65 @@ def _first_line(text: str) -> str:
     return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[:500]
 
 
-def _rank_rows(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epochs: int) -> dict:
+def _rank_rows(reports: list[WorkerReport], tallies: dict, steps_per_epoch: tuple,
+               epochs: int) -> dict[tuple[int, int], EpochStats]:
     """(rank, epoch) -> that rank's history row. The last attempt's own row where it trained the whole
     epoch; otherwise (a retried stage resumed inside it, or after it) a row made from the relay's tally
     of the applied log, which holds the killed attempts' steps too (issue 12). "resumed" says which."""
-    own = {(r["rank"], h["epoch"]): h for r in reports for h in r["history"]}
+    own = {(r.rank, h.epoch): h for r in reports for h in r.history}
     rows = {}
     for rank, spe in enumerate(steps_per_epoch):
         for e in range(epochs):
             row, tally = own.get((rank, e)), tallies.get((rank, e))
             if tally is None and row is None:  # the log went on without this rank (on_rank_loss="continue")
-                rows[(rank, e)] = {"epoch": e, "steps": 0, "loss": 0.0, "sparsity": 0.0, "payload_bytes": 0,
-                                   "tau": None, "lr": None, "silent_steps": 0, "bytes_sent": 0,
-                                   "bytes_received": 0, "seconds": 0.0, "val_metric": None, "resumed": False,
-                                   "skipped_steps": spe}
+                rows[(rank, e)] = EpochStats(epoch=e, steps=0, loss=0.0, sparsity=0.0, payload_bytes=0,
+                                             bytes_sent=0, bytes_received=0, tau=None, lr=None, silent_steps=0,
+                                             seconds=0.0, val_metric=None, resumed=False, skipped_steps=spe)
                 continue
-            if tally is None or (row is not None and not tally["resumed"] and row["steps"] == tally["steps"]):
-                rows[(rank, e)] = {**row, "resumed": False, "skipped_steps": spe - row["steps"]}
+            if row is not None and (tally is None or (not tally["resumed"] and row.steps == tally["steps"])):
+                rows[(rank, e)] = replace(row, resumed=False, skipped_steps=spe - row.steps)
                 continue
             n = max(tally["steps"], 1)
-            rows[(rank, e)] = {
-                "epoch": e, "steps": tally["steps"], "loss": tally["loss"] / n, "sparsity": tally["sparsity"] / n,
-                "payload_bytes": int(tally["payload"]), "tau": tally["tau"], "lr": tally["lr"],
-                "silent_steps": tally["silent"],
+            rows[(rank, e)] = EpochStats(
+                epoch=e, steps=tally["steps"], loss=tally["loss"] / n, sparsity=tally["sparsity"] / n,
+                payload_bytes=int(tally["payload"]), tau=tally["tau"], lr=tally["lr"],
+                silent_steps=tally["silent"],
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
-                "bytes_sent": row["bytes_sent"] if row else 0, "bytes_received": row["bytes_received"] if row else 0,
-                "seconds": row["seconds"] if row else 0.0,
+                bytes_sent=row.bytes_sent if row else 0, bytes_received=row.bytes_received if row else 0,
+                seconds=row.seconds if row else 0.0,
                 # rank 0's score: its own row's, or the one its next message carried (a killed attempt's)
-                "val_metric": row["val_metric"] if row and row["val_metric"] is not None else tally.get("val_metric"),
-                "resumed": tally["resumed"],  # its steps were applied in more than one attempt
-                "skipped_steps": spe - tally["steps"],
-            }
+                val_metric=row.val_metric if row and row.val_metric is not None else tally.get("val_metric"),
+                resumed=tally["resumed"],  # its steps were applied in more than one attempt
+                skipped_steps=spe - tally["steps"],
+            )
     return rows
 
 
-def _merge_history(reports: list[dict], tallies: dict, steps_per_epoch: tuple, epochs: int) -> tuple[list[dict], int]:
+def _merge_history(reports: list[WorkerReport], tallies: dict, steps_per_epoch: tuple,
+                   epochs: int) -> tuple[list[EpochStats], int]:
     """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time; and
     the steps of data skipped in all (on_rank_loss="continue")."""
     by_rank = _rank_rows(reports, tallies, steps_per_epoch, epochs)
     merged = []
     for e in sorted({e for _, e in by_rank}):
         rows = [by_rank[k] for k in sorted(by_rank) if k[1] == e]
-        steps = sum(h["steps"] for h in rows)
-        val = [h["val_metric"] for h in rows if h["val_metric"] is not None]
-        taus = [h["tau"] for h in rows if h["tau"] is not None]
-        merged.append({
-            "epoch": e,
-            "steps": steps,
-            "loss": sum(h["loss"] * h["steps"] for h in rows) / max(steps, 1),
-            "sparsity": sum(h["sparsity"] * h["steps"] for h in rows) / max(steps, 1),
-            "payload_bytes": sum(h["payload_bytes"] for h in rows),
-            "bytes_sent": sum(h["bytes_sent"] for h in rows),
-            "bytes_received": sum(h["bytes_received"] for h in rows),
-            "tau": float(np.mean(taus)) if taus else float("nan"),
-            "lr": next((h["lr"] for h in rows if h["lr"] is not None), None),  # rank 0's unless it had none
-            "silent_steps": sum(h["silent_steps"] for h in rows),
-            "seconds": max(h["seconds"] for h in rows),
-            "val_metric": val[0] if val else None,
-            "resumed": any(h["resumed"] for h in rows),
-            "skipped_steps": sum(h["skipped_steps"] for h in rows),
-        })
-    return merged, sum(h["skipped_steps"] for h in merged)
+        steps = sum(h.steps for h in rows)
+        val = [h.val_metric for h in rows if h.val_metric is not None]
+        taus = [h.tau for h in rows if h.tau is not None]
+        merged.append(EpochStats(
+            epoch=e,
+            steps=steps,
+            loss=sum(h.loss * h.steps for h in rows) / max(steps, 1),
+            sparsity=sum(h.sparsity * h.steps for h in rows) / max(steps, 1),
+            payload_bytes=sum(h.payload_bytes for h in rows),
+            bytes_sent=sum(h.bytes_sent for h in rows),
+            bytes_received=sum(h.bytes_received for h in rows),
+            tau=float(np.mean(taus)) if taus else float("nan"),
+            lr=next((h.lr for h in rows if h.lr is not None), None),  # rank 0's unless it had none
+            silent_steps=sum(h.silent_steps for h in rows),
+            seconds=max(h.seconds for h in rows),
+            val_metric=val[0] if val else None,
+            resumed=any(h.resumed for h in rows),
+            skipped_steps=sum(h.skipped_steps or 0 for h in rows),
+        ))
+    return merged, sum(h.skipped_steps or 0 for h in merged)

@@ -46,6 +46,7 @@ from gradshare.local_view import LocalView, NoView
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
+from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.stopping import should_stop, stop_epoch
 from gradshare.transport.events import AGGREGATE_ORIGIN
 from gradshare.vectors import copy_of, index_for, where
@@ -189,18 +190,6 @@ def current_lr(optimizer) -> float | None:
     return float(lr.item() if hasattr(lr, "item") else lr)  # a tensor lr (capturable Adam) too
 
 
-def _bytes_out(counters: dict) -> int:
-    """UDP bytes sent, from a Peer's counters (datagrams incl. headers, acks, retransmits)."""
-    return int(counters.get("bytes_out", 0))
-
-
-def _bytes_in(counters: dict) -> int:
-    """UDP bytes received for training: without the model's snapshot downloads (the initial weights
-    every worker fetches from the relay, or a resumed attempt's state), which the Spark job closure
-    carried before and which are reported apart (`FitResult.snapshot_bytes`)."""
-    return int(counters.get("bytes_in", 0)) - int(counters.get("snapshot_bytes_in", 0))
-
-
 class Worker:
     """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
 
@@ -250,6 +239,7 @@ class Worker:
         self.restored = False  # state loaded from a checkpoint: the schedule and counters are where it left them
         self.epoch_notes: dict = {}  # rank 0: its epoch end (score, rule state) for its next message's meta
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
+        self.current_step: int | None = None  # the step `run` is in (a failure report names it)
         self.shard = None  # this rank's validation rows (cfg.shards; None: none or an empty shard)
         self.gather: Callable | None = None  # the barrier's allGather (str -> list[str]) that reduces shard scores
         self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
@@ -295,7 +285,7 @@ class Worker:
         """Rank 0 runs the epoch's end (score, early-stopping rule, callbacks) once the log reaches it."""
         return self.rank == 0 and (self.evaluates or self.stopper is not None or bool(self.cfg.on_epoch_end))
 
-    def _epoch_end(self, row: dict) -> None:
+    def _epoch_end(self, row: EpochStats) -> None:
         """Rank 0, after scoring an epoch: the callbacks (each sees a copy of the row) and the rule. Any
         of them may ask for a stop; the next message carries it (stopping.py)."""
         stop = False
@@ -324,7 +314,7 @@ class Worker:
             self.stopper.best = notes.get("es_best")
             self.stopper.waited = int(notes["es_waited"])
 
-    def _score(self, scores: deque, upto: int, history: list[dict]) -> None:
+    def _score(self, scores: deque, upto: int, history: list[EpochStats]) -> None:
         """Score every epoch (entries (epoch, log step)) whose log step is <= `upto`, each on the log
         applied through its epoch's last step (every worker's messages, buffers included; the last
         epoch: the whole log, the model fit returns). Called before each step with the step's own apply
@@ -336,10 +326,10 @@ class Worker:
             if self.log.stop_epoch is not None and epoch > self.log.stop_epoch:
                 continue  # shards: an epoch the stop cut; the log decides it alike on every rank
             value = self._evaluate()
-            i = next((i for i in range(len(history) - 1, -1, -1) if history[i]["epoch"] == epoch), None)
+            i = next((i for i in range(len(history) - 1, -1, -1) if history[i].epoch == epoch), None)
             if i is None:  # shards, a retried stage: this rank closed the epoch in an earlier attempt
                 continue
-            history[i]["val_metric"] = value
+            history[i] = history[i].scored(value)
             self.profile.score(i, value)
             if self.rank == 0:
                 self._epoch_end(history[i])
@@ -425,15 +415,12 @@ class Worker:
         prof.lap("encode")
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it (issue 12)
-        meta = {"loss": loss_value, "sparsity": msg.n_entries / flat.n_params,
-                "bytes": float(len(payload)), "epoch": float(epoch - self.cfg.first_epoch)}
-        if taken:  # a skipped fp16 step's empty message carries a placeholder τ, not one that was used
-            meta["tau"] = msg.threshold
+        # (a skipped fp16 step's empty message carries a placeholder τ, not one that was used: no τ)
+        meta = Progress(loss_value, msg.n_entries / flat.n_params, float(len(payload)),
+                        float(epoch - self.cfg.first_epoch), msg.threshold if taken else None, lr).to_meta()
         if self.epoch_notes:  # rank 0's last epoch end: the relay keeps it for a retried stage
             meta.update(self.epoch_notes)
             self.epoch_notes = {}
-        if lr is not None:
-            meta["lr"] = lr
         if self.stop_requested is not None and not self.stop_sent:
             self.stop_sent = True  # one decision; a stop that comes too late to shorten any rank sends none
             cfg = self.cfg
@@ -498,7 +485,7 @@ class Worker:
         if self.flat.twin is not None:
             self.flat.twin[idx] = back
 
-    def run(self, peer, start_step: int) -> dict:
+    def run(self, peer, start_step: int) -> WorkerReport:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         prof = self.profile
@@ -507,7 +494,7 @@ class Worker:
         log.stop_epoch = self.inherited_stop
         if log.stop_epoch is not None:  # decided before this attempt: this rank may even be done already
             total = min(total, (log.stop_epoch + 1) * spe)
-        history: list[dict] = []
+        history: list[EpochStats] = []
         if not self.restored:  # a checkpoint's state already has them where its step left them
             self._resume_schedule(start_step, spe)
             self._resume_counters(start_step)
@@ -518,6 +505,7 @@ class Worker:
         while t < total:
             self._score(scores, t - 1 - cfg.staleness, history)  # before the step: the log is there anyway
             prof.begin()
+            self.current_step = t
             log.apply_through(t - 1 - cfg.staleness)
             if log.stop_epoch is not None:  # early stop: this rank ends after its epoch stop_epoch
                 total = min(total, (log.stop_epoch + 1) * spe)  # never before t (stopping.stop_epoch)
@@ -548,29 +536,27 @@ class Worker:
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
         from gradshare.flat import int_buffers
 
-        report = {
-            "rank": rank,
-            "start_step": start_step,
-            "last_step": total - 1,
-            "stopped_epoch": log.stop_epoch,  # None: every epoch ran
-            "stop_requested_epoch": self.stop_requested,  # rank 0: the epoch that asked (None elsewhere)
-            "history": history,
-            "applied": log.applied,
-            "train_seconds": time.monotonic() - t0,
-            "steps_run": max(total - start_step, 0),
-            "update_path": self.path.name,  # capture.py
-            "step_in_backward": self.path.in_backward,  # capture.py: each parameter stepped in backward
-            "device": str(self.flat.buffer.device),  # where it trained: "cpu", "cuda:0", ...
-            "tensor_state": self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
-            "silent_steps": self.state.silent_steps,
+        return WorkerReport(
+            rank=rank,
+            start_step=start_step,
+            last_step=total - 1,
+            stopped_epoch=log.stop_epoch,  # None: every epoch ran
+            stop_requested_epoch=self.stop_requested,  # rank 0: the epoch that asked (None elsewhere)
+            history=tuple(history),
+            applied=log.applied,
+            train_seconds=time.monotonic() - t0,
+            steps_run=max(total - start_step, 0),
+            update_path=self.path.name,  # capture.py
+            step_in_backward=self.path.in_backward,  # capture.py: each parameter stepped in backward
+            device=str(self.flat.buffer.device),  # where it trained: "cpu", "cuda:0", ...
+            tensor_state=self.flat.device is not None,  # the torch state (always on a GPU; vectors.py)
+            silent_steps=self.state.silent_steps,
             # integer buffers (BatchNorm's num_batches_tracked) are local; the result model takes rank 0's
-            "int_buffers": {name: b.numpy() for name, b in int_buffers(self.model).items()} if rank == 0 else {},
-            "skipped_steps": self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
-            "checkpoint_seconds": self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
-        }
-        if prof is not OFF_PROFILE:
-            report["profile"] = prof.report()
-        return report
+            int_buffers={name: b.numpy() for name, b in int_buffers(self.model).items()} if rank == 0 else {},
+            skipped_steps=self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
+            checkpoint_seconds=self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
+            profile=None if prof is OFF_PROFILE else prof.report(),
+        )
 
     def _resume_counters(self, start_step: int) -> None:
         """A resumed attempt's BatchNorm layers count the batches the attempts before it ran (one
@@ -582,7 +568,7 @@ class Worker:
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
 
-    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque, history: list[dict]) -> None:
+    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque, history: list[EpochStats]) -> None:
         """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
         parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
         next step would apply the log through t first anyway: applying it (and scoring the epoch, which
@@ -618,40 +604,57 @@ class Worker:
                 self.scheduler.step()
 
     def _fresh_epoch(self, peer) -> dict:
-        c = peer.counters()
+        c = Counters.from_dict(peer.counters())
         return {"loss": 0.0, "entries": 0, "payload": 0, "steps": 0, "silent": 0, "lr": None,
-                "t0": time.monotonic(), "out0": _bytes_out(c), "in0": _bytes_in(c)}
+                "t0": time.monotonic(), "out0": c.bytes_sent, "in0": c.training_bytes_in}
 
-    def _close_epoch(self, peer, epoch: int, acc: dict) -> dict:
-        c = peer.counters()
+    def _close_epoch(self, peer, epoch: int, acc: dict) -> EpochStats:
+        c = Counters.from_dict(peer.counters())
         steps = max(acc["steps"], 1)
-        return {
-            "epoch": epoch,
-            "steps": acc["steps"],
-            "loss": acc["loss"] / steps,
-            "sparsity": acc["entries"] / (steps * self.flat.n_params),
-            "payload_bytes": acc["payload"],
-            "bytes_sent": _bytes_out(c) - acc["out0"],
-            "bytes_received": _bytes_in(c) - acc["in0"],
-            "tau": None if self.state.tau is None else float(self.state.tau),  # the last encoded step's τ
-            "lr": acc["lr"],  # at the epoch's first step
-            "silent_steps": acc["silent"],
-            "seconds": time.monotonic() - acc["t0"],
-            "val_metric": None,  # set by _score: the score of the log through the epoch's end
-        }
+        return EpochStats(
+            epoch=epoch,
+            steps=acc["steps"],
+            loss=acc["loss"] / steps,
+            sparsity=acc["entries"] / (steps * self.flat.n_params),
+            payload_bytes=acc["payload"],
+            bytes_sent=c.bytes_sent - acc["out0"],
+            bytes_received=c.training_bytes_in - acc["in0"],
+            tau=None if self.state.tau is None else float(self.state.tau),  # the last encoded step's τ
+            lr=acc["lr"],  # at the epoch's first step
+            silent_steps=acc["silent"],
+            seconds=time.monotonic() - acc["t0"],
+            val_metric=None,  # set by _score: the score of the log through the epoch's end
+        )
 
 
 TRIM_PAYLOAD_BYTES = 1 << 20  # a step whose message is this large trims the heap before the next backward
-FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its FAIL
+FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its fatal FAIL
+# ... and a retryable one's: only which class the driver raises rides on it (Spark's text is the
+# fallback), and a relay that is not there (often the very error) must not hold up Spark's retry long
+REPORT_SECONDS = 1.0
 
 
-def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
+@dataclass
+class TaskPosition:
+    """Where a training task is, for its failure report: its worker once built (its `current_step`)."""
+
+    worker: Worker | None = None
+
+    @property
+    def step(self) -> int | None:
+        return None if self.worker is None else self.worker.current_step
+
+
+def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
     """The barrier task body: materialise rows, join the relay (resuming if it says so), train, report.
 
-    Any failure is re-raised as TrainingError tagged "[gradshare rank R]" so the driver can name the
-    rank and the cause from Spark's job error. A deterministic one (`is_deterministic`) is first
-    reported to the relay (FAIL), so the driver cancels the job at once instead of after Spark's stage
-    retries, which would fail the same way.
+    A failure (reports.WorkerFailure: the class the driver raises, rank, step, first cause) reaches the
+    driver two ways (issue 15). The object path: it is reported to the relay over the authenticated
+    control channel (FAIL, msgpack fields); a deterministic one (`is_deterministic`) as fatal, so the
+    driver cancels the job at once instead of after Spark's stage retries, which would fail the same
+    way, any other as retryable, which the driver reads only if the job fails after all. The fallback:
+    the task raises TrainingError whose message is the failure's text form (tag line + JSON record),
+    which the driver reads back from Spark's job error when the relay never got the FAIL.
     """
     from pyspark import BarrierTaskContext
 
@@ -660,23 +663,24 @@ def train_partition(cfg: WorkerConfig, rows) -> list[dict]:
     # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
     # every rank and grows with every retry, which is all the relay needs of `attempt`.
     attempt = min(int(i) for i in ctx.allGather(str(ctx.taskAttemptId())))
+    position = TaskPosition()
     try:
         import torch
 
         torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (docs/design.md, Spark)
         start_rss = reset_peak_rss()  # a reused Python worker remembers the peaks of earlier tasks
-        report = _run(cfg, rank, attempt, rows)
+        report = _run(cfg, rank, attempt, rows, position)
     except BaseException as e:  # noqa: BLE001 - re-raised with the rank named, cause chained
-        if is_deterministic(e):
-            _report_failure(cfg, rank, attempt, e)
-        raise TrainingError(f"[gradshare rank {rank}] {type(e).__name__}: {e}") from e
+        failure = WorkerFailure.from_exception(e, rank, position.step, attempt)
+        if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
+            _report_failure(cfg, failure, fatal=is_deterministic(e))
+        raise TrainingError(failure.to_text()) from e
     import os
 
     import gradshare
 
-    report.update(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__))
-    report.update(start_rss_bytes=start_rss, peak_rss_bytes=_proc_status_bytes("VmHWM"))
-    return [report]
+    return [report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
+                         start_rss_bytes=start_rss, peak_rss_bytes=_proc_status_bytes("VmHWM"))]
 
 
 def is_deterministic(exc: BaseException) -> bool:
@@ -688,21 +692,24 @@ def is_deterministic(exc: BaseException) -> bool:
     return not isinstance(exc, (GradshareError, ConnectionError, MemoryError, KeyboardInterrupt, SystemExit))
 
 
-def _report_failure(cfg: WorkerConfig, rank: int, attempt: int, exc: BaseException) -> None:
-    """FAIL(rank, error type, message) to the relay from a fresh peer (the task may have failed before
-    it had one, e.g. unpickling the model), waiting briefly for the acknowledgement. Best effort: if the
-    relay cannot be reached, the error still reaches the driver through Spark."""
+def _report_failure(cfg: WorkerConfig, failure: WorkerFailure, fatal: bool) -> None:
+    """FAIL(the failure's fields) to the relay from a fresh peer (the task may have failed before it
+    had one, e.g. unpickling the model), waiting briefly for the acknowledgement. Best effort: if the
+    relay cannot be reached, the error still reaches the driver through Spark (its text form)."""
     from gradshare.transport import Peer
 
     try:
         # n_params only sizes a joined peer's buffers; this one never joins
-        peer = Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                    job_id=cfg.job_id, n_params=1, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
-                    insecure=cfg.insecure)
+        peer = Peer(cfg.relay_address, rank=failure.rank, world_size=cfg.world_size, attempt=failure.attempt,
+                    key=cfg.key, job_id=cfg.job_id, n_params=1, datagram_size=cfg.datagram_size,
+                    timeout=cfg.timeout, insecure=cfg.insecure)
     except (OSError, ValueError):
         return
     try:
-        peer.report_failure(type(exc).__name__, str(exc), min(cfg.timeout, FAIL_REPORT_SECONDS))
+        wait = min(cfg.timeout, FAIL_REPORT_SECONDS if fatal else REPORT_SECONDS)
+        peer.report_failure(failure.error_type, failure.message, wait, fatal=fatal,
+                            step=-1 if failure.step is None else failure.step,
+                            error_class=failure.error_class, cause=failure.cause or "")
     finally:
         peer.close(linger=0.0, leave=False)
 
@@ -755,7 +762,7 @@ def _proc_status_bytes(field: str) -> int:
     return 0
 
 
-def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
+def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPosition | None = None) -> WorkerReport:
     from gradshare.shipping import materialize, unpack_user_objects
     from gradshare.spark import PartitionData
     from gradshare.transport import param_hash
@@ -788,6 +795,8 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
         worker = Worker(cfg, rank, data, model=materialize(cfg.model))
+        if position is not None:
+            position.worker = worker
         if cfg.shards:
             from pyspark import BarrierTaskContext
 
@@ -810,14 +819,14 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows) -> dict:
             load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
         release_free_memory()  # the snapshot's datagrams and the model's first storage are garbage now
-        report = worker.run(peer, start)
-        report["snapshot_seconds"] = t_load
-        report["param_hash"] = param_hash(worker.flat.host_state())  # parameters and float buffers
-        report["counters"] = dict(peer.counters())
-        report["spilled"] = data.spilled
+        report = worker.run(peer, start).with_(
+            snapshot_seconds=t_load,
+            param_hash=param_hash(worker.flat.host_state()),  # parameters and float buffers
+            counters=Counters.from_dict(peer.counters()),
+            spilled=data.spilled)
         if cfg.shards:  # this rank's validation shard: rows, and whether they went to a spill file
-            report["validation_rows"], report["validation_spilled"] = (0, False) if shard is None else (
-                len(shard), shard.spilled)
+            report = report.with_(validation_rows=0 if shard is None else len(shard),
+                                  validation_spilled=False if shard is None else shard.spilled)
         peer.close()
         return report
     except BaseException:

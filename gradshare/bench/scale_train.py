@@ -49,16 +49,16 @@ def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
     r = SharedTrainer(mlp, batch_size=32, epochs=epochs, seed=seed, port=0, bind="127.0.0.1",
                       verbose=0).fit(rdd)
     c = r.counters
-    updates = c["updates_in"]
+    updates = c["updates_in"]                       # the relay's own counter (Counters.other)
     steps = updates / workers                       # every rank sends one update per step
     payload = sum(h["payload_bytes"] for h in r.history) / max(updates, 1)
     w, d = wire_bytes(payload)
     model = (workers - 1) * workers * w
-    egress = c["bytes_out"] / steps
+    egress = c.bytes_out / steps
     return {
         "workers": workers, "master": spark.sparkContext.master, "steps": steps, "n_params": r.n_params,
-        "bit_identical": len({w["param_hash"] for w in r.worker_reports} | {r.param_hash}) == 1,
-        "distinct_executors": len({w["pid"] for w in r.worker_reports}),
+        "bit_identical": len({w.param_hash for w in r.worker_reports} | {r.param_hash}) == 1,
+        "distinct_executors": len({w.pid for w in r.worker_reports}),
         "accuracy": evaluate_accuracy(r.model, X_test, y_test),
         "payload_bytes_per_update": payload,
         "relay_egress_bytes_per_step": egress,
@@ -66,10 +66,10 @@ def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
         "egress_over_model": egress / model,
         # what is not forwarding is control (ACKs, STATUS pages answering 20 Hz heartbeats): per second,
         # not per step, so it dominates when oversubscribed CPUs make steps slow
-        "control_bytes_per_s": (c["bytes_out"] - model * steps) / r.seconds,
+        "control_bytes_per_s": (c.bytes_out - model * steps) / r.seconds,
         "forwarded_datagrams_per_update": c["forwarded"] / max(updates, 1),
         "model_forwarded_datagrams_per_update": (workers - 1) * d,
-        "relay_retransmits": c["retransmits"], "seconds": r.seconds,
+        "relay_retransmits": c.retransmits, "seconds": r.seconds,
     }
 
 

@@ -239,17 +239,19 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
             if fired.is_set():
                 raise TimeoutError(f"gradshare exceeded the {budget:g} s budget and was cancelled") from None
             raise
-    rank0 = next(r for r in result.worker_reports if r["rank"] == 0)
-    prof = rank0["profile"]
+    rank0 = next(r for r in result.worker_reports if r.rank == 0)
+    prof = rank0.profile
+    if prof is None:
+        raise ValueError("gradshare's worker reports carry no profile: the fit needs worker_options={'profile': True}")
     c = result.counters
-    worker_steps = sum(r["last_step"] + 1 for r in result.worker_reports)
+    worker_steps = sum(r.last_step + 1 for r in result.worker_reports)
     return Measured(
         walls=prof["steps"]["wall"], curve=[(t, a) for t, a in prof["curve"]], lo_bytes=prof["lo_tx_bytes"],
         n_params=result.n_params,
         extra={
             "profile_steps": {k: v for k, v in prof["steps"].items()},
             # training traffic: the relay's snapshot sends (the workers' initial download) apart
-            "relay_bytes": int(c.get("bytes_in", 0)) + int(c.get("bytes_out", 0)) - int(c.get("snapshot_bytes_out", 0)),
+            "relay_bytes": c.bytes_in + c.bytes_out - c.get("snapshot_bytes_out", 0),
             "snapshot_bytes": result.snapshot_bytes,
             "worker_udp_bytes": result.bytes_sent + result.bytes_received,
             # per worker-step, sent + received (FitResult's dense_bytes counts the same way)
@@ -262,7 +264,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
                                                    "bytes_sent", "bytes_received", "seconds", "val_metric")}
                                for h in result.history],
             "param_hash": result.param_hash,
-            "drops": c.get("drops", {}),
+            "drops": dict(c.drops),
         },
     )
 

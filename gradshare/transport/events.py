@@ -204,22 +204,34 @@ class Leave:
 
 @dataclass(frozen=True)
 class Fail:
-    """A rank's training failed with an error a retry would repeat (issue 11: the driver stops the job at
-    once instead of waiting out Spark's stage retries). Sent by a rank, joined or not; the relay answers
-    FAIL_ACK. ``attempt`` is repeated in the body so the acknowledgement can name it back."""
+    """A rank's training failed. ``fatal``: with an error a retry would repeat (issue 11: the driver stops
+    the job at once instead of waiting out Spark's stage retries); otherwise the report only tells the
+    driver which class to raise if the job fails after all (issue 15: reports.WorkerFailure, whose fields
+    these are). Sent by a rank, joined or not; the relay answers FAIL_ACK. ``attempt`` is repeated in the
+    body so the acknowledgement can name it back."""
 
     rank: int
     attempt: int
     error_type: str
     message: str
+    step: int = -1                  # the step the rank was in; -1: before its first
+    fatal: bool = True
+    error_class: str = "TrainingError"   # the class the driver raises (reports.error_class_name)
+    cause: str = ""                 # the first cause of the error's chain; "": no chain
 
     def __post_init__(self) -> None:
         _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
         _check_int("attempt", self.attempt, 0, (1 << 16) - 1)
-        if not isinstance(self.error_type, str) or not 1 <= len(self.error_type) <= MAX_ERROR_TYPE:
-            raise ValueError(f"error_type must be a str of 1..{MAX_ERROR_TYPE} characters")
-        if not isinstance(self.message, str) or len(self.message) > MAX_ERROR_TEXT:
-            raise ValueError(f"message must be a str of at most {MAX_ERROR_TEXT} characters")
+        _check_step("step", self.step)
+        for name in ("error_type", "error_class"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 1 <= len(value) <= MAX_ERROR_TYPE:
+                raise ValueError(f"{name} must be a str of 1..{MAX_ERROR_TYPE} characters")
+        for name in ("message", "cause"):
+            if not isinstance(getattr(self, name), str) or len(getattr(self, name)) > MAX_ERROR_TEXT:
+                raise ValueError(f"{name} must be a str of at most {MAX_ERROR_TEXT} characters")
+        if not isinstance(self.fatal, bool):
+            raise ValueError("fatal must be a bool")
 
 
 @dataclass(frozen=True)
@@ -315,12 +327,16 @@ class PeerEnded:
 
 @dataclass(frozen=True)
 class PeerFailed:
-    """Relay: a rank reported a deterministic failure (FAIL)."""
+    """Relay: a rank reported a failure (FAIL): its fields."""
 
     rank: int
     attempt: int
     error_type: str
     message: str
+    step: int = -1
+    fatal: bool = True
+    error_class: str = "TrainingError"
+    cause: str = ""
 
 
 INCIDENT_KINDS = ("suspected", "back", "silent", "stuck", "gone", "restart")

@@ -258,14 +258,16 @@ class Peer:
         with self._changed:
             return self._wait_until(self._core.has_ready, timeout)
 
-    def report_failure(self, error_type: str, message: str, timeout: float) -> bool:
-        """FAIL(rank, error_type, message) to the relay, joined or not, resent until acknowledged; True
-        once the relay acknowledged it, False after ``timeout`` (the caller raises its error either way)."""
+    def report_failure(self, error_type: str, message: str, timeout: float, step: int = -1,
+                       fatal: bool = True, error_class: str = "TrainingError", cause: str = "") -> bool:
+        """FAIL(rank, error_type, message, step, fatal, error_class, cause: as PeerCore.fail) to the
+        relay, joined or not, resent until acknowledged; True once the relay acknowledged it, False after
+        ``timeout`` (the caller raises its error either way)."""
         with self._changed:
             if self._failure is not None or self._closed:
                 return False
             self._fail_acked = False
-            self._core.fail(error_type, message, time.monotonic())
+            self._core.fail(error_type, message, time.monotonic(), step, fatal, error_class, cause)
             out = self._flush_locked()
         self._send(out)
         with self._changed:

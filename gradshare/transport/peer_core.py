@@ -177,15 +177,18 @@ class PeerCore:
             self._out.append(self.chan.seal_control(ev.SnapDone(self.snap_done_id)))
         self._out.append(self.chan.seal_control(ev.SnapRequest()))
 
-    def fail(self, error_type: str, message: str, now: float) -> None:
-        """Report a deterministic failure (FAIL), joined or not; resent every ``heartbeat_interval`` until
-        FAIL_ACK. The message is cut to what fits one datagram: a FAIL is never chunked."""
-        text = message[:ev.MAX_ERROR_TEXT]
+    def fail(self, error_type: str, message: str, now: float, step: int = -1, fatal: bool = True,
+             error_class: str = "TrainingError", cause: str = "") -> None:
+        """Report a failure (FAIL; `fatal`: a deterministic one, events.Fail), joined or not; resent every
+        ``heartbeat_interval`` until FAIL_ACK. The message and the cause are cut to what fits one
+        datagram: a FAIL is never chunked."""
+        text, cause = message[:ev.MAX_ERROR_TEXT], cause[:ev.MAX_ERROR_TEXT]
         while True:
-            msg = ev.Fail(self.rank, self.attempt, error_type[-ev.MAX_ERROR_TYPE:], text)
-            if len(wire.encode_control(msg)[1]) <= self.chan.chunk_bytes or not text:
+            msg = ev.Fail(self.rank, self.attempt, error_type[-ev.MAX_ERROR_TYPE:], text, step, fatal,
+                          error_class[-ev.MAX_ERROR_TYPE:], cause)
+            if len(wire.encode_control(msg)[1]) <= self.chan.chunk_bytes or not (text or cause):
                 break
-            text = text[:len(text) * 3 // 4]
+            text, cause = text[:len(text) * 3 // 4], cause[:len(cause) * 3 // 4]
         self.failed = msg
         self.fail_acked = False
         self._last_fail = now

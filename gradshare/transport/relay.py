@@ -87,7 +87,8 @@ class Relay:
         self._world_size = world_size
         self._log_complete = False
         self._ended: set[int] = set()
-        self._failures: dict[int, ev.Fail] = {}
+        self._failures: dict[int, ev.Fail] = {}   # fatal FAILs: the driver stops the job
+        self._reports: dict[int, ev.Fail] = {}    # every FAIL, in arrival order (one per rank, the latest)
         self._incidents: list[ev.Incident] = []
         self._rolled_back: list[dict[str, int]] = []
         self.address: tuple[str, int] | None = None
@@ -168,7 +169,12 @@ class Relay:
             elif isinstance(e, ev.PeerEnded):
                 self._ended.add(e.rank)
             elif isinstance(e, ev.PeerFailed):
-                self._failures[e.rank] = ev.Fail(e.rank, e.attempt, e.error_type, e.message)
+                fail = ev.Fail(e.rank, e.attempt, e.error_type, e.message, e.step, e.fatal, e.error_class, e.cause)
+                # a newer attempt's report of a rank replaces its older one (at most one per rank)
+                self._reports.pop(e.rank, None)
+                self._reports[e.rank] = fail
+                if e.fatal:
+                    self._failures[e.rank] = fail
             elif isinstance(e, ev.Incident):
                 if len(self._incidents) < MAX_INCIDENTS:
                     self._incidents.append(e)
@@ -208,9 +214,19 @@ class Relay:
             return d
 
     def failure(self) -> ev.Fail | None:
-        """The first FAIL a worker reported (its rank, attempt, error type and message), or None."""
+        """The first fatal FAIL a worker reported (a deterministic error: its rank, attempt, error type
+        and message), or None."""
         with self._lock:
             return next(iter(self._failures.values()), None)
+
+    def reported_failure(self) -> ev.Fail | None:
+        """The first FAIL, fatal or not, that a rank of the latest attempt that reported any sent: the
+        error the failed job's task raised, as the worker saw it (reports.WorkerFailure), or None."""
+        with self._lock:
+            if not self._reports:
+                return None
+            latest = max(f.attempt for f in self._reports.values())
+            return next(f for f in self._reports.values() if f.attempt == latest)
 
     def first_cause(self) -> ev.Incident | None:
         """The earliest incident (suspicion, cut, give-up) that still explains a failure (issue 12)."""

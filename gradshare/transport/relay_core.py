@@ -379,7 +379,7 @@ class RelayCore:
             self.chan.drops["unexpected_kind"] += 1
 
     def _on_fail(self, h: wire.Header, body: bytes, addr: ev.Address) -> None:
-        """Record a rank's deterministic failure (one per rank: ``failures`` stays bounded) and
+        """Record a rank's failure, fatal or not (one per rank: ``failures`` stays bounded) and
         acknowledge it; the FAIL is retransmitted until acknowledged, so duplicates are normal."""
         msg = self.chan.control(Kind.FAIL, body)
         if msg is None:
@@ -391,7 +391,8 @@ class RelayCore:
         if known is None or known.attempt != msg.attempt:
             self.failures[msg.rank] = msg
             self.c["failures"] += 1
-            self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message))
+            self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message, msg.step,
+                                              msg.fatal, msg.error_class, msg.cause))
         self._send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
     # --- liveness (issue 12) -------------------------------------------------------------------------

@@ -229,7 +229,8 @@ def encode_control(msg: ev.ControlMessage) -> tuple[int, bytes]:
     if isinstance(msg, ev.SnapDone):
         return Kind.SNAP_DONE, _pack([msg.snap_id])
     if isinstance(msg, ev.Fail):
-        return Kind.FAIL, _pack([msg.rank, msg.attempt, msg.error_type, msg.message])
+        return Kind.FAIL, _pack([msg.rank, msg.attempt, msg.error_type, msg.message, msg.step, msg.fatal,
+                                 msg.error_class, msg.cause])
     if isinstance(msg, ev.FailAck):
         return Kind.FAIL_ACK, _pack([msg.rank, msg.attempt])
     if isinstance(msg, ev.Loading):
@@ -312,8 +313,8 @@ def decode_control(kind: int, body: bytes) -> ev.ControlMessage:
             (snap_id,) = f
             return ev.SnapDone(snap_id)
         if kind == Kind.FAIL:
-            rank, attempt, error_type, message = f
-            return ev.Fail(rank, attempt, error_type, message)
+            rank, attempt, error_type, message, step, fatal, error_class, cause = f
+            return ev.Fail(rank, attempt, error_type, message, step, fatal, error_class, cause)
         if kind == Kind.FAIL_ACK:
             rank, attempt = f
             return ev.FailAck(rank, attempt)
