@@ -129,7 +129,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                 w.log.apply_through(t - 1)
                 _, entries, nb = w.step(peers[r], t)
                 if decay != 1.0:  # experiment: leaky error feedback
-                    w.state.residual *= np.float32(decay)
+                    w.state.rescale(decay)
                 nbytes += nb
                 silent += entries == 0
                 steps += 1

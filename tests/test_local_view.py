@@ -114,7 +114,7 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         w = _worker(local_view)
         sink, seen = _Sink(), []
         w.step(sink, 0)  # leaves a residual: 95 % of the first update stays unsent
-        r = _host(w.state.residual)
+        r = _host(w.state.residual_values())
         p = _host(w.flat.array)
         assert np.abs(r).max() > 0
         w.optimizer.register_step_pre_hook(

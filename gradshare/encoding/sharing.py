@@ -28,6 +28,12 @@ as the tests do) the residual is a float32 torch tensor there, the update and ba
 too, and the encode, the clipping and the calibration sample run there with torch ops
 (encoding/torch_codec.py); only the message's entry codes come to the host. Both give the same
 messages and residuals, bit for bit.
+
+Folded (``fold=(params, point, scale)``, the local view's "Q-form", encoding/folded.py): the state keeps
+the point q = P + s·r instead of r. The optimizer adds its update to q (`target`); the encode, the
+calibration sample, the clipping and the learning-rate rescaling read r as (q − P)/s; the apply log
+applies every message to q as to P (flat.py, `FlatParams.point`). `residual` is then None;
+`residual_values()` and `load_residual()` give and take r in either form (checkpoints).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from collections import deque
 import numpy as np
 
 from gradshare.encoding.codec import decode_entries
+from gradshare.encoding import folded as folding
 from gradshare.encoding.message import EMPTY, Message
 from gradshare.encoding.threshold import MAX_THRESHOLD, MIN_THRESHOLD, ResidualClipping, encode_step
 
@@ -50,17 +57,26 @@ class SharingState:
     keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
     device: None for a NumPy residual (the Numba path); a torch device or its name for a torch tensor
         residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
+    fold: (params, point, scale) to keep the residual folded into ``point`` = params + scale × r
+        (module docstring): two float32 NumPy arrays of n_params, ``point`` equal to ``params`` (r = 0).
     """
 
     def __init__(self, n_params: int, rule, clipping: ResidualClipping | None = None, *,
-                 follow_lr: bool = True, keep_pending: bool = False, device=None) -> None:
+                 follow_lr: bool = True, keep_pending: bool = False, device=None, fold=None) -> None:
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
             raise TypeError("rule must have .threshold and .update(n_entries, n_params)")
         self.rule, self.clipping = rule, clipping
         self.follow_lr, self.keep_pending = bool(follow_lr), bool(keep_pending)
-        if device is None:
+        self.params = self.point = None
+        self.scale = 1.0
+        if fold is not None:
+            self.params, self.point, self.scale = fold  # checked by every pass over them (folded.py)
+            if tuple(self.point.shape) != (int(n_params),) or tuple(self.params.shape) != (int(n_params),):
+                raise ValueError(f"fold's params and point must have shape ({int(n_params)},)")
+            self.residual = None
+        elif device is None:
             self.residual = np.zeros(int(n_params), dtype=np.float32)
         else:
             import torch
@@ -79,6 +95,46 @@ class SharingState:
     def n_params(self) -> int:
         return self._n_params
 
+    @property
+    def folded(self) -> bool:
+        return self.point is not None
+
+    @property
+    def target(self):
+        """The array a step's update is added to (by the optimizer, capture.py): r, or the point q."""
+        return self.point if self.folded else self.residual
+
+    def residual_values(self):
+        """r: the residual itself, or (folded) a new array (q − P)/s."""
+        return folding.unfold(self.point, self.params, self.scale) if self.folded else self.residual
+
+    def load_residual(self, values) -> None:
+        """Set r (float32, n_params; NumPy, or a tensor for a tensor residual); folded, on the current P."""
+        if self.folded:
+            if isinstance(self.point, np.ndarray):
+                values = np.ascontiguousarray(values, dtype=np.float32)
+            else:
+                import torch
+
+                values = torch.as_tensor(values).to(self.point.device)
+            folding.fold(self.point, self.params, values, self.scale)
+        elif isinstance(self.residual, np.ndarray):
+            np.copyto(self.residual, values)
+        else:
+            import torch
+
+            self.residual.copy_(torch.as_tensor(values))
+
+    def rescale(self, ratio) -> None:
+        """r ← ratio·r (float32 ratio)."""
+        ratio = np.float32(ratio)
+        if self.folded:
+            folding.rescale_folded(self.point, self.params, ratio)
+        elif isinstance(self.residual, np.ndarray):
+            np.multiply(self.residual, ratio, out=self.residual)
+        else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
+            self.residual.mul_(float(ratio))
+
     def set_lr(self, lr: float | None) -> None:
         """The learning rate of the coming step; call before its update enters the residual."""
         if lr is None:
@@ -89,11 +145,7 @@ class SharingState:
         if self.lr_ref is None and lr > 0.0:
             self.lr_ref = lr
         if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
-            ratio = np.float32(lr / self.lr)
-            if isinstance(self.residual, np.ndarray):
-                np.multiply(self.residual, ratio, out=self.residual)
-            else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
-                self.residual.mul_(float(ratio))
+            self.rescale(np.float32(lr / self.lr))
         self.lr = lr
 
     def threshold(self, step: int, update: np.ndarray | None = None, base: np.ndarray | None = None) -> float:
@@ -104,7 +156,10 @@ class SharingState:
         if calibrate is not None:
             stride = self.rule.stride(self.n_params, step)
             start = step % stride  # the sample moves every step: no parameter is never looked at
-            sample = self.residual[start::stride]
+            if self.folded:
+                sample = folding.unfold(self.point[start::stride], self.params[start::stride], self.scale)
+            else:
+                sample = self.residual[start::stride]
             if update is not None:  # the general path adds u = update - base inside the encode
                 u = update[start::stride] if base is None else update[start::stride] - base[start::stride]
                 sample = sample + u
@@ -130,8 +185,17 @@ def share_step(state: SharingState, step: int, *, update: np.ndarray | None = No
     clipped when due, and with ``keep_pending`` the message is kept for the lookahead.
     """
     tau = state.threshold(step, update, base)
-    message = encode_step(state.residual, update, state.rule, step=step, clipping=state.clipping,
-                          base=base, rewind=rewind, tau=tau)
+    if state.folded:
+        if update is not None:
+            raise ValueError("a folded state takes the update in its point (the direct path): pass no update")
+        message = folding.encode_folded(state.point, state.params, tau, state.scale)
+        state.rule.update(message.n_entries, message.n_params)
+        clipping = state.clipping
+        if clipping is not None and clipping.due(step):
+            folding.clip_folded(state.point, state.params, clipping.bound(message.threshold), state.scale)
+    else:
+        message = encode_step(state.residual, update, state.rule, step=step, clipping=state.clipping,
+                              base=base, rewind=rewind, tau=tau)
     state.tau = message.threshold
     if message.n_entries == 0:
         state.silent_steps += 1
