@@ -20,14 +20,20 @@ matching slice of a second buffer that holds P + s·r (the aliasing of capture.p
 still change only through the log and stay bit-identical. The cost is that buffer (4 bytes a
 parameter) and one fused add over P and r per step.
 
-Folded (`FoldedView`, the "Q-form"; the default on the direct update path with the NumPy state): the
-worker keeps the point q = P + s·r INSTEAD of r (encoding/folded.py), so the view costs neither the
-buffer nor the add. The parameters are aliased to q for the forward, the backward and the optimizer
-step, so the optimizer's update lands in q (local SGD); the encode reads r as (q − P)/s and moves q
-by what it sends; the apply log applies every message to q as to P (flat.py, `FlatParams.point`).
-What is learnt is the same up to float32 rounding: r is held at the precision of q (~ulp(P)), as a
-single process's parameters hold their updates. The general path (weight decay reads the parameter:
-at P there, at q here) and the torch-tensor state keep the two-buffer `LocalView`.
+Folded (`FoldedView`, the "Q-form"; the default on the direct update path under aggregate="sum"):
+the worker keeps the point q = P + r INSTEAD of r (encoding/folded.py), so the view costs neither the
+buffer nor the add (benchmarks/worker_memory.py, 51.6 M MLP, fused Adam: 8.0 P -> 7.0 P). The
+parameters are aliased to q for the forward, the backward and the optimizer step, so the optimizer's
+update lands in q (local SGD); the encode reads r as q − P and moves q by what it sends; the apply log
+applies every message to q as to P (flat.py, `FlatParams.point`). What is learnt is the same up to
+float32 rounding: r is held at the precision of q (~ulp(P)), as a single process's parameters hold
+their updates. Where it does not apply, the two-buffer `LocalView` stays:
+- the general path: weight decay reads the parameter, at P there and at q here, which would change
+  what is learnt (and that path's twin is a P-sized buffer of its own anyway);
+- a scale s != 1 (aggregate="mean"): the point must move by s·u when the optimizer's update u enters
+  r, but the direct path lets the optimizer add u itself, unscaled (scaling it would take the pass
+  over P that folding saves, or an lr scaled by s, which is not the same step for Adam's eps);
+- worker_options={"folded_view": False}, for an A/B.
 """
 
 from __future__ import annotations

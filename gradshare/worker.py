@@ -229,10 +229,10 @@ class Worker:
         self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
         direct = cfg.extra.get("direct_update", True) and writes_update_only(self.optimizer)
-        # The local view folded into one buffer, P + s·r kept instead of r (local_view.py), where the
-        # update goes straight into it (the direct path); the two-buffer view on the general path, or
-        # with worker_options={"folded_view": False} (an A/B)
-        folded = cfg.local_view and direct and cfg.extra.get("folded_view", True)
+        # The local view folded into one buffer, P + r kept instead of r (local_view.py), where the
+        # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
+        # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
+        folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.extra.get("folded_view", True))
         fold = (self.flat.array, self.flat.keep_point(), cfg.apply_scale) if folded else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
