@@ -16,7 +16,9 @@ trains the same model with the same optimizer on the same batch size and reports
 The default MLP (512-4950-4950-4950-10) has 51.6 M parameters (206 MB). The table also accounts the
 peak with the buffers a step holds: parameters, gradients (the largest parameter's share when the
 worker steps each parameter in backward, capture.py; all of them otherwise), optimizer state (Adam,
-fused or not: 2 moments), the residual, the twin (general update path only), snapshot transfer (0:
+fused or not: 2 moments), the residual (on the direct path folded into the local view's point P + r,
+local_view.py, so the view adds nothing there), the twin and the local view (general update path
+only), snapshot transfer (0:
 downloaded into the flat buffer), and single-tensor Adam's temporaries (sqrt and division over the
 largest parameter: 2 x its share). A worker's baseline holds, besides the interpreter, pyspark's
 worker, torch and gradshare with Numba and its loaded kernels, the ~75 MB of torch._dynamo (and
@@ -116,9 +118,11 @@ def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True
         rows["adam moments"] = 2.0
     if optimizer == "adam":  # single-tensor Adam: temporaries over the parameter it steps
         rows["adam temporaries"] = 2 * largest_share
+    # the direct path folds the residual into the local view's point (local_view.py: one buffer, P + r);
+    # the general path keeps r and the point apart
     rows["residual"] = 1.0
     rows["twin"] = 1.0 if twin else 0.0
-    rows["local view"] = 1.0 if local_view else 0.0  # P + residual, the point forward/backward run at
+    rows["local view"] = 1.0 if local_view and twin else 0.0  # P + residual, the point forward/backward run at
     rows["snapshot transfer"] = 0.0
     return rows
 

@@ -103,16 +103,20 @@ class DirectPath:
 
     name = "direct"
 
-    def __init__(self, flat, optimizer, residual, in_backward: bool = False) -> None:
+    def __init__(self, flat, optimizer, residual, in_backward: bool = False, folded: bool = False) -> None:
+        """`residual`: the array the update is added to (the residual, or the folded view's point).
+        `folded`: that array is also what forward/backward ran at (local_view.FoldedView)."""
         self.flat, self.optimizer = flat, optimizer
         self.views = flat.views(residual)
         self.in_backward = bool(in_backward)
+        self.folded = bool(folded)
         self._armed = False  # hooks step only inside `backward`, never in a backward the worker did not start
+        self.bumps = [0] * len(flat.params)  # version bumps of each parameter's own step in this backward
         if self.in_backward:
-            for p, v in zip(flat.params, self.views):
-                p.register_post_accumulate_grad_hook(self._hook_for(v))
+            for i, (p, v) in enumerate(zip(flat.params, self.views)):
+                p.register_post_accumulate_grad_hook(self._hook_for(i, v))
 
-    def _hook_for(self, view):
+    def _hook_for(self, i: int, view):
         import torch
 
         unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
@@ -123,7 +127,12 @@ class DirectPath:
             version = p._version
             with aliased((p,), (view,)):
                 self.optimizer.step()  # only p has a gradient now: the others are skipped
-            if unsafe_set_version is not None:
+            if self.folded:
+                # The step did change the values forward ran at: torch's version check stays, so a node
+                # that saved p (or a detached alias) and runs later raises instead of reading new values;
+                # the folded view discounts these bumps when it looks for a user's in-place change
+                self.bumps[i] += p._version - version
+            elif unsafe_set_version is not None:
                 # P itself did not change (the step wrote into the residual): a node that saved P (or a
                 # detached alias of it) and runs its backward later must not see it as modified
                 unsafe_set_version((p,), (version,))
@@ -131,8 +140,13 @@ class DirectPath:
 
         return step_now
 
+    def stepped(self) -> list[int]:
+        """Version bumps of each parameter's own step in the last backward (folded view)."""
+        return list(self.bumps)
+
     def backward(self, backward) -> None:
         """Run `backward()` (the precision's loss.backward) with the per-parameter steps armed."""
+        self.bumps = [0] * len(self.flat.params)
         self._armed = True
         try:
             backward()
@@ -178,10 +192,14 @@ class GeneralPath:
         return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)
 
 
-def update_path(flat, optimizer, residual, allow_direct: bool = True, in_backward: bool = False):
+def update_path(flat, optimizer, residual, allow_direct: bool = True, in_backward: bool = False,
+                folded: bool = False):
     """The direct path where the optimizer allows it (and the caller does), else the general one.
     `in_backward`: the direct path steps each parameter during backward (the caller has checked
-    `needs_all_gradients`); the general path never does."""
+    `needs_all_gradients`); the general path never does. `folded`: `residual` is the folded view's
+    point (local_view.py), which needs the direct path."""
     if allow_direct and writes_update_only(optimizer):
-        return DirectPath(flat, optimizer, residual, in_backward=in_backward)
+        return DirectPath(flat, optimizer, residual, in_backward=in_backward, folded=folded)
+    if folded:
+        raise ValueError("the folded local view needs the direct update path")
     return GeneralPath(flat, optimizer)

@@ -184,7 +184,7 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) 
     tagged with the fit's `run` (its job id) so that rank 0 never takes an earlier fit's list."""
     directory = epoch_dir(epochs_done)
     own = f"rank-{worker.rank}"
-    residual = worker.state.residual
+    residual = worker.state.residual_values()  # r itself; a folded state's (q − P)/s, so files stay r
     residual = residual.detach().cpu().numpy() if hasattr(residual, "detach") else residual
     files = {f"{own}/residual.npy": store.write(f"{directory}/{own}/residual.npy", npy_chunks(residual))}
     local = {"optimizer": worker.optimizer.state_dict(),
@@ -450,13 +450,10 @@ def load_rank(manifest: dict, worker) -> None:
                           lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
     meta = _read_checked(store, manifest, f"rank-{rank}/state.json", lambda reader: json.loads(reader.read()))
     state = worker.state
-    if residual.shape != tuple(state.residual.shape):
+    if residual.shape != (state.n_params,):
         raise CheckpointError(f"checkpoint {directory}: rank {rank}'s residual has shape {residual.shape}, "
-                              f"the model {tuple(state.residual.shape)}")
-    if isinstance(state.residual, np.ndarray):
-        np.copyto(state.residual, residual)
-    else:
-        state.residual.copy_(torch.from_numpy(residual))
+                              f"the model ({state.n_params},)")
+    state.load_residual(residual)  # folded: onto the parameters the relay's snapshot just loaded
     del residual
     worker.optimizer.load_state_dict(local["optimizer"])
     if worker.scheduler is not None and local["scheduler"] is not None:

@@ -92,6 +92,7 @@ class FlatParams:
                         for name in self.buffer_names]
         self._buffer_ptrs = [b.data_ptr() for b in self.buffers]
         self.twin: Vector | None = None  # see keep_twin()
+        self.point: Vector | None = None  # see keep_point()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -132,6 +133,14 @@ class FlatParams:
             self.twin = copy_of(self.array)
         return self.twin
 
+    def keep_point(self) -> Vector:
+        """Allocate `point`, P plus a worker's scaled residual (the folded local view, local_view.py),
+        equal to P (residual 0). The apply log adds every message to it as to P, so the difference stays
+        the residual; `load` (a fresh snapshot: the residual starts from zero) sets it to P again."""
+        if self.point is None:
+            self.point = copy_of(self.array)
+        return self.point
+
     def views(self, array: Vector) -> list[torch.Tensor]:
         """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params; a
         NumPy array, or a torch tensor on the state's device): the layout of `buffer`, over any flat array."""
@@ -165,6 +174,8 @@ class FlatParams:
             state.copy_(torch.from_numpy(np.ascontiguousarray(host)))
         if self.twin is not None:
             copy_into(self.twin, self.array)
+        if self.point is not None:
+            copy_into(self.point, self.array)
 
     def host_state(self) -> np.ndarray:
         """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy

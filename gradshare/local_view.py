@@ -19,6 +19,21 @@ P itself is not touched: the forward and backward run with every parameter's sto
 matching slice of a second buffer that holds P + s·r (the aliasing of capture.py), so the replicas
 still change only through the log and stay bit-identical. The cost is that buffer (4 bytes a
 parameter) and one fused add over P and r per step.
+
+Folded (`FoldedView`, the "Q-form"; the default on the direct update path under aggregate="sum"):
+the worker keeps the point q = P + r INSTEAD of r (encoding/folded.py), so the view costs neither the
+buffer nor the add (benchmarks/worker_memory.py, 51.6 M MLP, fused Adam: 8.0 P -> 7.0 P). The
+parameters are aliased to q for the forward, the backward and the optimizer step, so the optimizer's
+update lands in q (local SGD); the encode reads r as q − P and moves q by what it sends; the apply log
+applies every message to q as to P (flat.py, `FlatParams.point`). What is learnt is the same up to
+float32 rounding: r is held at the precision of q (~ulp(P)), as a single process's parameters hold
+their updates. Where it does not apply, the two-buffer `LocalView` stays:
+- the general path: weight decay reads the parameter, at P there and at q here, which would change
+  what is learnt (and that path's twin is a P-sized buffer of its own anyway);
+- a scale s != 1 (aggregate="mean"): the point must move by s·u when the optimizer's update u enters
+  r, but the direct path lets the optimizer add u itself, unscaled (scaling it would take the pass
+  over P that folding saves, or an lr scaled by s, which is not the same step for Adam's eps);
+- worker_options={"folded_view": False}, for an A/B.
 """
 
 from __future__ import annotations
@@ -75,6 +90,36 @@ class LocalView:
                 flat.array.copy_(self.point - float(self.scale) * residual)
             else:
                 np.subtract(self.point, self.scale * residual, out=flat.array)
+
+
+class FoldedView:
+    """The point is the sharing state's folded point q (module docstring): nothing to fill.
+
+    A parameter changed in place in the body outside the optimizer (a user's bug, seen by its version
+    counter; `stepped` gives the version bumps of the optimizer's own steps in backward, capture.py)
+    changed q. The change cannot be told apart from the residual there, so P takes that parameter's
+    point whole (its unsent residual goes with it): the replica still leaves the log and the fit's hash
+    check names it, as with `LocalView`."""
+
+    def __init__(self, flat, point, stepped=None) -> None:
+        self.flat, self.point = flat, point
+        self.views = flat.views(point)
+        self.stepped = stepped  # () -> a version bump per parameter its optimizer steps made, or None
+
+    @contextmanager
+    def around(self, residual=None):
+        flat = self.flat
+        versions = flat.versions()
+        with aliased(flat.params, self.views):
+            yield
+        now = flat.versions()
+        own = self.stepped() if self.stepped is not None else [0] * len(now)
+        offset = 0
+        for p, before, after, bumps in zip(flat.params, versions, now, own):
+            n = p.numel()
+            if after - bumps != before:
+                flat.array[offset:offset + n] = self.point[offset:offset + n]
+            offset += n
 
 
 class NoView:

@@ -39,10 +39,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradshare.capture import frees_enough, needs_all_gradients, update_path
+from gradshare.capture import frees_enough, needs_all_gradients, update_path, writes_update_only
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
-from gradshare.local_view import LocalView, NoView
+from gradshare.local_view import FoldedView, LocalView, NoView
 from gradshare.losses import LossStep
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
@@ -168,7 +168,7 @@ class ApplyLog:
         # Always ask: messages of `step` may already be pending from some senders but not from all.
         self._take(self.peer.receive(until_step=step, timeout=self.timeout))
         self.profile.lap("wait")
-        flat, twin = self.flat, self.flat.twin
+        flat, twin, point = self.flat, self.flat.twin, self.flat.point
         while self.pending and self.pending[0].step <= step:
             u = self.pending.popleft()
             self._note_stop(u)
@@ -176,6 +176,8 @@ class ApplyLog:
             self._apply_update(update, flat.state, self.scale)
             if twin is not None:  # the worker's copy of P (FlatParams.keep_twin) follows the log too
                 self._apply(update.message, twin, self.scale)
+            if point is not None:  # and P + s·r of the folded view (FlatParams.keep_point): r stays
+                self._apply(update.message, point, self.scale)
             self.applied += 1
         self.applied_through = step
         self.profile.lap("apply")
@@ -215,10 +217,16 @@ class Worker:
         self.optimizer = cfg.optimizer(self.flat.params)
         self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
+        direct = cfg.extra.get("direct_update", True) and writes_update_only(self.optimizer)
+        # The local view folded into one buffer, P + r kept instead of r (local_view.py), where the
+        # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
+        # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
+        folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.extra.get("folded_view", True))
+        fold = (self.flat.array, self.flat.keep_point(), cfg.apply_scale) if folded else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
                                   follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0,
-                                  device=self.flat.device)
+                                  device=self.flat.device, fold=fold)
         # The optimizer writes its update straight into the residual where it can; otherwise the step
         # measures it against a twin of P that the apply log keeps (capture.py).
         # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
@@ -227,10 +235,14 @@ class Worker:
         wanted = cfg.extra.get("step_in_backward")
         in_backward = ((frees_enough(self.flat) if wanted is None else wanted)
                        and needs_all_gradients(self.optimizer, self.precision) is None)
-        self.path = update_path(self.flat, self.optimizer, self.state.residual,
-                                allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward)
+        self.path = update_path(self.flat, self.optimizer, self.state.target,
+                                allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward,
+                                folded=folded)
         # the gradient is taken at P + this worker's unsent residual (local_view.py, issue 10)
-        self.view = LocalView(self.flat, cfg.apply_scale) if cfg.local_view else NoView()
+        if folded:
+            self.view = FoldedView(self.flat, self.state.point, self.path.stepped)
+        else:
+            self.view = LocalView(self.flat, cfg.apply_scale) if cfg.local_view else NoView()
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stopper = copy.deepcopy(cfg.early_stopping)  # rank 0's rule state (best, epochs waited)
         self.stop_requested: int | None = None  # rank 0: the epoch whose end asked for a stop
@@ -466,24 +478,30 @@ class Worker:
         self.state.forget_applied(self.log.applied_through if self.log is not None else -1)
         if not pending:
             return None
-        live, twin = self.flat.array, self.flat.twin
+        live, twin, point = self.flat.array, self.flat.twin, self.flat.point
         idx = index_for(live, np.concatenate([i for _, _, i in pending]))
         saved = live[idx]
+        saved_point = None if point is None else point[idx]
         for _, msg, _ in pending:  # in step order, the order the log will apply them
             apply(msg, live, self.cfg.apply_scale)
-            if twin is not None:
-                apply(msg, twin, self.cfg.apply_scale)
-        return idx, saved, live[idx]
+            for follower in (twin, point):  # the folded point: P + pending + s·r, the local view's point
+                if follower is not None:
+                    apply(msg, follower, self.cfg.apply_scale)
+        return idx, saved, live[idx], saved_point, None if point is None else point[idx]
 
-    def _look_back(self, idx, saved, ahead) -> None:
+    def _look_back(self, idx, saved, ahead, saved_point=None, point_ahead=None) -> None:
         """After the step's encode (both copies equal again), restore P at the touched indices. Where
         forward/backward changed a touched value in place, that change stays in P, as everywhere else
-        (see `_step`)."""
+        (see `_step`). The folded point likewise: what the step moved it by (its update, what it sent)
+        stays, the rest goes back bit for bit."""
         now = self.flat.array[idx]
         back = where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
         self.flat.array[idx] = back
         if self.flat.twin is not None:
             self.flat.twin[idx] = back
+        if saved_point is not None:
+            now = self.flat.point[idx]
+            self.flat.point[idx] = where(now == point_ahead, saved_point, saved_point + (now - point_ahead))
 
     def run(self, peer, start_step: int) -> WorkerReport:
         cfg, rank = self.cfg, self.rank
@@ -863,5 +881,8 @@ def _load_from_relay(peer, flat, start: int, timeout: float) -> None:
                             f"starts at step {start} and needs it through {start - 1}")
     if not on_host:
         flat.load(values)
-    elif flat.twin is not None:  # the twin must equal P between steps (flat.py, keep_twin)
-        np.copyto(flat.twin, flat.array)
+    else:
+        if flat.twin is not None:  # the twin must equal P between steps (flat.py, keep_twin)
+            np.copyto(flat.twin, flat.array)
+        if flat.point is not None:  # the folded point: P + s·r with r = 0, a fresh start (keep_point)
+            np.copyto(flat.point, flat.array)

@@ -195,3 +195,44 @@ def block_max_abs(values: np.ndarray, width: int) -> np.ndarray:
         block = np.abs(values[b * width:(b + 1) * width])
         out[b] = np.nan if np.isnan(block).any() else block.max()
     return out
+
+
+def folded_encode(point: np.ndarray, params: np.ndarray, tau: float, scale: float):
+    """(new point, entry codes) of the folded encode: r_i = (q_i − p_i)·float32(1/s) in float32; every
+    |r_i| >= τ emits ±i and q_i -= ±float32(τ·s)."""
+    t, inv = np.float32(tau), np.float32(1.0 / scale)
+    step = np.float32(float(t) * scale)
+    new = point.copy()
+    codes = []
+    for i in range(point.size):
+        x = np.float32(np.float32(point[i] - params[i]) * inv)
+        if x >= t:
+            new[i] = np.float32(point[i] - step)
+            codes.append(2 * i)
+        elif x <= -t:
+            new[i] = np.float32(point[i] + step)
+            codes.append(2 * i + 1)
+    return new, np.array(codes, dtype=np.int64)
+
+
+def folded_clip(point: np.ndarray, params: np.ndarray, bound: float, scale: float) -> np.ndarray:
+    """The point with r = (q − p)·float32(1/s) clipped to ±bound: q_i = p_i ± float32(bound·s)."""
+    b, inv = np.float32(bound), np.float32(1.0 / scale)
+    sb = np.float32(float(b) * scale)
+    new = point.copy()
+    for i in range(point.size):
+        x = np.float32(np.float32(point[i] - params[i]) * inv)
+        if x > b:
+            new[i] = np.float32(params[i] + sb)
+        elif x < -b:
+            new[i] = np.float32(params[i] - sb)
+    return new
+
+
+def folded_rescale(point: np.ndarray, params: np.ndarray, ratio: float) -> np.ndarray:
+    """q_i = p_i + (q_i − p_i)·ratio, each operation rounded to float32."""
+    f = np.float32(ratio)
+    new = point.copy()
+    for i in range(point.size):
+        new[i] = np.float32(params[i] + np.float32(np.float32(point[i] - params[i]) * f))
+    return new

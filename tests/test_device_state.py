@@ -180,13 +180,13 @@ def test_the_worker_resolves_its_device():
         for device in ("auto", "cuda"):
             w = _worker(device)
             assert w.device.type == "cuda" and isinstance(w.flat.state, torch.Tensor)
-            assert w.flat.state.device == w.device and w.state.residual.device == w.device
+            assert w.flat.state.device == w.device and w.state.target.device == w.device
         return
     w = _worker("auto")  # no GPU: the CPU, and the NumPy state CPU users had before
-    assert w.device == CPU and isinstance(w.flat.state, np.ndarray) and isinstance(w.state.residual, np.ndarray)
+    assert w.device == CPU and isinstance(w.flat.state, np.ndarray) and isinstance(w.state.target, np.ndarray)
     w = _worker("cpu", tensor_state=True)
-    assert isinstance(w.flat.state, torch.Tensor) and isinstance(w.state.residual, torch.Tensor)
-    assert w.path.views[0].data_ptr() == w.state.residual.data_ptr()  # the direct path aliases the tensor residual
+    assert isinstance(w.flat.state, torch.Tensor) and isinstance(w.state.target, torch.Tensor)
+    assert w.path.views[0].data_ptr() == w.state.target.data_ptr()  # the direct path aliases the tensor it adds into
     with pytest.raises(ValueError, match=r"device 'cuda' was asked for, but torch cannot use CUDA here"):
         _worker("cuda")
 

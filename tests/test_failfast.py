@@ -257,9 +257,9 @@ def wide_mlp():
     return nn.Sequential(nn.Linear(64, 2500), nn.ReLU(), nn.Linear(2500, 2500), nn.ReLU(), nn.Linear(2500, 10))
 
 
-# parameters, gradients, the residual and the local view's point (P + r, local_view.py: issue 10) are 4x;
-# the rest is slack for the allocator
-SGD_MULTIPLE = 6.0
+# parameters, gradients and the residual folded into the local view's point (P + r, local_view.py:
+# issue 10) are 3x; the rest is slack for the allocator
+SGD_MULTIPLE = 5.0
 
 
 def _growth(report) -> int:

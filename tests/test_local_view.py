@@ -114,7 +114,7 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         w = _worker(local_view)
         sink, seen = _Sink(), []
         w.step(sink, 0)  # leaves a residual: 95 % of the first update stays unsent
-        r = _host(w.state.residual)
+        r = _host(w.state.residual_values())
         p = _host(w.flat.array)
         assert np.abs(r).max() > 0
         w.optimizer.register_step_pre_hook(
@@ -125,3 +125,78 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         want, other = (at_view, at_p) if local_view else (at_p, at_view)
         np.testing.assert_allclose(seen[0], want, rtol=1e-5, atol=1e-7)
         assert not np.allclose(seen[0], other, rtol=1e-3, atol=1e-6)
+
+
+def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12) -> Worker:
+    """One worker stepped against its own log (benchmarks/precision_step.LocalLog), with clipping and a
+    calibrated τ: every pass that reads the residual runs."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from precision_step import LocalLog
+
+    from gradshare.worker import ApplyLog
+
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=_model(3),
+                       loss=nn.CrossEntropyLoss(), optimizer=optimizer,
+                       threshold_rule=encoding.CalibratedThreshold(density=0.05, min_entries=0),
+                       residual_clip=encoding.ResidualClipping(clip=2.0, every=3), steps_per_epoch=(8,), epochs=2,
+                       batch_size=16, staleness=staleness, seed=0, label_dtype="int64", apply_scale=scale,
+                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
+                       extra={"folded_view": folded})
+    w, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
+    w.log = ApplyLog(log, w.flat, 0, 10.0, scale=scale)
+    for t in range(steps):
+        w.log.apply_through(t - 1 - staleness)
+        w.step(log, t)
+    w.log.apply_through(steps - 1)
+    return w
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_folded_view_learns_what_the_two_buffer_view_learns_up_to_rounding(staleness):
+    # SGD's update is linear in the gradient, so a rounding-sized difference of the point stays that
+    # size (Adam's first steps, lr·sign(g), would amplify it where g ~ 0); an lr schedule, clipping and
+    # the lookahead (staleness 1) all run.
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    folded, two = _lockstep(True, staleness, sgd), _lockstep(False, staleness, sgd)
+    assert folded.state.folded and folded.state.residual is None and folded.flat.point is not None
+    assert not two.state.folded and isinstance(two.view, LocalView)  # the A/B really compared two forms
+    p_f, p_t = folded.flat.array, two.flat.array
+    assert np.abs(p_f - FlatParams(_model(3)).array).max() > 1e-2  # it trained
+    np.testing.assert_allclose(p_f, p_t, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(folded.state.residual_values(), two.state.residual_values(), rtol=0, atol=1e-6)
+    assert folded.state.tau == pytest.approx(two.state.tau, rel=1e-5)
+
+
+def test_the_two_buffer_view_stays_where_folding_would_change_what_is_learnt():
+    adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    decay = lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-2)  # noqa: E731
+    mean = _lockstep(True, 0, adam, scale=0.5, steps=1)  # aggregate="mean": the point must move by s·u
+    general = _lockstep(True, 0, decay, steps=1)  # weight decay reads the parameter: the general path
+    for w in (mean, general):
+        assert not w.state.folded and w.flat.point is None and isinstance(w.view, LocalView)
+    assert _lockstep(True, 0, adam, steps=1).state.folded
+
+
+def test_a_parameter_changed_in_place_under_the_folded_view_changes_p():
+    # As with the two-buffer view: the replica leaves the log and the fit's hash check names it. The
+    # changed parameter's point (its residual with it) becomes P; the others are untouched.
+    from gradshare.local_view import FoldedView
+
+    model = _model(0)
+    flat = FlatParams(model)
+    point = flat.keep_point()
+    point += np.float32(0.25)  # r = 0.25 everywhere
+    before = flat.array.copy()
+    view = FoldedView(flat, point)
+    with view.around():
+        with torch.no_grad():
+            model[2].bias += 1.0
+    bias = slice(flat.n_params - 3, flat.n_params)
+    np.testing.assert_allclose(flat.array[bias], before[bias] + 1.25, rtol=1e-6)
+    assert flat.array[: bias.start].tobytes() == before[: bias.start].tobytes()
+    assert all(p.data.data_ptr() == v.data_ptr() for p, v in zip(flat.params, flat.views(flat.array)))

@@ -87,20 +87,20 @@ def test_a_skipped_fp16_step_sends_an_empty_message_and_leaves_residual_and_para
     for t in range(3):
         assert _step(w, peer, t).n_entries > 0  # a calibrated τ sends something every real step
     w.log.apply_through(2 - staleness)  # what the next step starts from
-    params, residual = w.flat.array.copy(), w.state.residual.copy()
+    params, residual = w.flat.array.copy(), w.state.residual_values().copy()
     moments = [s["exp_avg"].clone() for s in w.optimizer.state.values()]
     scale = w.precision.scaler.get_scale()
     w.cfg.loss.poison = True
     msg = _step(w, peer, 3)
     assert msg.form == "empty" and msg.n_entries == 0  # sent all the same: the log advances past step 3
     assert [m[0] for m in peer.messages] == [0, 1, 2, 3]
-    assert np.array_equal(w.state.residual, residual)  # bit for bit: the optimizer never ran
+    assert np.array_equal(w.state.residual_values(), residual)  # bit for bit: the optimizer never ran
     assert np.array_equal(w.flat.array, params)
     assert all(torch.equal(s["exp_avg"], m) for s, m in zip(w.optimizer.state.values(), moments))
     assert w.precision.scaler.get_scale() == scale / 2 and w.precision.skipped == 1
     w.cfg.loss.poison = False
     assert _step(w, peer, 4).n_entries > 0 and w.precision.skipped == 1  # and training goes on
-    assert np.isfinite(w.state.residual).all() and np.isfinite(w.flat.array).all()
+    assert np.isfinite(w.state.residual_values()).all() and np.isfinite(w.flat.array).all()
 
 
 def test_half_precision_forward_with_float32_parameters_and_updates():
@@ -112,7 +112,7 @@ def test_half_precision_forward_with_float32_parameters_and_updates():
             _step(w, peer, t)
         w.log.apply_through(3)
         assert w.flat.array.dtype == np.float32 and all(p.dtype == torch.float32 for p in w.model.parameters())
-        assert w.state.residual.dtype == np.float32 and w.precision.skipped == 0
+        assert w.state.residual_values().dtype == np.float32 and w.precision.skipped == 0
         seen[name, "hash"] = param_hash(w.flat.array)
     assert (seen["32"], seen["bf16-mixed"], seen["fp16-mixed"]) == (torch.float32, torch.bfloat16, torch.float16)
     assert len({seen[n, "hash"] for n in ("32", "bf16-mixed", "fp16-mixed")}) == 3  # each computes its own way

@@ -116,14 +116,17 @@ def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too(direct):
     # As with k = 0, every in-place change stays in that replica's P (the fit's hash check then names
     # the rank) instead of being encoded and shared, or dropped when P is restored after a lookahead.
     for k in (0, 1, 2):
-        _assert_mutation_stayed_local(*_train(staleness=k, lookahead=True, world=2, mutate_rank=1, direct=direct))
+        # The direct path folds the local view into one buffer (local_view.FoldedView): P takes the
+        # changed parameter's point whole, its unsent residual (a few τ = 1e-2) with it.
+        _assert_mutation_stayed_local(*_train(staleness=k, lookahead=True, world=2, mutate_rank=1, direct=direct),
+                                      atol=0.1 if direct else 1e-3)
 
 
-def _assert_mutation_stayed_local(params, steps):
+def _assert_mutation_stayed_local(params, steps, atol=1e-3):
     bias = slice(20 * 32, 20 * 32 + 32)  # Linear(20, 32): weight first, then bias, in the flat buffer
     p0, p1 = params
     diff = p1 - p0
-    np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=1e-3)
+    np.testing.assert_allclose(diff[bias], 0.5 * steps, atol=atol)
     rest = np.delete(diff, np.arange(bias.start, bias.stop))
     assert np.abs(rest).max() < 1e-4  # both applied the same log; only the mutation differs
 

@@ -389,3 +389,81 @@ def _bitmap_apply(p, steps3, params):
                 c = (b >> (s << 1)) & 3
                 if c:
                     params[base + s] += steps3[c]
+
+
+# --- the folded residual (local_view.py, "Q-form"): q = p + s·r is stored, r = (q − p)·(1/s) is not ---------------
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _count_folded_block(qb, pb, inv, tau):
+    """(entries, non-finite values) of r = (qb − pb)·inv over a block."""
+    cnt = np.int32(0)
+    bad = np.int32(0)
+    for j in range(qb.size):
+        a = abs((qb[j] - pb[j]) * inv)
+        cnt += np.int32(a >= tau)
+        bad += np.int32(not (a <= _FLT_MAX))
+    return cnt, bad
+
+
+@njit(nogil=True, cache=True)
+def _folded_encode(q, p, inv, tau, step, out, k, start):
+    """Emit every |r_i| >= tau of r = (q − p)·inv into ``out`` from ``k`` on, and move q_i by ∓step (step =
+    float32(τ·s), what the log adds at i when it applies the entry), blocks from ``start`` on. Reads r, never
+    stores it. Returns (k, pos, status) as `_accumulate_encode` does (FULL: the block at pos is untouched)."""
+    n = q.size
+    pos = start
+    while pos < n:
+        stop = min(pos + BLOCK, n)
+        qb, pb = q[pos:stop], p[pos:stop]
+        cnt, bad = _count_folded_block(qb, pb, inv, tau)
+        if bad:
+            return k, pos, NONFINITE
+        if cnt:
+            if k + cnt > out.size:
+                return k, pos, FULL
+            for s0 in range(0, qb.size, SUB):
+                sq, sp = qb[s0 : s0 + SUB], pb[s0 : s0 + SUB]
+                c = np.int32(0)
+                for j in range(sq.size):
+                    c += np.int32(abs((sq[j] - sp[j]) * inv) >= tau)
+                if c:
+                    base = pos + s0
+                    for j in range(sq.size):
+                        x = (sq[j] - sp[j]) * inv
+                        if x >= tau:
+                            out[k] = (base + j) << 1
+                            sq[j] = sq[j] - step
+                            k += 1
+                        elif x <= -tau:
+                            out[k] = ((base + j) << 1) | 1
+                            sq[j] = sq[j] + step
+                            k += 1
+                    cnt -= c
+                    if cnt == 0:
+                        break
+        pos = stop
+    return k, n, OK
+
+
+@njit(nogil=True, cache=True)
+def _folded_clip(q, p, inv, bound, scaled_bound):
+    """Where |r_i| = |(q_i − p_i)·inv| > bound, set q_i = p_i ± scaled_bound (float32(bound·s)): r clipped
+    to ±bound. Returns how many entries it clipped."""
+    clipped = 0
+    for i in range(q.size):
+        x = (q[i] - p[i]) * inv
+        if x > bound:
+            q[i] = p[i] + scaled_bound
+            clipped += 1
+        elif x < -bound:
+            q[i] = p[i] - scaled_bound
+            clipped += 1
+    return clipped
+
+
+@njit(nogil=True, cache=True)
+def _folded_rescale(q, p, ratio):
+    """q = p + (q − p)·ratio: r scaled by ratio (the scale s cancels)."""
+    for i in range(q.size):
+        q[i] = p[i] + (q[i] - p[i]) * ratio

@@ -28,6 +28,12 @@ as the tests do) the residual is a float32 torch tensor there, the update and ba
 too, and the encode, the clipping and the calibration sample run there with torch ops
 (encoding/torch_codec.py); only the message's entry codes come to the host. Both give the same
 messages and residuals, bit for bit.
+
+Folded (``fold=(params, point, scale)``, the local view's "Q-form", encoding/folded.py): the state keeps
+the point q = P + s·r instead of r. The optimizer adds its update to q (`target`); the encode, the
+calibration sample, the clipping and the learning-rate rescaling read r as (q − P)/s; the apply log
+applies every message to q as to P (flat.py, `FlatParams.point`). `residual` is then None;
+`residual_values()` and `load_residual()` give and take r in either form (checkpoints).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from gradshare.encoding import folded as folding
 from gradshare.encoding.codec import Vector, decode_entries
 from gradshare.encoding.message import EMPTY, Message
 from gradshare.encoding.threshold import (MAX_THRESHOLD, MIN_THRESHOLD, CalibratingRule, ResidualClipping,
@@ -56,19 +63,30 @@ class SharingState:
     keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
     device: None for a NumPy residual (the Numba path); a torch device or its name for a torch tensor
         residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
+    fold: (params, point, scale) to keep the residual folded into ``point`` = params + scale × r
+        (module docstring): two float32 NumPy arrays of n_params, ``point`` equal to ``params`` (r = 0).
     """
 
     def __init__(self, n_params: int, rule: ThresholdRule, clipping: ResidualClipping | None = None, *,
                  follow_lr: bool = True, keep_pending: bool = False,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None,
+                 fold: tuple[Vector, Vector, float] | None = None) -> None:
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
             raise TypeError("rule must have .threshold and .update(n_entries, n_params)")
         self.rule, self.clipping = rule, clipping
         self.follow_lr, self.keep_pending = bool(follow_lr), bool(keep_pending)
-        self.residual: Vector
-        if device is None:
+        self.residual: Vector | None
+        self.params: Vector | None = None
+        self.point: Vector | None = None
+        self.scale = 1.0
+        if fold is not None:
+            self.params, self.point, self.scale = fold  # checked by every pass over them (folded.py)
+            if tuple(self.point.shape) != (int(n_params),) or tuple(self.params.shape) != (int(n_params),):
+                raise ValueError(f"fold's params and point must have shape ({int(n_params)},)")
+            self.residual = None
+        elif device is None:
             self.residual = np.zeros(int(n_params), dtype=np.float32)
         else:
             import torch
@@ -87,6 +105,66 @@ class SharingState:
     def n_params(self) -> int:
         return self._n_params
 
+    @property
+    def folded(self) -> bool:
+        return self.point is not None
+
+    def fold_pair(self) -> tuple[Vector, Vector] | None:
+        """(point, params) when the residual is folded into the point, else None."""
+        if self.point is None or self.params is None:
+            return None
+        return self.point, self.params
+
+    def plain_residual(self) -> Vector:
+        """The stored residual r (a state that is not folded)."""
+        if self.residual is None:
+            raise ValueError("the residual is folded into the point: read residual_values()")
+        return self.residual
+
+    @property
+    def target(self) -> Vector:
+        """The array a step's update is added to (by the optimizer, capture.py): r, or the point q."""
+        return self.point if self.point is not None else self.plain_residual()
+
+    def residual_values(self) -> Vector:
+        """r: the residual itself, or (folded) a new array (q − P)/s."""
+        pair = self.fold_pair()
+        return folding.unfold(*pair, self.scale) if pair is not None else self.plain_residual()
+
+    def load_residual(self, values: Vector) -> None:
+        """Set r (float32, n_params; NumPy, or a tensor for a tensor residual); folded, on the current P."""
+        pair = self.fold_pair()
+        if pair is not None:
+            point, params = pair
+            if isinstance(point, np.ndarray):
+                values = np.ascontiguousarray(values, dtype=np.float32)
+            else:
+                import torch
+
+                values = torch.as_tensor(values).to(point.device)
+            folding.fold(point, params, values, self.scale)
+            return
+        residual = self.plain_residual()
+        if isinstance(residual, np.ndarray):
+            np.copyto(residual, values)
+        else:
+            import torch
+
+            residual.copy_(torch.as_tensor(values))
+
+    def rescale(self, ratio: float | np.float32) -> None:
+        """r ← ratio·r (float32 ratio)."""
+        ratio32 = np.float32(ratio)
+        pair = self.fold_pair()
+        if pair is not None:
+            folding.rescale_folded(*pair, ratio32)
+            return
+        residual = self.plain_residual()
+        if isinstance(residual, np.ndarray):
+            np.multiply(residual, ratio32, out=residual)
+        else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
+            residual.mul_(float(ratio32))
+
     def set_lr(self, lr: float | None) -> None:
         """The learning rate of the coming step; call before its update enters the residual."""
         if lr is None:
@@ -97,11 +175,7 @@ class SharingState:
         if self.lr_ref is None and lr > 0.0:
             self.lr_ref = lr
         if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
-            ratio = np.float32(lr / self.lr)
-            if isinstance(self.residual, np.ndarray):
-                np.multiply(self.residual, ratio, out=self.residual)
-            else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
-                self.residual.mul_(float(ratio))
+            self.rescale(np.float32(lr / self.lr))
         self.lr = lr
 
     def threshold(self, step: int, update: Vector | None = None, base: Vector | None = None) -> float:
@@ -113,7 +187,11 @@ class SharingState:
             # a rule that calibrates also gives the sample's stride (threshold.CalibratingRule)
             stride = cast(CalibratingRule, self.rule).stride(self.n_params, step)
             start = step % stride  # the sample moves every step: no parameter is never looked at
-            sample = self.residual[start::stride]
+            pair = self.fold_pair()
+            if pair is not None:
+                sample = folding.unfold(pair[0][start::stride], pair[1][start::stride], self.scale)
+            else:
+                sample = self.plain_residual()[start::stride]
             if update is not None:  # the general path adds u = update - base inside the encode
                 u = update[start::stride] if base is None else update[start::stride] - base[start::stride]
                 sample = sample + u
@@ -139,8 +217,18 @@ def share_step(state: SharingState, step: int, *, update: Vector | None = None,
     clipped when due, and with ``keep_pending`` the message is kept for the lookahead.
     """
     tau = state.threshold(step, update, base)
-    message = encode_step(state.residual, update, state.rule, step=step, clipping=state.clipping,
-                          base=base, rewind=rewind, tau=tau)
+    pair = state.fold_pair()
+    if pair is not None:
+        if update is not None:
+            raise ValueError("a folded state takes the update in its point (the direct path): pass no update")
+        message = folding.encode_folded(*pair, tau, state.scale)
+        state.rule.update(message.n_entries, message.n_params)
+        clipping = state.clipping
+        if clipping is not None and clipping.due(step):
+            folding.clip_folded(*pair, clipping.bound(message.threshold), state.scale)
+    else:
+        message = encode_step(state.plain_residual(), update, state.rule, step=step, clipping=state.clipping,
+                              base=base, rewind=rewind, tau=tau)
     state.tau = message.threshold
     if message.n_entries == 0:
         state.silent_steps += 1

@@ -319,6 +319,10 @@ class ResidualClipping:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         return (step + 1) % self.every == 0
 
+    def bound(self, threshold: float) -> np.float32:
+        """The clip bound for a message of this τ: float32(clip·τ), kept finite."""
+        return np.float32(min(self.clip * to_float32_threshold(threshold), 3.4e38))
+
     def apply(self, residual: Vector, threshold: float, step: int) -> bool:
         """Clip ``residual`` (a float32 NumPy array, or a float32 torch tensor on any device) in place
         if ``step`` is due; returns whether it clipped."""
@@ -328,7 +332,7 @@ class ResidualClipping:
             raise TypeError("residual must be a float32 numpy.ndarray or torch.Tensor")
         if not self.due(step):
             return False
-        bound = np.float32(min(self.clip * tau, 3.4e38))
+        bound = self.bound(tau)
         if is_tensor(residual):     # as `tensor`, asked again so that the checker narrows residual
             from gradshare.encoding.torch_codec import clip_tensor_
 

@@ -206,3 +206,48 @@ def quantile_threshold_tensor(values: torch.Tensor, density: float) -> float | N
         kth = float(nonzero.min())
     return min(max(kth, MIN_THRESHOLD), MAX_THRESHOLD)
 
+
+
+# --- the folded residual (encoding/folded.py) on tensors: r = (q − p)·(1/s) is a temporary here ---------------
+
+
+def encode_folded_tensor(point: torch.Tensor, params: torch.Tensor, tau: float, inv: np.float32,
+                         step: np.float32, form: str | None = None) -> Message:
+    """`folded.encode_folded` on float32 tensors of one device (arguments checked there): the same
+    message and the same point, bit for bit. r is computed once into a temporary the size of P (a device
+    has no Numba kernel to read it block by block); on NaN/inf nothing has been changed."""
+    with torch.no_grad():
+        r = (point - params) * float(inv)
+        tau_t = torch.tensor(tau, dtype=torch.float32, device=point.device)
+        found = _entries(r, tau_t)
+        if found is None:
+            i = int(torch.nonzero(~torch.isfinite(r))[0, 0])
+            raise ValueError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
+                             f"{point[i].item()!r}, params[{i}] = {params[i].item()!r}); nothing was changed")
+        index, values = found
+        del r
+        neg = values < 0
+        steps = torch.tensor([float(step), -float(step)], dtype=torch.float32, device=point.device)
+        point[index] -= steps[neg.to(torch.int64)]  # q − step for r >= τ, q − (−step) = q + step for r <= −τ
+        codes = (index << 1) | neg.to(torch.int64)
+        host = codes.cpu().numpy()
+    return _codec._build(host, tau, point.numel(), form)
+
+
+def clip_folded_tensor(point: torch.Tensor, params: torch.Tensor, inv: np.float32, bound: np.float32,
+                       scaled: np.float32) -> int:
+    """`folded.clip_folded` on tensors: the same point, bit for bit."""
+    with torch.no_grad():
+        r = (point - params) * float(inv)
+        high, low = r > float(bound), r < -float(bound)
+        del r
+        point.copy_(torch.where(high, params + float(scaled), torch.where(low, params - float(scaled), point)))
+        return int(high.sum() + low.sum())
+
+
+def rescale_folded_tensor(point: torch.Tensor, params: torch.Tensor, ratio: np.float32) -> None:
+    """`folded.rescale_folded` on tensors: point = params + (point − params)·ratio, the same bits."""
+    with torch.no_grad():
+        diff = point - params
+        diff.mul_(float(ratio))
+        torch.add(params, diff, out=point)
