@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradshare.config import TrainConfig
+
 SYSTEMS = ("gradshare", "ddp", "powersgd", "single")
 LEARNING_RATE = 1e-3
 
@@ -203,10 +205,11 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
 
 # ---------------------------------------------------------------------------------------- gradshare
 def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget: float,
-                  threshold: float | str = "auto", max_sparsity: float | None = None, staleness: int = 0,
-                  lr: float = LEARNING_RATE, residual_clip: float | None = 5.0,
+                  threshold: float | str = TrainConfig.threshold, max_sparsity: float | None = None,
+                  staleness: int = TrainConfig.staleness, lr: float = LEARNING_RATE,
+                  residual_clip: float | None = TrainConfig.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: str = "sum") -> Measured:
+                  aggregate: str = TrainConfig.aggregate) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
