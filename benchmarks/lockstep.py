@@ -31,9 +31,9 @@ from torch import nn
 from gradshare import encoding
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import load, model_factory, test_accuracy
+from gradshare.config import DEFAULT_WARMUP_MIN_STEPS
 from gradshare.spark import PartitionData
 from gradshare.transport import Update
-from gradshare.trainer import DEFAULT_WARMUP_MIN_STEPS
 from gradshare.worker import ApplyLog, Worker, WorkerConfig
 
 

@@ -99,7 +99,7 @@ class TrainConfig:
     verbose: int = 1
     validation_data: ValidationData | None = None
     metric: Metric | None = None
-    early_stopping: Mapping[str, object] | EarlyStopping | None = None
+    early_stopping: dict[str, object] | EarlyStopping | None = None
     on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = None
     label_dtype: LabelDtype | None = None
     datagram_size: int = DEFAULT_DATAGRAM_SIZE
@@ -122,7 +122,7 @@ class TrainConfig:
     drop_last: bool | Literal["auto"] = "auto"
     precision: Precision = "32"
     device: str | torch.device = "auto"
-    mlflow: bool | Mapping[str, object] | None = None
+    mlflow: bool | dict[str, object] | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
 

@@ -41,17 +41,16 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from gradshare.config import (  # noqa: F401 - FORWARDING, WORKER_OPTIONS, DEFAULT_WARMUP_*: importable here as before
-    DEFAULT_WARMUP_MIN_STEPS, FORWARDING, WORKER_OPTIONS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn,
-    Metric, ModelSpec, OnRankLoss, OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval,
-    ThresholdAlgorithm, TrainConfig, TrainStep, ValidationData,
-    check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
+from gradshare.config import (
+    DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
+    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
+    ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
 )
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.tracking import tracked
@@ -330,7 +329,7 @@ class SharedTrainer:
         verbose: int = TrainConfig.verbose,
         validation_data: ValidationData | None = TrainConfig.validation_data,
         metric: Metric | None = TrainConfig.metric,
-        early_stopping: Mapping[str, object] | EarlyStopping | None = TrainConfig.early_stopping,
+        early_stopping: dict[str, object] | EarlyStopping | None = TrainConfig.early_stopping,
         on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = TrainConfig.on_epoch_end,
         label_dtype: LabelDtype | None = TrainConfig.label_dtype,
         datagram_size: int = TrainConfig.datagram_size,
@@ -353,7 +352,7 @@ class SharedTrainer:
         drop_last: bool | Literal["auto"] = TrainConfig.drop_last,
         precision: Precision = TrainConfig.precision,
         device: str | torch.device = TrainConfig.device,
-        mlflow: bool | Mapping[str, object] | None = TrainConfig.mlflow,
+        mlflow: bool | dict[str, object] | None = TrainConfig.mlflow,
         checkpoint_dir: str | None = TrainConfig.checkpoint_dir,
         checkpoint_every: int = TrainConfig.checkpoint_every,
     ) -> None:
