@@ -96,9 +96,10 @@ def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, s
     return model
 
 
-def digits_experiment(spark, *, workers=2, epochs=30, batch_size=32, threshold="auto",
-                      threshold_algorithm="adaptive", staleness=0, port=0, seed=0, verbose=0,
-                      bind="0.0.0.0", single=True) -> dict:
+def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.batch_size,
+                      threshold=TrainConfig.threshold, threshold_algorithm=TrainConfig.threshold_algorithm,
+                      staleness=TrainConfig.staleness, port=0, seed=TrainConfig.seed, verbose=0,
+                      bind=TrainConfig.bind, single=True) -> dict:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
     from gradshare.trainer import SharedTrainer
 
