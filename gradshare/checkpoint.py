@@ -42,10 +42,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from gradshare.ckpt_service import CheckpointService, ServiceStore
 from gradshare.errors import CheckpointError, TransportTimeout
 from gradshare.flat import int_buffers, load_int_buffers
-from gradshare.stores import CHUNK, Digest, LocalStore, error_line, is_local, read_all
+from gradshare.stores import CHUNK, Digest, HadoopStore, LocalStore, error_line, is_local, read_all
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -77,8 +79,6 @@ def driver_store(root: str, spark_context):
     """The driver's store for `root`: local file I/O, or Spark's Hadoop FileSystem API."""
     if is_local(root):
         return LocalStore(root)
-    from gradshare.stores import HadoopStore
-
     return HadoopStore(spark_context, root)
 
 
@@ -89,8 +89,6 @@ def worker_store(cfg, source: str, rank: int):
     service = cfg.checkpoint.service if cfg.checkpoint is not None else cfg.resume.get("service")
     if is_local(root):
         return LocalStore(root)
-    from gradshare.ckpt_service import ServiceStore
-
     return ServiceStore(service, cfg.key, source, rank, cfg.timeout, root)
 
 
@@ -184,8 +182,6 @@ def _jsonable_fields(obj, what: str) -> dict:
 def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) -> None:
     """Worker `worker.rank`'s state after its last step of epoch epochs_done-1, then its file list,
     tagged with the fit's `run` (its job id) so that rank 0 never takes an earlier fit's list."""
-    import torch
-
     directory = epoch_dir(epochs_done)
     own = f"rank-{worker.rank}"
     residual = worker.state.residual
@@ -444,8 +440,6 @@ def load_params(store, manifest: dict) -> np.ndarray:
 def load_rank(manifest: dict, worker) -> None:
     """Worker state from a checkpoint the driver verified; re-checked here (the files may have changed
     since), all of it before any of it is loaded."""
-    import torch
-
     rank = worker.rank
     store = worker_store(worker.cfg, manifest["source"], rank)
     directory = manifest["directory"]
@@ -507,6 +501,4 @@ def start_service(stores: dict, key: bytes, bind: str, timeout: float):
     """The driver's checkpoint service (ckpt_service.py) when a store is not local, else None."""
     if all(isinstance(store, LocalStore) for store in stores.values()):
         return None
-    from gradshare.ckpt_service import CheckpointService
-
     return CheckpointService(stores, key, bind, timeout).start()

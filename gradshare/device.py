@@ -10,20 +10,17 @@ choice is tested with plain fakes and without a GPU.
 
 from __future__ import annotations
 
-_FROM_SPARK = object()  # default of ``task_context``: ask pyspark (absent pyspark: not in a task)
+import torch
+from pyspark import TaskContext
+
+_FROM_SPARK = object()  # default of ``task_context``: ask pyspark
 
 
 def _spark_task_context():
-    try:
-        from pyspark import TaskContext
-    except ImportError:
-        return None
     return TaskContext.get()  # None on the driver and outside Spark
 
 
 def _cuda_count() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -57,8 +54,6 @@ def resolve_device(device="auto", *, task_context=_FROM_SPARK, cuda_count: int |
     A CUDA device that torch cannot use is a ValueError naming it (no silent fall-back to the CPU:
     the user asked for the GPU, or Spark scheduled one for the task).
     """
-    import torch
-
     if isinstance(device, torch.device):
         dev = device
     elif isinstance(device, str):
@@ -97,8 +92,6 @@ def _check_cuda(dev, count: int, *, why: str) -> None:
 def check_device(device) -> str:
     """``device`` as the name a worker resolves (SharedTrainer checks it on the driver, which may have no
     GPU of its own, so only the spelling is checked here; executors check that CUDA is usable)."""
-    import torch
-
     if isinstance(device, torch.device):
         device = str(device)
     if not isinstance(device, str):
@@ -119,8 +112,6 @@ def select(device):
     """Make a CUDA ``device`` CUDA's current one (kernels launched without a device, autocast's and the
     loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
     if device.type == "cuda":
-        import torch
-
         torch.cuda.set_device(device)
         if device.index is None:
             return torch.device("cuda", torch.cuda.current_device())

@@ -16,11 +16,13 @@ the NumPy views the Numba kernels run on, the CPU default.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import torch
 from torch import nn
 
-from gradshare.vectors import copy_into, copy_of, to_host
+from gradshare.vectors import Vector, copy_into, copy_of, to_host
 
 
 def _check_dtype(kind: str, name: str, t: torch.Tensor, on_device: bool) -> None:
@@ -78,7 +80,7 @@ class FlatParams:
         self.device = None if device is None else torch.device(device)
         self.buffer = torch.empty(self.n_state, dtype=torch.float32, device=self.device)
         # shares memory with `buffer`: a NumPy view on the default path, `buffer` itself on a device
-        self.state: np.ndarray | torch.Tensor = self.buffer if self.device is not None else self.buffer.numpy()
+        self.state: Vector = self.buffer if self.device is not None else self.buffer.numpy()
         self.array = self.state[: self.n_params]  # the parameters (a view: same memory)
         self.buffer_array = self.state[self.n_params :]
         self.live = self.views(self.array)  # the parameters' own views of `buffer`
@@ -89,7 +91,7 @@ class FlatParams:
         self._owners = [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
                         for name in self.buffer_names]
         self._buffer_ptrs = [b.data_ptr() for b in self.buffers]
-        self.twin: np.ndarray | torch.Tensor | None = None  # see keep_twin()
+        self.twin: Vector | None = None  # see keep_twin()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -113,7 +115,7 @@ class FlatParams:
             i -= b.numel()
         raise IndexError(i)
 
-    def _slices(self, array, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _slices(self, array: Vector, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         flat = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
         out, offset = [], 0
         for t in tensors:
@@ -121,7 +123,7 @@ class FlatParams:
             offset += t.numel()
         return out
 
-    def keep_twin(self):
+    def keep_twin(self) -> Vector:
         """Allocate `twin`, a second copy of `array`. Whoever changes the parameters between steps
         (the apply log, `load`) changes both alike, so at the start of a step the twin still holds P
         after the step's local work has moved `array` away from it: the worker measures the update
@@ -130,7 +132,7 @@ class FlatParams:
             self.twin = copy_of(self.array)
         return self.twin
 
-    def views(self, array) -> list[torch.Tensor]:
+    def views(self, array: Vector) -> list[torch.Tensor]:
         """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params; a
         NumPy array, or a torch tensor on the state's device): the layout of `buffer`, over any flat array."""
         if isinstance(array, torch.Tensor):
@@ -155,11 +157,12 @@ class FlatParams:
         if values.shape != (self.n_state,):
             raise ValueError(f"state array has shape {values.shape}, the model needs ({self.n_state},) "
                              f"({self.n_params} parameters + {self.n_buffers} buffer entries)")
-        if self.device is None:
-            np.copyto(self.state, values, casting="same_kind")
+        state = self.state
+        if isinstance(state, np.ndarray):  # device None: the state is this NumPy view
+            np.copyto(state, values, casting="same_kind")
         else:  # the host snapshot crosses to the device once
             host = values.astype(np.float32, casting="same_kind", copy=False)
-            self.state.copy_(torch.from_numpy(np.ascontiguousarray(host)))
+            state.copy_(torch.from_numpy(np.ascontiguousarray(host)))
         if self.twin is not None:
             copy_into(self.twin, self.array)
 
@@ -175,7 +178,7 @@ def int_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b.detach().cpu().clone() for name, b in module.named_buffers() if not b.is_floating_point()}
 
 
-def load_int_buffers(module: nn.Module, values: dict) -> None:
+def load_int_buffers(module: nn.Module, values: Mapping[str, torch.Tensor | np.ndarray]) -> None:
     """Copy `values` (tensors or arrays, from `int_buffers`) into the module's integer buffers."""
     buffers = dict(module.named_buffers())
     with torch.no_grad():

@@ -16,7 +16,8 @@ def param_hash(array: np.ndarray) -> str:
     a = np.asarray(array)
     if a.dtype != np.float32:
         raise ValueError(f"param_hash needs a float32 array (got {a.dtype})")
-    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8), digest_size=16).hexdigest()
+    # .data is memoryview(array) (no copy): numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+    return hashlib.blake2b(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data, digest_size=16).hexdigest()
 
 
 __all__ = ["param_hash"]

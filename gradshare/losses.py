@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from gradshare.validation import metric_value
 
@@ -49,8 +50,6 @@ def match_target(out, y, *, classes: bool = False):
     labels (B, *d). Integer labels for a user's loss are passed through unchecked (index losses such
     as NLLLoss never broadcast).
     """
-    import torch
-
     if not torch.is_tensor(out):
         raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
                         "output (several outputs: pass train_step=)")
@@ -135,8 +134,6 @@ class HookStep:
         self.fn, self.name, self.input_names = fn, f"train_step:{_name(fn)}", input_names
 
     def __call__(self, model, batch):
-        import torch
-
         with explained(batch[:-1], self.input_names):
             loss = self.fn(model, batch)
         if not (torch.is_tensor(loss) and loss.dim() == 0):
@@ -167,8 +164,6 @@ def clip_grad_norm(optimizer: Callable, max_norm: float) -> Callable:
         raise ValueError(f"clip_grad_norm: max_norm must be a positive finite number, got {max_norm!r}")
 
     def factory(params):
-        import torch
-
         params = list(params)
         opt = optimizer(params)
         def clip(*_):  # a step pre-hook must return None
@@ -197,8 +192,6 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
     """Choose label dtype and loss from the label kind and the model's output on one row (`sample`:
     ``(inputs, label)`` NumPy arrays); raise before training on dtype, shape or class-count errors it
     can see (`label_range`: the pre-pass's lowest and highest scalar class label)."""
-    import torch
-
     inputs = tuple(torch.from_numpy(np.array(a)[None]) for a in sample[0])  # a batch of one row
     if label_dtype == "int64" and label_kind == "float" and not labels_whole:
         raise ValueError("label_dtype='int64' but the labels hold fractional or negative values; class "
@@ -236,8 +229,6 @@ def _eval_copy(model):
 def _attempt(fn) -> str | None:
     """Run `fn` without gradients; None when it ran, else why not. InputTypeError is raised: it is the
     user's data or hook, wherever it runs."""
-    import torch
-
     try:
         with torch.no_grad():
             fn()

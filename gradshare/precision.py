@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import torch
+
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
 
 
@@ -47,8 +49,6 @@ class Precision:
     """
 
     def __init__(self, name: str = "32", device_type: str = "cpu") -> None:
-        import torch
-
         self.name = check_precision(name)
         self.device_type = device_type
         self.dtype = {"32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[name]
@@ -59,8 +59,6 @@ class Precision:
         """The context the forward and the loss run in."""
         if self.dtype is None:
             return nullcontext()
-        import torch
-
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss) -> None:

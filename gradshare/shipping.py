@@ -24,14 +24,16 @@ import dataclasses
 import pickle
 from typing import Any, Iterable
 
+import torch
+from pyspark import cloudpickle
+from torch import nn
+
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
 USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
 
 
 def pack_user_objects(cfg):
     """`cfg` with its USER_FIELDS cloudpickled into ``cfg.user_objects`` and set to None."""
-    from pyspark import cloudpickle
-
     objects = {name: getattr(cfg, name) for name in USER_FIELDS}
     return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))
 
@@ -51,9 +53,6 @@ def skeleton(model, tensors: Iterable[Any]):
     tensor (e.g. an int buffer such as BatchNorm's num_batches_tracked) is copied as it is.
 
     The copy never touches the data of `tensors`: deepcopy finds their replacements in its memo."""
-    import torch
-    from torch import nn
-
     memo: dict[int, Any] = {}
     for t in tensors:
         meta = torch.empty_like(t, device="meta")
@@ -65,9 +64,6 @@ def materialize(model):
     """Give every meta parameter and buffer of `model` uninitialised CPU storage, in place (a tensor
     shared by several modules stays shared); returns `model`. The values are garbage until the caller
     loads them (the worker: from the relay's snapshot)."""
-    import torch
-    from torch import nn
-
     done: dict[int, tuple[Any, Any]] = {}  # id -> (meta tensor kept alive so the id stays unique, new)
     for module in model.modules():
         for store in (module._parameters, module._buffers):

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+from pyspark.sql import SparkSession
 
 from gradshare.batches import InputLayout, is_multi, row_inputs, stack_inputs
+from gradshare.spill import SpillWriter
 
 # The directory that holds the `gradshare` package the driver imported. Executors put it on their
 # PYTHONPATH so that they run the same code as the driver (an editable install elsewhere, or none).
@@ -32,8 +34,6 @@ def session_builder(master: str, app_name: str = "gradshare", extra_conf: dict[s
     Local masters (``local[...]``, ``local-cluster[...]``) run Python workers with the driver's own
     interpreter (else executors may not find torch), stay on loopback and keep the UI off.
     """
-    from pyspark.sql import SparkSession
-
     local = master.startswith("local")
     if local:
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -63,8 +63,6 @@ def get_or_create_session(num_workers: int | None = None, master: str | None = N
 
     Returns ``(session, created)``; whoever created it stops it.
     """
-    from pyspark.sql import SparkSession
-
     active = SparkSession.getActiveSession()
     if active is not None and master is None:
         return active, False
@@ -307,8 +305,6 @@ class PartitionData:
         stays within about `spill_bytes` plus one chunk: the rows held so far go to the file when they
         pass the limit, and every later chunk goes there as soon as it is stacked (an in-memory
         partition then joins its chunks: twice its size for a moment, as before)."""
-        from gradshare.spill import SpillWriter
-
         if isinstance(spill_bytes, bool) or not isinstance(spill_bytes, (int, np.integer)) or spill_bytes < 1:
             raise ValueError(f"spill_bytes must be a positive number of bytes, got {spill_bytes!r}")
         chunks: list[tuple[tuple[np.ndarray, ...], np.ndarray]] = []  # held in memory until the limit

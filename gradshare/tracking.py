@@ -33,6 +33,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -47,6 +48,8 @@ class _Options(Protocol):
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 _Trainer = TypeVar("_Trainer", bound=_Options)
+
+import torch
 
 # keys of the mlflow= dict; anything else is a typo the user should hear about
 OPTION_KEYS = ("experiment", "run_name", "tags", "log_model")
@@ -81,6 +84,7 @@ def check_option(value: Any) -> dict | None:
 
 
 def _import_mlflow() -> types.ModuleType:
+    """MLflow itself: the one lazy import here, since it is optional (the [mlflow] extra)."""
     try:
         import mlflow
     except ImportError as e:
@@ -112,7 +116,7 @@ def tracked(
         client = mlflow.tracking.MlflowClient()
         run_id = _start_run(mlflow, client, config)
         try:
-            _log_params(client, run_id, {**trainer.options, **call})
+            _log_params(mlflow, client, run_id, {**trainer.options, **call})
             result = fit(trainer, *args, **kwargs)
         except BaseException:
             _end_run(client, run_id, "FAILED")
@@ -149,9 +153,7 @@ def _start_run(mlflow, client, config: dict) -> str:
     elif active is not None:
         experiment_id = active.info.experiment_id
     else:
-        from mlflow.tracking.fluent import _get_experiment_id  # honours set_experiment / MLFLOW_EXPERIMENT_*
-
-        experiment_id = _get_experiment_id()
+        experiment_id = mlflow.tracking.fluent._get_experiment_id()  # honours set_experiment / MLFLOW_EXPERIMENT_*
     tags = {"mlflow.source.name": "gradshare.SharedTrainer.fit", **config["tags"]}
     if active is not None:
         tags["mlflow.parentRunId"] = active.info.run_id
@@ -162,38 +164,33 @@ def log_result(result, run_id: str, log_model: bool = True) -> None:
     """Log a FitResult into the MLflow run `run_id`: per-epoch metrics, the fit's facts as params, and
     (log_model) the model's state_dict and the history as artifacts."""
     mlflow = _import_mlflow()
-    from mlflow.entities import Metric
-
     client = mlflow.tracking.MlflowClient()
     now = _now_ms()
-    metrics = [Metric(key, float(value), now, int(row["epoch"]))
+    metrics = [mlflow.entities.Metric(key, float(value), now, int(row["epoch"]))
                for row in result.history for key, value in row.items()
                if key != "epoch" and _is_number(value)]
     ratio = result.traffic_ratio
     summary = {"fit_seconds": result.seconds, "total_steps": result.steps,
                "traffic_ratio": ratio if math.isfinite(ratio) else None}
-    metrics += [Metric(key, float(value), now, 0) for key, value in summary.items() if value is not None]
+    metrics += [mlflow.entities.Metric(key, float(value), now, 0)
+                for key, value in summary.items() if value is not None]
     facts = {"world_size": result.world_size, "n_params": result.n_params, "resumed_from": result.resumed_from,
              **{f"fit.{k}": v for k, v in result.extra.items() if k in ("loss", "label_dtype", "inputs")}}
     for i in range(0, len(metrics), MAX_BATCH_METRICS):
         client.log_batch(run_id, metrics=metrics[i:i + MAX_BATCH_METRICS])
-    _log_params(client, run_id, facts)
+    _log_params(mlflow, client, run_id, facts)
     with tempfile.TemporaryDirectory(prefix="gradshare-mlflow-") as tmp:
         history = os.path.join(tmp, "history.json")
         with open(history, "w") as f:
             json.dump(result.history, f, indent=1, default=_plain)
         client.log_artifact(run_id, history)
         if log_model:
-            import torch
-
             path = os.path.join(tmp, "state_dict.pt")
             torch.save(result.model.state_dict(), path)
             client.log_artifact(run_id, path, artifact_path="model")
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 
@@ -201,10 +198,8 @@ def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or hasattr(value, "dtype")
 
 
-def _log_params(client, run_id: str, options: dict) -> None:
-    from mlflow.entities import Param
-
-    params = [Param(name, _describe(value)) for name, value in options.items()]
+def _log_params(mlflow, client, run_id: str, options: dict) -> None:
+    params = [mlflow.entities.Param(name, _describe(value)) for name, value in options.items()]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
         client.log_batch(run_id, params=params[i:i + MAX_BATCH_PARAMS])
 

@@ -31,11 +31,16 @@ import json
 import queue
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
+import torch
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
 
 from gradshare.errors import TrainingError
+from gradshare.spark import dataframe_to_rdd
 
 # validation rows per forward pass on a worker (at least batch_size): bounds the memory of a score
 SCORE_BATCH_ROWS = 1024
@@ -81,9 +86,6 @@ def reduce_sums(messages: Iterable[str]) -> float:
 def _column_kind(dtype) -> str:
     """A column's Spark type as what it becomes for the model: "vector", "int", "float", "bool", or
     "array<...>" of those; "?" for anything else."""
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
-
     if isinstance(dtype, VectorUDT):
         return "vector"
     if isinstance(dtype, ArrayType):
@@ -114,8 +116,6 @@ def check_columns(validation, training, columns: list[str]) -> None:
 
 def validation_rows(validation, training, features_col, label_col):
     """The validation data as an RDD of (features, label) rows, read like the training data."""
-    from gradshare.spark import dataframe_to_rdd
-
     if hasattr(validation, "columns") and hasattr(validation, "rdd"):
         if not (hasattr(training, "columns") and hasattr(training, "rdd")):
             raise ValueError("validation_data is a DataFrame but the training data is an RDD: give both as "
@@ -177,8 +177,6 @@ def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> I
 
 def zip_shards(train, shards, train_rows: list[int], shard_rows: list[int]):
     """The training RDD with each row paired to a list of validation rows of the same rank (`pack`)."""
-    from functools import partial
-
     return train.zip(shards.mapPartitionsWithIndex(partial(pack, have=shard_rows, into=train_rows)))
 
 
@@ -248,8 +246,6 @@ def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, time
 def shard_sums(model, step, data, metric, label_dtype: str, batch_rows: int, device) -> tuple[float, float]:
     """(sum, count) of `metric` (None: the step's loss) over a shard, read in slices of `batch_rows`
     (`PartitionData.read` / `SpilledPartition.read`: bounded memory), on the model in eval mode."""
-    import torch
-
     total, count = 0.0, 0.0
     if data is None:
         return total, count

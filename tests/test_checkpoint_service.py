@@ -10,7 +10,7 @@ import pytest
 
 from gradshare.checkpoint import npy_chunks
 from gradshare.ckpt_service import MAX_FRAME, CheckpointService, ServiceStore, _Sealed
-from gradshare.errors import CheckpointError, TransportTimeout
+from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
 from gradshare.stores import CHUNK, Digest, LocalStore
 from gradshare.transport import new_job_key
 
@@ -96,7 +96,7 @@ def test_frames_are_sealed_per_connection():
         _Sealed(a, key, b"1234567", b"C").send(b"hello")
         assert _Sealed(b, key, b"1234567", b"S").receive() == b"hello"
         _Sealed(a, key, b"1234567", b"C").send(b"hello")
-        with pytest.raises(Exception, match="authentication"):
+        with pytest.raises(RemoteProtocolError, match="authentication"):
             _Sealed(b, key, b"7654321", b"S").receive()
     finally:
         a.close()

@@ -294,8 +294,27 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
     assert int(out.stdout.split()[1]) > 0
 
 
-def test_block_constants_are_consistent():
-    assert K.BLOCK % K.SUB == 0 and K.BLOCK >= K.SUB > 0
+@pytest.mark.parametrize("n", [1, K.SUB - 1, K.SUB, K.SUB + 1, K.BLOCK - 1, K.BLOCK, K.BLOCK + 1,
+                               2 * K.BLOCK + K.SUB + 1])
+def test_entries_at_block_and_sub_block_edges_are_all_found(n):
+    # The fused pass scans a block only where its count says an entry is, and a sub-block only where
+    # its own count does: an entry on the first or last element of either, in a short tail block, or
+    # a block where every element crosses τ must still come out once, in order, and be reduced by τ.
+    edges = {0, n - 1}
+    for start in range(0, n, K.SUB):
+        edges |= {start, min(start + K.SUB, n) - 1}
+    r = np.full(n, 0.25, np.float32)
+    u = np.zeros(n, np.float32)
+    r[sorted(edges)] = 1.5
+    u[min(n, K.BLOCK) - 1 :: 2] = -3.0  # the second block (when there is one) is crossed densely
+    want_r, want_codes = naive.accumulate_encode(r, u, 1.0)
+    for threads in (1, 2):
+        got_r = r.copy()
+        m = encode(got_r, u, 1.0, threads=threads)
+        idx, signs = decode_entries(m)
+        np.testing.assert_array_equal((idx << 1) | (signs < 0), want_codes)
+        assert got_r.tobytes() == want_r.tobytes()
+        assert m.n_entries == len(want_codes) >= len(edges)  # every edge crosses τ
 
 
 def test_clustered_entries_pick_varints_and_random_ones_pick_rice():

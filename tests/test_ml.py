@@ -17,6 +17,7 @@ from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.tuning import CrossValidator, CrossValidatorModel, ParamGridBuilder
+from pyspark.errors import AnalysisException
 from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType
 from torch import nn
@@ -119,7 +120,7 @@ def test_model_and_pipeline_model_save_load_give_identical_predictions(digits, f
     for got in (predictions(loaded.transform(scaled), "prediction", "probability"),
                 predictions(loaded_pipeline.transform(test), "prediction", "probability")):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(Exception, match="already exists"):  # MLWriter: no overwrite without .overwrite()
+    with pytest.raises(AnalysisException, match="already exists"):  # MLWriter: no overwrite without .overwrite()
         stage.save(str(tmp_path / "model"))
     stage.write().overwrite().save(str(tmp_path / "model"))
 

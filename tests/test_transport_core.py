@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.hashing import param_hash
+from gradshare.transport.peer_core import PeerCore
 from harness import Sim, drive
 
 
@@ -134,6 +135,60 @@ def test_snapshot_survives_loss_and_reordering():
     drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
     assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
     drive(sim, lambda: not sim.relay.transfers)      # SNAP_DONE freed the transfer (or it will expire)
+
+
+
+def _second_snapshot(snap_done) -> PeerCore:
+    """A peer downloads the initial snapshot, step 0 is applied, and it asks again: ``snap_done(held)``
+    decides what becomes of the first download's SNAP_DONE (``held``, not yet sent) meanwhile."""
+    sim = Sim(world_size=1, n_params=30_000, seed=33)
+    p = sim.add_peer(0)
+    drive(sim, lambda: p.state == "joined")
+    p.request_snapshot(sim.now)
+    drive(sim, lambda: p.snapshot is not None)
+    held = p.datagrams_to_send()                     # the SNAP_DONE the completing chunk produced
+    payload = sim.make_payload(5)
+    sim.sent[(0, 0)] = payload
+    p.send_update(0, payload, None, sim.now)
+    drive(sim, lambda: sim.relay.complete_through == 0 and p.complete_through == 0)
+    p.request_snapshot(sim.now)
+    snap_done(sim, held)
+    drive(sim, lambda: p.snapshot is not None)
+    step, params = p.snapshot
+    assert step == 0 and param_hash(params) == param_hash(sim.relay.params)
+    return p
+
+
+def test_second_snapshot_when_the_first_snap_done_arrives_after_the_request():
+    """The peer shell sends a completed download's SNAP_DONE from its receiver thread, so it can reach the
+    relay after the next fetch's request: the relay answered that request with the finished transfer,
+    then forgot it, and the peer NAKed a snapshot id the relay no longer knew, until its timeout."""
+    def late(sim, held):
+        sim.pump()                                   # the new request reaches the relay first
+        for d in held:
+            sim.relay.receive_datagram(d, 0, sim.now)
+    _second_snapshot(late)
+
+
+def test_second_snapshot_when_the_first_snap_done_is_lost():
+    """A lost SNAP_DONE leaves the relay holding the finished transfer of step -1: the next fetch must
+    still get the parameters through step 0, not that old transfer again."""
+    _second_snapshot(lambda sim, held: None)
+
+
+
+def test_snapshot_download_survives_the_relay_dropping_its_transfer():
+    """The relay drops a transfer on SNAP_DONE of its id (a late one, of an earlier download of the same
+    shared snapshot) or when idle; it then drops the peer's NAKs too. The peer asks again."""
+    sim = Sim(world_size=1, n_params=30_000, seed=34, snapshot_rate=1e6)   # 120 ms of chunks
+    p = sim.add_peer(0)
+    drive(sim, lambda: p.state == "joined")
+    p.request_snapshot(sim.now)
+    drive(sim, lambda: p.snap is not None)
+    sim.relay.snaps.done(0, p.snap.info.snap_id)
+    drive(sim, lambda: p.snapshot is not None)
+    assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
+    assert sim.relay.drops["stale_snapshot"] >= 1     # it did NAK the forgotten transfer first
 
 
 from hypothesis import given, settings  # noqa: E402

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from gradshare.errors import ProtocolError
+from gradshare.errors import LocalProtocolError
 from gradshare.transport import events as ev
 from gradshare.transport import peer, relay, wire
 from gradshare.transport.channel import Channel
@@ -45,7 +45,7 @@ def test_a_welcome_for_another_job_is_a_rejected_event():
     p.receive_datagram(relay_chan.seal_control(ev.Welcome(101, 2, 0, -1)), "relay", 0.01)
     (e,) = _events(p)
     assert isinstance(e, ev.Rejected) and "n_params=101" in e.reason and e.reason == p.error
-    with pytest.raises(ProtocolError, match="n_params=101"):
+    with pytest.raises(LocalProtocolError, match="n_params=101"):
         p.send_update(0, b"", None, 0.02)
 
 

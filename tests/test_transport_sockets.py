@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gradshare.errors import ProtocolError, TransportTimeout
+from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
 from transport_util import TOY, random_update, toy_apply_payload
 
@@ -129,8 +129,8 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
         relay = Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="127.0.0.1").start()
         p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
         p.join(3)
-        with pytest.raises(Exception):
-            p.send_update(5, b"")               # wrong step: LocalProtocolError
+        with pytest.raises(LocalProtocolError, match="must send step 0 next"):
+            p.send_update(5, b"")               # wrong step: our misuse, not the wire's
         p.close()
         p.close()                                # idempotent
         relay.close()
@@ -139,6 +139,19 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
             pass
     assert threading.active_count() == before_t
     assert fds() == before_fd
+
+
+def test_fetch_snapshot_refuses_a_wrong_buffer_before_asking():
+    key = new_job_key()
+    with Relay(np.arange(10, dtype=np.float32), 1, key, 3, port=0, bind="127.0.0.1") as relay:
+        with Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5) as p:
+            p.join(3)
+            with pytest.raises(ValueError, match=r"into must be .* float32 array of shape \(10,\)"):
+                p.fetch_snapshot(3, into=np.zeros(9, np.float32))
+            assert relay.counters().get("snapshots", 0) == 0
+            into = np.zeros(10, np.float32)
+            step, values = p.fetch_snapshot(3, into=into)
+            assert values is into and values.tolist() == list(range(10)) and step == -1
 
 
 def test_real_encoding_messages_make_bit_identical_replicas():
@@ -233,6 +246,23 @@ def test_relay_command_line(tmp_path, capsys):
     assert "relay listening on 127.0.0.1:" in out
     with pytest.raises(SystemExit, match="key"):
         main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10"])
+
+
+def test_fetch_snapshot_again_in_one_session():
+    """Each fetch gets the parameters through the step the relay holds now (the second one used to wait
+    for its timeout at "0/N chunks": the first download's SNAP_DONE reached the relay after it)."""
+    key = new_job_key()
+    rng = np.random.default_rng(6)
+    n = 200_000                                       # several hundred chunks: the last one is the race
+    with Relay(rng.standard_normal(n).astype(np.float32), 1, key, 8, port=0, bind="127.0.0.1", **TOY) as relay:
+        with Peer(relay.address, 0, 1, 0, key, 8, n, timeout=10) as p:
+            p.join(5)
+            for t in (-1, -1, 0, 1):                  # back to back first: the closest race
+                if t >= 0:
+                    p.send_update(t, random_update(rng, n, 30))
+                    p.receive(until_step=t, timeout=5)
+                step, snap = p.fetch_snapshot(5)
+                assert step == t and param_hash(snap) == relay.param_hash()
 
 
 def test_retried_stage_resumes_from_snapshot_over_sockets():

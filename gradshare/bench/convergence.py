@@ -21,11 +21,13 @@ Top-level imports are stdlib only (the CLI imports this module to build its pars
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import tempfile
 import time
+from datetime import datetime, timezone
 
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
@@ -419,9 +421,6 @@ NOTES = [
 
 
 def write_json(path: str, rows: list[dict], parts: list[dict], *, command: str, config: dict) -> dict:
-    import json
-    from datetime import datetime, timezone
-
     from gradshare.bench.report import machine
     from gradshare.bench.systems import STEP_DECAY_AT, STEP_DECAY_GAMMA
 

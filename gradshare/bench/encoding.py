@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 DEFAULT_PARAMS = 10_000_000
 DEFAULT_DENSITY = 1e-3
@@ -101,8 +102,6 @@ def measure(
     target = np.zeros(params, np.float32)
 
     if threads > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         pool = ThreadPoolExecutor(max_workers=threads)
         step = -(-params // threads)
         spans = [(lo, min(lo + step, params)) for lo in range(0, params, step)]

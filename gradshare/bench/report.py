@@ -10,6 +10,9 @@ import platform
 import shlex
 import sys
 from datetime import datetime, timezone
+from importlib import metadata
+
+from gradshare.bench.profile import summarise
 
 WARMUP_STEPS = 3  # steps left out of s/step: JIT compilation, allocator and socket warm-up
 # "Final accuracy" is the mean test accuracy of the last FINAL_EVALS per-epoch evaluations. One
@@ -52,8 +55,6 @@ def row(system: str, workload: str, link: str, measured, target: float) -> dict:
     extra = dict(measured.extra)
     steps_profile = extra.pop("profile_steps", None)
     if steps_profile is not None:
-        from gradshare.bench.profile import summarise
-
         r["profile"] = summarise(steps_profile, WARMUP_STEPS)
     if "relay_bytes" in extra and steps:
         r["relay_bytes_per_step"] = extra["relay_bytes"] / steps
@@ -200,15 +201,11 @@ def machine() -> dict:
             info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         pass
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        import pyspark
-
-        info["pyspark"] = pyspark.__version__
-    except ImportError:
-        pass
+    for package in ("torch", "pyspark"):   # their versions, without importing them
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
     return info
 
 

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
+import threading
 import time
+from collections import Counter
 
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
@@ -79,8 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
     """Several ranks in one process: join, then synchronous steps; records deliveries for the parent."""
-    from collections import Counter
-
     from gradshare.transport import Peer
     from gradshare.transport.events import AGGREGATE_ORIGIN
 
@@ -161,8 +162,6 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
 
 def _thread_cpu(name: str) -> float:
     """CPU seconds used so far by this process's thread called ``name`` (the relay's I/O thread)."""
-    import threading
-
     for th in threading.enumerate():
         if th.name == name:
             return time.clock_gettime(time.pthread_getcpuclockid(th.ident))
@@ -173,9 +172,6 @@ def _thread_cpu(name: str) -> float:
 
 def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> dict:
     """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table."""
-    import multiprocessing as mp
-    import threading
-
     import numpy as np
 
     from gradshare.encoding import CalibratedThreshold

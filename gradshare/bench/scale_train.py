@@ -8,6 +8,9 @@ which is fine: correctness and traffic are measured here, not time.
 Model (the same as bench scale's): per step the relay forwards each rank's update to the N−1 others, so
 its egress is (N−1)·Σ_r w_r, w_r the update's wire bytes (payload + 2-byte meta length + meta + 58 bytes
 of header and AEAD tag per datagram), plus control traffic (ACKs, STATUS pages answering heartbeats).
+
+`gradshare bench scale` imports this module for `sealed_size` and loads no torch or pyspark, so the
+trainer, the demo and Spark are imported by the functions that train.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import json
 import math
 import sys
 
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.crypto import TAG_BYTES
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
 
 META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 
@@ -25,9 +29,6 @@ META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to 
 def sealed_size(body: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tuple[float, int]:
     """(wire bytes, datagrams) of an update body of ``body`` bytes, cut into chunks that each carry a
     header and an AEAD tag."""
-    from gradshare.transport.crypto import TAG_BYTES
-    from gradshare.transport.wire import HEADER_BYTES
-
     per_datagram = HEADER_BYTES + TAG_BYTES
     n = max(1, math.ceil(body / (datagram_size - per_datagram)))
     return body + per_datagram * n, n

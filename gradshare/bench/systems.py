@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradshare.bench.profile import lo_tx_bytes
+from gradshare.bench.workloads import load, model_factory, test_accuracy
 from gradshare.config import TrainConfig
 
 SYSTEMS = ("gradshare", "ddp", "powersgd", "single")
@@ -151,7 +153,6 @@ def _train_steps(module, evaluated, X, y, test, *, rank: int, epochs: int, spe: 
     Returns (per-step wall seconds, [(training seconds, test accuracy)] per epoch, stopped early)."""
     import torch
 
-    from gradshare.bench.workloads import test_accuracy
     from gradshare.spark import epoch_order
 
     opt = adam(module.parameters())
@@ -188,9 +189,6 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
                lr_schedule: str = "constant") -> Measured:
     import torch
 
-    from gradshare.bench.profile import lo_tx_bytes
-    from gradshare.bench.workloads import model_factory
-
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = model_factory(wl.name)()
@@ -218,7 +216,6 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
     sends more than this share of entries), starting at `threshold`; None: SharedTrainer's default rule.
     The LR schedule reaches the workers as `lr_scheduler=` (stepped once per optimizer step) over the
     longest rank's steps."""
-    from gradshare.bench.workloads import model_factory
     from gradshare.encoding import AdaptiveThreshold
     from gradshare.trainer import SharedTrainer
 
@@ -335,9 +332,6 @@ def _ddp_run(spec: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from gradshare.bench.profile import lo_tx_bytes
-    from gradshare.bench.workloads import load, model_factory
 
     t0 = time.monotonic()
     wl = load(spec["workload"], spec["seed"], spec["target"], spec["rows"])

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from gradshare.bench import netns
+from gradshare.bench.netns import LINKS, interfaces
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 
@@ -93,7 +95,6 @@ def comma_list(text: str, allowed, what: str) -> list[str]:
 
 def settings(args: argparse.Namespace) -> dict:
     """The resolved configuration (validated; --quick applied)."""
-    from gradshare.bench.netns import LINKS
     from gradshare.bench.systems import SYSTEMS
     from gradshare.bench.workloads import WORKLOADS
 
@@ -159,8 +160,6 @@ def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[di
 
 
 def _child(args: argparse.Namespace) -> int:
-    from gradshare.bench.netns import interfaces
-
     from gradshare.bench.systems import local_spark, local_spark_env
 
     local_spark_env()
@@ -220,7 +219,7 @@ def _run_child(cmd: list[str], timeout: float) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     if args.child:
         return _child(args)
-    from gradshare.bench import netns, report
+    from gradshare.bench import report
 
     cfg = settings(args)
     notes: list[str] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
 import time
 
@@ -143,8 +144,6 @@ def _proxy_main(target, loss, seed, conn) -> None:
 # --- one measured run ---------------------------------------------------------------------------------
 
 def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> dict:
-    import multiprocessing as mp
-
     import numpy as np
 
     from gradshare.transport import Relay, new_job_key

@@ -45,7 +45,7 @@ class AggregateState:
         default density): the aggregated message stays about the size of one rank's.
     """
 
-    def __init__(self, n_params: int, n_buffers: int = 0, rule=None) -> None:
+    def __init__(self, n_params: int, n_buffers: int = 0, rule: CalibratedThreshold | None = None) -> None:
         if isinstance(n_buffers, bool) or not isinstance(n_buffers, (int, np.integer)) or n_buffers < 0:
             raise ValueError(f"n_buffers must be an int >= 0, got {n_buffers!r}")
         rule = CalibratedThreshold() if rule is None else rule

@@ -11,7 +11,6 @@ a diverged step cannot be sent as ±τ entries.
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +19,10 @@ import numpy as np
 from gradshare.encoding import kernels as _k
 from gradshare.encoding import rice as _rice
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message, bitmap_size, to_float32_threshold
+# The public codec takes either kind of Vector and dispatches on the residual's (or the parameters') kind.
+# "as Vector": re-exported, the encoding modules name it from here.
+from gradshare.vectors import Vector as Vector
+from gradshare.vectors import is_tensor
 
 
 def _check_vector(name: str, array: object, *, writable: bool, n: int | None = None) -> np.ndarray:
@@ -36,13 +39,6 @@ def _check_vector(name: str, array: object, *, writable: bool, n: int | None = N
     if n is not None and array.size != n:
         raise ValueError(f"{name} has {array.size} elements, expected {n}")
     return array
-
-
-def _is_tensor(x: object) -> bool:
-    """Whether ``x`` is a torch.Tensor, without importing torch (`gradshare bench encoding` never does):
-    if torch is not imported, nothing can be a tensor."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _threshold_value(threshold: object) -> float:
@@ -122,13 +118,13 @@ def _build(codes: np.ndarray, tau: float, n_params: int, form: str | None) -> Me
 
 
 def encode(
-    residual: np.ndarray,
-    update: np.ndarray | None,
+    residual: Vector,
+    update: Vector | None,
     threshold: float,
     *,
     form: str | None = None,
     threads: int = 1,
-    base: np.ndarray | None = None,
+    base: Vector | None = None,
     rewind: bool = False,
 ) -> Message:
     """Accumulate ``update`` into ``residual`` IN PLACE and threshold-encode it.
@@ -154,23 +150,25 @@ def encode(
     the same message, bit for bit; update and base must then be tensors on the residual's device, and
     ``threads`` is not used (torch's own threads or the GPU do the work).
     """
-    if _is_tensor(residual):
+    if is_tensor(residual):
         from gradshare.encoding.torch_codec import encode_tensor
 
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        return encode_tensor(residual, update, threshold, form=form, base=base, rewind=rewind)
+        # the ignore: update and base are tensors too, or encode_tensor raises naming them
+        return encode_tensor(residual, update, threshold, form=form, base=base, rewind=rewind)  # type: ignore[arg-type]
+    # each check returns the array it checked: the rebinding tells the checker they are arrays now
     _check_vector("residual", residual, writable=True)
     if update is not None:
-        _check_vector("update", update, writable=False, n=residual.size)
+        update = _check_vector("update", update, writable=False, n=residual.size)
     if base is not None:
         if update is None:
             raise ValueError("base needs an update to subtract it from")
-        _check_vector("base", base, writable=False, n=residual.size)
+        base = _check_vector("base", base, writable=False, n=residual.size)
     if rewind:
         if base is None:
             raise ValueError("rewind needs a base to rewind the update to")
-        _check_vector("update", update, writable=True)
+        update = _check_vector("update", update, writable=True)
         if np.shares_memory(update, base) or np.shares_memory(update, residual):
             raise ValueError("update must not overlap base or residual when rewind is set")
     tau = _threshold_value(threshold)
@@ -217,14 +215,14 @@ def encode(
     return _build(codes, tau, n, form)
 
 
-def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
+def apply(message: Message, params: Vector, scale: float = 1.0) -> None:
     """params[i] += ±τ·scale for every entry of ``message`` (decode-apply, in place).
 
     The step is computed once as float32(τ·scale) and added with float32 arithmetic, so every replica
     that applies the same messages in the same order gets bit-identical parameters. A torch.Tensor
     ``params`` (any device) is updated by `torch_codec.apply_tensor`, to the same bits.
     """
-    if _is_tensor(params):
+    if is_tensor(params):
         from gradshare.encoding.torch_codec import apply_tensor
 
         return apply_tensor(message, params, scale)
@@ -243,7 +241,7 @@ def apply(message: Message, params: np.ndarray, scale: float = 1.0) -> None:
         _k._bitmap_apply(np.frombuffer(message.payload, np.uint8), np.array([0, step, -step], np.float32), params)
 
 
-def _apply_step(message: Message, scale: object) -> np.float32:
+def _apply_step(message: Message, scale: float) -> np.float32:
     """float32(τ·scale), the one step every entry adds (both codecs round it here, on the host)."""
     try:
         scale = float(scale)

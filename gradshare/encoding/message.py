@@ -111,8 +111,9 @@ class Message:
             raise ValueError(f"n_entries must be in [0, n_params={self.n_params}], got {self.n_entries}")
         if self.form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
-        if not isinstance(self.payload, bytes):
-            if not isinstance(self.payload, (bytearray, memoryview)):
+        if not isinstance(self.payload, bytes):  # a bytes-like is accepted, and kept as bytes
+            # the ignore: payload is annotated with what it holds after this line, so the checker sees no way in
+            if not isinstance(self.payload, (bytearray, memoryview)):  # type: ignore[unreachable]
                 raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
             object.__setattr__(self, "payload", bytes(self.payload))
         padded = _check_payload(self.form, self.payload, self.n_params, self.n_entries)

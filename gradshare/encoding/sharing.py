@@ -33,12 +33,18 @@ messages and residuals, bit for bit.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from gradshare.encoding.codec import decode_entries
+from gradshare.encoding.codec import Vector, decode_entries
 from gradshare.encoding.message import EMPTY, Message
-from gradshare.encoding.threshold import MAX_THRESHOLD, MIN_THRESHOLD, ResidualClipping, encode_step
+from gradshare.encoding.threshold import (MAX_THRESHOLD, MIN_THRESHOLD, CalibratingRule, ResidualClipping,
+                                          ThresholdRule, encode_step)
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SharingState:
@@ -52,14 +58,16 @@ class SharingState:
         residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
     """
 
-    def __init__(self, n_params: int, rule, clipping: ResidualClipping | None = None, *,
-                 follow_lr: bool = True, keep_pending: bool = False, device=None) -> None:
+    def __init__(self, n_params: int, rule: ThresholdRule, clipping: ResidualClipping | None = None, *,
+                 follow_lr: bool = True, keep_pending: bool = False,
+                 device: str | torch.device | None = None) -> None:
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
             raise TypeError("rule must have .threshold and .update(n_entries, n_params)")
         self.rule, self.clipping = rule, clipping
         self.follow_lr, self.keep_pending = bool(follow_lr), bool(keep_pending)
+        self.residual: Vector
         if device is None:
             self.residual = np.zeros(int(n_params), dtype=np.float32)
         else:
@@ -96,13 +104,14 @@ class SharingState:
                 self.residual.mul_(float(ratio))
         self.lr = lr
 
-    def threshold(self, step: int, update: np.ndarray | None = None, base: np.ndarray | None = None) -> float:
+    def threshold(self, step: int, update: Vector | None = None, base: Vector | None = None) -> float:
         """The τ step ``step`` encodes with (calibrating the rule when it calibrates)."""
         if self.lr == 0.0:
             return MAX_THRESHOLD  # nothing moves at rate 0: nothing is sent, nothing divides by it
-        calibrate = getattr(self.rule, "calibrate", None)
+        calibrate: Callable[[Vector, int, int], float] | None = getattr(self.rule, "calibrate", None)
         if calibrate is not None:
-            stride = self.rule.stride(self.n_params, step)
+            # a rule that calibrates also gives the sample's stride (threshold.CalibratingRule)
+            stride = cast(CalibratingRule, self.rule).stride(self.n_params, step)
             start = step % stride  # the sample moves every step: no parameter is never looked at
             sample = self.residual[start::stride]
             if update is not None:  # the general path adds u = update - base inside the encode
@@ -120,8 +129,8 @@ class SharingState:
             self.pending.popleft()
 
 
-def share_step(state: SharingState, step: int, *, update: np.ndarray | None = None,
-               base: np.ndarray | None = None, rewind: bool = False) -> Message:
+def share_step(state: SharingState, step: int, *, update: Vector | None = None,
+               base: Vector | None = None, rewind: bool = False) -> Message:
     """Encode this step's share of the residual as one message and advance the state.
 
     Direct path: the optimizer has already added the update to ``state.residual``; call with no

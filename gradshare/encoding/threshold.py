@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from gradshare.encoding.codec import _is_tensor, encode
+from gradshare.encoding.codec import encode
 from gradshare.encoding.message import Message, to_float32_threshold
+from gradshare.vectors import Vector, is_tensor
 
 # DL4J defaults (AdaptiveThresholdAlgorithm): start at 1e-3, keep the sparsity (entries / parameters)
 # inside [1e-4, 1e-2], move τ by a factor 0.5**(1/20) per step: a factor 2 in 20 steps.
@@ -93,6 +95,24 @@ def _adapt(tau: float, n_entries: int, n_params: int, low: float, high: float, d
         return tau
     tau = tau * decay if s < low else tau / decay
     return min(max(tau, MIN_THRESHOLD), MAX_THRESHOLD)
+
+
+class ThresholdRule(Protocol):
+    """What `encode_step` and `SharingState` need of a τ rule: its τ for the next step, and an update
+    by what a step sent (which returns the next τ). Every rule here is one."""
+
+    @property
+    def threshold(self) -> float: ...
+
+    def update(self, n_entries: int, n_params: int) -> float: ...
+
+
+class CalibratingRule(ThresholdRule, Protocol):
+    """A rule that sets τ from a sample of the values about to be encoded (`CalibratedThreshold`)."""
+
+    def stride(self, n_params: int, step: int) -> int: ...
+
+    def calibrate(self, sample: Vector, step: int, n_params: int) -> float: ...
 
 
 class _HeldThreshold:
@@ -198,14 +218,14 @@ def sample_stride(n_params: int, density: float) -> int:
     return max(1, n_params // want)
 
 
-def quantile_threshold(values: np.ndarray, density: float) -> float | None:
+def quantile_threshold(values: Vector, density: float) -> float | None:
     """τ such that about ``density`` of |values| are >= τ (the k-th largest, no full sort).
 
     When fewer than that share of values is non-zero, the smallest non-zero |value| (every non-zero
     value then crosses); None when all are zero or the array is empty (nothing to send). A torch
     tensor is searched on its device (`torch_codec.quantile_threshold_tensor`, the identical τ).
     """
-    if _is_tensor(values):
+    if is_tensor(values):
         from gradshare.encoding.torch_codec import quantile_threshold_tensor
 
         return quantile_threshold_tensor(values, density)
@@ -263,12 +283,13 @@ class CalibratedThreshold(_HeldThreshold):
         start = max(self.warmup_density, density)
         if step >= self.warmup_steps:
             return density
-        return density * (start / density) ** (1.0 - step / self.warmup_steps)
+        ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)   # float ** float: typed Any
+        return density * ramp
 
     def stride(self, n_params: int, step: int) -> int:
         return sample_stride(n_params, self.target(step, n_params))
 
-    def calibrate(self, sample: np.ndarray, step: int, n_params: int) -> float:
+    def calibrate(self, sample: Vector, step: int, n_params: int) -> float:
         """Set τ from ``sample`` (of ``n_params`` values) for step ``step``; keeps the last τ when the
         sample is all zero."""
         tau = quantile_threshold(sample, self.target(step, n_params))
@@ -298,17 +319,17 @@ class ResidualClipping:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         return (step + 1) % self.every == 0
 
-    def apply(self, residual: np.ndarray, threshold: float, step: int) -> bool:
+    def apply(self, residual: Vector, threshold: float, step: int) -> bool:
         """Clip ``residual`` (a float32 NumPy array, or a float32 torch tensor on any device) in place
         if ``step`` is due; returns whether it clipped."""
         tau = to_float32_threshold(threshold)
-        tensor = _is_tensor(residual)
+        tensor = is_tensor(residual)
         if not tensor and (not isinstance(residual, np.ndarray) or residual.dtype != np.float32):
             raise TypeError("residual must be a float32 numpy.ndarray or torch.Tensor")
         if not self.due(step):
             return False
         bound = np.float32(min(self.clip * tau, 3.4e38))
-        if tensor:
+        if is_tensor(residual):     # as `tensor`, asked again so that the checker narrows residual
             from gradshare.encoding.torch_codec import clip_tensor_
 
             clip_tensor_(residual, bound)
@@ -318,14 +339,14 @@ class ResidualClipping:
 
 
 def encode_step(
-    residual: np.ndarray,
-    update: np.ndarray | None,
-    rule: FixedThreshold | AdaptiveThreshold | TargetSparsityThreshold,
+    residual: Vector,
+    update: Vector | None,
+    rule: ThresholdRule,
     *,
     step: int | None = None,
     clipping: ResidualClipping | None = None,
     threads: int = 1,
-    base: np.ndarray | None = None,
+    base: Vector | None = None,
     rewind: bool = False,
     tau: float | None = None,
 ) -> Message:

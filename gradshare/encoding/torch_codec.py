@@ -14,14 +14,17 @@ Differences from the Numba path, both documented where they apply:
   ``rewind`` the whole update has been rewound; either way the residual must be reset, as there.
 - ``threads`` does not apply: torch runs elementwise ops on its own intra-op threads (or the GPU).
 
-The public codec (`encode`, `apply`, `ResidualClipping.apply`, `quantile_threshold`) dispatches here when
-given a torch tensor, so a caller never names this module; importing it imports torch.
+The public codec (`encode`, `apply`, `ResidualClipping.apply`, `quantile_threshold`, `buffer_change`,
+`apply_update`) dispatches here when given a torch tensor, so a caller never names this module. It is the
+encoding package's one seam to torch: importing it imports torch (about 3 s), which the NumPy path (and
+`gradshare bench encoding`) never pays, so those modules import it inside their tensor branches only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from gradshare.encoding import codec as _codec
 from gradshare.encoding.message import FORMS, Message
@@ -79,6 +82,7 @@ def encode_tensor(
     if rewind:
         if base is None:
             raise ValueError("rewind needs a base to rewind the update to")
+        assert update is not None   # a base needs an update: checked above
         if _overlap(update, base) or _overlap(update, residual):
             raise ValueError("update must not overlap base or residual when rewind is set")
     tau = _codec._threshold_value(threshold)
@@ -89,6 +93,7 @@ def encode_tensor(
             # u = update − base is rounded to float32 before it is added, as the fused kernel does.
             residual.add_(update if base is None else update - base)
             if rewind:
+                assert base is not None  # rewind needs a base: checked above
                 update.copy_(base)
         tau_t = torch.tensor(tau, dtype=torch.float32, device=device)
         found = _entries(residual, tau_t)
@@ -148,6 +153,27 @@ def apply_tensor(message: Message, params: torch.Tensor, scale: float = 1.0) -> 
     index = codes >> 1
     with torch.no_grad():
         params[index] += steps[codes & 1]
+
+
+def buffer_change_tensor(before: torch.Tensor, after: torch.Tensor,
+                         world_size: int) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """`update.buffer_change` of two tensors, on their device: (indices, values ÷ world_size) of the
+    entries that changed, the same bits as NumPy's; only those entries come to the host."""
+    with torch.no_grad():
+        delta = after - before
+        index = torch.nonzero(delta).squeeze(1)
+        # A divisor tensor on the device, not a Python scalar: CUDA turns division by a host scalar into
+        # multiplication by its reciprocal, which rounds differently from NumPy's true division.
+        world = torch.tensor(float(world_size), dtype=torch.float32, device=delta.device)
+        values = delta[index] / world
+        return index.cpu().numpy(), values.cpu().numpy()
+
+
+def add_at_tensor(target: torch.Tensor, index: NDArray[np.uint32], values: NDArray[np.float32]) -> None:
+    """target[index] += values (host arrays; `update.apply_update`'s buffer part on a tensor)."""
+    device_index = torch.from_numpy(index.astype(np.int64)).to(target.device)
+    with torch.no_grad():
+        target[device_index] += torch.from_numpy(values).to(target.device)
 
 
 def clip_tensor_(residual: torch.Tensor, bound: np.float32) -> None:

@@ -25,6 +25,7 @@ A job without buffers sends the bare `Message` bytes, exactly as before.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy as np
 from gradshare.encoding.codec import apply
 from gradshare.encoding.message import HEADER, HEADER_SIZE, Message
 from gradshare.errors import DecodeError
+from gradshare.vectors import SameVector, Vector
 
 BUFFER_MAGIC = b"GB"
 BUFFER_VERSION = 1
@@ -58,14 +60,16 @@ class StepUpdate:
                 + self.buffer_value.astype("<f4", copy=False).tobytes())
 
 
-def buffer_change(before, after, world_size: int,
-                  name=lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
+def buffer_change(before: SameVector, after: SameVector, world_size: int,
+                  name: Callable[[int], str] = lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
     `name(i)` says which buffer entry i is in an error. ``before``/``after`` are NumPy arrays or float32
     torch tensors of one device: the change is found there, and only the changed entries come to the
     host (the same bits either way)."""
     if not isinstance(before, np.ndarray):
-        index, values = _tensor_change(before, after, world_size)
+        from gradshare.encoding.torch_codec import buffer_change_tensor  # the torch seam (torch_codec.py)
+
+        index, values = buffer_change_tensor(before, after, world_size)
     else:
         delta = after - before
         index = np.flatnonzero(delta)
@@ -75,19 +79,6 @@ def buffer_change(before, after, world_size: int,
         raise ValueError(f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
                          f"{float(before[bad])}); a non-finite running statistic cannot be shared")
     return index.astype(np.uint32), values
-
-
-def _tensor_change(before, after, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    import torch
-
-    with torch.no_grad():
-        delta = after - before
-        index = torch.nonzero(delta).squeeze(1)
-        # A divisor tensor on the device, not a Python scalar: CUDA turns division by a host scalar into
-        # multiplication by its reciprocal, which rounds differently from NumPy's true division.
-        world = torch.tensor(float(world_size), dtype=torch.float32, device=delta.device)
-        values = delta[index] / world
-        return index.cpu().numpy(), values.cpu().numpy()
 
 
 def decode_update(payload: bytes, n_state: int, *, n_params: int) -> StepUpdate:
@@ -129,7 +120,7 @@ def _message(view: memoryview, n_params: int) -> Message:
     return msg
 
 
-def apply_update(update: StepUpdate, state: np.ndarray, scale: float = 1.0) -> None:
+def apply_update(update: StepUpdate, state: Vector, scale: float = 1.0) -> None:
     """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32).
     ``state`` is a NumPy array or a float32 torch tensor on any device (the same bits: each index occurs
     once, so each entry sees one float32 addition on either)."""
@@ -140,8 +131,6 @@ def apply_update(update: StepUpdate, state: np.ndarray, scale: float = 1.0) -> N
         if isinstance(buffers, np.ndarray):
             buffers[update.buffer_index] += update.buffer_value
         else:
-            import torch
+            from gradshare.encoding.torch_codec import add_at_tensor  # the torch seam (torch_codec.py)
 
-            index = torch.from_numpy(update.buffer_index.astype(np.int64)).to(buffers.device)
-            with torch.no_grad():
-                buffers[index] += torch.from_numpy(update.buffer_value).to(buffers.device)
+            add_at_tensor(buffers, update.buffer_index, update.buffer_value)

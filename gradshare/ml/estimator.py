@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pyspark.ml import Estimator
+from pyspark.sql import functions as F
+from torch import nn
 
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
 from gradshare.ml.persist import EstimatorReader, EstimatorWriter, Saved
+from gradshare.ml.predict import output_spec, parse_inputs
+from gradshare.stopping import early_stopping_from
+from gradshare.trainer import SharedTrainer, default_optimizer
 
 # the constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
 OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
@@ -65,8 +70,6 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
     def trainer(self, validation_data=None):
         """The SharedTrainer these Params describe (it checks every option; no Spark job); `fit` gives
         it the validationIndicatorCol rows as validation_data."""
-        from gradshare.trainer import SharedTrainer, default_optimizer
-
         if self.model is None:
             raise ValueError("GradshareEstimator needs a model: an nn.Module or a factory returning one")
         optimizer = self.optimizer
@@ -81,10 +84,6 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
             **self.getOrDefault(self.trainerOptions))
 
     def _fit(self, dataset) -> GradshareModel:
-        from torch import nn
-
-        from gradshare.ml.predict import output_spec, parse_inputs
-
         # every check reads the schema or the options only: bad input fails here, before any Spark job
         schema = dataset.schema
         features = self.feature_columns()
@@ -105,10 +104,6 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
 
     def _split(self, dataset):
         """(training rows, validation rows or None) by validationIndicatorCol; checked on the schema."""
-        from pyspark.sql import functions as F
-
-        from gradshare.stopping import early_stopping_from
-
         column = self.getOrDefault(self.validationIndicatorCol)
         stopping = early_stopping_from(self.getOrDefault(self.trainerOptions).get("early_stopping"))
         if not column:

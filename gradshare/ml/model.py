@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
+from pyspark import cloudpickle
 from pyspark.ml import Model
+from pyspark.ml.functions import array_to_vector, predict_batch_udf, vector_to_array
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
 
 from gradshare.ml.params import ColumnParams, check_features, check_new
 from gradshare.ml.persist import ModelReader, ModelWriter, Saved
+from gradshare.ml.predict import dump_weights, make_predict
 
 
 class ModuleCopy:
@@ -61,12 +67,6 @@ class GradshareModel(Model, ColumnParams, Saved):
         """The module as one broadcast, made again only when the SparkContext or the weights changed (a
         user may fine-tune `torchModel` between transforms); serialising it once per transform is cheap
         next to a Spark job."""
-        import hashlib
-
-        from pyspark import cloudpickle
-
-        from gradshare.ml.predict import dump_weights
-
         payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
         key = hashlib.sha256(payload[0] + payload[1]).digest()
         if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
@@ -77,9 +77,6 @@ class GradshareModel(Model, ColumnParams, Saved):
 
     def _udf_inputs(self, schema, kinds):
         """The input columns as predict_batch_udf takes them (flat arrays), and their shapes."""
-        from pyspark.ml.functions import vector_to_array
-        from pyspark.sql import functions as F
-
         columns, shapes = [], []
         for name, (kind, depth), spec in zip(self.feature_columns(), kinds, self.spec["inputs"]):
             shape = spec["shape"]
@@ -100,11 +97,6 @@ class GradshareModel(Model, ColumnParams, Saved):
         return columns, shapes
 
     def _transform(self, dataset):
-        from pyspark.ml.functions import array_to_vector, predict_batch_udf
-        from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
-
-        from gradshare.ml.predict import make_predict
-
         if self._module is None:
             raise ValueError("this GradshareModel has no module; get one from GradshareEstimator.fit or .load")
         # every check reads the schema only: bad input fails here, before any Spark job
@@ -146,6 +138,4 @@ class GradshareModel(Model, ColumnParams, Saved):
 
 
 def _struct_field(column: str, field: str):
-    from pyspark.sql import functions as F
-
     return F.col(column).getField(field)

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 from pyspark import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+
+from gradshare.ml.predict import dump_weights, load_module
 
 # pickle/cloudpickle: the model-file format of this Spark ML layer (like torch.save), never the UDP wire
 
@@ -87,7 +90,7 @@ class Saved(MLReadable, MLWritable):
 
 class EstimatorWriter(_Writer):
     def saveImpl(self, path: str) -> None:
-        from gradshare.ml.estimator import OBJECTS
+        from gradshare.ml.estimator import OBJECTS  # lazy: estimator.py imports this module
 
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         objects = {name: getattr(self.instance, name) for name in OBJECTS}
@@ -96,8 +99,6 @@ class EstimatorWriter(_Writer):
 
 class EstimatorReader(_Reader):
     def load(self, path: str):
-        import pickle
-
         instance, _ = _load_params(self, self.cls, path)
         for name, value in pickle.loads(read_bytes(self.sparkSession, os.path.join(path, "objects.pkl"))).items():
             setattr(instance, name, value)
@@ -106,8 +107,6 @@ class EstimatorReader(_Reader):
 
 class ModelWriter(_Writer):
     def saveImpl(self, path: str) -> None:
-        from gradshare.ml.predict import dump_weights
-
         model = self.instance
         if model.torchModel is None:
             raise ValueError("this GradshareModel has no module to save")
@@ -119,10 +118,6 @@ class ModelWriter(_Writer):
 
 class ModelReader(_Reader):
     def load(self, path: str):
-        import pickle
-
-        from gradshare.ml.predict import load_module
-
         instance, metadata = _load_params(self, self.cls, path)
         architecture = read_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"))
         module = load_module(architecture, read_bytes(self.sparkSession, os.path.join(path, "weights.pt")))

@@ -13,10 +13,13 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import pickle
 import re
 from typing import Any
 
 import numpy as np
+import torch
+from pyspark import TaskContext
 
 _INPUT = re.compile(r"(float32|int64|bool)\[([0-9, ]*)\]")
 CLASSIFICATION_LOSSES = ("CrossEntropyLoss", "NLLLoss")
@@ -33,8 +36,6 @@ def parse_inputs(described: str) -> list[dict]:
 
 def zero_batch(inputs: list[dict]):
     """One row of zeros per input (zeros are valid ids for an Embedding too)."""
-    import torch
-
     return tuple(torch.zeros((1, *i["shape"]), dtype=getattr(torch, i["dtype"])) for i in inputs)
 
 
@@ -45,8 +46,6 @@ def output_spec(module, inputs: list[dict], loss_name: str, task: str) -> dict:
     output: prediction = argmax as a double, probability = softmax. Regression: a (B,) or (B, 1) output
     is a double column, anything wider an array of the row's flattened outputs.
     """
-    import torch
-
     try:  # on a copy: a forward may keep state (counters, caches), as in losses.py's probe
         with torch.no_grad():
             out = copy.deepcopy(module).eval()(*zero_batch(inputs))
@@ -74,9 +73,6 @@ class _MakePredict:
         self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
 
     def __call__(self):
-        import torch
-        from pyspark import TaskContext
-
         module = load_module(*self.payload.value)
         module.eval()
         context = TaskContext.get()
@@ -105,8 +101,6 @@ class _MakePredict:
 
 
 def dump_weights(module) -> bytes:
-    import torch
-
     buffer = io.BytesIO()
     torch.save(module.state_dict(), buffer)
     return buffer.getvalue()
@@ -114,10 +108,6 @@ def dump_weights(module) -> bytes:
 
 def load_module(architecture: bytes, weights: bytes) -> Any:
     """Build the module from its pickled factory and load the state_dict (weights_only: tensors, no code)."""
-    import pickle
-
-    import torch
-
     module = pickle.loads(architecture)()
     module.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
     return module

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import Literal, overload
 
 from gradshare.errors import DecodeError
+from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.crypto import MAX_COUNTER, ReplayGuard, Sealer
 from gradshare.transport.wire import HEADER_BYTES, Header
@@ -42,7 +44,7 @@ class Channel:
                                   self.session, c, origin, step, index, count)
         return self.sealer.seal(header, self.sender, self.session, c, body)
 
-    def seal_control(self, msg: object) -> bytes:
+    def seal_control(self, msg: ev.ControlMessage) -> bytes:
         kind, body = wire.encode_control(msg)
         return self.seal(kind, body)
 
@@ -90,7 +92,20 @@ class Channel:
             self.replay.accept(who, h.counter)
         return body
 
-    def control(self, kind: int, body: bytes) -> object | None:
+    # The cores ask for these kinds by name (wire.Kind.JOIN, .FAIL, .FAIL_ACK, .LOADING; a Literal cannot name a class
+    # attribute, hence the numbers): the answer is then that kind's class. Any other kind: the union.
+    @overload
+    def control(self, kind: Literal[1], body: bytes) -> ev.Join | None: ...
+    @overload
+    def control(self, kind: Literal[16], body: bytes) -> ev.Fail | None: ...
+    @overload
+    def control(self, kind: Literal[17], body: bytes) -> ev.FailAck | None: ...
+    @overload
+    def control(self, kind: Literal[18], body: bytes) -> ev.Loading | None: ...
+    @overload
+    def control(self, kind: int, body: bytes) -> ev.ControlMessage | None: ...
+
+    def control(self, kind: int, body: bytes) -> ev.ControlMessage | None:
         """The control message in an authenticated body, or None (counted as bad_body)."""
         try:
             return wire.decode_control(kind, body)

@@ -6,7 +6,13 @@ aioquic ``quic/events.py``). Their byte codecs live in :mod:`gradshare.transport
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations only: this module needs no numpy at run time
+    import numpy as np
+    from numpy.typing import NDArray
 
 # Ranks travel as u16 (0xFFFF is the relay). 1024, not more: per-rank forwarding sends N·(N−1) updates a
 # step, so beyond a few hundred ranks the relay's egress, not this bound, is the limit (issue 13).
@@ -22,6 +28,15 @@ MAX_NAK_ITEMS = 64
 MAX_NOTES = 16             # WELCOME: (name, value) notes an attempt inherits
 MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
 MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits one datagram)
+
+# Where a datagram came from or goes is the I/O shell's business: the cores keep one per rank and hand it
+# back beside each datagram to send. The UDP shells use socket addresses ((host, port) tuples), the
+# in-memory link (memory.py, tests/harness.py) ranks and names.
+Address = Hashable
+# An update's meta: what a rank says about its step (loss, tau, epoch, ...); wire.py checks str -> float
+Meta = dict[str, float]
+# What the cores' counters() return: counts by name, and "drops": reason -> count
+Counters = dict[str, int | dict[str, int]]
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -274,7 +289,7 @@ class Update:
     step: int
     sender: int
     payload: bytes
-    meta: dict | None = None
+    meta: Meta | None = None
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)
@@ -287,7 +302,7 @@ class Update:
 class PeerJoined:
     rank: int
     attempt: int
-    address: tuple
+    address: Address
 
 
 @dataclass(frozen=True)
@@ -387,7 +402,7 @@ class Rejected:
 @dataclass(frozen=True)
 class SnapshotReady:
     step: int
-    params: object           # np.ndarray float32
+    params: NDArray[np.float32]
 
 
 @dataclass(frozen=True)
@@ -411,3 +426,11 @@ class LogComplete:
     """Relay: every rank ended and the whole log is applied."""
 
     complete_through: int
+
+
+# What wire.decode_control can return: one class per control kind (wire.Kind), UPDATE/SNAP_CHUNK excepted
+ControlMessage = (Join | Welcome | Reject | Ack | Nak | Heartbeat | Status | Finished | Leave | SnapRequest
+                  | SnapInfo | SnapNak | SnapDone | Fail | FailAck | Loading)
+# What PeerCore.next_event and RelayCore.next_event return
+PeerEvent = Welcomed | Rejected | SnapshotReady | SnapshotFailed | PeerEnded | FailAck
+RelayEvent = PeerJoined | PeerEnded | PeerFailed | Incident | AttemptStarted | RolledBack | LogComplete

@@ -18,6 +18,8 @@ import threading
 import time
 from collections import Counter
 
+from gradshare.transport.udp import SockAddr
+
 
 class FaultProxy:
     def __init__(self, target: tuple[str, int], *, loss: float = 0.0, duplicate: float = 0.0,
@@ -34,9 +36,9 @@ class FaultProxy:
         self.max_clients, self.max_queued = max_clients, max_queued
         self.stats: Counter[str] = Counter()
         self._front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._up: dict[tuple, socket.socket] = {}          # client address -> upstream socket
-        self._client_of: dict[socket.socket, tuple] = {}
-        self._queue: list = []                              # (due, seq, sock, data, addr)
+        self._up: dict[SockAddr, socket.socket] = {}       # client address -> upstream socket
+        self._client_of: dict[socket.socket, SockAddr] = {}
+        self._queue: list[tuple[float, int, socket.socket, bytes, SockAddr]] = []  # (due, seq, sock, data, addr)
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,7 +61,7 @@ class FaultProxy:
     def __enter__(self) -> FaultProxy:
         return self.start() if self._thread is None else self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -70,7 +72,7 @@ class FaultProxy:
             s.close()
 
     # --- internals ----------------------------------------------------------------------------------
-    def _upstream(self, client: tuple) -> socket.socket | None:
+    def _upstream(self, client: SockAddr) -> socket.socket | None:
         s = self._up.get(client)
         if s is None:
             if len(self._up) >= self.max_clients:
@@ -84,7 +86,7 @@ class FaultProxy:
             self._client_of[s] = client
         return s
 
-    def _schedule(self, now: float, sock: socket.socket, data: bytes, addr: tuple) -> None:
+    def _schedule(self, now: float, sock: socket.socket, data: bytes, addr: SockAddr) -> None:
         """Apply the faults to one datagram and queue what survives."""
         rng = self.rng
         if rng.random() < self.loss:

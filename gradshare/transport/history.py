@@ -14,14 +14,22 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from typing import Generic, TypeVar
+
+from gradshare.errors import LocalProtocolError
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+StepKey = tuple[int, ...]   # what StepKeys holds: (step, ...), ordered by step first
 
 
-class History:
+class History(Generic[K, V]):
     """``size(entry)`` is what an entry counts against ``max_bytes`` (``len`` of bytes by default; the relay
     stores tuples of datagrams)."""
 
-    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[Any], int] = len,
+    # The ignore: ``len`` is the default for entries that are bytes; mypy cannot tie a default to one V,
+    # and a History of other entries (the relay's) passes its own size.
+    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[V], int] = len,  # type: ignore[assignment]
                  by_step: bool = False) -> None:
         """by_step: keys are ``(step, ...)`` tuples and ``discard_through`` is used (the relay)."""
         if max_entries < 1 or max_bytes < 1:
@@ -29,18 +37,18 @@ class History:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.size = size
-        self._d: OrderedDict[Hashable, Any] = OrderedDict()
+        self._d: OrderedDict[K, V] = OrderedDict()
         self._steps = StepKeys() if by_step else None
         self.nbytes = 0
 
-    def put(self, key: Hashable, data: Any) -> list[Hashable]:
+    def put(self, key: K, data: V) -> list[K]:
         """Store ``data`` under ``key``; returns the keys evicted to make room (oldest first)."""
         if key in self._d:
             self.pop(key)
         self._d[key] = data
         self.nbytes += self.size(data)
         if self._steps is not None:
-            self._steps.add(key)
+            self._steps.add(key)  # type: ignore[arg-type]  # by_step promises (step, ...) keys
         evicted = []
         while len(self._d) > 1 and (len(self._d) > self.max_entries or self.nbytes > self.max_bytes):
             k = next(iter(self._d))
@@ -48,20 +56,22 @@ class History:
             evicted.append(k)
         return evicted
 
-    def get(self, key: Hashable) -> Any | None:
+    def get(self, key: K) -> V | None:
         return self._d.get(key)
 
-    def pop(self, key: Hashable) -> Any | None:
+    def pop(self, key: K) -> V | None:
         v = self._d.pop(key, None)
         if v is not None:
             self.nbytes -= self.size(v)
             if self._steps is not None:
-                self._steps.discard(key)
+                self._steps.discard(key)  # type: ignore[arg-type]  # by_step promises (step, ...) keys
         return v
 
     def discard_through(self, step: int) -> int:
         """Drop every entry whose key's step is <= ``step`` (needs ``by_step``); returns how many."""
-        keys = self._steps.discard_through(step)
+        if self._steps is None:
+            raise LocalProtocolError("discard_through needs a History made with by_step=True")
+        keys: list[K] = self._steps.discard_through(step)  # type: ignore[assignment]  # the keys put() gave it
         for k in keys:
             v = self._d.pop(k)
             self.nbytes -= self.size(v)
@@ -72,7 +82,7 @@ class History:
         """Keys ``discard_through`` has looked at so far (the work a trim costs; tests count it)."""
         return self._steps.examined if self._steps is not None else 0
 
-    def discard_where(self, pred) -> int:
+    def discard_where(self, pred: Callable[[K], bool]) -> int:
         keys = [k for k in self._d if pred(k)]
         for k in keys:
             self.pop(k)
@@ -84,7 +94,7 @@ class History:
     def __len__(self) -> int:
         return len(self._d)
 
-    def __iter__(self) -> Iterator[Hashable]:
+    def __iter__(self) -> Iterator[K]:
         return iter(list(self._d))
 
 
@@ -96,21 +106,21 @@ class StepKeys:
     outnumber the live keys the heap is rebuilt from the set (amortised O(1) per removal)."""
 
     def __init__(self) -> None:
-        self._set: set[tuple] = set()
-        self._heap: list[tuple] = []
+        self._set: set[StepKey] = set()
+        self._heap: list[StepKey] = []
         self.examined = 0
 
-    def add(self, key: tuple) -> None:
+    def add(self, key: StepKey) -> None:
         if key not in self._set:
             self._set.add(key)
             heapq.heappush(self._heap, key)
 
-    def discard(self, key: tuple) -> None:
+    def discard(self, key: StepKey) -> None:
         self._set.discard(key)
         if len(self._heap) > 2 * len(self._set) + 64:
             self._heap = sorted(self._set)          # a sorted list is a heap
 
-    def discard_through(self, step: int) -> list[tuple]:
+    def discard_through(self, step: int) -> list[StepKey]:
         out = []
         heap = self._heap
         while heap and heap[0][0] <= step:
@@ -131,5 +141,5 @@ class StepKeys:
     def __len__(self) -> int:
         return len(self._set)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[StepKey]:
         return iter(list(self._set))

@@ -6,18 +6,27 @@ hand; the seeded lossy harness for tests lives in ``tests/harness.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gradshare.transport.events import Address
 from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.relay import RelayOptions
 from gradshare.transport.relay_core import RelayCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
+
+
+class CoreOptions(RelayOptions, total=False):  # what Relay sets itself, RelayCore takes from here
+    liveness_timeout: float
 
 
 def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int | str, *,
                  insecure: bool = False, datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 **relay_options: Any) -> tuple[RelayCore, list[PeerCore]]:
+                 **relay_options: Unpack[CoreOptions]) -> tuple[RelayCore, list[PeerCore]]:
     """(relay, peers): every peer has sent JOIN and received WELCOME at time 0; peer r's address is r."""
     relay = RelayCore(np.zeros(n_params, np.float32), world_size, key, job_id, now=0.0, insecure=insecure,
                       datagram_size=datagram_size, **relay_options)
@@ -27,8 +36,9 @@ def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int 
         p.join(0.0)
         for d in p.datagrams_to_send():
             relay.receive_datagram(d, r, 0.0)
-    for d, r in relay.datagrams_to_send():
-        peers[r].receive_datagram(d, "relay", 0.0)
+    by_address: dict[Address, PeerCore] = dict(enumerate(peers))   # the addresses here are ranks
+    for d, addr in relay.datagrams_to_send():
+        by_address[addr].receive_datagram(d, "relay", 0.0)
     not_joined = [p.rank for p in peers if p.state != "joined"]
     if not_joined:
         raise RuntimeError(f"ranks {not_joined} did not join over the in-memory link")

@@ -21,7 +21,7 @@ class Outstanding:
     trip grows (queues); a fixed timeout would then retransmit what is merely late."""
 
     def __init__(self, max_entries: int, max_bytes: int, min_rto: float) -> None:
-        self.bodies = History(max_entries, max_bytes)
+        self.bodies: History[int, bytes] = History(max_entries, max_bytes)
         self.min_rto = min_rto
         self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
         self.first_sent: dict[int, float] = {}  # step -> first send, while it may still give an RTT sample

@@ -13,27 +13,47 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
 from gradshare.transport import udp
 from gradshare.transport import events as ev
-from gradshare.transport.events import Update, Welcome
+from gradshare.transport.events import Counters, Update, Welcome
 from gradshare.transport.peer_core import PeerCore
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02
 LINGER = 2.0          # close() waits this long (at most) for the relay to acknowledge our last updates
 
 
+class PeerOptions(TypedDict, total=False):
+    """PeerCore's tunables, which Peer hands on unchanged (their meaning and defaults: PeerCore)."""
+
+    heartbeat_interval: float
+    rto: float
+    nak_delay: float
+    nak_interval: float
+    tick: float
+    max_unacked: int
+    max_unacked_bytes: int
+    inbox_messages: int
+    inbox_bytes: int
+    max_ahead: int
+
+
 class Peer:
     def __init__(self, relay_address: tuple[str, int], rank: int, world_size: int, attempt: int,
                  key: bytes | None, job_id: int | str, n_params: int,
                  datagram_size: int = DEFAULT_DATAGRAM_SIZE, timeout: float = 60.0, insecure: bool = False,
-                 bind: str | None = None, **core_options: Any) -> None:
+                 bind: str | None = None, **core_options: Unpack[PeerOptions]) -> None:
         host, port = relay_address
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (got {timeout!r})")
@@ -55,10 +75,10 @@ class Peer:
         # what the core's events said (lock held): its WELCOME, the snapshot fetched, why it cannot go
         # on, whether the relay acknowledged our FAIL
         self._welcome: Welcome | None = None
-        self._snapshot: tuple[int, np.ndarray] | None = None
+        self._snapshot: tuple[int, NDArray[np.float32]] | None = None
         self._error: str | None = None
         self._fail_acked = False
-        self._sock = udp.open_udp(bind if bind is not None else udp.local_bind_for(infos[0][4][0]), 0,
+        self._sock = udp.open_udp(bind if bind is not None else udp.local_bind_for(str(infos[0][4][0])), 0,
                                   f"peer rank {rank}")
         self.address = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._run, name=f"gradshare-peer-{rank}", daemon=True)
@@ -129,7 +149,7 @@ class Peer:
     def _flush_locked(self) -> list[bytes]:
         return self._publish_locked(False)
 
-    def _call(self, method, *args) -> None:
+    def _call(self, method: Callable[..., None], *args: object) -> None:
         """Run a core method under the lock (after the usual checks), then send what it produced."""
         with self._changed:
             self._check()
@@ -147,7 +167,7 @@ class Peer:
         if self._closed:
             raise GradshareError(f"peer rank {self.rank} is closed")
 
-    def _wait_until(self, done, timeout: float) -> bool:
+    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
         """Wait (lock held) until ``done()`` (True) or ``timeout`` passes (False); raises if the peer failed."""
         deadline = time.monotonic() + timeout
         while True:
@@ -159,7 +179,7 @@ class Peer:
                 return False
             self._changed.wait(min(left, 0.05))
 
-    def _wait(self, done, timeout: float, describe) -> None:
+    def _wait(self, done: Callable[[], bool], timeout: float, describe: Callable[[], str]) -> None:
         """Wait (lock held) until ``done()``; TransportTimeout with ``describe()`` otherwise."""
         if not self._wait_until(done, timeout):
             raise TransportTimeout(describe())
@@ -188,29 +208,27 @@ class Peer:
             self._wait(lambda: self._welcome is not None, timeout,
                        lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
                                f"(is the relay running and reachable from {self.address[0]}?)")
+            assert self._welcome is not None   # what _wait waited for
             return self._welcome
 
-    def fetch_snapshot(self, timeout: float | None = None, into: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    def fetch_snapshot(self, timeout: float | None = None,
+                       into: NDArray[np.float32] | None = None) -> tuple[int, NDArray[np.float32]]:
         """(step, params): the relay's authoritative parameters with the log applied through ``step``.
         ``into``: a writable C-contiguous float32 array of n_params that receives them (and is returned)
         instead of a new array; on a timeout or a failed hash check it holds a partial download."""
         timeout = self.timeout if timeout is None else timeout
-        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
-                                 or into.shape != (self._n_params,) or not into.flags.c_contiguous
-                                 or not into.flags.writeable):
-            raise ValueError(f"into must be a writable C-contiguous float32 array of shape "
-                             f"({self._n_params},)")
         with self._lock:
-            self._core.snapshot_destination(into)
+            self._core.snapshot_destination(into)     # ValueError for a wrong `into`
             self._snapshot = None
         self._call(self._core.request_snapshot)
         with self._changed:
             def describe() -> str:
-                got = self._core.snapshot_progress()
-                got = "no SNAP_INFO" if got is None else f"{got[0]}/{got[1]} chunks"
+                chunks = self._core.snapshot_progress()
+                got = "no SNAP_INFO" if chunks is None else f"{chunks[0]}/{chunks[1]} chunks"
                 return f"{self._where()}: snapshot for rank {self.rank} incomplete after {timeout:g} s ({got})"
             self._wait(lambda: self._snapshot is not None, timeout, describe)
-            return self._snapshot
+            # _wait returned, so the receiver thread set it; the checker still holds the None assigned above
+            return self._snapshot  # type: ignore[return-value]
 
     def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
         self._call(self._core.send_update, step, payload, meta)
@@ -268,10 +286,11 @@ class Peer:
         with self._lock:
             return self._core.complete_through
 
-    def counters(self) -> dict:
+    def counters(self) -> Counters:
         with self._lock:
             d = self._core.counters()
-            d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
+            core_drops = cast("dict[str, int]", d["drops"])   # counters() puts the core's drops there
+            d["drops"] = dict(Counter(core_drops) + self._io_drops)
             return d
 
     def close(self, linger: float = LINGER, leave: bool = True) -> None:
@@ -302,5 +321,5 @@ class Peer:
     def __enter__(self) -> Peer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

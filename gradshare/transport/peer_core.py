@@ -16,9 +16,9 @@ to end (each rank's end still comes from STATUS, its own from ``finish``).
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.errors import DecodeError, LocalProtocolError
 from gradshare.hashing import param_hash
@@ -36,13 +36,14 @@ from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 class SnapshotDownload:
     __slots__ = ("info", "buf", "into", "got", "last_chunk", "total")
 
-    def __init__(self, info: ev.SnapInfo, now: float, into: np.ndarray | None = None) -> None:
+    def __init__(self, info: ev.SnapInfo, now: float, into: NDArray[np.float32] | None = None) -> None:
         self.info = info
         self.total = info.n_params * 4
         # into: chunks land straight in the caller's parameter buffer (issue 11: no second copy of the
         # model in a worker that takes its initial weights from the relay)
         self.into = into
-        self.buf = bytearray(self.total) if into is None else memoryview(into).cast("B")
+        # into.data is memoryview(into) (numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only)
+        self.buf = bytearray(self.total) if into is None else into.data.cast("B")
         self.got = RangeSet()
         self.last_chunk = now
 
@@ -67,7 +68,7 @@ class PeerCore:
         self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=rank,
                             attempt=attempt, datagram_size=datagram_size,
                             max_chunks=max(16, -(-max_message // 64)), max_windows=4)
-        self.reasm = Reassembler(4096, 1 << 28, max_message)
+        self.reasm: Reassembler[tuple[int, int]] = Reassembler(4096, 1 << 28, max_message)
         self.heartbeat_interval, self.rto, self.tick = heartbeat_interval, rto, tick
         self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
         self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
@@ -93,8 +94,9 @@ class PeerCore:
         self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK, NAKs]
         self.snap_requested = False
         self.snap: SnapshotDownload | None = None
-        self.snapshot: tuple[int, np.ndarray] | None = None
-        self.snap_into: np.ndarray | None = None  # fetch_snapshot(into=...): the download's destination
+        self.snapshot: tuple[int, NDArray[np.float32]] | None = None
+        self.snap_into: NDArray[np.float32] | None = None  # fetch_snapshot(into=...): the download's destination
+        self.snap_done_id: int | None = None      # the last completed download's snap_id (_ask_snapshot)
         self.failed: ev.Fail | None = None        # our FAIL, resent until the relay acknowledges it
         self.fail_acked = False
         self._last_fail = -1e18
@@ -102,7 +104,7 @@ class PeerCore:
         self._last_join = self._last_hb = self._last_snap_req = -1e18
         self._last_tick = now
         self._out: list[bytes] = []
-        self._events: deque = deque()
+        self._events: deque[ev.PeerEvent] = deque()
         self.c: Counter[str] = Counter()
 
     # --- application calls --------------------------------------------------------------------------
@@ -117,7 +119,7 @@ class PeerCore:
         self._to(PeerTrigger.JOIN)
         self._send_join(now)
 
-    def send_update(self, step: int, payload: bytes, meta: dict | None, now: float) -> None:
+    def send_update(self, step: int, payload: bytes, meta: ev.Meta | None, now: float) -> None:
         self._check_usable("send_update")
         if self.finish_step is not None:
             raise LocalProtocolError(f"rank {self.rank} already sent FINISHED({self.finish_step})")
@@ -143,6 +145,7 @@ class PeerCore:
 
     def finish(self, last_step: int, now: float) -> None:
         self._check_usable("finish")
+        assert self.next_step is not None      # WELCOME set it: joined states come after it
         if last_step != self.next_step - 1:
             raise LocalProtocolError(f"FINISHED({last_step}) but rank {self.rank}'s last sent step is "
                                      f"{self.next_step - 1}")
@@ -162,7 +165,16 @@ class PeerCore:
         self.snap_requested = True
         self.snap = None
         self.snapshot = None
+        self._ask_snapshot(now)
+
+    def _ask_snapshot(self, now: float) -> None:
+        """SNAP_REQUEST, after SNAP_DONE of the previous download again. The relay answers a rank's request
+        with that rank's transfer in flight, and a finished one stays in flight until its SNAP_DONE: lost,
+        the next fetch got the old step's snapshot; sent late (the shell sends it from the receiver thread,
+        a fetch after it can overtake it), it removed the transfer the relay had just named to us."""
         self._last_snap_req = now
+        if self.snap_done_id is not None:
+            self._out.append(self.chan.seal_control(ev.SnapDone(self.snap_done_id)))
         self._out.append(self.chan.seal_control(ev.SnapRequest()))
 
     def fail(self, error_type: str, message: str, now: float) -> None:
@@ -184,7 +196,12 @@ class PeerCore:
         self.computing = step
 
     def snapshot_destination(self, into: np.ndarray | None) -> None:
-        """Where the next snapshot download lands (None: a new array)."""
+        """Where the next snapshot download lands (None: a new array). Checked here, not when the chunks
+        arrive: a wrong buffer would otherwise fail inside receive_datagram, in the shell's I/O thread."""
+        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
+                                 or into.shape != (self.n_params,) or not into.flags.c_contiguous
+                                 or not into.flags.writeable):
+            raise ValueError(f"into must be a writable C-contiguous float32 array of shape ({self.n_params},)")
         self.snap_into = into
 
     def has_ready(self) -> bool:
@@ -230,7 +247,7 @@ class PeerCore:
         self.c["bytes_out"] += sum(len(d) for d in out)
         return out
 
-    def next_event(self) -> Any | None:
+    def next_event(self) -> ev.PeerEvent | None:
         return self._events.popleft() if self._events else None
 
     def next_timer(self) -> float:
@@ -251,8 +268,8 @@ class PeerCore:
             nxt = min(nxt, self._last_tick + self.rto / 10)
         return nxt
 
-    def counters(self) -> dict:
-        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "snapshot_bytes_in",
+    def counters(self) -> ev.Counters:
+        d: ev.Counters = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "snapshot_bytes_in",
                            "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
@@ -261,7 +278,7 @@ class PeerCore:
         return d
 
     # --- input ---------------------------------------------------------------------------------------
-    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+    def receive_datagram(self, data: bytes, addr: ev.Address, now: float) -> None:
         self.c["datagrams_in"] += 1
         self.c["bytes_in"] += len(data)
         h = self.chan.parse(data, wire.MAX_DATAGRAM_SIZE)
@@ -287,10 +304,10 @@ class PeerCore:
             return
         self.last_heard = now
         if h.kind == Kind.FAIL_ACK:         # whatever our state: a failed peer may never have joined
-            msg = self.chan.control(h.kind, body)
-            if msg is not None and (msg.rank, msg.attempt) == (self.rank, self.attempt) and self.failed:
+            ack = self.chan.control(Kind.FAIL_ACK, body)   # h.kind, named for the checker
+            if ack is not None and (ack.rank, ack.attempt) == (self.rank, self.attempt) and self.failed:
                 self.fail_acked = True
-                self._events.append(msg)
+                self._events.append(ack)
             return
         if self.state in (PeerState.CLOSED, PeerState.REJECTED):
             self.chan.drops["after_close"] += 1
@@ -349,6 +366,7 @@ class PeerCore:
         self._events.append(ev.Welcomed(msg))
 
     def _on_status(self, msg: ev.Status) -> None:
+        assert self.cursor is not None         # receive_datagram drops a STATUS before WELCOME
         if msg.start_step != self.cursor.start_step or msg.world_size != self.world_size:
             self.chan.drops["stale_status"] += 1
             return
@@ -429,6 +447,7 @@ class PeerCore:
     def _rank_end(self, rank: int, last_step: int) -> None:
         """Rank ``rank`` has no step after ``last_step``. Aggregated, the log (one slot) ends once every
         rank has ended, at the latest of their ends: each step up to it has a message of some rank."""
+        assert self.cursor is not None         # WELCOME set it: joined states come after it
         if not self.aggregate:
             self.cursor.end(rank, last_step)
             self._drop_after_end(rank, last_step)
@@ -448,6 +467,7 @@ class PeerCore:
 
     def _advance(self) -> None:
         cur = self.cursor
+        assert cur is not None                 # WELCOME set it: joined states come after it
         while True:
             key = cur.next_key()
             if key is None:
@@ -498,6 +518,7 @@ class PeerCore:
                                 ev.SnapshotFailed)
                 return
             self.snapshot = (s.info.step, params)
+            self.snap_done_id = s.info.snap_id
             self.snap = None
             self.snap_requested = False
             self.snap_into = None
@@ -520,6 +541,7 @@ class PeerCore:
             return
         if self.state != PeerState.JOINED:
             return
+        assert self.next_step is not None      # WELCOME set it: joined states come after it
         if now >= self._last_hb + self.heartbeat_interval:
             self._last_hb = now
             self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1,
@@ -527,7 +549,9 @@ class PeerCore:
             if self.finish_step is not None and not self.finish_acked:
                 self._out.append(self.chan.seal_control(ev.Finished(self.finish_step)))
         for step in self.unacked.due(now):           # exponential backoff
-            ds = self.chan.seal_chunks(Kind.UPDATE, self.unacked.get(step), self.rank, step)
+            body = self.unacked.get(step)
+            assert body is not None            # due() names only the steps it holds
+            ds = self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step)
             self._out.extend(ds)
             self.c["retransmits"] += len(ds)
             self.c["timeouts"] += 1
@@ -535,10 +559,15 @@ class PeerCore:
         self.reasm.expire(now, 30.0)
         if self.snap_requested:
             if self.snap is None and now - self._last_snap_req >= self.rto:
-                self._last_snap_req = now
-                self._out.append(self.chan.seal_control(ev.SnapRequest()))
+                self._ask_snapshot(now)
             elif self.snap is not None and now - self.snap.last_chunk >= 2 * self.nak_interval:
                 self.snap.last_chunk = now
+                if now - self._last_snap_req >= self.rto:
+                    # no chunk came: the relay may have dropped the transfer (idle, or a late SNAP_DONE of
+                    # ours named its id), and it drops NAKs of a transfer it does not hold. A request gets
+                    # a new one, or the same SNAP_INFO again, which is ignored.
+                    self._last_snap_req = now
+                    self._out.append(self.chan.seal_control(ev.SnapRequest()))
                 gaps = self.snap.got.gaps(0, self.snap.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
                 for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
                     self._out.append(self.chan.seal_control(
@@ -602,7 +631,7 @@ class PeerCore:
             self.c["naks_sent"] += 1
 
     # --- helpers -------------------------------------------------------------------------------------
-    def _fail_with(self, error: str, event=ev.Rejected) -> None:
+    def _fail_with(self, error: str, event: type[ev.Rejected | ev.SnapshotFailed] = ev.Rejected) -> None:
         """This peer cannot go on: every later call raises ``error``; the shell learns it from the event
         (a repeated cause, e.g. one STATUS page per heartbeat, is told once)."""
         if error != self.error:

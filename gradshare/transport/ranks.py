@@ -6,7 +6,7 @@ bookkeeping the relay core updates as datagrams arrive: address, session, steps 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import overload
 
 from gradshare.transport import events as ev
 from gradshare.transport.rangeset import RangeSet
@@ -22,7 +22,7 @@ class RankState:
 
     def __init__(self, rank: int, now: float, nak_delay: float) -> None:
         self.rank = rank
-        self.addr: Any = None
+        self.addr: ev.Address | None = None
         self.session: int | None = None
         self.status = RankStatus.WAITING    # states.RANK_TRANSITIONS: changed only by to()
         self.last_heard = now
@@ -30,7 +30,7 @@ class RankState:
         self.ended: ev.Ended | None = None
         self.delivered_through = -1
         self.sent_through = -1
-        self.meta: dict | None = None
+        self.meta: ev.Meta | None = None
         self.bytes_in = 0
         self.updates_in = 0
         self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
@@ -68,7 +68,12 @@ class RankTable:
     def __init__(self, world_size: int, now: float, nak_delay: float) -> None:
         self._ranks = [RankState(r, now, nak_delay) for r in range(world_size)]
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> RankState: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[RankState]: ...
+
+    def __getitem__(self, i: int | slice) -> RankState | list[RankState]:
         return self._ranks[i]
 
     def __iter__(self) -> Iterator[RankState]:
@@ -81,7 +86,7 @@ class RankTable:
         """The ranks that get STATUS pages."""
         return [r for r in self._ranks if r.connected]
 
-    def forward_targets(self, origin: int) -> list[Any]:
+    def forward_targets(self, origin: int) -> list[ev.Address]:
         """Where an update of ``origin`` goes: every other live rank's address."""
         return [r.addr for r in self._ranks if r.rank != origin and r.live]
 

@@ -6,7 +6,10 @@ sender retransmits later, so refusing is safe and keeps memory bounded). Partial
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
 class Partial:
@@ -63,7 +66,7 @@ class LateAllowance:
             self.value = max(self.floor, self.value * 0.99)
 
 
-class Reassembler:
+class Reassembler(Generic[K]):
     """Collects chunks per key; ``add`` returns the whole message once its last chunk arrives.
 
     With ``keep_raw`` it also keeps each chunk's sealed datagram (``add(..., raw=)``, counted against
@@ -79,11 +82,11 @@ class Reassembler:
         self.max_bytes = max_bytes
         self.max_message_bytes = max_message_bytes
         self.keep_raw = keep_raw
-        self.partials: dict[Hashable, Partial] = {}
+        self.partials: dict[K, Partial] = {}
         self.nbytes = 0
         self.last_raw: tuple[bytes, ...] = ()
 
-    def add(self, key: Hashable, index: int, count: int, data: bytes, now: float,
+    def add(self, key: K, index: int, count: int, data: bytes, now: float,
             raw: bytes = b"") -> tuple[bytes | None, str | None]:
         """(message, None) when complete; (None, None) when stored/duplicate; (None, reason) when refused."""
         p = self.partials.get(key)
@@ -124,21 +127,21 @@ class Reassembler:
             self.last_raw = tuple(p.raw[i] for i in range(p.count))
         return b"".join(p.chunks[i] for i in range(p.count)), None
 
-    def _drop(self, key: Hashable) -> None:
+    def _drop(self, key: K) -> None:
         p = self.partials.pop(key, None)
         if p is not None:
             self.nbytes -= p.held
 
-    def discard(self, key: Hashable) -> None:
+    def discard(self, key: K) -> None:
         self._drop(key)
 
-    def discard_where(self, pred) -> int:
+    def discard_where(self, pred: Callable[[K], bool]) -> int:
         keys = [k for k in self.partials if pred(k)]
         for k in keys:
             self._drop(k)
         return len(keys)
 
-    def stale(self, now: float, idle: float) -> list[tuple[Hashable, Partial]]:
+    def stale(self, now: float, idle: float) -> list[tuple[K, Partial]]:
         """Partials with no new chunk for ``idle`` seconds (candidates for a NAK)."""
         return [(k, p) for k, p in self.partials.items() if now - p.last_seen >= idle]
 
@@ -146,7 +149,7 @@ class Reassembler:
         """Forget partials idle for ``max_age`` seconds; returns how many."""
         return self.discard_where(lambda k: now - self.partials[k].last_seen >= max_age)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self.partials
 
     def __len__(self) -> int:

@@ -12,18 +12,52 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport import events as ev
 from gradshare.transport import udp
-from gradshare.transport.relay_core import MAX_INCIDENTS, RelayCore
+from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
+
+    # the encoding package loads Numba: the transport imports it where used (relay_core.py, its seam)
+    from gradshare.encoding.aggregate import AggregateState
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02
+
+
+class RelayOptions(TypedDict, total=False):
+    """RelayCore's tunables, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
+
+    decode_update: Callable[[bytes, int], Decoded]
+    apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    history_entries: int
+    history_bytes: int
+    reassembly_messages: int
+    reassembly_bytes: int
+    max_ahead: int
+    nak_delay: float
+    tick: float
+    snapshot_rate: float
+    snapshot_burst: int
+    snapshot_datagram_size: int | None
+    max_snapshots: int
+    defer_apply: bool
+    on_rank_loss: str
+    give_up_after: float
+    join_window: float | None
+    step_timeout: float | None
+    rollback: Callable[[int], RollbackPoint | None] | None
+    forwarding: str
+    aggregator: AggregateState | None
 
 
 class Relay:
@@ -31,7 +65,8 @@ class Relay:
 
     def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
                  port: int = DEFAULT_PORT, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 liveness_timeout: float = 30.0, insecure: bool = False, **core_options: Any) -> None:
+                 liveness_timeout: float = 30.0, insecure: bool = False,
+                 **core_options: Unpack[RelayOptions]) -> None:
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
         core_options.setdefault("defer_apply", True)
@@ -41,12 +76,12 @@ class Relay:
         self._port, self._bind = port, bind
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._sock = None
+        self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self._io_drops: Counter[str] = Counter()
-        self.events: deque = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
+        self.events: deque[ev.RelayEvent] = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
         # what the events said: the log is complete (this attempt), the ranks ended in it, each rank's
         # latest FAIL (first reporter first), the first incidents, the rollbacks
         self._world_size = world_size
@@ -54,7 +89,7 @@ class Relay:
         self._ended: set[int] = set()
         self._failures: dict[int, ev.Fail] = {}
         self._incidents: list[ev.Incident] = []
-        self._rolled_back: list[dict] = []
+        self._rolled_back: list[dict[str, int]] = []
         self.address: tuple[str, int] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -88,12 +123,13 @@ class Relay:
     def __enter__(self) -> Relay:
         return self if self._thread is not None else self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- the I/O loop -------------------------------------------------------------------------------
     def _run(self) -> None:
         core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
+        assert sock is not None                  # start() opened it before starting this thread
         try:
             while not self._stop.is_set():
                 udp.wait_for_work(sock, lock, core, MAX_WAIT)
@@ -147,7 +183,7 @@ class Relay:
 
     # --- accessors ----------------------------------------------------------------------------------
     @property
-    def params(self) -> np.ndarray:
+    def params(self) -> NDArray[np.float32]:
         with self._lock:
             return self._core.copy_params()
 
@@ -160,14 +196,15 @@ class Relay:
         with self._lock:
             return self._core.param_hash()
 
-    def progress(self) -> dict:
+    def progress(self) -> dict[str, object]:
         with self._lock:
             return self._core.progress()
 
-    def counters(self) -> dict:
+    def counters(self) -> ev.Counters:
         with self._lock:
             d = self._core.counters()
-            d["drops"] = dict(Counter(d["drops"]) + self._io_drops)
+            core_drops = cast("dict[str, int]", d["drops"])   # counters() puts the core's drops there
+            d["drops"] = dict(Counter(core_drops) + self._io_drops)
             return d
 
     def failure(self) -> ev.Fail | None:
@@ -190,12 +227,12 @@ class Relay:
         with self._lock:
             return list(self._incidents)
 
-    def epoch_tallies(self) -> dict[tuple[int, int], dict]:
+    def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         with self._lock:
             return self._core.epoch_tallies()
 
-    def rolled_back(self) -> list[dict]:
+    def rolled_back(self) -> list[dict[str, int]]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
         "to": the checkpoint's step} (RelayCore's `rollback`)."""
         with self._lock:
@@ -215,7 +252,7 @@ class Relay:
                         f"{timeout:g} s (log complete through step {self._core.complete_through})")
                 self._changed.wait(min(left, 0.1))
 
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
+    def wait_for(self, predicate: Callable[[RelayCore], bool], timeout: float, what: str) -> None:
         """Wait (with the lock held between checks) until ``predicate(core)`` is true."""
         deadline = time.monotonic() + timeout
         with self._changed:

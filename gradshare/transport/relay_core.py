@@ -45,9 +45,10 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.errors import DecodeError
 from gradshare.hashing import param_hash
@@ -58,17 +59,30 @@ from gradshare.transport.cursor import LogCursor
 from gradshare.transport.history import History, StepKeys
 from gradshare.transport.ranks import RankState, RankTable
 from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.snapshots import SnapshotServer
+from gradshare.transport.snapshots import SnapshotServer, Transfer
 from gradshare.transport.tallies import MAX_EPOCH_ROWS, AttemptNotes, EpochTally
 from gradshare.transport.states import RankTrigger
 from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
+
+# The transport's one seam to the encoding package: imported where used (the default codec, the
+# aggregator), as importing gradshare.encoding loads Numba, +0.6 s on `import gradshare.transport`, which
+# `gradshare --help` pays (the CLI imports relay_main to build its parser): 0.38 s -> 0.94 s measured.
+if TYPE_CHECKING:
+    from gradshare.encoding.aggregate import AggregateState
+    from gradshare.encoding.update import StepUpdate
+
+# Any, for a decoded update: the core only holds it between decode_update and apply_update, which come as
+# a pair (the encoding package's StepUpdate by default; tests plug in a toy codec)
+Decoded = Any
+# what `rollback` answers: (through, params, epochs_done, note); see RelayCore.__init__
+RollbackPoint = tuple[int, NDArray[np.float32], int, float]
 
 
 def _total_len(datagrams: tuple[bytes, ...]) -> int:
     return sum(len(d) for d in datagrams)
 
 
-def default_decode_update(payload: bytes, n_params: int) -> Any:
+def default_decode_update(payload: bytes, n_params: int) -> StepUpdate:
     """Decode with the encoding package: a step update of exactly ``n_params`` parameters and no
     buffers (every index is validated there)."""
     from gradshare.encoding import decode_update
@@ -76,7 +90,7 @@ def default_decode_update(payload: bytes, n_params: int) -> Any:
     return decode_update(payload, n_params, n_params=n_params)
 
 
-def default_apply_update(decoded: Any, params: np.ndarray, scale: float = 1.0) -> None:
+def default_apply_update(decoded: StepUpdate, params: NDArray[np.float32], scale: float = 1.0) -> None:
     from gradshare.encoding import apply_update
 
     apply_update(decoded, params, scale)
@@ -89,8 +103,8 @@ class RelayCore:
     def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
                  now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, liveness_timeout: float = 30.0,
                  insecure: bool = False,
-                 decode_update: Callable[[bytes, int], Any] = default_decode_update,
-                 apply_update: Callable[[Any, np.ndarray], None] = default_apply_update,
+                 decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
+                 apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
                  history_entries: int = 1 << 16, history_bytes: int = 1 << 29,
                  reassembly_messages: int = 4096, reassembly_bytes: int = 1 << 28,
                  max_ahead: int = 4096, nak_delay: float = 0.004, tick: float = 0.002,
@@ -98,8 +112,8 @@ class RelayCore:
                  snapshot_datagram_size: int | None = None, max_snapshots: int = 2,
                  defer_apply: bool = False, on_rank_loss: str = "wait", give_up_after: float = 60.0,
                  join_window: float | None = None, step_timeout: float | None = None,
-                 rollback: Callable[[int], Any] | None = None,
-                 forwarding: str = "per-rank", aggregator: Any = None) -> None:
+                 rollback: Callable[[int], RollbackPoint | None] | None = None,
+                 forwarding: str = "per-rank", aggregator: AggregateState | None = None) -> None:
         """rollback: None, or ``rollback(complete_through) -> None | (through, params, epochs_done, note)``,
         asked when a new attempt starts: the log restarts after step `through` (<= complete_through) from
         `params` (the state the log holds through it), per-(rank, epoch) tallies of epochs >= epochs_done
@@ -137,8 +151,8 @@ class RelayCore:
         self.rollback = rollback
         self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
         self.attempt_notes: tuple[tuple[str, float], ...] = ()  # what this attempt's WELCOME hands over
-        self.rolled_back: list[dict] = []                # one entry per rollback: the attempt and the step
-        self.params = np.array(params, dtype=np.float32, copy=True)
+        self.rolled_back: list[dict[str, int]] = []      # one entry per rollback: the attempt and the step
+        self.params: NDArray[np.float32] = np.array(params, dtype=np.float32, copy=True)
         self.n_params = int(params.size)
         self.world_size = world_size
         self.liveness_timeout = float(liveness_timeout)
@@ -172,8 +186,10 @@ class RelayCore:
         # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
-        self.reasm = Reassembler(reassembly_messages, reassembly_bytes, max_message, keep_raw=True)
-        self.history = History(history_entries, history_bytes, size=_total_len, by_step=True)
+        self.reasm: Reassembler[tuple[int, int]] = Reassembler(reassembly_messages, reassembly_bytes, max_message,
+                                                               keep_raw=True)
+        self.history: History[tuple[int, int], tuple[bytes, ...]] = History(history_entries, history_bytes,
+                                                                             size=_total_len, by_step=True)
         self.max_ahead = max_ahead
         self.nak_delay = nak_delay
         self.tick = tick
@@ -186,16 +202,16 @@ class RelayCore:
         self.attempt_started: float | None = None
         self.cursor = LogCursor(world_size, 0)
         self.ranks = RankTable(world_size, now, nak_delay)
-        self.pending: dict[tuple[int, int], Any] = {}    # (step, rank) -> decoded, validated, not applied
-        self.pending_meta: dict[tuple[int, int], dict] = {}  # their meta, accounted when applied
+        self.pending: dict[tuple[int, int], Decoded] = {}    # (step, rank) -> decoded, validated, not applied
+        self.pending_meta: dict[tuple[int, int], ev.Meta] = {}  # their meta, accounted when applied
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
         self._restart_reason: str | None = None          # on_rank_loss="restart" fired in this attempt
         self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
         self._trim_floor = -2                            # the floor the last trim dropped through
         self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
-        self._out: list[tuple[bytes, Any]] = []
-        self._events: deque = deque()
+        self._out: list[tuple[bytes, ev.Address]] = []
+        self._events: deque[ev.RelayEvent] = deque()
         self._acks: dict[int, list[int]] = {}
         self._last_tick = now
         self._last_now = now                  # the latest datagram's time: aggregates are sent "now"
@@ -209,15 +225,15 @@ class RelayCore:
         return self.cursor.complete_through
 
     @property
-    def transfers(self) -> dict:
+    def transfers(self) -> dict[int, Transfer]:
         """rank -> its snapshot transfer in flight."""
         return self.snaps.transfers
 
     @property
-    def drops(self) -> Counter:
+    def drops(self) -> Counter[str]:
         return self.chan.drops
 
-    def datagrams_to_send(self) -> list[tuple[bytes, Any]]:
+    def datagrams_to_send(self) -> list[tuple[bytes, ev.Address]]:
         if self._acks:
             self._flush_acks()
         if not self._out:
@@ -227,7 +243,7 @@ class RelayCore:
         self.c["bytes_out"] += sum(len(data) for data, _ in out)
         return out
 
-    def next_event(self) -> Any | None:
+    def next_event(self) -> ev.RelayEvent | None:
         return self._events.popleft() if self._events else None
 
     def next_timer(self) -> float:
@@ -239,8 +255,9 @@ class RelayCore:
     def finished(self) -> bool:
         return self.cursor.finished() and not self._apply_due
 
-    def counters(self) -> dict:
-        d = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
+    def counters(self) -> ev.Counters:
+        d: ev.Counters = dict.fromkeys(
+                          ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
                            "updates_in", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
         d["drops"] = dict(self.chan.drops)
@@ -257,10 +274,10 @@ class RelayCore:
         """param_hash of the authoritative parameters."""
         return param_hash(self.params)
 
-    def copy_params(self) -> np.ndarray:
+    def copy_params(self) -> NDArray[np.float32]:
         return self.params.copy()
 
-    def epoch_tallies(self) -> dict[tuple[int, int], dict]:
+    def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         return {k: t.as_dict() for k, t in self.epochs.items()}
 
@@ -268,7 +285,7 @@ class RelayCore:
         """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
         self.snaps.cap_burst(nbytes)
 
-    def progress(self) -> dict:
+    def progress(self) -> dict[str, object]:
         return {
             "complete_through": self.complete_through,
             "attempt": self.attempt,
@@ -282,7 +299,7 @@ class RelayCore:
         }
 
     # --- input ---------------------------------------------------------------------------------------
-    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+    def receive_datagram(self, data: bytes, addr: ev.Address, now: float) -> None:
         self.c["datagrams_in"] += 1
         self.c["bytes_in"] += len(data)
         h = self.chan.parse(data)
@@ -355,7 +372,7 @@ class RelayCore:
         else:
             self.chan.drops["unexpected_kind"] += 1
 
-    def _on_fail(self, h: wire.Header, body: bytes, addr: Any) -> None:
+    def _on_fail(self, h: wire.Header, body: bytes, addr: ev.Address) -> None:
         """Record a rank's deterministic failure (one per rank: ``failures`` stays bounded) and
         acknowledge it; the FAIL is retransmitted until acknowledged, so duplicates are normal."""
         msg = self.chan.control(Kind.FAIL, body)
@@ -453,7 +470,7 @@ class RelayCore:
                                 f"{self.owed_step(rs)} (on_rank_loss='restart')")
 
     # --- join / attempts -----------------------------------------------------------------------------
-    def _on_join(self, h: wire.Header, body: bytes, addr: Any, now: float) -> None:
+    def _on_join(self, h: wire.Header, body: bytes, addr: ev.Address, now: float) -> None:
         msg = self.chan.control(Kind.JOIN, body)
         if msg is None:
             return
@@ -498,7 +515,7 @@ class RelayCore:
         names) and restart the log after it."""
         self.apply_pending()                   # complete_through must be current before it becomes the cut
         base = self.complete_through + 1
-        extra: tuple = ()
+        extra: tuple[tuple[str, float], ...] = ()
         point = None if self.rollback is None else self.rollback(self.complete_through)
         if point is not None:
             through, params, epochs_done, note = point
@@ -719,11 +736,12 @@ class RelayCore:
             self._log_complete_sent = True
             self._events.append(ev.LogComplete(cur.complete_through))
 
-    def _aggregate(self, step: int, decoded: list) -> None:
+    def _aggregate(self, step: int, decoded: list[StepUpdate]) -> None:
         """Step ``step``'s row is complete: encode its one aggregated message (rank order), apply it to
         the authoritative parameters, send it to every live peer and keep it for NAK repair."""
         from gradshare.encoding.aggregate import aggregate_step
 
+        assert self.aggregator is not None      # apply_pending calls this only with forwarding="aggregate"
         agg = aggregate_step(self.aggregator, decoded, step)
         self.apply_update(agg, self.params)
         meta = None
@@ -739,7 +757,7 @@ class RelayCore:
         self.c["aggregate_wire_bytes"] += _total_len(sealed)      # one peer's copy
         self.c["aggregate_entries"] += agg.message.n_entries
 
-    def _tally(self, rank: int, epoch: int, meta: dict) -> None:
+    def _tally(self, rank: int, epoch: int, meta: ev.Meta) -> None:
         tally = self.epochs.get((rank, epoch))
         if tally is None:
             if len(self.epochs) >= MAX_EPOCH_ROWS:
@@ -818,11 +836,11 @@ class RelayCore:
                          tuple(r.received.contiguous_from(start) - 1 for r in ranks),
                          tuple(r.ended for r in ranks if r.ended is not None))
 
-    def _send(self, rs: RankState, msg: object) -> None:
+    def _send(self, rs: RankState, msg: ev.ControlMessage) -> None:
         if rs.addr is not None:
             self._out.append((self.chan.seal_control(msg), rs.addr))
 
-    def _send_to(self, addr: Any, msg: object) -> None:
+    def _send_to(self, addr: ev.Address, msg: ev.ControlMessage) -> None:
         self._out.append((self.chan.seal_control(msg), addr))
 
     def _flush_acks(self) -> None:

@@ -4,7 +4,8 @@
     gradshare relay --new-key job.key ...      # create the key file (mode 0600) and use it
 
 The key never travels over UDP: hand ``job.key`` to the workers the way the Spark job ships it.
-Top-level imports stay light (the CLI imports this module to build its parser).
+The CLI imports this module to build its parser, which loads the transport package (its __init__) anyway:
+what the relay needs is imported here at the top.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from gradshare.config import TrainConfig
+from gradshare.errors import TransportTimeout
+from gradshare.transport import Relay, new_job_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,11 +58,6 @@ def _job_id(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from gradshare.errors import TransportTimeout
-    from gradshare.transport import Relay, new_job_key
-
     if args.params_file:
         params = np.load(args.params_file).astype(np.float32, copy=False).reshape(-1)
     elif args.n_params:
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"gradshare relay: {exc}", file=sys.stderr)
         return 1
+    assert relay.address is not None       # start() set it
     print(f"relay listening on {relay.address[0]}:{relay.address[1]} for {args.world_size} ranks, "
           f"{params.size} parameters{' (INSECURE)' if args.insecure else ''}", flush=True)
     deadline = None if args.duration is None else time.monotonic() + args.duration

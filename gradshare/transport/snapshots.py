@@ -123,7 +123,7 @@ class SnapshotServer:
         dt = min(max(now - last_tick, 0.0), MAX_TICK)
         burst = min(self.rate * dt, self.burst)
         budget = max(1, int(burst / self.chunk_bytes / len(self.transfers)))
-        out = []
+        out: list[tuple[int, Transfer, int]] = []
         for rank, t in list(self.transfers.items()):
             if now - t.last_activity > self.idle_timeout or abandoned(rank):
                 del self.transfers[rank]

@@ -8,7 +8,9 @@ The states are ``str`` enums, so a state also compares equal to its name (``p.st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
+from typing import TypeVar
 
 from gradshare.errors import LocalProtocolError
 
@@ -83,7 +85,11 @@ LEFT_STATES = frozenset({_R.FINISHED_LEFT, _R.GONE_LEFT})
 GONE_STATES = frozenset({_R.GONE, _R.GONE_LEFT, _R.GONE_UNJOINED})
 
 
-def transition(table: dict, state: Enum, trigger: Enum, who: str):
+S = TypeVar("S", bound=Enum)
+T = TypeVar("T", bound=Enum)
+
+
+def transition(table: Mapping[S, Mapping[T, S]], state: S, trigger: T, who: str) -> S:
     """The state after ``trigger`` in ``state``; LocalProtocolError naming both if the table has none."""
     new = table[state].get(trigger)
     if new is None:

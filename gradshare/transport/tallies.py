@@ -5,6 +5,8 @@ Pure bookkeeping, out of relay_core (issue 13 item 5).
 
 from __future__ import annotations
 
+from gradshare.transport.events import Meta
+
 MAX_EPOCH_ROWS = 1 << 16
 
 
@@ -18,10 +20,12 @@ class EpochTally:
         self.steps = 0
         self.loss = self.sparsity = self.payload = 0.0
         self.silent = 0
-        self.tau = self.lr = self.val_metric = None
+        self.tau: float | None = None
+        self.lr: float | None = None
+        self.val_metric: float | None = None
         self.first_attempt = self.last_attempt = attempt
 
-    def add(self, meta: dict, attempt: int) -> None:
+    def add(self, meta: Meta, attempt: int) -> None:
         self.steps += 1
         self.loss += meta.get("loss", 0.0)
         self.sparsity += meta.get("sparsity", 0.0)
@@ -32,7 +36,7 @@ class EpochTally:
             self.lr = meta.get("lr")
         self.last_attempt = attempt
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float | None]:
         return {"steps": self.steps, "loss": self.loss, "sparsity": self.sparsity, "payload": self.payload,
                 "silent": self.silent, "tau": self.tau, "lr": self.lr, "val_metric": self.val_metric,
                 "resumed": self.first_attempt != self.last_attempt}
@@ -48,11 +52,11 @@ class AttemptNotes:
     state after the log through `step`: what an attempt that starts after `step` inherits."""
 
     def __init__(self, limit: int = MAX_EPOCH_ROWS) -> None:
-        self.entries: list[tuple[int, dict]] = []
+        self.entries: list[tuple[int, dict[str, float]]] = []
         self.limit = limit
         self.dropped = 0
 
-    def add(self, step: int, meta: dict) -> None:
+    def add(self, step: int, meta: Meta) -> None:
         found = {k: float(meta[k]) for k in NOTE_KEYS if k in meta}
         if not found:
             return
@@ -66,7 +70,7 @@ class AttemptNotes:
         self.entries = [(t, found) for t, found in self.entries if t <= step]
 
     def at(self, step: int) -> tuple[tuple[str, float], ...]:
-        state: dict = {}
+        state: dict[str, float] = {}
         for t, found in self.entries:
             if t <= step:
                 state.update(found)

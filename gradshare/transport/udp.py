@@ -6,12 +6,19 @@ import errno
 import ipaddress
 import select
 import socket
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Protocol, cast
+
+from gradshare.transport.events import Address
 
 BUFFER_BYTES = 8 << 20          # ask for 8 MiB socket buffers (the kernel caps at net.core.[rw]mem_max)
 RECV_BYTES = 65536
 SEND_RETRY_WAIT = 0.01
+# A socket address as recvfrom gives it: (host, port), or (host, port, flowinfo, scope_id) for IPv6
+SockAddr = tuple[str | int, ...]
 
 
 def open_udp(host: str, port: int, what: str) -> socket.socket:
@@ -58,7 +65,11 @@ def wait_readable(sock: socket.socket, timeout: float) -> bool:
     return bool(r)
 
 
-def wait_for_work(sock: socket.socket, lock, core, max_wait: float) -> None:
+class _Timed(Protocol):
+    def next_timer(self) -> float: ...
+
+
+def wait_for_work(sock: socket.socket, lock: threading.Lock, core: _Timed, max_wait: float) -> None:
     """Sleep until a datagram arrives or the core's timer is due (at most ``max_wait`` s)."""
     with lock:
         wait = core.next_timer() - time.monotonic()
@@ -66,7 +77,7 @@ def wait_for_work(sock: socket.socket, lock, core, max_wait: float) -> None:
         wait_readable(sock, min(wait, max_wait))
 
 
-def received(sock: socket.socket, drops: Counter, limit: int):
+def received(sock: socket.socket, drops: Counter[str], limit: int) -> Iterator[tuple[bytes, SockAddr]]:
     """Yield up to ``limit`` datagrams already waiting on a non-blocking socket."""
     for _ in range(limit):
         try:
@@ -79,10 +90,12 @@ def received(sock: socket.socket, drops: Counter, limit: int):
         yield data, addr
 
 
-def send_all(sock: socket.socket, datagrams, drops: Counter) -> None:
+def send_all(sock: socket.socket, datagrams: Iterable[tuple[bytes, Address]], drops: Counter[str]) -> None:
     """Send (bytes, addr) pairs; a full send buffer waits briefly once, then the datagram is dropped and
     counted (the protocol repairs it: ACK/NAK)."""
-    for data, addr in datagrams:
+    # The cast, once per batch: a UDP shell hands its core only the socket addresses received() gave it,
+    # so those are what the core's datagrams carry back.
+    for data, addr in cast("Iterable[tuple[bytes, SockAddr]]", datagrams):
         try:
             sock.sendto(data, addr)
         except BlockingIOError:

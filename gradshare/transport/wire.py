@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import NamedTuple
+from typing import Any, Final, NamedTuple, NoReturn
 
 import msgpack
 
@@ -44,24 +44,25 @@ MAX_META_KEYS = 32
 
 
 class Kind:
-    JOIN = 1
-    WELCOME = 2
-    REJECT = 3
-    UPDATE = 4
-    ACK = 5
-    NAK = 6
-    HEARTBEAT = 7
-    STATUS = 8
-    FINISHED = 9
-    LEAVE = 10
-    SNAP_REQUEST = 11
-    SNAP_INFO = 12
-    SNAP_CHUNK = 13
-    SNAP_NAK = 14
-    SNAP_DONE = 15
-    FAIL = 16
-    FAIL_ACK = 17
-    LOADING = 18
+    # Final: mypy then knows each as a Literal int (Channel.control's overloads rely on it)
+    JOIN: Final = 1
+    WELCOME: Final = 2
+    REJECT: Final = 3
+    UPDATE: Final = 4
+    ACK: Final = 5
+    NAK: Final = 6
+    HEARTBEAT: Final = 7
+    STATUS: Final = 8
+    FINISHED: Final = 9
+    LEAVE: Final = 10
+    SNAP_REQUEST: Final = 11
+    SNAP_INFO: Final = 12
+    SNAP_CHUNK: Final = 13
+    SNAP_NAK: Final = 14
+    SNAP_DONE: Final = 15
+    FAIL: Final = 16
+    FAIL_ACK: Final = 17
+    LOADING: Final = 18
 
 
 CHUNKED_KINDS = frozenset({Kind.UPDATE, Kind.SNAP_CHUNK})
@@ -76,8 +77,10 @@ class Header(NamedTuple):
     counter: int
     origin: int = 0
     step: int = 0
-    index: int = 0
-    count: int = 1
+    # These two shadow tuple.index()/tuple.count(), which nothing calls on a Header; the wire's names are
+    # kept (every layer reads h.index/h.count), hence the two ignores.
+    index: int = 0  # type: ignore[assignment]
+    count: int = 1  # type: ignore[assignment]
 
 
 def encode_header(h: Header) -> bytes:
@@ -139,13 +142,13 @@ def split(body: bytes, chunk_bytes: int) -> list[bytes]:
 
 # --- update bodies ------------------------------------------------------------------------------------
 
-def encode_update_body(payload: bytes, meta: dict | None) -> bytes:
+def encode_update_body(payload: bytes, meta: ev.Meta | None) -> bytes:
     if meta is None:
         packed = b""
     else:
         if not isinstance(meta, dict) or len(meta) > MAX_META_KEYS:
             raise ValueError(f"meta must be a dict of at most {MAX_META_KEYS} str -> float entries")
-        clean = {}
+        clean: ev.Meta = {}
         for k, v in meta.items():
             if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ValueError(f"meta entry {k!r}: {v!r} is not str -> float")
@@ -156,13 +159,13 @@ def encode_update_body(payload: bytes, meta: dict | None) -> bytes:
     return len(packed).to_bytes(2, "little") + packed + bytes(payload)
 
 
-def decode_update_body(body: bytes) -> tuple[bytes, dict | None]:
+def decode_update_body(body: bytes) -> tuple[bytes, ev.Meta | None]:
     if len(body) < 2:
         raise DecodeError("update body shorter than its meta length")
     n = int.from_bytes(body[:2], "little")
     if n > MAX_META_BYTES or 2 + n > len(body):
         raise DecodeError(f"meta length {n} out of range")
-    meta = None
+    meta: ev.Meta | None = None
     if n:
         try:
             meta = msgpack.unpackb(body[2:2 + n], max_str_len=64, max_bin_len=0, max_array_len=0,
@@ -177,11 +180,14 @@ def decode_update_body(body: bytes) -> tuple[bytes, dict | None]:
 
 # --- control bodies -----------------------------------------------------------------------------------
 
-def _pack(fields: list) -> bytes:
-    return msgpack.packb(fields, use_bin_type=True)
+def _pack(fields: list[object]) -> bytes:
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
 
 
-def _unpack(body: bytes) -> list:
+# Any: the fields are msgpack values of unchecked types; decode_control hands them to the message
+# constructors, which check every field's type and range (events.py) and raise what becomes DecodeError.
+def _unpack(body: bytes) -> list[Any]:
     try:
         obj = msgpack.unpackb(body, max_str_len=400, max_bin_len=0, max_array_len=ev.MAX_NAK_ITEMS * 2,
                               max_map_len=0, max_ext_len=0, raw=False, strict_map_key=True)
@@ -192,7 +198,7 @@ def _unpack(body: bytes) -> list:
     return obj
 
 
-def encode_control(msg: object) -> tuple[int, bytes]:
+def encode_control(msg: ev.ControlMessage) -> tuple[int, bytes]:
     """(kind, body bytes) for a control message."""
     if isinstance(msg, ev.Join):
         return Kind.JOIN, _pack([msg.n_params, msg.world_size])
@@ -238,7 +244,7 @@ def _ints(obj: object, name: str) -> tuple[int, ...]:
     return tuple(obj)
 
 
-def decode_control(kind: int, body: bytes) -> object:
+def decode_control(kind: int, body: bytes) -> ev.ControlMessage:
     """The validated control message of ``kind`` in ``body``; DecodeError on anything else."""
     f = _unpack(body)
     try:
@@ -323,5 +329,5 @@ def decode_control(kind: int, body: bytes) -> object:
     raise DecodeError(f"kind {kind} has no control body")
 
 
-def _bad_arity(kind: int):
+def _bad_arity(kind: int) -> NoReturn:
     raise DecodeError(f"bad kind-{kind} body: wrong number of fields")
