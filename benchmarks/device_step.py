@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     paths = {
         "numba": gradshare_worker("32", widths, args.batch_size, total, device="cpu"),
         "torch": gradshare_worker("32", widths, args.batch_size, total, device=args.device,
-                                  extra={"tensor_state": True}),
+                                  tensor_state=True),
     }
     device = str(paths["torch"][2].flat.buffer.device)
     times = {name: [] for name in paths}

@@ -32,9 +32,9 @@ from torch import nn
 from gradshare import encoding
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import load, model_factory, test_accuracy
+from gradshare.config import DEFAULT_WARMUP_MIN_STEPS
 from gradshare.spark import PartitionData
 from gradshare.transport import Update
-from gradshare.trainer import DEFAULT_WARMUP_MIN_STEPS
 from gradshare.worker import ApplyLog, Worker, WorkerConfig
 
 
@@ -100,7 +100,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                        steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
-                       extra={"folded_view": bool(folded)})
+                       folded_view=bool(folded))
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     if system == "ddp":

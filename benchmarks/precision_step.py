@@ -51,7 +51,7 @@ class LocalLog:
 
 
 def gradshare_worker(precision, widths, batch, total_steps, **options):
-    """(step function, n_params, the Worker); `options` go to WorkerConfig (device_step.py: device, extra)."""
+    """(step function, n_params, the Worker); `options` go to WorkerConfig (device_step.py: device, tensor_state)."""
     import numpy as np
     import torch
 

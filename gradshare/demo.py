@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import argparse
 
+from gradshare.config import TrainConfig
+
+# the options the demo shares with SharedTrainer default to SharedTrainer's (TrainConfig); the demo's
+# own are its workers and its epochs (30: enough for the digits MLP to converge)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="barrier tasks / Spark partitions (default 2)")
     parser.add_argument("--epochs", type=int, default=30, help="passes over each partition (default 30)")
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per step per worker (default 32)")
-    parser.add_argument("--threshold", type=_threshold_type, default="auto",
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                        help="rows per step per worker (default %(default)s)")
+    parser.add_argument("--threshold", type=_threshold_type, default=TrainConfig.threshold,
                         help="'auto' (default: τ calibrated to a target density every step) or an initial τ")
-    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default="adaptive",
-                        help="how a numeric τ moves (default adaptive)")
-    parser.add_argument("--staleness", type=int, default=0, help="k: apply the log through t-1-k before step t")
-    parser.add_argument("--port", type=int, default=40123, help="relay UDP port on the driver (0: ephemeral)")
-    parser.add_argument("--bind", default="0.0.0.0", help="relay bind address (127.0.0.1: loopback only)")
+    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default=TrainConfig.threshold_algorithm,
+                        help="how a numeric τ moves (default %(default)s)")
+    parser.add_argument("--staleness", type=int, default=TrainConfig.staleness,
+                        help="k: apply the log through t-1-k before step t")
+    parser.add_argument("--port", type=int, default=TrainConfig.port,
+                        help="relay UDP port on the driver (0: ephemeral; default %(default)s)")
+    parser.add_argument("--bind", default=TrainConfig.bind, help="relay bind address (127.0.0.1: loopback only)")
     parser.add_argument("--master", default=None,
                         help="Spark master (default: an active session, else embedded local[workers]); "
                              "e.g. local-cluster[2,1,1024] or spark://host:7077")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -88,9 +96,10 @@ def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, s
     return model
 
 
-def digits_experiment(spark, *, workers=2, epochs=30, batch_size=32, threshold="auto",
-                      threshold_algorithm="adaptive", staleness=0, port=0, seed=0, verbose=0,
-                      bind="0.0.0.0", single=True) -> dict:
+def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.batch_size,
+                      threshold=TrainConfig.threshold, threshold_algorithm=TrainConfig.threshold_algorithm,
+                      staleness=TrainConfig.staleness, port=0, seed=TrainConfig.seed, verbose=0,
+                      bind=TrainConfig.bind, single=True) -> dict:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
     from gradshare.trainer import SharedTrainer
 

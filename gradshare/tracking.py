@@ -34,8 +34,20 @@ import math
 import os
 import tempfile
 import time
+import types
 import warnings
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+
+
+class _Options(Protocol):
+    @property
+    def options(self) -> Mapping[str, object]: ...  # SharedTrainer's options as given
+
+
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+_Trainer = TypeVar("_Trainer", bound=_Options)
 
 import torch
 
@@ -71,7 +83,7 @@ def check_option(value: Any) -> dict | None:
             "tags": {k: str(v) for k, v in tags.items()}, "log_model": value.get("log_model", True)}
 
 
-def _import_mlflow():
+def _import_mlflow() -> types.ModuleType:
     """MLflow itself: the one lazy import here, since it is optional (the [mlflow] extra)."""
     try:
         import mlflow
@@ -81,7 +93,9 @@ def _import_mlflow():
     return mlflow
 
 
-def tracked(fit):
+def tracked(
+    fit: Callable[Concatenate[_Trainer, _Params], _Result],
+) -> Callable[Concatenate[_Trainer, _Params], _Result]:
     """Decorator for `SharedTrainer.fit`: with the trainer's `mlflow` option set, the fit runs inside
     one MLflow run (nested under the calling thread's active run, if any) that ends FINISHED with the
     result logged, or FAILED when the fit raises.
@@ -91,7 +105,8 @@ def tracked(fit):
     RuntimeWarning says what was not logged (the run is marked FAILED where the server still answers)."""
 
     @functools.wraps(fit)
-    def wrapper(trainer, *args, **kwargs):
+    def wrapper(trainer: _Trainer, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        # the decorator keeps fit's signature for type checkers (SharedTrainer.fit's is public)
         config = getattr(trainer, "mlflow", None)
         if config is None:
             return fit(trainer, *args, **kwargs)

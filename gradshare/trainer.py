@@ -41,18 +41,28 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from gradshare.device import check_device
+from gradshare.config import (
+    DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
+    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
+    ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
+)
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
-from gradshare.precision import check_precision
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
-from gradshare.stopping import early_stopping_from
-from gradshare.tracking import check_option as check_mlflow_option, tracked
+from gradshare.tracking import tracked
 from gradshare.validation import is_distributed
+
+if TYPE_CHECKING:
+    import torch
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
+
+    from gradshare.stopping import EarlyStopping
 
 
 def default_optimizer(params):
@@ -122,8 +132,6 @@ class FitResult:
         return plot_result(self, path)
 
 
-WORKER_OPTIONS = ("profile", "direct_update", "tensor_state", "step_in_backward")  # see SharedTrainer's docstring
-FORWARDING = ("per-rank", "aggregate", "auto")
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
 # cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
 # accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
@@ -137,13 +145,6 @@ def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False)
     if forwarding == "auto":
         return "aggregate" if world_size >= AGGREGATE_FROM and not checkpointed else "per-rank"
     return forwarding
-
-
-DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
-# ... and never fewer steps than this by default: the warm-up is for the first steps, where the model
-# moves most, and with 4 workers on the digits MLP 2 epochs are only 12 steps (test accuracy 84 % after
-# epoch 3; with 24 steps 91 %, DDP's 92 %: README "Convergence"). An explicit `warmup` is taken as given.
-DEFAULT_WARMUP_MIN_STEPS = 24
 
 
 class SharedTrainer:
@@ -288,6 +289,8 @@ class SharedTrainer:
         frees at least 64 MiB of gradients);
         {"tensor_state": True} runs the device code path (torch state, residual and codec) on the CPU,
         for tests and benchmarks of the GPU path without a GPU (slower than the default Numba path).
+        {"folded_view": False} keeps the local view's two buffers where it would fold the residual into
+        the point (local_view.py; an A/B of the two: they learn the same up to rounding).
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
         the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
@@ -305,135 +308,68 @@ class SharedTrainer:
 
     def __init__(
         self,
-        model: Any,
-        loss: Callable | None = None,
-        optimizer: Callable | None = None,
+        model: ModelSpec,
+        loss: LossFn | None = TrainConfig.loss,
+        optimizer: OptimizerFactory | None = TrainConfig.optimizer,
         *,
-        train_step: Callable | None = None,
-        threshold: float | str = "auto",
-        port: int = 40123,
-        bind: str = "0.0.0.0",
-        advertise_host: str | None = None,
-        threshold_algorithm: Any = "adaptive",
-        batch_size: int = 32,
-        epochs: int = 1,
-        num_workers: int | None = None,
-        staleness: int = 0,
-        lookahead: bool = True,
-        residual_clip: float | None = 5.0,
-        seed: int = 0,
-        verbose: int = 1,
-        validation_data: tuple | None = None,
-        metric: Callable | None = None,
-        early_stopping: dict | None = None,
-        on_epoch_end: Callable | list | tuple | None = None,
-        label_dtype: str | None = None,
-        datagram_size: int = 1400,
-        timeout: float = 60.0,
-        liveness_timeout: float = 30.0,
-        on_rank_loss: str = "wait",
-        step_timeout: float = 600.0,
-        spill_bytes: int = 256 << 20,
-        insecure: bool = False,
-        worker_options: dict | None = None,
-        density: float | None = None,
-        warmup: float | None = None,
-        warmup_density: float | None = None,
-        lr_scheduler: Callable | None = None,
-        scheduler_interval: str = "step",
-        follow_lr: bool = True,
-        local_view: bool = True,
-        aggregate: str = "sum",
-        forwarding: str = "auto",
-        drop_last: bool | str = "auto",
-        precision: str = "32",
-        device: str = "auto",
-        mlflow: bool | dict | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int = 1,
-    ):
+        train_step: TrainStep | None = TrainConfig.train_step,
+        threshold: float | Literal["auto"] = TrainConfig.threshold,
+        port: int = TrainConfig.port,
+        bind: str = TrainConfig.bind,
+        advertise_host: str | None = TrainConfig.advertise_host,
+        threshold_algorithm: ThresholdAlgorithm = TrainConfig.threshold_algorithm,
+        batch_size: int = TrainConfig.batch_size,
+        epochs: int = TrainConfig.epochs,
+        num_workers: int | None = TrainConfig.num_workers,
+        staleness: int = TrainConfig.staleness,
+        lookahead: bool = TrainConfig.lookahead,
+        residual_clip: float | None = TrainConfig.residual_clip,
+        seed: int = TrainConfig.seed,
+        verbose: int = TrainConfig.verbose,
+        validation_data: ValidationData | None = TrainConfig.validation_data,
+        metric: Metric | None = TrainConfig.metric,
+        early_stopping: dict[str, object] | EarlyStopping | None = TrainConfig.early_stopping,
+        on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = TrainConfig.on_epoch_end,
+        label_dtype: LabelDtype | None = TrainConfig.label_dtype,
+        datagram_size: int = TrainConfig.datagram_size,
+        timeout: float = TrainConfig.timeout,
+        liveness_timeout: float = TrainConfig.liveness_timeout,
+        on_rank_loss: OnRankLoss = TrainConfig.on_rank_loss,
+        step_timeout: float = TrainConfig.step_timeout,
+        spill_bytes: int = TrainConfig.spill_bytes,
+        insecure: bool = TrainConfig.insecure,
+        worker_options: Mapping[str, bool] | None = TrainConfig.worker_options,
+        density: float | None = TrainConfig.density,
+        warmup: float | None = TrainConfig.warmup,
+        warmup_density: float | None = TrainConfig.warmup_density,
+        lr_scheduler: SchedulerFactory | None = TrainConfig.lr_scheduler,
+        scheduler_interval: SchedulerInterval = TrainConfig.scheduler_interval,
+        follow_lr: bool = TrainConfig.follow_lr,
+        local_view: bool = TrainConfig.local_view,
+        aggregate: Aggregate = TrainConfig.aggregate,
+        forwarding: Forwarding = TrainConfig.forwarding,
+        drop_last: bool | Literal["auto"] = TrainConfig.drop_last,
+        precision: Precision = TrainConfig.precision,
+        device: str | torch.device = TrainConfig.device,
+        mlflow: bool | dict[str, object] | None = TrainConfig.mlflow,
+        checkpoint_dir: str | None = TrainConfig.checkpoint_dir,
+        checkpoint_every: int = TrainConfig.checkpoint_every,
+    ) -> None:
+        # Every default is TrainConfig's (the one place they are written; tests/test_config.py), and
+        # TrainConfig checks every option: a bad one fails here, naming it, before any Spark job.
         self.options = {k: v for k, v in locals().items() if k != "self"}  # as given: MLflow's params
-        self.mlflow = check_mlflow_option(mlflow)
-        self.auto = threshold == "auto"
-        if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
-                                  and threshold > 0 and math.isfinite(threshold)):
-            raise ValueError(f"threshold must be 'auto' or a positive finite number, got {threshold!r}")
-        tuning = {k: v for k, v in (("density", density), ("warmup", warmup), ("warmup_density", warmup_density))
-                  if v is not None}
-        if not self.auto and tuning:
-            raise ValueError(f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
-                             "(drop them, or pass threshold='auto')")
-        if self.auto and not (threshold_algorithm == "adaptive" or _is_calibrated(threshold_algorithm)):
-            raise ValueError(f"threshold='auto' calibrates τ itself; threshold_algorithm={threshold_algorithm!r} "
-                             "contradicts it (give a numeric threshold to use another rule, or pass a "
-                             "CalibratedThreshold)")
-        if _is_calibrated(threshold_algorithm) and tuning:
-            raise ValueError(f"{', '.join(tuning)} contradict the CalibratedThreshold given as threshold_algorithm "
-                             "(set them on that object)")
-        if warmup is not None and not (isinstance(warmup, (int, float)) and 0 <= warmup < math.inf):
-            raise ValueError(f"warmup must be a number of epochs >= 0, got {warmup!r}")
-        if lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
-                            "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
-                            f"got {type(lr_scheduler).__name__}")
-        if drop_last not in ("auto", True, False):
-            raise ValueError(f"drop_last must be 'auto', True or False, got {drop_last!r}")
-        check_precision(precision)
-        self.device = check_device(device)
-        if aggregate not in ("sum", "mean"):
-            raise ValueError(f"aggregate must be 'sum' or 'mean', got {aggregate!r}")
-        if forwarding not in FORWARDING:
-            raise ValueError(f"forwarding must be one of {FORWARDING}, got {forwarding!r}")
-        if forwarding == "aggregate" and checkpoint_dir is not None:
-            raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation residual is "
-                             "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")
-        if scheduler_interval not in ("step", "epoch"):
-            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
-        if not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-        for name, value in (("batch_size", batch_size), ("epochs", epochs)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-            raise ValueError(f"num_workers must be None or an int >= 1, got {num_workers!r}")
-        if not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
-        if residual_clip is not None and not residual_clip > 0:
-            raise ValueError(f"residual_clip must be None or > 0, got {residual_clip!r}")
-        if label_dtype not in (None, "int64", "float32"):
-            raise ValueError(f"label_dtype must be None, 'int64' or 'float32', got {label_dtype!r}")
-        if timeout <= 0 or liveness_timeout <= 0:
-            raise ValueError(f"timeout and liveness_timeout must be > 0, got {timeout!r}, {liveness_timeout!r}")
-        if on_rank_loss not in ("wait", "restart", "continue"):
-            raise ValueError(f"on_rank_loss must be 'wait', 'restart' or 'continue', got {on_rank_loss!r}")
-        if not (isinstance(step_timeout, (int, float)) and not isinstance(step_timeout, bool) and step_timeout > 0):
-            raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+        self.config = config = TrainConfig(**{k: v for k, v in self.options.items() if k != "model"})
+        self.mlflow = config.mlflow_config
+        self.auto = config.auto
+        self.device = config.device_name
         self.on_rank_loss, self.step_timeout = on_rank_loss, float(step_timeout)
-        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be an int >= 1 (epochs), got {checkpoint_every!r}")
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_dir = None
-        if checkpoint_dir is not None:
-            from gradshare.checkpoint import checkpoint_root
-
-            self.checkpoint_dir = checkpoint_root(checkpoint_dir, "checkpoint_dir")
-            _check_checkpoint_staleness("checkpoint_dir", staleness)
-        if isinstance(threshold_algorithm, str) and threshold_algorithm not in ("adaptive", "fixed"):
-            raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {threshold_algorithm!r}")
-        if loss is not None and train_step is not None:
-            raise ValueError("loss and train_step are exclusive: a train_step hook computes the loss itself")
-        for name, value in (("loss", loss), ("train_step", train_step)):
-            if value is not None and not callable(value):
-                raise TypeError(f"{name} must be callable, got {type(value).__name__}")
-        if optimizer is not None and not callable(optimizer):
-            raise TypeError("optimizer must be a factory taking the parameter list, e.g. "
-                            "lambda p: torch.optim.SGD(p, lr=0.1)")
+        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, config.checkpoint_root
         self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
         self.train_step = train_step
-        self.threshold = threshold if self.auto else float(threshold)
+        self.threshold = threshold if config.auto else float(threshold)
         self.threshold_algorithm = threshold_algorithm
         self.density = density  # None: CalibratedThreshold's default
-        self.warmup = DEFAULT_WARMUP_EPOCHS if warmup is None else float(warmup)
+        self.warmup = config.warmup_epochs
         self.warmup_density = warmup_density
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
@@ -442,30 +378,16 @@ class SharedTrainer:
         self.forwarding = forwarding
         self.drop_last = drop_last
         self.precision = precision
-        self._rule_for(1)  # density / warmup_density checked now, not on the executors
         self.port, self.bind, self.advertise_host = port, bind, advertise_host
         self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
         self.lookahead = bool(lookahead)
         self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
         self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
-        self.early_stopping = early_stopping_from(early_stopping)
-        if is_distributed(validation_data) and on_rank_loss == "continue":
-            raise ValueError("validation_data as a DataFrame or RDD needs every worker's shard scored; "
-                             "on_rank_loss='continue' would go on without one (use 'wait' or 'restart', or an "
-                             "in-memory (X, y) pair)")
-        if self.early_stopping is not None and self.early_stopping.monitor == "val_metric" and validation_data is None:
-            raise ValueError("early_stopping monitors 'val_metric' but no validation_data is given; "
-                             "pass validation_data or monitor='loss'")
-        self.on_epoch_end = _callbacks(on_epoch_end)
+        self.early_stopping = config.stopping
+        self.on_epoch_end = config.callbacks
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
-        self.worker_options = dict(worker_options or {})
-        unknown = sorted(set(self.worker_options) - set(WORKER_OPTIONS))
-        if unknown:
-            raise ValueError(f"worker_options has unknown key(s) {unknown}; known: {sorted(WORKER_OPTIONS)}")
-        for key, value in self.worker_options.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"worker_options[{key!r}] must be True or False, got {value!r}")
+        self.worker_options = config.worker_flags
 
     # ------------------------------------------------------------------------------------ helpers
     def _build_model(self):
@@ -556,8 +478,8 @@ class SharedTrainer:
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
-    def fit(self, data, features_col: str | list[str] | None = None, label_col: str | None = None,
-            resume_from: str | None = None) -> FitResult:
+    def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
+            label_col: str | None = None, resume_from: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
 
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
@@ -706,7 +628,7 @@ class SharedTrainer:
                 epochs=epochs, batch_size=self.batch_size, staleness=self.staleness, seed=self.seed,
                 label_dtype=label_dtype, datagram_size=self.datagram_size, timeout=self.timeout,
                 insecure=self.insecure, spill_bytes=self.spill_bytes, validation=validation,
-                metric=metric, extra=self.worker_options, lookahead=self.lookahead,
+                metric=metric, lookahead=self.lookahead, **self.worker_options,
                 lr_scheduler=self.lr_scheduler, scheduler_interval=self.scheduler_interval,
                 follow_lr=self.follow_lr, local_view=self.local_view, apply_scale=scale, drop_last=drop_last,
                 precision=self.precision, train_step=plan.step, device=self.device, n_state=int(initial.size),
@@ -872,25 +794,8 @@ def _serve_checkpoints(stores: dict, saving, resume, key: bytes, bind: str, host
     return saving, resume, service
 
 
-def _check_checkpoint_staleness(argument: str, staleness: int) -> None:
-    if staleness:
-        raise ValueError(f"{argument} needs staleness=0 (an epoch's end is then a point every replica reaches "
-                         f"with the whole log applied); got staleness={staleness}")
-
-
 def _offset(epoch, first_epoch: int):
     return None if epoch is None else epoch + first_epoch
-
-
-def _callbacks(option) -> tuple:
-    """`on_epoch_end`: None, one callable or a list of them."""
-    if option is None:
-        return ()
-    found = tuple(option) if isinstance(option, (list, tuple)) else (option,)
-    for i, f in enumerate(found):
-        if not callable(f):
-            raise ValueError(f"on_epoch_end[{i}] is {type(f).__name__}, not a callable (row) -> stop?")
-    return found
 
 
 def _timed(fn, *args):
@@ -936,12 +841,6 @@ def _wait_tasks_gone(sc, group: str, timeout: float) -> None:
         if not any(info is not None and info.numActiveTasks for info in running):
             return
         time.sleep(0.1)
-
-
-def _is_calibrated(rule) -> bool:
-    from gradshare.encoding import CalibratedThreshold
-
-    return isinstance(rule, CalibratedThreshold)
 
 
 class _ProgressBar:

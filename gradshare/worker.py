@@ -34,12 +34,13 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from gradshare.capture import frees_enough, needs_all_gradients, update_path, writes_update_only
+from gradshare.config import TrainConfig
 from gradshare.encoding import StepUpdate, buffer_change, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.local_view import FoldedView, LocalView, NoView
@@ -54,7 +55,14 @@ from gradshare.vectors import copy_of, index_for, where
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Everything a task needs, shipped inside the Spark job closure (the job key never goes over UDP)."""
+    """Everything a task needs, shipped inside the Spark job closure (the job key never goes over UDP).
+
+    Its own fields, copied by `SharedTrainer.fit` rather than holding the TrainConfig: most options
+    reach the task transformed (the threshold rule object, ResidualClipping, the drop_last rule, the
+    loss plan, the validation arrays, the epochs left after a resume), and the TrainConfig holds what
+    must not travel (a validation DataFrame cannot be pickled; the MLflow settings are the driver's).
+    Defaults that mean the same as an option's are TrainConfig's.
+    """
 
     relay_address: tuple[str, int]
     key: bytes
@@ -71,22 +79,27 @@ class WorkerConfig:
     staleness: int
     seed: int
     label_dtype: str
-    datagram_size: int = 1400
-    timeout: float = 60.0
-    insecure: bool = False
-    spill_bytes: int = 256 << 20
+    datagram_size: int = TrainConfig.datagram_size
+    timeout: float = TrainConfig.timeout
+    insecure: bool = TrainConfig.insecure
+    spill_bytes: int = TrainConfig.spill_bytes
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None  # (inputs, labels): batches.validation_arrays
     metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
-    lookahead: bool = True  # k >= 1: step at P + own not-yet-applied messages (module docstring)
+    lookahead: bool = TrainConfig.lookahead  # k >= 1: step at P + own not-yet-applied messages (module docstring)
     lr_scheduler: Callable | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
-    scheduler_interval: str = "step"  # "step": scheduler.step() after every step; "epoch": after each epoch
-    follow_lr: bool = True  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
+    scheduler_interval: str = TrainConfig.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
+    follow_lr: bool = TrainConfig.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
-    precision: str = "32"  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast dtype (precision.py)
-    device: Any = "auto"  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/device.py)
+    precision: str = TrainConfig.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
+    device: Any = TrainConfig.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/device.py)
     user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
-    extra: dict = field(default_factory=dict)
+    # worker_options (config.WORKER_OPTIONS: each key is the field of that name)
+    profile: bool = False  # per-phase step timers in the report (profiling.py)
+    direct_update: bool = True  # the optimizer may write its update into the residual (capture.py)
+    tensor_state: bool = False  # the torch state / residual / codec path on the CPU (tests, benchmarks)
+    step_in_backward: bool | None = None  # step each parameter as its gradient is ready; None: where it pays
+    folded_view: bool = True  # the local view folded into one buffer where it applies (local_view.py); False: A/B
     train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
     early_stopping: Any = None  # stopping.EarlyStopping or None: rank 0 decides, the log carries it (stopping.py)
@@ -95,7 +108,7 @@ class WorkerConfig:
     resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
-    local_view: bool = True  # forward/backward at P + own residual (local_view.py); False: at P
+    local_view: bool = TrainConfig.local_view  # forward/backward at P + own residual (local_view.py); False: at P
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs
@@ -212,16 +225,16 @@ class Worker:
         self.model = (copy.deepcopy(cfg.model) if model is None else model).to(self.device)
         # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays
         # for the Numba kernels, unless a test or benchmark asks for the torch path there ("tensor_state").
-        on_tensors = self.device.type != "cpu" or bool(cfg.extra.get("tensor_state"))
+        on_tensors = self.device.type != "cpu" or cfg.tensor_state
         self.flat = FlatParams(self.model, device=self.device if on_tensors else None)
         self.optimizer = cfg.optimizer(self.flat.params)
         self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
         self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
-        direct = cfg.extra.get("direct_update", True) and writes_update_only(self.optimizer)
+        direct = cfg.direct_update and writes_update_only(self.optimizer)
         # The local view folded into one buffer, P + r kept instead of r (local_view.py), where the
         # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
         # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
-        folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.extra.get("folded_view", True))
+        folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.folded_view)
         fold = (self.flat.array, self.flat.keep_point(), cfg.apply_scale) if folded else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
@@ -232,12 +245,11 @@ class Worker:
         # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
         # not all live at once, unless something needs them all (capture.py, needs_all_gradients); by
         # default only where that frees enough memory to pay for the per-parameter steps
-        wanted = cfg.extra.get("step_in_backward")
+        wanted = cfg.step_in_backward
         in_backward = ((frees_enough(self.flat) if wanted is None else wanted)
                        and needs_all_gradients(self.optimizer, self.precision) is None)
         self.path = update_path(self.flat, self.optimizer, self.state.target,
-                                allow_direct=cfg.extra.get("direct_update", True), in_backward=in_backward,
-                                folded=folded)
+                                allow_direct=cfg.direct_update, in_backward=in_backward, folded=folded)
         # the gradient is taken at P + this worker's unsent residual (local_view.py, issue 10)
         if folded:
             self.view = FoldedView(self.flat, self.state.point, self.path.stepped)
@@ -257,7 +269,7 @@ class Worker:
         self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self._order_epoch = -1
         self._trim_due = False  # release_free_memory before the next backward (after a large message)
-        self.profile = StepProfile() if cfg.extra.get("profile") else OFF_PROFILE  # benchmarks: per-phase timers
+        self.profile = StepProfile() if cfg.profile else OFF_PROFILE  # benchmarks: per-phase timers
         self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
         if data.spilled:  # its labels stay in the spill file; each batch reads its own (spill.py)
             self.labels = None

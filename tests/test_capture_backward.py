@@ -53,8 +53,7 @@ def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=Tru
                        loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
                        threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
                        epochs=2, batch_size=16, staleness=staleness, seed=0, label_dtype="int64", precision=precision,
-                       extra={"direct_update": direct, "tensor_state": tensor_state,
-                              **({} if in_backward is None else {"step_in_backward": in_backward})})
+                       direct_update=direct, tensor_state=tensor_state, step_in_backward=in_backward)
     worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
     worker.log = ApplyLog(log, worker.flat, 0, 10.0)
     hashes = []

@@ -162,7 +162,7 @@ def test_device_is_checked_on_the_driver():
         SharedTrainer(mlp, worker_options={"tensor_state": "yes"})
 
 
-def _worker(device, **extra):
+def _worker(device, **options):
     from gradshare import encoding
     from gradshare.spark import PartitionData
     from gradshare.worker import Worker, WorkerConfig
@@ -171,7 +171,7 @@ def _worker(device, **extra):
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                        threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(1,),
-                       epochs=1, batch_size=8, staleness=0, seed=0, label_dtype="int64", device=device, extra=extra)
+                       epochs=1, batch_size=8, staleness=0, seed=0, label_dtype="int64", device=device, **options)
     return Worker(cfg, 0, PartitionData(X, y))
 
 
@@ -239,7 +239,7 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
                            threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(),
                            steps_per_epoch=(3,), epochs=3, batch_size=32, staleness=staleness, seed=0,
                            label_dtype="int64", precision=precision, device="cpu",
-                           extra={"tensor_state": tensor, "direct_update": direct})
+                           tensor_state=tensor, direct_update=direct)
         worker, log = Worker(cfg, 0, PartitionData(X, y)), _benchmark("precision_step").LocalLog()
         worker.log = ApplyLog(log, worker.flat, 0, 10.0)
         trail = []

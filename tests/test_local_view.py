@@ -146,7 +146,7 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
                        residual_clip=encoding.ResidualClipping(clip=2.0, every=3), steps_per_epoch=(8,), epochs=2,
                        batch_size=16, staleness=staleness, seed=0, label_dtype="int64", apply_scale=scale,
                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
-                       extra={"folded_view": folded})
+                       folded_view=folded)
     w, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
     w.log = ApplyLog(log, w.flat, 0, 10.0, scale=scale)
     for t in range(steps):

@@ -65,7 +65,7 @@ def _worker(precision, direct=True, staleness=0):
         optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
         threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(clip=5.0),
         steps_per_epoch=(4,), epochs=2, batch_size=32, staleness=staleness, seed=0, label_dtype="int64",
-        precision=precision, extra={"direct_update": direct},
+        precision=precision, direct_update=direct,
     )
     w = Worker(cfg, 0, PartitionData(X, y))
     assert w.path.name == ("direct" if direct else "general")

@@ -55,7 +55,7 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
         threshold_rule=encoding.AdaptiveThreshold(initial=1e-2), residual_clip=encoding.ResidualClipping(clip=5.0),
         steps_per_epoch=tuple(math.ceil(len(s[1]) / 32) for s in shards), epochs=epochs, batch_size=32,
         staleness=staleness, seed=0, label_dtype="int64", lookahead=lookahead,
-        extra={"direct_update": direct},
+        direct_update=direct,
         # With the local view (the default) the forward runs on a second buffer holding P + r, so a write
         # through .data lands there and is dropped with it (local_view.py); these tests are about P itself.
         local_view=not through_data,

@@ -30,6 +30,7 @@ import time
 from datetime import datetime, timezone
 
 from gradshare.cli import threshold_arg
+from gradshare.config import TrainConfig
 
 SYSTEMS = ("single", "gradshare", "ddp")
 QUICK = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
@@ -55,10 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of single,gradshare,ddp (default all)")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"epochs for every workload (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--aggregate", choices=("sum", "mean"), default="sum",
+    parser.add_argument("--aggregate", choices=("sum", "mean"), default=TrainConfig.aggregate,
                         help="gradshare's SharedTrainer(aggregate=): replicas add every message (sum, default) "
                              "or every message × 1/N (mean)")
-    parser.add_argument("--threshold", default="auto",
+    parser.add_argument("--threshold", default=TrainConfig.threshold,
                         help="gradshare's τ: 'auto' (default: calibrated per worker to a target density) or a "
                              "number (the initial τ of the adaptive rule)")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per step per worker (default 64)")

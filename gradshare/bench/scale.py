@@ -38,6 +38,8 @@ import threading
 import time
 from collections import Counter
 
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
 FORWARDING_MODES = ("per-rank", "aggregate")
 LINKS_GBIT = (1, 10, 25)
 PROJECT_TO = (2, 4, 8, 16, 32, 64, 128, 256)
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=12.0,
                         help="at most this long sending steps per peer count (at least 2 steps are run)")
     parser.add_argument("--procs", type=int, default=2, help="peer processes (peers are spread over them)")
-    parser.add_argument("--datagram-size", type=int, default=1400)
+    parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
     parser.add_argument("--aggregate-datagram-size", type=int, default=None,
                         help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
                              "--datagram-size; 65000 is what SharedTrainer uses on loopback)")
@@ -272,7 +274,7 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
 # --- heartbeats (protocol cores, simulated clock) ------------------------------------------------------
 
 def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
-                      datagram_size: int = 1400) -> dict:
+                      datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict:
     """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.
 
     Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the

@@ -21,12 +21,12 @@ import math
 import sys
 
 from gradshare.transport.crypto import TAG_BYTES
-from gradshare.transport.wire import HEADER_BYTES
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
 
 META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 
 
-def sealed_size(body: float, datagram_size: int = 1400) -> tuple[float, int]:
+def sealed_size(body: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tuple[float, int]:
     """(wire bytes, datagrams) of an update body of ``body`` bytes, cut into chunks that each carry a
     header and an AEAD tag."""
     per_datagram = HEADER_BYTES + TAG_BYTES
@@ -34,7 +34,7 @@ def sealed_size(body: float, datagram_size: int = 1400) -> tuple[float, int]:
     return body + per_datagram * n, n
 
 
-def wire_bytes(payload: float, datagram_size: int = 1400) -> tuple[float, int]:
+def wire_bytes(payload: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tuple[float, int]:
     """(wire bytes, datagrams) of one update of ``payload`` encoder bytes and a worker's meta."""
     return sealed_size(payload + 2 + META_BYTES, datagram_size)
 

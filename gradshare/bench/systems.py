@@ -36,6 +36,7 @@ import numpy as np
 
 from gradshare.bench.profile import lo_tx_bytes
 from gradshare.bench.workloads import load, model_factory, test_accuracy
+from gradshare.config import TrainConfig
 
 SYSTEMS = ("gradshare", "ddp", "powersgd", "single")
 LEARNING_RATE = 1e-3
@@ -202,10 +203,11 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
 
 # ---------------------------------------------------------------------------------------- gradshare
 def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget: float,
-                  threshold: float | str = "auto", max_sparsity: float | None = None, staleness: int = 0,
-                  lr: float = LEARNING_RATE, residual_clip: float | None = 5.0,
+                  threshold: float | str = TrainConfig.threshold, max_sparsity: float | None = None,
+                  staleness: int = TrainConfig.staleness, lr: float = LEARNING_RATE,
+                  residual_clip: float | None = TrainConfig.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: str = "sum") -> Measured:
+                  aggregate: str = TrainConfig.aggregate) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 

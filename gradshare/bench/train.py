@@ -28,6 +28,7 @@ import time
 from gradshare.bench import netns
 from gradshare.bench.netns import LINKS, interfaces
 from gradshare.cli import threshold_arg
+from gradshare.config import TrainConfig
 
 # MLP: 16 epochs = 176 steps per worker (11 per epoch at batch 64 on 673 rows). At 8 epochs gradshare
 # was still climbing: with the initial τ of 1e-2 (ten Adam steps of lr 1e-3) its first epoch sends
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per step per worker (default 64)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of training after which a configuration stops (default 60)")
-    parser.add_argument("--threshold", default="auto",
+    parser.add_argument("--threshold", default=TrainConfig.threshold,
                         help="gradshare's τ: 'auto' (default, SharedTrainer's calibrated τ) or the initial τ "
                              "of the adaptive rule (the runs before issue 10 used 1e-2)")
     parser.add_argument("--max-sparsity", type=float, default=None,
@@ -66,12 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradshare-lr", type=float, default=None,
                         help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
                              "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)")
-    parser.add_argument("--residual-clip", type=float, default=5.0,
+    parser.add_argument("--residual-clip", type=float, default=TrainConfig.residual_clip,
                         help="gradshare residual clip in multiples of τ; 0 disables (default 5, SharedTrainer's; "
                              "on the MLP 0 and 5 end bit-identical: the residual stays under 5τ)")
-    parser.add_argument("--staleness", type=int, default=0, help="gradshare's staleness k (default 0)")
+    parser.add_argument("--staleness", type=int, default=TrainConfig.staleness,
+                        help="gradshare's staleness k (default %(default)s)")
     parser.add_argument("--target", type=float, default=None, help="test accuracy for time-to-target (default 0.90)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--rows", type=int, default=None, help="keep only this many training/test rows")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: {QUICK['rows']} rows, {QUICK['epochs']} epochs, {QUICK['budget']:g} s budget")

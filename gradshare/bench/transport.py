@@ -22,6 +22,8 @@ import multiprocessing as mp
 import sys
 import time
 
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=4, help="number of peers (ranks)")
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=8, help="staleness window in throughput runs")
     parser.add_argument("--rounds", type=int, default=2, help="secure/insecure pairs (best of each)")
     parser.add_argument("--rate", type=float, default=50.0, help="steps/s in the paced latency run")
-    parser.add_argument("--datagram-size", type=int, default=1400)
+    parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write results as JSON to PATH (or stdout with no PATH)")
 

@@ -11,11 +11,13 @@ are constructor arguments, not Params: Params must be JSON for Spark's metadata 
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
 from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
+
+from gradshare.config import TrainConfig
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
 _NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
@@ -54,9 +56,7 @@ def _task(value: Any) -> str:
 
 
 def trainer_option_names() -> set[str]:
-    from gradshare.trainer import SharedTrainer
-
-    return set(inspect.signature(SharedTrainer).parameters) - _NOT_OPTIONS
+    return {f.name for f in dataclasses.fields(TrainConfig) if f.init} - _NOT_OPTIONS
 
 
 def _trainer_options(value: Any) -> dict:
@@ -120,7 +120,9 @@ class EstimatorParams(ColumnParams):
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(labelCol="label", epochs=1, batchSize=32, learningRate=None, seed=0, numWorkers=None,
+        # the training Params' defaults are SharedTrainer's (TrainConfig: tests/test_config.py)
+        self._setDefault(labelCol="label", epochs=TrainConfig.epochs, batchSize=TrainConfig.batch_size,
+                         learningRate=None, seed=TrainConfig.seed, numWorkers=TrainConfig.num_workers,
                          trainerOptions={}, task="auto", validationIndicatorCol="")
 
 

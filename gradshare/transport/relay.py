@@ -22,7 +22,7 @@ from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport import events as ev
 from gradshare.transport import udp
 from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
@@ -64,7 +64,7 @@ class Relay:
     """``Relay(params, world_size=W, key=key, job_id=J, port=0).start()``; a context manager."""
 
     def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
-                 port: int = 40123, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
+                 port: int = DEFAULT_PORT, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
                  liveness_timeout: float = 30.0, insecure: bool = False,
                  **core_options: Unpack[RelayOptions]) -> None:
         if type(port) is not int or not 0 <= port <= 65535:

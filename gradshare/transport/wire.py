@@ -36,6 +36,7 @@ AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN   # the origin field of the relay's aggre
 HEADER = struct.Struct("<2sBBHHQIQHIII")
 HEADER_BYTES = HEADER.size
 DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
+DEFAULT_PORT = 40123                   # the relay's UDP port on the driver (SharedTrainer, `gradshare relay`)
 MIN_DATAGRAM_SIZE = 256
 MAX_DATAGRAM_SIZE = 65000
 MAX_META_BYTES = 1024

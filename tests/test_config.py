@@ -1,0 +1,227 @@
+"""TrainConfig (issue 15): one source of defaults for SharedTrainer, the gradshare.ml Params, the CLI and the
+benchmarks, and one place that checks the options, with errors that name the option."""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import pathlib
+
+import pytest
+
+from gradshare.config import WORKER_OPTIONS, TrainConfig
+from gradshare.trainer import SharedTrainer
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.worker import WorkerConfig
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+# ------------------------------------------------------------------------------------ one source of defaults
+def test_shared_trainer_takes_every_option_and_default_from_train_config():
+    params = inspect.signature(SharedTrainer).parameters
+    assert list(params)[0] == "model" and params["model"].default is inspect.Parameter.empty
+    options = {name: p.default for name, p in params.items() if name != "model"}
+    assert list(options) == list(DEFAULTS), "SharedTrainer's options and TrainConfig's fields differ (or their order)"
+    drift = {k: (v, DEFAULTS[k]) for k, v in options.items() if not _same(v, DEFAULTS[k])}
+    assert not drift, f"(signature, TrainConfig) defaults differ: {drift}"
+    assert DEFAULTS["port"] == DEFAULT_PORT == 40123 and DEFAULTS["datagram_size"] == DEFAULT_DATAGRAM_SIZE == 1400
+
+
+def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
+    fields = {f.name: f for f in dataclasses.fields(WorkerConfig)}
+    assert "extra" not in fields
+    for key in WORKER_OPTIONS:  # SharedTrainer passes worker_options as these fields
+        assert key in fields and fields[key].default in (True, False, None)
+    shared = {k: (f.default, DEFAULTS[k]) for k, f in fields.items()
+              if k in DEFAULTS and f.default is not dataclasses.MISSING and k not in ("loss", "metric",
+                                                                                        "lr_scheduler", "train_step")}
+    # drop_last, on_epoch_end and early_stopping reach the task transformed (a rule, a tuple, an object)
+    drift = {k: v for k, v in shared.items() if k not in ("drop_last", "on_epoch_end", "early_stopping")
+             and not _same(*v)}
+    assert set(shared) >= {"datagram_size", "timeout", "insecure", "spill_bytes", "lookahead", "follow_lr",
+                           "scheduler_interval", "precision", "device", "local_view"}
+    assert not drift, f"(WorkerConfig, TrainConfig) defaults differ: {drift}"
+
+
+def test_the_estimator_params_default_to_the_trainer_options():
+    from gradshare.ml.params import _NOT_OPTIONS, EstimatorParams, trainer_option_names
+
+    params = EstimatorParams()
+    pairs = {"epochs": "epochs", "batchSize": "batch_size", "seed": "seed", "numWorkers": "num_workers"}
+    for param, option in pairs.items():
+        assert _same(params.getOrDefault(param), DEFAULTS[option]), param
+    assert trainer_option_names() == set(DEFAULTS) - _NOT_OPTIONS
+
+
+# CLI options that mean a SharedTrainer option but default otherwise on purpose: (command, dest) -> why
+CLI_OWN_DEFAULTS = {
+    ("demo", "epochs"): "the demo trains until the digits MLP converges",
+    ("bench train", "batch_size"): "the benchmark workloads' batch (DDP's baseline runs the same)",
+    ("bench convergence", "batch_size"): "the benchmark workloads' batch",
+    ("bench train", "epochs"): "None: each workload's own",
+    ("bench convergence", "epochs"): "None: each workload's own",
+    ("bench encoding", "density"): "synthetic updates: a share of entries, not threshold='auto'",
+    ("bench device", "density"): "synthetic updates: a share of entries, not threshold='auto'",
+    ("bench transport", "density"): "synthetic updates: a share of entries, not threshold='auto'",
+    ("bench scale", "density"): "synthetic updates: a share of entries, not threshold='auto'",
+    ("bench transport", "loss"): "another option of the same name: the fault proxy's loss rate",
+    ("bench scale", "forwarding"): "the relay's modes: per-rank or aggregate, no 'auto'",
+}
+
+
+def _subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommands(sub, (*prefix, name))
+    if prefix:
+        yield " ".join(prefix), parser
+
+
+def test_cli_defaults_are_the_trainer_defaults():
+    from gradshare.cli import build_parser
+
+    seen, own = set(), set()
+    for command, parser in _subcommands(build_parser()):
+        for action in parser._actions:
+            if action.dest not in DEFAULTS or action.default is argparse.SUPPRESS:
+                continue
+            seen.add(command)
+            if (command, action.dest) in CLI_OWN_DEFAULTS:
+                own.add((command, action.dest))
+                assert not _same(action.default, DEFAULTS[action.dest]), f"{command} --{action.dest} is no exception"
+                continue
+            assert _same(action.default, DEFAULTS[action.dest]), (
+                f"gradshare {command} --{action.dest} defaults to {action.default!r}, SharedTrainer to "
+                f"{DEFAULTS[action.dest]!r}: take it from TrainConfig, or list it in CLI_OWN_DEFAULTS with why")
+    assert {"demo", "relay", "bench train", "bench convergence", "bench transport", "bench scale"} <= seen
+    assert own == set(CLI_OWN_DEFAULTS), f"stale CLI_OWN_DEFAULTS entries: {set(CLI_OWN_DEFAULTS) - own}"
+
+
+def test_the_relay_and_the_benchmark_runner_default_like_the_trainer():
+    from gradshare.bench.systems import run_gradshare
+    from gradshare.transport.relay import Relay
+
+    relay = inspect.signature(Relay).parameters
+    for name in ("port", "bind", "datagram_size", "liveness_timeout", "insecure"):
+        assert _same(relay[name].default, DEFAULTS[name]), name
+    runner = inspect.signature(run_gradshare).parameters
+    own = {"timeout"}  # a benchmark run on a loaded machine waits longer than a user's fit
+    for name, p in runner.items():
+        if name in DEFAULTS and p.default is not inspect.Parameter.empty and name not in own:
+            assert _same(p.default, DEFAULTS[name]), name
+
+
+def test_the_port_and_the_datagram_size_are_written_once():
+    """No int literal 40123 or 1400 in gradshare's code outside wire.py (docstrings and comments may say them)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and type(node.value) is int and node.value in (40123, 1400):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == ["transport/wire.py:" + str(_line_of("DEFAULT_DATAGRAM_SIZE = 1400")),
+                     "transport/wire.py:" + str(_line_of("DEFAULT_PORT = 40123"))], found
+
+
+def _line_of(text: str) -> int:
+    lines = (PACKAGE / "transport" / "wire.py").read_text(encoding="utf-8").splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.startswith(text))
+
+
+# ------------------------------------------------------------------------------------ checked once, named
+class _Rule:  # a threshold rule without .update
+    threshold = 1e-3
+
+
+BAD = [
+    ({"port": -1}, ValueError, r"port must be an int in 0\.\.65535, got -1"),
+    ({"port": "40123"}, ValueError, r"port must be an int"),
+    ({"batch_size": 0}, ValueError, r"batch_size must be an int >= 1, got 0"),
+    ({"epochs": 1.5}, ValueError, r"epochs must be an int >= 1, got 1\.5"),
+    ({"num_workers": 0}, ValueError, r"num_workers must be None or an int >= 1"),
+    ({"staleness": -1}, ValueError, r"staleness must be an int >= 0"),
+    ({"residual_clip": 0}, ValueError, r"residual_clip must be None or > 0"),
+    ({"label_dtype": "int32"}, ValueError, r"label_dtype must be None, 'int64' or 'float32'"),
+    ({"timeout": 0}, ValueError, r"timeout and liveness_timeout must be > 0"),
+    ({"liveness_timeout": -1.0}, ValueError, r"timeout and liveness_timeout must be > 0"),
+    ({"on_rank_loss": "skip"}, ValueError, r"on_rank_loss must be 'wait', 'restart' or 'continue'"),
+    ({"step_timeout": True}, ValueError, r"step_timeout must be a number of seconds > 0"),
+    ({"checkpoint_every": 0}, ValueError, r"checkpoint_every must be an int >= 1"),
+    ({"checkpoint_every": True}, ValueError, r"checkpoint_every must be an int >= 1"),
+    ({"threshold": -1e-3}, ValueError, r"threshold must be 'auto' or a positive finite number"),
+    ({"threshold": math.nan}, ValueError, r"threshold must be 'auto' or a positive finite number"),
+    ({"threshold": True}, ValueError, r"threshold must be 'auto' or a positive finite number"),
+    ({"threshold": 1e-3, "density": 1e-2}, ValueError, r"density tune threshold='auto'"),
+    ({"warmup": -1}, ValueError, r"warmup must be a number of epochs >= 0"),
+    ({"density": 2.0}, ValueError, r"density must be a share of entries in \(0, 1\]"),
+    ({"warmup_density": 0.0}, ValueError, r"warmup_density must be"),
+    ({"threshold_algorithm": "fixed"}, ValueError, r"threshold='auto' calibrates τ itself"),
+    ({"threshold": 1e-3, "threshold_algorithm": "bogus"}, ValueError,
+     r"threshold_algorithm must be 'adaptive', 'fixed'"),
+    ({"threshold": 1e-3, "threshold_algorithm": _Rule()}, TypeError, r"threshold_algorithm object must have"),
+    ({"drop_last": "yes"}, ValueError, r"drop_last must be 'auto', True or False"),
+    ({"precision": "16"}, ValueError, r"precision must be one of"),
+    ({"device": "tpu"}, ValueError, r"device must be 'cpu', 'cuda'"),
+    ({"aggregate": "avg"}, ValueError, r"aggregate must be 'sum' or 'mean'"),
+    ({"forwarding": "tree"}, ValueError, r"forwarding must be one of"),
+    ({"scheduler_interval": "batch"}, ValueError, r"scheduler_interval must be 'step' or 'epoch'"),
+    ({"loss": 3}, TypeError, r"loss must be callable, got int"),
+    ({"train_step": "f"}, TypeError, r"train_step must be callable, got str"),
+    ({"loss": abs, "train_step": abs}, ValueError, r"loss and train_step are exclusive"),
+    ({"optimizer": 0.1}, TypeError, r"optimizer must be a factory taking the parameter list"),
+    ({"lr_scheduler": 100}, TypeError, r"lr_scheduler must be a factory taking the optimizer"),
+    ({"early_stopping": {"patience": 1, "when": 2}}, ValueError, r"early_stopping: unknown key\(s\) \['when'\]"),
+    ({"early_stopping": {"monitor": "val_metric"}}, ValueError, r"early_stopping monitors 'val_metric' but no"),
+    ({"on_epoch_end": [print, 1]}, ValueError, r"on_epoch_end\[1\] is int"),
+    ({"worker_options": {"profil": True}}, ValueError, r"worker_options has unknown key\(s\) \['profil'\]"),
+    ({"worker_options": {"profile": 1}}, ValueError, r"worker_options\['profile'\] must be True or False"),
+    ({"mlflow": "yes"}, TypeError, r"mlflow must be None, True or a dict"),
+]
+
+
+@pytest.mark.parametrize("options, error, message", BAD, ids=[", ".join(o) for o, _, _ in BAD])
+def test_a_bad_option_fails_naming_it_in_train_config_and_in_shared_trainer(options, error, message):
+    with pytest.raises(error, match=message):
+        TrainConfig(**options)
+    with pytest.raises(error, match=message):  # the same class and message: the trainer's checks are these
+        SharedTrainer(lambda: None, **options)
+
+
+def test_checkpoint_options_are_checked_against_staleness_and_forwarding(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpoint_dir needs staleness=0"):
+        TrainConfig(checkpoint_dir=str(tmp_path), staleness=1)
+    with pytest.raises(ValueError, match=r"forwarding='aggregate' cannot be checkpointed"):
+        TrainConfig(checkpoint_dir=str(tmp_path), forwarding="aggregate")
+    assert TrainConfig(checkpoint_dir=str(tmp_path)).checkpoint_root == str(tmp_path)
+
+
+def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_forms():
+    rule = {"patience": 2, "monitor": "loss"}
+    config = TrainConfig(early_stopping=rule, on_epoch_end=print, worker_options={"profile": True},
+                         device="CPU", threshold=1e-3)
+    assert config.early_stopping is rule and config.stopping.patience == 2 and config.stopping.monitor == "loss"
+    assert config.on_epoch_end is print and config.callbacks == (print,)
+    assert config.worker_flags == {"profile": True} and config.device == "CPU" and config.device_name == "cpu"
+    assert not config.auto and config.warmup_epochs == 2.0 and TrainConfig(warmup=0).warmup_epochs == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.epochs = 3
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):  # replace() checks again
+        dataclasses.replace(config, epochs=0)
+    assert dataclasses.replace(config, epochs=3).epochs == 3
+
+
+def test_the_trainer_keeps_its_attributes_and_the_options_as_given():
+    trainer = SharedTrainer(lambda: None, threshold=2e-3, threshold_algorithm="fixed", on_epoch_end=[print],
+                            worker_options={"direct_update": False}, epochs=3)
+    assert trainer.options["warmup"] is None and trainer.options["on_epoch_end"] == [print]
+    assert trainer.config.epochs == trainer.epochs == 3 and trainer.threshold == 2e-3 and not trainer.auto
+    assert trainer.on_epoch_end == (print,) and trainer.worker_options == {"direct_update": False}
+    assert trainer.warmup == 2.0 and trainer.device == "auto" and trainer.mlflow is None
+    assert trainer.port == DEFAULT_PORT and trainer.checkpoint_dir is None and trainer.early_stopping is None
