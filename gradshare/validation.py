@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
 
 from gradshare.errors import TrainingError
@@ -86,6 +85,10 @@ def reduce_sums(messages: Iterable[str]) -> float:
 def _column_kind(dtype) -> str:
     """A column's Spark type as what it becomes for the model: "vector", "int", "float", "bool", or
     "array<...>" of those; "?" for anything else."""
+    # imported here, on the driver only: pyspark.ml's package __init__ imports pandas and pyarrow, which
+    # a worker importing this module would otherwise carry (~50 MB of its baseline; issue 11's memory)
+    from pyspark.ml.linalg import VectorUDT
+
     if isinstance(dtype, VectorUDT):
         return "vector"
     if isinstance(dtype, ArrayType):

@@ -33,3 +33,14 @@ def test_the_kernels_load_without_scipy_linalg():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["4096", "False"]
+
+
+def test_a_worker_imports_neither_pandas_nor_pyarrow():
+    """The task's module tree (worker, losses, validation, spark, ...) stays off pyspark.ml, whose package
+    __init__ imports pandas and pyarrow: ~50 MB more in every worker's baseline for nothing it runs."""
+    code = ("import sys, gradshare.worker, gradshare.spark, gradshare.validation; "
+            "print(*[m in sys.modules for m in ('pandas', 'pyarrow', 'pyspark.ml')])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]
