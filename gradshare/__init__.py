@@ -3,6 +3,7 @@
 The public surface is re-exported here; everything else is internal.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 from gradshare.errors import (
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The encoding names load on first use (PEP 562): importing gradshare (the CLI, gradshare.errors)
-# must not pay ~0.5 s of NumPy + Numba start-up.
+# The one lazy seam of the public surface (issue 15 item 2): these names load on first use (PEP 562), so
+# importing gradshare (the CLI's `--help`, gradshare.errors on an executor) pays neither NumPy + Numba
+# (~0.5 s, the encoding names) nor torch + pyspark + Numba (~2 s, the trainer's).
 _ENCODING_NAMES = (
     "encode",
     "apply",
@@ -50,8 +52,6 @@ _LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

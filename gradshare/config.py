@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, cast, get_args
 
+from gradshare.stopping import EarlyStopping, early_stopping_from
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
-    from gradshare.stopping import EarlyStopping
+    from gradshare.encoding import CalibratedThreshold
 
 Aggregate: TypeAlias = Literal["sum", "mean"]
 Forwarding: TypeAlias = Literal["per-rank", "aggregate", "auto"]
@@ -42,6 +43,17 @@ WorkerOption: TypeAlias = Literal["profile", "direct_update", "tensor_state", "s
 FORWARDING: tuple[str, ...] = get_args(Forwarding)
 # worker_options' keys: each is a bool field of WorkerConfig of the same name (SharedTrainer's docstring)
 WORKER_OPTIONS: tuple[str, ...] = get_args(WorkerOption)
+
+
+class WorkerFlags(TypedDict, total=False):
+    """worker_options once checked: WORKER_OPTIONS' keys (tests/test_config.py), each WorkerConfig's bool
+    field of that name, so the checker matches ``WorkerConfig(**flags)`` key by key."""
+
+    profile: bool
+    direct_update: bool
+    tensor_state: bool
+    step_in_backward: bool
+    folded_view: bool
 
 DEFAULT_WARMUP_EPOCHS = 2.0  # threshold="auto" (the density's default is CalibratedThreshold's): README "Convergence"
 # ... and never fewer steps than this by default: the warm-up is for the first steps, where the model
@@ -132,7 +144,7 @@ class TrainConfig:
     mlflow_config: dict[str, object] | None = field(init=False, repr=False, compare=False)  # None: off
     device_name: str = field(init=False, repr=False, compare=False)  # "auto" | "cpu" | "cuda" | "cuda:N"
     checkpoint_root: str | None = field(init=False, repr=False, compare=False)  # absolute dir or URI
-    worker_flags: dict[str, bool] = field(init=False, repr=False, compare=False)  # worker_options checked
+    worker_flags: WorkerFlags = field(init=False, repr=False, compare=False)  # worker_options checked
 
     @property
     def auto(self) -> bool:
@@ -258,7 +270,6 @@ class TrainConfig:
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
 
     def _check_validation(self) -> None:
-        from gradshare.stopping import early_stopping_from
         from gradshare.validation import is_distributed
 
         stopping = early_stopping_from(self.early_stopping)
@@ -280,7 +291,7 @@ def check_checkpoint_staleness(argument: str, staleness: int) -> None:
                          f"with the whole log applied); got staleness={staleness}")
 
 
-def is_calibrated(rule: object) -> bool:
+def is_calibrated(rule: object) -> TypeGuard[CalibratedThreshold]:
     """Whether `rule` is a CalibratedThreshold (threshold="auto"'s rule, given as an object)."""
     from gradshare.encoding import CalibratedThreshold
 
@@ -304,7 +315,7 @@ def _callbacks(option: EpochCallback | Sequence[EpochCallback] | None) -> tuple[
     return tuple(callbacks)
 
 
-def _worker_flags(options: Mapping[str, bool] | None) -> dict[str, bool]:
+def _worker_flags(options: Mapping[str, bool] | None) -> WorkerFlags:
     flags = dict(options or {})
     unknown = sorted(set(flags) - set(WORKER_OPTIONS))
     if unknown:
@@ -312,4 +323,5 @@ def _worker_flags(options: Mapping[str, bool] | None) -> dict[str, bool]:
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"worker_options[{key!r}] must be True or False, got {value!r}")
-    return flags
+    # a dict's keys cannot narrow it to a TypedDict: they were checked against WORKER_OPTIONS just above
+    return cast(WorkerFlags, flags)

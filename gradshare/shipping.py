@@ -22,17 +22,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from pyspark import cloudpickle
 from torch import nn
 
+if TYPE_CHECKING:
+    from gradshare.worker import WorkerConfig
+
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
 USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
 
 
-def pack_user_objects(cfg):
+def pack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
     """`cfg` with its USER_FIELDS cloudpickled into ``cfg.user_objects`` and set to None."""
     objects = {name: getattr(cfg, name) for name in USER_FIELDS}
     return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))

@@ -36,43 +36,72 @@ from __future__ import annotations
 
 import copy
 import functools
+import ipaddress
 import math
+import os
 import re
 import secrets
-import threading
+import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 import numpy as np
+import torch
+from pyspark import RDD, InheritableThread, SparkContext
+from pyspark.sql import DataFrame
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from tqdm.auto import tqdm
 
+from gradshare.batches import input_names, validation_arrays
+from gradshare.checkpoint import (
+    CheckpointPlan, check_job, job_of, load_params, open_stores, rollback_point, start_service,
+)
+from gradshare.ckpt_service import CheckpointService
 from gradshare.config import (
     DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
-    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
+    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, ThresholdRule, TrainConfig,
+    TrainStep,
     ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
 )
+from gradshare.encoding import (
+    AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping, apply_update, decode_update,
+)
+from gradshare.encoding.aggregate import AggregateState
+from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
+from gradshare.flat import FlatParams, load_int_buffers
+from gradshare.losses import plan_loss
+from gradshare.plotting import plot_result
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
+from gradshare.shipping import pack_user_objects, skeleton
+from gradshare.spark import check_barrier_slots, check_summaries, dataframe_to_rdd, summarise_partition
+from gradshare.stopping import EarlyStopping
 from gradshare.tracking import tracked
-from gradshare.validation import is_distributed
+from gradshare.transport import Relay, new_job_key
+from gradshare.transport.events import Fail, Incident
+from gradshare.transport.relay_core import RollbackPoint
+from gradshare.transport.wire import MAX_DATAGRAM_SIZE
+from gradshare.validation import accuracy_sums, check_shards, is_distributed, shards_of, validation_rows, zip_shards
+from gradshare.worker import WorkerConfig, accuracy, train_partition
+from gradshare.worker import steps_per_epoch as steps_in
 
-if TYPE_CHECKING:
-    import torch
-    from pyspark import RDD
-    from pyspark.sql import DataFrame
+T = TypeVar("T")
+# a checkpoint's manifest (checkpoint.py: JSON, read by key), and the driver's stores by source
+Manifest: TypeAlias = dict[str, Any]
+Stores: TypeAlias = dict[str, object]
+# (rank, epoch) -> the relay's tally of the applied log (Relay.epoch_tallies, EpochTally.as_dict)
+Tallies: TypeAlias = Mapping[tuple[int, int], Mapping[str, float | None]]
 
-    from gradshare.stopping import EarlyStopping
 
-
-def default_optimizer(params):
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """Adam, lr 1e-3, fused: the default `optimizer` factory. The fused kernel updates each parameter in
     one pass: on this machine's CPU an Adam step over 8.4 M parameters takes 5 ms instead of the
     multi-tensor (foreach) kernel's 46 ms, and it allocates no temporaries the size of a layer (a
     worker's peak memory on the 51.6 M MLP: 7.85 instead of 8.63 × the parameter bytes; README,
     "Failures and worker memory")."""
-    import torch
-
     return torch.optim.Adam(params, lr=1e-3, fused=True)
 
 
@@ -80,8 +109,10 @@ def default_optimizer(params):
 class FitResult:
     """What `fit` returns. `history` has one dict per epoch (see `SharedTrainer.fit`)."""
 
-    model: Any
-    history: list[dict]  # EpochStats.as_dict() rows: plain dicts users index, JSON-dump and log
+    model: nn.Module
+    # EpochStats.as_dict() rows: plain dicts users index, JSON-dump and log. Values are of the row's
+    # several types (int, float, str, bool, None), read by key: Any, as the bare `dict` said before.
+    history: list[dict[str, Any]]
     counters: Counters  # the relay's transport counters (read like a dict: counters["applied"])
     worker_reports: list[WorkerReport]  # one per rank (read like a dict: report["param_hash"])
     param_hash: str
@@ -90,7 +121,7 @@ class FitResult:
     steps: int  # steps of the longest-running rank
     resumed_from: int  # 0, or the step a retried stage continued from
     seconds: float
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # fit's docstring lists the keys; values of several types
     # steps of data the log went on without (only on_rank_loss="continue" skips any; issue 12)
     skipped_steps: int = 0
 
@@ -124,11 +155,9 @@ class FitResult:
         moved = self.bytes_sent + self.bytes_received
         return self.dense_bytes / moved if moved else math.inf
 
-    def plot(self, path) -> str:
+    def plot(self, path: str | os.PathLike[str]) -> str:
         """Write a PNG of loss, validation metric and traffic per epoch to `path` (gradshare/plotting.py;
         needs matplotlib). Returns the path."""
-        from gradshare.plotting import plot_result
-
         return plot_result(self, path)
 
 
@@ -390,49 +419,43 @@ class SharedTrainer:
         self.worker_options = config.worker_flags
 
     # ------------------------------------------------------------------------------------ helpers
-    def _build_model(self):
-        import torch
-        from torch import nn
-
-        if isinstance(self.model, nn.Module):
-            return copy.deepcopy(self.model)
-        if callable(self.model):
+    def _build_model(self) -> nn.Module:
+        spec: object = self.model  # the user's: checked here, whatever the annotation promises
+        if isinstance(spec, nn.Module):
+            return copy.deepcopy(spec)
+        if callable(spec):
             torch.manual_seed(self.seed)
-            model = self.model()
+            model: object = spec()
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model factory returned {type(model).__name__}, not a torch.nn.Module")
             return model
-        raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(self.model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(spec).__name__}")
 
-    def _rule_for(self, steps_per_epoch: int):
+    def _rule_for(self, steps_per_epoch: int) -> ThresholdRule:
         """The threshold rule every worker starts from (deep-copied per worker)."""
-        from gradshare import encoding
-
         algo = self.threshold_algorithm
         if _is_calibrated(algo):
             return copy.deepcopy(algo)
         if self.auto:
-            given = {k: v for k, v in (("density", self.density), ("warmup_density", self.warmup_density))
-                     if v is not None}
             steps = round(self.warmup * steps_per_epoch)
             if self.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
                 steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
-            return encoding.CalibratedThreshold(warmup_steps=steps, **given)
-        if algo == "fixed":
-            return encoding.FixedThreshold(self.threshold)
-        if algo == "adaptive":
-            return encoding.AdaptiveThreshold(initial=self.threshold)
+            # None: CalibratedThreshold's own defaults
+            return CalibratedThreshold(
+                density=DEFAULT_DENSITY if self.density is None else self.density, warmup_steps=steps,
+                warmup_density=DEFAULT_WARMUP_DENSITY if self.warmup_density is None else self.warmup_density)
+        tau = float(self.threshold)  # not "auto" here: the number TrainConfig checked
+        if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
+            return FixedThreshold(tau) if algo == "fixed" else AdaptiveThreshold(initial=tau)
         if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
             raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
         return copy.deepcopy(algo)
 
-    def _check_scheduler(self, model) -> None:
+    def _check_scheduler(self, model: nn.Module) -> None:
         """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
         any Spark job, not on every executor after the data is loaded."""
         if self.lr_scheduler is None:
             return
-        import torch
-
         optimizer = self.optimizer([p for p in copy.deepcopy(model).parameters() if p.requires_grad])
         scheduler = self.lr_scheduler(optimizer)
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -445,33 +468,29 @@ class SharedTrainer:
             raise ValueError("lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
                              "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
 
-    def _drop_rule(self, model) -> str:
+    def _drop_rule(self, model: nn.Module) -> str:
         """drop_last as the worker's rule ("never" | "single" | "partial", worker.steps_per_epoch)."""
-        from torch.nn.modules.batchnorm import _BatchNorm
-
         if self.drop_last == "auto":
             return "single" if any(isinstance(m, _BatchNorm) for m in model.modules()) else "never"
         return "partial" if self.drop_last else "never"
 
-    def _clipping(self):
+    def _clipping(self) -> ResidualClipping | None:
         if self.residual_clip is None:
             return None
-        from gradshare.encoding import ResidualClipping
-
         return ResidualClipping(clip=float(self.residual_clip))
 
     @staticmethod
-    def _to_rdd(data, features_col, label_col):
-        from gradshare.spark import dataframe_to_rdd
-
+    def _to_rdd(data: object, features_col: str | list[str] | None,
+                label_col: str | None) -> RDD[tuple[object, object]]:
         if hasattr(data, "columns") and hasattr(data, "rdd"):  # a DataFrame
             if features_col is None or label_col is None:
                 raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
-            return dataframe_to_rdd(data, features_col, label_col)
+            rows: RDD[tuple[object, object]] = dataframe_to_rdd(data, features_col, label_col)
+            return rows
         if features_col is not None or label_col is not None:
             raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
                              "(features: one array, or a tuple of arrays for several inputs)")
-        if not (hasattr(data, "mapPartitionsWithIndex") and hasattr(data, "barrier")):
+        if not isinstance(data, RDD):
             raise TypeError(f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, "
                             f"got {type(data).__name__}")
         return data
@@ -513,25 +532,10 @@ class SharedTrainer:
         extra["checkpoint_service_errors"]: connections the driver's checkpoint service (a Hadoop-FS
         checkpoint_dir) refused or lost, at most 100.
         """
-        import torch
-
-        from gradshare.batches import input_names, validation_arrays
-        from gradshare.flat import FlatParams, load_int_buffers
-        from gradshare.losses import plan_loss
-        from gradshare.shipping import pack_user_objects, skeleton
-        from gradshare.spark import check_barrier_slots, check_summaries, summarise_partition
-        from gradshare.transport import Relay, new_job_key
-        from gradshare.encoding import apply_update, decode_update
-        from gradshare.validation import accuracy_sums
-        from gradshare.worker import WorkerConfig, accuracy
-        from gradshare.worker import steps_per_epoch as steps_in
-
         t_start = time.monotonic()
         rdd = self._to_rdd(data, features_col, label_col)
-        shards = None
+        shards: RDD[tuple[object, object]] | None = None
         if is_distributed(self.validation_data):  # its columns are checked here, before any Spark job
-            from gradshare.validation import validation_rows
-
             shards = validation_rows(self.validation_data, data, features_col, label_col)
         sc = rdd.context
         stores, resume = self._open_checkpoints(resume_from, sc)  # a corrupt one fails here, before any Spark job
@@ -550,30 +554,32 @@ class SharedTrainer:
         summaries = [s for s, _ in timed]
         load_seconds = max(seconds for _, seconds in timed)
         layout = check_summaries(summaries)
-        names = input_names(layout.features, (features_col,) if isinstance(features_col, str)
+        features, label_kind, label_shape = layout.features, layout.label_kind, layout.label_shape
+        # check_summaries raised for any partition with an error, and an empty one is an error
+        assert features is not None and label_kind is not None and label_shape is not None
+        names = input_names(features, (features_col,) if isinstance(features_col, str)
                             else tuple(features_col or ()))
-        plan = plan_loss(model, layout.sample, layout.label_kind, layout.labels_whole, loss=self.loss,
+        plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=self.loss,
                          train_step=self.train_step, label_dtype=self.label_dtype, input_names=names,
                          label_range=layout.label_range)
         label_dtype = plan.label_dtype
-        validation = job_rdd = None
+        validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
+        job_rdd: RDD[tuple[object, object]] | None = None
         if shards is not None:
-            from gradshare.validation import check_shards, shards_of, zip_shards
-
             shards = shards_of(shards, world)
             shard_rows = check_shards(shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)])
                                       .collect(), layout, names)
             job_rdd = zip_shards(rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
                                  shard_rows)
         elif self.validation_data is not None:
-            validation = validation_arrays(self.validation_data, layout.features, label_dtype, layout.label_shape)
+            validation = validation_arrays(self.validation_data, features, label_dtype, label_shape)
         # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
         classes = label_dtype == "int64" and self.train_step is None
         default = accuracy if validation is not None else accuracy_sums if shards is not None else None
         metric = self.metric or (default if classes else None)
 
         flat = FlatParams(model)  # raises on a model with no trainable parameters
-        initial = flat.state.copy()  # parameters, then float buffers
+        initial = flat.host_state().copy()  # parameters, then float buffers (the state itself here: NumPy)
         drop_last = self._drop_rule(model)
         # The job ships a skeleton: the flat state's tensors are meta tensors; the workers take their
         # values from the relay's snapshot (shipping.py: the weights never sit twice in a worker).
@@ -588,8 +594,6 @@ class SharedTrainer:
         rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
         saving, first_epoch, epochs = self._checkpoint_plan(model, world, steps_per_epoch, resume)
         if resume is not None:
-            from gradshare.checkpoint import load_params
-
             initial = load_params(stores["resume"], resume)  # shapes checked by _checkpoint_plan, contents by the manifest
 
         key, job_id = new_job_key(), secrets.randbits(31)
@@ -603,8 +607,6 @@ class SharedTrainer:
                              "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
         aggregator = None
         if forwarding == "aggregate":
-            from gradshare.encoding.aggregate import AggregateState
-
             # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
             agg_rule = copy.deepcopy(rule) if _is_calibrated(rule) else None
             aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
@@ -621,6 +623,7 @@ class SharedTrainer:
         service = None
         try:
             saving, resume, service = _serve_checkpoints(stores, saving, resume, key, self.bind, host, self.timeout)
+            assert relay.address is not None  # start() bound it
             cfg = pack_user_objects(WorkerConfig(
                 relay_address=(host, relay.address[1]), key=key, job_id=job_id, world_size=world,
                 model=shipped, loss=getattr(plan.step, "loss", None), optimizer=self.optimizer,
@@ -660,14 +663,14 @@ class SharedTrainer:
         load_int_buffers(model, dict(reports[0].int_buffers))
         stopped = reports[0].stopped_epoch  # the log carried it: every rank has the same one
         epochs_run = epochs if stopped is None else stopped + 1
-        rows, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
+        merged, skipped = _merge_history(reports, tallies, steps_per_epoch, epochs_run)
         # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
-        history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=plan.name).as_dict() for row in rows]
+        history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=plan.name).as_dict() for row in merged]
         return FitResult(
             model=model, history=history, counters=counters, worker_reports=reports,
             param_hash=relay_hash, world_size=world, n_params=flat.n_params, steps=max(r.last_step for r in reports) + 1,
             resumed_from=max(r.start_step for r in reports), seconds=time.monotonic() - t_start,
-            extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": layout.features.describe(),
+            extra={"loss": plan.name, "label_dtype": label_dtype, "inputs": features.describe(),
                    "probe": plan.probe, "incidents": [i.describe() for i in incidents],
                    "stopped_epoch": _offset(stopped, first_epoch),
                    "stop_requested_epoch": _offset(reports[0].stop_requested_epoch, first_epoch),
@@ -679,21 +682,19 @@ class SharedTrainer:
             skipped_steps=skipped,
         )
 
-    def _open_checkpoints(self, resume_from, sc) -> tuple[dict, dict | None]:
+    def _open_checkpoints(self, resume_from: str | None, sc: SparkContext) -> tuple[Stores, Manifest | None]:
         """The driver's checkpoint stores and resume_from's manifest, every file checked against it
         (checkpoint.py); ({}, None) without checkpoints."""
         if resume_from is None and self.checkpoint_dir is None:
             return {}, None
-        from gradshare.checkpoint import open_stores
-
         if resume_from is not None:
             _check_checkpoint_staleness("resume_from", self.staleness)
-        return open_stores(self.checkpoint_dir, resume_from, sc)
+        opened: tuple[Stores, Manifest | None] = open_stores(self.checkpoint_dir, resume_from, sc)
+        return opened
 
-    def _checkpoint_plan(self, model, world: int, steps_per_epoch: tuple, resume):
+    def _checkpoint_plan(self, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
+                         resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
         """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
-        from gradshare.checkpoint import CheckpointPlan, check_job, job_of
-
         if self.checkpoint_dir is None and resume is None:
             return None, 0, self.epochs
         if len(set(steps_per_epoch)) > 1:
@@ -704,7 +705,7 @@ class SharedTrainer:
         first = 0
         if resume is not None:
             check_job(resume, job)
-            first = resume["epochs_done"]
+            first = int(resume["epochs_done"])
             if first >= self.epochs:
                 raise ValueError(f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={self.epochs} "
                                  "leaves none to train (epochs counts from the start of the training)")
@@ -717,26 +718,23 @@ class SharedTrainer:
         (the training read also builds arrays or a spill file). A task that is loading says so anyway."""
         return max(self.timeout, self.liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
-    def _run_job(self, sc, rdd, cfg, relay) -> list[WorkerReport]:
+    def _run_job(self, sc: SparkContext, rdd: RDD[tuple[object, object]], cfg: WorkerConfig,
+                 relay: Relay) -> list[WorkerReport]:
         """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
-        from functools import partial
-
-        from pyspark import InheritableThread
-
-        from gradshare.worker import train_partition
-
         group = f"gradshare-{cfg.job_id}"
         # A shuffle after the barrier stage makes it a shuffle-map stage, which Spark retries as a
         # whole when a task dies; a barrier *result* stage is never retried.
-        job = rdd.barrier().mapPartitions(partial(train_partition, cfg)).repartition(1)
-        out: dict = {}
+        job = rdd.barrier().mapPartitions(functools.partial(train_partition, cfg)).repartition(1)
+        # what the job's thread leaves: collect's list, or the error it raised
+        collected: list[list[WorkerReport]] = []
+        errors: list[BaseException] = []
 
         def target() -> None:
             sc.setJobGroup(group, "gradshare SharedTrainer.fit", interruptOnCancel=True)
             try:
-                out["reports"] = job.collect()
+                collected.append(job.collect())
             except BaseException as e:  # noqa: BLE001 - handed to the driver thread below
-                out["error"] = e
+                errors.append(e)
 
         thread = InheritableThread(target=target, name="gradshare-fit", daemon=True)
         thread.start()
@@ -758,47 +756,44 @@ class SharedTrainer:
             raise
         finally:
             bar.close()
-        if "error" in out:
+        if errors:
             failed = relay.failure()  # a task fails only after its FAIL was acknowledged (or given up)
             if failed is not None:
-                raise _reported_error(failed) from out["error"]
-            raise _driver_error(out["error"], relay, relay.reported_failure()) from out["error"]
-        return out["reports"]
+                raise _reported_error(failed) from errors[0]
+            raise _driver_error(errors[0], relay, relay.reported_failure()) from errors[0]
+        return collected[0]
 
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (_join_window)
 
 
-def _rollback(saving, resume, stores: dict, first_epoch: int, steps_per_epoch: tuple):
+def _rollback(saving: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
+              steps_per_epoch: tuple[int, ...]) -> Callable[[int], RollbackPoint | None] | None:
     """The relay's `rollback` (relay_core): with checkpoints, a retried stage restarts at the last one."""
     if saving is None and resume is None:
         return None
-    from gradshare.checkpoint import rollback_point
-
     return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])
 
 
-def _serve_checkpoints(stores: dict, saving, resume, key: bytes, bind: str, host: str, timeout: float):
+def _serve_checkpoints(stores: Stores, saving: CheckpointPlan | None, resume: Manifest | None, key: bytes, bind: str,
+                       host: str, timeout: float) -> tuple[CheckpointPlan | None, Manifest | None, CheckpointService | None]:
     """A Hadoop-FS checkpoint_dir or resume_from: start the driver's checkpoint service and tell the
     workers where it is (checkpoint.py); local ones need none. (plan, resume manifest, service or None)."""
-    from dataclasses import replace
-
-    from gradshare.checkpoint import start_service
-
-    service = start_service(stores, key, bind, timeout)
+    service: CheckpointService | None = start_service(stores, key, bind, timeout)
     if service is None:
         return saving, resume, None
+    assert service.address is not None  # start_service started it
     address = (host, service.address[1])
     saving = None if saving is None else replace(saving, service=address)
     resume = None if resume is None else {**resume, "service": address}
     return saving, resume, service
 
 
-def _offset(epoch, first_epoch: int):
+def _offset(epoch: int | None, first_epoch: int) -> int | None:
     return None if epoch is None else epoch + first_epoch
 
 
-def _timed(fn, *args):
+def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
     """(fn(*args), seconds it took): the pre-pass reports each partition's read time (issue 12)."""
     t0 = time.monotonic()
     return fn(*args), time.monotonic() - t0
@@ -810,15 +805,17 @@ SNAPSHOT_RATE_LOOPBACK = 1e9   # the CPU (sealing, opening) is the limit there, 
 SNAPSHOT_RATE_NETWORK = 100e6  # about what 1 Gbit/s Ethernet carries
 
 
-def _snapshot_options(host: str, datagram_size: int) -> dict:
+class _SnapshotOptions(TypedDict):
+    """The relay's snapshot tunables (RelayOptions) that depend on how the workers reach it."""
+
+    snapshot_rate: float
+    snapshot_datagram_size: int
+
+
+def _snapshot_options(host: str, datagram_size: int) -> _SnapshotOptions:
     """Relay options for snapshot transfers to workers that reach it at `host`: on loopback (MTU 64 kB,
     nothing to fragment) the largest datagrams and a CPU-bound rate; otherwise `datagram_size` and a rate
     a gigabit link carries (a lost fragment would lose a whole large datagram)."""
-    import ipaddress
-    import socket
-
-    from gradshare.transport.wire import MAX_DATAGRAM_SIZE
-
     try:
         loopback = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)[0][4][0]).is_loopback
     except (OSError, ValueError):
@@ -828,7 +825,7 @@ def _snapshot_options(host: str, datagram_size: int) -> dict:
     return {"snapshot_rate": SNAPSHOT_RATE_NETWORK, "snapshot_datagram_size": datagram_size}
 
 
-def _wait_tasks_gone(sc, group: str, timeout: float) -> None:
+def _wait_tasks_gone(sc: SparkContext, group: str, timeout: float) -> None:
     """After cancelling `group`: wait (at most `timeout` s) until none of its stages still runs tasks.
     Spark fails the job at once but kills its tasks a moment later; a fit started right after a failure
     would find their slots busy."""
@@ -846,14 +843,12 @@ def _wait_tasks_gone(sc, group: str, timeout: float) -> None:
 class _ProgressBar:
     """tqdm on the driver: step (the relay's complete_through + 1), loss, sparsity, τ, KB/step."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar: tqdm | None = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, desc="gradshare", unit="step")
 
-    def update(self, progress: dict) -> None:
+    def update(self, progress: Mapping[str, Any]) -> None:
         """`progress`: Relay.progress(); each rank's latest step summary is the worker's `Progress`."""
         if self.bar is None or not progress:
             return
@@ -881,28 +876,28 @@ class _ProgressBar:
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)): (.*)$", re.M)
 
 
-def _failure_of(fail) -> WorkerFailure:
+def _failure_of(fail: Fail) -> WorkerFailure:
     """The WorkerFailure a FAIL carried (transport.events.Fail: its msgpack fields)."""
     return WorkerFailure(fail.rank, None if fail.step < 0 else fail.step, fail.error_type, fail.message,
                          fail.error_class, fail.cause or None, fail.attempt)
 
 
-def _reported_error(failed) -> Exception:
+def _reported_error(failed: Fail) -> Exception:
     """The error for a fatal FAIL a worker reported to the relay: the class the worker raised."""
     return _failure_of(failed).error()
 
 
-def _incident_error(incident) -> Exception:
+def _incident_error(incident: Incident) -> Exception:
     """The error for an incident after which the relay gave up on a rank (transport.events.Incident)."""
     return _incident_class(incident)(f"worker {incident.describe()}")
 
 
-def _incident_class(incident) -> type:
+def _incident_class(incident: Incident) -> type[GradshareError]:
     """A rank that went silent is a timeout; any other incident a training error."""
     return TransportTimeout if incident.kind == "silent" else TrainingError
 
 
-def _driver_error(exc: BaseException, relay, reported=None) -> Exception:
+def _driver_error(exc: BaseException, relay: Relay | None, reported: Fail | None = None) -> Exception:
     """Turn Spark's job failure into one clear error naming the rank and the cause: the relay's first
     incident (the rank it suspected, cut or gave up on first, with its step; issue 12) before the
     tasks' errors, which are often symptoms of it (a rank rejected because another was cut).
@@ -936,13 +931,13 @@ def _first_line(text: str) -> str:
     return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[:500]
 
 
-def _rank_rows(reports: list[WorkerReport], tallies: dict, steps_per_epoch: tuple,
+def _rank_rows(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...],
                epochs: int) -> dict[tuple[int, int], EpochStats]:
     """(rank, epoch) -> that rank's history row. The last attempt's own row where it trained the whole
     epoch; otherwise (a retried stage resumed inside it, or after it) a row made from the relay's tally
     of the applied log, which holds the killed attempts' steps too (issue 12). "resumed" says which."""
     own = {(r.rank, h.epoch): h for r in reports for h in r.history}
-    rows = {}
+    rows: dict[tuple[int, int], EpochStats] = {}
     for rank, spe in enumerate(steps_per_epoch):
         for e in range(epochs):
             row, tally = own.get((rank, e)), tallies.get((rank, e))
@@ -954,23 +949,32 @@ def _rank_rows(reports: list[WorkerReport], tallies: dict, steps_per_epoch: tupl
             if row is not None and (tally is None or (not tally["resumed"] and row.steps == tally["steps"])):
                 rows[(rank, e)] = replace(row, resumed=False, skipped_steps=spe - row.steps)
                 continue
-            n = max(tally["steps"], 1)
+            assert tally is not None  # no tally: continued above, with or without a row
+            steps = int(_tallied(tally, "steps"))
+            n = max(steps, 1)
             rows[(rank, e)] = EpochStats(
-                epoch=e, steps=tally["steps"], loss=tally["loss"] / n, sparsity=tally["sparsity"] / n,
-                payload_bytes=int(tally["payload"]), tau=tally["tau"], lr=tally["lr"],
-                silent_steps=tally["silent"],
+                epoch=e, steps=steps, loss=_tallied(tally, "loss") / n, sparsity=_tallied(tally, "sparsity") / n,
+                payload_bytes=int(_tallied(tally, "payload")), tau=tally["tau"], lr=tally["lr"],
+                silent_steps=int(_tallied(tally, "silent")),
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
                 bytes_sent=row.bytes_sent if row else 0, bytes_received=row.bytes_received if row else 0,
                 seconds=row.seconds if row else 0.0,
                 # rank 0's score: its own row's, or the one its next message carried (a killed attempt's)
                 val_metric=row.val_metric if row and row.val_metric is not None else tally.get("val_metric"),
-                resumed=tally["resumed"],  # its steps were applied in more than one attempt
-                skipped_steps=spe - tally["steps"],
+                resumed=bool(tally["resumed"]),  # its steps were applied in more than one attempt
+                skipped_steps=spe - steps,
             )
     return rows
 
 
-def _merge_history(reports: list[WorkerReport], tallies: dict, steps_per_epoch: tuple,
+def _tallied(tally: Mapping[str, float | None], key: str) -> float:
+    """One of a tally's counts or sums (EpochTally.as_dict: those are never None; tau, lr, val_metric may be)."""
+    value = tally[key]
+    assert value is not None
+    return value
+
+
+def _merge_history(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...],
                    epochs: int) -> tuple[list[EpochStats], int]:
     """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time; and
     the steps of data skipped in all (on_rank_loss="continue")."""

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeGuard
 
 import numpy as np
 import torch
@@ -41,12 +41,16 @@ from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralTy
 from gradshare.errors import TrainingError
 from gradshare.spark import dataframe_to_rdd
 
+if TYPE_CHECKING:
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
+
 # validation rows per forward pass on a worker (at least batch_size): bounds the memory of a score
 SCORE_BATCH_ROWS = 1024
 QUEUE_CHUNKS = 64  # validation chunks in flight between the reading thread and the training rows
 
 
-def is_distributed(data: Any) -> bool:
+def is_distributed(data: object) -> TypeGuard[DataFrame | RDD[Any]]:
     """Whether `validation_data` is a Spark DataFrame or RDD (else an in-memory pair or None)."""
     return (hasattr(data, "columns") and hasattr(data, "rdd")) or hasattr(data, "mapPartitionsWithIndex")
 
@@ -117,7 +121,8 @@ def check_columns(validation, training, columns: list[str]) -> None:
                             f"the training data's has {training.schema[c].dataType.simpleString()}; cast it")
 
 
-def validation_rows(validation, training, features_col, label_col):
+def validation_rows(validation: DataFrame | RDD[tuple[object, object]], training: object,
+                    features_col: str | list[str] | None, label_col: str | None) -> RDD[tuple[object, object]]:
     """The validation data as an RDD of (features, label) rows, read like the training data."""
     if hasattr(validation, "columns") and hasattr(validation, "rdd"):
         if not (hasattr(training, "columns") and hasattr(training, "rdd")):

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from gradshare.config import WORKER_OPTIONS, TrainConfig
+from gradshare.config import WORKER_OPTIONS, TrainConfig, WorkerFlags
 from gradshare.trainer import SharedTrainer
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.worker import WorkerConfig
@@ -39,6 +39,8 @@ def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
     assert "extra" not in fields
     for key in WORKER_OPTIONS:  # SharedTrainer passes worker_options as these fields
         assert key in fields and fields[key].default in (True, False, None)
+    # the checked flags' TypedDict (what mypy matches against WorkerConfig's fields) names the same keys
+    assert set(WorkerFlags.__annotations__) == set(WORKER_OPTIONS)
     shared = {k: (f.default, DEFAULTS[k]) for k, f in fields.items()
               if k in DEFAULTS and f.default is not dataclasses.MISSING and k not in ("loss", "metric",
                                                                                         "lr_scheduler", "train_step")}
