@@ -2,31 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
 
+import torch
 from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
 
+from gradshare.config import EpochCallback, LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
-from gradshare.ml.persist import EstimatorReader, EstimatorWriter, Saved
+from gradshare.ml.persist import EstimatorReader, EstimatorWriter
 from gradshare.ml.predict import output_spec, parse_inputs
 from gradshare.stopping import early_stopping_from
 from gradshare.trainer import SharedTrainer, default_optimizer
-
-# the constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
-OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
 
 
 class LearningRate:
     """An optimizer factory with every param group's lr set: what the `learningRate` Param does to the
     given factory (a class, not a closure, so that it pickles by reference to the executors)."""
 
-    def __init__(self, factory: Callable, lr: float):
+    def __init__(self, factory: OptimizerFactory, lr: float) -> None:
         self.factory, self.lr = factory, lr
 
-    def __call__(self, params):
+    def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = self.factory(params)
         optimizer.defaults["lr"] = self.lr
         for group in optimizer.param_groups:
@@ -34,7 +35,7 @@ class LearningRate:
         return optimizer
 
 
-class GradshareEstimator(Estimator, EstimatorParams, Saved):
+class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable["GradshareEstimator"], MLWritable):
     """Train a torch model on a DataFrame with `SharedTrainer`; `fit(df)` returns a `GradshareModel`.
 
         est = GradshareEstimator(lambda: nn.Sequential(...), featuresCol="scaled", labelCol="label",
@@ -51,23 +52,24 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
     loading needs the model's class importable, as with any pickled torch module.
     """
 
-    def __init__(self, model: Any = None, *, optimizer: Callable | None = None, loss: Callable | None = None,
-                 train_step: Callable | None = None, lr_scheduler: Callable | None = None,
-                 metric: Callable | None = None, on_epoch_end: Callable | list | None = None, **params: Any):
+    def __init__(self, model: ModelSpec | None = None, *, optimizer: OptimizerFactory | None = None,
+                 loss: LossFn | None = None, train_step: TrainStep | None = None,
+                 lr_scheduler: SchedulerFactory | None = None, metric: Metric | None = None,
+                 on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = None, **params: object) -> None:
         super().__init__()
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.train_step, self.lr_scheduler, self.metric = train_step, lr_scheduler, metric
         self.on_epoch_end = on_epoch_end
         self.setParams(**params)
 
-    def setParams(self, **params: Any) -> "GradshareEstimator":
+    def setParams(self, **params: object) -> GradshareEstimator:
         unknown = sorted(k for k in params if not self.hasParam(k))
         if unknown:
             raise ValueError(f"GradshareEstimator has no Param(s) {unknown}; its Params are "
                              f"{sorted(p.name for p in self.params)}")
         return self._set(**params)
 
-    def trainer(self, validation_data=None):
+    def trainer(self, validation_data: DataFrame | None = None) -> SharedTrainer:
         """The SharedTrainer these Params describe (it checks every option; no Spark job); `fit` gives
         it the validationIndicatorCol rows as validation_data."""
         if self.model is None:
@@ -83,7 +85,7 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
             seed=self.getOrDefault(self.seed), num_workers=self.getOrDefault(self.numWorkers),
             **self.getOrDefault(self.trainerOptions))
 
-    def _fit(self, dataset) -> GradshareModel:
+    def _fit(self, dataset: DataFrame) -> GradshareModel:
         # every check reads the schema or the options only: bad input fails here, before any Spark job
         schema = dataset.schema
         features = self.feature_columns()
@@ -102,7 +104,7 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
         model = GradshareModel(result.model, architecture, spec, result.history)
         return self._copyValues(model)
 
-    def _split(self, dataset):
+    def _split(self, dataset: DataFrame) -> tuple[DataFrame, DataFrame | None]:
         """(training rows, validation rows or None) by validationIndicatorCol; checked on the schema."""
         column = self.getOrDefault(self.validationIndicatorCol)
         stopping = early_stopping_from(self.getOrDefault(self.trainerOptions).get("early_stopping"))
@@ -116,4 +118,9 @@ class GradshareEstimator(Estimator, EstimatorParams, Saved):
         check_indicator(dataset.schema, column)
         return dataset.filter(~F.col(column)), dataset.filter(F.col(column))
 
-    writer, reader = EstimatorWriter, EstimatorReader
+    def write(self) -> EstimatorWriter:
+        return EstimatorWriter(self)
+
+    @classmethod
+    def read(cls) -> EstimatorReader:
+        return EstimatorReader(cls)

@@ -4,31 +4,38 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from pyspark import cloudpickle
+from pyspark import Broadcast, SparkContext, cloudpickle
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector, predict_batch_udf, vector_to_array
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
+from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
+from torch import nn
 
 from gradshare.ml.params import ColumnParams, check_features, check_new
-from gradshare.ml.persist import ModelReader, ModelWriter, Saved
-from gradshare.ml.predict import dump_weights, make_predict
+from gradshare.ml.persist import ModelReader, ModelWriter
+from gradshare.ml.predict import Payload, dump_weights, make_predict
+
+if TYPE_CHECKING:
+    from pyspark.ml._typing import ParamMap  # pyspark's stub-only alias (what Params.copy takes)
 
 
 class ModuleCopy:
     """A zero-argument factory that returns a copy of a module: the architecture of an Estimator built
     from an ``nn.Module`` instance rather than a factory."""
 
-    def __init__(self, module: Any):
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def __call__(self):
+    def __call__(self) -> nn.Module:
         return copy.deepcopy(self.module)
 
 
-class GradshareModel(Model, ColumnParams, Saved):
+class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritable):
     """A torch module fitted by `GradshareEstimator`, as a Spark ML Transformer.
 
     ``transform(df)`` adds `predictionCol` (classifiers: the argmax class as a double, like Spark ML;
@@ -40,33 +47,35 @@ class GradshareModel(Model, ColumnParams, Saved):
     `torchModel` is the trained module on the driver; `history` the fit's per-epoch rows.
     """
 
-    def __init__(self, module: Any = None, architecture: Any = None, spec: dict | None = None,
-                 history: list | None = None):
+    # spec and history are JSON (saved in the model's metadata): predict.py's InputSpec/OutputSpec, read by key
+    def __init__(self, module: nn.Module | None = None, architecture: Callable[[], nn.Module] | None = None,
+                 spec: dict[str, Any] | None = None, history: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
         self._module, self.architecture = module, architecture
         self.spec = spec or {}
         self.history = list(history or [])
-        self._weights: tuple | None = None  # (SparkContext, payload hash, Broadcast)
+        self._weights: tuple[SparkContext, bytes, Broadcast[Payload]] | None = None  # (context, payload hash, broadcast)
 
     @property
-    def torchModel(self):
+    def torchModel(self) -> nn.Module | None:
         return self._module
 
     @property
     def isClassifier(self) -> bool:
         return bool(self.spec["output"]["classification"])
 
-    def copy(self, extra=None):
+    def copy(self, extra: ParamMap | None = None) -> GradshareModel:
         # Params.copy is shallow: give the copy its own module, which its user may go on changing
         that = super().copy(extra)
         that._module = copy.deepcopy(self._module)
         that._weights = None
         return that
 
-    def _broadcast(self, sc):
+    def _broadcast(self, sc: SparkContext) -> Broadcast[Payload]:
         """The module as one broadcast, made again only when the SparkContext or the weights changed (a
         user may fine-tune `torchModel` between transforms); serialising it once per transform is cheap
         next to a Spark job."""
+        assert self._module is not None  # _transform checked
         payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
         key = hashlib.sha256(payload[0] + payload[1]).digest()
         if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
@@ -75,9 +84,11 @@ class GradshareModel(Model, ColumnParams, Saved):
             self._weights = (sc, key, sc.broadcast(payload))
         return self._weights[2]
 
-    def _udf_inputs(self, schema, kinds):
+    def _udf_inputs(self, schema: StructType,
+                    kinds: list[tuple[str, int]]) -> tuple[list[Column], list[list[int] | None]]:
         """The input columns as predict_batch_udf takes them (flat arrays), and their shapes."""
-        columns, shapes = [], []
+        columns: list[Column] = []
+        shapes: list[list[int] | None] = []
         for name, (kind, depth), spec in zip(self.feature_columns(), kinds, self.spec["inputs"]):
             shape = spec["shape"]
             if (kind == "number") != (not shape) or (kind == "array" and depth != len(shape)):
@@ -96,7 +107,7 @@ class GradshareModel(Model, ColumnParams, Saved):
             shapes.append(shape or None)
         return columns, shapes
 
-    def _transform(self, dataset):
+    def _transform(self, dataset: DataFrame) -> DataFrame:
         if self._module is None:
             raise ValueError("this GradshareModel has no module; get one from GradshareEstimator.fit or .load")
         # every check reads the schema only: bad input fails here, before any Spark job
@@ -113,6 +124,7 @@ class GradshareModel(Model, ColumnParams, Saved):
             check_new(schema, probability, "probability")
         columns, shapes = self._udf_inputs(schema, kinds)
 
+        return_type: DataType
         if probability:  # a struct, so that one UDF call per row fills both columns
             return_type = StructType([StructField("prediction", DoubleType()),
                                       StructField("probability", ArrayType(DoubleType()))])
@@ -134,8 +146,13 @@ class GradshareModel(Model, ColumnParams, Saved):
         out = out.withColumn(probability, array_to_vector(_struct_field(scratch, "probability")))
         return out.drop(scratch)
 
-    writer, reader = ModelWriter, ModelReader
+    def write(self) -> ModelWriter:
+        return ModelWriter(self)
+
+    @classmethod
+    def read(cls) -> ModelReader:
+        return ModelReader(cls)
 
 
-def _struct_field(column: str, field: str):
+def _struct_field(column: str, field: str) -> Column:
     return F.col(column).getField(field)

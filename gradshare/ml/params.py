@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
 
 from gradshare.config import TrainConfig
 
@@ -27,9 +30,10 @@ _INSTEAD = {"validation_data": "the validationIndicatorCol Param (a boolean colu
             "batch_size": "the batchSize Param", "num_workers": "the numWorkers Param", "epochs": "the epochs Param",
             "seed": "the seed Param"}
 TASKS = ("auto", "classification", "regression")
+T = TypeVar("T")
 
 
-def _columns(value: Any) -> str | list[str]:
+def _columns(value: object) -> str | list[str]:
     """featuresCol: one column name, or a list of them (one model input each)."""
     if isinstance(value, str):
         return value
@@ -38,19 +42,19 @@ def _columns(value: Any) -> str | list[str]:
     raise TypeError(f"featuresCol must be a column name or a non-empty list of them, got {value!r}")
 
 
-def _optional(convert):
+def _optional(convert: Callable[[object], T]) -> Callable[[object], T | None]:
     return lambda value: None if value is None else convert(value)
 
 
-def _positive_int(value: Any) -> int:
+def _positive_int(value: object) -> int:
     number = TypeConverters.toInt(value)
     if number < 1:
         raise TypeError(f"must be an int >= 1, got {value!r}")
     return number
 
 
-def _task(value: Any) -> str:
-    if value not in TASKS:
+def _task(value: object) -> str:
+    if not isinstance(value, str) or value not in TASKS:
         raise TypeError(f"task must be one of {TASKS}, got {value!r}")
     return value
 
@@ -59,7 +63,7 @@ def trainer_option_names() -> set[str]:
     return {f.name for f in dataclasses.fields(TrainConfig) if f.init} - _NOT_OPTIONS
 
 
-def _trainer_options(value: Any) -> dict:
+def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTrainer keyword options
     """trainerOptions: SharedTrainer keyword options with JSON values (they are saved as JSON)."""
     if not isinstance(value, dict):
         raise TypeError(f"trainerOptions must be a dict of SharedTrainer options, got {type(value).__name__}")
@@ -127,17 +131,14 @@ class EstimatorParams(ColumnParams):
 
 
 # ------------------------------------------------------------------------------------ schema checks
-def _field(schema, column: str, role: str):
+def _field(schema: StructType, column: str, role: str) -> DataType:
     if column not in schema.names:
         raise ValueError(f"{role} column {column!r} is not in the DataFrame; its columns are {schema.names}")
     return schema[column].dataType
 
 
-def input_kind(dtype) -> tuple[str, int]:
+def input_kind(dtype: DataType) -> tuple[str, int]:
     """("vector", 1) | ("array", nesting depth) | ("number", 0) | ("?", 0) for a column's Spark type."""
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql.types import ArrayType, BooleanType, NumericType
-
     if isinstance(dtype, VectorUDT):
         return "vector", 1
     depth = 0
@@ -148,7 +149,7 @@ def input_kind(dtype) -> tuple[str, int]:
     return "?", 0
 
 
-def check_features(schema, columns: list[str]) -> list[tuple[str, int]]:
+def check_features(schema: StructType, columns: list[str]) -> list[tuple[str, int]]:
     """Each features column exists and holds numbers, arrays of numbers or ML vectors."""
     kinds = []
     for c in columns:
@@ -161,24 +162,22 @@ def check_features(schema, columns: list[str]) -> list[tuple[str, int]]:
     return kinds
 
 
-def check_indicator(schema, column: str) -> None:
+def check_indicator(schema: StructType, column: str) -> None:
     """validationIndicatorCol exists and is boolean (Spark ML's GBT takes the same kind of column)."""
-    from pyspark.sql.types import BooleanType
-
     dtype = _field(schema, column, "validationIndicatorCol")
     if not isinstance(dtype, BooleanType):
         raise TypeError(f"validationIndicatorCol {column!r} has type {dtype.simpleString()}; it must be boolean "
                         "(true: a validation row)")
 
 
-def check_label(schema, column: str) -> None:
+def check_label(schema: StructType, column: str) -> None:
     dtype = _field(schema, column, "label")
     if input_kind(dtype)[0] == "?":
         raise TypeError(f"label column {column!r} has type {dtype.simpleString()}; it must be a number, an array "
                         "of numbers or a vector (index string labels with StringIndexer first)")
 
 
-def check_new(schema, column: str, role: str) -> None:
+def check_new(schema: StructType, column: str, role: str) -> None:
     """An output column must not exist yet: overwriting the user's column silently would lose data."""
     if column in schema.names:
         raise ValueError(f"{role} column {column!r} already exists in the DataFrame; set {role}Col to another name")

@@ -15,22 +15,34 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pyspark import cloudpickle
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.sql import SparkSession
 
 from gradshare.ml.predict import dump_weights, load_module
+
+if TYPE_CHECKING:  # they import this module
+    from gradshare.ml.estimator import GradshareEstimator
+    from gradshare.ml.model import GradshareModel
+
+P = TypeVar("P", "GradshareEstimator", "GradshareModel")  # the classes saved here
+# GradshareEstimator's constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
+OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
 
 # pickle/cloudpickle: the model-file format of this Spark ML layer (like torch.save), never the UDP wire
 
 
-def _hadoop_path(spark, path: str):
+def _hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    """(Hadoop Path, its FileSystem): py4j proxies of the JVM's objects (py4j has no types: Any)."""
     jvm = spark.sparkContext._jvm
+    assert jvm is not None  # the driver's SparkContext of a classic session runs a JVM
     p = jvm.org.apache.hadoop.fs.Path(path)
     return p, p.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
 
 
-def write_bytes(spark, path: str, data: bytes) -> None:
+def write_bytes(spark: SparkSession, path: str, data: bytes) -> None:
     """Write one file through Hadoop's FileSystem (the same filesystems Spark's own writers reach)."""
     p, fs = _hadoop_path(spark, path)
     out = fs.create(p, False)  # never overwrite: MLWriter.overwrite() clears the directory first
@@ -40,19 +52,22 @@ def write_bytes(spark, path: str, data: bytes) -> None:
         out.close()
 
 
-def read_bytes(spark, path: str) -> bytes:
+def read_bytes(spark: SparkSession, path: str) -> bytes:
     p, fs = _hadoop_path(spark, path)
     if not fs.exists(p):
         raise FileNotFoundError(f"{path} does not exist: not a saved gradshare.ml instance, or saved incompletely")
     stream = fs.open(p)
     try:
-        return bytes(spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None  # _hadoop_path found one
+        return bytes(jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
     finally:
         stream.close()
 
 
-def _load_params(reader: MLReader, cls, path: str):
-    metadata = DefaultParamsReader.loadMetadata(path, reader.sparkSession)
+def _load_params(spark: SparkSession, cls: type[P], path: str) -> tuple[P, dict[str, Any]]:
+    """A new `cls` with the uid and Params saved at `path`, and the metadata (JSON)."""
+    metadata = DefaultParamsReader.loadMetadata(path, spark)
     expected = f"{cls.__module__}.{cls.__name__}"
     if metadata["class"] != expected:
         raise ValueError(f"{path} holds a {metadata['class']}, not a {expected}")
@@ -62,50 +77,37 @@ def _load_params(reader: MLReader, cls, path: str):
     return instance, metadata
 
 
-class _Writer(MLWriter):
-    def __init__(self, instance):
+# Each class's write() / read() returns its writer / reader (MLWritable.save, MLReadable.load call them).
+
+
+class _Writer(MLWriter, Generic[P]):
+    def __init__(self, instance: P) -> None:
         super().__init__()
-        self.instance = instance
+        self.instance: P = instance
 
 
-class _Reader(MLReader):
-    def __init__(self, cls):
+class _Reader(MLReader[P]):
+    def __init__(self, cls: type[P]) -> None:
         super().__init__()
-        self.cls = cls
+        self.cls: type[P] = cls
 
 
-class Saved(MLReadable, MLWritable):
-    """save/load through the class's `writer`/`reader` (MLWritable.save, MLReadable.load call these)."""
-
-    writer: type[MLWriter]
-    reader: type[MLReader]
-
-    def write(self) -> MLWriter:
-        return self.writer(self)
-
-    @classmethod
-    def read(cls) -> MLReader:
-        return cls.reader(cls)
-
-
-class EstimatorWriter(_Writer):
+class EstimatorWriter(_Writer["GradshareEstimator"]):
     def saveImpl(self, path: str) -> None:
-        from gradshare.ml.estimator import OBJECTS  # lazy: estimator.py imports this module
-
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         objects = {name: getattr(self.instance, name) for name in OBJECTS}
         write_bytes(self.sparkSession, os.path.join(path, "objects.pkl"), cloudpickle.dumps(objects))
 
 
-class EstimatorReader(_Reader):
-    def load(self, path: str):
-        instance, _ = _load_params(self, self.cls, path)
+class EstimatorReader(_Reader["GradshareEstimator"]):
+    def load(self, path: str) -> GradshareEstimator:
+        instance, _ = _load_params(self.sparkSession, self.cls, path)
         for name, value in pickle.loads(read_bytes(self.sparkSession, os.path.join(path, "objects.pkl"))).items():
             setattr(instance, name, value)
         return instance
 
 
-class ModelWriter(_Writer):
+class ModelWriter(_Writer["GradshareModel"]):
     def saveImpl(self, path: str) -> None:
         model = self.instance
         if model.torchModel is None:
@@ -116,9 +118,9 @@ class ModelWriter(_Writer):
         write_bytes(self.sparkSession, os.path.join(path, "weights.pt"), dump_weights(model.torchModel))
 
 
-class ModelReader(_Reader):
-    def load(self, path: str):
-        instance, metadata = _load_params(self, self.cls, path)
+class ModelReader(_Reader["GradshareModel"]):
+    def load(self, path: str) -> GradshareModel:
+        instance, metadata = _load_params(self.sparkSession, self.cls, path)
         architecture = read_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"))
         module = load_module(architecture, read_bytes(self.sparkSession, os.path.join(path, "weights.pt")))
         instance._module, instance.spec, instance.history = module, metadata["spec"], metadata.get("history", [])
@@ -126,6 +128,8 @@ class ModelReader(_Reader):
         return instance
 
 
-def _jsonable(rows: list) -> list:
+def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """History rows as JSON values (NumPy scalars become numbers; anything else its text)."""
-    return json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    jsonable: list[dict[str, Any]] = json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item")
+                                                             else str(v)))
+    return jsonable

@@ -15,17 +15,40 @@ import inspect
 import io
 import pickle
 import re
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypeAlias, TypedDict
 
 import numpy as np
 import torch
-from pyspark import TaskContext
+from pyspark import Broadcast, TaskContext
+from torch import nn
 
 _INPUT = re.compile(r"(float32|int64|bool)\[([0-9, ]*)\]")
 CLASSIFICATION_LOSSES = ("CrossEntropyLoss", "NLLLoss")
 
 
-def parse_inputs(described: str) -> list[dict]:
+class InputSpec(TypedDict):
+    """One input of the fitted model, as the spec's JSON holds it."""
+
+    dtype: str  # "float32" | "int64" | "bool"
+    shape: list[int]  # of one row
+
+
+class OutputSpec(TypedDict):
+    """The fitted model's output, as the spec's JSON holds it."""
+
+    classification: bool
+    width: int  # values per row
+    scalar: bool  # a regressor with one value per row
+
+
+# what the broadcast carries: (cloudpickled architecture factory, torch.save'd state_dict)
+Payload: TypeAlias = tuple[bytes, bytes]
+# the batch function predict_batch_udf calls: one array per input -> predictions (or prediction + probability)
+Predict: TypeAlias = Callable[..., "np.ndarray | Mapping[str, np.ndarray]"]
+
+
+def parse_inputs(described: str) -> list[InputSpec]:
     """FitResult.extra["inputs"] ("float32[64]" or "(float32[4], int64[])", batches.InputLayout.describe)
     as [{"dtype": ..., "shape": [...]}, ...]."""
     found = _INPUT.findall(described)
@@ -34,12 +57,12 @@ def parse_inputs(described: str) -> list[dict]:
     return [{"dtype": d, "shape": [int(s) for s in dims.split(",") if s.strip()]} for d, dims in found]
 
 
-def zero_batch(inputs: list[dict]):
+def zero_batch(inputs: list[InputSpec]) -> tuple[torch.Tensor, ...]:
     """One row of zeros per input (zeros are valid ids for an Embedding too)."""
     return tuple(torch.zeros((1, *i["shape"]), dtype=getattr(torch, i["dtype"])) for i in inputs)
 
 
-def output_spec(module, inputs: list[dict], loss_name: str, task: str) -> dict:
+def output_spec(module: nn.Module, inputs: list[InputSpec], loss_name: str, task: str) -> OutputSpec:
     """Classifier or regressor, and the output's width, from the fitted loss and one forward pass on zeros.
 
     Classification (task "auto" with CrossEntropyLoss/NLLLoss, or task "classification") needs a (B, C)
@@ -63,16 +86,18 @@ def output_spec(module, inputs: list[dict], loss_name: str, task: str) -> dict:
     return {"classification": classify, "width": width, "scalar": not classify and width == 1}
 
 
-def make_predict(payload, inputs: list[dict], output: dict, probability: bool):
+def make_predict(payload: Broadcast[Payload], inputs: list[InputSpec], output: OutputSpec,
+                 probability: bool) -> Callable[[], Predict]:
     """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it)."""
     return _MakePredict(payload, inputs, output, probability)
 
 
 class _MakePredict:
-    def __init__(self, payload, inputs, output, probability):
+    def __init__(self, payload: Broadcast[Payload], inputs: list[InputSpec], output: OutputSpec,
+                 probability: bool) -> None:
         self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
 
-    def __call__(self):
+    def __call__(self) -> Predict:
         module = load_module(*self.payload.value)
         module.eval()
         context = TaskContext.get()
@@ -81,10 +106,10 @@ class _MakePredict:
         dtypes = [np.dtype(i["dtype"]) for i in self.inputs]
         output, probability = self.output, self.probability
 
-        def predict(*columns: np.ndarray):
+        def predict(*columns: np.ndarray) -> np.ndarray | dict[str, np.ndarray]:
             xs = tuple(torch.from_numpy(np.ascontiguousarray(c, dtype=d)) for c, d in zip(columns, dtypes))
             with torch.inference_mode():
-                out = module(*xs)
+                out: torch.Tensor = module(*xs)
             if output["classification"]:
                 classes = out.argmax(dim=1).to(torch.float64).numpy()
                 if not probability:
@@ -95,19 +120,20 @@ class _MakePredict:
             return values[:, 0] if output["scalar"] else values
 
         # predict_batch_udf counts the function's parameters to match one column to each input
-        predict.__signature__ = inspect.Signature(
+        # (functions take a __signature__ at run time; the checker's function type has no such attribute)
+        predict.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(dtypes))])
         return predict
 
 
-def dump_weights(module) -> bytes:
+def dump_weights(module: nn.Module) -> bytes:
     buffer = io.BytesIO()
     torch.save(module.state_dict(), buffer)
     return buffer.getvalue()
 
 
-def load_module(architecture: bytes, weights: bytes) -> Any:
+def load_module(architecture: bytes, weights: bytes) -> nn.Module:
     """Build the module from its pickled factory and load the state_dict (weights_only: tensors, no code)."""
-    module = pickle.loads(architecture)()
+    module: nn.Module = pickle.loads(architecture)()
     module.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
     return module
