@@ -689,8 +689,7 @@ class SharedTrainer:
             return {}, None
         if resume_from is not None:
             _check_checkpoint_staleness("resume_from", self.staleness)
-        opened: tuple[Stores, Manifest | None] = open_stores(self.checkpoint_dir, resume_from, sc)
-        return opened
+        return open_stores(self.checkpoint_dir, resume_from, sc)
 
     def _checkpoint_plan(self, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
                          resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
@@ -705,7 +704,7 @@ class SharedTrainer:
         first = 0
         if resume is not None:
             check_job(resume, job)
-            first = int(resume["epochs_done"])
+            first = resume["epochs_done"]
             if first >= self.epochs:
                 raise ValueError(f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={self.epochs} "
                                  "leaves none to train (epochs counts from the start of the training)")
