@@ -32,6 +32,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+from torch.optim import optimizer as torch_optimizer
+
 from gradshare.encoding import share_step
 from gradshare.precision import plain_step
 from gradshare.vectors import copy_into
@@ -44,8 +47,6 @@ _UPDATE_ONLY = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam",
 def writes_update_only(optimizer) -> bool:
     """Whether ``optimizer.step()`` adds to each parameter an amount that does not depend on the
     parameter's value, so it may run with the parameters aliased to the residual."""
-    import torch
-
     known = tuple(getattr(torch.optim, name) for name in _UPDATE_ONLY)
     if type(optimizer) not in known:
         return False
@@ -82,8 +83,6 @@ def frees_enough(flat) -> bool:
 def needs_all_gradients(optimizer, precision) -> str | None:
     """Why this step must see every gradient at once (a short reason), or None when each parameter
     may be stepped in backward as its gradient is ready (module docstring)."""
-    from torch.optim import optimizer as torch_optimizer
-
     if getattr(precision, "scaler", None) is not None:
         return "a loss scaler unscales and checks all gradients"
     own = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
@@ -117,8 +116,6 @@ class DirectPath:
                 p.register_post_accumulate_grad_hook(self._hook_for(i, v))
 
     def _hook_for(self, i: int, view):
-        import torch
-
         unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
         def step_now(p) -> None:

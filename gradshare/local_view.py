@@ -41,6 +41,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
+import torch
 
 from gradshare.capture import aliased
 from gradshare.vectors import is_tensor
@@ -53,8 +54,6 @@ class LocalView:
         self.flat = flat
         self.scale = np.float32(scale)
         if is_tensor(flat.array):
-            import torch
-
             self.point = torch.empty_like(flat.array)
         else:
             self.point = np.empty_like(flat.array)
@@ -64,8 +63,6 @@ class LocalView:
         """point = P + scale × residual, in float32."""
         p, point = self.flat.array, self.point
         if is_tensor(point):
-            import torch
-
             torch.add(p, residual, alpha=float(self.scale), out=point)
         elif self.scale == 1.0:
             np.add(p, residual, out=point)

@@ -32,24 +32,41 @@ which holds them: a fit resumed from one, or a retried stage, which the relay re
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
+import json
+import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
+from pyspark import BarrierTaskContext, SparkFiles
+from torch.nn.modules.batchnorm import _BatchNorm
 
+import gradshare
 from gradshare.capture import frees_enough, needs_all_gradients, update_path, writes_update_only
+from gradshare.checkpoint import load_rank, manifest_for, worker_store, write_manifest, write_rank
 from gradshare.config import TrainConfig
-from gradshare.encoding import StepUpdate, buffer_change, skipped_step
+from gradshare.device import resolve_device, select
+from gradshare.encoding import SharingState, StepUpdate, apply, apply_update, buffer_change, decode_update, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
+from gradshare.flat import FlatParams, int_buffers
 from gradshare.local_view import FoldedView, LocalView, NoView
 from gradshare.losses import LossStep
+from gradshare.precision import Precision
 from gradshare.profiling import OFF as OFF_PROFILE
 from gradshare.profiling import StepProfile
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
+from gradshare.shipping import materialize, unpack_user_objects
+from gradshare.spark import PartitionData, epoch_order
 from gradshare.stopping import should_stop, stop_epoch
+from gradshare.transport import Peer, param_hash
 from gradshare.transport.events import AGGREGATE_ORIGIN
+from gradshare.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, shard_sums, split_rows
 from gradshare.vectors import copy_of, index_for, where
 
 
@@ -143,8 +160,6 @@ class ApplyLog:
     """
 
     def __init__(self, peer, flat, start_step: int, timeout: float, profile=None, scale: float = 1.0):
-        from gradshare.encoding import apply, apply_update, decode_update
-
         self._decode, self._apply_update, self._apply = decode_update, apply_update, apply
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
@@ -212,13 +227,6 @@ class Worker:
         """`model`: a module this worker owns and trains in place (the Spark task's, built from the
         shipped skeleton); None trains a deep copy of ``cfg.model`` (drivers that step workers
         themselves)."""
-        import torch
-
-        from gradshare.device import resolve_device, select
-        from gradshare.encoding import SharingState
-        from gradshare.flat import FlatParams
-        from gradshare.precision import Precision
-
         self.cfg, self.rank, self.data = cfg, rank, data
         self.device = select(resolve_device(cfg.device))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
@@ -279,10 +287,6 @@ class Worker:
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.float32))
 
     def _batch(self, epoch: int, b: int):
-        import torch
-
-        from gradshare.spark import epoch_order
-
         if self.labels is None:  # spilled: read in bounded shuffle windows, in their own order (spill.py)
             *inputs, labels = self.data.batch(epoch, b, self.cfg.batch_size, self.cfg.seed, self.rank)
             labels = labels.astype(np.int64 if self.cfg.label_dtype == "int64" else np.float32, copy=False)
@@ -370,13 +374,7 @@ class Worker:
     def _evaluate(self) -> float | None:
         """Rank 0's validation score of its replica as it is now (None elsewhere); with shards, every
         rank's shard sums reduced over all ranks (validation.py)."""
-        import torch
-
         if self.cfg.shards:
-            import json
-
-            from gradshare.validation import SCORE_BATCH_ROWS, reduce_sums, shard_sums
-
             sums = shard_sums(self.model, self.train_step, self.shard, self.cfg.metric, self.cfg.label_dtype,
                               max(SCORE_BATCH_ROWS, self.cfg.batch_size), self.device)
             return reduce_sums(self.gather(json.dumps(sums)))
@@ -390,8 +388,6 @@ class Worker:
         with torch.no_grad():
             value = self.train_step.evaluate(self.model, batch, self.cfg.metric)
         self.model.train(was_training)
-        from gradshare.validation import as_mean
-
         return as_mean(value)
 
     def step(self, peer, t: int) -> tuple[float, int, int]:
@@ -484,8 +480,6 @@ class Worker:
 
         Only the touched values are saved (a few per thousand parameters), not all of P: subtracting
         the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
-        from gradshare.encoding import apply
-
         pending = self.state.pending
         self.state.forget_applied(self.log.applied_through if self.log is not None else -1)
         if not pending:
@@ -564,7 +558,6 @@ class Worker:
         peer.finish(max(total, start_step) - 1)
         self._score(scores, cfg.final_step, history)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
-        from gradshare.flat import int_buffers
 
         return WorkerReport(
             rank=rank,
@@ -592,8 +585,6 @@ class Worker:
         """A resumed attempt's BatchNorm layers count the batches the attempts before it ran (one
         training forward a step): integer buffers are local, not in the relay's snapshot, and
         BatchNorm(momentum=None) averages with 1/num_batches_tracked."""
-        from torch.nn.modules.batchnorm import _BatchNorm
-
         for m in self.model.modules():
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
@@ -607,14 +598,10 @@ class Worker:
         plan = self.cfg.checkpoint
         if plan is None or ((epoch + 1) % plan.every and t != total - 1):
             return
-        from gradshare.checkpoint import write_manifest, write_rank
-
         self._score(scores, t, history)
         self.log.apply_through(t)
         t0 = time.monotonic()
         if self.checkpoint_store is None:
-            from gradshare.checkpoint import worker_store
-
             self.checkpoint_store = worker_store(self.cfg, "checkpoint", self.rank)
         write_rank(plan, epoch + 1, self, self.cfg.job_id, self.checkpoint_store)
         if self.rank == 0:
@@ -625,8 +612,6 @@ class Worker:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
         if self.scheduler is None or start_step == 0:
             return
-        import warnings
-
         done = start_step if self.cfg.scheduler_interval == "step" else start_step // spe
         with warnings.catch_warnings():  # torch warns when a scheduler steps before its optimizer
             warnings.simplefilter("ignore")
@@ -686,8 +671,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
     the task raises TrainingError whose message is the failure's text form (tag line + JSON record),
     which the driver reads back from Spark's job error when the relay never got the FAIL.
     """
-    from pyspark import BarrierTaskContext
-
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
@@ -695,8 +678,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
     attempt = min(int(i) for i in ctx.allGather(str(ctx.taskAttemptId())))
     position = TaskPosition()
     try:
-        import torch
-
         torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (docs/design.md, Spark)
         start_rss = reset_peak_rss()  # a reused Python worker remembers the peaks of earlier tasks
         report = _run(cfg, rank, attempt, rows, position)
@@ -705,10 +686,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
         if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
             _report_failure(cfg, failure, fatal=is_deterministic(e))
         raise TrainingError(failure.to_text()) from e
-    import os
-
-    import gradshare
-
     return [report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
                          start_rss_bytes=start_rss, peak_rss_bytes=_proc_status_bytes("VmHWM"))]
 
@@ -726,8 +703,6 @@ def _report_failure(cfg: WorkerConfig, failure: WorkerFailure, fatal: bool) -> N
     """FAIL(the failure's fields) to the relay from a fresh peer (the task may have failed before it
     had one, e.g. unpickling the model), waiting briefly for the acknowledgement. Best effort: if the
     relay cannot be reached, the error still reaches the driver through Spark (its text form)."""
-    from gradshare.transport import Peer
-
     try:
         # n_params only sizes a joined peer's buffers; this one never joins
         peer = Peer(cfg.relay_address, rank=failure.rank, world_size=cfg.world_size, attempt=failure.attempt,
@@ -752,9 +727,6 @@ def release_free_memory() -> None:
     51.6 M MLP). No-op where the C library is not glibc."""
     global _malloc_trim
     if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
         except (OSError, AttributeError):  # not glibc: nothing to trim with
@@ -793,12 +765,6 @@ def _proc_status_bytes(field: str) -> int:
 
 
 def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPosition | None = None) -> WorkerReport:
-    from gradshare.shipping import materialize, unpack_user_objects
-    from gradshare.spark import PartitionData
-    from gradshare.transport import param_hash
-
-    from pyspark import SparkFiles
-
     cfg = unpack_user_objects(cfg)  # user classes resolve here, where a failure is reported (shipping.py)
     peer = None
     if cfg.n_state:
@@ -814,8 +780,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
                                            spill_dir=SparkFiles.getRootDirectory())
 
         if cfg.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
-            from gradshare.validation import split_rows
-
             data, shard = split_rows(rows, read, read, cfg.timeout)
         else:
             data = read(rows)
@@ -828,8 +792,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
         if position is not None:
             position.worker = worker
         if cfg.shards:
-            from pyspark import BarrierTaskContext
-
             worker.shard, worker.gather = shard, BarrierTaskContext.get().allGather
         if peer is None:
             peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
@@ -844,8 +806,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
         notes = dict(info.notes)
         worker.inherit(notes)
         if "checkpoint" in notes:  # the relay restarted the log at a checkpoint: the rest of the state too
-            from gradshare.checkpoint import load_rank, manifest_for
-
             load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
         release_free_memory()  # the snapshot's datagrams and the model's first storage are garbage now
@@ -876,8 +836,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
 
 
 def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int):
-    from gradshare.transport import Peer
-
     return Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
                 job_id=cfg.job_id, n_params=n_state, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
                 insecure=cfg.insecure)
