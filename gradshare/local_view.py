@@ -78,12 +78,14 @@ class LocalView:
             point += p
 
     @contextmanager
-    def around(self, residual: Vector) -> Iterator[None]:
+    def around(self, residual: Vector | None) -> Iterator[None]:
         """Run the body (forward and backward) with the parameters at P + scale × residual.
 
         A parameter changed in place in the body (a user's bug, seen by its version counter) changed
         the point, not P. That change is carried into P (P = point − scale × residual), so such a
         replica still leaves the log and the fit's hash check names it, as without the view."""
+        if residual is None:  # a folded sharing state has no residual vector: FoldedView is its view
+            raise ValueError("LocalView.around needs the residual; a folded state takes FoldedView")
         flat = self.flat
         self.fill(residual)
         versions = flat.versions()

@@ -22,11 +22,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from pyspark import cloudpickle
 from torch import nn
+
+if TYPE_CHECKING:  # worker.py imports this module
+    from gradshare.worker import WorkerConfig
 
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
 USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
@@ -38,7 +41,7 @@ def pack_user_objects(cfg):
     return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))
 
 
-def unpack_user_objects(cfg):
+def unpack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
     """The inverse of `pack_user_objects` (a cfg without packed objects is returned as it is). Raises
     whatever unpickling raises, e.g. ModuleNotFoundError naming a module the executor cannot import."""
     if cfg.user_objects is None:
@@ -60,7 +63,7 @@ def skeleton(model, tensors: Iterable[Any]):
     return copy.deepcopy(model, memo)
 
 
-def materialize(model):
+def materialize(model: nn.Module) -> nn.Module:
     """Give every meta parameter and buffer of `model` uninitialised CPU storage, in place (a tensor
     shared by several modules stays shared); returns `model`. The values are garbage until the caller
     loads them (the worker: from the relay's snapshot)."""
