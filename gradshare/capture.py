@@ -32,18 +32,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import Union
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
 from gradshare.encoding import Message, SharingState, share_step
 from gradshare.flat import FlatParams
-from gradshare.precision import plain_step
+from gradshare.precision import Precision, plain_step
 from gradshare.vectors import Vector, copy_into
-
-if TYPE_CHECKING:
-    from gradshare.precision import Precision
 
 # run(optimizer) -> whether the step was taken (precision.py: plain_step, Precision.step)
 StepRunner = Callable[[torch.optim.Optimizer], bool]
