@@ -3,7 +3,7 @@
 The public surface is re-exported here; everything else is internal.
 """
 
-import importlib
+from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
 from gradshare.errors import (
@@ -52,7 +52,7 @@ _LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(_import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'gradshare' has no attribute {name!r}")

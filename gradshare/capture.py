@@ -30,22 +30,29 @@ wherever it is allowed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Union
 
-from gradshare.encoding import share_step
-from gradshare.precision import plain_step
-from gradshare.vectors import copy_into
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from gradshare.encoding import Message, SharingState, share_step
+from gradshare.flat import FlatParams
+from gradshare.precision import Precision, plain_step
+from gradshare.vectors import Vector, copy_into
+
+# run(optimizer) -> whether the step was taken (precision.py: plain_step, Precision.step)
+StepRunner = Callable[[torch.optim.Optimizer], bool]
 
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
 # weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
 _UPDATE_ONLY = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam")
 
 
-def writes_update_only(optimizer) -> bool:
+def writes_update_only(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` adds to each parameter an amount that does not depend on the
     parameter's value, so it may run with the parameters aliased to the residual."""
-    import torch
-
     known = tuple(getattr(torch.optim, name) for name in _UPDATE_ONLY)
     if type(optimizer) not in known:
         return False
@@ -53,7 +60,7 @@ def writes_update_only(optimizer) -> bool:
 
 
 @contextmanager
-def aliased(params, views):
+def aliased(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Iterator[None]:
     """Point each parameter's storage at the matching view for the duration (shapes must match),
     and back to what it was afterwards, also on error. The Parameter objects stay the same, so the
     optimizer's state keyed by them is untouched."""
@@ -72,18 +79,16 @@ def aliased(params, views):
 IN_BACKWARD_MIN_BYTES = 64 << 20
 
 
-def frees_enough(flat) -> bool:
+def frees_enough(flat: FlatParams) -> bool:
     """Whether stepping in backward frees at least IN_BACKWARD_MIN_BYTES: the bytes of every gradient
     but the largest (which is alive at its own step)."""
     sizes = [p.numel() * p.element_size() for p in flat.params]
-    return sum(sizes) - max(sizes) >= IN_BACKWARD_MIN_BYTES
+    return bool(sum(sizes) - max(sizes) >= IN_BACKWARD_MIN_BYTES)
 
 
-def needs_all_gradients(optimizer, precision) -> str | None:
+def needs_all_gradients(optimizer: torch.optim.Optimizer, precision: Precision) -> str | None:
     """Why this step must see every gradient at once (a short reason), or None when each parameter
     may be stepped in backward as its gradient is ready (module docstring)."""
-    from torch.optim import optimizer as torch_optimizer
-
     if getattr(precision, "scaler", None) is not None:
         return "a loss scaler unscales and checks all gradients"
     own = [getattr(optimizer, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
@@ -103,7 +108,8 @@ class DirectPath:
 
     name = "direct"
 
-    def __init__(self, flat, optimizer, residual, in_backward: bool = False, folded: bool = False) -> None:
+    def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer, residual: Vector,
+                 in_backward: bool = False, folded: bool = False) -> None:
         """`residual`: the array the update is added to (the residual, or the folded view's point).
         `folded`: that array is also what forward/backward ran at (local_view.FoldedView)."""
         self.flat, self.optimizer = flat, optimizer
@@ -114,14 +120,13 @@ class DirectPath:
         self.bumps = [0] * len(flat.params)  # version bumps of each parameter's own step in this backward
         if self.in_backward:
             for i, (p, v) in enumerate(zip(flat.params, self.views)):
-                p.register_post_accumulate_grad_hook(self._hook_for(i, v))
+                # torch leaves this method unannotated
+                p.register_post_accumulate_grad_hook(self._hook_for(i, v))  # type: ignore[no-untyped-call]
 
-    def _hook_for(self, i: int, view):
-        import torch
-
+    def _hook_for(self, i: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
         unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
-        def step_now(p) -> None:
+        def step_now(p: torch.Tensor) -> None:
             if not self._armed:
                 return
             version = p._version
@@ -144,7 +149,7 @@ class DirectPath:
         """Version bumps of each parameter's own step in the last backward (folded view)."""
         return list(self.bumps)
 
-    def backward(self, backward) -> None:
+    def backward(self, backward: Callable[[], None]) -> None:
         """Run `backward()` (the precision's loss.backward) with the per-parameter steps armed."""
         self.bumps = [0] * len(self.flat.params)
         self._armed = True
@@ -156,13 +161,13 @@ class DirectPath:
     def after_compute(self, changed_in_place: bool) -> None:
         """Nothing to keep: an in-place change of P by forward/backward stays in P (worker.py)."""
 
-    def optimizer_step(self, run=plain_step) -> bool:
+    def optimizer_step(self, run: StepRunner = plain_step) -> bool:
         """`run(optimizer)` takes the step and says whether it did (precision.py: a loss scaler may
         skip it); it runs inside the aliasing, so a skipped step leaves the residual untouched."""
         with aliased(self.flat.params, self.views):
             return run(self.optimizer)
 
-    def encode(self, state, step: int):
+    def encode(self, state: SharingState, step: int) -> Message:
         return share_step(state, step)
 
 
@@ -173,9 +178,9 @@ class GeneralPath:
     name = "general"
     in_backward = False  # P_after must hold every parameter's step before the update is measured
 
-    def __init__(self, flat, optimizer) -> None:
+    def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer) -> None:
         self.flat, self.optimizer = flat, optimizer
-        flat.keep_twin()
+        self.twin = flat.keep_twin()
 
     def after_compute(self, changed_in_place: bool) -> None:
         # Forward/backward changed a parameter in place outside the optimizer (a user bug). The change
@@ -183,17 +188,17 @@ class GeneralPath:
         # instead of the change being shared as part of the update. (A write through p.data or a
         # NumPy alias is not seen here: it is shared as update, and replicas stay equal.)
         if changed_in_place:
-            copy_into(self.flat.twin, self.flat.array)
+            copy_into(self.twin, self.flat.array)
 
-    def optimizer_step(self, run=plain_step) -> bool:
+    def optimizer_step(self, run: StepRunner = plain_step) -> bool:
         return run(self.optimizer)
 
-    def encode(self, state, step: int):
-        return share_step(state, step, update=self.flat.array, base=self.flat.twin, rewind=True)
+    def encode(self, state: SharingState, step: int) -> Message:
+        return share_step(state, step, update=self.flat.array, base=self.twin, rewind=True)
 
 
-def update_path(flat, optimizer, residual, allow_direct: bool = True, in_backward: bool = False,
-                folded: bool = False):
+def update_path(flat: FlatParams, optimizer: torch.optim.Optimizer, residual: Vector, allow_direct: bool = True,
+                in_backward: bool = False, folded: bool = False) -> UpdatePath:
     """The direct path where the optimizer allows it (and the caller does), else the general one.
     `in_backward`: the direct path steps each parameter during backward (the caller has checked
     `needs_all_gradients`); the general path never does. `folded`: `residual` is the folded view's
@@ -203,3 +208,6 @@ def update_path(flat, optimizer, residual, allow_direct: bool = True, in_backwar
     if folded:
         raise ValueError("the folded local view needs the direct update path")
     return GeneralPath(flat, optimizer)
+
+
+UpdatePath = Union[DirectPath, GeneralPath]

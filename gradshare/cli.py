@@ -1,8 +1,11 @@
 """`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
-Modules are imported only when their command runs, so `gradshare bench encoding` never imports
-torch or pyspark.
+This is the CLI's import seam (issue 15): `main` imports only the module of the command it is given,
+so `gradshare --help` imports no command module (no NumPy, Numba, torch or pyspark), and
+`gradshare bench encoding` never imports torch or pyspark. A command module may import what its
+command needs at module level, except where it is imported without its command too (bench modules
+read each other's tables: gradshare/bench/__init__.py).
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+from collections.abc import Sequence
 
 # (command path, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -42,13 +47,22 @@ def threshold_arg(text: str) -> float | str:
 
 
 def _available(module: str) -> bool:
+    """Whether `module` exists, without importing it or its parent package (find_spec(module) would
+    import gradshare.transport, which loads NumPy): its file is looked up in the parent's directories."""
+    parent, _, leaf = module.rpartition(".")
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # its parent package is not there either
+        spec = importlib.util.find_spec(parent)
+    except ModuleNotFoundError:  # its grandparent package is not there either
         return False
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    return any(os.path.isfile(os.path.join(d, leaf + ".py")) or os.path.isfile(os.path.join(d, leaf, "__init__.py"))
+               for d in spec.submodule_search_locations)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command (argv None), or of the one command `argv` names: only that
+    command's module is imported and adds its options (module docstring); the others are listed."""
     parser = argparse.ArgumentParser(prog="gradshare", description=__doc__.splitlines()[0])
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -62,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group = top.add_parser(path[0], help=f"{path[0]} commands")
                 groups[path[0]] = group.add_subparsers(dest="subcommand", required=True, metavar="WHAT")
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        if argv is not None and tuple(argv[:len(path)]) != path:
+            continue  # not the command being run: its help line is all the parser needs
         mod = importlib.import_module(module)
         mod.add_arguments(sub)
         sub.set_defaults(_run=mod.run)
@@ -69,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 
 

@@ -2,15 +2,24 @@
 
 Prints per-epoch loss and test accuracy, the traffic actually sent vs dense float32, and the test
 accuracy of a single-process run of the same model, optimizer, batch size and epochs. The data set
-ships inside scikit-learn: nothing is downloaded. Top-level imports stay light (the CLI imports this
-module to build its parser); numpy/torch/pyspark are imported in `run`.
+ships inside scikit-learn: nothing is downloaded. The CLI imports this module only to run the demo
+(or print its --help: gradshare/cli.py, the import seam), so it imports torch and pyspark at module
+level. scikit-learn stays in `digits_split`: executors import this module too, to unpickle `mlp` (the
+demo's and many tests' model factory), and never need it (~0.8 s a fresh Python worker would pay).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
+import torch
+from torch import nn
+
+from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
+from gradshare.spark import get_or_create_session
+from gradshare.trainer import SharedTrainer, default_optimizer
 
 # the options the demo shares with SharedTrainer default to SharedTrainer's (TrainConfig); the demo's
 # own are its workers and its epochs (30: enough for the digits MLP to converge)
@@ -38,8 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _threshold_type(text: str):
-    from gradshare.cli import threshold_arg
-
     try:
         return threshold_arg(text)
     except ValueError as e:
@@ -48,8 +55,7 @@ def _threshold_type(text: str):
 
 def digits_split(seed: int = 0):
     """Digits scaled to [0, 1], split 75/25 stratified: (X_train, X_test, y_train, y_test)."""
-    import numpy as np
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: the module docstring says why
     from sklearn.model_selection import train_test_split
 
     X, y = load_digits(return_X_y=True)
@@ -59,15 +65,10 @@ def digits_split(seed: int = 0):
 
 def mlp(hidden: int = 128):
     """The demo model: 64 → hidden → 10 with ReLU."""
-    from torch import nn
-
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def evaluate_accuracy(model, X, y) -> float:
-    import numpy as np
-    import torch
-
     model.eval()
     with torch.no_grad():
         pred = model(torch.from_numpy(np.asarray(X, np.float32))).argmax(dim=1).numpy()
@@ -76,11 +77,6 @@ def evaluate_accuracy(model, X, y) -> float:
 
 def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, seed: int, optimizer=None):
     """The baseline: the same model, optimizer and batch size in one process, seeded shuffles."""
-    import numpy as np
-    import torch
-
-    from gradshare.trainer import default_optimizer
-
     torch.manual_seed(seed)
     model = model_factory()
     opt = (optimizer or default_optimizer)(list(model.parameters()))
@@ -101,8 +97,6 @@ def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.bat
                       staleness=TrainConfig.staleness, port=0, seed=TrainConfig.seed, verbose=0,
                       bind=TrainConfig.bind, single=True) -> dict:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
-    from gradshare.trainer import SharedTrainer
-
     X_train, X_test, y_train, y_test = digits_split(seed)
     rows = list(zip(X_train, (int(v) for v in y_train)))
     rdd = spark.sparkContext.parallelize(rows, workers)
@@ -118,8 +112,6 @@ def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.bat
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradshare.spark import get_or_create_session
-
     spark, created = get_or_create_session(args.workers, args.master)
     try:
         out = digits_experiment(spark, workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,

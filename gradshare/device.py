@@ -108,7 +108,7 @@ def check_device(device) -> str:
     return "cpu" if dev.type == "cpu" else str(dev)
 
 
-def select(device):
+def select(device: torch.device) -> torch.device:
     """Make a CUDA ``device`` CUDA's current one (kernels launched without a device, autocast's and the
     loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
     if device.type == "cuda":

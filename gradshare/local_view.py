@@ -38,58 +38,64 @@ their updates. Where it does not apply, the two-buffer `LocalView` stays:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import numpy as np
+import torch
 
 from gradshare.capture import aliased
-from gradshare.vectors import is_tensor
+from gradshare.flat import FlatParams
+from gradshare.vectors import Vector, copy_into, is_tensor
 
 
 class LocalView:
     """The point a worker's forward/backward runs at: P + scale × residual (module docstring)."""
 
-    def __init__(self, flat, scale: float = 1.0) -> None:
+    def __init__(self, flat: FlatParams, scale: float = 1.0) -> None:
         self.flat = flat
         self.scale = np.float32(scale)
+        self.point: Vector
         if is_tensor(flat.array):
-            import torch
-
             self.point = torch.empty_like(flat.array)
         else:
             self.point = np.empty_like(flat.array)
         self.views = flat.views(self.point)
 
-    def fill(self, residual) -> None:
+    def fill(self, residual: Vector) -> None:
         """point = P + scale × residual, in float32."""
+        # P, the point and the residual are of one kind, the point's (FlatParams.device decides all three)
         p, point = self.flat.array, self.point
         if is_tensor(point):
-            import torch
-
-            torch.add(p, residual, alpha=float(self.scale), out=point)
-        elif self.scale == 1.0:
+            torch.add(cast(torch.Tensor, p), cast(torch.Tensor, residual), alpha=float(self.scale), out=point)
+            return
+        p, residual = cast(np.ndarray, p), cast(np.ndarray, residual)
+        if self.scale == 1.0:
             np.add(p, residual, out=point)
         else:
             np.multiply(residual, self.scale, out=point)
             point += p
 
     @contextmanager
-    def around(self, residual):
+    def around(self, residual: Vector | None) -> Iterator[None]:
         """Run the body (forward and backward) with the parameters at P + scale × residual.
 
         A parameter changed in place in the body (a user's bug, seen by its version counter) changed
         the point, not P. That change is carried into P (P = point − scale × residual), so such a
         replica still leaves the log and the fit's hash check names it, as without the view."""
+        if residual is None:  # a folded sharing state has no residual vector: FoldedView is its view
+            raise ValueError("LocalView.around needs the residual; a folded state takes FoldedView")
         flat = self.flat
         self.fill(residual)
         versions = flat.versions()
         with aliased(flat.params, self.views):
             yield
         if flat.versions() != versions:
-            if is_tensor(self.point):
-                flat.array.copy_(self.point - float(self.scale) * residual)
+            if is_tensor(self.point):  # one kind, as in `fill`
+                cast(torch.Tensor, flat.array).copy_(self.point - float(self.scale) * cast(torch.Tensor, residual))
             else:
-                np.subtract(self.point, self.scale * residual, out=flat.array)
+                np.subtract(self.point, self.scale * cast(np.ndarray, residual), out=cast(np.ndarray, flat.array))
 
 
 class FoldedView:
@@ -101,13 +107,13 @@ class FoldedView:
     point whole (its unsent residual goes with it): the replica still leaves the log and the fit's hash
     check names it, as with `LocalView`."""
 
-    def __init__(self, flat, point, stepped=None) -> None:
+    def __init__(self, flat: FlatParams, point: Vector, stepped: Callable[[], list[int]] | None = None) -> None:
         self.flat, self.point = flat, point
         self.views = flat.views(point)
         self.stepped = stepped  # () -> a version bump per parameter its optimizer steps made, or None
 
     @contextmanager
-    def around(self, residual=None):
+    def around(self, residual: Vector | None = None) -> Iterator[None]:
         flat = self.flat
         versions = flat.versions()
         with aliased(flat.params, self.views):
@@ -118,7 +124,7 @@ class FoldedView:
         for p, before, after, bumps in zip(flat.params, versions, now, own):
             n = p.numel()
             if after - bumps != before:
-                flat.array[offset:offset + n] = self.point[offset:offset + n]
+                copy_into(flat.array[offset:offset + n], self.point[offset:offset + n])
             offset += n
 
 
@@ -126,5 +132,5 @@ class NoView:
     """The gradient at P itself (``local_view=False``)."""
 
     @contextmanager
-    def around(self, residual):
+    def around(self, residual: Vector | None = None) -> Iterator[None]:
         yield

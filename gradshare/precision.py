@@ -20,7 +20,7 @@ and needs no scaler. The scaler's state is local to each worker, like the optimi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -55,7 +55,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device_type) if name == "fp16-mixed" else None
         self.skipped = 0
 
-    def autocast(self):
+    def autocast(self) -> AbstractContextManager[object]:
         """The context the forward and the loss run in."""
         if self.dtype is None:
             return nullcontext()

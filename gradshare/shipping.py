@@ -28,7 +28,7 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # worker.py imports this module
     from gradshare.worker import WorkerConfig
 
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
@@ -41,7 +41,7 @@ def pack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
     return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))
 
 
-def unpack_user_objects(cfg):
+def unpack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
     """The inverse of `pack_user_objects` (a cfg without packed objects is returned as it is). Raises
     whatever unpickling raises, e.g. ModuleNotFoundError naming a module the executor cannot import."""
     if cfg.user_objects is None:
@@ -63,7 +63,7 @@ def skeleton(model, tensors: Iterable[Any]):
     return copy.deepcopy(model, memo)
 
 
-def materialize(model):
+def materialize(model: nn.Module) -> nn.Module:
     """Give every meta parameter and buffer of `model` uninitialised CPU storage, in place (a tensor
     shared by several modules stays shared); returns `model`. The values are garbage until the caller
     loads them (the worker: from the relay's snapshot)."""

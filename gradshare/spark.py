@@ -16,7 +16,7 @@ import numpy as np
 from pyspark.sql import SparkSession
 
 from gradshare.batches import InputLayout, is_multi, row_inputs, stack_inputs
-from gradshare.spill import SpillWriter
+from gradshare.spill import SpilledPartition, SpillWriter
 
 # The directory that holds the `gradshare` package the driver imported. Executors put it on their
 # PYTHONPATH so that they run the same code as the driver (an editable install elsewhere, or none).
@@ -299,7 +299,8 @@ class PartitionData:
 
     @classmethod
     def from_rows(cls, rows: Iterator[Any], label_dtype: str, *, spill_bytes: int = 256 << 20,
-                  spill_dir: str | None = None, chunk_rows: int = 4096, index: int = 0):
+                  spill_dir: str | None = None, chunk_rows: int = 4096,
+                  index: int = 0) -> PartitionData | SpilledPartition:
         """Materialise a partition's (features, label) rows: a `PartitionData` while they take at most
         `spill_bytes`, else a `spill.SpilledPartition` in `spill_dir`. While the rows stream in, memory
         stays within about `spill_bytes` plus one chunk: the rows held so far go to the file when they

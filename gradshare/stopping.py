@@ -13,7 +13,9 @@ The price is latency: the stop lands one epoch after the decision (usually E = e
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 MODES = ("min", "max")
 MONITORS = ("val_metric", "loss")
@@ -60,7 +62,7 @@ def early_stopping_from(option) -> EarlyStopping | None:
     return EarlyStopping(**option)
 
 
-def should_stop(rule: EarlyStopping, row: dict) -> bool:
+def should_stop(rule: EarlyStopping, row: Mapping[str, Any]) -> bool:
     """Feed one epoch's row (rank 0's) to the rule; True when patience is exhausted."""
     value = row.get(rule.monitor)
     if value is None:

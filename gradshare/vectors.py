@@ -78,7 +78,7 @@ def index_for(x: Vector, index: NDArray[np.int64]) -> Vector:
 def where(condition: SameVector, a: SameVector, b: SameVector) -> SameVector:
     """Elementwise ``a`` where ``condition`` holds, else ``b`` (np.where / torch.where)."""
     if is_tensor(condition):
-        import torch
+        import torch  # already loaded (condition is a tensor): the module itself never imports it
 
         return torch.where(condition, a, b)
     return np.where(condition, a, b)

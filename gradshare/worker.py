@@ -32,25 +32,57 @@ which holds them: a fit resumed from one, or a retried stage, which the relay re
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
+import json
+import os
 import time
+import warnings
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
+import torch
+from pyspark import BarrierTaskContext, SparkFiles
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradshare.capture import frees_enough, needs_all_gradients, update_path, writes_update_only
+import gradshare
+from gradshare.capture import DirectPath, frees_enough, needs_all_gradients, update_path, writes_update_only
+from gradshare.checkpoint import load_rank, manifest_for, worker_store, write_manifest, write_rank
 from gradshare.config import TrainConfig
-from gradshare.encoding import StepUpdate, buffer_change, skipped_step
+from gradshare.device import resolve_device, select
+from gradshare.encoding import SharingState, StepUpdate, apply, apply_update, buffer_change, decode_update, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
+from gradshare.flat import FlatParams, int_buffers
 from gradshare.local_view import FoldedView, LocalView, NoView
 from gradshare.losses import LossStep
+from gradshare.precision import Precision
 from gradshare.profiling import OFF as OFF_PROFILE
-from gradshare.profiling import StepProfile
+from gradshare.profiling import StepProfile, _Off
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
+from gradshare.shipping import materialize, unpack_user_objects
+from gradshare.spark import PartitionData, epoch_order
+from gradshare.spill import SpilledPartition
 from gradshare.stopping import should_stop, stop_epoch
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.vectors import copy_of, index_for, where
+from gradshare.transport import Peer, param_hash
+from gradshare.transport.events import AGGREGATE_ORIGIN, Update
+from gradshare.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, shard_sums, split_rows
+from gradshare.vectors import Vector, copy_into, copy_of, index_for, where
+
+
+class TrainStep(Protocol):
+    """What a batch is and the loss of it (losses.LossStep, losses.HookStep)."""
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, ...], metric: Callable[..., Any] | None) -> Any: ...
+
+
+# a lookahead's undo record (Worker._look_ahead): indices, P there before and after, the folded point's too
+LookBack = tuple[Vector, Vector, Vector, Vector | None, Vector | None]
 
 
 @dataclass(frozen=True)
@@ -69,8 +101,8 @@ class WorkerConfig:
     job_id: int
     world_size: int
     model: Any  # an nn.Module whose parameters are the initial ones (every replica starts from them)
-    loss: Callable | None  # (outputs, labels) -> loss; None when train_step is a user's hook
-    optimizer: Callable  # factory: params -> torch.optim.Optimizer
+    loss: Callable[..., Any] | None  # (outputs, labels) -> loss; None when train_step is a user's hook
+    optimizer: Callable[..., torch.optim.Optimizer]  # factory: params -> torch.optim.Optimizer
     threshold_rule: Any  # FixedThreshold / AdaptiveThreshold / ... (deep-copied per worker)
     residual_clip: Any  # ResidualClipping or None
     steps_per_epoch: tuple[int, ...]  # per rank
@@ -84,9 +116,9 @@ class WorkerConfig:
     insecure: bool = TrainConfig.insecure
     spill_bytes: int = TrainConfig.spill_bytes
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None  # (inputs, labels): batches.validation_arrays
-    metric: Callable | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
+    metric: Callable[..., Any] | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
     lookahead: bool = TrainConfig.lookahead  # k >= 1: step at P + own not-yet-applied messages (module docstring)
-    lr_scheduler: Callable | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
+    lr_scheduler: Callable[..., Any] | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
     scheduler_interval: str = TrainConfig.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
     follow_lr: bool = TrainConfig.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
@@ -100,12 +132,13 @@ class WorkerConfig:
     tensor_state: bool = False  # the torch state / residual / codec path on the CPU (tests, benchmarks)
     step_in_backward: bool | None = None  # step each parameter as its gradient is ready; None: where it pays
     folded_view: bool = True  # the local view folded into one buffer where it applies (local_view.py); False: A/B
-    train_step: Callable | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
+    train_step: TrainStep | None = None  # losses.LossStep / HookStep; None: LossStep(loss)
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model (0: unknown)
     early_stopping: Any = None  # stopping.EarlyStopping or None: rank 0 decides, the log carries it (stopping.py)
-    on_epoch_end: tuple | None = ()  # callables (row) -> truthy to stop; run on rank 0 after its epoch is scored
+    # callables (row) -> truthy to stop; run on rank 0 after its epoch is scored
+    on_epoch_end: tuple[Callable[..., Any], ...] | None = ()
     checkpoint: Any = None  # checkpoint.CheckpointPlan or None: write state every plan.every epochs
-    resume: dict | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
+    resume: dict[str, Any] | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
     local_view: bool = TrainConfig.local_view  # forward/backward at P + own residual (local_view.py); False: at P
@@ -130,7 +163,7 @@ def steps_per_epoch(rows: int, batch_size: int, drop_last: str) -> int:
     return full + 1
 
 
-def accuracy(outputs, labels) -> float:
+def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> float:
     """Share of rows whose arg-max output is the label (the default metric for int labels)."""
     return float((outputs.argmax(dim=1) == labels).float().mean())
 
@@ -142,21 +175,20 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer, flat, start_step: int, timeout: float, profile=None, scale: float = 1.0):
-        from gradshare.encoding import apply, apply_update, decode_update
-
+    def __init__(self, peer: Peer, flat: FlatParams, start_step: int, timeout: float,
+                 profile: StepProfile | _Off | None = None, scale: float = 1.0) -> None:
         self._decode, self._apply_update, self._apply = decode_update, apply_update, apply
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
-        self.pending: deque = deque()
+        self.pending: deque[Update] = deque()
         self.applied = 0
         self.last_key = (-1, -1)
         self.profile = OFF_PROFILE if profile is None else profile
         self.stop_epoch: int | None = None  # rank 0's early-stop decision, once the log has applied it
 
-    def _take(self, updates) -> None:
+    def _take(self, updates: Iterable[Update]) -> None:
         for u in updates:
             key = (u.step, u.sender)
             if key <= self.last_key:  # the transport promises canonical order, each exactly once
@@ -169,7 +201,7 @@ class ApplyLog:
                 # attempt's log at its start; a stop decided before it comes in WELCOME's notes.)
                 self._note_stop(u)
 
-    def _note_stop(self, u) -> None:
+    def _note_stop(self, u: Update) -> None:
         """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
         # aggregated forwarding: the relay's aggregate carries rank 0's decision (relay_core._aggregate)
         if u.sender in (0, AGGREGATE_ORIGIN) and u.meta and "stop_epoch" in u.meta and self.stop_epoch is None:
@@ -196,7 +228,7 @@ class ApplyLog:
         self.profile.lap("apply")
 
 
-def current_lr(optimizer) -> float | None:
+def current_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """The learning rate of the optimizer's first parameter group (None if it has none): the rate the
     sharing state follows (a scheduler scales every group alike)."""
     lr = optimizer.param_groups[0].get("lr")
@@ -208,17 +240,11 @@ def current_lr(optimizer) -> float | None:
 class Worker:
     """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
 
-    def __init__(self, cfg: WorkerConfig, rank: int, data, model=None):
+    def __init__(self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition,
+                 model: nn.Module | None = None) -> None:
         """`model`: a module this worker owns and trains in place (the Spark task's, built from the
         shipped skeleton); None trains a deep copy of ``cfg.model`` (drivers that step workers
         themselves)."""
-        import torch
-
-        from gradshare.device import resolve_device, select
-        from gradshare.encoding import SharingState
-        from gradshare.flat import FlatParams
-        from gradshare.precision import Precision
-
         self.cfg, self.rank, self.data = cfg, rank, data
         self.device = select(resolve_device(cfg.device))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
@@ -235,7 +261,8 @@ class Worker:
         # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
         # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
         folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.folded_view)
-        fold = (self.flat.array, self.flat.keep_point(), cfg.apply_scale) if folded else None
+        point = self.flat.keep_point() if folded else None
+        fold = (self.flat.array, point, cfg.apply_scale) if point is not None else None
         # residual, threshold rule, clipping, lr correction and own pending messages (encoding/sharing.py)
         self.state = SharingState(self.flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
                                   follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0,
@@ -251,8 +278,9 @@ class Worker:
         self.path = update_path(self.flat, self.optimizer, self.state.target,
                                 allow_direct=cfg.direct_update, in_backward=in_backward, folded=folded)
         # the gradient is taken at P + this worker's unsent residual (local_view.py, issue 10)
-        if folded:
-            self.view = FoldedView(self.flat, self.state.point, self.path.stepped)
+        self.view: FoldedView | LocalView | NoView
+        if point is not None and isinstance(self.path, DirectPath):  # folded (update_path: the direct path)
+            self.view = FoldedView(self.flat, point, self.path.stepped)
         else:
             self.view = LocalView(self.flat, cfg.apply_scale) if cfg.local_view else NoView()
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
@@ -261,44 +289,56 @@ class Worker:
         self.stop_sent = False
         self.inherited_stop: int | None = None  # a stop the log decided before this attempt (`inherit`)
         self.restored = False  # state loaded from a checkpoint: the schedule and counters are where it left them
-        self.epoch_notes: dict = {}  # rank 0: its epoch end (score, rule state) for its next message's meta
+        self.epoch_notes: dict[str, float] = {}  # rank 0: its epoch end (score, rule state) for its next message's meta
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self.current_step: int | None = None  # the step `run` is in (a failure report names it)
         self.shard = None  # this rank's validation rows (cfg.shards; None: none or an empty shard)
-        self.gather: Callable | None = None  # the barrier's allGather (str -> list[str]) that reduces shard scores
+        self.gather: Callable[[str], list[str]] | None = None  # the barrier's allGather: reduces shard scores
         self.checkpoint_store = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self._order_epoch = -1
         self._trim_due = False  # release_free_memory before the next backward (after a large message)
         self.profile = StepProfile() if cfg.profile else OFF_PROFILE  # benchmarks: per-phase timers
-        self.train_step = cfg.train_step or LossStep(cfg.loss)  # losses.py: what a batch is, the loss of it
-        if data.spilled:  # its labels stay in the spill file; each batch reads its own (spill.py)
+        # losses.py: what a batch is, the loss of it
+        if cfg.train_step is not None:
+            self.train_step: TrainStep = cfg.train_step
+        elif cfg.loss is not None:
+            self.train_step = LossStep(cfg.loss)
+        else:
+            raise ValueError("WorkerConfig needs a loss or a train_step")
+        self.labels: torch.Tensor | None
+        if isinstance(data, SpilledPartition):  # its labels stay in the spill file; each batch reads its own (spill.py)
             self.labels = None
         elif len(data.labels) and cfg.label_dtype == "int64":
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.int64))
         else:
             self.labels = torch.from_numpy(np.ascontiguousarray(data.labels, dtype=np.float32))
 
-    def _batch(self, epoch: int, b: int):
-        import torch
-
-        from gradshare.spark import epoch_order
-
-        if self.labels is None:  # spilled: read in bounded shuffle windows, in their own order (spill.py)
-            *inputs, labels = self.data.batch(epoch, b, self.cfg.batch_size, self.cfg.seed, self.rank)
+    def _batch(self, epoch: int, b: int) -> tuple[torch.Tensor, ...]:
+        data, all_labels = self.data, self.labels
+        if all_labels is None or isinstance(data, SpilledPartition):  # spilled (no labels then): read in bounded
+            # shuffle windows, in their own order (spill.py)
+            spilled = cast(SpilledPartition, data)
+            *inputs, labels = spilled.batch(epoch, b, self.cfg.batch_size, self.cfg.seed, self.rank)
             labels = labels.astype(np.int64 if self.cfg.label_dtype == "int64" else np.float32, copy=False)
             return tuple(torch.from_numpy(a).to(self.device) for a in (*inputs, labels))
         if b == 0 or self._order_epoch != epoch:
-            self._order = epoch_order(len(self.data), self.cfg.seed, self.rank, epoch)
+            self._order = epoch_order(len(data), self.cfg.seed, self.rank, epoch)
             self._order_epoch = epoch
         idx = np.sort(self._order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size])
         # every input keeps its dtype (int64 token ids stay exact; batches.py)
-        inputs = (torch.from_numpy(np.ascontiguousarray(a[idx])).to(self.device) for a in self.data.inputs)
-        return (*inputs, self.labels[torch.from_numpy(idx)].to(self.device))
+        tensors = (torch.from_numpy(np.ascontiguousarray(a[idx])).to(self.device) for a in data.inputs)
+        return (*tensors, all_labels[torch.from_numpy(idx)].to(self.device))
 
-    def _loss_of(self, batch):
+    def _loss_of(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The step's loss tensor for a batch (x1, ..., xn, labels): the user's train_step or
         loss(model(*inputs), labels) (losses.py)."""
         return self.train_step(self.model, batch)
+
+    def _log(self) -> ApplyLog:
+        """The apply log that `run` (or a driver stepping this worker itself) set."""
+        if self.log is None:
+            raise TrainingError(f"rank {self.rank} has no apply log: run() sets it before the first step")
+        return self.log
 
     @property
     def evaluates(self) -> bool:
@@ -325,7 +365,7 @@ class Worker:
         if stop and self.stop_requested is None:
             self.stop_requested = row["epoch"]
 
-    def inherit(self, notes: dict) -> None:
+    def inherit(self, notes: Mapping[str, Any]) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
         transport/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
         if "stop_epoch" in notes:
@@ -338,16 +378,17 @@ class Worker:
             self.stopper.best = notes.get("es_best")
             self.stopper.waited = int(notes["es_waited"])
 
-    def _score(self, scores: deque, upto: int, history: list[EpochStats]) -> None:
+    def _score(self, scores: deque[tuple[int, int]], upto: int, history: list[EpochStats]) -> None:
         """Score every epoch (entries (epoch, log step)) whose log step is <= `upto`, each on the log
         applied through its epoch's last step (every worker's messages, buffers included; the last
         epoch: the whole log, the model fit returns). Called before each step with the step's own apply
         bound, so scoring never applies the log further than the step would: validation does not change
         what is trained."""
+        log = self._log()
         while scores and scores[0][1] <= upto:
             epoch, through = scores.popleft()
-            self.log.apply_through(through)
-            if self.log.stop_epoch is not None and epoch > self.log.stop_epoch:
+            log.apply_through(through)
+            if log.stop_epoch is not None and epoch > log.stop_epoch:
                 continue  # shards: an epoch the stop cut; the log decides it alike on every rank
             value = self._evaluate()
             i = next((i for i in range(len(history) - 1, -1, -1) if history[i].epoch == epoch), None)
@@ -370,17 +411,13 @@ class Worker:
     def _evaluate(self) -> float | None:
         """Rank 0's validation score of its replica as it is now (None elsewhere); with shards, every
         rank's shard sums reduced over all ranks (validation.py)."""
-        import torch
-
         if self.cfg.shards:
-            import json
-
-            from gradshare.validation import SCORE_BATCH_ROWS, reduce_sums, shard_sums
-
+            if self.gather is None:
+                raise TrainingError(f"rank {self.rank} scores a validation shard with no allGather to reduce it")
             sums = shard_sums(self.model, self.train_step, self.shard, self.cfg.metric, self.cfg.label_dtype,
                               max(SCORE_BATCH_ROWS, self.cfg.batch_size), self.device)
             return reduce_sums(self.gather(json.dumps(sums)))
-        if not self.evaluates:
+        if not self.evaluates or self.cfg.validation is None:  # (evaluates: validation is not None)
             return None
         inputs, yv = self.cfg.validation
         labels = torch.as_tensor(np.asarray(yv, dtype=self.cfg.label_dtype))
@@ -390,11 +427,9 @@ class Worker:
         with torch.no_grad():
             value = self.train_step.evaluate(self.model, batch, self.cfg.metric)
         self.model.train(was_training)
-        from gradshare.validation import as_mean
-
         return as_mean(value)
 
-    def step(self, peer, t: int) -> tuple[float, int, int]:
+    def step(self, peer: Peer, t: int) -> tuple[float, int, int]:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
@@ -403,7 +438,7 @@ class Worker:
             self.scheduler.step()
         return out
 
-    def _step(self, peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
+    def _step(self, peer: Peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
         prof, flat, state = self.profile, self.flat, self.state
         batch = self._batch(epoch, b)
         prof.lap("batch")
@@ -419,7 +454,8 @@ class Worker:
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
                 loss = self._loss_of(batch)
-            if self.path.in_backward:  # the optimizer steps inside backward, one parameter at a time (capture.py)
+            if isinstance(self.path, DirectPath) and self.path.in_backward:  # the optimizer steps inside
+                # backward, one parameter at a time (capture.py)
                 self.path.backward(lambda: self.precision.backward(loss))
             else:
                 self.precision.backward(loss)
@@ -464,7 +500,7 @@ class Worker:
         what the data order and a calibrated τ's warm-up count in, so they go on where they stopped."""
         return t + self.cfg.first_epoch * self.cfg.steps_per_epoch[self.rank]
 
-    def _take_buffer_change(self, before) -> tuple:
+    def _take_buffer_change(self, before: Vector | None) -> tuple[np.ndarray, ...]:
         """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
         take that change out of them (it reaches every replica, this one included, through the log,
         encoding/update.py) and return it as (indices, values ÷ world size)."""
@@ -472,11 +508,13 @@ class Worker:
             return ()
         flat = self.flat
         flat.check_buffers()
-        changed = buffer_change(before, flat.buffer_array, self.cfg.world_size, flat.buffer_entry_name)
-        flat.buffer_array[:] = before
+        # `before` is a copy of the buffers: the same kind (mypy cannot tie the two to one SameVector)
+        changed = buffer_change(before, flat.buffer_array, self.cfg.world_size,  # type: ignore[type-var]
+                                flat.buffer_entry_name)
+        copy_into(flat.buffer_array, before)
         return changed
 
-    def _look_ahead(self) -> tuple | None:
+    def _look_ahead(self) -> LookBack | None:
         """Add this rank's sent-but-not-yet-applied messages to P (both copies, the live one and the
         twin the update is measured from) and return what `_look_back` needs to take them out again:
         (indices they touch, P there before, P there after), on P's device. None (and nothing done) when
@@ -484,8 +522,6 @@ class Worker:
 
         Only the touched values are saved (a few per thousand parameters), not all of P: subtracting
         the ±τ again would not restore P bit for bit in float32, putting the saved values back does."""
-        from gradshare.encoding import apply
-
         pending = self.state.pending
         self.state.forget_applied(self.log.applied_through if self.log is not None else -1)
         if not pending:
@@ -501,21 +537,27 @@ class Worker:
                     apply(msg, follower, self.cfg.apply_scale)
         return idx, saved, live[idx], saved_point, None if point is None else point[idx]
 
-    def _look_back(self, idx, saved, ahead, saved_point=None, point_ahead=None) -> None:
+    def _look_back(self, idx: Vector, saved: Vector, ahead: Vector, saved_point: Vector | None = None,
+                   point_ahead: Vector | None = None) -> None:
         """After the step's encode (both copies equal again), restore P at the touched indices. Where
         forward/backward changed a touched value in place, that change stays in P, as everywhere else
         (see `_step`). The folded point likewise: what the step moved it by (its update, what it sent)
-        stays, the rest goes back bit for bit."""
-        now = self.flat.array[idx]
-        back = where(now == ahead, saved, saved + (now - ahead))  # == : exact, -0.0 included
-        self.flat.array[idx] = back
-        if self.flat.twin is not None:
-            self.flat.twin[idx] = back
-        if saved_point is not None:
-            now = self.flat.point[idx]
-            self.flat.point[idx] = where(now == point_ahead, saved_point, saved_point + (now - point_ahead))
+        stays, the rest goes back bit for bit.
 
-    def run(self, peer, start_step: int) -> WorkerReport:
+        Every vector here is of P's kind (FlatParams.device): the ignores below are mypy not seeing that
+        a union-typed P, its twin, its point and the values gathered from them are one kind."""
+        now = self.flat.array[idx]
+        back = where(now == ahead, saved, saved + (now - ahead))  # type: ignore[type-var]  # == : exact, -0.0 too
+        self.flat.array[idx] = back  # type: ignore[assignment]
+        if self.flat.twin is not None:
+            self.flat.twin[idx] = back  # type: ignore[assignment]
+        point = self.flat.point
+        if saved_point is not None and point is not None:  # saved_point: there is a point
+            now = point[idx]
+            point[idx] = where(now == point_ahead, saved_point,  # type: ignore[type-var,assignment]
+                               saved_point + (now - point_ahead))  # type: ignore[operator]
+
+    def run(self, peer: Peer, start_step: int) -> WorkerReport:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         prof = self.profile
@@ -529,7 +571,7 @@ class Worker:
             self._resume_schedule(start_step, spe)
             self._resume_counters(start_step)
         acc = self._fresh_epoch(peer)
-        scores: deque = deque(self._shard_points(start_step))  # (epoch, the log step that scores it)
+        scores: deque[tuple[int, int]] = deque(self._shard_points(start_step))  # (epoch, the log step that scores it)
         t0 = time.monotonic()
         t = start_step
         while t < total:
@@ -564,7 +606,6 @@ class Worker:
         peer.finish(max(total, start_step) - 1)
         self._score(scores, cfg.final_step, history)
         log.apply_through(cfg.final_step)  # everyone's remaining messages: the replicas meet again
-        from gradshare.flat import int_buffers
 
         return WorkerReport(
             rank=rank,
@@ -585,20 +626,19 @@ class Worker:
             int_buffers={name: b.numpy() for name, b in int_buffers(self.model).items()} if rank == 0 else {},
             skipped_steps=self.precision.skipped,  # optimizer steps the fp16 loss scaler skipped
             checkpoint_seconds=self.checkpoint_seconds,  # rank 0's includes waiting for the others' files
-            profile=None if prof is OFF_PROFILE else prof.report(),
+            profile=prof.report() if isinstance(prof, StepProfile) else None,  # OFF_PROFILE: not profiled
         )
 
     def _resume_counters(self, start_step: int) -> None:
         """A resumed attempt's BatchNorm layers count the batches the attempts before it ran (one
         training forward a step): integer buffers are local, not in the relay's snapshot, and
         BatchNorm(momentum=None) averages with 1/num_batches_tracked."""
-        from torch.nn.modules.batchnorm import _BatchNorm
-
         for m in self.model.modules():
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
 
-    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque, history: list[EpochStats]) -> None:
+    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque[tuple[int, int]],
+                    history: list[EpochStats]) -> None:
         """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
         parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
         next step would apply the log through t first anyway: applying it (and scoring the epoch, which
@@ -607,14 +647,10 @@ class Worker:
         plan = self.cfg.checkpoint
         if plan is None or ((epoch + 1) % plan.every and t != total - 1):
             return
-        from gradshare.checkpoint import write_manifest, write_rank
-
         self._score(scores, t, history)
-        self.log.apply_through(t)
+        self._log().apply_through(t)
         t0 = time.monotonic()
         if self.checkpoint_store is None:
-            from gradshare.checkpoint import worker_store
-
             self.checkpoint_store = worker_store(self.cfg, "checkpoint", self.rank)
         write_rank(plan, epoch + 1, self, self.cfg.job_id, self.checkpoint_store)
         if self.rank == 0:
@@ -625,20 +661,18 @@ class Worker:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
         if self.scheduler is None or start_step == 0:
             return
-        import warnings
-
         done = start_step if self.cfg.scheduler_interval == "step" else start_step // spe
         with warnings.catch_warnings():  # torch warns when a scheduler steps before its optimizer
             warnings.simplefilter("ignore")
             for _ in range(done):
                 self.scheduler.step()
 
-    def _fresh_epoch(self, peer) -> dict:
+    def _fresh_epoch(self, peer: Peer) -> dict[str, Any]:
         c = Counters.from_dict(peer.counters())
         return {"loss": 0.0, "entries": 0, "payload": 0, "steps": 0, "silent": 0, "lr": None,
                 "t0": time.monotonic(), "out0": c.bytes_sent, "in0": c.training_bytes_in}
 
-    def _close_epoch(self, peer, epoch: int, acc: dict) -> EpochStats:
+    def _close_epoch(self, peer: Peer, epoch: int, acc: dict[str, Any]) -> EpochStats:
         c = Counters.from_dict(peer.counters())
         steps = max(acc["steps"], 1)
         return EpochStats(
@@ -675,7 +709,7 @@ class TaskPosition:
         return None if self.worker is None else self.worker.current_step
 
 
-def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
+def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport]:
     """The barrier task body: materialise rows, join the relay (resuming if it says so), train, report.
 
     A failure (reports.WorkerFailure: the class the driver raises, rank, step, first cause) reaches the
@@ -686,8 +720,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
     the task raises TrainingError whose message is the failure's text form (tag line + JSON record),
     which the driver reads back from Spark's job error when the relay never got the FAIL.
     """
-    from pyspark import BarrierTaskContext
-
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
@@ -695,8 +727,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
     attempt = min(int(i) for i in ctx.allGather(str(ctx.taskAttemptId())))
     position = TaskPosition()
     try:
-        import torch
-
         torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (docs/design.md, Spark)
         start_rss = reset_peak_rss()  # a reused Python worker remembers the peaks of earlier tasks
         report = _run(cfg, rank, attempt, rows, position)
@@ -705,10 +735,6 @@ def train_partition(cfg: WorkerConfig, rows) -> list[WorkerReport]:
         if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
             _report_failure(cfg, failure, fatal=is_deterministic(e))
         raise TrainingError(failure.to_text()) from e
-    import os
-
-    import gradshare
-
     return [report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
                          start_rss_bytes=start_rss, peak_rss_bytes=_proc_status_bytes("VmHWM"))]
 
@@ -726,8 +752,6 @@ def _report_failure(cfg: WorkerConfig, failure: WorkerFailure, fatal: bool) -> N
     """FAIL(the failure's fields) to the relay from a fresh peer (the task may have failed before it
     had one, e.g. unpickling the model), waiting briefly for the acknowledgement. Best effort: if the
     relay cannot be reached, the error still reaches the driver through Spark (its text form)."""
-    from gradshare.transport import Peer
-
     try:
         # n_params only sizes a joined peer's buffers; this one never joins
         peer = Peer(cfg.relay_address, rank=failure.rank, world_size=cfg.world_size, attempt=failure.attempt,
@@ -752,9 +776,6 @@ def release_free_memory() -> None:
     51.6 M MLP). No-op where the C library is not glibc."""
     global _malloc_trim
     if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
         except (OSError, AttributeError):  # not glibc: nothing to trim with
@@ -763,7 +784,8 @@ def release_free_memory() -> None:
         _malloc_trim(0)
 
 
-_malloc_trim = None  # libc's malloc_trim, False where there is none; looked up on first use
+# libc's malloc_trim, False where there is none; looked up on first use
+_malloc_trim: Callable[[int], int] | Literal[False] | None = None
 
 
 def reset_peak_rss() -> int:
@@ -792,13 +814,8 @@ def _proc_status_bytes(field: str) -> int:
     return 0
 
 
-def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPosition | None = None) -> WorkerReport:
-    from gradshare.shipping import materialize, unpack_user_objects
-    from gradshare.spark import PartitionData
-    from gradshare.transport import param_hash
-
-    from pyspark import SparkFiles
-
+def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
+         position: TaskPosition | None = None) -> WorkerReport:
     cfg = unpack_user_objects(cfg)  # user classes resolve here, where a failure is reported (shipping.py)
     peer = None
     if cfg.n_state:
@@ -809,13 +826,11 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
     data = shard = None
     try:
         # a large partition spills into the executor's Spark scratch space, not the system temp dir
-        def read(part):
+        def read(part: Iterator[Any]) -> PartitionData | SpilledPartition:
             return PartitionData.from_rows(part, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
                                            spill_dir=SparkFiles.getRootDirectory())
 
         if cfg.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
-            from gradshare.validation import split_rows
-
             data, shard = split_rows(rows, read, read, cfg.timeout)
         else:
             data = read(rows)
@@ -828,8 +843,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
         if position is not None:
             position.worker = worker
         if cfg.shards:
-            from pyspark import BarrierTaskContext
-
             worker.shard, worker.gather = shard, BarrierTaskContext.get().allGather
         if peer is None:
             peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
@@ -844,8 +857,6 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
         notes = dict(info.notes)
         worker.inherit(notes)
         if "checkpoint" in notes:  # the relay restarted the log at a checkpoint: the rest of the state too
-            from gradshare.checkpoint import load_rank, manifest_for
-
             load_rank(manifest_for(cfg, int(notes["checkpoint"]), rank), worker)
         t_load = time.monotonic() - t_load
         release_free_memory()  # the snapshot's datagrams and the model's first storage are garbage now
@@ -875,26 +886,24 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows, position: TaskPositio
             shard.close()
 
 
-def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int):
-    from gradshare.transport import Peer
-
+def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int) -> Peer:
     return Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
                 job_id=cfg.job_id, n_params=n_state, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
                 insecure=cfg.insecure)
 
 
-def _load_from_relay(peer, flat, start: int, timeout: float) -> None:
+def _load_from_relay(peer: Peer, flat: FlatParams, start: int, timeout: float) -> None:
     """Download the relay's state (parameters, float buffers) straight into the flat buffer (no second
     copy of the model)."""
-    on_host = isinstance(flat.state, np.ndarray)  # a device state takes a host copy first (flat.load)
-    step, values = peer.fetch_snapshot(timeout, into=flat.state if on_host else None)
+    host = flat.state if isinstance(flat.state, np.ndarray) else None  # a device state takes a host copy
+    step, values = peer.fetch_snapshot(timeout, into=host)  # first (flat.load)
     if step != start - 1:
         raise ProtocolError(f"the relay's snapshot holds the log through step {step}; rank {peer.rank} "
                             f"starts at step {start} and needs it through {start - 1}")
-    if not on_host:
+    if host is None:
         flat.load(values)
     else:
         if flat.twin is not None:  # the twin must equal P between steps (flat.py, keep_twin)
-            np.copyto(flat.twin, flat.array)
+            copy_into(flat.twin, flat.array)
         if flat.point is not None:  # the folded point: P + s·r with r = 0, a fresh start (keep_point)
-            np.copyto(flat.point, flat.array)
+            copy_into(flat.point, flat.array)

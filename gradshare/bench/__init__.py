@@ -1,10 +1,15 @@
 """Command-line benchmarks (`gradshare bench ...`); scripts in benchmarks/ call these too.
 
-Imports follow one rule, for `gradshare --help`: the CLI imports every command module (the ones
-`gradshare.cli.COMMANDS` names) to build its parser, so a command module imports the standard library
-and stdlib-only modules (netns) at module level, and torch, pyspark, Numba, NumPy, matplotlib and
-the gradshare modules that load them inside the functions that run the benchmark. So do systems.py
-and workloads.py for torch, pyspark and scikit-learn (train and convergence read their tables while
-the parser is built). The other modules (report, profile, scale_train's constants) import at module
-level; matplotlib stays lazy everywhere, as an optional dependency that must be told its backend first.
+Imports (issue 15): the CLI imports a command's module only for that command, to run it or print its
+--help (gradshare/cli.py, the import seam), so device, transport, scale, train and convergence import
+what they run on at module level. Laziness stays where another module imports one of these for a
+table or a helper:
+- systems and workloads keep torch, pyspark and scikit-learn inside the functions that run a system:
+  train and convergence read their tables (SYSTEMS, LR_SCHEDULES, WORKLOADS) to build their parser, and
+  `gradshare bench train --help` should not wait for torch;
+- scale_train keeps torch and pyspark inside its functions: scale imports its wire sizes (sealed_size);
+- encoding keeps NumPy and Numba inside `measure`: device imports its argument types, and importing it
+  must stay free of both (tests/test_bench_encoding.py);
+- matplotlib stays lazy everywhere, as an optional dependency that must be told its backend first.
+report and profile import at module level.
 """

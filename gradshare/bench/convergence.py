@@ -29,6 +29,11 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+from gradshare.bench import report, systems
+from gradshare.bench.report import accuracy_panel, final_accuracy, fmt, human_bytes, machine, save_figure
+from gradshare.bench.systems import LR_SCHEDULES, STEP_DECAY_AT, STEP_DECAY_GAMMA
+from gradshare.bench.train import comma_list
+from gradshare.bench.workloads import WORKLOADS, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 
@@ -87,10 +92,6 @@ def _ints(text: str, flag: str, minimum: int) -> list[int]:
 
 def settings(args: argparse.Namespace) -> dict:
     """The resolved configuration (validated, every error naming its flag; --quick applied)."""
-    from gradshare.bench.systems import LR_SCHEDULES
-    from gradshare.bench.train import comma_list
-    from gradshare.bench.workloads import WORKLOADS
-
     quick = bool(args.quick)
     for flag, value in (("epochs", args.epochs), ("batch-size", args.batch_size), ("rows", args.rows)):
         if value is not None and value < 1:
@@ -124,8 +125,6 @@ def epochs_to_target(accuracies: list[float], target: float) -> int | None:
 def make_row(system: str, workload: str, schedule: str, seed: int, workers: int, measured, target: float,
              epochs: int) -> dict:
     """One result row from a `systems.Measured`; a run stopped by its budget is a failed row (curve kept)."""
-    from gradshare.bench.report import final_accuracy
-
     curve = [(float(t), float(a)) for t, a in measured.curve]
     accuracy = [a for _, a in curve]
     extra = measured.extra
@@ -166,9 +165,6 @@ def failed_row(system: str, workload: str, schedule: str, seed: int, workers: in
 def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]:
     """Every configuration of `cfg`, workload by workload: single, then per N gradshare and DDP.
     Returns (rows, parts: seconds per workload × system × N). `on_part(rows, parts)` after each part."""
-    from gradshare.bench import systems
-    from gradshare.bench.workloads import load
-
     rows: list[dict] = []
     parts: list[dict] = []
     budget, bs = cfg["budget"], cfg["batch_size"]
@@ -218,8 +214,6 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
 def _ddp_part(spark, cfg: dict, name: str, workers: int, runs, data, epochs: int) -> list[dict]:
     """Every (schedule, seed) of one workload × N in one TorchDistributor launch; each row's `elapsed`
     is its own run plus an equal share of the launch's start-up."""
-    from gradshare.bench import systems
-
     specs = [systems.ddp_spec(name, seed=seed, epochs=epochs, batch_size=cfg["batch_size"], budget=cfg["budget"],
                               lr_schedule=sch, rows=cfg["rows"]) for sch, seed in runs]
     t0 = time.monotonic()
@@ -341,8 +335,6 @@ def _pm(mean: float | None, std: float | None, scale: float = 100.0) -> str:
 
 
 def table(summary: list[dict]) -> str:
-    from gradshare.bench.report import fmt, human_bytes
-
     head = (f"{'workload':<8} {'schedule':<8} {'N':>2} {'system':<9} {'seeds':>5} {'final acc %':>15} "
             f"{'→target':>7} {'per seed':<11} {'bytes/step':>10} {'dense÷this':>10} {'train s':>8} {'elapsed':>8}")
     lines = [head, "-" * len(head)]
@@ -358,8 +350,6 @@ def table(summary: list[dict]) -> str:
 
 
 def checks_table(found: list[dict]) -> str:
-    from gradshare.bench.report import fmt
-
     lines = []
     for c in found:
         met = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
@@ -377,8 +367,6 @@ def plot(path: str, summary: list[dict], title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-
-    from gradshare.bench.report import accuracy_panel, save_figure
 
     workloads = sorted({s["workload"] for s in summary})
     schedules = [x for x in ("constant", "cosine", "step") if any(s["schedule"] == x for s in summary)]
@@ -421,9 +409,6 @@ NOTES = [
 
 
 def write_json(path: str, rows: list[dict], parts: list[dict], *, command: str, config: dict) -> dict:
-    from gradshare.bench.report import machine
-    from gradshare.bench.systems import STEP_DECAY_AT, STEP_DECAY_GAMMA
-
     summary = summarise(rows)
     doc = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
@@ -440,8 +425,6 @@ def write_json(path: str, rows: list[dict], parts: list[dict], *, command: str, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradshare.bench import report, systems
-
     cfg = settings(args)
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-convergence-") if cfg["quick"] else "docs")
     json_path = os.path.join(out_dir, "bench-convergence.json")

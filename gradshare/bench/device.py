@@ -7,7 +7,8 @@ decode-apply of that message. Beside it, on host arrays of the same values, the 
 paired ratios over ``--repeat`` runs; the residual is zeroed before every timed call so every step
 has the requested density. On CUDA every timing is bracketed by ``torch.cuda.synchronize()``.
 
-Top-level imports are stdlib only: the CLI imports this module to build its parser.
+The CLI imports this module only for its own command (gradshare/cli.py): torch and the codec load at
+module level.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import statistics
 import sys
 import time
 
+import numpy as np
+import torch
+
 from gradshare.bench.encoding import _density, _positive_int
+from gradshare.device import resolve_device
+from gradshare.encoding import apply, encode
 from gradshare.errors import ConsistencyError
 
 DEFAULT_SIZES = (1_000_000, 10_000_000, 50_000_000)
@@ -55,8 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _timer(device):
     """A perf_counter reading that waits for the device's queued work first (CUDA runs asynchronously)."""
-    import torch
-
     if device.type == "cuda":
         def now() -> float:
             torch.cuda.synchronize(device)
@@ -67,11 +71,6 @@ def _timer(device):
 
 
 def _row(params: int, density: float, repeat: int, device, numba: bool, seed: int) -> dict:
-    import numpy as np
-    import torch
-
-    from gradshare.encoding import apply, encode
-
     # τ such that a standard normal update crosses it with probability `density` (both tails).
     tau = statistics.NormalDist().inv_cdf(1.0 - density / 2.0)
     host_u = np.random.default_rng(seed).standard_normal(params, dtype=np.float32)
@@ -131,10 +130,6 @@ def _row(params: int, density: float, repeat: int, device, numba: bool, seed: in
 def measure(sizes, density: float = DEFAULT_DENSITY, repeat: int = DEFAULT_REPEAT, device="auto",
             threads: int = 1, numba: bool = True, seed: int = 0) -> dict:
     """Run the benchmark and return the result dict (the --json object)."""
-    import torch
-
-    from gradshare.device import resolve_device
-
     dev = resolve_device(device)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)

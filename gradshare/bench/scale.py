@@ -38,7 +38,16 @@ import threading
 import time
 from collections import Counter
 
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+import numpy as np
+
+from gradshare.bench.scale_train import sealed_size
+from gradshare.encoding import CalibratedThreshold, encode
+from gradshare.encoding.aggregate import AggregateState
+from gradshare.transport import Peer, Relay, new_job_key
+from gradshare.transport.events import AGGREGATE_ORIGIN
+from gradshare.transport.memory import joined_cores
+from gradshare.transport.relay_core import default_apply_update, default_decode_update
+from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 
 FORWARDING_MODES = ("per-rank", "aggregate")
 LINKS_GBIT = (1, 10, 25)
@@ -82,9 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
     """Several ranks in one process: join, then synchronous steps; records deliveries for the parent."""
-    from gradshare.transport import Peer
-    from gradshare.transport.events import AGGREGATE_ORIGIN
-
     W, messages, timeout = cfg["peers"], cfg["messages"], cfg["timeout"]
     aggregate = cfg["forwarding"] == "aggregate"
     senders = [AGGREGATE_ORIGIN] if aggregate else list(range(W))
@@ -172,13 +178,6 @@ def _thread_cpu(name: str) -> float:
 
 def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> dict:
     """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table."""
-    import numpy as np
-
-    from gradshare.encoding import CalibratedThreshold
-    from gradshare.encoding.aggregate import AggregateState
-    from gradshare.transport import Relay, new_job_key
-    from gradshare.transport.events import AGGREGATE_ORIGIN
-
     ctx = mp.get_context("spawn")
     key = new_job_key()
     aggregate = args.forwarding == "aggregate"
@@ -279,8 +278,6 @@ def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
 
     Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the
     protocol, not the machine): ``seconds`` of simulated time in steps of ``tick``."""
-    from gradshare.transport.memory import joined_cores
-
     relay, peers = joined_cores(n_peers, 1000, b"\x02" * 32, 1, datagram_size=datagram_size)
     relay.datagrams_to_send()
     counts = {"in_datagrams": 0, "in_bytes": 0, "out_datagrams": 0, "out_bytes": 0}
@@ -324,8 +321,6 @@ def fit_costs(rows: list[dict]) -> dict:
     authoritative copy, ACK). One row gives ``a`` alone (b = 0). Aggregated rows add ``c``, the cost of
     the step's one aggregate (calibrate + encode the relay's residual, apply it, seal it), the same at
     any N."""
-    import numpy as np
-
     y = np.array([r["relay_cpu_per_step_s"] for r in rows], float)
     if rows[0].get("forwarding") == "aggregate":
         A = np.array([[r["forwarded_datagrams_per_step"], r["peers"], 1.0] for r in rows], float)
@@ -385,10 +380,6 @@ def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
 # --- driver ---------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from gradshare.transport.relay_core import default_apply_update, default_decode_update
-
     if args.params < 1 or not 0 < args.density <= 1:
         raise ValueError(f"--params must be >= 1 and --density in (0, 1] (got {args.params}, {args.density})")
     if args.steps < 2 or args.procs < 1 or not args.seconds > 0:
@@ -420,10 +411,6 @@ def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[
     """``count`` synthetic rank messages of ``density`` entries, each with its own τ (1e-3 · (1 + i/count)),
     as calibrated ranks have: with one τ for all, the relay's residual would hold nothing but exact ties,
     which no training produces (aggregate.py's tie rule would hold most of it back)."""
-    import numpy as np
-
-    from gradshare.encoding import encode
-
     rng = np.random.default_rng(seed)
     k = max(1, int(round(n_params * density)))
     out = []
@@ -437,9 +424,6 @@ def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[
 
 def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
     """Mean bytes on the wire for one update (every chunk's header and AEAD tag included)."""
-    from gradshare.bench.scale_train import sealed_size
-    from gradshare.transport.wire import encode_update_body
-
     return sum(sealed_size(len(encode_update_body(m, None)), datagram_size)[0] for m in messages) / len(messages)
 
 

@@ -25,8 +25,11 @@ import sys
 import tempfile
 import time
 
-from gradshare.bench import netns
+from gradshare.bench import netns, report
+from gradshare.bench import systems as sysmod
 from gradshare.bench.netns import LINKS, interfaces
+from gradshare.bench.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_spark_env
+from gradshare.bench.workloads import WORKLOADS, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 
@@ -57,8 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the adaptive rule (the runs before issue 10 used 1e-2)")
     parser.add_argument("--max-sparsity", type=float, default=None,
                         help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)")
-    from gradshare.bench.systems import LR_SCHEDULES
-
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="Adam lr of every system: constant 1e-3, cosine-annealed to 0, or step decay "
                              "(x0.1 at 50%% and 75%%) over each process's own steps (default constant; with "
@@ -95,9 +96,6 @@ def comma_list(text: str, allowed, what: str) -> list[str]:
 
 def settings(args: argparse.Namespace) -> dict:
     """The resolved configuration (validated; --quick applied)."""
-    from gradshare.bench.systems import SYSTEMS
-    from gradshare.bench.workloads import WORKLOADS
-
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.budget <= 0:
@@ -127,9 +125,6 @@ def settings(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------------------ child
 def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[dict]:
     """Run `systems` × cfg's workloads in this process (on `link`, already set up); one row each."""
-    from gradshare.bench import report, systems as sysmod
-    from gradshare.bench.workloads import load
-
     rows = []
     for name in cfg["workloads"]:
         wl = load(name, cfg["seed"], cfg["target"], cfg["rows"])
@@ -160,8 +155,6 @@ def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[di
 
 
 def _child(args: argparse.Namespace) -> int:
-    from gradshare.bench.systems import local_spark, local_spark_env
-
     local_spark_env()
     cfg = settings(args)
     link = args.child
@@ -219,8 +212,6 @@ def _run_child(cmd: list[str], timeout: float) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     if args.child:
         return _child(args)
-    from gradshare.bench import report
-
     cfg = settings(args)
     notes: list[str] = []
     links = cfg["links"]

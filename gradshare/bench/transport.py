@@ -22,6 +22,13 @@ import multiprocessing as mp
 import sys
 import time
 
+import numpy as np
+
+from gradshare.encoding import Message, apply, encode
+from gradshare.transport import Peer, Relay, new_job_key, param_hash
+from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport.memory import joined_cores
+from gradshare.transport.relay_core import default_apply_update, default_decode_update
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
 
 
@@ -43,10 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- peers (child process) ---------------------------------------------------------------------------
 
 def _make_messages(n_params: int, density: float, count: int, seed: int) -> list[bytes]:
-    import numpy as np
-
-    from gradshare.encoding import encode
-
     rng = np.random.default_rng(seed)
     k = max(1, int(round(n_params * density)))
     out = []
@@ -66,11 +69,6 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
     each update's latency is measured without a backlog or a burst; ``sync`` is staleness 0 back to back
     (every rank sends step t as soon as step t-1 is applied: the burst of a synchronous training step).
     Latency is send → applied at every other peer, so it includes waiting for canonical order."""
-    import numpy as np
-
-    from gradshare.encoding import Message, apply
-    from gradshare.transport import Peer, param_hash
-
     W, n, mode = cfg["peers"], cfg["params"], cfg["mode"]
     messages = cfg["messages"]
     send_t: dict = {}
@@ -132,8 +130,6 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
 
 
 def _proxy_main(target, loss, seed, conn) -> None:
-    from gradshare.transport.fault_proxy import FaultProxy
-
     with FaultProxy(tuple(target), loss=loss, duplicate=loss / 5, reorder=loss / 2, delay=0.0005,
                     seed=seed) as proxy:
         conn.send(proxy.address)
@@ -144,10 +140,6 @@ def _proxy_main(target, loss, seed, conn) -> None:
 # --- one measured run ---------------------------------------------------------------------------------
 
 def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> dict:
-    import numpy as np
-
-    from gradshare.transport import Relay, new_job_key
-
     ctx = mp.get_context("spawn")
     key = new_job_key() if secure else None
     relay = Relay(np.zeros(args.params, np.float32), args.peers, key, 1, port=0, bind="127.0.0.1",
@@ -231,8 +223,6 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
 def _core_rate(args, messages, secure: bool, steps: int = 60) -> float:
     """Forwarded datagrams per CPU-second of the relay core alone on pre-sealed datagrams (no sockets):
     the relay's own capacity, and a stable way to see what AEAD costs it (STYLE 12: call the core)."""
-    from gradshare.transport.memory import joined_cores
-
     W = args.peers
     relay, peers = joined_cores(W, args.params, b"\x01" * 32 if secure else None, 1, insecure=not secure,
                                 datagram_size=args.datagram_size, defer_apply=True)
@@ -252,10 +242,6 @@ def _core_rate(args, messages, secure: bool, steps: int = 60) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from gradshare.transport.relay_core import default_apply_update, default_decode_update
-
     messages = _make_messages(args.params, args.density, 16, seed=0)
     # warm the relay's decode+apply kernels (Numba) so that no run pays for compilation
     default_apply_update(default_decode_update(messages[0], args.params), np.zeros(args.params, np.float32))
