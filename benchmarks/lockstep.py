@@ -33,7 +33,7 @@ from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import load, model_factory, test_accuracy
 from gradshare.spark import PartitionData
 from gradshare.transport import Update
-from gradshare.trainer import DEFAULT_WARMUP_MIN_STEPS
+from gradshare.trainer import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.worker import ApplyLog, Worker, WorkerConfig
 
 
@@ -86,7 +86,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
     shards = [wl.shard(r, world) for r in range(world)]
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
-    warmup = max(2 * max(spe), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
+    warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
     rule_obj = make_rule(rule)
     if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
         rule_obj.warmup_steps = warmup
