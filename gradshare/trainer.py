@@ -151,6 +151,18 @@ DEFAULT_WARMUP_EPOCHS = 3.0
 # moves most, and with 4 workers on the digits MLP 2 epochs are only 12 steps (test accuracy 84 % after
 # epoch 3; with 24 steps 91 %, DDP's 92 %: README "Convergence"). An explicit `warmup` is taken as given.
 DEFAULT_WARMUP_MIN_STEPS = 24
+# The warm-up's first density, shared by the workers: each starts at this ÷ N. Every replica applies all N
+# workers' messages, so at N = 4 four workers at 0.1 each moved the model as one at ~0.4 and the digits MLP
+# was slower in its first epochs than at 0.05 each (seeds 0-2 after epoch 3: 89.5 against 90.9 %, DDP's
+# 90.5 %); at N = 2 this is the 0.1 that measured best (README "Convergence", lock step).
+DEFAULT_WARMUP_SHARED_DENSITY = 0.2
+
+
+def warmup_start(world: int) -> float:
+    """The default warm-up's first density per worker among ``world`` (never above the single worker's)."""
+    from gradshare.encoding.threshold import DEFAULT_WARMUP_DENSITY
+
+    return min(DEFAULT_WARMUP_DENSITY, DEFAULT_WARMUP_SHARED_DENSITY / max(world, 1))
 
 
 class SharedTrainer:
@@ -181,8 +193,9 @@ class SharedTrainer:
     density: with threshold="auto", the share of entries each step sends after the warm-up (default
         2e-3, README "Convergence benchmark").
     warmup: with threshold="auto", epochs over which the density falls geometrically from
-        ``warmup_density`` (default 0.1) to ``density`` (Deep Gradient Compression's warm-up; default 3
-        epochs but at least 24 steps, 0 disables; a number given is taken as given). A small model sends at least 768 entries a step (up to 5 % of them) whatever the density
+        ``warmup_density`` (default 0.2 ÷ the number of workers, at most 0.1) to ``density`` (Deep Gradient
+        Compression's warm-up; default 3 epochs but at least 24 steps, 0 disables; a number given is taken
+        as given). A small model sends at least 768 entries a step (up to 5 % of them) whatever the density
         (`CalibratedThreshold.min_entries`: one datagram's worth); pass a `CalibratedThreshold` as
         threshold_algorithm to change that.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
@@ -489,8 +502,8 @@ class SharedTrainer:
             return model
         raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(self.model).__name__}")
 
-    def _rule_for(self, steps_per_epoch: int):
-        """The threshold rule every worker starts from (deep-copied per worker)."""
+    def _rule_for(self, steps_per_epoch: int, world: int = 2):
+        """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
         from gradshare import encoding
 
         algo = self.threshold_algorithm
@@ -502,6 +515,8 @@ class SharedTrainer:
             steps = round(self.warmup * steps_per_epoch)
             if self.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
                 steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
+            if self.warmup_density is None:
+                given["warmup_density"] = warmup_start(world)
             return encoding.CalibratedThreshold(warmup_steps=steps, **given)
         if algo == "fixed":
             return encoding.FixedThreshold(self.threshold)
@@ -670,7 +685,7 @@ class SharedTrainer:
             raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
                              f"{self.batch_size} is left with drop_last={self.drop_last!r}; repartition the "
                              "data or lower batch_size")
-        rule, clip = self._rule_for(max(steps_per_epoch)), self._clipping()
+        rule, clip = self._rule_for(max(steps_per_epoch), world), self._clipping()
         saving, first_epoch, epochs = self._checkpoint_plan(model, world, steps_per_epoch, resume)
         if resume is not None:
             from gradshare.checkpoint import load_params

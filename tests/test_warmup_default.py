@@ -37,3 +37,18 @@ def test_default_warmup_is_longer_than_two_epochs_on_twelve_step_epochs():
 def test_a_given_warmup_is_taken_as_given():
     assert ramp_length(SharedTrainer(model, warmup=1)._rule_for(12)) == 12
     assert ramp_length(SharedTrainer(model, warmup=0)._rule_for(12)) == 0
+
+
+def test_the_workers_share_the_warmups_first_density():
+    # every replica applies all N workers' messages: 4 workers start at half the density of 2
+    first = {n: SharedTrainer(model)._rule_for(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
+    assert first[4] == pytest.approx(first[2] / 2) and first[8] == pytest.approx(first[2] / 4)
+    assert first[1] == first[2]  # one worker starts no denser than it did alone before
+    for n in (2, 4, 8):  # and every ramp still falls to the same density
+        rule = SharedTrainer(model)._rule_for(12, n)
+        assert rule.target(10**6, N_PARAMS) < rule.target(0, N_PARAMS)
+
+
+def test_a_given_warmup_density_is_taken_as_given_whatever_the_workers():
+    for n in (2, 4, 8):
+        assert SharedTrainer(model, warmup_density=0.3)._rule_for(12, n).target(0, N_PARAMS) == pytest.approx(0.3)
