@@ -32,9 +32,10 @@ from torch import nn
 from gradshare import encoding
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import load, model_factory, test_accuracy
-from gradshare.config import DEFAULT_WARMUP_MIN_STEPS
+from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.spark import PartitionData
 from gradshare.transport import Update
+from gradshare.trainer import warmup_start
 from gradshare.worker import ApplyLog, Worker, WorkerConfig
 
 
@@ -88,10 +89,12 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
     shards = [wl.shard(r, world) for r in range(world)]
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
-    warmup = max(2 * max(spe), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
+    warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
     rule_obj = make_rule(rule)
     if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
         rule_obj.warmup_steps = warmup
+    if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_density" not in (rule or {}):
+        rule_obj.warmup_density = warmup_start(world)
     if cap is not None:  # experiment: after the warm-up τ may not exceed cap × its value at the warm-up's end
         rule_obj = CappedRule(cap, **{k: getattr(rule_obj, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,

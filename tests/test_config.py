@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from gradshare.config import WORKER_OPTIONS, TrainConfig, WorkerFlags
+from gradshare.config import DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, TrainConfig, WorkerFlags
 from gradshare.trainer import SharedTrainer
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.worker import WorkerConfig
@@ -211,7 +211,7 @@ def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_
     assert config.early_stopping is rule and config.stopping.patience == 2 and config.stopping.monitor == "loss"
     assert config.on_epoch_end is print and config.callbacks == (print,)
     assert config.worker_flags == {"profile": True} and config.device == "CPU" and config.device_name == "cpu"
-    assert not config.auto and config.warmup_epochs == 2.0 and TrainConfig(warmup=0).warmup_epochs == 0.0
+    assert not config.auto and config.warmup_epochs == DEFAULT_WARMUP_EPOCHS and TrainConfig(warmup=0).warmup_epochs == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.epochs = 3
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):  # replace() checks again
@@ -225,5 +225,5 @@ def test_the_trainer_keeps_its_attributes_and_the_options_as_given():
     assert trainer.options["warmup"] is None and trainer.options["on_epoch_end"] == [print]
     assert trainer.config.epochs == trainer.epochs == 3 and trainer.threshold == 2e-3 and not trainer.auto
     assert trainer.on_epoch_end == (print,) and trainer.worker_options == {"direct_update": False}
-    assert trainer.warmup == 2.0 and trainer.device == "auto" and trainer.mlflow is None
+    assert trainer.warmup == DEFAULT_WARMUP_EPOCHS and trainer.device == "auto" and trainer.mlflow is None
     assert trainer.port == DEFAULT_PORT and trainer.checkpoint_dir is None and trainer.early_stopping is None
