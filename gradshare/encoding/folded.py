@@ -100,7 +100,8 @@ def clip_folded(point: Vector, params: Vector, bound: float | np.float32, scale:
     if not bound32 > 0:
         raise ValueError(f"bound must be > 0, got {bound!r}")
     with np.errstate(over="ignore"):
-        scaled = np.float32(min(float(bound32) * float(s), 3.4e38))
+        # s in double, as the encode's step float32(τ·s): one rounding of the product, not two
+        scaled = np.float32(min(float(bound32) * float(scale), 3.4e38))
     if is_tensor(point) and is_tensor(params):  # == tensor (_pair)
         from gradshare.encoding.torch_codec import clip_folded_tensor
 
