@@ -50,6 +50,28 @@ from numba import config, njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+# count trailing zeros of a non-zero uint64: the rice decoder's unary runs, the dense folded encode's hit masks
+if config.DISABLE_JIT:
+
+    def _cttz(x):
+        x = int(x)
+        return np.uint64((x & -x).bit_length() - 1)
+
+else:
+
+    @intrinsic
+    def _cttz(typingctx, x):
+        """Count trailing zero bits of a non-zero uint64 (llvm.cttz)."""
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+            fn = builder.module.declare_intrinsic("llvm.cttz", [i64], fnty)
+            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+        return types.uint64(types.uint64), codegen
+
+
 # Block of the fused accumulate+encode pass. Adding u to r and counting |r| >= τ over a block is
 # branch-free and vectorises; only blocks that hold an entry are scanned again, while they are still
 # in L1. A naive loop with the emit branch inside the add loop does not vectorise (~3-4x numpy.add).
@@ -158,6 +180,23 @@ def _count_block(rb, tau):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _emit_hits(m, sb, base, tau, out, k, cnt):
+    """Emit the hits flagged in the uint64 mask ``m`` (bit j: |sb[j]| >= tau, finite) and reduce each by
+    τ. A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ) is x + τ, the
+    same bits. Returns (k, cnt) with cnt lowered by the hits emitted."""
+    while m:
+        j = np.int64(_cttz(m))
+        m &= m - np.uint64(1)
+        x = sb[j]
+        neg = np.int64(x < 0)
+        out[k] = ((base + j) << 1) | neg
+        sb[j] = x - np.float32(1 - 2 * neg) * tau
+        k += 1
+        cnt -= 1
+    return k, cnt
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _emit_block(rb, pos, tau, out, k, cnt, bad):
     """Emit the ``cnt`` entries of the accumulated block ``rb`` (starting at parameter ``pos``) into
     ``out`` from ``k`` on and reduce them by τ. Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
@@ -166,26 +205,18 @@ def _emit_block(rb, pos, tau, out, k, cnt, bad):
     if cnt:
         if k + cnt > out.size:
             return k, FULL
-        # Find the entries: count per SUB-block (vectorised), scan only sub-blocks that hold one,
-        # and stop once all `cnt` entries of the block are out.
+        # Find the entries: a mask of each SUB-run's hits (branch-free, vectorised), then one visit per
+        # hit, and stop once all `cnt` entries of the block are out. (Scanning every value of a run
+        # that holds an entry, with the emit branches, cost ~2 ns a value: at a warm-up's density of
+        # several % that is nearly every run, 5x the encode's sparse time.)
         for s0 in range(0, rb.size, SUB):
             sb = rb[s0 : s0 + SUB]
-            c = np.int32(0)
+            m = np.uint64(0)
             for j in range(sb.size):
-                c += np.int32(abs(sb[j]) >= tau)
-            if c:
+                m |= np.uint64(abs(sb[j]) >= tau) << np.uint64(j)
+            if m:
                 base = pos + s0
-                for j in range(sb.size):
-                    x = sb[j]
-                    if x >= tau:
-                        out[k] = (base + j) << 1
-                        sb[j] = x - tau
-                        k += 1
-                    elif x <= -tau:
-                        out[k] = ((base + j) << 1) | 1
-                        sb[j] = x + tau
-                        k += 1
-                cnt -= c
+                k, cnt = _emit_hits(m, sb, base, tau, out, k, cnt)
                 if cnt == 0:
                     break
     return k, OK
@@ -423,23 +454,26 @@ def _folded_encode(q, p, inv, tau, step, out, k, start):
             if k + cnt > out.size:
                 return k, pos, FULL
             for s0 in range(0, qb.size, SUB):
+                # a mask of the run's hits, then one visit per hit: scanning every value of a run with the
+                # emit branches cost ~2 ns a value wherever a run held an entry, which at a warm-up's
+                # density (several %) is nearly every run: 5x the sparse encode's time (26 ms at 10 % on
+                # 10.5 M values, now 13)
                 sq, sp = qb[s0 : s0 + SUB], pb[s0 : s0 + SUB]
-                c = np.int32(0)
+                m = np.uint64(0)
                 for j in range(sq.size):
-                    c += np.int32(abs((sq[j] - sp[j]) * inv) >= tau)
-                if c:
+                    m |= np.uint64(abs((sq[j] - sp[j]) * inv) >= tau) << np.uint64(j)
+                if m:
                     base = pos + s0
-                    for j in range(sq.size):
-                        x = (sq[j] - sp[j]) * inv
-                        if x >= tau:
-                            out[k] = (base + j) << 1
-                            sq[j] = sq[j] - step
-                            k += 1
-                        elif x <= -tau:
-                            out[k] = ((base + j) << 1) | 1
-                            sq[j] = sq[j] + step
-                            k += 1
-                    cnt -= c
+                    while m:
+                        j = np.int64(_cttz(m))
+                        m &= m - np.uint64(1)
+                        # a hit: |x| >= τ and x finite (the block count checked), so its sign is x < 0;
+                        # no branch on it (taken at random): q − (−step) is q + step, the same bits
+                        neg = np.int64((sq[j] - sp[j]) * inv < 0)
+                        out[k] = ((base + j) << 1) | neg
+                        sq[j] = sq[j] - np.float32(1 - 2 * neg) * step
+                        k += 1
+                        cnt -= 1
                     if cnt == 0:
                         break
         pos = stop

@@ -17,9 +17,7 @@ Readers see the payload as little-endian uint64 words plus a zero word (`padded_
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import config, njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from gradshare.encoding.kernels import (
     CHECK_INDEX,
@@ -29,6 +27,7 @@ from gradshare.encoding.kernels import (
     CHECK_TRAILING,
     CHECK_TRUNCATED,
     _apply_batch,
+    _cttz,
     _prefetch_write,
 )
 
@@ -37,26 +36,6 @@ PAD_WORDS = 1  # zero uint64 words readers need after the payload's words
 
 _U1 = np.uint64(1)
 _U63 = np.uint64(63)
-
-if config.DISABLE_JIT:
-
-    def _cttz(x):
-        x = int(x)
-        return np.uint64((x & -x).bit_length() - 1)
-
-else:
-
-    @intrinsic
-    def _cttz(typingctx, x):
-        """Count trailing zero bits of a non-zero uint64 (llvm.cttz)."""
-
-        def codegen(context, builder, signature, args):
-            i64 = ir.IntType(64)
-            fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
-            fn = builder.module.declare_intrinsic("llvm.cttz", [i64], fnty)
-            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-        return types.uint64(types.uint64), codegen
 
 
 def padded_words(payload: bytes) -> np.ndarray:
