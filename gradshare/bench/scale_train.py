@@ -68,7 +68,10 @@ def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
         # not per step, so it dominates when oversubscribed CPUs make steps slow
         "control_bytes_per_s": (c.bytes_out - model * steps) / r.seconds,
         "forwarded_datagrams_per_update": c["forwarded"] / max(updates, 1),
-        "model_forwarded_datagrams_per_update": (workers - 1) * d,
+        # each accepted update's own datagrams, once to every other rank (the relay's count: warm-up
+        # messages are larger, so the mean payload's datagram count `d` under-counts)
+        "model_forwarded_datagrams_per_update": (workers - 1) * c["update_datagrams"] / max(updates, 1),
+        "datagrams_per_update_of_mean_payload": d,
         "relay_retransmits": c.retransmits, "seconds": r.seconds,
     }
 
