@@ -52,7 +52,7 @@ def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
     updates = c["updates_in"]                       # the relay's own counter (Counters.other)
     steps = updates / workers                       # every rank sends one update per step
     payload = sum(h["payload_bytes"] for h in r.history) / max(updates, 1)
-    w, d = wire_bytes(payload)
+    w, _ = wire_bytes(payload)
     model = (workers - 1) * workers * w
     egress = c.bytes_out / steps
     return {
@@ -69,9 +69,8 @@ def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
         "control_bytes_per_s": (c.bytes_out - model * steps) / r.seconds,
         "forwarded_datagrams_per_update": c["forwarded"] / max(updates, 1),
         # each accepted update's own datagrams, once to every other rank (the relay's count: warm-up
-        # messages are larger, so the mean payload's datagram count `d` under-counts)
+        # messages are larger, so the datagram count of a mean-size update under-counts)
         "model_forwarded_datagrams_per_update": (workers - 1) * c["update_datagrams"] / max(updates, 1),
-        "datagrams_per_update_of_mean_payload": d,
         "relay_retransmits": c.retransmits, "seconds": r.seconds,
     }
 
