@@ -141,6 +141,41 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
     assert fds() == before_fd
 
 
+def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resume_after():
+    # quiet_gc.py: the objects tracked when the first shell starts are frozen (a full collection would
+    # scan them with the GIL held, 35-115 ms), objects made later are still collected, and the last shell
+    # to close thaws, including after a failed start
+    import gc
+
+    from gradshare.transport import quiet_gc
+
+    assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0     # no earlier test leaked a hold
+    old = [[] for _ in range(1000)]
+    key = new_job_key()
+    with Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="127.0.0.1") as relay:
+        frozen = gc.get_freeze_count()
+        assert frozen >= len(old) and quiet_gc.holders() == 1
+        new = [[] for _ in range(1000)]      # made after the freeze: a second freeze would take them too
+        p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
+        p.join(3)
+        assert quiet_gc.holders() == 2 and 0 < gc.get_freeze_count() < frozen + len(new)    # frozen once
+        cycle: list = []
+        cycle.append(cycle)                  # garbage made while frozen is still collected
+        ref = len(gc.get_referrers(cycle))
+        del cycle
+        assert gc.collect() >= 1 and ref >= 1
+        p.close()
+        p.close()                            # idempotent: releases once
+        assert quiet_gc.holders() == 1 and 0 < gc.get_freeze_count() < frozen + len(new)
+    assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0
+    with pytest.raises(OSError):
+        Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7").start()   # not local
+    assert quiet_gc.holders() == 0
+    with pytest.raises(RuntimeError, match="without a hold"):
+        quiet_gc.release()
+    del old
+
+
 def test_fetch_snapshot_refuses_a_wrong_buffer_before_asking():
     key = new_job_key()
     with Relay(np.arange(10, dtype=np.float32), 1, key, 3, port=0, bind="127.0.0.1") as relay:

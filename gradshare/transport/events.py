@@ -7,7 +7,7 @@ aioquic ``quic/events.py``). Their byte codecs live in :mod:`gradshare.transport
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for annotations only: this module needs no numpy at run time
@@ -296,12 +296,16 @@ class SnapDone:
 
 @dataclass(frozen=True)
 class Update:
-    """One message of the apply log, delivered in canonical (step, sender) order."""
+    """One message of the apply log, delivered in canonical (step, sender) order.
+
+    ``arrived``: the core's clock when its last chunk came in (for our own update, when it was sent);
+    not part of equality: the same log entry compares equal at every peer."""
 
     step: int
     sender: int
     payload: bytes
     meta: Meta | None = None
+    arrived: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("step", self.step, 0, MAX_STEP)

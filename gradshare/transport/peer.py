@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
-from gradshare.transport import udp
+from gradshare.transport import quiet_gc, udp
 from gradshare.transport import events as ev
 from gradshare.transport.events import Counters, Update, Welcome
 from gradshare.transport.peer_core import PeerCore
@@ -82,9 +82,11 @@ class Peer:
                                   f"peer rank {rank}")
         self.address = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._run, name=f"gradshare-peer-{rank}", daemon=True)
+        quiet_gc.hold()                     # a full collection would stall this rank's step (quiet_gc.py)
         try:
             self._thread.start()
         except BaseException:
+            quiet_gc.release()
             self._sock.close()
             raise
         self._closed = False
@@ -319,6 +321,7 @@ class Peer:
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=5.0)
             self._sock.close()
+            quiet_gc.release()
 
     def __enter__(self) -> Peer:
         return self

@@ -135,7 +135,7 @@ class PeerCore:
         body = wire.encode_update_body(payload, meta)
         _, clean_meta = wire.decode_update_body(body)
         if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
-            self._store(ev.Update(step, self.rank, payload, clean_meta))
+            self._store(ev.Update(step, self.rank, payload, clean_meta, now))
         self.unacked.add(step, body, now)
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
@@ -437,7 +437,7 @@ class PeerCore:
             self.chan.drops["bad_update"] += 1
             return
         self.known_high[slot] = max(self.known_high[slot], h.step)
-        self._store(ev.Update(h.step, h.origin, payload, meta), slot)
+        self._store(ev.Update(h.step, h.origin, payload, meta, now), slot)
         self.c["updates_received"] += 1
         self._advance()
 

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport import events as ev
-from gradshare.transport import udp
+from gradshare.transport import quiet_gc, udp
 from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
@@ -92,6 +92,7 @@ class Relay:
         self._incidents: list[ev.Incident] = []
         self._rolled_back: list[dict[str, int]] = []
         self.address: tuple[str, int] | None = None
+        self._holds_gc = False
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> Relay:
@@ -108,11 +109,19 @@ class Relay:
             host, port = self._sock.getsockname()[:2]
             self.address = (host, port)
             self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
+            quiet_gc.hold()                 # a full collection would stall every rank's step (quiet_gc.py)
+            self._holds_gc = True
             self._thread.start()
         except BaseException:
+            self._release_gc()
             self._sock.close()
             raise
         return self
+
+    def _release_gc(self) -> None:
+        if self._holds_gc:
+            self._holds_gc = False
+            quiet_gc.release()
 
     def close(self) -> None:
         self._stop.set()
@@ -120,6 +129,7 @@ class Relay:
             self._thread.join(timeout=5.0)
         if self._sock is not None:
             self._sock.close()
+        self._release_gc()
 
     def __enter__(self) -> Relay:
         return self if self._thread is not None else self.start()
