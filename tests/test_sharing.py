@@ -178,6 +178,30 @@ def test_learning_rate_zero_sends_nothing_and_divides_by_nothing(make_rule):
         state.set_lr(math.nan)
 
 
+def test_a_calibrated_density_rises_as_the_learning_rate_anneals_and_only_then():
+    # density × min(max_lr_boost, (peak rate / rate) ** lr_exponent): a rising rate (an lr warm-up) keeps
+    # the factor at 1, a falling one raises it, up to the cap; follow_lr=False or lr_exponent=0 never
+    rng = np.random.default_rng(5)
+    n, density = 200_000, 1e-3
+    values = rng.standard_normal(n).astype(np.float32)
+    follows = SharingState(n, CalibratedThreshold(density=density, min_entries=0))
+    frozen = SharingState(n, CalibratedThreshold(density=density, min_entries=0), follow_lr=False)
+    flat = SharingState(n, CalibratedThreshold(density=density, min_entries=0, lr_exponent=0.0))
+    rates = [(1e-4, 1e-4, 1.0), (1e-3, 1e-3, 1.0), (2.5e-4, 1e-3, 2.0), (1e-3, 1e-3, 1.0), (1e-5, 1e-3, 4.0)]
+    for step, (lr, peak, factor) in enumerate(rates):
+        for state in (follows, frozen, flat):
+            state.set_lr(lr)
+            state.residual[:] = values
+        assert follows.rule.lr_boost == pytest.approx(factor) and follows.rule.lr_peak == peak
+        assert frozen.rule.lr_boost == 1.0 and flat.rule.lr_boost == 1.0
+        assert follows.rule.target(step, n) == pytest.approx(density * factor)
+        sent = share_step(follows, step).n_entries
+        assert 0.5 * density * factor * n <= sent <= 2 * density * factor * n
+        assert share_step(frozen, step).n_entries == share_step(flat, step).n_entries
+    with pytest.raises(ValueError, match="learning rate"):
+        follows.rule.follow_lr(0.0)          # SharingState never passes a zero rate (nothing is sent there)
+
+
 def test_general_path_calibrates_on_residual_plus_update():
     # share_step(update=, base=) adds u = update - base inside the encode; the calibration must see it.
     rng = np.random.default_rng(3)

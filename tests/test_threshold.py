@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import naive
 from gradshare.encoding import (
     AdaptiveThreshold,
+    CalibratedThreshold,
     FixedThreshold,
     ResidualClipping,
     TargetSparsityThreshold,
@@ -120,6 +121,10 @@ def test_fixed_threshold():
         (lambda: AdaptiveThreshold(decay=0.4), "decay"),
         (lambda: TargetSparsityThreshold(target=2.0), "target"),
         (lambda: TargetSparsityThreshold(target=0.0), "target"),
+        (lambda: CalibratedThreshold(lr_exponent=-0.5), "lr_exponent"),
+        (lambda: CalibratedThreshold(lr_exponent=math.inf), "lr_exponent"),
+        (lambda: CalibratedThreshold(max_lr_boost=0.5), "max_lr_boost"),
+        (lambda: CalibratedThreshold().follow_lr(math.nan), "learning rate"),
         (lambda: ResidualClipping(clip=0), "clip"),
         (lambda: ResidualClipping(every=0), "every"),
         (lambda: AdaptiveThreshold().update(11, 10), "cannot exceed"),

@@ -176,6 +176,9 @@ class SharingState:
             self.lr_ref = lr
         if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
             self.rescale(np.float32(lr / self.lr))
+        follow = getattr(self.rule, "follow_lr", None)     # a calibrated rule's density follows the rate
+        if self.follow_lr and follow is not None and lr > 0.0:
+            follow(lr)
         self.lr = lr
 
     def threshold(self, step: int, update: Vector | None = None, base: Vector | None = None) -> float:

@@ -54,6 +54,12 @@ DEFAULT_MIN_ENTRIES = 768
 FLOOR_MAX_DENSITY = 0.05
 # The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, README).
 DEFAULT_WARMUP_DENSITY = 0.1
+# Under a decaying learning rate the density rises as (peak rate / rate) ** LR_EXPONENT, at most
+# MAX_LR_BOOST times (README, "Density follows the learning rate"): on the digits MLP with cosine
+# annealing, N = 4, seeds 0-2 (lock step), the last-3 accuracy rose from 96.37 to 97.06 % (DDP 96.96)
+# at 0.77x the traffic; 1.0 and 4 gave the same accuracy at less compression, step decay held.
+LR_EXPONENT = 0.5
+MAX_LR_BOOST = 4.0
 
 
 def _positive(name: str, value: float) -> float:
@@ -258,13 +264,24 @@ class CalibratedThreshold(_HeldThreshold):
 
     Warm-up (DGC): for the first ``warmup_steps`` steps the target falls geometrically from
     ``warmup_density`` to the density, so the first steps, where the model moves most, send more.
+
+    Learning rate (``follow_lr``, called by SharingState with each step's rate): after the warm-up the
+    density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
+    anneals, τ falls with the residual, and the noise that the ±τ steps at the peak rate committed to
+    the model is corrected only where a later entry crosses τ; at the same 0.2 % of the entries a step
+    too few entries are left to do it (README, "Density follows the learning rate"). A warm-up of the
+    rate itself (rising) leaves the factor at 1.
     """
 
     density: float = DEFAULT_DENSITY
     warmup_steps: int = 0
     warmup_density: float = DEFAULT_WARMUP_DENSITY  # raised to the density when that is higher
     min_entries: int = DEFAULT_MIN_ENTRIES
+    lr_exponent: float = LR_EXPONENT      # 0: the density does not follow the learning rate
+    max_lr_boost: float = MAX_LR_BOOST
     tau: float = field(default=DEFAULT_THRESHOLD, init=False)  # until the first calibration
+    lr_peak: float = field(default=0.0, init=False)   # the highest rate seen (0: none yet)
+    lr_boost: float = field(default=1.0, init=False)  # the density's factor at the current rate
 
     def __post_init__(self) -> None:
         self.density = _positive("density", self.density)
@@ -275,11 +292,23 @@ class CalibratedThreshold(_HeldThreshold):
         if self.warmup_density > 1.0:
             raise ValueError(f"warmup_density must be a share of entries in (0, 1], got {self.warmup_density!r}")
         self.min_entries = _int_at_least("min_entries", self.min_entries, 0)
+        if not (math.isfinite(self.lr_exponent) and self.lr_exponent >= 0.0):
+            raise ValueError(f"lr_exponent must be finite and >= 0, got {self.lr_exponent!r}")
+        if not (math.isfinite(self.max_lr_boost) and self.max_lr_boost >= 1.0):
+            raise ValueError(f"max_lr_boost must be finite and >= 1, got {self.max_lr_boost!r}")
+
+    def follow_lr(self, lr: float) -> None:
+        """The coming step's learning rate (> 0): sets the density's factor (class docstring)."""
+        if not (math.isfinite(lr) and lr > 0.0):
+            raise ValueError(f"learning rate must be finite and > 0, got {lr!r}")
+        self.lr_peak = max(self.lr_peak, lr)
+        self.lr_boost = min(self.max_lr_boost, (self.lr_peak / lr) ** self.lr_exponent)
 
     def target(self, step: int, n_params: int) -> float:
-        """The share of entries step ``step`` aims to send (the warm-up ramp, then the density)."""
+        """The share of entries step ``step`` aims to send (the warm-up ramp, then the density times the
+        learning rate's factor)."""
         floor = min(self.min_entries / max(n_params, 1), FLOOR_MAX_DENSITY)
-        density = min(1.0, max(self.density, floor))
+        density = min(1.0, max(self.density * self.lr_boost, floor))
         start = max(self.warmup_density, density)
         if step >= self.warmup_steps:
             return density
