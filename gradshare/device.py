@@ -112,7 +112,7 @@ def select(device: torch.device) -> torch.device:
     """Make a CUDA ``device`` CUDA's current one (kernels launched without a device, autocast's and the
     loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
     if device.type == "cuda":
+        if device.index is None:   # "cuda" is the current device already; set_device needs an index
+            return torch.device("cuda", torch.cuda.current_device())  # (torch 2.11 raises without one)
         torch.cuda.set_device(device)
-        if device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -106,3 +106,23 @@ def test_the_real_spark_task_context_has_no_gpu_here(spark):
         yield (context is not None, task_gpu(context))
 
     assert spark.sparkContext.parallelize([0], 1).mapPartitions(probe).collect() == [(True, None)]
+
+
+def test_select_gives_cuda_its_index_without_asking_set_device_for_an_unindexed_device(monkeypatch):
+    # found on an H200 (torch 2.11): torch.cuda.set_device(torch.device("cuda")) raises "Expected a
+    # torch.device with a specified index", so device="cuda" failed every worker; here torch's CUDA calls
+    # are stood in for, as a CPU machine has none
+    from gradshare.device import select
+
+    calls = []
+
+    def set_device(dev):
+        if isinstance(dev, torch.device) and dev.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
+        calls.append(dev)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert select(torch.device("cuda")) == torch.device("cuda", 2) and calls == []
+    assert select(torch.device("cuda", 1)) == torch.device("cuda", 1) and calls == [torch.device("cuda", 1)]
+    assert select(torch.device("cpu")) == torch.device("cpu") and len(calls) == 1

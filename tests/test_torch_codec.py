@@ -1,7 +1,12 @@
-"""The device-generic (torch) codec, run on the CPU: against the naive oracles and bit for bit against the
-Numba codec (messages, residuals, applied parameters, calibrated τ, clipping, whole sharing steps)."""
+"""The device-generic (torch) codec against the naive oracles and bit for bit against the Numba codec
+(messages, residuals, applied parameters, calibrated τ, clipping, whole sharing steps).
+
+On the CPU by default; ``GRADSHARE_TEST_DEVICE=cuda`` runs the same tests with the tensors on a GPU (the
+check of the CUDA path on a machine that has one; the error-case tests stay on the CPU)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -32,12 +37,15 @@ from gradshare.encoding import torch_codec as tc
 from gradshare.encoding.threshold import quantile_threshold
 
 
+DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))
+
+
 def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a.copy())
+    return torch.from_numpy(a.copy()).to(DEVICE)
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    return t.numpy().tobytes()
+    return t.detach().cpu().numpy().tobytes()
 
 
 @SETTINGS
@@ -113,7 +121,7 @@ def test_entry_search_at_full_density():
     n = 20_011
     rng = np.random.default_rng(7)
     u = (rng.choice([-1, 1], n) * (1 + rng.random(n))).astype(np.float32)
-    rt = torch.zeros(n)
+    rt = torch.zeros(n, device=DEVICE)
     m = encode(rt, _t(u), 1.0)
     r = np.zeros(n, np.float32)
     assert m.n_entries == n and m.form == BITMAP
@@ -181,14 +189,14 @@ def test_tensor_clipping_is_numpy_clipping():
     lambda: FixedThreshold(2e-3), lambda: AdaptiveThreshold(initial=2e-3),
 ], ids=["calibrated", "fixed", "adaptive"])
 @pytest.mark.parametrize("path", ["direct", "general"])
-def test_share_step_on_a_cpu_tensor_equals_the_numpy_state(make_rule, path):
+def test_share_step_on_a_tensor_equals_the_numpy_state(make_rule, path):
     # Steps with a changing learning rate (follow_lr rescales the residual; 0 sends nothing), clipping every
     # 2nd step and the calibrated rule's strided sample: messages, τ and residuals stay bit-identical.
     rng = np.random.default_rng(5)
     n = 40_000
     clip = ResidualClipping(clip=3.0, every=2)
     host = SharingState(n, make_rule(), clip, keep_pending=True)
-    dev = SharingState(n, make_rule(), clip, keep_pending=True, device="cpu")
+    dev = SharingState(n, make_rule(), clip, keep_pending=True, device=DEVICE)
     assert isinstance(dev.residual, torch.Tensor) and dev.n_params == n
     params = rng.standard_normal(n).astype(np.float32)
     params_t = _t(params)
