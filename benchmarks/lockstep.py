@@ -9,7 +9,7 @@ the mean loss of the N ranks' batches (the same shards and batch order as the wo
 Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp"),
 rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1: aggregate="mean"),
 view (local_view, default true), folded (the view folded into one buffer where it applies, default true;
-false: the two-buffer view, local_view.py), follow_lr, clip, and two experiments the README's table measured: decay
+false: the two-buffer view, local_view.py), device (the workers' device, default "cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay
 (multiply every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its
 value at the warm-up's end).
 
@@ -81,7 +81,7 @@ def make_rule(spec: dict | None):
 
 def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule="constant", batch=64,
         system="gradshare", scale=1.0, follow_lr=True, clip=5.0, decay=1.0, cap=None, view=True,
-        folded=True) -> dict:
+        folded=True, device="cpu") -> dict:
     torch.set_num_threads(1)
     wl = load(workload, seed)
     torch.manual_seed(seed)
@@ -103,7 +103,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                        steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
-                       folded_view=bool(folded))
+                       folded_view=bool(folded), device=device)
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     if system == "ddp":

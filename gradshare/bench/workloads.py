@@ -122,9 +122,10 @@ def test_accuracy(model, X: np.ndarray, y: np.ndarray, batch: int = 512) -> floa
     was_training = model.training
     model.eval()
     correct = 0
+    device = next(model.parameters()).device     # a model trained on a GPU is scored there
     with torch.no_grad():
         for b in range(0, len(y), batch):
-            out = model(torch.from_numpy(X[b : b + batch]))
-            correct += int((out.argmax(dim=1).numpy() == y[b : b + batch]).sum())
+            out = model(torch.from_numpy(X[b : b + batch]).to(device))
+            correct += int((out.argmax(dim=1).cpu().numpy() == y[b : b + batch]).sum())
     model.train(was_training)
     return correct / max(len(y), 1)
