@@ -6,7 +6,8 @@ the mean loss of the N ranks' batches (the same shards and batch order as the wo
     python benchmarks/lockstep.py '{"workload": "mlp", "world": 2, "epochs": 12, "schedule": "constant"}'
     python benchmarks/lockstep.py '{"system": "ddp", "lr": 2e-3}'
 
-Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp"),
+Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp" | "local": the dense equivalent of gradshare's design, each worker's own
+optimizer, the updates summed or averaged),
 rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1: aggregate="mean"),
 view (local_view, default true), folded (the view folded into one buffer where it applies, default true;
 false: the two-buffer view, local_view.py), device (the workers' device, default "cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay
@@ -122,6 +123,37 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                 scheduler.step()
             if (t + 1) % spe[0] == 0:
                 accs.append(test_accuracy(ddp, wl.X_test, wl.y_test))
+        ratio = 1.0
+    elif system == "local":
+        # the design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
+        # state, the post-updater update) from the shared parameters on its own batch, and the updates are
+        # combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all
+        shared = copy.deepcopy(model)
+        local = [copy.deepcopy(model) for _ in range(world)]
+        opts = [adam(list(m.parameters()), lr) for m in local]
+        scheds = [sched(o) for o in opts] if sched else []
+        loss_fn = nn.CrossEntropyLoss()
+        for t in range(cfg.final_step + 1):
+            epoch, b = divmod(t, spe[0])
+            total = [torch.zeros_like(p) for p in shared.parameters()]
+            for w, m, opt in zip(workers, local, opts):
+                with torch.no_grad():
+                    for pm, ps in zip(m.parameters(), shared.parameters()):
+                        pm.copy_(ps)
+                opt.zero_grad(set_to_none=True)
+                *x, y = w._batch(epoch, b)
+                loss_fn(m(*x), y).backward()
+                opt.step()
+                with torch.no_grad():
+                    for acc, pm, ps in zip(total, m.parameters(), shared.parameters()):
+                        acc.add_(pm - ps)
+            with torch.no_grad():
+                for acc, ps in zip(total, shared.parameters()):
+                    ps.add_(acc, alpha=cfg.apply_scale)
+            for s in scheds:
+                s.step()
+            if (t + 1) % spe[0] == 0:
+                accs.append(test_accuracy(shared, wl.X_test, wl.y_test))
         ratio = 1.0
     else:
         log: list = []
