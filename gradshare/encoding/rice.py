@@ -153,6 +153,22 @@ def _check_rice(words, size, n_entries, n_params):
     bitpos = 8  # after the k byte
     prev = -1
     for _ in range(n_entries):
+        v = _window(words, bitpos)
+        if v != 0:
+            z = np.int64(_cttz(v))
+            if z + k + 2 <= 64:
+                # common case, as _rice_next: the whole entry in one window (a relay validates 32 messages
+                # a step). The one found is inside the payload: the words past it are zero.
+                if z > max_q:
+                    return CHECK_INDEX
+                if bitpos + z + k + 2 > total:
+                    return CHECK_TRUNCATED
+                gap = (z << k) | np.int64((v >> np.uint64(z + 1)) & umask)
+                if gap >= n_params - prev - 1:
+                    return CHECK_INDEX
+                prev = prev + 1 + gap
+                bitpos += z + k + 2
+                continue
         q = 0
         while True:
             if bitpos >= total:
