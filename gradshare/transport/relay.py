@@ -149,21 +149,37 @@ class Relay:
                     with lock:
                         core.receive_datagram(data, addr, time.monotonic())
                         out = core.datagrams_to_send()
+                        due = core.apply_due
                         self._take_events_locked()
                     if out:
                         udp.send_all(sock, out, drops)
+                    if due:
+                        # applied once its forwards left and before the next datagram is read: the applied
+                        # log then trails what the ranks run on by the staleness rule's steps, and a slow
+                        # apply slows the ranks (back-pressure) instead of letting them run up to a drain
+                        # batch ahead of it
+                        with lock:
+                            out = self._settle_locked()
+                        udp.send_all(sock, out, drops)
                 with lock:
-                    core.apply_pending()             # the authoritative copy, after the forwards left
-                    now = time.monotonic()
-                    if now >= core.next_timer():
-                        core.handle_timer(now)
-                    out = core.datagrams_to_send()
-                    self._take_events_locked()
+                    out = self._settle_locked()
                 udp.send_all(sock, out, drops)
         except BaseException as exc:   # the thread must not die silently: waiters re-raise this
             with lock:
                 self._failure = exc
                 self._changed.notify_all()
+
+    def _settle_locked(self) -> list[tuple[bytes, ev.Address]]:
+        """(Lock held.) Apply what completed to the authoritative copy (after the forwards left), run the
+        timer if it is due (so that a drain kept busy by applies still trims and repairs); what to send."""
+        core = self._core
+        core.apply_pending()
+        now = time.monotonic()
+        if now >= core.next_timer():
+            core.handle_timer(now)
+        out = core.datagrams_to_send()
+        self._take_events_locked()
+        return out
 
     def _take_events_locked(self) -> None:
         """(Lock held.) Act on the core's events and wake the waiters if there were any."""

@@ -261,6 +261,11 @@ class RelayCore:
     def finished(self) -> bool:
         return self.cursor.finished() and not self._apply_due
 
+    @property
+    def apply_due(self) -> bool:
+        """An update completed since the last apply_pending() (with defer_apply: the shell's cue)."""
+        return self._apply_due
+
     def counters(self) -> ev.Counters:
         d: ev.Counters = dict.fromkeys(
                           ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
