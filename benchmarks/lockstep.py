@@ -6,13 +6,14 @@ the mean loss of the N ranks' batches (the same shards and batch order as the wo
     python benchmarks/lockstep.py '{"workload": "mlp", "world": 2, "epochs": 12, "schedule": "constant"}'
     python benchmarks/lockstep.py '{"system": "ddp", "lr": 2e-3}'
 
-Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp" | "local": the dense equivalent of gradshare's design, each worker's own
-optimizer, the updates summed or averaged),
-rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1: aggregate="mean"),
-view (local_view, default true), folded (the view folded into one buffer where it applies, default true;
-false: the two-buffer view, local_view.py), device (the workers' device, default "cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay
-(multiply every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its
-value at the warm-up's end).
+Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp" |
+"local": the dense equivalent of gradshare's design, each worker's own optimizer, the updates summed or
+averaged by scale), rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1:
+aggregate="mean"), view (local_view, default true), folded (the view folded into one buffer where it
+applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
+"cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay (multiply
+every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its value at the
+warm-up's end).
 
 Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
 (4 bytes × parameters ÷ message bytes per worker-step), silent steps and τ per epoch.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -141,6 +142,10 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
     assert fds() == before_fd
 
 
+class _Node:
+    next: object = None
+
+
 def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resume_after():
     # quiet_gc.py: the objects tracked when the first shell starts are frozen (a full collection would
     # scan them with the GIL held, 35-115 ms), objects made later are still collected, and the last shell
@@ -159,11 +164,11 @@ def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resum
         p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
         p.join(3)
         assert quiet_gc.holders() == 2 and 0 < gc.get_freeze_count() < frozen + len(new)    # frozen once
-        cycle: list = []
-        cycle.append(cycle)                  # garbage made while frozen is still collected
-        ref = len(gc.get_referrers(cycle))
+        cycle = _Node()
+        cycle.next = cycle                   # garbage made while frozen is still collected
+        alive = weakref.ref(cycle)
         del cycle
-        assert gc.collect() >= 1 and ref >= 1
+        assert gc.collect() >= 1 and alive() is None
         p.close()
         p.close()                            # idempotent: releases once
         assert quiet_gc.holders() == 1 and 0 < gc.get_freeze_count() < frozen + len(new)
