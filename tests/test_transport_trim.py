@@ -55,6 +55,10 @@ def test_relay_trims_once_per_rise_of_the_floor():
     kept = len(sim.sent) - len(relay.history)       # every forwarded update went into the history once
     # each key is looked at once when dropped (plus keys evicted or discarded earlier, none here)
     assert relay.history.examined == kept and relay.c["history_evicted"] == 0
+    # the last heartbeats may have raised the floor since the last timer: one trim catches up, at the same
+    # cost of one look per dropped key
+    relay._trim_history()
+    assert relay.history.examined == len(sim.sent) - len(relay.history)
     before = relay.history.examined
     for _ in range(1000):                            # heartbeats that move nothing trim nothing
         relay._trim_history()

@@ -78,18 +78,23 @@ class Channel:
         ``replay_window=False`` is for update chunks the relay forwards unchanged: a retransmission is then
         the origin's original datagram, older than any window, and exactly-once comes from the receiver's
         (attempt, step, origin, chunk) bookkeeping instead (a replayed chunk is a duplicate there)."""
-        who = (h.sender, h.attempt, h.session)
+        return self.open_fields(h.sender, h.attempt, h.session, h.counter, data, replay_window)
+
+    def open_fields(self, sender: int, attempt: int, session: int, counter: int, data: bytes,
+                    replay_window: bool = True) -> bytes | None:
+        """`open` from the header's fields (the relay's fast path has them without a Header)."""
+        who = (sender, attempt, session)
         if replay_window:
-            reason = self.replay.check(who, h.counter)
+            reason = self.replay.check(who, counter)
             if reason is not None:
                 self.drops[reason] += 1
                 return None
-        body = self.sealer.open(data[:HEADER_BYTES], h.sender, h.session, h.counter, data[HEADER_BYTES:])
+        body = self.sealer.open(data[:HEADER_BYTES], sender, session, counter, data[HEADER_BYTES:])
         if body is None:
             self.drops["auth_failed"] += 1
             return None
         if replay_window:
-            self.replay.accept(who, h.counter)
+            self.replay.accept(who, counter)
         return body
 
     # The cores ask for these kinds by name (wire.Kind.JOIN, .FAIL, .FAIL_ACK, .LOADING; a Literal cannot name a class

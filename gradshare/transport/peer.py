@@ -107,14 +107,15 @@ class Peer:
                 udp.wait_for_work(sock, lock, core, MAX_WAIT)
                 # one datagram at a time under the lock: the training thread gets each update as soon
                 # as it is complete instead of after a whole batch
-                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
+                for run, addr in udp.received(sock, drops, DRAIN_BATCH):
                     if addr[:2] != relay:
-                        drops["not_from_relay"] += 1
+                        drops["not_from_relay"] += len(run)
                         continue
-                    with lock:
-                        core.receive_datagram(data, addr, time.monotonic())
-                        out = self._publish_locked(core.has_ready())
-                    self._send(out)
+                    for data in run:
+                        with lock:
+                            core.receive_datagram(data, addr, time.monotonic())
+                            out = self._publish_locked(core.has_ready())
+                        self._send(out)
                 with lock:
                     now = time.monotonic()
                     if now >= core.next_timer():

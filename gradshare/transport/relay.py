@@ -144,23 +144,26 @@ class Relay:
         try:
             while not self._stop.is_set():
                 udp.wait_for_work(sock, lock, core, MAX_WAIT)
-                # one datagram at a time under the lock, and forward at once: latency before batching
-                for data, addr in udp.received(sock, drops, DRAIN_BATCH):
-                    with lock:
-                        core.receive_datagram(data, addr, time.monotonic())
-                        out = core.datagrams_to_send()
-                        due = core.apply_due
-                        self._take_events_locked()
-                    if out:
-                        udp.send_all(sock, out, drops)
-                    if due:
-                        # applied once its forwards left and before the next datagram is read: the applied
-                        # log then trails what the ranks run on by the staleness rule's steps, and a slow
-                        # apply slows the ranks (back-pressure) instead of letting them run up to a drain
-                        # batch ahead of it
+                # the datagrams of one read (one, or a GSO run of one rank's) under the lock up to the first
+                # that leaves something to send or apply, and forward at once: latency before batching
+                for run, addr in udp.received(sock, drops, DRAIN_BATCH):
+                    i = 0
+                    while i < len(run):
                         with lock:
-                            out = self._settle_locked()
-                        udp.send_all(sock, out, drops)
+                            i = core.receive_run(run, i, addr, time.monotonic())
+                            out = core.datagrams_to_send()
+                            due = core.apply_due
+                            self._take_events_locked()
+                        if out:
+                            udp.send_all(sock, out, drops)
+                        if due:
+                            # applied once its forwards left and before the next datagram is read: the
+                            # applied log then trails what the ranks run on by the staleness rule's steps,
+                            # and a slow apply slows the ranks (back-pressure) instead of letting them run
+                            # up to a drain batch ahead of it
+                            with lock:
+                                out = self._settle_locked()
+                            udp.send_all(sock, out, drops)
                 with lock:
                     out = self._settle_locked()
                 udp.send_all(sock, out, drops)

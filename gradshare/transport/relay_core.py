@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -99,6 +99,19 @@ def default_apply_update(decoded: StepUpdate, params: NDArray[np.float32], scale
 ON_RANK_LOSS = ("wait", "continue", "restart")
 FORWARDING = ("per-rank", "aggregate")
 MAX_INCIDENTS = 256
+
+
+class _Chunk(NamedTuple):
+    """An update chunk the relay stored (`RelayCore.receive_run`): its header but for counter and index
+    (wire.header_key), its rank, session, step and chunk count."""
+
+    key: tuple[bytes, bytes, bytes]
+    rank: RankState
+    session: int
+    step: int
+    chunks: int
+
+
 class RelayCore:
     def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
                  now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, liveness_timeout: float = 30.0,
@@ -262,6 +275,11 @@ class RelayCore:
         return self.cursor.finished() and not self._apply_due
 
     @property
+    def has_work(self) -> bool:
+        """The last datagram left something for the shell: datagrams to send, an apply, an event."""
+        return bool(self._out or self._acks or self._apply_due or self._events)
+
+    @property
     def apply_due(self) -> bool:
         """An update completed since the last apply_pending() (with defer_apply: the shell's cue)."""
         return self._apply_due
@@ -310,50 +328,74 @@ class RelayCore:
         }
 
     # --- input ---------------------------------------------------------------------------------------
+    def receive_run(self, run: list[bytes], i: int, addr: ev.Address, now: float) -> int:
+        """Feed ``run[i:]``, the datagrams of one read (all from ``addr``), up to the first that leaves work
+        for the shell (``has_work``); the index after it.
+
+        Why (issue 13, N = 32 latency): with GRO a read holds the ~12 chunks of one rank's update. A chunk
+        whose header equals the one before it but for its counter and chunk index skips the checks that one
+        passed (`_next_chunk`): between the two only a partial update gained a chunk, which none of them
+        reads. Each chunk is still authenticated and replay-checked on its own."""
+        last: _Chunk | None = None
+        while i < len(run):
+            data = run[i]
+            i += 1
+            if last is None or not self._next_chunk(last, data, now):
+                last = self._receive(data, addr, now)
+            if self.has_work:
+                break
+        return i
+
     def receive_datagram(self, data: bytes, addr: ev.Address, now: float) -> None:
+        self._receive(data, addr, now)
+
+    def _receive(self, data: bytes, addr: ev.Address, now: float) -> _Chunk | None:
+        """One datagram; the update chunk it stored (the next chunk of the same update may follow it
+        through `_next_chunk`), or None."""
         self.c["datagrams_in"] += 1
         self.c["bytes_in"] += len(data)
         h = self.chan.parse(data)
         if h is None:
-            return
+            return None
         if h.sender >= self.world_size:
             self.chan.drops["bad_sender"] += 1
-            return
+            return None
         if h.attempt < self.attempt:
             self.chan.drops["old_attempt"] += 1
-            return
+            return None
         if h.kind == Kind.FAIL:              # accepted unjoined: a rank may fail before it could join
             body = self.chan.open(h, data)
             if body is not None:
                 self._on_fail(h, body, addr)
-            return
+            return None
         if h.kind not in (Kind.JOIN, Kind.LOADING) and h.attempt != self.attempt:
             self.chan.drops["unknown_attempt"] += 1
-            return
+            return None
         body = self.chan.open(h, data)
         if body is None:
-            return
+            return None
         rs = self.ranks[h.sender] if h.attempt == self.attempt else None
         if h.kind == Kind.JOIN:
             self._on_join(h, body, addr, now)
-            return
+            return None
         if h.kind == Kind.LOADING:
             self._on_loading(h, body, now)
-            return
+            return None
         if rs is None or not rs.joined or rs.session != h.session:
             self.chan.drops["not_joined"] += 1
-            return
+            return None
         if rs.left:
             self.chan.drops["after_leave"] += 1
-            return
+            return None
         self._heard(rs, now)
         rs.addr = addr                         # authenticated: follow a NAT rebinding
         if h.kind == Kind.UPDATE:
-            self._on_update_chunk(rs, h, body, data, now)
-            return
+            if self._on_update_chunk(rs, h, body, data, now):
+                return _Chunk(wire.header_key(data), rs, h.session, h.step, h.count)
+            return None
         msg = self.chan.control(h.kind, body)
         if msg is None:
-            return
+            return None
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
             rs.sent_through = max(rs.sent_through, msg.sent_through)
@@ -382,6 +424,7 @@ class RelayCore:
             self.snaps.done(rs.rank, msg.snap_id)
         else:
             self.chan.drops["unexpected_kind"] += 1
+        return None
 
     def _on_fail(self, h: wire.Header, body: bytes, addr: ev.Address) -> None:
         """Record a rank's failure, fatal or not (one per rank: ``failures`` stays bounded) and
@@ -565,37 +608,63 @@ class RelayCore:
         self._events.append(ev.AttemptStarted(attempt, base))
 
     # --- updates -------------------------------------------------------------------------------------
-    def _on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> None:
+    def _on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> bool:
+        """True if the chunk was stored and its update is not complete yet."""
         step = h.step
         if h.origin != rs.rank:
             self.chan.drops["bad_origin"] += 1
-            return
+            return False
         if step in rs.received:
             if h.index == 0 or h.count == 1:
                 self._acks.setdefault(rs.rank, []).append(step)
             self.chan.drops["duplicate"] += 1
             rs.late.arrived_twice(step)
-            return
+            return False
         if rs.ended is not None and step > rs.ended.last_step:
             self.chan.drops["after_end"] += 1
-            return
+            return False
         if step < self.cursor.start_step:
             self.chan.drops["before_start"] += 1
-            return
+            return False
         if step > rs.received.contiguous_from(self.cursor.start_step) + self.max_ahead:
             self.chan.drops["too_far_ahead"] += 1
-            return
+            return False
         if h.count > self.max_chunks_update:
             self.chan.drops["too_many_chunks"] += 1
-            return
-        whole, reason = self.reasm.add((rs.rank, step), h.index, h.count, body, now, raw=bytes(data))
+            return False
+        return self._store_chunk(rs, step, h.index, h.count, body, data, now)
+
+    def _next_chunk(self, last: _Chunk, data: bytes, now: float) -> bool:
+        """The fast path of `receive_run`: ``data`` if it is the next chunk of ``last``'s update (same header
+        but for counter and index); False (nothing done) for any other datagram, which then takes the
+        whole path. What this skips is what ``last`` passed and a stored chunk cannot change: the sender,
+        attempt, job, kind and session, the rank's state, and the step's place in its log."""
+        if not wire.HEADER_BYTES <= len(data) <= self.chan.datagram_size or wire.header_key(data) != last.key:
+            return False
+        counter, index = wire.counter_and_index(data)
+        if counter >= wire.MAX_COUNTER or index >= last.chunks:
+            return False                       # the whole path counts it (malformed)
+        self.c["datagrams_in"] += 1
+        self.c["bytes_in"] += len(data)
+        rs = last.rank
+        body = self.chan.open_fields(rs.rank, self.attempt, last.session, counter, data)
+        if body is not None:
+            self._heard(rs, now)
+            self._store_chunk(rs, last.step, index, last.chunks, body, data, now)
+        return True
+
+    def _store_chunk(self, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes,
+                     now: float) -> bool:
+        """Into reassembly; a completed update is decoded and held for the log. True if the chunk was
+        stored and its update is not complete yet."""
+        whole, reason = self.reasm.add((rs.rank, step), index, count, body, now, raw=bytes(data))
         if reason is not None:
             self.chan.drops[reason] += 1
             if reason == "duplicate_chunk":
                 rs.late.arrived_twice(step)
-            return
+            return False
         if whole is None:
-            return
+            return True
         rs.late.completed(step)
         sealed = self.reasm.last_raw
         try:
@@ -603,7 +672,7 @@ class RelayCore:
             decoded = self.decode_update(payload, self.n_params)
         except DecodeError as exc:
             self._refuse_update(rs, step, str(exc))
-            return
+            return False
         rs.received.add(step)
         self._page_changes[rs.rank // self.status_ranks] += 1
         rs.updates_in += 1
@@ -623,6 +692,7 @@ class RelayCore:
             self._forward(rs.rank, step, sealed, now)
         self._last_now = now
         self._request_apply()
+        return False
 
     def _keep(self, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
         """Into the bounded history, for NAK repair (what the caps evict is remembered: NAK → error)."""
@@ -643,10 +713,10 @@ class RelayCore:
         if not targets:
             return
         self.recent[(step, origin)] = now
-        for dgram in sealed:
-            for addr in targets:
-                self._out.append((dgram, addr))
-                self.c["forwarded"] += 1
+        # a peer's datagrams one after another: the shell sends such a run as one GSO buffer (udp.py)
+        for addr in targets:
+            self._out.extend((dgram, addr) for dgram in sealed)
+        self.c["forwarded"] += len(targets) * len(sealed)
 
     def _on_nak(self, rs: RankState, msg: ev.Nak, now: float) -> None:
         for item in msg.items:

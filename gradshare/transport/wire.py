@@ -35,6 +35,10 @@ RELAY_ID = 0xFFFF
 AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN   # the origin field of the relay's aggregated messages
 HEADER = struct.Struct("<2sBBHHQIQHIII")
 HEADER_BYTES = HEADER.size
+MAX_COUNTER = 1 << 48                  # the nonce holds 48 bits of it (crypto.nonce)
+# where the two fields that differ between the chunks of one update sit (header_key)
+_COUNTER_AT, _COUNTER = struct.calcsize("<2sBBHHQI"), struct.Struct("<Q")
+_INDEX_AT, _INDEX = struct.calcsize("<2sBBHHQIQHI"), struct.Struct("<I")
 DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
 DEFAULT_PORT = 40123                   # the relay's UDP port on the driver (SharedTrainer, `gradshare relay`)
 MIN_DATAGRAM_SIZE = 256
@@ -100,7 +104,7 @@ def decode_header(data: bytes, max_chunks: int) -> Header:
         raise DecodeError(f"unsupported version {version}")
     if not Kind.JOIN <= kind <= Kind.LOADING:
         raise DecodeError(f"unknown kind {kind}")
-    if counter >= 1 << 48:
+    if counter >= MAX_COUNTER:
         raise DecodeError("nonce counter out of range")
     if kind in CHUNKED_KINDS:
         if not 1 <= count <= max_chunks or index >= count:
@@ -108,6 +112,18 @@ def decode_header(data: bytes, max_chunks: int) -> Header:
     elif index != 0 or count != 1 or step != 0 or origin != 0:
         raise DecodeError("control datagram with chunk fields set")
     return Header(kind, sender, attempt, job, session, counter, origin, step, index, count)
+
+
+def header_key(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """A datagram's header bytes but its counter and chunk index: equal for the chunks of one update (the
+    relay's fast path for a run of them, RelayCore.receive_run). ``data`` holds a whole header."""
+    return (data[:_COUNTER_AT], data[_COUNTER_AT + _COUNTER.size:_INDEX_AT],
+            data[_INDEX_AT + _INDEX.size:HEADER_BYTES])
+
+
+def counter_and_index(data: bytes) -> tuple[int, int]:
+    """The header's nonce counter and chunk index (``data`` holds a whole header)."""
+    return _COUNTER.unpack_from(data, _COUNTER_AT)[0], _INDEX.unpack_from(data, _INDEX_AT)[0]
 
 
 def job_id_to_int(job_id: int | str | bytes) -> int:
