@@ -45,13 +45,14 @@ import numpy as np
 from gradshare.bench.scale_train import sealed_size
 from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import Peer, Relay, new_job_key
+from gradshare.transport import Peer, Relay, new_job_key, udp
 from gradshare.transport.events import AGGREGATE_ORIGIN
 from gradshare.transport.memory import joined_cores
 from gradshare.transport.relay_core import default_apply_update, default_decode_update
 from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 
 FORWARDING_MODES = ("per-rank", "aggregate")
+OFFLOAD_CHOICES = ("on", "off", "both")
 LINKS_GBIT = (1, 10, 25)
 PROJECT_TO = (2, 4, 8, 16, 32, 64, 128, 256)
 HEARTBEAT_PEERS = (2, 8, 32, 128, 256)
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregate-datagram-size", type=int, default=None,
                         help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
                              "--datagram-size; 65000 is what SharedTrainer uses on loopback)")
+    parser.add_argument("--offload", choices=OFFLOAD_CHOICES, default="on",
+                        help="UDP segmentation offload (GSO sends, GRO reads; udp.py) in the relay and the "
+                             "peers: on, off, or both (each N runs off, then on: the baseline in the same run)")
     parser.add_argument("--heartbeat-peers", type=peer_counts, default=list(HEARTBEAT_PEERS),
                         help="peer counts for the heartbeat-traffic measurement (protocol cores)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
@@ -108,6 +112,7 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
     senders = [AGGREGATE_ORIGIN] if aggregate else list(range(W))
     out: dict = {"ranks": ranks, "error": None}
     peers: list = []
+    udp.OFFLOAD = udp.OFFLOAD and cfg["offload"]
     try:
         for r in ranks:
             peers.append(Peer(tuple(cfg["address"]), r, W, 0, cfg["key"], 1, cfg["params"],
@@ -189,8 +194,18 @@ def _thread_cpu(name: str) -> float:
 
 # --- one peer count -----------------------------------------------------------------------------------
 
-def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> dict:
-    """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table."""
+def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool = True) -> dict:
+    """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table. ``offload``:
+    whether the relay's and the peers' sockets use UDP segmentation offload where the system has it."""
+    saved = udp.OFFLOAD
+    udp.OFFLOAD = saved and offload      # for the relay's socket, opened below
+    try:
+        return _run_one(n_peers, args, messages, offload=udp.OFFLOAD)
+    finally:
+        udp.OFFLOAD = saved
+
+
+def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool) -> dict:
     ctx = mp.get_context("spawn")
     key = new_job_key()
     aggregate = args.forwarding == "aggregate"
@@ -206,7 +221,7 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
         groups = [list(range(n_peers))[i::n_procs] for i in range(n_procs)]
         timeout = 120.0
         cfg = dict(address=relay.address, peers=n_peers, params=args.params, key=key, messages=messages,
-                   forwarding=args.forwarding,
+                   forwarding=args.forwarding, offload=offload,
                    steps=args.steps, seconds=args.seconds, datagram_size=args.datagram_size, timeout=timeout)
         barrier = ctx.Barrier(n_procs + 1)       # + this process: counters start once every rank joined
         results = ctx.Queue()
@@ -265,7 +280,7 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes]) -> di
         per_update_bytes = message_wire
         model_egress = n_peers * (n_peers - 1) * message_wire
     return {
-        "peers": n_peers, "forwarding": args.forwarding, "steps": steps, "updates": updates,
+        "peers": n_peers, "forwarding": args.forwarding, "offload": offload, "steps": steps, "updates": updates,
         "egress_bytes_per_step": bytes_out / steps,
         "egress_datagrams_per_step": dgrams_out / steps,
         "forwarded_datagrams_per_step": forwarded / steps,
@@ -401,16 +416,23 @@ def run(args: argparse.Namespace) -> int:
     # warm the relay's decode+apply kernels (Numba) so that no N pays for compilation
     default_apply_update(default_decode_update(messages[0], args.params), np.zeros(args.params, np.float32))
     rows = []
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.offload]
     for n in args.peers:
-        row = run_one(n, args, messages)
-        rows.append(row)
-        _print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
-                   message_bytes=row["rank_message_wire_bytes"])
+        for offload in modes:
+            row = run_one(n, args, messages, offload)
+            rows.append(row)
+            _print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
+                       message_bytes=row["rank_message_wire_bytes"])
     heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
-    projection = project(rows)
+    # the model and the plot from the last mode's rows (with "both": offload on); "baseline" holds the others
+    last = rows[len(modes) - 1::len(modes)]
+    projection = project(last)
     out = {"params": args.params, "density": args.density, "forwarding": args.forwarding,
            "datagram_size": args.datagram_size, "aggregate_datagram_size": args.aggregate_datagram_size,
-           "procs": args.procs, "runs": rows, "heartbeats": heartbeats, "projection": projection}
+           "procs": args.procs, "offload": args.offload, "runs": last, "heartbeats": heartbeats,
+           "projection": projection}
+    if len(modes) > 1:
+        out["baseline"] = [r for r in rows if r not in last]
     _print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:
@@ -445,13 +467,15 @@ def _print_row(r: dict, header: bool, params: int, density: float, message_bytes
         print(f"scale ({r['forwarding']} forwarding): {params:,} params, density {density:g}, "
               f"{message_bytes:,.0f} B/update on the wire")
         print(f"{'N':>4}{'steps':>7}{'egress MB/step':>16}{'model MB':>10}{'dgrams/step':>13}"
-              f"{'relay CPU ms/step':>19}{'p50 ms':>9}{'p99 ms':>9}{'retx':>7}{'exactly once':>14}")
+              f"{'relay CPU ms/step':>19}{'p50 ms':>9}{'p99 ms':>9}{'retx':>7}{'exactly once':>14}"
+              f"{'offload':>9}")
     p50 = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.1f}"
     p99 = "-" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:.1f}"
     print(f"{r['peers']:>4}{r['steps']:>7.0f}{r['egress_bytes_per_step'] / 1e6:>16.3f}"
           f"{r['model_egress_bytes_per_step'] / 1e6:>10.3f}{r['egress_datagrams_per_step']:>13,.0f}"
           f"{r['relay_cpu_per_step_s'] * 1e3:>19.2f}{p50:>9}{p99:>9}"
-          f"{r['relay_retransmits'] + r['peer_retransmits']:>7}{str(r['exactly_once']):>14}", flush=True)
+          f"{r['relay_retransmits'] + r['peer_retransmits']:>7}{str(r['exactly_once']):>14}"
+          f"{'on' if r['offload'] else 'off':>9}", flush=True)
 
 
 def _print_tail(heartbeats: list[dict], projection: dict, forwarding: str) -> None:
