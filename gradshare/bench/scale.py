@@ -432,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
            "procs": args.procs, "offload": args.offload, "runs": last, "heartbeats": heartbeats,
            "projection": projection}
     if len(modes) > 1:
-        out["baseline"] = [r for r in rows if r not in last]
+        out["baseline"] = rows[0::len(modes)]
     _print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:

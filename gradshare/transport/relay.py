@@ -144,26 +144,8 @@ class Relay:
         try:
             while not self._stop.is_set():
                 udp.wait_for_work(sock, lock, core, MAX_WAIT)
-                # the datagrams of one read (one, or a GSO run of one rank's) under the lock up to the first
-                # that leaves something to send or apply, and forward at once: latency before batching
                 for run, addr in udp.received(sock, drops, DRAIN_BATCH):
-                    i = 0
-                    while i < len(run):
-                        with lock:
-                            i = core.receive_run(run, i, addr, time.monotonic())
-                            out = core.datagrams_to_send()
-                            due = core.apply_due
-                            self._take_events_locked()
-                        if out:
-                            udp.send_all(sock, out, drops)
-                        if due:
-                            # applied once its forwards left and before the next datagram is read: the
-                            # applied log then trails what the ranks run on by the staleness rule's steps,
-                            # and a slow apply slows the ranks (back-pressure) instead of letting them run
-                            # up to a drain batch ahead of it
-                            with lock:
-                                out = self._settle_locked()
-                            udp.send_all(sock, out, drops)
+                    self._feed(run, addr)
                 with lock:
                     out = self._settle_locked()
                 udp.send_all(sock, out, drops)
@@ -171,6 +153,28 @@ class Relay:
             with lock:
                 self._failure = exc
                 self._changed.notify_all()
+
+    def _feed(self, run: list[bytes], addr: ev.Address) -> None:
+        """The datagrams of one read (one, or a GSO run of one rank's): under the lock up to the first that
+        leaves something to send or apply, then forward at once (latency before batching)."""
+        core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
+        assert sock is not None                  # _run's: start() opened it
+        i = 0
+        while i < len(run):
+            with lock:
+                i = core.receive_run(run, i, addr, time.monotonic())
+                out = core.datagrams_to_send()
+                due = core.apply_due
+                self._take_events_locked()
+            if out:
+                udp.send_all(sock, out, drops)
+            if due:
+                # applied once its forwards left and before the next datagram is read: the applied log then
+                # trails what the ranks run on by the staleness rule's steps, and a slow apply slows the ranks
+                # (back-pressure) instead of letting them run up to a drain batch ahead of it
+                with lock:
+                    out = self._settle_locked()
+                udp.send_all(sock, out, drops)
 
     def _settle_locked(self) -> list[tuple[bytes, ev.Address]]:
         """(Lock held.) Apply what completed to the authoritative copy (after the forwards left), run the

@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, cast
 
 from gradshare.transport.events import Address
@@ -182,34 +182,32 @@ def _send_segments(sock: socket.socket, segments: list[bytes], size: int, addr: 
     """One GSO send of ``segments`` (each ``size`` bytes but the last); False if the kernel refused GSO
     (nothing was sent; the socket no longer tries it)."""
     anc = [(SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]
-    for attempt in range(2):
-        try:
-            sock.sendmsg(segments, anc, 0, addr)
-            return True
-        except BlockingIOError:
-            if attempt == 0:
-                select.select([], [sock], [], SEND_RETRY_WAIT)
-                continue
-            drops["send_buffer_full"] += len(segments)
-        except OSError as exc:
-            if exc.errno in _GSO_REFUSED:
-                _gso.discard(sock)
-                return False
-            drops["send_error"] += len(segments)
-        return True
+    exc = _send(sock, lambda: sock.sendmsg(segments, anc, 0, addr), len(segments), drops)
+    if exc is not None and exc.errno in _GSO_REFUSED:
+        _gso.discard(sock)
+        return False
+    if exc is not None:
+        drops["send_error"] += len(segments)
     return True
 
 
 def _send_one(sock: socket.socket, data: bytes, addr: SockAddr, drops: Counter[str]) -> None:
-    try:
-        sock.sendto(data, addr)
-    except BlockingIOError:
-        select.select([], [sock], [], SEND_RETRY_WAIT)
-        try:
-            sock.sendto(data, addr)
-        except BlockingIOError:
-            drops["send_buffer_full"] += 1
-        except OSError:
-            drops["send_error"] += 1
-    except OSError:
+    if _send(sock, lambda: sock.sendto(data, addr), 1, drops) is not None:
         drops["send_error"] += 1
+
+
+def _send(sock: socket.socket, send: Callable[[], object], count: int, drops: Counter[str]) -> OSError | None:
+    """``send()``, once more after a brief wait for room if the send buffer is full; still full, its
+    ``count`` datagrams are dropped and counted. Any other error is returned for the caller to judge."""
+    for attempt in range(2):
+        if attempt:
+            select.select([], [sock], [], SEND_RETRY_WAIT)
+        try:
+            send()
+            return None
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            return exc
+    drops["send_buffer_full"] += count
+    return None
