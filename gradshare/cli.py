@@ -1,4 +1,4 @@
-"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | relay`.
+"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | bench lm | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 This is the CLI's import seam (issue 15): `main` imports only the module of the command it is given,
@@ -29,6 +29,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "train"), "gradshare.bench.train", "gradshare vs DDP dense vs DDP+PowerSGD vs single process"),
     (("bench", "convergence"), "gradshare.bench.convergence",
      "accuracy per epoch: gradshare vs DDP dense vs single process, N workers, LR schedules, seeds"),
+    (("bench", "lm"), "gradshare.bench.lm",
+     "a causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds"),
     (("relay",), "gradshare.transport.relay_main", "run a standalone relay (master)"),
 ]
 

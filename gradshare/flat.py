@@ -1,5 +1,5 @@
 """One contiguous float32 buffer holding a module's state: every trainable parameter, then every
-floating-point buffer (BatchNorm running statistics, any registered float buffer).
+persistent floating-point buffer (BatchNorm running statistics, any float buffer in the state_dict).
 
 The module's parameters and buffers become views into the buffer, so the encoding kernels see the
 parameters as one 1-D NumPy array (`FlatParams.array`, the first `n_params` entries) without copies,
@@ -7,6 +7,11 @@ and applying a decoded message changes the module in place (docs/design.md, "One
 vector (`state`: parameters then buffers) is what the relay holds, what the log changes, what a snapshot
 carries and what the end-of-fit hash covers, so a replica's buffers are as identical as its parameters
 (README, "BatchNorm and other buffers").
+
+Which buffers are shared: the persistent float buffers (those in ``state_dict()``). A non-persistent
+buffer (``register_buffer(..., persistent=False)``: causal masks, rotary cos/sin caches, anything a module
+derives and rebuilds) is not model state; it stays local to each replica, outside the flat state and the
+end-of-fit hash, as it stays outside a checkpoint. Integer buffers stay local too (`int_buffers`).
 
 On a device (issue 11, ``FlatParams(module, device=...)``) the buffer is a float32 torch tensor there, and
 `state`, `array`, `buffer_array` and `twin` are torch views of it instead of NumPy ones: the codec, the
@@ -44,11 +49,12 @@ def _check_dtype(kind: str, name: str, t: torch.Tensor, on_device: bool) -> None
 
 
 class FlatParams:
-    """Rebinds `module`'s trainable parameters and float buffers onto one float32 buffer.
+    """Rebinds `module`'s trainable parameters and persistent float buffers onto one float32 buffer.
 
     `state` is that whole buffer (n_state = n_params + n_buffers entries); `array` its first n_params
     entries (the trainable parameters: what is encoded and sent), `buffer_array` the rest.
-    Integer buffers (BatchNorm's num_batches_tracked) are not part of the state: they stay local.
+    Integer buffers (BatchNorm's num_batches_tracked) and non-persistent buffers are not part of the
+    state: they stay local (`shared_buffers`).
 
     device: None (default) for a NumPy state in host memory (the Numba path); a torch.device for a torch
         tensor state there ("cpu" included: the device code path without a GPU, for tests). The
@@ -67,7 +73,7 @@ class FlatParams:
             )
         for name, p in named:
             _check_dtype("parameter", name, p, device is not None)
-        held = [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
+        held = shared_buffers(module)
         for name, b in held:
             _check_dtype("buffer", name, b, device is not None)
         self.names = [name for name, _ in named]
@@ -181,6 +187,15 @@ class FlatParams:
         """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy
         from the device otherwise."""
         return to_host(self.state)
+
+
+def shared_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) of every buffer the flat state holds: float, and persistent (named in
+    ``module.state_dict()``). A forward pass may change them (running statistics: the change is shared
+    exactly, encoding/update.py) or not (a constant mask kept persistent: never a change, whatever its
+    values, ±inf and NaN included)."""
+    persistent = module.state_dict(keep_vars=True).keys()
+    return [(name, b) for name, b in module.named_buffers() if b.is_floating_point() and name in persistent]
 
 
 def int_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

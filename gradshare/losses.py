@@ -43,22 +43,42 @@ def _shape(t) -> str:
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
 
+def class_axis(out, y) -> int:
+    """Where a classifier's output keeps its classes, for class-index labels `y`: 1 for PyTorch's
+    (B, C, *d) against labels (B, *d); -1 for the class-last (B, *d, C) that sequence models produce
+    (a language model's logits (B, T, C) against labels (B, T)). ValueError naming both shapes when
+    neither fits, or when both do (a (B, X, X) output against (B, X) labels): then pass `loss=`."""
+    if not torch.is_tensor(out):
+        raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
+                        "output (several outputs: pass train_step=)")
+    paired = out.dim() == y.dim() + 1 and out.shape[0] == y.shape[0]
+    first = paired and out.shape[2:] == y.shape[1:] and out.shape[1] > 1
+    last = paired and out.dim() >= 3 and out.shape[:-1] == y.shape and out.shape[-1] > 1
+    if first and last:
+        raise ValueError(f"the model's output {_shape(out)} against class labels {_shape(y)} could keep its classes "
+                         "on axis 1 or on the last axis; pass loss= (e.g. lambda out, y: "
+                         "F.cross_entropy(out.flatten(0, -2), y.flatten()) for class-last logits)")
+    if first or last:
+        return 1 if first else -1
+    raise ValueError(f"the labels are class indices of shape {_shape(y)}, so the model's output must be "
+                     f"(B, C{''.join(', ' + str(d) for d in y.shape[1:])}) or "
+                     f"(B{''.join(', ' + str(d) for d in y.shape[1:])}, C) with C > 1 classes, but it has shape "
+                     f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')")
+
+
 def match_target(out, y, *, classes: bool = False):
     """The labels `y` shaped for `out`, or ValueError naming both shapes (module docstring).
 
-    classes: the loss takes class indices (CrossEntropyLoss): `out` must be (B, C, *d) with C > 1 for
-    labels (B, *d). Integer labels for a user's loss are passed through unchecked (index losses such
-    as NLLLoss never broadcast).
+    classes: the loss takes class indices (CrossEntropyLoss): `out` must be (B, C, *d) or (B, *d, C)
+    with C > 1 for labels (B, *d) (`class_axis`). Integer labels for a user's loss are passed through
+    unchecked (index losses such as NLLLoss never broadcast).
     """
     if not torch.is_tensor(out):
         raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
                         "output (several outputs: pass train_step=)")
     if classes:
-        if out.dim() == y.dim() + 1 and out.shape[2:] == y.shape[1:] and out.shape[0] == y.shape[0] and out.shape[1] > 1:
-            return y
-        raise ValueError(f"the labels are class indices of shape {_shape(y)}, so the model's output must be "
-                         f"(B, C{''.join(', ' + str(d) for d in y.shape[1:])}) with C > 1 classes, but it has shape "
-                         f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')")
+        class_axis(out, y)
+        return y
     if not y.is_floating_point() or out.shape == y.shape:
         return y
     if out.dim() == y.dim() + 1 and out.shape[-1] == 1 and out.shape[:-1] == y.shape:
@@ -69,6 +89,18 @@ def match_target(out, y, *, classes: bool = False):
             if out.dim() == 2 and y.dim() == 1 and out.shape[1] > 1 else "")
     raise ValueError(f"the model's output has shape {_shape(out)} but the labels have shape {_shape(y)}: the loss "
                      f"would broadcast one against the other{hint}")
+
+
+def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Share of labels (rows, or a sequence's positions) that are the arg-max output along the class
+    axis (`class_axis`): the default metric for int labels."""
+    return float((outputs.argmax(dim=class_axis(outputs, labels)) == labels).float().mean())
+
+
+def accuracy_sums(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """(labels that are the arg-max output, labels): `accuracy` as the exact sums that validation shards
+    add across workers (validation.py)."""
+    return float((outputs.argmax(dim=class_axis(outputs, labels)) == labels).sum()), float(labels.numel())
 
 
 class InputTypeError(TypeError):
@@ -116,15 +148,20 @@ class LossStep:
 
     def __call__(self, model, batch):
         *inputs, y = batch
-        out = self.outputs(model, inputs)
-        return self.loss(out, match_target(out, y, classes=self.classes))
+        return self._loss(self.outputs(model, inputs), y)
+
+    def _loss(self, out, y):
+        target = match_target(out, y, classes=self.classes)
+        if self.classes and class_axis(out, y) == -1:  # class-last logits: the loss takes (B, C, *d)
+            out = out.movedim(-1, 1)
+        return self.loss(out, target)
 
     def evaluate(self, model, batch, metric: Callable | None):
         *inputs, y = batch
         out = self.outputs(model, inputs)
         if metric is not None:  # a number, or a (sum, count) pair (validation.py's reduction rule)
             return metric_value(metric(out, y))
-        return float(self.loss(out, match_target(out, y, classes=self.classes)))
+        return float(self._loss(out, y))
 
 
 class HookStep:
@@ -214,9 +251,10 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
     if out is None:
         return LossPlan(label_dtype, step, step.name, why)
     match_target(out, y, classes=classes)  # a shape error names both shapes now, not on every executor
-    if classes and label_range is not None and not 0 <= label_range[0] <= label_range[1] < out.shape[1]:
+    n_classes = out.shape[class_axis(out, y)] if classes else 0
+    if classes and label_range is not None and not 0 <= label_range[0] <= label_range[1] < n_classes:
         raise ValueError(f"the labels are class indices from {label_range[0]} to {label_range[1]}, but the model's "
-                         f"output {_shape(out)} has {out.shape[1]} classes (0 to {out.shape[1] - 1})")
+                         f"output {_shape(out)} has {n_classes} classes (0 to {n_classes - 1})")
     return LossPlan(label_dtype, step, step.name, f"output {_shape(out)}")
 
 

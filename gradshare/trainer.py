@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import ipaddress
 import math
 import os
@@ -73,7 +74,7 @@ from gradshare.encoding.aggregate import AggregateState
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
 from gradshare.flat import FlatParams, load_int_buffers
-from gradshare.losses import plan_loss
+from gradshare.losses import accuracy, accuracy_sums, plan_loss
 from gradshare.plotting import plot_result
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.shipping import pack_user_objects, skeleton
@@ -84,8 +85,8 @@ from gradshare.transport import Relay, new_job_key
 from gradshare.transport.events import Fail, Incident
 from gradshare.transport.relay_core import RollbackPoint
 from gradshare.transport.wire import MAX_DATAGRAM_SIZE
-from gradshare.validation import accuracy_sums, check_shards, is_distributed, shards_of, validation_rows, zip_shards
-from gradshare.worker import WorkerConfig, accuracy, train_partition
+from gradshare.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
+from gradshare.worker import WorkerConfig, train_partition
 from gradshare.worker import steps_per_epoch as steps_in
 
 T = TypeVar("T")
@@ -464,12 +465,28 @@ class SharedTrainer:
             raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
         return copy.deepcopy(algo)
 
-    def _check_scheduler(self, model: nn.Module) -> None:
+    def _check_optimizer(self, model: nn.Module) -> None:
         """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
         any Spark job, not on every executor after the data is loaded."""
+        sparse = [name for name, m in model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise ValueError(f"module {sparse[0]!r} is an embedding with sparse=True: gradshare needs dense gradients "
+                             "(its updates are sparse on the wire already); build it with sparse=False and use a "
+                             "dense optimizer such as Adam or AdamW")
+        optimizer = self.optimizer([p for p in copy.deepcopy(model).parameters() if p.requires_grad])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError("optimizer: SparseAdam needs sparse gradients, and gradshare trains with dense ones (its "
+                             "updates are sparse on the wire already); use Adam or AdamW")
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
+                             "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
+                             "as Adam, AdamW or SGD")
         if self.lr_scheduler is None:
             return
-        optimizer = self.optimizer([p for p in copy.deepcopy(model).parameters() if p.requires_grad])
         scheduler = self.lr_scheduler(optimizer)
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError("lr_scheduler: ReduceLROnPlateau is not supported: it steps on a metric, and "
@@ -553,7 +570,7 @@ class SharedTrainer:
         sc = rdd.context
         stores, resume = self._open_checkpoints(resume_from, sc)  # a corrupt one fails here, before any Spark job
         model = self._build_model()
-        self._check_scheduler(model)
+        self._check_optimizer(model)
         if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
             # Always a shuffle: Spark refuses a barrier stage over a coalesced RDD, whose parent has
             # another partition count (SPARK-24820), so coalesce(n) would fail once the job starts.

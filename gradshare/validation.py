@@ -55,11 +55,6 @@ def is_distributed(data: object) -> TypeGuard[DataFrame | RDD[Any]]:
     return (hasattr(data, "columns") and hasattr(data, "rdd")) or hasattr(data, "mapPartitionsWithIndex")
 
 
-def accuracy_sums(outputs, labels) -> tuple[float, float]:
-    """(rows whose arg-max output is the label, rows): the default metric of shards, exact in sum."""
-    return float((outputs.argmax(dim=1) == labels).sum()), float(len(labels))
-
-
 def metric_value(value: Any):
     """A metric's value: a float, or a (sum, count) pair of floats (module docstring)."""
     if isinstance(value, (tuple, list)):

@@ -163,11 +163,6 @@ def steps_per_epoch(rows: int, batch_size: int, drop_last: str) -> int:
     return full + 1
 
 
-def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """Share of rows whose arg-max output is the label (the default metric for int labels)."""
-    return float((outputs.argmax(dim=1) == labels).float().mean())
-
-
 class ApplyLog:
     """Applies delivered messages to the replica in canonical (step, sender) order, never past a bound.
 

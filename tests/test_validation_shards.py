@@ -17,7 +17,8 @@ from gradshare.demo import digits_split, mlp
 from gradshare.losses import LossStep
 from gradshare.spark import PartitionData
 from gradshare.stopping import stop_epoch
-from gradshare.validation import accuracy_sums, pack, reduce_sums, shard_sums, split_rows
+from gradshare.losses import accuracy_sums
+from gradshare.validation import pack, reduce_sums, shard_sums, split_rows
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -158,14 +158,13 @@ def apply_tensor(message: Message, params: torch.Tensor, scale: float = 1.0) -> 
 def buffer_change_tensor(before: torch.Tensor, after: torch.Tensor,
                          world_size: int) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """`update.buffer_change` of two tensors, on their device: (indices, values ÷ world_size) of the
-    entries that changed, the same bits as NumPy's; only those entries come to the host."""
+    entries whose bits changed, the same bits as NumPy's; only those entries come to the host."""
     with torch.no_grad():
-        delta = after - before
-        index = torch.nonzero(delta).squeeze(1)
+        index = torch.nonzero(before.view(torch.int32) != after.view(torch.int32)).squeeze(1)
         # A divisor tensor on the device, not a Python scalar: CUDA turns division by a host scalar into
         # multiplication by its reciprocal, which rounds differently from NumPy's true division.
-        world = torch.tensor(float(world_size), dtype=torch.float32, device=delta.device)
-        values = delta[index] / world
+        world = torch.tensor(float(world_size), dtype=torch.float32, device=before.device)
+        values = (after[index] - before[index]) / world
         return index.cpu().numpy(), values.cpu().numpy()
 
 

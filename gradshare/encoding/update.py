@@ -63,21 +63,22 @@ class StepUpdate:
 def buffer_change(before: SameVector, after: SameVector, world_size: int,
                   name: Callable[[int], str] = lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
-    `name(i)` says which buffer entry i is in an error. ``before``/``after`` are NumPy arrays or float32
-    torch tensors of one device: the change is found there, and only the changed entries come to the
-    host (the same bits either way)."""
+    An entry moved when its bits changed: a constant ±inf (a causal mask) or NaN is no change, though
+    its difference (−inf − (−inf)) is NaN. A moved entry must stay finite, or ValueError names it with
+    `name(i)`. ``before``/``after`` are NumPy arrays or float32 torch tensors of one device: the change
+    is found there, and only the changed entries come to the host (the same bits either way)."""
     if not isinstance(before, np.ndarray):
         from gradshare.encoding.torch_codec import buffer_change_tensor  # the torch seam (torch_codec.py)
 
         index, values = buffer_change_tensor(before, after, world_size)
     else:
-        delta = after - before
-        index = np.flatnonzero(delta)
-        values = (delta[index] / np.float32(world_size)).astype(np.float32)
+        index = np.flatnonzero(before.view(np.uint32) != after.view(np.uint32))
+        values = ((after[index] - before[index]) / np.float32(world_size)).astype(np.float32)
     if not np.isfinite(values).all():
         bad = int(index[~np.isfinite(values)][0])
         raise ValueError(f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
-                         f"{float(before[bad])}); a non-finite running statistic cannot be shared")
+                         f"{float(before[bad])}); a buffer that changes is shared as its change, which must "
+                         "be finite (a constant non-finite buffer is fine; so is a non-persistent one)")
     return index.astype(np.uint32), values
 
 
