@@ -1,4 +1,4 @@
-"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | bench lm | relay`.
+"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | bench lm | bench scaling | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 This is the CLI's import seam (issue 15): `main` imports only the module of the command it is given,
@@ -31,6 +31,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "accuracy per epoch: gradshare vs DDP dense vs single process, N workers, LR schedules, seeds"),
     (("bench", "lm"), "gradshare.bench.lm",
      "a causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds"),
+    (("bench", "scaling"), "gradshare.bench.scaling",
+     "accuracy as workers are added (N = 1 to 64), in lock step: gradshare vs its dense design vs DDP at 3 lrs"),
     (("relay",), "gradshare.transport.relay_main", "run a standalone relay (master)"),
 ]
 

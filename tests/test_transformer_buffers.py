@@ -5,6 +5,7 @@ default loss and metric, and the models and optimizers refused before Spark star
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numpy as np
@@ -26,6 +27,7 @@ from gradshare.transport import param_hash
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 VOCAB, T, D = 16, 8, 16
+DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))  # as in test_torch_codec.py
 
 
 class TinyCausalLM(nn.Module):
@@ -112,7 +114,8 @@ def test_a_buffer_entry_changes_when_its_bits_change(case, world):
     assert index.tolist() == want
     assert np.array_equal(values, ((after[want] - before[want]) / np.float32(world)).astype(np.float32))
     assert np.isfinite(values).all()
-    t_index, t_values = buffer_change_tensor(torch.from_numpy(before), torch.from_numpy(after), world)
+    on = (torch.from_numpy(before).to(DEVICE), torch.from_numpy(after).to(DEVICE))
+    t_index, t_values = buffer_change_tensor(*on, world)
     assert t_index.tolist() == want and np.array_equal(t_values, values)  # the torch path: the same bits
 
 

@@ -1,0 +1,194 @@
+"""In-process lock-step N-worker training with the real Worker, ApplyLog and codec (no Spark, no UDP):
+the engine of `gradshare bench scaling`, and the cheap way to compare τ rules, densities and aggregation
+per epoch before the full `gradshare bench convergence`. Also a dense DDP reference in the same process:
+one model, the mean loss of the N ranks' batches (the same shards and batch order as the workers), one
+Adam step.
+
+    python benchmarks/lockstep.py '{"workload": "mlp", "world": 2, "epochs": 12, "schedule": "constant"}'
+    python benchmarks/lockstep.py '{"system": "ddp", "lr": 2e-3}'
+
+Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system ("gradshare" | "ddp" |
+"local": the dense equivalent of gradshare's design, each worker's own optimizer, the updates summed or
+averaged by scale), rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1:
+aggregate="mean"), view (local_view, default true), folded (the view folded into one buffer where it
+applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
+"cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay (multiply
+every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its value at the
+warm-up's end).
+
+Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
+(4 bytes × parameters ÷ message bytes per worker-step), silent steps and τ per epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradshare import encoding
+from gradshare.bench.systems import adam, lr_scheduler_factory
+from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
+from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
+from gradshare.spark import PartitionData
+from gradshare.transport import Update
+from gradshare.trainer import warmup_start
+from gradshare.worker import ApplyLog, Worker, WorkerConfig
+
+
+class LogPeer:
+    """A peer whose relay is a shared list: every message sent is delivered to every rank in order."""
+
+    def __init__(self, log: list, rank: int) -> None:
+        self.log, self.rank, self.last = log, rank, (-1, -1)
+
+    def send_update(self, step, payload, meta=None) -> None:
+        self.log.append((step, self.rank, payload))
+
+    def receive(self, until_step=None, timeout=None):
+        new = sorted(m for m in self.log if m[0] <= until_step and (m[0], m[1]) > self.last)
+        if new:
+            self.last = new[-1][:2]
+        return [Update(s, r, p, None) for s, r, p in new]
+
+    def counters(self) -> dict:
+        return {}
+
+
+class CappedRule(encoding.CalibratedThreshold):
+    def __init__(self, cap, **kw):
+        super().__init__(**kw)
+        self.cap, self.ceiling = cap, None
+
+    def calibrate(self, sample, step, n_params):
+        tau = super().calibrate(sample, step, n_params)
+        if step >= self.warmup_steps:
+            if self.ceiling is None:
+                self.ceiling = self.cap * tau
+            self.tau = min(tau, self.ceiling)
+        return self.tau
+
+
+def make_rule(spec: dict | None):
+    spec = dict(spec or {"kind": "auto"})
+    kind = spec.pop("kind")
+    return {"auto": encoding.CalibratedThreshold, "adaptive": encoding.AdaptiveThreshold,
+            "fixed": encoding.FixedThreshold}[kind](**spec)
+
+
+def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule="constant", batch=64,
+        system="gradshare", scale=1.0, follow_lr=True, clip=5.0, decay=1.0, cap=None, view=True,
+        folded=True, device="cpu", data: Workload | None = None) -> dict:
+    """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
+    torch.set_num_threads(1)
+    wl = data if data is not None else load(workload, seed)
+    torch.manual_seed(seed)
+    model = model_factory(workload)()
+    shards = [wl.shard(r, world) for r in range(world)]
+    spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
+    sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
+    warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
+    rule_obj = make_rule(rule)
+    if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
+        rule_obj.warmup_steps = warmup
+    if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_density" not in (rule or {}):
+        rule_obj.warmup_density = warmup_start(world)
+    if cap is not None:  # experiment: after the warm-up τ may not exceed cap × its value at the warm-up's end
+        rule_obj = CappedRule(cap, **{k: getattr(rule_obj, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
+                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
+                       residual_clip=encoding.ResidualClipping(clip=clip) if clip else None,
+                       steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
+                       label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
+                       apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
+                       folded_view=bool(folded), device=device)
+    workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
+    accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
+    if system == "ddp":
+        ddp = copy.deepcopy(model)
+        opt = adam(list(ddp.parameters()), lr)
+        scheduler = sched(opt) if sched else None
+        loss_fn = nn.CrossEntropyLoss()
+        for t in range(cfg.final_step + 1):
+            epoch, b = divmod(t, spe[0])
+            opt.zero_grad(set_to_none=True)
+            for w in workers:
+                *x, y = w._batch(epoch, b)
+                (loss_fn(ddp(*x), y) / world).backward()
+            opt.step()
+            if scheduler:
+                scheduler.step()
+            if (t + 1) % spe[0] == 0:
+                accs.append(test_accuracy(ddp, wl.X_test, wl.y_test))
+        ratio = 1.0
+    elif system == "local":
+        # the design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
+        # state, the post-updater update) from the shared parameters on its own batch, and the updates are
+        # combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all
+        shared = copy.deepcopy(model)
+        local = [copy.deepcopy(model) for _ in range(world)]
+        opts = [adam(list(m.parameters()), lr) for m in local]
+        scheds = [sched(o) for o in opts] if sched else []
+        loss_fn = nn.CrossEntropyLoss()
+        for t in range(cfg.final_step + 1):
+            epoch, b = divmod(t, spe[0])
+            total = [torch.zeros_like(p) for p in shared.parameters()]
+            for w, m, opt in zip(workers, local, opts):
+                with torch.no_grad():
+                    for pm, ps in zip(m.parameters(), shared.parameters()):
+                        pm.copy_(ps)
+                opt.zero_grad(set_to_none=True)
+                *x, y = w._batch(epoch, b)
+                loss_fn(m(*x), y).backward()
+                opt.step()
+                with torch.no_grad():
+                    for acc, pm, ps in zip(total, m.parameters(), shared.parameters()):
+                        acc.add_(pm - ps)
+            with torch.no_grad():
+                for acc, ps in zip(total, shared.parameters()):
+                    ps.add_(acc, alpha=cfg.apply_scale)
+            for s in scheds:
+                s.step()
+            if (t + 1) % spe[0] == 0:
+                accs.append(test_accuracy(shared, wl.X_test, wl.y_test))
+        ratio = 1.0
+    else:
+        log: list = []
+        peers = [LogPeer(log, r) for r in range(world)]
+        for r, w in enumerate(workers):
+            w.log = ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale)
+        for t in range(cfg.final_step + 1):
+            for r, w in enumerate(workers):
+                if t >= cfg.total_steps(r):
+                    continue
+                w.log.apply_through(t - 1)
+                _, entries, nb = w.step(peers[r], t)
+                if decay != 1.0:  # experiment: leaky error feedback
+                    w.state.rescale(decay)
+                nbytes += nb
+                silent += entries == 0
+                steps += 1
+            if (t + 1) % spe[0] == 0:
+                workers[0].log.apply_through(t)
+                accs.append(test_accuracy(workers[0].model, wl.X_test, wl.y_test))
+                taus.append(f"{workers[0].state.tau:.1e}")
+        ratio = 4 * workers[0].flat.n_params / (nbytes / steps)
+    return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
+            "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    t0 = time.time()
+    out = run(**spec)
+    print(json.dumps({"spec": spec, **out, "sec": round(time.time() - t0)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
