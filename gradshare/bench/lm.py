@@ -262,8 +262,10 @@ def plot(path: str, summary: list[dict], title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for s in summary:
         ax.plot(range(1, len(s["mean"]) + 1), s["mean"], marker=".", label=f"{s['system']} N={s['workers']}",
                 color={"gradshare": "tab:green", "ddp": "tab:red"}[s["system"]],
