@@ -35,6 +35,7 @@ import copy
 import ctypes
 import ctypes.util
 import json
+import math
 import os
 import time
 import warnings
@@ -161,6 +162,21 @@ def steps_per_epoch(rows: int, batch_size: int, drop_last: str) -> int:
     if rest == 0 or drop_last == "partial" or (drop_last == "single" and rest == 1):
         return full
     return full + 1
+
+
+def non_finite_cause(batch: tuple[torch.Tensor, ...], loss: torch.Tensor) -> str:
+    """The likely cause of a step's non-finite update, for its error: the batch, the loss, or the step."""
+    for i, x in enumerate(batch):
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            rows = torch.nonzero(~torch.isfinite(x).reshape(len(x), -1).all(dim=1)).flatten()[:5].tolist()
+            what = "the labels" if i == len(batch) - 1 else f"input {i}"
+            return f"{what} of the batch hold NaN or inf (batch rows {rows}): clean the data"
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        return (f"the loss is {value} on finite inputs: the model diverged or the loss overflowed; lower the "
+                "learning rate or clip gradients (gradshare.losses.clip_grad_norm)")
+    return (f"the loss is finite ({value:.4g}) but the optimizer's update is not: a gradient overflowed or the "
+            "learning rate is too high; lower it or clip gradients (gradshare.losses.clip_grad_norm)")
 
 
 class ApplyLog:
@@ -462,7 +478,13 @@ class Worker:
         taken = True if self.path.in_backward else self.path.optimizer_step(self.precision.step)
         self.optimizer.zero_grad(set_to_none=True)  # nothing reads them now: free them before the encode
         prof.lap("optimizer")
-        msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
+        try:
+            msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
+        except ValueError as e:
+            if "not finite" not in str(e):
+                raise
+            raise ValueError(f"rank {self.rank}, step {t} (epoch {epoch}, batch {b}): the update is not finite: "
+                             f"{non_finite_cause(batch, loss)} ({e})") from e
         if looked is not None:
             self._look_back(*looked)
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)

@@ -223,3 +223,38 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
     rdd = spark.sparkContext.parallelize(list(zip(ids, labels[:, 0])), 2)
     with pytest.raises(Exception, match=r"buffer 'scale' entry \(0,\) became inf"):
         SharedTrainer(Overflows, epochs=1, batch_size=16, **LOOPBACK).fit(rdd)
+
+
+# ------------------------------------------------------------------------------------ non-finite updates
+def _one_worker(X, y, lr=1e-3):
+    from gradshare.bench.lockstep import LogPeer
+    from gradshare.encoding import CalibratedThreshold
+    from gradshare.spark import PartitionData
+    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+
+    model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
+                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr),
+                       threshold_rule=CalibratedThreshold(density=0.1), residual_clip=None,
+                       steps_per_epoch=(len(y) // 4,), epochs=1, batch_size=4, staleness=0, seed=0,
+                       label_dtype="int64")
+    worker = Worker(cfg, 0, PartitionData((X,), y))
+    peer = LogPeer([], 0)
+    worker.log = ApplyLog(peer, worker.flat, 0, 10.0)
+    return worker, peer
+
+
+@pytest.mark.parametrize("poison, cause", [
+    ("input", r"input 0 of the batch hold NaN or inf \(batch rows \[\d\]\): clean the data"),
+    ("lr", r"the loss is finite .* but the optimizer's update is not"),
+])
+def test_a_non_finite_update_names_rank_step_and_likely_cause(poison, cause):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)
+    if poison == "input":
+        X[5, 2] = np.nan  # in the second batch of 4 rows (their order is shuffled)
+    worker, peer = _one_worker(X * 100, y, lr=3e38 if poison == "lr" else 1e-3)  # lr × gradient overflows float32
+    with pytest.raises(ValueError, match=r"rank 0, step \d \(epoch 0, batch \d\): the update is not finite: " + cause):
+        for t in range(2):
+            worker.log.apply_through(t - 1)
+            worker.step(peer, t)
