@@ -1,6 +1,6 @@
 """In-process lock-step N-worker training with the real Worker, ApplyLog and codec (no Spark, no UDP):
 the cheap way to compare τ rules, densities and aggregation per epoch before the full
-`gradshare bench convergence` (issue 10). Also a dense DDP reference in the same process: one model,
+`gradshare bench convergence`. Also a dense DDP reference in the same process: one model,
 the mean loss of the N ranks' batches (the same shards and batch order as the workers), one Adam step.
 
     python benchmarks/lockstep.py '{"workload": "mlp", "world": 2, "epochs": 12, "schedule": "constant"}'
@@ -11,7 +11,7 @@ Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system 
 averaged by scale), rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1:
 aggregate="mean"), view (local_view, default true), folded (the view folded into one buffer where it
 applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
-"cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay (multiply
+"cpu"; gradshare only), follow_lr, clip, and two experiments the lock-step table of docs/benchmarks/convergence.md measured: decay (multiply
 every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its value at the
 warm-up's end).
 
