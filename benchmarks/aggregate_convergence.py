@@ -1,4 +1,4 @@
-"""What aggregated forwarding does to convergence (issue 13 item 1): the digits MLP trained with N workers
+"""What aggregated forwarding does to convergence: the digits MLP trained with N workers
 under forwarding="per-rank" and "aggregate", side by side in one run, per-epoch validation accuracy and
 loss, plus the relay's egress per step.
 

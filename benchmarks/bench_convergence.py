@@ -1,4 +1,4 @@
-"""Accuracy per epoch of gradshare vs DDP dense vs a single process (issue 10); same code and options as
+"""Accuracy per epoch of gradshare vs DDP dense vs a single process; same code and options as
 `gradshare bench convergence`.
 
     SPARK_LOCAL_IP=127.0.0.1 python benchmarks/bench_convergence.py --quick

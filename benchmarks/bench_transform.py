@@ -1,4 +1,4 @@
-"""Distributed transform throughput (issue 14, item 1): GradshareModel.transform ÷ a hand-written
+"""Distributed transform throughput: GradshareModel.transform ÷ a hand-written
 pyspark.ml.functions.predict_batch_udf on the same model and the same data, in the same run.
 
     PYTHONPATH=$PWD python benchmarks/bench_transform.py [--rows 200000] [--rounds 3] [--workers 2] [--json out.json]

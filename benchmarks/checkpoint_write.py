@@ -1,4 +1,4 @@
-"""Checkpoint write time and size (issue 14, item 3 target) for the 10.5 M-parameter benchmark MLP
+"""Checkpoint write time and size (the checkpoint target) for the 10.5 M-parameter benchmark MLP
 (1024-2048-2048-2048-10, gradshare/bench/workloads.py), with Adam (the default optimizer).
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/checkpoint_write.py [--epochs 2]

@@ -1,4 +1,4 @@
-"""gradshare vs DDP dense vs DDP+PowerSGD vs a single process, on shaped loopback links (issue 5).
+"""gradshare vs DDP dense vs DDP+PowerSGD vs a single process, on shaped loopback links.
 
 Thin wrapper: the same as `gradshare bench train [options]` (see gradshare/bench/train.py).
     PYTHONPATH=. python benchmarks/compare.py --quick

@@ -1,4 +1,4 @@
-"""Step time of the device code path (issue 11): a gradshare worker step on the torch tensor state ÷ the
+"""Step time of the device code path: a gradshare worker step on the torch tensor state ÷ the
 same step on the NumPy state with the Numba kernels (the CPU default), measured side by side.
 
     PYTHONPATH=$PWD python benchmarks/device_step.py [--device cpu|cuda|auto] [--steps 60] [--json out.json]

@@ -1,4 +1,4 @@
-"""Liveness figures (issue 12): the longest whole-process pause a fit survives with no data loss, and
+"""Liveness figures: the longest whole-process pause a fit survives with no data loss, and
 the time from a real worker process death to the restarted stage's resume. Local Spark, loopback.
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/liveness.py [--liveness 1.0]

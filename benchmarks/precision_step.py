@@ -1,4 +1,4 @@
-"""Step time by precision (issue 11): a gradshare worker step under "bf16-mixed" / "fp16-mixed" ÷ "32".
+"""Step time by precision: a gradshare worker step under "bf16-mixed" / "fp16-mixed" ÷ "32".
 
     PYTHONPATH=$PWD python benchmarks/precision_step.py [--steps 60] [--widths 1024,768,256,10] [--json out.json]
 

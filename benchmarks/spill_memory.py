@@ -1,4 +1,4 @@
-"""Data larger than memory (issue 14, item 5): a worker's peak RSS with a partition of N x spill_bytes,
+"""Data larger than memory: a worker's peak RSS with a partition of N x spill_bytes,
 streamed from its spill file, vs the same partition held in memory, measured side by side in one run.
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/spill_memory.py [--spill-mib 1]

@@ -6,7 +6,7 @@ Both sides run as 2 concurrent Spark tasks on an embedded local[2] session, one 
 they compete for the same cores in the same way: the baseline tasks train their own model copy
 locally (no sharing at all); the gradshare tasks run SharedTrainer's workers (relay on 127.0.0.1).
 Step times are taken inside the tasks, after `--warmup` steps (Spark start-up, materialisation and the
-adaptive threshold's first steps are not the steady state). Issue 4's target: ratio <= 1.25. The model
+adaptive threshold's first steps are not the steady state). The target: ratio <= 1.25. The model
 defaults to the 8.4 M-parameter MLP of docs/design.md's peer comparison (1024-2048-2048-1024-10, batch 64).
 The optimizer is SGD with momentum on both sides (Adam's even-sized first updates make every entry
 cross τ until the adaptive threshold has caught up, which a 60-step run would mostly measure).

@@ -1,4 +1,4 @@
-"""Worker memory (issue 11): peak RSS of a gradshare worker vs a single process, as multiples of the
+"""Worker memory: peak RSS of a gradshare worker vs a single process, as multiples of the
 model's parameter bytes (4 B x parameters), for SGD and Adam, measured side by side in one run.
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/worker_memory.py [--widths 512,4950,4950,4950,10]
@@ -98,7 +98,7 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
         warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
         result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
         # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
-        # before this job's closure (which carried the model before issue 11) was unpickled; None if Spark
+        # before this job's closure (which once carried the model's weights) was unpickled; None if Spark
         # started a fresh Python worker for this job
         before = {r["pid"]: r["peak_rss_bytes"] for r in warm.worker_reports}
         keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path",

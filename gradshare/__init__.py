@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The one lazy seam of the public surface (issue 15 item 2): these names load on first use (PEP 562), so
+# The one lazy seam of the public surface: these names load on first use (PEP 562), so
 # importing gradshare (the CLI's `--help`, gradshare.errors on an executor) pays neither NumPy + Numba
 # (~0.5 s, the encoding names) nor torch + pyspark + Numba (~2 s, the trainer's).
 _ENCODING_NAMES = (

@@ -1,4 +1,4 @@
-"""Rows → model inputs and labels, keeping each input's dtype (issue 11, "Real models").
+"""Rows → model inputs and labels, keeping each input's dtype (docs/guide/data.md).
 
 A row is ``(features, label)``. `features` is one array (the model is called as ``model(x)``) or a tuple
 of inputs (``model(x1, x2, ...)``; a DataFrame's ``features_col=["a", "b"]`` gives such rows). A tuple

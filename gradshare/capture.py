@@ -11,7 +11,7 @@ runs, each parameter's storage is pointed at its slice of the residual, so ``p.a
 ``r += delta``. P is not touched, nothing is rewound, and no twin is kept. Any optimizer that reads
 the parameter's value (weight decay, or an unknown class) takes the general path.
 
-Stepping in backward (issue 11, memory). On the direct path the optimizer may also step each parameter
+Stepping in backward (memory). On the direct path the optimizer may also step each parameter
 as soon as its gradient is ready, from a post-accumulate-grad hook, and drop that gradient at once
 (PyTorch's "optimizer step in backward" recipe): a worker then never holds more than about one
 layer's gradient instead of a gradient for every parameter (51.6 M-parameter MLP: the peak falls by

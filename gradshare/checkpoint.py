@@ -1,4 +1,4 @@
-"""Checkpoints of a fit (issue 14, item 3): `SharedTrainer(checkpoint_dir=, checkpoint_every=)` and
+"""Checkpoints of a fit: `SharedTrainer(checkpoint_dir=, checkpoint_every=)` and
 `fit(..., resume_from=)`.
 
 A checkpoint is the state after the last step of an epoch E-1 (E epochs done), in
@@ -29,7 +29,7 @@ run the same code below on a store; files move in bounded chunks, digests are ta
 
 A retried stage restarts at the last checkpoint of its fit (`rollback_point`, the relay's rollback).
 
-Limits (documented in the README): checkpoints need staleness 0 and the same steps per epoch on every
+Limits (documented in docs/guide/checkpoints.md): checkpoints need staleness 0 and the same steps per epoch on every
 rank (so that an epoch's end is one step of the log that every rank reaches).
 """
 

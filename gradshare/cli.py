@@ -1,7 +1,7 @@
 """`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | bench lm | bench scaling | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
-This is the CLI's import seam (issue 15): `main` imports only the module of the command it is given,
+This is the CLI's import seam: `main` imports only the module of the command it is given,
 so `gradshare --help` imports no command module (no NumPy, Numba, torch or pyspark), and
 `gradshare bench encoding` never imports torch or pyspark. A command module may import what its
 command needs at module level, except where it is imported without its command too (bench modules

@@ -1,10 +1,10 @@
-"""TrainConfig: every SharedTrainer option with its default and its checks, in one frozen dataclass (issue 15).
+"""TrainConfig: every SharedTrainer option with its default and its checks, in one frozen dataclass.
 
     config = TrainConfig(threshold=1e-3, epochs=5)     # raises ValueError / TypeError naming the option
     TrainConfig.batch_size                             # 32: the default, read by the CLI and gradshare.ml
 
 This is the one place the defaults are written: `SharedTrainer`'s signature takes each default from
-here (so help() and the README table show the values), the `gradshare.ml` Params and the CLI read them
+here (so help() and the options table in docs/guide/options.md show the values), the `gradshare.ml` Params and the CLI read them
 from here too, and tests/test_config.py checks that none of them drifts. The relay's port and datagram
 size are the transport's constants (transport/wire.py).
 
@@ -58,11 +58,11 @@ class WorkerFlags(TypedDict, total=False):
 # threshold="auto" (the density's default is CalibratedThreshold's). 3 epochs, not 2: on the digits MLP with
 # 2 workers (11 steps an epoch: 33 warm-up steps instead of the floor's 24) the mean test accuracy of seeds
 # 0-2 after epoch 2 went from 89.9 to 90.4-90.7 % (DDP's 91.0 %), so it reaches 90 % in DDP's 2 epochs;
-# with 4 workers the floor below decides (README "Convergence").
+# with 4 workers the floor below decides (docs/benchmarks/convergence.md, lock-step studies).
 DEFAULT_WARMUP_EPOCHS = 3.0
 # ... and never fewer steps than this by default: the warm-up is for the first steps, where the model
 # moves most, and with 4 workers on the digits MLP 2 epochs are only 12 steps (test accuracy 84 % after
-# epoch 3; with 24 steps 91 %, DDP's 92 %: README "Convergence"). An explicit `warmup` is taken as given.
+# epoch 3; with 24 steps 91 %, DDP's 92 %: docs/benchmarks/convergence.md). An explicit `warmup` is taken as given.
 DEFAULT_WARMUP_MIN_STEPS = 24
 
 ModelSpec: TypeAlias = "torch.nn.Module | Callable[[], torch.nn.Module]"

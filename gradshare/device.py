@@ -1,4 +1,4 @@
-"""Which torch device a worker trains on (issue 11): ``device="cpu" | "cuda" | "cuda:N" | "auto"``.
+"""Which torch device a worker trains on: ``device="cpu" | "cuda" | "cuda:N" | "auto"``.
 
 "auto" prefers the GPU Spark gave the task: with GPU scheduling (``spark.task.resource.gpu.amount``)
 each task is handed its own device addresses, and two tasks on one executor host must not both pick

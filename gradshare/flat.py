@@ -6,14 +6,14 @@ parameters as one 1-D NumPy array (`FlatParams.array`, the first `n_params` entr
 and applying a decoded message changes the module in place (docs/design.md, "One training step"). The whole
 vector (`state`: parameters then buffers) is what the relay holds, what the log changes, what a snapshot
 carries and what the end-of-fit hash covers, so a replica's buffers are as identical as its parameters
-(README, "BatchNorm and other buffers").
+(docs/guide/models.md, "BatchNorm and other buffers").
 
 Which buffers are shared: the persistent float buffers (those in ``state_dict()``). A non-persistent
 buffer (``register_buffer(..., persistent=False)``: causal masks, rotary cos/sin caches, anything a module
 derives and rebuilds) is not model state; it stays local to each replica, outside the flat state and the
 end-of-fit hash, as it stays outside a checkpoint. Integer buffers stay local too (`int_buffers`).
 
-On a device (issue 11, ``FlatParams(module, device=...)``) the buffer is a float32 torch tensor there, and
+On a device (``FlatParams(module, device=...)``) the buffer is a float32 torch tensor there, and
 `state`, `array`, `buffer_array` and `twin` are torch views of it instead of NumPy ones: the codec, the
 apply log and the worker take either (encoding/torch_codec.py, vectors.py). Without a device they stay
 the NumPy views the Numba kernels run on, the CPU default.

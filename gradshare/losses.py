@@ -1,4 +1,4 @@
-"""Which loss a fit uses, the train step that computes it, and the driver's one-row probe (issue 11).
+"""Which loss a fit uses, the train step that computes it, and the driver's one-row probe.
 
 A *batch* is a tuple of tensors ``(x1, ..., xn, labels)``: the model's inputs in row order (one for
 plain rows), then the labels. A train step is ``step(model, batch) -> scalar loss tensor``; the worker
@@ -130,7 +130,7 @@ def explained(inputs, names: tuple[str, ...]):
                                  f"(they stay int64 end to end). torch said: {text.splitlines()[0]}") from e
         if _DTYPE.search(text) and ints:
             raise InputTypeError(f"a layer got non-float data: {'; '.join(ints)}; integer and bool features keep "
-                                 "their dtype (issue 11): cast them to float in the data or in the model. torch said: "
+                                 "their dtype: cast them to float in the data or in the model. torch said: "
                                  f"{text.splitlines()[0]}") from e
         raise
 

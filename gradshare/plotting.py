@@ -1,4 +1,4 @@
-"""`FitResult.plot`: one PNG of a fit, per epoch (issue 14, item 4).
+"""`FitResult.plot`: one PNG of a fit, per epoch.
 
 Three panels: training loss; the validation metric (or a note that the fit had no validation data);
 traffic, the UDP bytes the workers sent and received against what dense float32 sharing would have

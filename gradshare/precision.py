@@ -1,4 +1,4 @@
-"""Mixed precision (issue 11): half-precision compute, float32 everything that is shared.
+"""Mixed precision: half-precision compute, float32 everything that is shared.
 
     precision = Precision("fp16-mixed", device_type="cpu")
     with precision.autocast():

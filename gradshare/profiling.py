@@ -1,6 +1,6 @@
 """Per-phase step timers of the worker, on when `WorkerConfig.profile` is true (benchmarks).
 
-Issue 5 asks that every miss be explained from a profile, not guessed. The worker stamps the end of
+A benchmark target that is missed is explained from a profile, not guessed. The worker stamps the end of
 each phase of a step (`lap`); the phases add up to the step's wall time except for the few statements
 between two stamps, which show up as "other" in `gradshare.bench.profile.summarise`. When profiling is
 off the worker holds `OFF`, whose methods do nothing (one call per phase, no clock read).

@@ -1,4 +1,4 @@
-"""What crosses a process boundary as a report: frozen dataclasses in one module (issue 15 item 1).
+"""What crosses a process boundary as a report: frozen dataclasses in one module.
 
     WorkerReport    what a training task returns to the driver (through Spark's result channel)
     EpochStats      one history row: a rank's epoch (worker) or every rank's (the driver's merged row)
@@ -14,7 +14,7 @@ transport.events.Fail): nothing here is pickled onto the UDP port.
 
 Reports and history rows keep dict-style read access (``report["rank"]``, ``row.get("val_metric")``,
 ``dict(row)``, ``"profile" in report``): FitResult.worker_reports, the rows on_epoch_end and
-early_stopping see, and README's examples read them that way. An optional field left at None is absent
+early_stopping see, and the docs' examples read them that way. An optional field left at None is absent
 from that view, as the key was from the dict.
 
 The transport cores keep counting in plain Counter dicts: one increment per datagram on the hot path,
@@ -241,7 +241,7 @@ class Progress:
 # ----------------------------------------------------------------------------------- failures
 
 # A user's (or torch's) exception class cannot be imported on the driver in general. These builtins
-# keep their class (what the driver raised before issue 15); any other non-gradshare error arrives as
+# keep their class (what the driver raised before reports were typed); any other non-gradshare error arrives as
 # TrainingError, its message naming the worker's exception type.
 _KEPT_BUILTINS: Mapping[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 _KEPT_BY_NAME = {"InputTypeError": "TypeError"}  # losses.InputTypeError: a TypeError the driver can raise

@@ -1,4 +1,4 @@
-"""What the driver ships to the workers inside the Spark job closure, and how a worker unpacks it (issue 11).
+"""What the driver ships to the workers inside the Spark job closure, and how a worker unpacks it.
 
 Two concerns, both about the closure:
 

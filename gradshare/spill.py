@@ -1,4 +1,4 @@
-"""A partition larger than `spill_bytes`, streamed from its spill file with bounded memory (issue 14, item 5).
+"""A partition larger than `spill_bytes`, streamed from its spill file with bounded memory.
 
 The file holds one record per row: a field per input (batches.spill_dtype, every dtype and shape kept) and
 the label ("y"). Nothing of it is mapped: rows come back by explicit reads (`os.preadv`) into one

@@ -1,4 +1,4 @@
-"""Early stopping and epoch-end callbacks (issue 14, item 2), decided on rank 0 and carried by the log.
+"""Early stopping and epoch-end callbacks, decided on rank 0 and carried by the log.
 
 Why the log: every replica must stop at a step that is a function of the log alone, or the replicas
 would apply different logs and diverge. Rank 0 scores epoch e on the log through its epoch's last step

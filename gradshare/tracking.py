@@ -1,4 +1,4 @@
-"""MLflow run logging for SharedTrainer (issue 14, item 4): one run per fit, logged from the driver.
+"""MLflow run logging for SharedTrainer: one run per fit, logged from the driver.
 
     SharedTrainer(model, mlflow=True).fit(rdd)                           # the active experiment
     SharedTrainer(model, mlflow={"experiment": "digits", "run_name": "k0"}).fit(rdd)

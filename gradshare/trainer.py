@@ -1,4 +1,4 @@
-"""SharedTrainer: the driver side of gradient-sharing training on Spark (issue 4).
+"""SharedTrainer: the driver side of gradient-sharing training on Spark.
 
     trainer = SharedTrainer(model, threshold=1e-3, port=40123)
     result = trainer.fit(rdd)            # RDD of (features, label) rows
@@ -11,7 +11,7 @@ barrier stage with one worker per partition, feeds a progress bar from the relay
 and verifies that every replica's parameter hash equals the relay's (a mismatch raises
 ConsistencyError). A worker whose own code fails deterministically (the model, loss, optimizer or
 data raised) reports it to the relay, and the driver cancels the job at once and raises that error
-(issue 11) instead of waiting out Spark's stage retries.
+instead of waiting out Spark's stage retries (docs/guide/failures.md, "Fast failure").
 
 Restart: the barrier stage is a shuffle-map stage, so Spark retries it when a worker process dies.
 The new attempt joins the relay with a higher attempt number. With checkpoints (checkpoint_dir= or
@@ -101,8 +101,8 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """Adam, lr 1e-3, fused: the default `optimizer` factory. The fused kernel updates each parameter in
     one pass: on this machine's CPU an Adam step over 8.4 M parameters takes 5 ms instead of the
     multi-tensor (foreach) kernel's 46 ms, and it allocates no temporaries the size of a layer (a
-    worker's peak memory on the 51.6 M MLP: 7.85 instead of 8.63 × the parameter bytes; README,
-    "Failures and worker memory")."""
+    worker's peak memory on the 51.6 M MLP: 7.85 instead of 8.63 × the parameter bytes;
+    docs/benchmarks/memory.md)."""
     return torch.optim.Adam(params, lr=1e-3, fused=True)
 
 
@@ -123,7 +123,7 @@ class FitResult:
     resumed_from: int  # 0, or the step a retried stage continued from
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)  # fit's docstring lists the keys; values of several types
-    # steps of data the log went on without (only on_rank_loss="continue" skips any; issue 12)
+    # steps of data the log went on without (only on_rank_loss="continue" skips any)
     skipped_steps: int = 0
 
     @property
@@ -165,7 +165,7 @@ class FitResult:
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
 # cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
 # accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
-# 14 ms, per-rank retransmitting; README "Aggregated forwarding", docs/bench-scale*.json)
+# 14 ms, per-rank retransmitting; docs/benchmarks/scale.md, docs/bench-scale*.json)
 AGGREGATE_FROM = 16
 
 
@@ -180,7 +180,7 @@ def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False)
 # The warm-up's first density, shared by the workers: each starts at this ÷ N. Every replica applies all N
 # workers' messages, so at N = 4 four workers at 0.1 each moved the model as one at ~0.4 and the digits MLP
 # was slower in its first epochs than at 0.05 each (seeds 0-2 after epoch 3: 89.5 against 90.9 %, DDP's
-# 90.5 %); at N = 2 this is the 0.1 that measured best (README "Convergence", lock step).
+# 90.5 %); at N = 2 this is the 0.1 that measured best (docs/benchmarks/convergence.md, lock step).
 DEFAULT_WARMUP_SHARED_DENSITY = 0.2
 
 
@@ -215,7 +215,7 @@ class SharedTrainer:
         learning rate; threshold_algorithm then says how it moves: "adaptive" (default: τ moves to keep
         the share of sent entries in DL4J's band), "fixed", or a threshold-rule object.
     density: with threshold="auto", the share of entries each step sends after the warm-up (default
-        2e-3, README "Convergence benchmark").
+        2e-3, docs/benchmarks/convergence.md).
     warmup: with threshold="auto", epochs over which the density falls geometrically from
         ``warmup_density`` (default 0.2 ÷ the number of workers, at most 0.1) to ``density`` (Deep Gradient
         Compression's warm-up; default 3 epochs but at least 24 steps, 0 disables; a number given is taken
@@ -231,7 +231,7 @@ class SharedTrainer:
         encoding/sharing.py). On by default.
     local_view: each worker takes its gradient at the shared parameters plus its own residual (the
         updates it has not sent yet), not at the shared parameters alone, so a direction it has already
-        pushed stops being pushed (gradshare/local_view.py; README "Convergence"). On by default; costs
+        pushed stops being pushed (gradshare/local_view.py; docs/guide/convergence.md). On by default; costs
         one more float32 copy of the parameters per worker and one add per step.
     drop_last: what happens to a partition's final batch when it is shorter than batch_size: True drops
         it, False keeps it, "auto" (default) drops it only when it is a single row and the model has a
@@ -239,9 +239,9 @@ class SharedTrainer:
         batch is an error naming it.
     aggregate: "sum" (default, DL4J's SharedTrainingMaster: every replica adds every worker's ±τ) or
         "mean" (each message is applied × 1/N, so N workers that agree move the model as far as one
-        step of DDP's averaged gradient would; README "Convergence").
-    forwarding: how the relay shares a step's messages (issue 13 item 1; README "Aggregated
-        forwarding"): "per-rank" (each rank's message goes to every other rank, N·(N−1) messages a
+        step of DDP's averaged gradient would; docs/guide/convergence.md).
+    forwarding: how the relay shares a step's messages (docs/guide/cluster.md, "Many workers:
+        aggregated forwarding"): "per-rank" (each rank's message goes to every other rank, N·(N−1) messages a
         step), "aggregate" (the relay adds the step's N messages into a residual of its own and sends ONE
         re-encoded message of about one rank's size to every rank: N messages a step; two-level error
         feedback, gradshare/encoding/aggregate.py; it delays some update mass, ~2 points of digits
@@ -270,7 +270,7 @@ class SharedTrainer:
         steps of every worker: stale updates. That is an optimisation effect, not a transport one (the
         replicas still apply the same log bit for bit), and it is strong for Adam at lr 1e-3: on the
         benchmark MLP (10.5 M params, 2 workers) k = 1 reaches ~19 % test accuracy after 4 epochs where
-        k = 0 reaches ~89 %, and the same happens with dense, uncompressed updates (README, "Staleness").
+        k = 0 reaches ~89 %, and the same happens with dense, uncompressed updates (docs/guide/convergence.md, "Staleness").
         Prefer k = 0 unless the link is the bottleneck; with k ≥ 1 keep `lookahead` on and lower the
         learning rate (the gap closes as lr falls).
     lookahead: with k ≥ 1, run each step at P + this worker's own sent messages that the log has not
@@ -314,7 +314,7 @@ class SharedTrainer:
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error; also how
         long the relay waits for a suspected rank (on_rank_loss="wait") before it gives up with an error
         naming the rank, its step and how long it was silent.
-    liveness_timeout: a rank silent this long is *suspected* (issue 12; README "Liveness"). A rank that
+    liveness_timeout: a rank silent this long is *suspected* (docs/guide/failures.md, "Liveness"). A rank that
         comes back (a GC pause, a stopped process) carries on with nothing lost or repeated.
     on_rank_loss: what a suspected rank costs: "wait" (default: the log waits for it, at most `timeout`;
         a task that really died fails the barrier stage and Spark's retry resumes from the relay),
@@ -551,7 +551,7 @@ class SharedTrainer:
         retried stage resumed inside it; its loss/sparsity/τ/payload/lr then come from the relay's tally
         of the applied log, which holds the killed attempt's steps), skipped_steps (steps of data the log
         went on without, on_rank_loss="continue" only). extra["incidents"]: the relay's liveness
-        incidents (README "Liveness"). extra["forwarding"]: "per-rank" or "aggregate", what ran.
+        incidents (docs/guide/failures.md, "Liveness"). extra["forwarding"]: "per-rank" or "aggregate", what ran.
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
@@ -742,8 +742,8 @@ class SharedTrainer:
         return plan, first, self.epochs - first
 
     def _join_window(self, load_seconds: float) -> float:
-        """How long after a stage attempt starts the relay waits for a rank it has not heard at all
-        (issue 12): `timeout`, plus a generous multiple of the slowest partition's read in the pre-pass
+        """How long after a stage attempt starts the relay waits for a rank it has not heard at all:
+        `timeout`, plus a generous multiple of the slowest partition's read in the pre-pass
         (the training read also builds arrays or a spill file). A task that is loading says so anyway."""
         return max(self.timeout, self.liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
@@ -823,7 +823,7 @@ def _offset(epoch: int | None, first_epoch: int) -> int | None:
 
 
 def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
-    """(fn(*args), seconds it took): the pre-pass reports each partition's read time (issue 12)."""
+    """(fn(*args), seconds it took): the pre-pass reports each partition's read time."""
     t0 = time.monotonic()
     return fn(*args), time.monotonic() - t0
 
@@ -928,7 +928,7 @@ def _incident_class(incident: Incident) -> type[GradshareError]:
 
 def _driver_error(exc: BaseException, relay: Relay | None, reported: Fail | None = None) -> Exception:
     """Turn Spark's job failure into one clear error naming the rank and the cause: the relay's first
-    incident (the rank it suspected, cut or gave up on first, with its step; issue 12) before the
+    incident (the rank it suspected, cut or gave up on first, with its step) before the
     tasks' errors, which are often symptoms of it (a rank rejected because another was cut).
 
     The worker's error (reports.WorkerFailure) comes from the relay, which the failing task reported it
@@ -964,7 +964,7 @@ def _rank_rows(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: t
                epochs: int) -> dict[tuple[int, int], EpochStats]:
     """(rank, epoch) -> that rank's history row. The last attempt's own row where it trained the whole
     epoch; otherwise (a retried stage resumed inside it, or after it) a row made from the relay's tally
-    of the applied log, which holds the killed attempts' steps too (issue 12). "resumed" says which."""
+    of the applied log, which holds the killed attempts' steps too. "resumed" says which."""
     own = {(r.rank, h.epoch): h for r in reports for h in r.history}
     rows: dict[tuple[int, int], EpochStats] = {}
     for rank, spe in enumerate(steps_per_epoch):

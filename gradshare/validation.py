@@ -1,4 +1,4 @@
-"""Validation data split across the workers (issue 14, item 2): a DataFrame or RDD of validation rows,
+"""Validation data split across the workers: a DataFrame or RDD of validation rows,
 one shard per rank, scored on every replica and reduced to one number.
 
 Driver side (`shards_for`): the validation rows are checked against the training data (columns and
@@ -85,7 +85,7 @@ def _column_kind(dtype) -> str:
     """A column's Spark type as what it becomes for the model: "vector", "int", "float", "bool", or
     "array<...>" of those; "?" for anything else."""
     # imported here, on the driver only: pyspark.ml's package __init__ imports pandas and pyarrow, which
-    # a worker importing this module would otherwise carry (~50 MB of its baseline; issue 11's memory)
+    # a worker importing this module would otherwise carry (~50 MB of its baseline; docs/benchmarks/memory.md)
     from pyspark.ml.linalg import VectorUDT
 
     if isinstance(dtype, VectorUDT):

@@ -1,5 +1,5 @@
 """Small operations on a flat float32 vector that is either a NumPy array (the CPU default, where the
-Numba kernels run) or a torch tensor on a device (issue 11: the state, the residual and the twin live on
+Numba kernels run) or a torch tensor on a device (the state, the residual and the twin live on
 the GPU). The worker calls these instead of carrying two copies of its step: each one does the same
 float32 operation on either kind, so both paths keep the same bits (encoding/torch_codec.py).
 

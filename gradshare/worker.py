@@ -19,7 +19,7 @@ of every replica is a function of the data and the seed alone (k = 0 is synchron
 Own-update lookahead (k ≥ 1, `WorkerConfig.lookahead`): with stale parameters the step's gradient is taken
 at P, which lacks every worker's last k messages, so a worker keeps pushing in directions already-sent
 updates have covered (with Adam at lr 1e-3, k = 1 falls from ~89 % to ~19 % on the benchmark MLP after
-4 epochs; README, "Staleness"). Its OWN missing messages are known locally, so the forward/backward and
+4 epochs; docs/guide/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the forward/backward and
 optimizer step run at P + (own sent messages the log has not applied yet), and u is measured from that
 point; afterwards P is restored bit for bit (exact for one worker, partial for several). P
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
@@ -288,7 +288,7 @@ class Worker:
                        and needs_all_gradients(self.optimizer, self.precision) is None)
         self.path = update_path(self.flat, self.optimizer, self.state.target,
                                 allow_direct=cfg.direct_update, in_backward=in_backward, folded=folded)
-        # the gradient is taken at P + this worker's unsent residual (local_view.py, issue 10)
+        # the gradient is taken at P + this worker's unsent residual (local_view.py)
         self.view: FoldedView | LocalView | NoView
         if point is not None and isinstance(self.path, DirectPath):  # folded (update_path: the direct path)
             self.view = FoldedView(self.flat, point, self.path.stepped)
@@ -491,7 +491,7 @@ class Worker:
         loss_value = float(loss.detach())
         prof.lap("encode")
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
-        # then still has the steps of the attempts before it (issue 12)
+        # then still has the steps of the attempts before it
         # (a skipped fp16 step's empty message carries a placeholder τ, not one that was used: no τ)
         meta = Progress(loss_value, msg.n_entries / flat.n_params, float(len(payload)),
                         float(epoch - self.cfg.first_epoch), msg.threshold if taken else None, lr).to_meta()
@@ -600,7 +600,7 @@ class Worker:
                 total = min(total, (log.stop_epoch + 1) * spe)  # never before t (stopping.stop_epoch)
             epoch, b = divmod(t, spe)
             acc["lr"] = current_lr(self.optimizer) if acc["lr"] is None else acc["lr"]
-            peer.begin_step(t)  # until its send_update: the relay's step_timeout watches this (issue 12)
+            peer.begin_step(t)  # until its send_update: the relay's step_timeout watches this
             loss, entries, nbytes = self.step(peer, t)
             prof.end()
             acc["loss"] += loss
@@ -730,7 +730,7 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
     """The barrier task body: materialise rows, join the relay (resuming if it says so), train, report.
 
     A failure (reports.WorkerFailure: the class the driver raises, rank, step, first cause) reaches the
-    driver two ways (issue 15). The object path: it is reported to the relay over the authenticated
+    driver two ways. The object path: it is reported to the relay over the authenticated
     control channel (FAIL, msgpack fields); a deterministic one (`is_deterministic`) as fatal, so the
     driver cancels the job at once instead of after Spark's stage retries, which would fail the same
     way, any other as retryable, which the driver reads only if the job fails after all. The fallback:
@@ -837,7 +837,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
     peer = None
     if cfg.n_state:
         # the peer exists before the partition is read: it says LOADING while the rows materialise, so a
-        # slow partition is a live task to the relay, not a silent one (issue 12)
+        # slow partition is a live task to the relay, not a silent one
         peer = _new_peer(cfg, rank, attempt, cfg.n_state)
         peer.loading()
     data = shard = None
@@ -892,7 +892,7 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
         # and let the log go on without it, so the others would train past the failed step and the
         # retried stage would skip this rank's data (a deterministic error would vanish). Silent, the
         # rank stays expected: Spark retries the stage, which resumes at the failed step (with no
-        # retry, the relay's on_rank_loss policy decides; issue 12).
+        # retry, the relay's on_rank_loss policy decides).
         if peer is not None:
             peer.close(linger=0.0, leave=False)
         raise

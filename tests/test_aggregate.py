@@ -1,4 +1,4 @@
-"""Aggregated forwarding (issue 13 item 1): the relay's aggregate against a NumPy oracle, and the
+"""Aggregated forwarding: the relay's aggregate against a NumPy oracle, and the
 protocol in aggregate mode (exactly once per step, bit-identical replicas) over a lossy in-memory link,
 a stage restart, and real sockets through the fault proxy."""
 

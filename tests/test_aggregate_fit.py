@@ -1,4 +1,4 @@
-"""SharedTrainer(forwarding="aggregate") on the real local Spark session (issue 13 item 1): the replicas
+"""SharedTrainer(forwarding="aggregate") on the real local Spark session: the replicas
 and the relay apply only the relay's aggregates and end bit-identical (fit raises ConsistencyError
 otherwise), at staleness 0 and 1, with BatchNorm buffers, and across a worker killed mid-training."""
 

@@ -1,4 +1,4 @@
-"""`gradshare bench convergence` (issue 10): argument checks, the one LR schedule factory every system uses,
+"""`gradshare bench convergence`: argument checks, the one LR schedule factory every system uses,
 the summary and target checks on synthetic rows, the tabular workload, and one small real run of all three
 systems on the shared local[2] Spark session."""
 

@@ -37,7 +37,7 @@ def test_json_keys_and_consistency(capsys):
     assert res["form"] == "rice"  # Golomb-Rice beats varints on random gaps
     assert res["dense_bytes"] == 4_000_000
     assert res["compression_ratio"] == pytest.approx(res["dense_bytes"] / res["message_bytes"])
-    # wire size at 1e-3 (issue 2 target: <= 2.2 bytes per entry; the 32-byte header included)
+    # wire size at 1e-3 (target: <= 2.2 bytes per entry; the 32-byte header included)
     assert res["bytes_per_entry"]["sparse"] <= 2.2
     assert res["bytes_per_entry"]["rice"] < res["bytes_per_entry"]["sparse"]
     assert res["message_bytes"] == round(res["bytes_per_entry"]["rice"] * res["entries"])

@@ -154,7 +154,7 @@ def test_target_checks_compare_the_right_rows():
     assert checks["100mbit: gradshare time-to-target ÷ DDP dense"]["value"] == 0.0  # DDP never got there
     assert checks["100mbit: gradshare time-to-target ÷ DDP dense"]["met"] is True
     assert checks["1gbit: gradshare time-to-target ÷ single"]["value"] == pytest.approx(1.6)  # 8 s vs 5 s
-    assert checks["1gbit: gradshare time-to-target ÷ single"]["met"] is False  # issue 10: at most 0.5
+    assert checks["1gbit: gradshare time-to-target ÷ single"]["met"] is False  # target: at most 0.5
     assert checks["1gbit: single − gradshare final acc. (pp, last 3)"]["value"] == pytest.approx(0.2)
     assert checks["1gbit: DDP dense ÷ gradshare bytes/step (lo)"]["value"] == pytest.approx(800)
 

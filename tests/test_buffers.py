@@ -1,4 +1,4 @@
-"""BatchNorm and other float buffers (issue 11, "Buffers"): they live in the flat state after the
+"""BatchNorm and other float buffers (docs/guide/models.md): they live in the flat state after the
 parameters, each step's change of them travels exactly in the step's update (encoding/update.py), and a
 fit returns the buffers every replica holds bit for bit, scored by the validation metric of the model
 `fit` returns."""

@@ -1,4 +1,4 @@
-"""Stepping the optimizer in backward (gradshare/capture.py, issue 11 memory): each parameter is stepped
+"""Stepping the optimizer in backward (gradshare/capture.py; docs/benchmarks/memory.md): each parameter is stepped
 from its gradient hook and its gradient dropped at once. The worker must learn exactly what it learns
 with one optimizer step after backward (checked, not assumed, for every optimizer the direct path
 takes), and fall back to that step when something needs every gradient at once."""

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 14, item 3): a fit stopped and resumed from its checkpoint ends bit-identical to
+"""Checkpoints: a fit stopped and resumed from its checkpoint ends bit-identical to
 an uninterrupted one; bad checkpoint_dir / resume_from / corrupt checkpoints fail before training."""
 
 import json

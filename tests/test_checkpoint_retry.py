@@ -1,4 +1,4 @@
-"""A retried stage and checkpoints (issue 14, item 3): the relay rolls the fit back to the last checkpoint
+"""A retried stage and checkpoints: the relay rolls the fit back to the last checkpoint
 so that a fit whose worker was killed ends bit-identical to an uninterrupted one; the killed attempt's
 history rows stay; rank 0's early-stopping state and a stop decided before the kill survive the retry."""
 

@@ -1,4 +1,4 @@
-"""TrainConfig (issue 15): one source of defaults for SharedTrainer, the gradshare.ml Params, the CLI and the
+"""TrainConfig: one source of defaults for SharedTrainer, the gradshare.ml Params, the CLI and the
 benchmarks, and one place that checks the options, with errors that name the option."""
 
 import argparse

@@ -1,4 +1,4 @@
-"""Early stopping and on_epoch_end (issue 14, item 2): rank 0 decides, the log carries the decision,
+"""Early stopping and on_epoch_end: rank 0 decides, the log carries the decision,
 every rank stops after the same epoch and the replicas stay bit-identical."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Issue 11: a deterministic worker error surfaces at once with its real cause (FAIL over the relay, user
+"""A deterministic worker error surfaces at once with its real cause (FAIL over the relay, user
 objects unpickled inside the worker), and a worker holds the model's weights once (skeleton + snapshot).
 
 Transport parts run on the in-memory harness; the end-to-end parts on the shared local Spark session."""
@@ -257,8 +257,8 @@ def wide_mlp():
     return nn.Sequential(nn.Linear(64, 2500), nn.ReLU(), nn.Linear(2500, 2500), nn.ReLU(), nn.Linear(2500, 10))
 
 
-# parameters, gradients and the residual folded into the local view's point (P + r, local_view.py:
-# issue 10) are 3x; the rest is slack for the allocator
+# parameters, gradients and the residual folded into the local view's point (P + r, local_view.py)
+# are 3x; the rest is slack for the allocator
 SGD_MULTIPLE = 5.0
 
 
@@ -270,8 +270,8 @@ def _growth(report) -> int:
 @pytest.mark.spark
 def test_worker_peak_memory_stays_near_the_training_state(spark):
     """6.4 M parameters with SGD: a worker's peak RSS over its process's baseline stays under
-    SGD_MULTIPLE x the parameter bytes. Before issue 11 the job's closure (pickled model bytes and the
-    unpickled model, about 2x; benchmarks/worker_memory.py) came on top of the 3x of training state."""
+    SGD_MULTIPLE x the parameter bytes. When the model's weights rode in it, the job's closure (pickled model
+    bytes and the unpickled model, about 2x; benchmarks/worker_memory.py) came on top of the 3x of training state."""
     from gradshare.demo import digits_split
 
     X, _, y, _ = digits_split(0)

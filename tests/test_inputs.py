@@ -1,4 +1,4 @@
-"""Issue 11, inputs and losses: dtypes end to end (int64 ids above 2**24 exact), multi-input rows, label
+"""Inputs and losses (docs/guide/data.md): dtypes end to end (int64 ids above 2**24 exact), multi-input rows, label
 shapes and kinds, the default loss chosen from the model's output, a train_step hook, and clear errors
 (shapes named, dtypes named, partition and row named)."""
 

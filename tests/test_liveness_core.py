@@ -1,4 +1,4 @@
-"""Liveness in the relay core (issue 12), in memory with a simulated clock: a silent rank is suspected,
+"""Liveness in the relay core, in memory with a simulated clock: a silent rank is suspected,
 not cut; what follows is the on_rank_loss policy; loading ranks and the join window; a stuck step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Message byte format: symmetric, bounded, and every bad input is a DecodeError (issue 2, "Bad input")."""
+"""Message byte format: symmetric, bounded, and every bad input is a DecodeError."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""gradshare.ml (issue 14, item 1) on the real local Spark session: a Pipeline after VectorAssembler and
+"""gradshare.ml on the real local Spark session: a Pipeline after VectorAssembler and
 StandardScaler with the output schema checked, predictions equal to the torch module's, save/load round
 trips (Model, PipelineModel, Estimator), a 100k-row transform that stays on the executors,
 CrossValidator over a 2-point learning-rate grid, a multi-input regressor, and bad input named before

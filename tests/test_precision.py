@@ -1,4 +1,4 @@
-"""Mixed precision (issue 11, gradshare/precision.py): autocast forward, float32 master parameters, and
+"""Mixed precision (gradshare/precision.py): autocast forward, float32 master parameters, and
 fp16's loss scaler, whose skipped steps send an empty message and leave the residual and P alone.
 
 Unit tests drive the real Worker with an in-memory log (as test_staleness.py does); the fits run on the

@@ -1,5 +1,5 @@
-"""The README's table of SharedTrainer options is the signature (issue 14, item 6): every option, in order,
-with its default. A new option, a changed default or a removed one fails here until the README says so."""
+"""The guide's table of SharedTrainer options (docs/guide/options.md) is the signature: every option, in
+order, with its default. A new option, a changed default or a removed one fails here until the guide says so."""
 
 import ast
 import inspect
@@ -8,14 +8,17 @@ import re
 
 from gradshare import SharedTrainer
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-HEADING = "### Every option"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+OPTIONS = os.path.join(ROOT, "docs", "guide", "options.md")
+SPARK_ML = os.path.join(ROOT, "docs", "guide", "spark-ml.md")
+HEADING = "# Every option"
 
 
 def readme_options() -> list[tuple[str, str]]:
-    """(option, default cell) per row of the first table after HEADING."""
-    text = open(README, encoding="utf-8").read()
-    assert HEADING in text, f"README.md has no {HEADING!r} section"
+    """(option, default cell) per row of the first table after HEADING in the options page."""
+    text = open(OPTIONS, encoding="utf-8").read()
+    assert HEADING in text, f"docs/guide/options.md has no {HEADING!r} section"
     lines = text[text.index(HEADING):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| option | default |"))
     rows = []
@@ -24,7 +27,7 @@ def readme_options() -> list[tuple[str, str]]:
             break
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
         name = re.fullmatch(r"`(\w+)`", cells[0])
-        assert name, f"README option cell {cells[0]!r} is not one `name`"
+        assert name, f"options table: cell {cells[0]!r} is not one `name`"
         rows.append((name.group(1), cells[1]))
     return rows
 
@@ -38,19 +41,21 @@ def default_of(cell: str):
     return ast.literal_eval(literal.group(1))
 
 
-def test_the_readme_table_lists_every_option_with_its_default_in_signature_order():
+def test_the_options_table_lists_every_option_with_its_default_in_signature_order():
     params = inspect.signature(SharedTrainer).parameters
     rows = readme_options()
     listed = [name for name, _ in rows]
     missing, extra = [n for n in params if n not in listed], [n for n in listed if n not in params]
-    assert not missing and not extra, f"README table: missing {missing}, not options {extra}"
-    assert listed == list(params), "README table is not in the signature's order"
+    assert not missing and not extra, f"options table: missing {missing}, not options {extra}"
+    assert listed == list(params), "options table is not in the signature's order"
     wrong = [(name, cell, params[name].default) for name, cell in rows
              if type(default_of(cell)) is not type(params[name].default) or default_of(cell) != params[name].default]
-    assert not wrong, f"README defaults differ from the signature (option, README, signature): {wrong}"
+    assert not wrong, f"options table defaults differ from the signature (option, table, signature): {wrong}"
 
 
-def test_the_readme_points_to_the_ml_section_and_the_design_document():
+def test_the_options_page_points_to_the_ml_page_and_the_readme_to_the_design_document():
+    options = open(OPTIONS, encoding="utf-8").read()
+    assert "# Spark ML: `gradshare.ml`" in open(SPARK_ML, encoding="utf-8").read()
+    assert "([Spark ML: `gradshare.ml`](spark-ml.md))" in options
     text = open(README, encoding="utf-8").read()
-    assert "## Spark ML: `gradshare.ml`" in text and '("Spark ML: `gradshare.ml`" below)' in text
-    assert "docs/design.md" in text and os.path.exists(os.path.join(os.path.dirname(README), "docs", "design.md"))
+    assert "docs/design.md" in text and os.path.exists(os.path.join(ROOT, "docs", "design.md"))

@@ -1,4 +1,4 @@
-"""Issue 15 item 1: the typed reports (gradshare/reports.py) and worker failures that arrive on the driver
+"""The typed reports (gradshare/reports.py) and worker failures that arrive on the driver
 as the class the worker raised, with rank, step and first cause.
 
 Unit parts need no Spark; the end-to-end parts use the shared local Spark session."""
@@ -146,7 +146,7 @@ def test_the_text_form_rebuilds_the_failure_from_sparks_job_error():
     # the JSON record mangled: the tag line alone (no cause), the class still exact
     tag_only = WorkerFailure.from_text(spark.replace('"rank":2', '"rank":'))
     assert tag_only == WorkerFailure(2, 11, "DecodeError", "index 4097 out of bounds second line", "DecodeError")
-    # a tag from before issue 15: the class by the type's name
+    # a tag from before the typed reports: the class by the type's name
     old = WorkerFailure.from_text("Job aborted: [gradshare rank 0] ConsistencyError: replicas differ\n")
     assert (old.rank, old.step, old.error_class) == (0, None, "ConsistencyError")
     assert WorkerFailure.from_text("[gradshare rank 0] SomeUserError: x").error_class == "TrainingError"

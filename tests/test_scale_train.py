@@ -1,6 +1,6 @@
-"""SharedTrainer with 4 workers on local[4] (issue 13 item 4), in a subprocess: the shared test session is
+"""SharedTrainer with 4 workers on local[4], in a subprocess: the shared test session is
 local[2], and a barrier stage of 4 tasks needs 4 slots. 8 workers and local-cluster: the closing figures
-(`python -m gradshare.bench.scale_train`, README "Scale")."""
+(`python -m gradshare.bench.scale_train`, docs/benchmarks/scale.md)."""
 
 import json
 import os

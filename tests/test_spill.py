@@ -1,4 +1,4 @@
-"""Partitions larger than memory (issue 14, item 5): the spill file's exact rows and dtypes, the seeded
+"""Partitions larger than memory: the spill file's exact rows and dtypes, the seeded
 block shuffle, bounded memory whatever the partition's size, and a 12x-spill_bytes partition training on
 the real local Spark session with the worker's peak RSS measured."""
 

@@ -1,4 +1,4 @@
-"""Run logging and plots (issue 14, item 4): SharedTrainer(mlflow=...) records ONE MLflow run per fit
+"""Run logging and plots: SharedTrainer(mlflow=...) records ONE MLflow run per fit
 (params, per-epoch metrics, the model as an artifact) in a local file store, a failed fit is a FAILED
 run, and FitResult.plot writes a real PNG, with and without validation data."""
 

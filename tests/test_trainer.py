@@ -1,4 +1,4 @@
-"""SharedTrainer end to end on the real local Spark session (issue 4): acceptance, determinism,
+"""SharedTrainer end to end on the real local Spark session: acceptance, determinism,
 staleness, DataFrames, bad input and failures (each a clear driver-side error, nothing left running),
 a worker killed mid-training, and local-cluster in a subprocess (a JVM holds one SparkContext)."""
 
@@ -280,7 +280,7 @@ def test_worker_killed_mid_training_resumes_from_the_relay(digits_rdd, tmp_path)
     assert result.steps == 3 * per_epoch  # the step count continued to the planned end
     assert all(r["param_hash"] == result.param_hash for r in result.worker_reports)
     assert evaluate_accuracy(result.model, X_test, y_test) > 0.5
-    # issue 12: the history keeps the killed attempt's steps; every epoch is whole (30 of 44 before)
+    # liveness: the history keeps the killed attempt's steps; every epoch is whole (30 of 44 before)
     spe = [-(-len(p) // 32) for p in rdd.glom().collect()]
     assert [h["epoch"] for h in result.history] == [0, 1, 2]
     assert [h["steps"] for h in result.history] == [sum(spe)] * 3
@@ -318,7 +318,7 @@ def test_local_cluster_separate_executor_jvms():
     assert out["acc"] > 0.5
 
 
-# ------------------------------------------------------------------------------------ schedules (issue 10)
+# ----------------------------------------------------------------------------------------------- schedules
 def _halving(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
 

@@ -1,5 +1,5 @@
 """10^5 random and forged datagrams at the relay's port during a real exchange: nothing forged is applied,
-nothing crashes, and every genuine update is still delivered exactly once (issue 3)."""
+nothing crashes, and every genuine update is still delivered exactly once."""
 
 from __future__ import annotations
 

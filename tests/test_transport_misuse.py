@@ -1,5 +1,5 @@
 """Every call into the protocol cores, in every state they can reach, either works or raises the
-documented error; nothing else (h2 ``tests/test_state_machines.py``, issue 15 item 4).
+documented error; nothing else (h2 ``tests/test_state_machines.py``).
 
 A hypothesis state machine drives one RelayCore and up to three PeerCores with drawn sequences of
 application calls (join, send_update, finish, leave, fail, snapshots, restarts with the same or a

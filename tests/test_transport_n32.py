@@ -1,4 +1,4 @@
-"""The transport's failure checks at N = 32 (issue 13, "Bad input and failures"), in both forwarding modes,
+"""The transport's failure checks at N = 32, in both forwarding modes,
 on the in-memory simulation (tests/harness.py: the real cores, wire and crypto on a seeded lossy,
 duplicating, reordering link): 1/5/20 % loss, a killed peer, and a flood of 10⁵ forged datagrams."""
 

@@ -1,4 +1,4 @@
-"""32 peers over real loopback sockets (issue 13, "Bad input and failures"): through the lossy,
+"""32 peers over real loopback sockets: through the lossy,
 duplicating, reordering fault proxy, in both forwarding modes, every update is delivered exactly once and
 the replicas end bit-identical. The peers are threads of this process, several per core."""
 

@@ -1,4 +1,4 @@
-"""The socket shells act on the cores' events and call only the cores' methods (issue 13 item 5)."""
+"""The socket shells act on the cores' events and call only the cores' methods."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Peer and rank lifecycles: one transition table each; anything else is a LocalProtocolError naming the
-state and the trigger (issue 13 item 5, h11 ``_state.py``)."""
+state and the trigger (h11 ``_state.py``)."""
 
 from __future__ import annotations
 

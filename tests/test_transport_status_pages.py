@@ -1,4 +1,4 @@
-"""STATUS pages (issue 13 item 2): jobs of more than STATUS_PAGE_RANKS ranks, heartbeats cheap at N = 256."""
+"""STATUS pages: jobs of more than STATUS_PAGE_RANKS ranks, heartbeats cheap at N = 256."""
 
 from __future__ import annotations
 

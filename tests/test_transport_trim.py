@@ -1,4 +1,4 @@
-"""The relay's history trim costs what it drops, not a scan of the history per heartbeat (issue 13 item 5).
+"""The relay's history trim costs what it drops, not a scan of the history per heartbeat.
 
 Work is counted (keys a trim looks at), never timed."""
 

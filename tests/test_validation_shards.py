@@ -1,4 +1,4 @@
-"""Validation data split across the workers (issue 14, item 2): every rank scores its shard at the same
+"""Validation data split across the workers: every rank scores its shard at the same
 log point, the sums are reduced through Spark's barrier, every rank holds the same val_metric, and
 early stopping decides on it; the Estimator's validationIndicatorCol; bad input named before any job."""
 

@@ -1,4 +1,4 @@
-"""The default warm-up of threshold="auto" (issue 10): DEFAULT_WARMUP_EPOCHS epochs of the longest rank, but
+"""The default warm-up of threshold="auto": DEFAULT_WARMUP_EPOCHS epochs of the longest rank, but
 never fewer than DEFAULT_WARMUP_MIN_STEPS steps; a warm-up the user gives is taken as given. Checked on the
 rule each worker starts from, by the density it asks of each step (its public `target`)."""
 

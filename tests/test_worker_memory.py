@@ -1,4 +1,4 @@
-"""What keeps a worker's baseline and peak small (issue 11 memory; benchmarks/worker_memory.py): freed heap
+"""What keeps a worker's baseline and peak small (benchmarks/worker_memory.py, docs/benchmarks/memory.md): freed heap
 pages go back to the OS after big transients, and loading the kernels does not load scipy.linalg."""
 
 import os

@@ -1,6 +1,6 @@
 """Command-line benchmarks (`gradshare bench ...`); scripts in benchmarks/ call these too.
 
-Imports (issue 15): the CLI imports a command's module only for that command, to run it or print its
+Imports: the CLI imports a command's module only for that command, to run it or print its
 --help (gradshare/cli.py, the import seam), so device, transport, scale, train and convergence import
 what they run on at module level. Laziness stays where another module imports one of these for a
 table or a helper:

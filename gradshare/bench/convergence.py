@@ -1,4 +1,4 @@
-"""`gradshare bench convergence`: test accuracy per epoch of gradshare vs DDP dense vs one process (issue 10).
+"""`gradshare bench convergence`: test accuracy per epoch of gradshare vs DDP dense vs one process.
 
 Users buy epochs and time to a target accuracy. For every workload × LR schedule × seed this command trains
 - "single":    one process on the whole training set (independent of N: run once),
@@ -9,8 +9,9 @@ seed, Adam(lr 1e-3), batch per worker and schedule (`systems.lr_scheduler_factor
 stepped once per optimizer step, over each process's own steps). gradshare's τ is `threshold="auto"`
 unless `--threshold` gives one. Per epoch it records the test accuracy (and for gradshare τ, the share of
 sent entries and of silent steps, the lr); across seeds it reports mean ± std per epoch, epochs to target,
-final accuracy (mean of the last 3 epochs), bytes per worker-step and wall seconds, checks issue 10's
-targets, prints a table and writes `bench-convergence.json` and `bench-convergence.png` to `--out-dir`.
+final accuracy (mean of the last 3 epochs), bytes per worker-step and wall seconds, checks the
+convergence targets (docs/benchmarks/convergence.md), prints a table and writes `bench-convergence.json`
+and `bench-convergence.png` to `--out-dir`.
 
 Every configuration is bounded by `--budget`; a configuration that fails or runs out of budget is a failed
 row (its error kept), never a hang. The DDP runs of one workload × N share one TorchDistributor launch
@@ -40,13 +41,13 @@ from gradshare.config import TrainConfig
 SYSTEMS = ("single", "gradshare", "ddp")
 QUICK = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
 # Epochs per workload of the full run, sized so that 3 workloads × 3 schedules × 3 seeds × N ∈ {2, 4} ×
-# 3 systems fit in about an hour on the 2-core VM (README "Convergence benchmark" has the timings). On
+# 3 systems fit in about an hour on the 2-core VM (docs/benchmarks/convergence.md has the timings). On
 # seed 0 with cosine every system had crossed its target by epoch 5 (MLP), 7 (CNN, of 8: too few to see
 # N=4 settle) and 6 (tabular), and moved by at most 1.1 pp over its last 3 epochs.
 DEFAULT_EPOCHS = {"mlp": 12, "cnn": 10, "tabular": 10}
 DEFAULT_BUDGET = 240.0  # seconds of training per configuration; far above any measured run
-ACCURACY_SLACK_PP = 0.3  # issue 10: gradshare's final accuracy ≥ DDP's − 0.3 pp
-TRAFFIC_TARGETS = {"mlp": 300.0, "cnn": 100.0}  # issue 10: dense ÷ gradshare bytes, at least
+ACCURACY_SLACK_PP = 0.3  # target: gradshare's final accuracy ≥ DDP's − 0.3 pp
+TRAFFIC_TARGETS = {"mlp": 300.0, "cnn": 100.0}  # target: dense ÷ gradshare bytes, at least
 DDP_START_SECONDS = 180.0  # a DDP batch's hard limit: this + (budget + 30 s) per run
 
 
@@ -300,7 +301,7 @@ def _find(summary: list[dict], workload: str, schedule: str, workers: int, syste
 
 
 def checks(summary: list[dict]) -> list[dict]:
-    """Issue 10's targets for every workload × schedule × N that has gradshare or DDP rows: gradshare's mean
+    """The convergence targets for every workload × schedule × N that has gradshare or DDP rows: gradshare's mean
     final accuracy ≥ DDP's − 0.3 pp; its epochs to target (mean curve) ≤ DDP's; traffic ≥ 300× less than
     dense on the MLP, ≥ 100× on the CNN (FitResult.traffic_ratio, mean over seeds). `met` is None where a
     side has no successful seed (not measured)."""
@@ -445,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
                                          f"({doc['machine']['cpus']} cpus)")
     print()
     print(table(doc["summary"]))
-    print("\nissue-10 targets:")
+    print("\nconvergence targets:")
     print(checks_table(doc["checks"]))
     print(f"\n{len(rows)} configurations in {time.monotonic() - t0:.0f} s; wrote {json_path} and {png_path}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1

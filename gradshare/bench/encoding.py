@@ -4,7 +4,7 @@ On the same arrays, in one run: the fused accumulate+encode (`encode(r, u, τ)`)
 `numpy.add(r, u, out=r)` (the memory traffic encode cannot avoid), decode-apply speed, wire bytes per
 entry of every form and the compression against dense float32. Medians over ``--repeat`` runs; the
 residual is reset to zero before every timed call so each step has the requested density. The JSON
-keys are documented in README.md ("Encoding benchmark").
+keys are documented in docs/benchmarks/encoding.md.
 
 Top-level imports are stdlib only: the CLI imports this module to build its parser.
 """

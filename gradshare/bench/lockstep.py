@@ -12,7 +12,7 @@ Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system 
 averaged by scale), rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1:
 aggregate="mean"), view (local_view, default true), folded (the view folded into one buffer where it
 applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
-"cpu"; gradshare only), follow_lr, clip, and two experiments the README's table measured: decay (multiply
+"cpu"; gradshare only), follow_lr, clip, and two experiments the lock-step table of docs/benchmarks/convergence.md measured: decay (multiply
 every residual by it after each step) and cap (after the warm-up τ may not exceed cap × its value at the
 warm-up's end).
 

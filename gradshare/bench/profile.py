@@ -1,4 +1,4 @@
-"""Where a gradshare step goes (issue 5 asks misses to be explained from such profiles, not guesses).
+"""Where a gradshare step goes (a missed target is explained from such profiles, not guessed).
 
 The worker times its own phases when `SharedTrainer(worker_options={"profile": True})` is given
 (gradshare/profiling.py); each rank's report then holds a "profile" entry: per-step seconds of every

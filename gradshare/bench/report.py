@@ -1,4 +1,4 @@
-"""Results of `gradshare bench train`: one row per (workload, link, system), the issue-5 target checks,
+"""Results of `gradshare bench train`: one row per (workload, link, system), the target checks,
 a terminal table, a JSON file and a PNG plot (accuracy vs training wall-clock)."""
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def _ratio(a, b):
 
 
 def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
-    """The issue-5 and issue-10 targets for `workload`: each with the measured value, the limit and pass/miss."""
+    """The step-time, traffic and time-to-accuracy targets for `workload`: each with the measured value,
+    the limit and pass/miss."""
     out = []
     single = _baseline_single(rows, workload)
 
@@ -104,14 +105,14 @@ def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
     add("100mbit: gradshare s/step ÷ DDP dense s/step", _ratio(gs100 and gs100["sec_per_step"],
                                                             dd100 and dd100["sec_per_step"]), 0.05, le)
     for link in ("1gbit", "100mbit", "unshaped"):
-        for peer, label in (("powersgd", "DDP+PowerSGD"), ("ddp", "DDP dense")):  # issue 10: ahead of both
+        for peer, label in (("powersgd", "DDP+PowerSGD"), ("ddp", "DDP dense")):  # time to target: ahead of both
             gs, ps = _find(rows, "gradshare", workload, link), _find(rows, peer, workload, link)
             if gs and ps:
                 g, p = gs["time_to_target"], ps["time_to_target"]
                 value = None if g is None else (g / p if p else 0.0)  # 0.0: the peer never reached it
                 add(f"{link}: gradshare time-to-target ÷ {label}", value, 1.0, lambda v, lim: v < lim)
     gs1 = _find(rows, "gradshare", workload, "1gbit")
-    if single and gs1 and single["time_to_target"]:  # issue 10: at most half the single process's
+    if single and gs1 and single["time_to_target"]:  # time to target: at most half the single process's
         g = gs1["time_to_target"]
         add("1gbit: gradshare time-to-target ÷ single", None if g is None else g / single["time_to_target"],
             0.5, le)

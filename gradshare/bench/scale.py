@@ -1,4 +1,4 @@
-"""`gradshare bench scale`: how the relay's traffic and CPU grow with the number of peers (issue 13).
+"""`gradshare bench scale`: how the relay's traffic and CPU grow with the number of peers.
 
 For each N in ``--peers`` a real :class:`~gradshare.transport.Relay` (a thread of this process, as in the
 driver) serves N real :class:`~gradshare.transport.Peer` objects spread over ``--procs`` processes
@@ -23,7 +23,7 @@ with a simulated clock (STYLE 12), and a projected step-communication table at 1
 256 is fitted from the measured costs (the model is printed and stored with the table).
 
 ``--forwarding per-rank`` (the relay forwards each rank's datagrams to every other rank) or
-``aggregate`` (issue 13 item 1: the relay adds a step's N messages into its own residual and sends one
+``aggregate`` (the relay adds a step's N messages into its own residual and sends one
 re-encoded message, at ``--density``, to every rank; encoding/aggregate.py). In aggregate mode the
 peers receive one message per step, origin AGGREGATE_ORIGIN; exactly-once is checked per step, and a
 rank's update latency is its send → the moment every peer has the step's aggregate.
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=int, default=10_000_000, help="parameter count")
     parser.add_argument("--density", type=float, default=1e-3, help="fraction of entries per update")
     parser.add_argument("--forwarding", choices=FORWARDING_MODES, default="per-rank",
-                        help="relay forwarding mode: per-rank, or aggregate (issue 13 item 1)")
+                        help="relay forwarding mode: per-rank, or aggregate")
     parser.add_argument("--steps", type=int, default=30, help="at most this many steps per peer count")
     parser.add_argument("--seconds", type=float, default=12.0,
                         help="at most this long sending steps per peer count (at least 2 steps are run)")
@@ -286,7 +286,7 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
         "forwarded_datagrams_per_step": forwarded / steps,
         "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": per_update_bytes,
         "rank_message_wire_bytes": message_wire,
-        "target_egress_bytes_per_step": 2 * n_peers * message_wire,     # issue 13: <= 2·N·m
+        "target_egress_bytes_per_step": 2 * n_peers * message_wire,     # target: <= 2·N·m
         "model_egress_bytes_per_step": model_egress,
         "relay_cpu_per_step_s": (cpu1 - cpu0) / steps,
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,

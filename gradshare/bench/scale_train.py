@@ -1,4 +1,4 @@
-"""SharedTrainer with more workers (issue 13 item 4): bit-identical replicas and traffic per step vs the
+"""SharedTrainer with more workers: bit-identical replicas and traffic per step vs the
 per-rank forwarding model of `gradshare bench scale`.
 
 ``python -m gradshare.bench.scale_train --master local[8] --workers 8`` (or ``local-cluster[4,2,1024]``)

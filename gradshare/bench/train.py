@@ -1,10 +1,10 @@
-"""`gradshare bench train`: gradshare vs DDP dense vs DDP+PowerSGD vs a single process (issue 5).
+"""`gradshare bench train`: gradshare vs DDP dense vs DDP+PowerSGD vs a single process.
 
 For every link (unshaped, 1 Gbit/s, 100 Mbit/s) this command starts ONE child process inside a fresh
 network namespace whose loopback is shaped with tbf (gradshare/bench/netns.py); the child starts an
 embedded `local[2]` Spark inside the namespace (SPARK_LOCAL_IP=127.0.0.1, Gloo on `lo`), runs every
 (workload, system) there, and writes its rows to a JSON file. The namespace has no interface but `lo`:
-no byte can leave the machine. The parent merges the rows and prints the table and the issue-5 target
+no byte can leave the machine. The parent merges the rows and prints the table and the target
 checks, and writes `bench-train.json` and `bench-train.png` (accuracy vs wall-clock).
 
 Every configuration is bounded: single/DDP stop after `--budget` seconds of training (both DDP ranks
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of training after which a configuration stops (default 60)")
     parser.add_argument("--threshold", default=TrainConfig.threshold,
                         help="gradshare's τ: 'auto' (default, SharedTrainer's calibrated τ) or the initial τ "
-                             "of the adaptive rule (the runs before issue 10 used 1e-2)")
+                             "of the adaptive rule (the runs before 'auto' used 1e-2)")
     parser.add_argument("--max-sparsity", type=float, default=None,
                         help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)")
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     print(report.table(rows))
     for w, checks in doc["targets"].items():
         if checks:
-            print(f"\nissue-5 targets, {w}:")
+            print(f"\ntargets, {w}:")
             print(report.targets_table(checks))
     for note in notes:
         print(f"note: {note}")

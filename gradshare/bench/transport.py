@@ -9,7 +9,7 @@ Reports, all measured side by side in one run (the machine is shared and noisy; 
 - throughput and exactly-once at ``--loss`` through the fault proxy, vs the same proxy without loss.
 
 The relay runs in this process (a thread, as in the driver); each peer runs in its own process (as a Spark
-task does) and applies what it receives; the fault proxy runs in another. Targets (issue 3): >= 20,000
+task does) and applies what it receives; the fault proxy runs in another. Targets: >= 20,000
 forwarded datagrams/s with 4 peers; p99 < 5 ms at density 1e-3 / 10 M params; crypto overhead <= 15 %;
 at 5 % loss exactly-once holds and throughput >= 50 % of loss-free.
 """

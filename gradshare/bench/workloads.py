@@ -1,4 +1,4 @@
-"""The workloads of `gradshare bench train` (issue 5) and `bench convergence` (issue 10): the same data,
+"""The workloads of `gradshare bench train` and `bench convergence`: the same data,
 model and seed for every system. Nothing is downloaded.
 
 - "mlp": communication-heavy, 1024 → 2048 → 2048 → 2048 → 10 (10.5 M parameters, ~40 MB dense), and

@@ -1,5 +1,5 @@
 """The relay's aggregate of one step: every rank's message summed into the relay's own residual, then
-re-encoded as ONE message (issue 13 item 1, "aggregated forwarding"; STYLE 10: state + function).
+re-encoded as ONE message ("aggregated forwarding"; STYLE 10: state + function).
 
     state = AggregateState(n_params, n_buffers, rule=CalibratedThreshold(density=1e-3))
     agg = aggregate_step(state, [update_rank0, update_rank1, ...], step)   # StepUpdate, rank order
@@ -18,7 +18,7 @@ its change ÷ N exactly, so the aggregate carries their float32 sum, added in ra
 Every replica and the relay apply only the aggregated messages, in step order, so they stay
 bit-identical; the relay is the only holder of this residual (it is not part of a replica's state).
 
-Speed (issue 13, p99 < 20 ms at N = 32): the residual carries a per-block bound of |r| (blockmax.py), so
+Speed (p99 < 20 ms at N = 32): the residual carries a per-block bound of |r| (blockmax.py), so
 the re-encode reads only the blocks that can hold an entry instead of all 4·n bytes; the adds and the
 encode are the plain codec's, bit for bit.
 """
@@ -37,7 +37,7 @@ from gradshare.encoding.update import StepUpdate
 
 # A calibrated τ that more than this many times the target share of the sample reaches is a value
 # many entries hold exactly (a tie), and Strom's rule would send every one of them. 2: the aggregate
-# may be up to twice one rank's message (issue 13's budget is 2·N·m a step), never N times it
+# may be up to twice one rank's message (the relay's egress budget is 2·N·m a step), never N times it
 TIE_SLACK = 2.0
 
 
@@ -152,7 +152,7 @@ def aggregate_threshold(state: AggregateState, step: int) -> float:
     Why: each rank's message adds exactly ±τ_r, so the relay's residual holds N groups of equal
     magnitudes, and the quantile often lands on one of them; under Strom's rule (send |r| ≥ τ) the
     whole group would go, up to one more rank's message. Above the tie those entries wait a step (or
-    more) in the residual instead, and the aggregate stays near the target size (issue 13: ≤ 2·N·m)."""
+    more) in the residual instead, and the aggregate stays near the target size (≤ 2·N·m)."""
     rule, n = state.rule, state.n_params
     stride = rule.stride(n, step)
     # one gather of the strided sample (on 10 M parameters its cache misses are most of the cost); the

@@ -1,6 +1,6 @@
 """Kernels of the relay's aggregation residual with a per-block bound (private; used by aggregate.py).
 
-Why (issue 13, p99 at N = 32): the relay re-encodes its whole residual every step, and the plain encoder
+Why (p99 at N = 32): the relay re-encodes its whole residual every step, and the plain encoder
 (kernels._accumulate_encode) reads all of it: 40 MB at 10 M parameters, ~3 ms on a quiet core and three
 times that on a loaded one. Only a few blocks can hold an entry: the residual changes only where a
 rank's message adds ±τ_r, and after an encode every block is below the block's own maximum. So the

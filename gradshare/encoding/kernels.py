@@ -5,7 +5,7 @@ Conventions shared by every kernel here:
   (neg = 1 for −τ). Codes come out of the encoder sorted by index, one per index at most.
 - Kernels validate nothing and allocate nothing: callers pass preallocated outputs (STYLE item 7).
   The only exceptions are the ``_check_*`` kernels, which are read-only validation passes that run
-  on untrusted bytes BEFORE any kernel writes memory from them (issue 2, "Bad input").
+  on untrusted bytes BEFORE any kernel writes memory from them.
 - ``cache=True`` so a fresh process loads machine code from ``__pycache__`` instead of recompiling.
 """
 
@@ -21,7 +21,7 @@ def _import_numba_arraymath_without_scipy_linalg() -> None:
 
     Numba imports that module when it first compiles or loads a cached kernel, and at import it probes
     for a BLAS (for np.dot/np.cov inside jitted code) by importing scipy.linalg.cython_blas, which
-    brings all of scipy.linalg: ~15 MB of every worker's RSS (issue 11, benchmarks/worker_memory.py)
+    brings all of scipy.linalg: ~15 MB of every worker's RSS (benchmarks/worker_memory.py)
     for routines no kernel here calls. Without the probe, np.cov/np.corrcoef in other jitted code use
     numba's own inner product; np.dot and numba's linalg still import scipy when they are compiled.
     Nothing is refused when scipy.linalg is already loaded (someone uses it) or arraymath is."""

@@ -11,7 +11,7 @@ Wire format (little endian), a fixed 32-byte header followed by the payload:
     16     8    n_entries, uint64
     24     8    payload length in bytes, uint64 (must equal the bytes that follow)
 
-Forms (issue 2): *sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128
+Forms: *sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128
 varints with the sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (see rice.py);
 *bitmap* = 2 bits per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every
 form of the same entries decodes to the identical vector.

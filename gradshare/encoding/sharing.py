@@ -10,7 +10,7 @@ What the state holds: the residual r (sub-threshold update mass not sent yet), t
 residual clipping, the learning rate the residual is expressed in, and this worker's own messages that
 its apply log has not applied yet (the staleness lookahead, worker.py).
 
-Learning-rate schedules (issue 10, "corrected error feedback", Zheng et al. 2019): an update is the
+Learning-rate schedules ("corrected error feedback", Zheng et al. 2019): an update is the
 learning rate times a direction, and so is the residual that accumulates it. When the rate changes
 from η to η', mass left in r from steps at η would enter the model at the old scale (under cosine
 annealing the last, tiny steps would release a backlog built at the peak rate). `set_lr` rescales r by
@@ -22,7 +22,7 @@ itself). The invariant, in units of each step's own rate η_t (all η_t > 0):
 so error feedback stays exact in learning-rate-normalised units. A step at η = 0 sends nothing (τ is
 set out of reach, no division anywhere) and the residual is not rescaled across a zero rate.
 
-Devices (issue 11): with ``device=None`` the residual is a NumPy array and every step runs the Numba
+Devices: with ``device=None`` the residual is a NumPy array and every step runs the Numba
 kernels, the CPU default. With a device ("cuda", "cuda:1", or "cpu" to run the same code on the CPU,
 as the tests do) the residual is a float32 torch tensor there, the update and base must live there
 too, and the encode, the clipping and the calibration sample run there with torch ops

@@ -1,4 +1,4 @@
-"""Debug statistics of a residual in units of τ (issue 2): how much update mass is waiting to be sent."""
+"""Debug statistics of a residual in units of τ: how much update mass is waiting to be sent."""
 
 from __future__ import annotations
 

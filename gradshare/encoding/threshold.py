@@ -7,7 +7,7 @@ rule, the codec and optional clipping together for one training step.
 
 The rules follow Deeplearning4j's `FixedThresholdAlgorithm`, `AdaptiveThresholdAlgorithm` and
 `TargetSparsityThresholdAlgorithm`; `ResidualClipping` follows its `ResidualClippingPostProcessor`.
-`CalibratedThreshold` (``threshold="auto"``, issue 10) instead derives τ before every encode from a
+`CalibratedThreshold` (``threshold="auto"``) instead derives τ before every encode from a
 strided sample of what is about to be encoded, as Deep Gradient Compression does (Lin et al. 2018), so
 no step is silent and τ needs no hand tuning: a rule with ``calibrate`` is asked for τ before the
 encode, the others only advance after it.
@@ -38,7 +38,7 @@ MIN_THRESHOLD = 1e-30
 MAX_THRESHOLD = 1e30
 
 # CalibratedThreshold: the share of entries each step sends, after the warm-up. Chosen by measurement
-# (README, "Convergence benchmark"): against 1e-3 it raised the final accuracy on 17 of 18 workload ×
+# (docs/benchmarks/convergence.md): against 1e-3 it raised the final accuracy on 17 of 18 workload ×
 # schedule × N rows (+0.3 to +2.1 pp) at 530-590x less traffic than dense instead of 700-790x.
 DEFAULT_DENSITY = 2e-3
 # A sample of at least SAMPLE_ENTRIES expected entries above τ (relative error of the density ~1/8)
@@ -47,18 +47,18 @@ SAMPLE_ENTRIES = 64
 MIN_SAMPLE = 16384
 # ... but never fewer than this many entries per step: a message of 768 entries (~1.2 kB) still fits
 # one 1400-byte datagram, so on a small model a lower density saves no datagram, only learning (a 64 k
-# CNN at 1e-3 would send 64 entries a step and learn far slower than dense, README "Convergence").
+# CNN at 1e-3 would send 64 entries a step and learn far slower than dense, docs/benchmarks/convergence.md).
 DEFAULT_MIN_ENTRIES = 768
 # ... and that floor never asks for more than this share of the entries: on a 9.6 k model 768 entries
 # would be 8 % (the demo's traffic fell under 50x less than dense), where 5 % keeps it above.
 FLOOR_MAX_DENSITY = 0.05
-# The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, README).
+# The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, docs/benchmarks/convergence.md).
 DEFAULT_WARMUP_DENSITY = 0.1
 # Under a decaying learning rate the density rises as (peak rate / rate) ** LR_EXPONENT, at most
-# MAX_LR_BOOST times (README, "Density follows the learning rate"): on the digits MLP with cosine
+# MAX_LR_BOOST times (docs/benchmarks/convergence.md, "Density follows the learning rate"): on the digits MLP with cosine
 # annealing, N = 4, seeds 0-2 (lock step), the last-3 accuracy rose from 96.37 to 97.06 % (DDP 96.96)
 # at 0.77x the traffic; an exponent of 1.0 gave the same accuracy at less compression, and step decay
-# moved by 0.15 pp at most (README).
+# moved by 0.15 pp at most (same page).
 LR_EXPONENT = 0.5
 MAX_LR_BOOST = 4.0
 
@@ -270,7 +270,7 @@ class CalibratedThreshold(_HeldThreshold):
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
     anneals, τ falls with the residual, and the noise that the ±τ steps at the peak rate committed to
     the model is corrected only where a later entry crosses τ; at the same 0.2 % of the entries a step
-    too few entries are left to do it (README, "Density follows the learning rate"). A warm-up of the
+    too few entries are left to do it (docs/guide/convergence.md). A warm-up of the
     rate itself (rising) leaves the factor at 1.
     """
 

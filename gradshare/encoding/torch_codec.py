@@ -1,4 +1,4 @@
-"""The threshold codec on torch tensors, on any device (issue 11: the model, its residual, the encode and
+"""The threshold codec on torch tensors, on any device (the model, its residual, the encode and
 the apply live on the GPU; only the sparse message crosses to the host).
 
 Same contract as the Numba codec (codec.py), bit for bit: for the same float32 values `encode_tensor`

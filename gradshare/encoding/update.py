@@ -7,7 +7,7 @@ there are few buffer entries (a few per channel), so it travels exactly, as floa
 quanta. Each worker sends its change divided by the world size N; every replica and the relay add
 every worker's values in the log's (step, sender) order, so the buffers are the same bits everywhere and
 follow ``running ← running + momentum × (mean over workers of the batch statistic − running)``: the
-running statistics of the global batch, as one process would keep them (README, "BatchNorm").
+running statistics of the global batch, as one process would keep them (docs/guide/models.md, "BatchNorm and other buffers").
 
 Wire format: the `Message` bytes, then, when the job's model has buffers, a section
 

@@ -1,4 +1,4 @@
-"""gradshare.ml: SharedTrainer as a Spark ML Estimator, and its Model as a Transformer (issue 14, item 1).
+"""gradshare.ml: SharedTrainer as a Spark ML Estimator, and its Model as a Transformer.
 
     from gradshare.ml import GradshareEstimator
     model = Pipeline(stages=[VectorAssembler(...), StandardScaler(...), GradshareEstimator(factory)]).fit(df)

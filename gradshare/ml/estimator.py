@@ -1,4 +1,4 @@
-"""GradshareEstimator: SharedTrainer as a Spark ML Estimator (issue 14, item 1)."""
+"""GradshareEstimator: SharedTrainer as a Spark ML Estimator."""
 
 from __future__ import annotations
 

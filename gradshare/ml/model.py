@@ -1,4 +1,4 @@
-"""GradshareModel: the fitted Transformer; transform predicts on the executors (issue 14, item 1)."""
+"""GradshareModel: the fitted Transformer; transform predicts on the executors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Params of gradshare.ml and the schema checks that run before any Spark job (issue 14, item 1).
+"""The Params of gradshare.ml and the schema checks that run before any Spark job.
 
 Column Params follow Spark ML's names and defaults (featuresCol "features", labelCol "label",
 predictionCol "prediction", probabilityCol "probability"; an empty probabilityCol turns the

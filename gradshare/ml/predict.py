@@ -1,4 +1,4 @@
-"""What runs on the executors in `GradshareModel.transform`, and the spec that says how (issue 14, item 1).
+"""What runs on the executors in `GradshareModel.transform`, and the spec that says how.
 
 The spec is plain JSON (saved in the model's metadata): each input's dtype and shape, whether the model
 is a classifier, and the width of its output. The weights reach the executors once per transform as

@@ -1,7 +1,7 @@
 """Datagram protection: AES-256-GCM with the header as associated data, and a replay window.
 
 Why AEAD: gradients leak training data (Zhu et al., "Deep Leakage from Gradients", NeurIPS 2019) and an open
-UDP port accepts forged updates; DL4J, Horovod and Gloo send in the clear (issue 3). The per-job key is made
+UDP port accepts forged updates; DL4J, Horovod and Gloo send in the clear. The per-job key is made
 on the driver with :func:`new_job_key` and reaches executors inside the Spark job, never over UDP.
 
 AES-GCM rather than ChaCha20-Poly1305 because AES-NI makes it ~30 % cheaper per datagram here (1.6 vs

@@ -15,13 +15,13 @@ if TYPE_CHECKING:  # for annotations only: this module needs no numpy at run tim
     from numpy.typing import NDArray
 
 # Ranks travel as u16 (0xFFFF is the relay). 1024, not more: per-rank forwarding sends N·(N−1) updates a
-# step, so beyond a few hundred ranks the relay's egress, not this bound, is the limit (issue 13).
+# step, so beyond a few hundred ranks the relay's egress, not this bound, is the limit.
 MAX_WORLD_SIZE = 1024
-# A STATUS lists ranks in pages of at most this many (one datagram each; issue 13 item 2): worst case
+# A STATUS lists ranks in pages of at most this many (one datagram each): worst case
 # 64 × (5-byte have + 11-byte ended entry) + framing ≈ 1.05 kB fits a 1400-byte datagram
 STATUS_PAGE_RANKS = 64
 MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
-# The origin of the relay's aggregated message of a step (forwarding="aggregate", issue 13 item 1): one
+# The origin of the relay's aggregated message of a step (forwarding="aggregate"): one
 # past the largest rank, so it sorts after every rank of a step and never names one
 AGGREGATE_ORIGIN = MAX_WORLD_SIZE
 MAX_NAK_ITEMS = 64
@@ -69,7 +69,7 @@ class Welcome:
     # what the attempt inherits besides the parameters (tallies.AttemptNotes): rank 0's early-stopping
     # state and decision, the checkpoint a retried stage rolled back to; (name, value) pairs
     notes: tuple[tuple[str, float], ...] = ()
-    aggregate: bool = False  # the log is the relay's one aggregated message per step (issue 13 item 1)
+    aggregate: bool = False  # the log is the relay's one aggregated message per step
 
     def __post_init__(self) -> None:
         _check_int("n_params", self.n_params, 1, 1 << 40)
@@ -133,7 +133,7 @@ class Heartbeat:
     delivered_through: int   # the peer has delivered its log completely through this step
     sent_through: int        # last step the peer has sent
     # the step the training thread is computing now, -1 while it waits on the log or does anything
-    # else: the relay times it against step_timeout (issue 12, progress not presence)
+    # else: the relay times it against step_timeout (progress not presence)
     computing: int = -1
 
     def __post_init__(self) -> None:
@@ -144,7 +144,7 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Loading:
-    """A task of this attempt is alive and still materialising its partition (issue 12): sent before
+    """A task of this attempt is alive and still materialising its partition: sent before
     JOIN, every heartbeat interval, so a slow partition is not mistaken for a dead task."""
 
 
@@ -204,9 +204,9 @@ class Leave:
 
 @dataclass(frozen=True)
 class Fail:
-    """A rank's training failed. ``fatal``: with an error a retry would repeat (issue 11: the driver stops
+    """A rank's training failed. ``fatal``: with an error a retry would repeat (the driver stops
     the job at once instead of waiting out Spark's stage retries); otherwise the report only tells the
-    driver which class to raise if the job fails after all (issue 15: reports.WorkerFailure, whose fields
+    driver which class to raise if the job fails after all (reports.WorkerFailure, whose fields
     these are). Sent by a rank, joined or not; the relay answers FAIL_ACK. ``attempt`` is repeated in the
     body so the acknowledgement can name it back."""
 
@@ -349,7 +349,7 @@ FATAL_INCIDENTS = ("silent", "stuck")   # the relay gives up: the driver stops t
 
 @dataclass(frozen=True)
 class Incident:
-    """Relay: why and when it suspected, cut or gave up on a rank (issue 12: the driver reports the
+    """Relay: why and when it suspected, cut or gave up on a rank (the driver reports the
     first cause, not the last symptom). ``step`` is the step the rank owes the log (or is stuck in);
     ``seconds`` how long it had been silent or stuck; ``at`` the relay's clock."""
 

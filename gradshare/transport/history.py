@@ -6,7 +6,7 @@ a NAK for an evicted entry is answered with an explicit error, never silence (do
 
 The relay forgets whole steps at once (everything at or below the step every live peer has delivered):
 ``StepKeys`` gives those keys up in step order, touching only them, so a trim costs what it removes and
-not a scan of the whole history on every heartbeat (issue 13 item 5).
+not a scan of the whole history on every heartbeat.
 """
 
 from __future__ import annotations

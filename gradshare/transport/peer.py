@@ -4,7 +4,7 @@ The receiver thread drains the socket into the core and runs its timer; the trai
 ``send_update``/``receive``/``finish`` which take the same lock. Every wait has a timeout whose error names
 what did not answer: the relay's address, or the (step, sender) the log is waiting for.
 Waiters are resolved from the core's events (``Welcomed``, ``SnapshotReady``, ``Rejected``...); the shell
-asks the core only through its methods (issue 13 item 5).
+asks the core only through its methods.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class Peer:
     # --- API ----------------------------------------------------------------------------------------
     def loading(self) -> None:
         """Say LOADING to the relay now and every heartbeat interval until join(): this task is alive
-        and still materialising its partition (issue 12)."""
+        and still materialising its partition."""
         with self._changed:
             self._check()
             self._core.loading(time.monotonic())
@@ -199,7 +199,7 @@ class Peer:
 
     def begin_step(self, step: int) -> None:
         """The training thread starts computing ``step`` (until its send_update): heartbeats say so, and
-        the relay's step_timeout measures it (issue 12, progress not presence)."""
+        the relay's step_timeout measures it (progress not presence)."""
         with self._lock:
             self._core.begin_step(step)
 

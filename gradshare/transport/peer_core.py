@@ -7,7 +7,7 @@ re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs wh
 missing (from STATUS ``have`` and from later steps it already saw), and releases the apply log in canonical
 (step, rank) order, its own updates included (docs/design.md, Consistency). It can also fetch a snapshot.
 
-With aggregated forwarding (the relay's WELCOME says so; issue 13 item 1) the log is the relay's one
+With aggregated forwarding (the relay's WELCOME says so) the log is the relay's one
 aggregated message per step instead: origin AGGREGATE_ORIGIN, sealed by the relay, one slot per step (a
 one-slot cursor), and the peer's own messages are not in it. It ends at the last step of the last rank
 to end (each rank's end still comes from STATUS, its own from ``finish``).
@@ -39,7 +39,7 @@ class SnapshotDownload:
     def __init__(self, info: ev.SnapInfo, now: float, into: NDArray[np.float32] | None = None) -> None:
         self.info = info
         self.total = info.n_params * 4
-        # into: chunks land straight in the caller's parameter buffer (issue 11: no second copy of the
+        # into: chunks land straight in the caller's parameter buffer (no second copy of the
         # model in a worker that takes its initial weights from the relay)
         self.into = into
         # into.data is memoryview(into) (numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only)
@@ -110,7 +110,7 @@ class PeerCore:
     # --- application calls --------------------------------------------------------------------------
     def loading(self, now: float) -> None:
         """Tell the relay, every heartbeat interval until join(), that this task is alive and still
-        materialising its partition (issue 12: a slow partition is not a dead task)."""
+        materialising its partition (a slow partition is not a dead task)."""
         self._to(PeerTrigger.LOADING)
         self._last_hb = now
         self._out.append(self.chan.seal_control(ev.Loading()))
@@ -373,7 +373,7 @@ class PeerCore:
         if msg.start_step != self.cursor.start_step or msg.world_size != self.world_size:
             self.chan.drops["stale_status"] += 1
             return
-        first = msg.first_rank           # one page of ranks (issue 13): the others come in other pages
+        first = msg.first_rank           # one page of ranks: the others come in other pages
         if self.aggregate:               # the relay made (and sent) every aggregate it has applied
             self.known_high[0] = max(self.known_high[0], msg.complete_through)
         else:
@@ -623,7 +623,7 @@ class PeerCore:
                     # the relay may not have it yet: per-rank forwarding is not in step order, so a later
                     # step of r seen here does not prove it reached the relay. Asking at the flat rate
                     # meanwhile made W - 1 peers flood a relay that could not keep up with NAKs it could
-                    # not answer, crowding out the origin's own retransmission (issue 13, a slowed relay at
+                    # not answer, crowding out the origin's own retransmission (a slowed relay at
                     # N = 32): back off, at most 16x, until STATUS says the relay holds it
                     continue
                 m[1] = now

@@ -1,6 +1,6 @@
 """Keep CPython's full garbage collections off the transport threads while a relay or peer runs.
 
-Why (issue 13, update latency p99 at N = 32): a full (generation 2) collection scans every object the
+Why (update latency p99 at N = 32): a full (generation 2) collection scans every object the
 collector tracks, with the GIL held. After ``import torch, pyspark, gradshare`` that is ~233 k objects
 and ~115 ms per pass; after importing only the encoding package (Numba) 75 k and ~35 ms. CPython starts
 one whenever enough objects survived younger collections, which the relay's per-datagram bookkeeping

@@ -1,4 +1,4 @@
-"""The relay's rank table: what it knows of each rank of the current attempt (issue 13 item 5: out of
+"""The relay's rank table: what it knows of each rank of the current attempt (out of
 relay_core, with its own tests). A rank's lifecycle is ``status`` (states.RANK_TRANSITIONS); the rest is
 bookkeeping the relay core updates as datagrams arrive: address, session, steps held, liveness, meta.
 """
@@ -16,7 +16,7 @@ from gradshare.transport.states import (GONE_STATES, JOINED_STATES, LEFT_STATES,
 # per status: (joined, left, connected, live), derived once from the state sets. Every datagram asks
 # whether its rank is joined and not left, and every forward whether each rank is live: attributes set
 # with the status cost a load each, where properties over enum sets cost a call and a look-up each
-# (issue 13: the relay core's per-datagram cost in `gradshare bench transport`)
+# (the relay core's per-datagram cost in `gradshare bench transport`)
 _FLAGS = {s: (s in JOINED_STATES, s in LEFT_STATES, s in JOINED_STATES and s not in LEFT_STATES,
               s in JOINED_STATES and s not in LEFT_STATES and s not in GONE_STATES) for s in RankStatus}
 

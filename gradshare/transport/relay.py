@@ -3,7 +3,7 @@
 The thread only moves datagrams between the socket and the core, arms one timer, and hands events to
 waiters. Every public accessor takes the core's lock, so ``params``/``counters`` are consistent snapshots.
 What the shell knows of the job (failures, incidents, rollbacks, whether the log is complete) it learns
-from the core's events, and it asks the core only through its methods (issue 13 item 5).
+from the core's events, and it asks the core only through its methods.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class Relay:
             return next(f for f in self._reports.values() if f.attempt == latest)
 
     def first_cause(self) -> ev.Incident | None:
-        """The earliest incident (suspicion, cut, give-up) that still explains a failure (issue 12)."""
+        """The earliest incident (suspicion, cut, give-up) that still explains a failure."""
         with self._lock:
             return ev.first_cause(self._incidents)
 

@@ -7,7 +7,7 @@ what happened from ``next_event()``. Its parts: the rank table and each rank's l
 ``states.py``), the bounded history trimmed in step order (``history.py``), snapshot serving
 (``snapshots.py``).
 
-What the relay does (issue 3, docs/design.md Transport + Consistency):
+What the relay does (docs/design.md Transport + Consistency):
 - admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/start_step);
   a higher attempt cuts the log at ``complete_through`` and restarts it at ``complete_through + 1``;
 - reassembles updates, validates them (``decode_update``) BEFORE they enter the log, acknowledges them,
@@ -16,12 +16,12 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
 - learns per rank how late chunks may be before it NAKs them (``LateAllowance``): fast repair on a lossy
   link, no spurious retransmits on a loaded machine;
 - applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``);
-- or, with ``forwarding="aggregate"`` (issue 13 item 1), forwards nothing per rank: once a step's row is
+- or, with ``forwarding="aggregate"``, forwards nothing per rank: once a step's row is
   complete it adds the row into its own residual (``aggregator``, encoding/aggregate.py), seals ONE
   re-encoded message of origin AGGREGATE_ORIGIN, applies only that, sends it to every peer and keeps it
   in the history for NAK repair; WELCOME tells the peers;
 - answers NAKs from a bounded history; NAKs its own partial inbound updates;
-- liveness (issue 12): a rank silent for ``liveness_timeout`` is *suspected*; what follows is the
+- liveness: a rank silent for ``liveness_timeout`` is *suspected*; what follows is the
   ``on_rank_loss`` policy: "wait" (the log waits; after ``give_up_after`` s of silence a fatal
   incident), "continue" (declared gone, cut at the last step it holds contiguously) or "restart" (every
   live rank of the attempt is rejected, so Spark retries the stage, which resumes with nothing skipped).
@@ -34,11 +34,11 @@ What the relay does (issue 3, docs/design.md Transport + Consistency):
   too, from the message after it scored it);
 - keeps what a new attempt inherits besides the parameters (``AttemptNotes``): rank 0's early-stopping
   state and stop decision as of the cut, handed over in WELCOME's notes; and, given a ``rollback``
-  (checkpoints, issue 14), restarts a retried stage's log at the last checkpoint instead of at
+  (checkpoints), restarts a retried stage's log at the last checkpoint instead of at
   ``complete_through + 1``: the parameters, tallies and notes go back to that step;
 - serves snapshots (parameters + step) as a paced, NAK-repaired chunk stream (``snapshots.py``);
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
-  job on it (issue 11).
+  job on it.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class RelayCore:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds (got {value!r})")
         self.on_rank_loss = on_rank_loss
-        # "aggregate" (issue 13 item 1): ranks' messages are not forwarded; once a step's row is complete
+        # "aggregate": ranks' messages are not forwarded; once a step's row is complete
         # the relay sends ONE message re-encoded from its own residual (encoding/aggregate.py) to every
         # peer, under origin AGGREGATE_ORIGIN, and applies only that one itself
         self.forwarding = forwarding
@@ -332,7 +332,7 @@ class RelayCore:
         """Feed ``run[i:]``, the datagrams of one read (all from ``addr``), up to the first that leaves work
         for the shell (``has_work``); the index after it.
 
-        Why (issue 13, N = 32 latency): with GRO a read holds the ~12 chunks of one rank's update. A chunk
+        Why (N = 32 latency): with GRO a read holds the ~12 chunks of one rank's update. A chunk
         whose header equals the one before it but for its counter and chunk index skips the checks that one
         passed (`_next_chunk`): between the two only a partial update gained a chunk, which none of them
         reads. Each chunk is still authenticated and replay-checked on its own."""
@@ -402,12 +402,12 @@ class RelayCore:
             if msg.computing != rs.computing:
                 rs.computing, rs.computing_since = msg.computing, now
             # one STATUS page per heartbeat, the pages in turn: a heartbeat's answer stays one datagram
-            # at any world size (issue 13), and each peer still sees every rank every `pages` heartbeats
+            # at any world size, and each peer still sees every rank every `pages` heartbeats
             turn = self._status_turn[rs.rank]
             self._status_turn[rs.rank] = turn + 1
             self._send(rs, self._status(turn % self.status_pages))
             # trim on the next timer, not per heartbeat: a trim scans every rank, and N ranks each
-            # heartbeating made that O(N²) per second (issue 13 item 2)
+            # heartbeating made that O(N²) per second
             self._trim_due = True
         elif isinstance(msg, ev.Nak):
             self._on_nak(rs, msg, now)
@@ -443,7 +443,7 @@ class RelayCore:
                                               msg.fatal, msg.error_class, msg.cause))
         self._send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
-    # --- liveness (issue 12) -------------------------------------------------------------------------
+    # --- liveness ------------------------------------------------------------------------------------
     def _heard(self, rs: RankState, now: float) -> None:
         if rs.suspected_since is not None:
             self._incident("back", rs, now - rs.suspected_since, now)
@@ -795,7 +795,7 @@ class RelayCore:
         """Apply the log in canonical (step, rank) order, one whole step at a time.
 
         Whole steps only: the authoritative parameters then always equal "the log applied through
-        complete_through", which is what a snapshot and a new attempt's cut promise (issue 3)."""
+        complete_through", which is what a snapshot and a new attempt's cut promise."""
         cur = self.cursor
         while not cur.finished():
             t = cur.step
@@ -950,7 +950,7 @@ class RelayCore:
 
         Only when that floor rose, and only the entries at or below it, in step order: no entry at or
         below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
-        and a heartbeat that moved nothing costs one pass over the ranks (issue 13 item 5)."""
+        and a heartbeat that moved nothing costs one pass over the ranks."""
         floor = self.ranks.delivered_floor(self.complete_through)
         if floor is None or floor <= self._trim_floor:
             return

@@ -17,7 +17,7 @@ from gradshare.errors import LocalProtocolError
 
 class PeerState(str, Enum):
     NEW = "new"
-    LOADING = "loading"            # LOADING sent: the task materialises its partition (issue 12)
+    LOADING = "loading"            # LOADING sent: the task materialises its partition
     JOINING = "joining"            # JOIN sent, no WELCOME yet
     JOINED = "joined"
     REJECTED = "rejected"          # the relay refused us (REJECT, or a WELCOME for another job)

@@ -1,6 +1,6 @@
 """What the relay's applied log says beyond the parameters: per-(rank, epoch) sums of the steps' meta
-(``EpochTally``, issue 12) and rank 0's epoch-end state a new attempt inherits (``AttemptNotes``, issue 14).
-Pure bookkeeping, out of relay_core (issue 13 item 5).
+(``EpochTally``) and rank 0's epoch-end state a new attempt inherits (``AttemptNotes``).
+Pure bookkeeping, out of relay_core.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ MAX_EPOCH_ROWS = 1 << 16
 
 
 class EpochTally:
-    """What the applied log says about one (rank, epoch): sums of its steps' meta (issue 12)."""
+    """What the applied log says about one (rank, epoch): sums of its steps' meta."""
 
     __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "val_metric", "first_attempt",
                  "last_attempt")

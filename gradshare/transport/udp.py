@@ -23,7 +23,7 @@ SEND_RETRY_WAIT = 0.01
 SockAddr = tuple[str | int, ...]
 
 # UDP segmentation offload (Linux; the option numbers are linux/udp.h's, which Python 3.11 does not name).
-# Why (issue 13, N = 32 latency): a rank's update is ~12 datagrams of 1.4 kB, and a system call per
+# Why (N = 32 latency): a rank's update is ~12 datagrams of 1.4 kB, and a system call per
 # datagram was a quarter of the relay thread's time. A run of datagrams to one address goes out as one
 # GSO buffer (one call), and a socket with UDP_GRO reads such a buffer back in one call with its segment
 # size. On loopback the buffer is never cut; through a NIC the kernel or the card cuts it into the same
