@@ -4,7 +4,7 @@
 A checkpoint is the state after the last step of an epoch E-1 (E epochs done), in
 ``<checkpoint_dir>/epoch-<E>/``:
 
-    params.npy          the shared state (parameters, then float buffers) with the whole log applied
+    params.npy          the shared state (parameters, then persistent float buffers) with the whole log applied
                         through that step: rank 0's replica, bit-identical to the relay's (the end-of-fit
                         hash checks that)
     rank-<r>/residual.npy   worker r's residual (sub-threshold update mass not yet sent)

@@ -25,11 +25,12 @@ buffers), its residual (sub-threshold update mass not yet sent) and the threshol
 they restart from zero / the initial τ. Either way the relay hands the new attempt rank 0's early-stopping
 state and any stop already decided (WELCOME's notes), so a retried stage keeps them.
 
-Float buffers (BatchNorm running statistics, any registered float buffer) are part of the shared
-state: each step's change of them travels exactly, averaged over the workers, in the same log as the
-parameters (encoding/update.py), so they are bit-identical on every replica and in the relay, the
-end-of-fit hash covers them, and the result model carries them. Integer buffers (num_batches_tracked)
-stay local; the result model takes rank 0's.
+Persistent float buffers (BatchNorm running statistics, any float buffer in the state_dict) are part
+of the shared state: each step's change of them travels exactly, averaged over the workers, in the same
+log as the parameters (encoding/update.py), so they are bit-identical on every replica and in the relay,
+the end-of-fit hash covers them, and the result model carries them. Integer buffers (num_batches_tracked)
+stay local, the result model takes rank 0's; non-persistent buffers (masks, rotary caches) stay local
+too, the result model has the driver's (flat.shared_buffers).
 """
 
 from __future__ import annotations
