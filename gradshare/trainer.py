@@ -475,7 +475,10 @@ class SharedTrainer:
             raise ValueError(f"module {sparse[0]!r} is an embedding with sparse=True: gradshare needs dense gradients "
                              "(its updates are sparse on the wire already); build it with sparse=False and use a "
                              "dense optimizer such as Adam or AdamW")
-        optimizer = self.optimizer([p for p in copy.deepcopy(model).parameters() if p.requires_grad])
+        trainable = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
+        if not trainable:  # FlatParams names it: nothing to train or share
+            return
+        optimizer = self.optimizer(trainable)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.SparseAdam):
