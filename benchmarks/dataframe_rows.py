@@ -48,7 +48,7 @@ def rdd_job(df, col, work):
 
 
 def arrow_job(df, col, work):
-    rows = df.select(col, "label").mapInArrow(functools.partial(_arrow_task, work, (col,)), RESULT_SCHEMA).collect()
+    rows = df.select(col, "label").mapInArrow(functools.partial(_arrow_task, work, (col, "label")), RESULT_SCHEMA).collect()
     return sum(read_results(rows).values())
 
 

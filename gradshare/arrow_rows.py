@@ -104,14 +104,14 @@ def _vectors(arr: Any, name: str, offset: int) -> np.ndarray | list[np.ndarray]:
 
 
 def batch_rows(batches: Iterator[Any], names: tuple[str, ...], multi: bool) -> Iterator[tuple[Any, Any]]:
-    """(features, label) rows of a partition's record batches, whose columns are the features `names`,
+    """(features, label) rows of a partition's record batches, whose columns are `names`: the features,
     then the label (the DataFrame path selects them in that order). `multi`: features_col was a list,
     so features are a tuple with one array per column (a number column: a 0-d array), as
     spark.dataframe_to_rdd makes them."""
     seen = 0
     for batch in batches:
-        cols = [column_values(batch.column(i), n, seen) for i, n in enumerate(names)]
-        labels = column_values(batch.column(len(names)), "label", seen, keep=True)
+        cols = [column_values(batch.column(i), n, seen) for i, n in enumerate(names[:-1])]
+        labels = column_values(batch.column(len(names) - 1), names[-1], seen, keep=True)
         for i in range(batch.num_rows):
             # [i, ...] is a view, and a 0-d ARRAY for a column of numbers (a scalar would not count as
             # an input: batches.is_multi)

@@ -113,7 +113,7 @@ class FrameJob:
     def __init__(self, df: Any, features_col: str | list[str] | tuple[str, ...], label_col: str,
                  num_workers: int | None) -> None:
         cols = feature_columns(df, features_col, label_col)
-        self.names = tuple(cols)
+        self.names = (*cols, label_col)  # the columns the tasks read, in order
         self.multi = not isinstance(features_col, str)
         frame = df.select(*cols, label_col)
         if num_workers is not None:
