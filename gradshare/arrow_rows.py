@@ -143,7 +143,9 @@ def summarise_batches(names: tuple[str, ...], multi: bool, batches: Iterator[Any
     """The pre-pass task: (PartitionSummary, seconds it took) of this partition, as result rows."""
     from pyspark import TaskContext
 
-    index = TaskContext.get().partitionId()
+    ctx = TaskContext.get()
+    assert ctx is not None  # inside a task
+    index = ctx.partitionId()
     t0 = time.monotonic()
     summary = summarise_partition(index, batch_rows(batches, names, multi))
     yield from result_batches(index, (summary, time.monotonic() - t0))

@@ -219,6 +219,17 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def frame_path(validation_data: object) -> bool:
+    """Whether a DataFrame on a classic session goes through FrameJob: FRAME_PATH_CLASSIC, unless
+    validation shards must zip into its RDD (validation.py) or pandas/pyarrow (mapInArrow's) are missing."""
+    from importlib.util import find_spec
+
+    from gradshare.validation import is_distributed
+
+    return (FRAME_PATH_CLASSIC and not is_distributed(validation_data)
+            and find_spec("pyarrow") is not None and find_spec("pandas") is not None)
+
+
 def check_connect(validation_data: object, checkpoint_dir: str | None, resume_from: str | None) -> None:
     """What a fit on a Spark Connect session cannot do yet, refused before any Spark job, naming the option."""
     from gradshare.validation import is_distributed

@@ -67,7 +67,7 @@ from gradshare.config import (
     TrainStep,
     ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
 )
-from gradshare.dataframe_job import FRAME_PATH_CLASSIC, FrameJob, RddJob, check_connect, check_rdd
+from gradshare.dataframe_job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.encoding import (
     AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping, apply_update, decode_update,
 )
@@ -512,14 +512,14 @@ class SharedTrainer:
     def _job(self, data: object, features_col: str | list[str] | None, label_col: str | None,
              resume_from: str | None) -> RddJob | FrameJob:
         """The Spark side of the fit (dataframe_job.py): a DataFrame on Spark Connect, or on a classic session
-        where it measured faster (FRAME_PATH_CLASSIC), goes through mapInArrow; an RDD as it is."""
+        where it measured faster (dataframe_job.frame_path), goes through mapInArrow; an RDD as it is."""
         if is_dataframe(data):
             if features_col is None or label_col is None:
                 raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
             if is_connect(data):
                 check_connect(self.validation_data, self.checkpoint_dir, resume_from)
                 return FrameJob(data, features_col, label_col, self.num_workers)
-            if FRAME_PATH_CLASSIC and not is_distributed(self.validation_data):  # shards zip into an RDD
+            if frame_path(self.validation_data):
                 return FrameJob(data, features_col, label_col, self.num_workers)
             return RddJob(dataframe_to_rdd(data, features_col, label_col), self.num_workers)
         if features_col is not None or label_col is not None:
