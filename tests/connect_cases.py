@@ -135,5 +135,25 @@ def null_label(spark) -> None:
     SharedTrainer(lambda: nn.Linear(2, 2), **LOOPBACK).fit(df, features_col="x", label_col="y")
 
 
+class Exploding(nn.Module):
+    """Raises inside the task on its 3rd forward pass, in every attempt."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(64, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("user model exploded on purpose")
+        return self.lin(x)
+
+
+def worker_error(spark) -> None:
+    """A worker's own error cancels the job (by its operation tag) and is raised as the worker raised it."""
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(Exploding, **LOOPBACK).fit(df, features_col="arr", label_col="label")
+
+
 def ping(spark) -> int:
     return int(np.int64(spark.range(3).count()))

@@ -55,8 +55,9 @@ def test_several_feature_columns_and_float_labels_on_connect(connect):
     ("hadoop_checkpoints", "ValueError", ["checkpoint_dir='hdfs://namenode/ckpt'", "Spark Connect", "local directory"]),
     ("too_many_workers", "ValueError", ["3 workers", "local[2]"]),
     ("null_label", "ValueError", ["column 'y' is null at row"]),
+    ("worker_error", "TrainingError", ["rank", "RuntimeError: user model exploded on purpose"]),
 ])
-def test_what_connect_cannot_do_fails_clearly_before_training(connect, case, error, words):
+def test_what_connect_cannot_do_fails_clearly(connect, case, error, words):
     reply = connect.run(case)
     assert reply[0] == "error" and reply[1] == error, reply
     for w in words:
