@@ -36,8 +36,8 @@ from gradshare.worker import WorkerConfig, train_partition
 T = TypeVar("T")
 # A DataFrame on a classic session goes through FrameJob (mapInArrow) when True, else through
 # df.select(...).rdd as before; set from the rows/s measured side by side (docs/benchmarks/dataframe.md).
-# Measured 2.2-2.7x the rows/s of the RDD path (10,000 rows of 1,024 doubles, 2 partitions, array or
-# vector column, pre-pass and materialisation alike), so a classic session's DataFrames take it too.
+# Measured 2.1-2.7x the rows/s of the RDD path in two runs (10,000 rows of 1,024 doubles, 2 partitions,
+# array or vector column, pre-pass and materialisation alike), so a classic session's DataFrames take it too.
 FRAME_PATH_CLASSIC = True
 Timed = list[tuple[PartitionSummary, float]]  # per partition: its summary, seconds its read took
 
