@@ -100,3 +100,25 @@ def test_a_classic_dataframe_fit_is_bit_identical_through_both_paths(spark, monk
             assert {w["param_hash"] for w in r.worker_reports} == {r.param_hash} and r.world_size == 2
         assert hashes[0] == hashes[1], name
     df.unpersist()
+
+
+def test_a_barrier_stage_no_worker_reaches_is_given_up_after_the_join_window():
+    """Connect cannot count free slots beyond local[N]: no rank heard within the window is a clear error."""
+    from gradshare import TransportTimeout
+    from gradshare.dataframe_job import FrameJob
+
+    class Relay:
+        address = ("127.0.0.1", 40123)
+
+        def __init__(self, attempt):
+            self.attempt = attempt
+
+        def progress(self):
+            return {"attempt": self.attempt}
+
+    job = FrameJob.__new__(FrameJob)
+    job.world = 4
+    job.check_started(Relay(-1), elapsed=10.0, window=30.0)  # still inside the window
+    job.check_started(Relay(7), elapsed=99.0, window=30.0)  # a rank spoke: the stage runs
+    with pytest.raises(TransportTimeout, match=r"within 30 s .* fewer than 4 free task slots.*127\.0\.0\.1"):
+        job.check_started(Relay(-1), elapsed=31.0, window=30.0)
