@@ -262,7 +262,8 @@ class SharedTrainer:
         where each rank trained (report["device"]).
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
-        executors use to reach it (default: spark.driver.host).
+        executors use to reach it (default: spark.driver.host; on Spark Connect 127.0.0.1 for a local
+        master on this machine, and required otherwise: docs/guide/connect.md).
     batch_size: rows per step per worker; epochs: passes over each partition.
     num_workers: barrier tasks (default: the RDD's partitions; otherwise the RDD is re-partitioned).
     staleness: k ≥ 0; before step t a worker has applied the whole log through t-1-k. k ≥ 1 overlaps
@@ -532,7 +533,8 @@ class SharedTrainer:
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
     def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
             label_col: str | None = None, resume_from: str | None = None) -> FitResult:
-        """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
+        """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`. A DataFrame is
+        read through mapInArrow, with no RDD: the only way on a Spark Connect session (docs/guide/connect.md).
 
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
         DataFrame, features_col names one column or a list of columns (one input each). Every input
