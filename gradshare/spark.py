@@ -241,15 +241,34 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
                             label_range=span)
 
 
-def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_col: str):
-    """(features, label) rows from DataFrame columns (ML vectors, arrays or numbers; numeric labels).
-    A list of feature columns gives multi-input rows ``((a, b, ...), label)``: model(a, b, ...)."""
+def is_dataframe(data: object) -> bool:
+    """A pyspark DataFrame, classic or Spark Connect (both subclass pyspark.sql.DataFrame; a Connect
+    DataFrame's `.rdd` raises, so no duck typing on it)."""
+    from pyspark.sql import DataFrame
+
+    return isinstance(data, DataFrame)
+
+
+def is_connect(data: object) -> bool:
+    """A Spark Connect DataFrame or session: no SparkContext, no RDDs."""
+    return type(data).__module__.startswith("pyspark.sql.connect")
+
+
+def feature_columns(df, features_col, label_col) -> list[str]:
+    """features_col as a list of column names, every named column checked against the DataFrame's."""
     cols = [features_col] if isinstance(features_col, str) else list(features_col)
     if not cols or not all(isinstance(c, str) for c in cols):
         raise ValueError(f"features_col must be a column name or a non-empty list of them, got {features_col!r}")
     missing = [c for c in (*cols, label_col) if c not in df.columns]
     if missing:
         raise ValueError(f"DataFrame has no column(s) {missing}; its columns are {df.columns}")
+    return cols
+
+
+def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_col: str):
+    """(features, label) rows from DataFrame columns (ML vectors, arrays or numbers; numeric labels).
+    A list of feature columns gives multi-input rows ``((a, b, ...), label)``: model(a, b, ...)."""
+    cols = feature_columns(df, features_col, label_col)
     selected = df.select(*cols, label_col).rdd
     if isinstance(features_col, str):
         return selected.map(tuple)

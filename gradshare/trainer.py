@@ -47,11 +47,11 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
+from typing import Any, Literal, TypeAlias, TypedDict
 
 import numpy as np
 import torch
-from pyspark import RDD, InheritableThread, SparkContext
+from pyspark import RDD, SparkContext
 from pyspark.sql import DataFrame
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -68,6 +68,7 @@ from gradshare.config import (
     TrainStep,
     ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
 )
+from gradshare.dataframe_job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.encoding import (
     AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping, apply_update, decode_update,
 )
@@ -79,7 +80,7 @@ from gradshare.losses import accuracy, accuracy_sums, plan_loss
 from gradshare.plotting import plot_result
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.shipping import pack_user_objects, skeleton
-from gradshare.spark import check_barrier_slots, check_summaries, dataframe_to_rdd, summarise_partition
+from gradshare.spark import check_summaries, dataframe_to_rdd, is_connect, is_dataframe, summarise_partition
 from gradshare.stopping import EarlyStopping
 from gradshare.tracking import tracked
 from gradshare.transport import Relay, new_job_key
@@ -87,10 +88,9 @@ from gradshare.transport.events import Fail, Incident
 from gradshare.transport.relay_core import RollbackPoint
 from gradshare.transport.wire import MAX_DATAGRAM_SIZE
 from gradshare.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
-from gradshare.worker import WorkerConfig, train_partition
+from gradshare.worker import WorkerConfig
 from gradshare.worker import steps_per_epoch as steps_in
 
-T = TypeVar("T")
 # a checkpoint's manifest (checkpoint.py: JSON, read by key), and the driver's stores by source
 Manifest: TypeAlias = dict[str, Any]
 Stores: TypeAlias = dict[str, object]
@@ -263,7 +263,8 @@ class SharedTrainer:
         where each rank trained (report["device"]).
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
     port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
-        executors use to reach it (default: spark.driver.host).
+        executors use to reach it (default: spark.driver.host; on Spark Connect 127.0.0.1 for a local
+        master on this machine, and required otherwise: docs/guide/connect.md).
     batch_size: rows per step per worker; epochs: passes over each partition.
     num_workers: barrier tasks (default: the RDD's partitions; otherwise the RDD is re-partitioned).
     staleness: k ≥ 0; before step t a worker has applied the whole log through t-1-k. k ≥ 1 overlaps
@@ -513,27 +514,31 @@ class SharedTrainer:
             return None
         return ResidualClipping(clip=float(self.residual_clip))
 
-    @staticmethod
-    def _to_rdd(data: object, features_col: str | list[str] | None,
-                label_col: str | None) -> RDD[tuple[object, object]]:
-        if hasattr(data, "columns") and hasattr(data, "rdd"):  # a DataFrame
+    def _job(self, data: object, features_col: str | list[str] | None, label_col: str | None,
+             resume_from: str | None) -> RddJob | FrameJob:
+        """The Spark side of the fit (dataframe_job.py): a DataFrame on Spark Connect, or on a classic session
+        where it measured faster (dataframe_job.frame_path), goes through mapInArrow; an RDD as it is."""
+        if is_dataframe(data):
             if features_col is None or label_col is None:
                 raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
-            rows: RDD[tuple[object, object]] = dataframe_to_rdd(data, features_col, label_col)
-            return rows
+            if is_connect(data):
+                check_connect(self.validation_data, self.checkpoint_dir, resume_from)
+                return FrameJob(data, features_col, label_col, self.num_workers)
+            if frame_path(self.validation_data):
+                return FrameJob(data, features_col, label_col, self.num_workers)
+            return RddJob(dataframe_to_rdd(data, features_col, label_col), self.num_workers)
         if features_col is not None or label_col is not None:
             raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
                              "(features: one array, or a tuple of arrays for several inputs)")
-        if not isinstance(data, RDD):
-            raise TypeError(f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, "
-                            f"got {type(data).__name__}")
-        return data
+        check_rdd(data)
+        return RddJob(data, self.num_workers)
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
     def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
             label_col: str | None = None, resume_from: str | None = None) -> FitResult:
-        """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`.
+        """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`. A DataFrame is
+        read through mapInArrow, with no RDD: the only way on a Spark Connect session (docs/guide/connect.md).
 
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
         DataFrame, features_col names one column or a list of columns (one input each). Every input
@@ -567,24 +572,17 @@ class SharedTrainer:
         checkpoint_dir) refused or lost, at most 100.
         """
         t_start = time.monotonic()
-        rdd = self._to_rdd(data, features_col, label_col)
+        job = self._job(data, features_col, label_col, resume_from)
         shards: RDD[tuple[object, object]] | None = None
         if is_distributed(self.validation_data):  # its columns are checked here, before any Spark job
             shards = validation_rows(self.validation_data, data, features_col, label_col)
-        sc = rdd.context
-        stores, resume = self._open_checkpoints(resume_from, sc)  # a corrupt one fails here, before any Spark job
+        stores, resume = self._open_checkpoints(resume_from, job.spark_context)  # a corrupt one fails here, before any Spark job
         model = self._build_model()
         self._check_optimizer(model)
-        if self.num_workers is not None and self.num_workers != rdd.getNumPartitions():
-            # Always a shuffle: Spark refuses a barrier stage over a coalesced RDD, whose parent has
-            # another partition count (SPARK-24820), so coalesce(n) would fail once the job starts.
-            rdd = rdd.repartition(self.num_workers)
-        world = rdd.getNumPartitions()
-        check_barrier_slots(sc, world)
-
-        # Pre-pass: validate every partition and count its rows (errors come back as data, so the
-        # driver names partition and row instead of Spark retrying a failing task).
-        timed = rdd.mapPartitionsWithIndex(lambda i, it: [_timed(summarise_partition, i, it)]).collect()
+        # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
+        # as data, so the driver names partition and row instead of Spark retrying a failing task).
+        timed = job.prepass()
+        world = job.world
         summaries = [s for s, _ in timed]
         load_seconds = max(seconds for _, seconds in timed)
         layout = check_summaries(summaries)
@@ -598,12 +596,12 @@ class SharedTrainer:
                          label_range=layout.label_range)
         label_dtype = plan.label_dtype
         validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
-        job_rdd: RDD[tuple[object, object]] | None = None
         if shards is not None:
+            assert isinstance(job, RddJob)  # _job keeps a fit with validation shards on the RDD path
             shards = shards_of(shards, world)
             shard_rows = check_shards(shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)])
                                       .collect(), layout, names)
-            job_rdd = zip_shards(rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
+            job.training = zip_shards(job.rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
                                  shard_rows)
         elif self.validation_data is not None:
             validation = validation_arrays(self.validation_data, features, label_dtype, label_shape)
@@ -644,7 +642,7 @@ class SharedTrainer:
             # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
             agg_rule = copy.deepcopy(rule) if _is_calibrated(rule) else None
             aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
-        host = self.advertise_host or sc.getConf().get("spark.driver.host", "127.0.0.1")
+        host = job.driver_host(self.advertise_host)
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
                       datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
                       insecure=self.insecure, decode_update=functools.partial(decode_update, n_params=flat.n_params),
@@ -672,7 +670,7 @@ class SharedTrainer:
                 early_stopping=self.early_stopping, on_epoch_end=self.on_epoch_end,
                 checkpoint=saving, resume=resume, first_epoch=first_epoch, shards=shards is not None,
             ))
-            reports = self._run_job(sc, rdd if job_rdd is None else job_rdd, cfg, relay)
+            reports = self._run_job(job, cfg, relay, self._join_window(load_seconds))
             relay.wait_finished(self.timeout)
             final = relay.params
             relay_hash = relay.param_hash()
@@ -716,7 +714,7 @@ class SharedTrainer:
             skipped_steps=skipped,
         )
 
-    def _open_checkpoints(self, resume_from: str | None, sc: SparkContext) -> tuple[Stores, Manifest | None]:
+    def _open_checkpoints(self, resume_from: str | None, sc: SparkContext | None) -> tuple[Stores, Manifest | None]:
         """The driver's checkpoint stores and resume_from's manifest, every file checked against it
         (checkpoint.py); ({}, None) without checkpoints."""
         if resume_from is None and self.checkpoint_dir is None:
@@ -751,25 +749,20 @@ class SharedTrainer:
         (the training read also builds arrays or a spill file). A task that is loading says so anyway."""
         return max(self.timeout, self.liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
-    def _run_job(self, sc: SparkContext, rdd: RDD[tuple[object, object]], cfg: WorkerConfig,
-                 relay: Relay) -> list[WorkerReport]:
+    def _run_job(self, job: RddJob | FrameJob, cfg: WorkerConfig, relay: Relay, window: float) -> list[WorkerReport]:
         """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
-        group = f"gradshare-{cfg.job_id}"
-        # A shuffle after the barrier stage makes it a shuffle-map stage, which Spark retries as a
-        # whole when a task dies; a barrier *result* stage is never retried.
-        job = rdd.barrier().mapPartitions(functools.partial(train_partition, cfg)).repartition(1)
         # what the job's thread leaves: collect's list, or the error it raised
         collected: list[list[WorkerReport]] = []
         errors: list[BaseException] = []
 
         def target() -> None:
-            sc.setJobGroup(group, "gradshare SharedTrainer.fit", interruptOnCancel=True)
             try:
-                collected.append(job.collect())
+                collected.append(job.collect(cfg))
             except BaseException as e:  # noqa: BLE001 - handed to the driver thread below
                 errors.append(e)
 
-        thread = InheritableThread(target=target, name="gradshare-fit", daemon=True)
+        thread = job.thread(target)
+        t_job = time.monotonic()
         thread.start()
         bar = _ProgressBar(cfg.final_step + 1, enabled=self.verbose > 0)
         try:
@@ -782,10 +775,11 @@ class SharedTrainer:
                 given_up = relay.fatal_incident()
                 if given_up is not None:  # a rank silent past `timeout`, or stuck past step_timeout
                     raise _incident_error(given_up)
+                job.check_started(relay, time.monotonic() - t_job, window)  # FrameJob: slots it could not count
         except BaseException:
-            sc.cancelJobGroup(group)
+            job.cancel()
             thread.join(30.0)
-            _wait_tasks_gone(sc, group, 30.0)
+            job.settle(30.0)
             raise
         finally:
             bar.close()
@@ -826,12 +820,6 @@ def _offset(epoch: int | None, first_epoch: int) -> int | None:
     return None if epoch is None else epoch + first_epoch
 
 
-def _timed(fn: Callable[..., T], *args: object) -> tuple[T, float]:
-    """(fn(*args), seconds it took): the pre-pass reports each partition's read time."""
-    t0 = time.monotonic()
-    return fn(*args), time.monotonic() - t0
-
-
 # Every worker takes the initial weights from the relay's snapshot (shipping.py), so its speed is
 # start-up time: 50 MB/s in 1.4 kB datagrams made a 206 MB model wait 9-14 s on loopback with 2 workers.
 SNAPSHOT_RATE_LOOPBACK = 1e9   # the CPU (sealing, opening) is the limit there, not the link
@@ -856,21 +844,6 @@ def _snapshot_options(host: str, datagram_size: int) -> _SnapshotOptions:
     if loopback:
         return {"snapshot_rate": SNAPSHOT_RATE_LOOPBACK, "snapshot_datagram_size": MAX_DATAGRAM_SIZE}
     return {"snapshot_rate": SNAPSHOT_RATE_NETWORK, "snapshot_datagram_size": datagram_size}
-
-
-def _wait_tasks_gone(sc: SparkContext, group: str, timeout: float) -> None:
-    """After cancelling `group`: wait (at most `timeout` s) until none of its stages still runs tasks.
-    Spark fails the job at once but kills its tasks a moment later; a fit started right after a failure
-    would find their slots busy."""
-    tracker = sc.statusTracker()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stages = {s for j in tracker.getJobIdsForGroup(group) if (info := tracker.getJobInfo(j)) is not None
-                  for s in info.stageIds}
-        running = [tracker.getStageInfo(s) for s in stages & set(tracker.getActiveStageIds())]
-        if not any(info is not None and info.numActiveTasks for info in running):
-            return
-        time.sleep(0.1)
 
 
 class _ProgressBar:

@@ -39,7 +39,7 @@ import torch
 from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
 
 from gradshare.errors import TrainingError
-from gradshare.spark import dataframe_to_rdd
+from gradshare.spark import dataframe_to_rdd, is_dataframe
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -52,7 +52,7 @@ QUEUE_CHUNKS = 64  # validation chunks in flight between the reading thread and 
 
 def is_distributed(data: object) -> TypeGuard[DataFrame | RDD[Any]]:
     """Whether `validation_data` is a Spark DataFrame or RDD (else an in-memory pair or None)."""
-    return (hasattr(data, "columns") and hasattr(data, "rdd")) or hasattr(data, "mapPartitionsWithIndex")
+    return is_dataframe(data) or hasattr(data, "mapPartitionsWithIndex")
 
 
 def metric_value(value: Any):
@@ -119,8 +119,8 @@ def check_columns(validation, training, columns: list[str]) -> None:
 def validation_rows(validation: DataFrame | RDD[tuple[object, object]], training: object,
                     features_col: str | list[str] | None, label_col: str | None) -> RDD[tuple[object, object]]:
     """The validation data as an RDD of (features, label) rows, read like the training data."""
-    if hasattr(validation, "columns") and hasattr(validation, "rdd"):
-        if not (hasattr(training, "columns") and hasattr(training, "rdd")):
+    if is_dataframe(validation):
+        if not is_dataframe(training):
             raise ValueError("validation_data is a DataFrame but the training data is an RDD: give both as "
                              "DataFrames (fit's features_col/label_col name the columns of both) or both as RDDs")
         cols = [features_col] if isinstance(features_col, str) else list(features_col)

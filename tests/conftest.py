@@ -48,3 +48,15 @@ def digits_rdd(spark):
     X_train, X_test, y_train, y_test = digits_split(0)
     rows = list(zip(X_train, (int(v) for v in y_train)))
     return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)
+
+
+@pytest.fixture(scope="session")
+def connect(tmp_path_factory):
+    """ONE local Spark Connect server for the test session, with a client session beside it, in a
+    subprocess: a classic session (the `spark` fixture) and a Connect one cannot share a process
+    (tests/connect_runner.py says why). Tests run their bodies there: ``connect.run("case", **kwargs)``."""
+    from connect_runner import ConnectRunner
+
+    runner = ConnectRunner(str(tmp_path_factory.mktemp("connect") / "runner.log"))
+    yield runner
+    runner.close()

@@ -1,0 +1,159 @@
+"""The bodies of tests/test_connect.py, run inside the Connect runner's process (connect_runner.py) with
+its Spark Connect session as `spark`. Each returns plain data (it is sent back to the test process)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+from pyspark import cloudpickle
+from torch import nn
+
+from gradshare import SharedTrainer
+from gradshare.demo import digits_split, evaluate_accuracy, mlp
+
+# the models and callbacks below travel by value (executors need not import this module)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+
+
+def _digits_frame(spark):
+    """scikit-learn's digits as a Connect DataFrame of 2 partitions (a local relation is split in
+    order over local[2]'s 2 slots; a repartition's round-robin would depend on the columns a fit selects):
+    the features as an array column, an ML vector column and a scalar column, int and float labels; and
+    the test arrays."""
+    from pyspark.ml.linalg import Vectors
+
+    X, X_test, y, y_test = digits_split(0)
+    rows = [(x.tolist(), Vectors.dense(x.tolist()), float(x[10]), int(v), float(v)) for x, v in zip(X, y)]
+    df = spark.createDataFrame(rows, ["arr", "vec", "pixel", "label", "target"])
+    return df, X_test, y_test
+
+
+def session_kind(spark) -> dict:
+    """What the runner holds: a Connect session whose DataFrames have no RDD."""
+    df = spark.range(4)
+    try:
+        df.rdd
+        rdd = "available"
+    except Exception as e:  # noqa: BLE001 - pyspark's NOT_IMPLEMENTED, what fit(df) once hit
+        rdd = type(e).__name__
+    return {"session": type(spark).__module__, "rdd": rdd}
+
+
+def digits(spark, epochs: int, tmp: str) -> dict:
+    """The digits MLP from the array column (with in-memory validation, early stopping and a local
+    checkpoint dir) and from the vector column: accuracy, hashes, history, checkpoints."""
+    df, X_test, y_test = _digits_frame(spark)
+    out = {}
+    for col in ("arr", "vec"):
+        r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
+                          early_stopping=dict(patience=50, mode="max"), checkpoint_dir=os.path.join(tmp, col),
+                          **LOOPBACK).fit(df, features_col=col, label_col="label")
+        out[col] = {"accuracy": evaluate_accuracy(r.model, X_test, y_test), "hash": r.param_hash,
+                    "worker_hashes": [w["param_hash"] for w in r.worker_reports], "world": r.world_size,
+                    "val": [h["val_metric"] for h in r.history], "stopped": r.extra["stopped_epoch"],
+                    "inputs": r.extra["inputs"], "loss": r.extra["loss"],
+                    "checkpoints": sorted(os.listdir(os.path.join(tmp, col)))}
+    # resume the array column's fit from its last checkpoint: one more epoch
+    r = SharedTrainer(mlp, epochs=epochs + 1, batch_size=32, seed=3, **LOOPBACK).fit(
+        df, features_col="arr", label_col="label", resume_from=os.path.join(tmp, "arr"))
+    out["resumed"] = {"epochs": [h["epoch"] for h in r.history], "accuracy": evaluate_accuracy(r.model, X_test, y_test),
+                      "from": r.extra["resumed_from"]}
+    return out
+
+
+def early_stop(spark) -> dict:
+    """A stop decided by a callback travels in the log on Connect as on classic."""
+    df, X_test, y_test = _digits_frame(spark)
+    r = SharedTrainer(mlp, epochs=6, seed=3, validation_data=(X_test, y_test), on_epoch_end=lambda row: row["epoch"] >= 1,
+                      **LOOPBACK).fit(df, features_col="arr", label_col="label")
+    return {"stopped": r.extra["stopped_epoch"], "epochs": [h["epoch"] for h in r.history],
+            "hashes": sorted({w["param_hash"] for w in r.worker_reports} | {r.param_hash})}
+
+
+def inputs(spark) -> dict:
+    """Several feature columns (an array and a number) with float labels, and num_workers re-partitioning."""
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 1), nn.Linear(1, 1)
+
+        def forward(self, a, b):
+            return self.a(a) + self.b(b.unsqueeze(1))
+
+    df, _, _ = _digits_frame(spark)
+    torch.manual_seed(0)
+    r = SharedTrainer(TwoInputs(), epochs=2, num_workers=2, **LOOPBACK).fit(df, features_col=["arr", "pixel"],
+                                                                             label_col="target")
+    return {"inputs": r.extra["inputs"], "loss": r.extra["loss"], "world": r.world_size,
+            "loss_fell": r.history[-1]["loss"] < r.history[0]["loss"],
+            "same": len({w["param_hash"] for w in r.worker_reports} | {r.param_hash}) == 1}
+
+
+def missing_column(spark) -> None:
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(mlp, **LOOPBACK).fit(df, features_col="pixels", label_col="label")
+
+
+def rdd_on_connect(spark) -> None:
+    """An RDD (of the local server's own SparkContext, the one a Connect client never sees) with a
+    Connect session active."""
+    from pyspark import SparkContext
+
+    X, _, y, _ = digits_split(0)
+    rdd = SparkContext._active_spark_context.parallelize(list(zip(X, (int(v) for v in y))), 2)
+    SharedTrainer(mlp, **LOOPBACK).fit(rdd)
+
+
+def rows_on_connect(spark) -> None:
+    X, _, y, _ = digits_split(0)
+    SharedTrainer(mlp, **LOOPBACK).fit(list(zip(X, y)))
+
+
+def sharded_validation(spark) -> None:
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(mlp, validation_data=df, **LOOPBACK).fit(df, features_col="arr", label_col="label")
+
+
+def hadoop_checkpoints(spark) -> None:
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(mlp, checkpoint_dir="hdfs://namenode/ckpt", **LOOPBACK).fit(df, features_col="arr", label_col="label")
+
+
+def too_many_workers(spark) -> None:
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(mlp, num_workers=3, **LOOPBACK).fit(df, features_col="arr", label_col="label")
+
+
+def null_label(spark) -> None:
+    rows = [([float(i), 1.0], None if i == 5 else i % 2) for i in range(40)]
+    df = spark.createDataFrame(rows, "x array<double>, y long").repartition(2)
+    SharedTrainer(lambda: nn.Linear(2, 2), **LOOPBACK).fit(df, features_col="x", label_col="y")
+
+
+class Exploding(nn.Module):
+    """Raises inside the task on its 3rd forward pass, in every attempt."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(64, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("user model exploded on purpose")
+        return self.lin(x)
+
+
+def worker_error(spark) -> None:
+    """A worker's own error cancels the job (by its operation tag) and is raised as the worker raised it."""
+    df, _, _ = _digits_frame(spark)
+    SharedTrainer(Exploding, **LOOPBACK).fit(df, features_col="arr", label_col="label")
+
+
+def ping(spark) -> int:
+    return int(np.int64(spark.range(3).count()))
