@@ -232,8 +232,9 @@ class SharedTrainer:
         encoding/sharing.py). On by default.
     local_view: each worker takes its gradient at the shared parameters plus its own residual (the
         updates it has not sent yet), not at the shared parameters alone, so a direction it has already
-        pushed stops being pushed (gradshare/local_view.py; docs/guide/convergence.md). On by default; costs
-        one more float32 copy of the parameters per worker and one add per step.
+        pushed stops being pushed (gradshare/local_view.py; docs/guide/convergence.md). On by default; on
+        the direct update path under aggregate="sum" it is folded into the residual and costs nothing more,
+        elsewhere one more float32 copy of the parameters per worker and one add per step.
     drop_last: what happens to a partition's final batch when it is shorter than batch_size: True drops
         it, False keeps it, "auto" (default) drops it only when it is a single row and the model has a
         BatchNorm layer (training-mode BatchNorm cannot normalise one row). A partition left with no
