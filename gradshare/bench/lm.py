@@ -31,6 +31,9 @@ import time
 from datetime import datetime, timezone
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from gradshare.bench import report
 from gradshare.bench.train import comma_list
@@ -68,33 +71,32 @@ def lm_data(seed: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray,
     return train[:, :-1], train[:, 1:], val[:, :-1], val[:, 1:]
 
 
-def causal_lm():
-    """The benchmark's model (module level: Spark pickles the factory by reference)."""
-    import torch
-    from torch import nn
+class CausalLM(nn.Module):
+    """The benchmark's model: token and position embeddings, pre-norm GELU encoder layers under a causal
+    -inf mask kept as a non-persistent buffer, a linear head giving (B, T, VOCAB) logits."""
 
-    class CausalLM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
-            layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, activation="gelu",
-                                               batch_first=True, norm_first=True)
-            self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
-            self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
-            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
 
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            n = ids.shape[1]
-            x = self.tokens(ids) + self.positions(torch.arange(n, device=ids.device))
-            return self.head(self.norm(self.blocks(x, mask=self.mask[:n, :n], is_causal=True)))
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        x = self.tokens(ids) + self.positions(torch.arange(n, device=ids.device))
+        return self.head(self.norm(self.blocks(x, mask=self.mask[:n, :n], is_causal=True)))
 
+
+def causal_lm() -> CausalLM:
+    """The model factory (module level: Spark pickles it by reference)."""
     return CausalLM()
 
 
 def adamw(params):
-    """AdamW, weight decay on the matrices only (GPT-2's recipe), with the gradient norm clipped."""
-    import torch
-
+    """AdamW, weight decay on the matrices only (GPT-2's recipe); `run_gradshare` clips the gradient norm."""
     params = list(params)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -110,8 +112,6 @@ def warmup_cosine(total_steps: int, step: int) -> float:
 
 
 def scheduler_factory(total_steps: int):
-    import torch
-
     def factory(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_cosine, total_steps))
 
@@ -120,14 +120,10 @@ def scheduler_factory(total_steps: int):
 
 def val_loss_sums(out, labels) -> tuple[float, float]:
     """(summed next-token cross-entropy, tokens): the validation metric, exact to add across batches."""
-    import torch.nn.functional as F
-
     return float(F.cross_entropy(out.flatten(0, -2), labels.flatten(), reduction="sum")), float(labels.numel())
 
 
 def val_loss(model, ids: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
-    import torch
-
     total = count = 0.0
     model.eval()
     with torch.no_grad():
@@ -146,9 +142,6 @@ def steps_per_epoch(rows: int, world: int, batch: int) -> int:
 # ------------------------------------------------------------------------------------ systems
 def run_ddp(data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
     """DDP's step in one process: the mean loss of the N ranks' batches, one clipped AdamW step."""
-    import torch
-    import torch.nn.functional as F
-
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     ids, labels, v_ids, v_labels = data

@@ -110,7 +110,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         group = [r for r in rows if (r["workload"], r["workers"], r["system"]) == (w, n, system)]
         last3 = [r["last3"] for r in group]
         mean = [statistics.fmean(c) for c in zip(*(r["accuracy"] for r in group))]
-        target = next(iter(group))["target"] if "target" in group[0] else None
+        target = group[0].get("target")
         out.append({"workload": w, "workers": n, "system": system, "seeds": [r["seed"] for r in group],
                     "lr": group[0]["lr"], "mean": mean,
                     "last3_mean": statistics.fmean(last3), "last3_std": statistics.stdev(last3) if len(last3) > 1 else None,
