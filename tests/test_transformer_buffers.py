@@ -258,3 +258,10 @@ def test_a_non_finite_update_names_rank_step_and_likely_cause(poison, cause):
         for t in range(2):
             worker.log.apply_through(t - 1)
             worker.step(peer, t)
+
+
+def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
+    model = TinyCausalLM()
+    # a state_dict hook that renames keys (as checkpoint-compatibility shims do) changes nothing here
+    model._register_state_dict_hook(lambda module, sd, prefix, meta: {f"renamed.{k}": v for k, v in sd.items()})
+    assert FlatParams(model).buffer_names == ["mask", "norm.running_mean", "norm.running_var"]
