@@ -76,6 +76,21 @@ def test_warmup_ramp_falls_geometrically_to_the_density():
     assert CalibratedThreshold(density=1e-3).target(0, 10**7) == 1e-3  # no warm-up by default in the rule
 
 
+def test_run_long_decay_is_a_floor_under_the_warm_up_and_ends_at_the_density():
+    rule = CalibratedThreshold(density=2e-3, warmup_steps=48, warmup_density=3e-3, decay_from=0.02, decay_steps=128)
+    targets = [rule.target(t, 10**7) for t in range(140)]
+    assert targets[0] == pytest.approx(0.02)
+    assert targets[64] == pytest.approx(2e-3 * 10 ** 0.5)  # halfway, geometrically
+    assert all(a > b for a, b in zip(targets[:128], targets[1:129]))
+    assert targets[128:] == [2e-3] * 12
+    high = CalibratedThreshold(density=2e-3, warmup_steps=10, warmup_density=0.5, decay_from=0.02, decay_steps=128)
+    assert high.target(0, 10**7) == pytest.approx(0.5)  # a warm-up above the decay keeps its ramp
+    with pytest.raises(ValueError, match="decay_from needs decay_steps"):
+        CalibratedThreshold(decay_from=0.02)
+    with pytest.raises(ValueError, match="decay_from must be 0"):
+        CalibratedThreshold(decay_from=2.0, decay_steps=10)
+
+
 def test_small_models_send_at_least_min_entries():
     rule = CalibratedThreshold(density=1e-3, min_entries=512)
     assert rule.target(0, 10**7) == 1e-3

@@ -94,6 +94,8 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
     warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
+    if rule and rule.get("decay_from") and "decay_steps" not in rule:  # the run's planned steps
+        rule = dict(rule, decay_steps=max(spe) * epochs)
     rule_obj = make_rule(rule)
     if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
         rule_obj.warmup_steps = warmup

@@ -266,6 +266,13 @@ class CalibratedThreshold(_HeldThreshold):
     Warm-up (DGC): for the first ``warmup_steps`` steps the target falls geometrically from
     ``warmup_density`` to the density, so the first steps, where the model moves most, send more.
 
+    Run-long decay (``decay_from`` > 0, ``decay_steps`` the run's planned steps): the target is at least
+    ``density × (decay_from / density) ** (1 − step / decay_steps)``, more entries early in the run. Why:
+    at 64 workers a run is ~128 steps of each worker, while an entry of average size waits ~1/density
+    steps in the residual; paying for that delay early took tabular64k from 82.2 to 83.9 % in lock step
+    (docs/design.md, "What we tried: learning at 64 workers"). Off by default: on MNIST-1D it costs
+    unless each worker's lr is lowered while the density is high.
+
     Learning rate (``follow_lr``, called by SharingState with each step's rate): after the warm-up the
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
     anneals, τ falls with the residual, and the noise that the ±τ steps at the peak rate committed to
@@ -278,6 +285,8 @@ class CalibratedThreshold(_HeldThreshold):
     warmup_steps: int = 0
     warmup_density: float = DEFAULT_WARMUP_DENSITY  # raised to the density when that is higher
     min_entries: int = DEFAULT_MIN_ENTRIES
+    decay_from: float = 0.0               # 0: no run-long decay (class docstring)
+    decay_steps: int = 0
     lr_exponent: float = LR_EXPONENT      # 0: the density does not follow the learning rate
     max_lr_boost: float = MAX_LR_BOOST
     tau: float = field(default=DEFAULT_THRESHOLD, init=False)  # until the first calibration
@@ -293,6 +302,11 @@ class CalibratedThreshold(_HeldThreshold):
         if self.warmup_density > 1.0:
             raise ValueError(f"warmup_density must be a share of entries in (0, 1], got {self.warmup_density!r}")
         self.min_entries = _int_at_least("min_entries", self.min_entries, 0)
+        self.decay_steps = _int_at_least("decay_steps", self.decay_steps, 0)
+        if not (math.isfinite(self.decay_from) and 0.0 <= self.decay_from <= 1.0):
+            raise ValueError(f"decay_from must be 0 (off) or a share of entries in (0, 1], got {self.decay_from!r}")
+        if self.decay_from > 0.0 and self.decay_steps == 0:
+            raise ValueError("decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch)")
         if not (math.isfinite(self.lr_exponent) and self.lr_exponent >= 0.0):
             raise ValueError(f"lr_exponent must be finite and >= 0, got {self.lr_exponent!r}")
         if not (math.isfinite(self.max_lr_boost) and self.max_lr_boost >= 1.0):
@@ -307,14 +321,18 @@ class CalibratedThreshold(_HeldThreshold):
 
     def target(self, step: int, n_params: int) -> float:
         """The share of entries step ``step`` aims to send (the warm-up ramp, then the density times the
-        learning rate's factor)."""
+        learning rate's factor; at least the run-long decay's, when on)."""
         floor = min(self.min_entries / max(n_params, 1), FLOOR_MAX_DENSITY)
         density = min(1.0, max(self.density * self.lr_boost, floor))
-        start = max(self.warmup_density, density)
-        if step >= self.warmup_steps:
-            return density
-        ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)   # float ** float: typed Any
-        return density * ramp
+        target = density
+        if step < self.warmup_steps:
+            start = max(self.warmup_density, density)
+            ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)   # float ** float: typed Any
+            target = density * ramp
+        if self.decay_from > 0.0 and step < self.decay_steps:
+            decay: float = (max(self.decay_from, density) / density) ** (1.0 - step / self.decay_steps)
+            target = max(target, density * decay)
+        return target
 
     def stride(self, n_params: int, step: int) -> int:
         return sample_stride(n_params, self.target(step, n_params))
