@@ -461,6 +461,7 @@ class Worker:
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
+        restore = self._scale_lr(self._global(t))  # a run-long density decay's smaller steps (threshold.py)
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
@@ -476,6 +477,8 @@ class Worker:
         prof.lap("snapshot")
         # False: the fp16 loss scaler skipped it
         taken = True if self.path.in_backward else self.path.optimizer_step(self.precision.step)
+        for group, group_lr in restore:
+            group["lr"] = group_lr
         self.optimizer.zero_grad(set_to_none=True)  # nothing reads them now: free them before the encode
         prof.lap("optimizer")
         try:
@@ -511,6 +514,19 @@ class Worker:
         self._trim_due = len(payload) >= TRIM_PAYLOAD_BYTES
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
+
+    def _scale_lr(self, step: int) -> list[tuple[dict[str, Any], Any]]:
+        """Multiply every parameter group's lr by the threshold rule's `lr_factor` for this step's
+        optimizer step (not a change of rate: the residual is not rescaled, a scheduler does not see it);
+        returns what to put back."""
+        factor_of = getattr(self.state.rule, "lr_factor", None)
+        factor = 1.0 if factor_of is None else float(factor_of(step, self.flat.n_params))
+        if factor == 1.0:
+            return []
+        saved = [(group, group["lr"]) for group in self.optimizer.param_groups]
+        for group, group_lr in saved:
+            group["lr"] = group_lr * factor
+        return saved
 
     def _global(self, t: int) -> int:
         """Step t of this fit's log as a step of the whole training (a resumed fit's log starts at 0):

@@ -91,6 +91,16 @@ def test_run_long_decay_is_a_floor_under_the_warm_up_and_ends_at_the_density():
         CalibratedThreshold(decay_from=2.0, decay_steps=10)
 
 
+def test_lr_factor_shrinks_the_step_while_the_decay_holds_the_density_up():
+    rule = CalibratedThreshold(density=2e-3, decay_from=0.02, decay_steps=100, decay_lr_power=0.5)
+    assert rule.lr_factor(0, 10**7) == pytest.approx(0.1 ** 0.5)
+    assert rule.lr_factor(50, 10**7) == pytest.approx((2e-3 / rule.target(50, 10**7)) ** 0.5)
+    assert rule.lr_factor(100, 10**7) == 1.0
+    assert CalibratedThreshold(density=2e-3, decay_from=0.02, decay_steps=100).lr_factor(0, 10**7) == 1.0
+    with pytest.raises(ValueError, match="decay_lr_power"):
+        CalibratedThreshold(decay_lr_power=-1.0)
+
+
 def test_small_models_send_at_least_min_entries():
     rule = CalibratedThreshold(density=1e-3, min_entries=512)
     assert rule.target(0, 10**7) == 1e-3

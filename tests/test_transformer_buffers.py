@@ -265,3 +265,31 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
     # a state_dict hook that renames keys (as checkpoint-compatibility shims do) changes nothing here
     model._register_state_dict_hook(lambda module, sd, prefix, meta: {f"renamed.{k}": v for k, v in sd.items()})
     assert FlatParams(model).buffer_names == ["mask", "norm.running_mean", "norm.running_var"]
+
+
+def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
+    from gradshare.bench.lockstep import LogPeer
+    from gradshare.encoding import CalibratedThreshold
+    from gradshare.spark import PartitionData
+    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)
+    steps = []
+    for power in (0.0, 1.0):
+        torch.manual_seed(0)
+        rule = CalibratedThreshold(density=0.05, decay_from=0.5, decay_steps=4, decay_lr_power=power)
+        cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1,
+                           model=nn.Linear(5, 3), loss=nn.CrossEntropyLoss(),
+                           optimizer=lambda p: torch.optim.SGD(p, 0.1), threshold_rule=rule, residual_clip=None,
+                           steps_per_epoch=(2,), epochs=1, batch_size=4, staleness=0, seed=0, label_dtype="int64",
+                           direct_update=False)  # the general path: the update is P_after − P_before
+        worker = Worker(cfg, 0, PartitionData((X,), y))
+        worker.log = ApplyLog(LogPeer([], 0), worker.flat, 0, 10.0)
+        before = worker.flat.array.copy()
+        worker.step(LogPeer([], 0), 0)
+        steps.append(worker.state.residual + worker.flat.array - before)  # sent + unsent: the whole update
+        assert worker.optimizer.param_groups[0]["lr"] == 0.1  # put back after the step
+    factor = CalibratedThreshold(density=0.05, decay_from=0.5, decay_steps=4, decay_lr_power=1.0).lr_factor(0, 18)
+    assert factor == pytest.approx(0.1)
+    np.testing.assert_allclose(steps[1], factor * steps[0], rtol=1e-3, atol=1e-7)  # P_after − P_before rounds

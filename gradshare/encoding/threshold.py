@@ -271,7 +271,7 @@ class CalibratedThreshold(_HeldThreshold):
     at 64 workers a run is ~128 steps of each worker, while an entry of average size waits ~1/density
     steps in the residual; paying for that delay early took tabular64k from 82.2 to 83.9 % in lock step
     (docs/design.md, "What we tried: learning at 64 workers"). Off by default: on MNIST-1D it costs
-    unless each worker's lr is lowered while the density is high.
+    unless each worker's lr is lowered while the density is high (``decay_lr_power``, `lr_factor`).
 
     Learning rate (``follow_lr``, called by SharingState with each step's rate): after the warm-up the
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
@@ -287,6 +287,7 @@ class CalibratedThreshold(_HeldThreshold):
     min_entries: int = DEFAULT_MIN_ENTRIES
     decay_from: float = 0.0               # 0: no run-long decay (class docstring)
     decay_steps: int = 0
+    decay_lr_power: float = 0.0           # each worker's lr × (density / target) ** this during the decay
     lr_exponent: float = LR_EXPONENT      # 0: the density does not follow the learning rate
     max_lr_boost: float = MAX_LR_BOOST
     tau: float = field(default=DEFAULT_THRESHOLD, init=False)  # until the first calibration
@@ -307,6 +308,8 @@ class CalibratedThreshold(_HeldThreshold):
             raise ValueError(f"decay_from must be 0 (off) or a share of entries in (0, 1], got {self.decay_from!r}")
         if self.decay_from > 0.0 and self.decay_steps == 0:
             raise ValueError("decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch)")
+        if not (math.isfinite(self.decay_lr_power) and self.decay_lr_power >= 0.0):
+            raise ValueError(f"decay_lr_power must be finite and >= 0, got {self.decay_lr_power!r}")
         if not (math.isfinite(self.lr_exponent) and self.lr_exponent >= 0.0):
             raise ValueError(f"lr_exponent must be finite and >= 0, got {self.lr_exponent!r}")
         if not (math.isfinite(self.max_lr_boost) and self.max_lr_boost >= 1.0):
@@ -333,6 +336,19 @@ class CalibratedThreshold(_HeldThreshold):
             decay: float = (max(self.decay_from, density) / density) ** (1.0 - step / self.decay_steps)
             target = max(target, density * decay)
         return target
+
+    def lr_factor(self, step: int, n_params: int) -> float:
+        """What each worker's own optimizer lr is multiplied by at step ``step``: (density / target) **
+        decay_lr_power while the run-long decay holds the target above the density, else 1. Why: more
+        entries early pass more of the N workers' summed steps through; a smaller step per worker keeps
+        what gets through about constant (MNIST-1D at 64 workers: 53.7 % with the decay alone, 73.2 with
+        power 0.35; docs/design.md, "What we tried: learning at 64 workers")."""
+        if self.decay_lr_power == 0.0 or self.decay_from == 0.0 or step >= self.decay_steps:
+            return 1.0
+        floor = min(self.min_entries / max(n_params, 1), FLOOR_MAX_DENSITY)
+        base = min(1.0, max(self.density, floor))
+        factor: float = (base / self.target(step, n_params)) ** self.decay_lr_power   # float ** float: typed Any
+        return min(1.0, factor)
 
     def stride(self, n_params: int, step: int) -> int:
         return sample_stride(n_params, self.target(step, n_params))
