@@ -191,9 +191,9 @@ class FlatParams:
 
 def shared_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) of every buffer the flat state holds: float, and persistent (registered without
-    ``persistent=False``, so in ``module.state_dict()``). A forward pass may change them (running statistics: the change is shared
-    exactly, encoding/update.py) or not (a constant mask kept persistent: never a change, whatever its
-    values, ±inf and NaN included)."""
+    ``persistent=False``, so in ``module.state_dict()``). A forward pass may change them (running
+    statistics: the change is shared exactly, encoding/update.py) or not (a constant mask kept
+    persistent: never a change, whatever its values, ±inf and NaN included)."""
     # torch's own record of persistence, the one state_dict() consults: a state_dict hook that renames
     # keys must not turn a running statistic into a local buffer
     local = {id(b) for m in module.modules() for name, b in m._buffers.items()

@@ -269,7 +269,7 @@ class CalibratedThreshold(_HeldThreshold):
     Run-long decay (``decay_from`` > 0, ``decay_steps`` the run's planned steps): the target is at least
     ``density × (decay_from / density) ** (1 − step / decay_steps)``, more entries early in the run. Why:
     at 64 workers a run is ~128 steps of each worker, while an entry of average size waits ~1/density
-    steps in the residual; paying for that delay early took tabular64k from 82.2 to 83.9 % in lock step
+    steps in the residual; paying for that delay early took tabular64k from 81.8 to 83.9 % in lock step
     (docs/design.md, "What we tried: learning at 64 workers"). Off by default: on MNIST-1D it costs
     unless each worker's lr is lowered while the density is high (``decay_lr_power``, `lr_factor`).
 
@@ -341,7 +341,7 @@ class CalibratedThreshold(_HeldThreshold):
         """What each worker's own optimizer lr is multiplied by at step ``step``: (density / target) **
         decay_lr_power while the run-long decay holds the target above the density, else 1. Why: more
         entries early pass more of the N workers' summed steps through; a smaller step per worker keeps
-        what gets through about constant (MNIST-1D at 64 workers: 53.7 % with the decay alone, 73.2 with
+        what gets through about constant (MNIST-1D at 64 workers: 54.7 % with the decay alone, 73.2 with
         power 0.35; docs/design.md, "What we tried: learning at 64 workers")."""
         if self.decay_lr_power == 0.0 or self.decay_from == 0.0 or step >= self.decay_steps:
             return 1.0
