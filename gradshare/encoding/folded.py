@@ -83,7 +83,8 @@ def unfold(point: Vector, params: Vector, scale: float = 1.0) -> Vector:
     """r = (point − params)·(1/scale) as a new float32 array or tensor (the values the encode compares
     with τ); strided views (a calibration sample) too."""
     _, inv = _scale_pair(scale)
-    return backend_of(point).unfold(point, params, inv)
+    r: Vector = backend_of(point).unfold(point, params, inv)
+    return r
 
 
 def fold(point: Vector, params: Vector, residual: Vector, scale: float = 1.0) -> None:

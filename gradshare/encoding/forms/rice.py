@@ -245,7 +245,7 @@ def _rice_decode(words, n_entries, out):
 
 @njit(nogil=True, cache=True)
 def _rice_apply(words, n_entries, steps, params, batch):
-    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as forms.sparse._sparse_apply)."""
+    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as the sparse form's apply)."""
     bitpos = 8  # after the k byte
     prev = -1
     done = 0
