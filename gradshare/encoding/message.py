@@ -11,10 +11,11 @@ Wire format (little endian), a fixed 32-byte header followed by the payload:
     16     8    n_entries, uint64
     24     8    payload length in bytes, uint64 (must equal the bytes that follow)
 
-Forms: *sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128
-varints with the sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (see rice.py);
-*bitmap* = 2 bits per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every
-form of the same entries decodes to the identical vector.
+Forms (one module each in forms/, and the table `forms.BY_TAG` from the form byte to its `Form`):
+*sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128 varints with the
+sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (forms/rice.py); *bitmap* = 2 bits
+per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every form of the same
+entries decodes to the identical vector.
 
 A `Message` is validated completely in its constructor (payload included, by a read-only Numba pass),
 so any `Message` that exists can be applied without further checks: no index >= n_params can reach a
