@@ -48,7 +48,7 @@ def residuals(draw, nonfinite=False):
 def state_with(r: np.ndarray, bound: np.ndarray) -> agg.AggregateState:
     state = agg.AggregateState(r.size)
     state.residual[:] = r
-    state._bound[:] = bound
+    state.bound[:] = bound
     return state
 
 
@@ -66,7 +66,7 @@ def test_add_matches_the_codec_and_raises_the_bound(data, form, seed, msg_tau):
     codes = np.flatnonzero(where) * 2 + (dense[where] < 0)
     state = state_with(r, bound)
     with np.errstate(over="ignore", invalid="ignore"):
-        agg._add(state, message)
+        agg.add_message(state, message)
         want = naive.apply(codes, message.threshold, r)
     assert same_bits(state.residual, want)
     # the oracle bound: each add raises its block's bound to |r_i| (a NaN sticks)
@@ -76,7 +76,7 @@ def test_add_matches_the_codec_and_raises_the_bound(data, form, seed, msg_tau):
         b, a = i // WIDTH, np.float32(abs(want[i]))
         if np.isnan(a) or a > want_bound[b]:
             want_bound[b] = a
-    assert same_bits(np.nan_to_num(state._bound, nan=-1.0), np.nan_to_num(want_bound, nan=-1.0))
+    assert same_bits(np.nan_to_num(state.bound, nan=-1.0), np.nan_to_num(want_bound, nan=-1.0))
 
 
 @SETTINGS
@@ -84,7 +84,7 @@ def test_add_matches_the_codec_and_raises_the_bound(data, form, seed, msg_tau):
 def test_encode_matches_the_plain_encoder_and_tightens_the_bound(data):
     r, bound, tau = data
     state = state_with(r, bound)
-    got = agg._encode(state, float(tau))
+    got = agg.encode_residual(state, float(tau))
     want_r, want_codes = naive.accumulate_encode(r, None, tau)
     assert same_bits(state.residual, want_r)
     plain = r.copy()
@@ -94,9 +94,9 @@ def test_encode_matches_the_plain_encoder_and_tightens_the_bound(data):
     # a block read (bound not below τ) gets its exact maximum; one skipped keeps its bound; all still cover
     exact = naive.block_max_abs(want_r, WIDTH)
     read = ~(bound < tau)
-    assert same_bits(state._bound[read], exact[read])
-    assert same_bits(state._bound[~read], bound[~read])
-    assert (state._bound >= exact).all()
+    assert same_bits(state.bound[read], exact[read])
+    assert same_bits(state.bound[~read], bound[~read])
+    assert (state.bound >= exact).all()
 
 
 @SETTINGS
@@ -110,7 +110,7 @@ def test_encode_names_the_first_non_finite_value_as_the_plain_encoder(data):
         bad = np.array([r.size // 2])
     state = state_with(r, bound)
     with pytest.raises(ValueError, match=rf"^residual is not finite at index {bad[0]} "):
-        agg._encode(state, float(tau))
+        agg.encode_residual(state, float(tau))
     with pytest.raises(ValueError, match=rf"^residual is not finite at index {bad[0]} "):
         encode(r.copy(), None, tau)
 
@@ -120,6 +120,6 @@ def test_encode_regrows_its_entry_buffer_without_emitting_a_block_twice():
     n = 100_003
     r = np.random.default_rng(3).choice(np.float32([-2.5, 2.5]), n)
     state = state_with(r, naive.block_max_abs(r, WIDTH))
-    got = agg._encode(state, 1.0)
+    got = agg.encode_residual(state, 1.0)
     assert got.n_entries == n and got == encode(r.copy(), None, 1.0)
-    assert (state.residual == r - np.sign(r)).all() and (state._bound == np.float32(1.5)).all()
+    assert (state.residual == r - np.sign(r)).all() and (state.bound == np.float32(1.5)).all()

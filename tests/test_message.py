@@ -238,3 +238,14 @@ def test_validation_kernels_accept_exactly_what_the_naive_parsers_accept(form, p
     assert want is not None
     idx, signs = decode_entries(m)
     assert ((idx << 1) | (signs < 0)).tolist() == want
+
+
+def test_the_form_table_is_keyed_by_the_wire_tag_and_names_every_form():
+    from gradshare.encoding import forms
+
+    assert forms.NAMES == (EMPTY, SPARSE, RICE, BITMAP)
+    assert {f.name: f.tag for f in forms.ORDER} == {EMPTY: 0, SPARSE: 1, BITMAP: 2, RICE: 3}  # the header's form byte
+    for tag, form in forms.BY_TAG.items():
+        assert form.tag == tag and forms.BY_NAME[form.name] is form
+        m = Message(1.0, 8, 0, form.name, form.encode(np.empty(0, np.int64), forms.measure(np.empty(0, np.int64), 8)))
+        assert m.to_bytes()[3] == tag and Message.from_bytes(m.to_bytes(), max_params=8) == m

@@ -19,7 +19,7 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.encoding import buffer_change
-from gradshare.encoding.torch_codec import buffer_change_tensor
+from gradshare.encoding.torch_codec import buffer_change as buffer_change_tensor
 from gradshare.flat import FlatParams, int_buffers
 from gradshare.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
 from gradshare.transport import param_hash

@@ -92,7 +92,7 @@ def measure(
     import numpy as np
 
     from gradshare.encoding import BITMAP, RICE, SPARSE, apply, convert, encode
-    from gradshare.encoding.codec import _codes as codes  # the bare decoder: payload -> int64 entry codes
+    from gradshare.encoding.codec import entry_codes as codes  # the bare decoder: payload -> int64 entry codes
 
     # τ such that a standard normal update crosses it with probability `density` (both tails).
     tau = statistics.NormalDist().inv_cdf(1.0 - density / 2.0)

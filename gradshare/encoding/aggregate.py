@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradshare.encoding import blockmax as _bm
-from gradshare.encoding.codec import _apply_step, _build, _codes
-from gradshare.encoding.message import BITMAP, RICE, SPARSE, Message, to_float32_threshold
+from gradshare.encoding import forms, kernels
+from gradshare.encoding.message import Message, to_float32_threshold
 from gradshare.encoding.threshold import CalibratedThreshold, quantile_threshold
 from gradshare.encoding.update import StepUpdate
 
@@ -67,7 +67,7 @@ class AggregateState:
         self.residual = np.zeros(self.n_params, np.float32)
         # per block of 1 << blockmax.SHIFT values, an upper bound of |residual| there: the residual must
         # change only through aggregate_step, which keeps this bound (blockmax.py)
-        self._bound = np.zeros(_bm.n_blocks(self.n_params), np.float32)
+        self.bound = np.zeros(_bm.n_blocks(self.n_params), np.float32)
         self.steps = 0          # aggregates made
 
 
@@ -86,8 +86,8 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
                              f"aggregate has {state.n_buffers}")
     index = [u.buffer_index for u in updates if len(u.buffer_index)]
     for u in updates:
-        _add(state, u.message)
-    message = _encode(state, aggregate_threshold(state, step))
+        add_message(state, u.message)
+    message = encode_residual(state, aggregate_threshold(state, step))
     state.rule.update(message.n_entries, message.n_params)   # as encode_step: the rule sees what went out
     state.steps += 1
     if not index:
@@ -100,49 +100,37 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
     return StepUpdate(message, where, total[where])
 
 
-_ADD_BATCH = 1024       # codes decoded per batch before they are added (as codec._APPLY_BATCH)
-_NO_BYTES = np.empty(0, np.uint8)      # the payload argument of the form not in use
-_NO_WORDS = np.empty(0, np.uint64)
+# The forms whose payload the bounded add reads as it decodes, by wire tag; any other form (the bitmap,
+# rare on a relay's inbound messages) is decoded to codes first.
+_STREAM_ADD = {forms.SPARSE.tag: _bm.add_sparse, forms.RICE.tag: _bm.add_rice}
 
 
-def _add(state: AggregateState, message: Message) -> None:
+def add_message(state: AggregateState, message: Message) -> None:
     """residual += the message's ±τ (codec.apply's float32 additions, in entry order), keeping the bound."""
     if message.n_entries == 0:
         return
-    step = _apply_step(message, 1.0)
+    step = message.step(1.0)
     steps = np.array([step, -step], np.float32)
-    r, bound = state.residual, state._bound
-    batch = np.empty(min(message.n_entries, _ADD_BATCH), np.int64)
-    if message.form == SPARSE:
-        _bm._payload_add_bounded(False, np.frombuffer(message.payload, np.uint8), _NO_WORDS, message.n_entries,
-                                 steps, r, bound, _bm.SHIFT, batch)
-    elif message.form == RICE:
-        _bm._payload_add_bounded(True, _NO_BYTES, message._padded, message.n_entries, steps, r, bound,
-                                 _bm.SHIFT, batch)
-    elif message.form == BITMAP:
-        _bm._codes_add_bounded(_codes(message), steps, r, bound, _bm.SHIFT)
+    r, bound = state.residual, state.bound
+    add = _STREAM_ADD.get(forms.BY_NAME[message.form].tag)
+    if add is None:
+        _bm.add_codes(message.codes(), steps, r, bound)
+        return
+    batch = np.empty(min(message.n_entries, forms.APPLY_BATCH), np.int64)
+    add(message.reader, message.n_entries, steps, r, bound, batch)
 
 
-def _encode(state: AggregateState, tau: float) -> Message:
+def encode_residual(state: AggregateState, tau: float) -> Message:
     """codec.encode(residual, None, tau), reading only the blocks whose bound reaches τ."""
     tau = to_float32_threshold(tau, "aggregate threshold")
-    tau32 = np.float32(tau)
-    r, bound = state.residual, state._bound
-    out = np.empty(max(1024, r.size >> 8), np.int64)
-    todo = np.empty(bound.size, np.int64)
-    k, block = 0, 0
-    while True:
-        k, block, status = _bm._encode_bounded(r, bound, _bm.SHIFT, tau32, out, k, block, todo)
-        if status == _bm.OK:
-            return _build(out[:k], tau, r.size, None)
-        if status == _bm.NONFINITE:
-            lo = block << _bm.SHIFT
-            i = lo + int(np.flatnonzero(~np.isfinite(r[lo:lo + (1 << _bm.SHIFT)]))[0])
-            raise ValueError(f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
-                             f"is partly updated and must be reset")
-        grown = np.empty(max(2 * out.size, k + (1 << _bm.SHIFT)), np.int64)   # FULL: the block did not fit
-        grown[:k] = out[:k]
-        out = grown
+    r = state.residual
+    try:
+        codes = _bm.encode_bounded(r, state.bound, np.float32(tau))
+    except kernels.NonFiniteAt as exc:
+        i = exc.index
+        raise ValueError(f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
+                         f"is partly updated and must be reset") from None
+    return Message.from_codes(codes, tau, r.size, None)
 
 
 def aggregate_threshold(state: AggregateState, step: int) -> float:

@@ -1,11 +1,14 @@
-"""Numba kernels of the threshold codec (private; the validating wrappers are in codec.py/message.py).
+"""Numba kernels of the threshold encode (the fused accumulate+encode pass, the folded residual's passes)
+and the building blocks the forms' kernels share (forms/*.py: each form's own kernels live there).
 
 Conventions shared by every kernel here:
 - An *entry* is one emitted ±τ at parameter index i, held as the int64 code ``(i << 1) | neg``
   (neg = 1 for −τ). Codes come out of the encoder sorted by index, one per index at most.
-- Kernels validate nothing and allocate nothing: callers pass preallocated outputs (STYLE item 7).
-  The only exceptions are the ``_check_*`` kernels, which are read-only validation passes that run
-  on untrusted bytes BEFORE any kernel writes memory from them.
+- Kernels (``_name``) validate nothing and allocate nothing: callers pass preallocated outputs (STYLE
+  item 7). The public functions at the end of this module allocate and resume them; the arguments are
+  validated before, by the backend that calls them (numpy_codec.py). The forms' ``_check_*`` kernels
+  are read-only validation passes that run on untrusted bytes BEFORE any kernel writes memory from them.
+- `cttz`, `prefetch_write`, `apply_batch` and the constants are public: other kernels inline them.
 - ``cache=True`` so a fresh process loads machine code from ``__pycache__`` instead of recompiling.
 """
 
@@ -53,14 +56,14 @@ from numba.extending import intrinsic  # noqa: E402
 # count trailing zeros of a non-zero uint64: the rice decoder's unary runs, the encoders' hit masks
 if config.DISABLE_JIT:
 
-    def _cttz(x):
+    def cttz(x):
         x = int(x)
         return np.uint64((x & -x).bit_length() - 1)
 
 else:
 
     @intrinsic
-    def _cttz(typingctx, x):
+    def cttz(typingctx, x):
         """Count trailing zero bits of a non-zero uint64 (llvm.cttz)."""
 
         def codegen(context, builder, signature, args):
@@ -90,7 +93,7 @@ OK = 0
 FULL = 1  # the entry buffer cannot hold the current block's entries: grow it and resume
 NONFINITE = 2  # a residual value became NaN or ±inf in the block starting at the returned position
 
-_FLT_MAX = np.float32(3.4028234663852886e38)
+FLT_MAX = np.float32(3.4028234663852886e38)
 
 # Error codes of the read-only validation passes (0 = valid). message.py maps them to text.
 CHECK_OK = 0
@@ -143,7 +146,7 @@ def _add_block(rb, ub, tau):
         rb[j] = x
         a = abs(x)
         cnt += np.int32(a >= tau)
-        bad += np.int32(not (a <= _FLT_MAX))  # NaN compares false, inf is > FLT_MAX
+        bad += np.int32(not (a <= FLT_MAX))  # NaN compares false, inf is > FLT_MAX
     return cnt, bad
 
 
@@ -164,7 +167,7 @@ def _add_diff_block(rb, ab, bb, tau, rewind):
         rb[j] = x
         a = abs(x)
         cnt += np.int32(a >= tau)
-        bad += np.int32(not (a <= _FLT_MAX))
+        bad += np.int32(not (a <= FLT_MAX))
     return cnt, bad
 
 
@@ -176,7 +179,7 @@ def _count_block(rb, tau):
     for j in range(rb.size):
         a = abs(rb[j])
         cnt += np.int32(a >= tau)
-        bad += np.int32(not (a <= _FLT_MAX))
+        bad += np.int32(not (a <= FLT_MAX))
     return cnt, bad
 
 
@@ -186,7 +189,7 @@ def _emit_hits(m, sb, base, tau, out, k, cnt):
     τ. A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ) is x + τ, the
     same bits. Returns (k, cnt) with cnt lowered by the hits emitted."""
     while m:
-        j = np.int64(_cttz(m))
+        j = np.int64(cttz(m))
         m &= m - np.uint64(1)
         x = sb[j]
         neg = np.int64(x < 0)
@@ -225,13 +228,13 @@ def _emit_block(rb, pos, tau, out, k, cnt, bad):
 
 if config.DISABLE_JIT:  # pure-Python kernels (NUMBA_DISABLE_JIT=1): a prefetch is only a hint
 
-    def _prefetch_write(array, index):
+    def prefetch_write(array, index):
         pass
 
 else:
 
     @intrinsic
-    def _prefetch_write(typingctx, array, index):
+    def prefetch_write(typingctx, array, index):
         """Hint the CPU to fetch array[index] for writing (llvm.prefetch, rw=1, locality=3)."""
 
         def codegen(context, builder, signature, args):
@@ -248,92 +251,8 @@ else:
         return types.void(array, index), codegen
 
 
-# --- sparse form: LEB128 varints of ((gap << 1) | neg), gap = index - previous index - 1 ----------------
-
-
-@njit(nogil=True, cache=True)
-def _sparse_write(codes, out):
-    """Write the sparse form of ``codes`` into ``out`` (sized by _form_sizes) and return its size."""
-    pos = 0
-    prev = -1
-    for e in range(codes.size):
-        c = codes[e]
-        i = c >> 1
-        v = ((i - prev - 1) << 1) | (c & 1)
-        prev = i
-        while v >= 0x80:
-            out[pos] = (v & 0x7F) | 0x80
-            pos += 1
-            v >>= 7
-        out[pos] = v
-        pos += 1
-    return pos
-
-
-@njit(nogil=True, cache=True)
-def _check_sparse(p, n_entries, n_params):
-    """Read-only validation of an untrusted sparse payload. Returns a CHECK_* code."""
-    m = p.size
-    pos = 0
-    prev = -1
-    for _ in range(n_entries):
-        v = 0
-        shift = 0
-        while True:
-            if pos >= m:
-                return CHECK_TRUNCATED
-            b = np.int64(p[pos])
-            pos += 1
-            v |= (b & 0x7F) << shift
-            if b < 0x80:
-                if b == 0 and shift > 0:
-                    return CHECK_OVERLONG
-                break
-            shift += 7
-            if shift > 56:
-                return CHECK_OVERLONG
-        gap = v >> 1
-        if gap >= n_params - prev - 1:  # index = prev + 1 + gap must stay < n_params
-            return CHECK_INDEX
-        prev = prev + 1 + gap
-    if pos != m:
-        return CHECK_TRAILING
-    return CHECK_OK
-
-
 @njit(nogil=True, cache=True, inline="always")
-def _sparse_decode_batch(p, pos, prev, out, cnt, params):
-    """Decode ``cnt`` codes of a VALIDATED sparse payload from byte ``pos`` into out[:cnt].
-
-    Returns (next pos, last index) so batches can follow one another. Prefetches each target in
-    ``params`` as it is decoded unless ``params`` is empty (see _apply_batch).
-    """
-    for t in range(cnt):
-        b = np.int64(p[pos])
-        pos += 1
-        v = b & 0x7F
-        shift = 7
-        while b >= 0x80:
-            b = np.int64(p[pos])
-            pos += 1
-            v |= (b & 0x7F) << shift
-            shift += 7
-        i = prev + 1 + (v >> 1)
-        out[t] = (i << 1) | (v & 1)
-        if params.size:
-            _prefetch_write(params, i)
-        prev = i
-    return pos, prev
-
-
-@njit(nogil=True, cache=True)
-def _sparse_decode(p, n_entries, out):
-    """Codes of a VALIDATED sparse payload into out[:n_entries]."""
-    _sparse_decode_batch(p, 0, -1, out, n_entries, np.empty(0, np.float32))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _apply_batch(batch, cnt, steps, params):
+def apply_batch(batch, cnt, steps, params):
     """params[i] += steps[neg] for the first ``cnt`` decoded codes of ``batch``.
 
     Decoding a whole batch first (prefetching each target as it is decoded) and adding afterwards lets
@@ -347,82 +266,6 @@ def _apply_batch(batch, cnt, steps, params):
         params[c >> 1] += steps[c & 1]
 
 
-@njit(nogil=True, cache=True)
-def _sparse_apply(p, n_entries, steps, params, batch):
-    """params[i] += steps[neg] for every entry of a VALIDATED sparse payload, ``batch.size`` at a time."""
-    pos = 0
-    prev = -1
-    done = 0
-    while done < n_entries:
-        cnt = min(batch.size, n_entries - done)
-        pos, prev = _sparse_decode_batch(p, pos, prev, batch, cnt, params)
-        _apply_batch(batch, cnt, steps, params)
-        done += cnt
-
-
-# --- bitmap form: 2 bits per parameter, 4 parameters per byte, parameter i at bits 2*(i & 3) of byte i >> 2 ---
-# code 0b00 = nothing, 0b01 = +τ, 0b10 = −τ, 0b11 = reserved (rejected by the decoder).
-
-
-@njit(nogil=True, cache=True)
-def _bitmap_write(codes, out):
-    """Set the 2-bit codes of ``codes`` into the ZEROED bitmap ``out``."""
-    for e in range(codes.size):
-        c = codes[e]
-        i = c >> 1
-        out[i >> 2] |= np.uint8((1 + (c & 1)) << ((i & 3) << 1))
-
-
-@njit(nogil=True, cache=True)
-def _check_bitmap(p, n_params, n_entries):
-    """Read-only validation of an untrusted bitmap payload (size already checked). Returns CHECK_*."""
-    count = 0
-    for q in range(p.size):
-        b = np.int64(p[q])
-        if b & (b >> 1) & 0x55:
-            return CHECK_RESERVED
-        marks = (b | (b >> 1)) & 0x55
-        # popcount of the 4 possible marks (bits 0, 2, 4, 6)
-        count += (marks & 1) + ((marks >> 2) & 1) + ((marks >> 4) & 1) + ((marks >> 6) & 1)
-    tail = n_params & 3
-    if tail and p.size and (np.int64(p[p.size - 1]) >> (tail << 1)):
-        return CHECK_PADDING
-    if count != n_entries:
-        return CHECK_COUNT
-    return CHECK_OK
-
-
-@njit(nogil=True, cache=True)
-def _bitmap_decode(p, out):
-    """Codes of a VALIDATED bitmap payload into ``out`` (sized to its entry count)."""
-    k = 0
-    for q in range(p.size):
-        b = np.int64(p[q])
-        if b:
-            for s in range(4):
-                c = (b >> (s << 1)) & 3
-                if c:
-                    out[k] = (((q << 2) + s) << 1) | (c >> 1)
-                    k += 1
-
-
-@njit(nogil=True, cache=True)
-def _bitmap_apply(p, steps3, params):
-    """params[i] += steps3[code_i] over a VALIDATED bitmap; steps3 = [0, +s, -s].
-
-    Zero bytes (four untouched parameters) are skipped: a bitmap is chosen only for dense steps, but
-    most bytes are still zero at densities around its break-even point.
-    """
-    for q in range(p.size):
-        b = np.int64(p[q])
-        if b:
-            base = q << 2
-            for s in range(4):
-                c = (b >> (s << 1)) & 3
-                if c:
-                    params[base + s] += steps3[c]
-
-
 # --- the folded residual (local_view.py, "Q-form"): q = p + s·r is stored, r = (q − p)·(1/s) is not ---------------
 
 
@@ -434,7 +277,7 @@ def _count_folded_block(qb, pb, inv, tau):
     for j in range(qb.size):
         a = abs((qb[j] - pb[j]) * inv)
         cnt += np.int32(a >= tau)
-        bad += np.int32(not (a <= _FLT_MAX))
+        bad += np.int32(not (a <= FLT_MAX))
     return cnt, bad
 
 
@@ -464,7 +307,7 @@ def _folded_encode(q, p, inv, tau, step, out, k, start):
                 if m:
                     base = pos + s0
                     while m:
-                        j = np.int64(_cttz(m))
+                        j = np.int64(cttz(m))
                         m &= m - np.uint64(1)
                         # a hit: |x| >= τ and x finite (the block count checked), so its sign is x < 0;
                         # no branch on it (taken at random): q − (−step) is q + step, the same bits
@@ -500,3 +343,66 @@ def _folded_rescale(q, p, ratio):
     """q = p + (q − p)·ratio: r scaled by ratio (the scale s cancels)."""
     for i in range(q.size):
         q[i] = p[i] + (q[i] - p[i]) * ratio
+
+
+# --- the public wrappers: allocate, resume after FULL, report NONFINITE ------------------------------------------
+
+
+class NonFiniteAt(Exception):
+    """A pass met NaN or ±inf at ``index`` (local to the arrays it was given)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def _grown(out: np.ndarray, k: int) -> np.ndarray:
+    """FULL: a block did not fit ``out``; a larger buffer holding its first ``k`` codes."""
+    grown = np.empty(max(2 * out.size, k + BLOCK), np.int64)
+    grown[:k] = out[:k]
+    return grown
+
+
+def encode_codes(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None,
+                 rewind: bool = False) -> np.ndarray:
+    """Entry codes (local indices) of the fused pass over the views r/u (u - base when base is given);
+    grows its buffer as needed. Raises NonFiniteAt with the first bad index."""
+    n = r.size
+    out = np.empty(max(1024, n >> 8), np.int64)  # 0.4 % density before the first regrowth
+    k, pos, added_end = 0, 0, (0 if u is not None else n)
+    uu = u if u is not None else r  # not read when added_end == n
+    mode = ADD if base is None else DIFF_REWIND if rewind else DIFF
+    while True:
+        k, pos, status = _accumulate_encode(r, uu, uu if base is None else base, mode, tau, out, k, pos, added_end)
+        if status == OK:
+            return out[:k]
+        if status == NONFINITE:
+            block = r[pos : pos + BLOCK]
+            raise NonFiniteAt(pos + int(np.flatnonzero(~np.isfinite(block))[0]))
+        out = _grown(out, k)
+        added_end = max(added_end, pos + BLOCK)  # that block is accumulated already
+
+
+def folded_encode_codes(q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.float32,
+                        step: np.float32) -> np.ndarray:
+    """Entry codes of r = (q − p)·inv, q moved by ∓step at each (`_folded_encode`); raises NonFiniteAt."""
+    out = np.empty(max(1024, q.size >> 8), np.int64)
+    k, pos = 0, 0
+    while True:
+        k, pos, status = _folded_encode(q, p, inv, tau, step, out, k, pos)
+        if status == OK:
+            return out[:k]
+        if status == NONFINITE:
+            block = (q[pos : pos + BLOCK] - p[pos : pos + BLOCK]) * inv
+            raise NonFiniteAt(pos + int(np.flatnonzero(~(np.abs(block) <= FLT_MAX))[0]))
+        out = _grown(out, k)
+
+
+def folded_clip(q: np.ndarray, p: np.ndarray, inv: np.float32, bound: np.float32, scaled_bound: np.float32) -> int:
+    """`_folded_clip`: r clipped to ±bound through q; the entries clipped."""
+    return int(_folded_clip(q, p, inv, bound, scaled_bound))
+
+
+def folded_rescale(q: np.ndarray, p: np.ndarray, ratio: np.float32) -> None:
+    """`_folded_rescale`: r scaled by ratio through q."""
+    _folded_rescale(q, p, ratio)

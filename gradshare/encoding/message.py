@@ -11,10 +11,11 @@ Wire format (little endian), a fixed 32-byte header followed by the payload:
     16     8    n_entries, uint64
     24     8    payload length in bytes, uint64 (must equal the bytes that follow)
 
-Forms: *sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128
-varints with the sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (see rice.py);
-*bitmap* = 2 bits per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every
-form of the same entries decodes to the identical vector.
+Forms (one module each in forms/, and the table `forms.BY_TAG` from the form byte to its `Form`):
+*sparse* = the sorted entry indices as gaps (index - previous index - 1) in LEB128 varints with the
+sign folded into bit 0; *rice* = the same gaps Golomb-Rice coded (forms/rice.py); *bitmap* = 2 bits
+per parameter (00 none, 01 +τ, 10 −τ, 11 reserved); *empty* = no payload. Every form of the same
+entries decodes to the identical vector.
 
 A `Message` is validated completely in its constructor (payload included, by a read-only Numba pass),
 so any `Message` that exists can be applied without further checks: no index >= n_params can reach a
@@ -30,8 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradshare.encoding import kernels as _k
-from gradshare.encoding import rice as _rice
+from gradshare.encoding import forms
+from gradshare.encoding.forms import bitmap_size as bitmap_size  # re-exported: the size of a form, public here before
 from gradshare.errors import DecodeError
 
 MAGIC = b"GS"
@@ -39,31 +40,21 @@ VERSION = 1
 HEADER = struct.Struct("<2sBBfQQQ")
 HEADER_SIZE = HEADER.size  # 32
 
-EMPTY = "empty"
-SPARSE = "sparse"
-BITMAP = "bitmap"
-RICE = "rice"
-FORMS = (EMPTY, SPARSE, RICE, BITMAP)  # also the preference order when two forms are the same size
-_FORM_CODE = {EMPTY: 0, SPARSE: 1, BITMAP: 2, RICE: 3}
-_CODE_FORM = {v: k for k, v in _FORM_CODE.items()}
+# The forms' names, as Message.form holds them; forms/ has one module per form and the table by wire tag.
+EMPTY = forms.EMPTY.name
+SPARSE = forms.SPARSE.name
+BITMAP = forms.BITMAP.name
+RICE = forms.RICE.name
+FORMS = forms.NAMES  # also the preference order when two forms are the same size
+
+# Bounds on an adapted or calibrated τ (threshold.py): it must stay a positive normal float32 far from
+# overflow, whatever the updates do (e.g. a model whose updates are all exactly zero would otherwise
+# drive τ to 0).
+MIN_THRESHOLD = 1e-30
+MAX_THRESHOLD = 1e30
 
 # Indices travel as (index << 1) | sign in int64: keep n_params well inside that.
 MAX_N_PARAMS = 1 << 61
-
-_CHECK_TEXT = {
-    _k.CHECK_TRUNCATED: "an entry runs past the end of the payload",
-    _k.CHECK_OVERLONG: "a varint is longer than 9 bytes or not in shortest form, or the rice k is > 40",
-    _k.CHECK_INDEX: "an index is >= n_params",
-    _k.CHECK_TRAILING: "bytes are left over after n_entries entries",
-    _k.CHECK_PADDING: "bits are set past the last parameter (bitmap) or the last entry (rice)",
-    _k.CHECK_RESERVED: "the bitmap holds the reserved code 0b11",
-    _k.CHECK_COUNT: "the bitmap holds a different number of entries than n_entries",
-}
-
-
-def bitmap_size(n_params: int) -> int:
-    """Payload bytes of the bitmap form: 2 bits per parameter."""
-    return (n_params + 3) // 4
 
 
 def to_float32_threshold(threshold: float, name: str = "threshold") -> float:
@@ -77,6 +68,13 @@ def to_float32_threshold(threshold: float, name: str = "threshold") -> float:
     if not (math.isfinite(tau32) and tau32 > 0.0):
         raise ValueError(f"{name} must be finite and > 0 in float32, got {value!r}")
     return tau32
+
+
+def threshold_value(threshold: object) -> float:
+    """τ of a number or of a threshold rule (FixedThreshold, AdaptiveThreshold, ...: its current
+    ``.threshold``), as the float32 value the kernels use."""
+    value = getattr(threshold, "threshold", threshold)
+    return to_float32_threshold(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -95,8 +93,8 @@ class Message:
     n_entries: int
     form: str
     payload: bytes
-    # rice payload as zero-padded uint64 words for the kernels' bit reader (made while validating)
-    _padded: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    # the payload as its form's kernels read it (forms/base.py; made while validating)
+    reader: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "threshold", to_float32_threshold(self.threshold))
@@ -109,26 +107,53 @@ class Message:
             raise ValueError(f"n_params must be in [0, 2**61], got {self.n_params}")
         if not 0 <= self.n_entries <= self.n_params:
             raise ValueError(f"n_entries must be in [0, n_params={self.n_params}], got {self.n_entries}")
-        if self.form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        form = forms.named(self.form)
         if not isinstance(self.payload, bytes):  # a bytes-like is accepted, and kept as bytes
             # the ignore: payload is annotated with what it holds after this line, so the checker sees no way in
             if not isinstance(self.payload, (bytearray, memoryview)):  # type: ignore[unreachable]
                 raise TypeError(f"payload must be bytes, got {type(self.payload).__name__}")
             object.__setattr__(self, "payload", bytes(self.payload))
-        padded = _check_payload(self.form, self.payload, self.n_params, self.n_entries)
-        object.__setattr__(self, "_padded", padded)
+        object.__setattr__(self, "reader", form.validate(self.payload, self.n_params, self.n_entries))
 
     @classmethod
-    def _trusted(cls, threshold: float, n_params: int, n_entries: int, form: str, payload: bytes) -> Message:
-        """A Message from the encoder's own kernels: same fields, without the payload validation pass."""
+    def from_codes(cls, codes: np.ndarray, threshold: float, n_params: int, form: str | None = None) -> Message:
+        """A Message holding ``codes`` (the encoder's sorted entry codes, kernels.py) in ``form`` (None: the
+        smallest). Built from the kernels' own output, so the constructor's validation pass is skipped
+        (tests check that every encode result also passes the validating constructor)."""
+        if form is not None and form not in forms.BY_NAME:
+            raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+        sizes = forms.measure(codes, n_params)
+        chosen = forms.smallest(sizes) if form is None else forms.BY_NAME[form]
+        payload = chosen.encode(codes, sizes)
         m = object.__new__(cls)
         for name, value in (
-            ("threshold", threshold), ("n_params", n_params), ("n_entries", n_entries), ("form", form),
-            ("payload", payload), ("_padded", _rice.padded_words(payload) if form == RICE else None),
+            ("threshold", threshold), ("n_params", n_params), ("n_entries", int(codes.size)), ("form", chosen.name),
+            ("payload", payload), ("reader", chosen.reader(payload)),
         ):
             object.__setattr__(m, name, value)
         return m
+
+    def codes(self) -> np.ndarray:
+        """The entry codes ``(index << 1) | neg``, ascending (int64; kernels.py)."""
+        out = np.empty(self.n_entries, np.int64)
+        forms.BY_NAME[self.form].decode(self.reader, self.n_entries, out)
+        return out
+
+    def step(self, scale: float) -> np.float32:
+        """float32(τ·scale), the one step every entry adds (both backends round it here, on the host)."""
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"scale must be a real number, got {type(scale).__name__}") from None
+        with np.errstate(over="ignore"):
+            step = np.float32(self.threshold * scale)
+        if not np.isfinite(step):
+            raise ValueError(f"scale {scale!r} times threshold {self.threshold!r} is not finite in float32")
+        return step
+
+    def apply_to(self, params: np.ndarray, step: np.float32) -> None:
+        """params[i] += ±step at every entry (a float32 array already checked: numpy_codec.apply)."""
+        forms.BY_NAME[self.form].apply(self.reader, self.n_entries, step, params)
 
     def __repr__(self) -> str:
         return (
@@ -148,7 +173,7 @@ class Message:
 
     def to_bytes(self) -> bytes:
         head = HEADER.pack(
-            MAGIC, VERSION, _FORM_CODE[self.form], self.threshold, self.n_params, self.n_entries, len(self.payload)
+            MAGIC, VERSION, forms.BY_NAME[self.form].tag, self.threshold, self.n_params, self.n_entries, len(self.payload)
         )
         return head + self.payload
 
@@ -171,7 +196,8 @@ class Message:
             raise DecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
             raise DecodeError(f"unsupported version {version}, expected {VERSION}")
-        if form_code not in _CODE_FORM:
+        form = forms.BY_TAG.get(form_code)
+        if form is None:
             raise DecodeError(f"unknown form code {form_code}")
         if not (math.isfinite(tau) and tau > 0.0):
             raise DecodeError(f"threshold {tau!r} is not finite and > 0")
@@ -182,37 +208,7 @@ class Message:
         if length != len(view) - HEADER_SIZE:
             raise DecodeError(f"payload length field {length} != {len(view) - HEADER_SIZE} bytes present")
         try:
-            return cls(tau, n_params, n_entries, _CODE_FORM[form_code], bytes(view[HEADER_SIZE:]))
+            return cls(tau, n_params, n_entries, form.name, bytes(view[HEADER_SIZE:]))
         except ValueError as exc:  # payload inconsistent with the header
             raise DecodeError(str(exc)) from None
 
-
-def _check_payload(form: str, payload: bytes, n_params: int, n_entries: int) -> np.ndarray | None:
-    """Validate a payload against its header fields (ValueError naming the problem).
-
-    Returns the padded copy the rice kernels read (None for the other forms).
-    """
-    size = len(payload)
-    padded = None
-    if form == EMPTY:
-        if n_entries or size:
-            raise ValueError(f"empty form needs n_entries == 0 and no payload, got {n_entries} / {size} bytes")
-        return None
-    if form == BITMAP:
-        if size != bitmap_size(n_params):
-            raise ValueError(f"bitmap payload is {size} bytes, expected {bitmap_size(n_params)} for {n_params} params")
-        code = _k._check_bitmap(np.frombuffer(payload, np.uint8), n_params, n_entries)
-    elif form == SPARSE:
-        # Each entry takes 1..9 bytes; reject impossible sizes before scanning.
-        if not n_entries <= size <= 9 * n_entries:
-            raise ValueError(f"sparse payload of {size} bytes cannot hold {n_entries} entries")
-        code = _k._check_sparse(np.frombuffer(payload, np.uint8), n_entries, n_params)
-    else:
-        # k byte, then >= 2 bits per entry.
-        if not 1 + (2 * n_entries + 7) // 8 <= size:
-            raise ValueError(f"rice payload of {size} bytes cannot hold {n_entries} entries")
-        padded = _rice.padded_words(payload)  # bounded by the bytes actually present
-        code = _rice._check_rice(padded, size, n_entries, n_params)
-    if code != _k.CHECK_OK:
-        raise ValueError(f"invalid {form} payload: {_CHECK_TEXT[code]}")
-    return padded

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from gradshare.encoding import folded as folding
+from gradshare.encoding.backend import NUMPY, Backend, backend_of, torch_backend
 from gradshare.encoding.codec import Vector, decode_entries
-from gradshare.encoding.message import EMPTY, Message
-from gradshare.encoding.threshold import (MAX_THRESHOLD, MIN_THRESHOLD, CalibratingRule, ResidualClipping,
-                                          ThresholdRule, encode_step)
+from gradshare.encoding.message import EMPTY, MAX_THRESHOLD, MIN_THRESHOLD, Message
+from gradshare.encoding.threshold import CalibratingRule, ResidualClipping, ThresholdRule
 
 if TYPE_CHECKING:
     import torch
@@ -81,19 +81,22 @@ class SharingState:
         self.params: Vector | None = None
         self.point: Vector | None = None
         self.scale = 1.0
+        # the backend of the residual's (or the point's) kind, chosen here once for every step (backend.py)
+        self.backend: Backend[Any]
         if fold is not None:
             self.params, self.point, self.scale = fold  # checked by every pass over them (folded.py)
             if tuple(self.point.shape) != (int(n_params),) or tuple(self.params.shape) != (int(n_params),):
                 raise ValueError(f"fold's params and point must have shape ({int(n_params)},)")
             self.residual = None
+            self.backend = backend_of(self.point)
         elif device is None:
-            self.residual = np.zeros(int(n_params), dtype=np.float32)
+            self.backend = NUMPY
+            self.residual = NUMPY.zeros(int(n_params), None)
         else:
-            import torch
-
             from gradshare.device import resolve_device
 
-            self.residual = torch.zeros(int(n_params), dtype=torch.float32, device=resolve_device(device))
+            self.backend = torch_backend()
+            self.residual = self.backend.zeros(int(n_params), resolve_device(device))
         self._n_params = int(n_params)
         self.lr: float | None = None  # the rate the residual is expressed in
         self.lr_ref: float | None = None  # the first positive rate: a fixed/adaptive τ is meant for it
@@ -136,21 +139,9 @@ class SharingState:
         pair = self.fold_pair()
         if pair is not None:
             point, params = pair
-            if isinstance(point, np.ndarray):
-                values = np.ascontiguousarray(values, dtype=np.float32)
-            else:
-                import torch
-
-                values = torch.as_tensor(values).to(point.device)
-            folding.fold(point, params, values, self.scale)
+            folding.fold(point, params, self.backend.like(point, values), self.scale)
             return
-        residual = self.plain_residual()
-        if isinstance(residual, np.ndarray):
-            np.copyto(residual, values)
-        else:
-            import torch
-
-            residual.copy_(torch.as_tensor(values))
+        self.backend.load(self.plain_residual(), values)
 
     def rescale(self, ratio: float | np.float32) -> None:
         """r ← ratio·r (float32 ratio)."""
@@ -159,11 +150,7 @@ class SharingState:
         if pair is not None:
             folding.rescale_folded(*pair, ratio32)
             return
-        residual = self.plain_residual()
-        if isinstance(residual, np.ndarray):
-            np.multiply(residual, ratio32, out=residual)
-        else:  # a float32 tensor times a float32-exact scalar: the same rounding as NumPy's
-            residual.mul_(float(ratio32))
+        self.backend.rescale(self.plain_residual(), ratio32)
 
     def set_lr(self, lr: float | None) -> None:
         """The learning rate of the coming step; call before its update enters the residual."""
@@ -229,9 +216,13 @@ def share_step(state: SharingState, step: int, *, update: Vector | None = None,
         clipping = state.clipping
         if clipping is not None and clipping.due(step):
             folding.clip_folded(*pair, clipping.bound(message.threshold), state.scale)
-    else:
-        message = encode_step(state.plain_residual(), update, state.rule, step=step, clipping=state.clipping,
-                              base=base, rewind=rewind, tau=tau)
+    else:   # encode_step, on the state's own backend
+        residual = state.plain_residual()
+        message = state.backend.encode(residual, update, tau, base=base, rewind=rewind)
+        state.rule.update(message.n_entries, message.n_params)
+        clipping = state.clipping
+        if clipping is not None and clipping.due(step):
+            state.backend.clip(residual, clipping.bound(message.threshold))
     state.tau = message.threshold
     if message.n_entries == 0:
         state.silent_steps += 1

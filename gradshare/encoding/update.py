@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradshare.encoding.backend import backend_of
 from gradshare.encoding.codec import apply
 from gradshare.encoding.message import HEADER, HEADER_SIZE, Message
 from gradshare.errors import DecodeError
@@ -67,13 +68,7 @@ def buffer_change(before: SameVector, after: SameVector, world_size: int,
     its difference (−inf − (−inf)) is NaN. A moved entry must stay finite, or ValueError names it with
     `name(i)`. ``before``/``after`` are NumPy arrays or float32 torch tensors of one device: the change
     is found there, and only the changed entries come to the host (the same bits either way)."""
-    if not isinstance(before, np.ndarray):
-        from gradshare.encoding.torch_codec import buffer_change_tensor  # the torch seam (torch_codec.py)
-
-        index, values = buffer_change_tensor(before, after, world_size)
-    else:
-        index = np.flatnonzero(before.view(np.uint32) != after.view(np.uint32))
-        values = ((after[index] - before[index]) / np.float32(world_size)).astype(np.float32)
+    index, values = backend_of(before).buffer_change(before, after, world_size)
     if not np.isfinite(values).all():
         bad = int(index[~np.isfinite(values)][0])
         raise ValueError(f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
@@ -129,9 +124,4 @@ def apply_update(update: StepUpdate, state: Vector, scale: float = 1.0) -> None:
     apply(update.message, state[:n], scale)
     if len(update.buffer_index):
         buffers = state[n:]
-        if isinstance(buffers, np.ndarray):
-            buffers[update.buffer_index] += update.buffer_value
-        else:
-            from gradshare.encoding.torch_codec import add_at_tensor  # the torch seam (torch_codec.py)
-
-            add_at_tensor(buffers, update.buffer_index, update.buffer_value)
+        backend_of(buffers).add_at(buffers, update.buffer_index, update.buffer_value)

@@ -1,4 +1,4 @@
-"""Kernels of the *rice* form: Golomb-Rice coded index gaps (private; see message.py for the format).
+"""The *rice* form: Golomb-Rice coded index gaps (message.py has the header).
 
 Payload: byte 0 = the Rice parameter k (0..RICE_MAX_K), then a bit stream, least significant bit of
 each byte first. Per entry, with gap = index - previous index - 1 (previous starts at -1):
@@ -12,24 +12,21 @@ rare long jumps) suit varints better; `encode` measures both and keeps the small
 
 Readers see the payload as little-endian uint64 words plus a zero word (`padded_words`) and take a
 64-bit window at any bit offset from two words; with k <= 40 most entries decode from one window.
+
+`measure` sizes the sparse and rice forms in one pass over the codes (the codec's form choice);
+`rice_decode_batch` is public: the relay's bounded add (blockmax.py) inlines it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numba import njit
 
-from gradshare.encoding.kernels import (
-    CHECK_INDEX,
-    CHECK_OK,
-    CHECK_OVERLONG,
-    CHECK_PADDING,
-    CHECK_TRAILING,
-    CHECK_TRUNCATED,
-    _apply_batch,
-    _cttz,
-    _prefetch_write,
-)
+from gradshare.encoding.forms.base import APPLY_BATCH, CodeSizes, check
+from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING, CHECK_TRAILING,
+                                        CHECK_TRUNCATED, apply_batch, cttz, prefetch_write)
 
 RICE_MAX_K = 40
 PAD_WORDS = 1  # zero uint64 words readers need after the payload's words
@@ -155,7 +152,7 @@ def _check_rice(words, size, n_entries, n_params):
     for _ in range(n_entries):
         v = _window(words, bitpos)
         if v != 0:
-            z = np.int64(_cttz(v))
+            z = np.int64(cttz(v))
             if z + k + 2 <= 64:
                 # common case, as _rice_next: the whole entry in one window (a relay validates 32 messages
                 # a step). The one found is inside the payload: the words past it are zero.
@@ -180,7 +177,7 @@ def _check_rice(words, size, n_entries, n_params):
                 if q > max_q:
                     return CHECK_INDEX
                 continue
-            z = np.int64(_cttz(v))
+            z = np.int64(cttz(v))
             q += z
             bitpos += z + 1
             break
@@ -205,7 +202,7 @@ def _rice_next(words, bitpos, k, umask):
     """(gap, neg, next bitpos) of the entry at ``bitpos`` of a VALIDATED stream."""
     v = _window(words, bitpos)
     if v != 0:
-        z = np.int64(_cttz(v))
+        z = np.int64(cttz(v))
         if z + k + 2 <= 64:  # common case: the whole entry is in this window
             rest = v >> np.uint64(z + 1)
             gap = (z << k) | np.int64(rest & umask)
@@ -215,7 +212,7 @@ def _rice_next(words, bitpos, k, umask):
         q += 64
         bitpos += 64
         v = _window(words, bitpos)
-    z = np.int64(_cttz(v))
+    z = np.int64(cttz(v))
     q += z
     bitpos += z + 1
     v = _window(words, bitpos)
@@ -223,10 +220,10 @@ def _rice_next(words, bitpos, k, umask):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _rice_decode_batch(words, bitpos, prev, out, cnt, params):
+def rice_decode_batch(words, bitpos, prev, out, cnt, params):
     """Decode ``cnt`` codes of a VALIDATED rice stream from ``bitpos`` into out[:cnt]; (bitpos, last index).
 
-    Prefetches each target in ``params`` unless it is empty, as _sparse_decode_batch.
+    Prefetches each target in ``params`` unless it is empty, as forms.sparse.sparse_decode_batch.
     """
     k = np.int64(words[0] & np.uint64(0xFF))
     umask = (_U1 << np.uint64(k)) - _U1
@@ -235,7 +232,7 @@ def _rice_decode_batch(words, bitpos, prev, out, cnt, params):
         i = prev + 1 + gap
         out[t] = (i << 1) | neg
         if params.size:
-            _prefetch_write(params, i)
+            prefetch_write(params, i)
         prev = i
     return bitpos, prev
 
@@ -243,17 +240,62 @@ def _rice_decode_batch(words, bitpos, prev, out, cnt, params):
 @njit(nogil=True, cache=True)
 def _rice_decode(words, n_entries, out):
     """Codes of a VALIDATED rice payload (as `padded_words`) into out[:n_entries]."""
-    _rice_decode_batch(words, 8, -1, out, n_entries, np.empty(0, np.float32))
+    rice_decode_batch(words, 8, -1, out, n_entries, np.empty(0, np.float32))
 
 
 @njit(nogil=True, cache=True)
 def _rice_apply(words, n_entries, steps, params, batch):
-    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as _sparse_apply)."""
+    """params[i] += steps[neg] over a VALIDATED rice payload, ``batch.size`` at a time (as the sparse form's apply)."""
     bitpos = 8  # after the k byte
     prev = -1
     done = 0
     while done < n_entries:
         cnt = min(batch.size, n_entries - done)
-        bitpos, prev = _rice_decode_batch(words, bitpos, prev, batch, cnt, params)
-        _apply_batch(batch, cnt, steps, params)
+        bitpos, prev = rice_decode_batch(words, bitpos, prev, batch, cnt, params)
+        apply_batch(batch, cnt, steps, params)
         done += cnt
+
+
+def measure(codes: np.ndarray, n_params: int) -> CodeSizes:
+    """The sizes every form is chosen by, from one pass over sorted entry ``codes`` (`_form_sizes`)."""
+    varint_bytes, rice_k, rice_bits = _form_sizes(codes, n_params)
+    return CodeSizes(n_params, int(codes.size), int(varint_bytes), int(rice_k), int(rice_bits))
+
+
+@dataclass(frozen=True)
+class RiceForm:
+    """Golomb-Rice coded gaps (module docstring); its reader is `padded_words`."""
+
+    name: str = "rice"
+    tag: int = 3
+
+    def size(self, sizes: CodeSizes) -> int | None:
+        return 1 + (sizes.rice_bits + 7) // 8
+
+    def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
+        buf = np.zeros(1 + (sizes.rice_bits + 7) // 8, np.uint8)
+        _rice_write(codes, sizes.rice_k, buf)
+        return buf.tobytes()
+
+    def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
+        size = len(payload)
+        # k byte, then >= 2 bits per entry.
+        if not 1 + (2 * n_entries + 7) // 8 <= size:
+            raise ValueError(f"rice payload of {size} bytes cannot hold {n_entries} entries")
+        words = padded_words(payload)  # bounded by the bytes actually present
+        check(self.name, _check_rice(words, size, n_entries, n_params))
+        return words
+
+    def reader(self, payload: bytes) -> np.ndarray:
+        return padded_words(payload)
+
+    def decode(self, reader: np.ndarray, n_entries: int, out: np.ndarray) -> None:
+        _rice_decode(reader, n_entries, out)
+
+    def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
+        steps = np.array([step, -step], np.float32)
+        batch = np.empty(min(n_entries, APPLY_BATCH), np.int64)
+        _rice_apply(reader, n_entries, steps, params, batch)
+
+
+RICE = RiceForm()

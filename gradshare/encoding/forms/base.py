@@ -1,0 +1,87 @@
+"""What every message form is (`Form`), what it is sized from (`CodeSizes`), and the shared
+validation error texts. The forms themselves live one per module beside this one (empty.py,
+sparse.py, rice.py, bitmap.py); the registry that maps the wire tag to a form is forms/__init__.py.
+
+A form turns sorted entry codes ``(i << 1) | neg`` (kernels.py) into payload bytes and back. Its
+``reader`` is the payload as the array its kernels read (the bytes as uint8 for most, zero-padded
+uint64 words for rice); `Message` keeps it, so a message is read without another copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from gradshare.encoding.kernels import (CHECK_COUNT, CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING,
+                                        CHECK_RESERVED, CHECK_TRAILING, CHECK_TRUNCATED)
+
+APPLY_BATCH = 1024  # codes decoded per batch before they are applied (see kernels.apply_batch)
+
+
+@dataclass(frozen=True)
+class CodeSizes:
+    """One pass over a message's codes (forms/rice.py `measure`): what each form's size follows from."""
+
+    n_params: int
+    n_entries: int
+    varint_bytes: int   # the sparse form's payload
+    rice_k: int         # the best Rice parameter
+    rice_bits: int      # the rice stream's bits after the k byte, for that k
+
+
+class Form(Protocol):
+    """One encoding form of a message's entries (the wire's form tag says which)."""
+
+    @property
+    def name(self) -> str: ...          # Message.form
+
+    @property
+    def tag(self) -> int: ...           # the header's form byte
+
+    def size(self, sizes: CodeSizes) -> int | None:
+        """Payload bytes of the measured entries in this form; None when it cannot hold them."""
+        ...
+
+    def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
+        """The payload of ``codes`` (sorted entry codes, as measured into ``sizes``)."""
+        ...
+
+    def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
+        """Check untrusted payload bytes against the header (ValueError naming the problem); the reader."""
+        ...
+
+    def reader(self, payload: bytes) -> np.ndarray:
+        """The reader of a payload this process built (trusted: no validation)."""
+        ...
+
+    def decode(self, reader: np.ndarray, n_entries: int, out: np.ndarray) -> None:
+        """The entry codes of a validated payload into out[:n_entries]."""
+        ...
+
+    def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
+        """params[i] += ±step for every entry of a validated payload (float32, in entry order)."""
+        ...
+
+
+CHECK_TEXT = {
+    CHECK_TRUNCATED: "an entry runs past the end of the payload",
+    CHECK_OVERLONG: "a varint is longer than 9 bytes or not in shortest form, or the rice k is > 40",
+    CHECK_INDEX: "an index is >= n_params",
+    CHECK_TRAILING: "bytes are left over after n_entries entries",
+    CHECK_PADDING: "bits are set past the last parameter (bitmap) or the last entry (rice)",
+    CHECK_RESERVED: "the bitmap holds the reserved code 0b11",
+    CHECK_COUNT: "the bitmap holds a different number of entries than n_entries",
+}
+
+
+def check(form: str, code: int) -> None:
+    """Raise the ValueError of a validation kernel's CHECK_* result (nothing for CHECK_OK)."""
+    if code != CHECK_OK:
+        raise ValueError(f"invalid {form} payload: {CHECK_TEXT[code]}")
+
+
+def byte_reader(payload: bytes) -> np.ndarray:
+    """The payload as uint8, the reader of the byte-oriented forms (a view: no copy)."""
+    return np.frombuffer(payload, np.uint8)
