@@ -84,9 +84,9 @@ from gradshare.spark import check_summaries, dataframe_to_rdd, is_connect, is_da
 from gradshare.stopping import EarlyStopping
 from gradshare.tracking import tracked
 from gradshare.transport import Relay, new_job_key
-from gradshare.transport.events import Fail, Incident
-from gradshare.transport.relay_core import RollbackPoint
-from gradshare.transport.wire import MAX_DATAGRAM_SIZE
+from gradshare.transport.protocol.events import Fail, Incident
+from gradshare.transport.protocol.relay_core import RollbackPoint
+from gradshare.transport.protocol.wire import MAX_DATAGRAM_SIZE
 from gradshare.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
 from gradshare.worker import WorkerConfig
 from gradshare.worker import steps_per_epoch as steps_in

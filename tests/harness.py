@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
 from transport_util import TOY, Link, random_update, toy_apply_payload
 
 RELAY = "relay"

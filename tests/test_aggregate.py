@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from gradshare.encoding import CalibratedThreshold, StepUpdate, apply_update, decode_entries, decode_update, encode
 from gradshare.encoding.aggregate import AggregateState, aggregate_step
 from gradshare.transport import Relay, new_job_key, param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from harness import Sim, drive
 from naive import accumulate_encode, naive_kth_largest_abs
 from naive import apply as naive_apply
@@ -245,9 +245,9 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
 
 def test_welcome_says_whether_the_log_is_aggregated_and_decodes_both_forms():
     from gradshare.errors import DecodeError
-    from gradshare.transport import events as ev
-    from gradshare.transport import wire
-    from gradshare.transport.wire import _pack
+    from gradshare.transport.protocol import events as ev
+    from gradshare.transport.protocol import wire
+    from gradshare.transport.protocol.wire import _pack
 
     for agg in (False, True):
         msg = ev.Welcome(10, 2, 0, -1, (("checkpoint", 2.0),), agg)

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from gradshare.encoding import encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import wire
-from gradshare.transport.crypto import Sealer, new_job_key
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.crypto import Sealer, new_job_key
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
 
 WORLD, PARAMS, DGRAM = 3, 40_000, 256        # small datagrams: each update is several chunks
 KEY = new_job_key()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.hashing import param_hash
-from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.protocol.peer_core import PeerCore
 from harness import Sim, drive
 
 
@@ -207,13 +207,13 @@ def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, st
 
 
 def is_update(datagram: bytes) -> bool:
-    from gradshare.transport.wire import HEADER, Kind
+    from gradshare.transport.protocol.wire import HEADER, Kind
 
     return HEADER.unpack_from(datagram)[2] == Kind.UPDATE
 
 
 def joined_cores(world: int = 3, n: int = 5000, datagram_size: int = 400):
-    from gradshare.transport import memory
+    from gradshare.transport.testing import memory
     from transport_util import TOY
 
     return memory.joined_cores(world, n, b"k" * 32, 7, datagram_size=datagram_size, **TOY)
@@ -250,7 +250,7 @@ def test_relay_forwards_the_origins_datagrams_unchanged_and_replays_are_duplicat
 
 
 def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
-    from gradshare.transport import events as ev
+    from gradshare.transport.protocol import events as ev
     from transport_util import random_update
 
     relay, peers = joined_cores()

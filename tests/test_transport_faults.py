@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from test_transport_sockets import N, exchange
 from transport_util import TOY
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
 from test_transport_sockets import N, exchange
 from transport_util import TOY, toy_encode
 

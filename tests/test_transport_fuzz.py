@@ -6,12 +6,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.events import Join
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
-from gradshare.transport.wire import RELAY_ID
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.events import Join
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.wire import RELAY_ID
 from transport_util import TOY
 
 KEY = b"K" * 32

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gradshare.errors import LocalProtocolError
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import MAX_INCIDENTS, ON_RANK_LOSS, RelayCore
-from gradshare.transport.states import PeerState
-from gradshare.transport.wire import Kind
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import MAX_INCIDENTS, ON_RANK_LOSS, RelayCore
+from gradshare.transport.protocol.states import PeerState
+from gradshare.transport.protocol.wire import Kind
 from transport_util import TOY, random_update, toy_apply_payload
 
 KEY, JOB, N, DATAGRAM = b"k" * 32, 42, 200, 400

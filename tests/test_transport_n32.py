@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradshare.transport import param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from harness import RELAY, Sim, drive
 from test_aggregate import aggregate_sim
 from test_transport_flood import FLOOD, make_flood

@@ -12,8 +12,8 @@ import pytest
 
 from gradshare.encoding import apply_update
 from gradshare.transport import Relay, new_job_key, param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from test_aggregate import real_apply, real_payload
 from test_transport_flood import FLOOD, flooded
 from test_transport_sockets import N, exchange

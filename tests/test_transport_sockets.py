@@ -152,7 +152,7 @@ def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resum
     # to close thaws, including after a failed start
     import gc
 
-    from gradshare.transport import quiet_gc
+    from gradshare.transport.sockets import quiet_gc
 
     assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0     # no earlier test leaked a hold
     old = [[] for _ in range(1000)]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from gradshare.bench.scale import heartbeat_traffic
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.memory import joined_cores
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.testing.memory import joined_cores
 from harness import Sim
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport.history import History, StepKeys
+from gradshare.transport.protocol.history import History, StepKeys
 from harness import Sim
 
 

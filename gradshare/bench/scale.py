@@ -45,11 +45,12 @@ import numpy as np
 from gradshare.bench.scale_train import sealed_size
 from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import Peer, Relay, new_job_key, udp
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.transport.memory import joined_cores
-from gradshare.transport.relay_core import default_apply_update, default_decode_update
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
+from gradshare.transport import Peer, Relay, new_job_key
+from gradshare.transport.sockets import udp
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
+from gradshare.transport.testing.memory import joined_cores
+from gradshare.transport.protocol.relay_core import default_apply_update, default_decode_update
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 
 FORWARDING_MODES = ("per-rank", "aggregate")
 OFFLOAD_CHOICES = ("on", "off", "both")

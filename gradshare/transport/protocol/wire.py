@@ -27,7 +27,7 @@ from typing import Any, Final, NamedTuple, NoReturn
 import msgpack
 
 from gradshare.errors import DecodeError
-from gradshare.transport import events as ev
+from gradshare.transport.protocol import events as ev
 
 MAGIC = b"GS"
 VERSION = 1

@@ -20,11 +20,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
-from gradshare.transport import quiet_gc, udp
-from gradshare.transport import events as ev
-from gradshare.transport.events import Counters, Update, Welcome
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.sockets import quiet_gc, udp
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.events import Counters, Update, Welcome
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

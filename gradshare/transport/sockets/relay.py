@@ -19,10 +19,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, TransportTimeout
-from gradshare.transport import events as ev
-from gradshare.transport import quiet_gc, udp
-from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.sockets import quiet_gc, udp
+from gradshare.transport.protocol.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradshare.transport.events import Address
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay import RelayOptions
-from gradshare.transport.relay_core import RelayCore
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.protocol.events import Address
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.sockets.relay import RelayOptions
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported

@@ -5,7 +5,7 @@ Pure bookkeeping, out of relay_core.
 
 from __future__ import annotations
 
-from gradshare.transport.events import Meta
+from gradshare.transport.protocol.events import Meta
 
 MAX_EPOCH_ROWS = 1 << 16
 

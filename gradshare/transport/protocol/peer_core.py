@@ -22,15 +22,15 @@ from numpy.typing import NDArray
 
 from gradshare.errors import DecodeError, LocalProtocolError
 from gradshare.hashing import param_hash
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.cursor import LogCursor
-from gradshare.transport.outstanding import Outstanding
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
-from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.cursor import LogCursor
+from gradshare.transport.protocol.outstanding import Outstanding
+from gradshare.transport.protocol.rangeset import RangeSet
+from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
+from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
 class SnapshotDownload:

@@ -52,17 +52,17 @@ from numpy.typing import NDArray
 
 from gradshare.errors import DecodeError
 from gradshare.hashing import param_hash
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History, StepKeys
-from gradshare.transport.ranks import RankState, RankTable
-from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.snapshots import SnapshotServer, Transfer
-from gradshare.transport.tallies import MAX_EPOCH_ROWS, AttemptNotes, EpochTally
-from gradshare.transport.states import RankTrigger
-from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.cursor import LogCursor
+from gradshare.transport.protocol.history import History, StepKeys
+from gradshare.transport.protocol.ranks import RankState, RankTable
+from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.snapshots import SnapshotServer, Transfer
+from gradshare.transport.protocol.tallies import MAX_EPOCH_ROWS, AttemptNotes, EpochTally
+from gradshare.transport.protocol.states import RankTrigger
+from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 # The transport's one seam to the encoding package: imported where used (the default codec, the
 # aggregator), as importing gradshare.encoding loads Numba, +0.6 s on `import gradshare.transport`, which
