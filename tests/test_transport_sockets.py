@@ -12,7 +12,7 @@ import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from transport_util import TOY, random_update, toy_apply_payload
+from transport_util import TOY, random_update, toy_apply_payload, wait_until
 
 N = 2000
 
@@ -321,8 +321,9 @@ def test_retried_stage_resumes_from_snapshot_over_sockets():
                     p.send_update(t, random_update(rng, N, 30))
             old[0].send_update(4, random_update(rng, N, 30))
             old[0].receive(until_step=3, timeout=5)
-            relay.wait_for(lambda core: core.complete_through == 3 and len(core.pending) == 1, 5,
-                           "steps 0..3 applied and (4, 0) pending")
+            # (4, 0) received and held: rank 0 has step 4, the log is complete through 3
+            wait_until(lambda: relay.complete_through == 3 and relay.progress()["ranks"][0]["have"] == 4, 5,
+                       "steps 0..3 applied and (4, 0) pending")
         finally:
             for p in old:
                 p.close(leave=False)            # killed tasks: no FINISHED, no LEAVE

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict, cast
 
@@ -81,7 +81,6 @@ class Relay:
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self._io_drops: Counter[str] = Counter()
-        self.events: deque[ev.RelayEvent] = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
         # what the events said: the log is complete (this attempt), the ranks ended in it, each rank's
         # latest FAIL (first reporter first), the first incidents, the rollbacks
         self._world_size = world_size
@@ -193,7 +192,6 @@ class Relay:
         changed = False
         while (e := self._core.next_event()) is not None:
             changed = True
-            self.events.append(e)
             if isinstance(e, ev.LogComplete):
                 self._log_complete = True
             elif isinstance(e, ev.AttemptStarted):        # a new attempt's log starts over
@@ -300,17 +298,6 @@ class Relay:
                         f"relay {self.address}: ranks {waiting} neither FINISHED nor declared gone within "
                         f"{timeout:g} s (log complete through step {self._core.complete_through})")
                 self._changed.wait(min(left, 0.1))
-
-    def wait_for(self, predicate: Callable[[RelayCore], bool], timeout: float, what: str) -> None:
-        """Wait (with the lock held between checks) until ``predicate(core)`` is true."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not predicate(self._core):
-                self._check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportTimeout(f"relay {self.address}: {what} did not happen within {timeout:g} s")
-                self._changed.wait(min(left, 0.05))
 
 
 __all__ = ["Relay"]
