@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gradshare.encoding import CalibratedThreshold, StepUpdate, apply_update, decode_entries, decode_update, encode
 from gradshare.encoding.aggregate import AggregateState, aggregate_step
-from gradshare.transport import Relay, new_job_key, param_hash
+from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.fault_proxy import FaultProxy
 from harness import Sim, drive
@@ -230,7 +230,8 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
     from test_transport_sockets import N, exchange
 
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1", forwarding="aggregate") as relay, \
+    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1",
+               tuning=RelayTuning(forwarding="aggregate")) as relay, \
             FaultProxy(relay.address, loss=0.05, duplicate=0.02, reorder=0.05, delay=0.002, seed=4) as proxy:
         params, logs, _, counters = exchange(relay, key, 3, 20, np.random.default_rng(2), address=proxy.address,
                                              entries=(3, 300), make=real_payload, apply=real_apply)

@@ -112,11 +112,13 @@ def test_cli_defaults_are_the_trainer_defaults():
 
 def test_the_relay_and_the_benchmark_runner_default_like_the_trainer():
     from gradshare.bench.systems import run_gradshare
+    from gradshare.transport.protocol.tuning import RelayTuning
     from gradshare.transport.sockets.relay import Relay
 
     relay = inspect.signature(Relay).parameters
-    for name in ("port", "bind", "datagram_size", "liveness_timeout", "insecure"):
+    for name in ("port", "bind", "datagram_size", "insecure"):
         assert _same(relay[name].default, DEFAULTS[name]), name
+    assert _same(RelayTuning().liveness_timeout, DEFAULTS["liveness_timeout"])  # the relay's tunables
     runner = inspect.signature(run_gradshare).parameters
     own = {"timeout"}  # a benchmark run on a loaded machine waits longer than a user's fit
     for name, p in runner.items():

@@ -86,11 +86,12 @@ def test_fail_names_are_bounded():
 
 def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_link():
     from gradshare.transport.protocol.relay_core import RelayCore
+    from gradshare.transport.protocol.tuning import RelayTuning
     from transport_util import TOY
 
     sim = Sim(world_size=1, n_params=20_000, seed=6, loss=0.1, dup=0.1, max_delay=0.003, datagram_size=400)
-    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400, snapshot_datagram_size=4000,
-                          snapshot_burst=16_000, **TOY)
+    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400,
+                          tuning=RelayTuning(snapshot_datagram_size=4000, snapshot_burst=16_000), **TOY)
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     into = np.zeros(sim.N, np.float32)

@@ -104,7 +104,7 @@ def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():
     sim.add_peer(0)
     drive(sim, lambda: sim.relay.incidents != [])
     assert _kinds(sim) == ["suspected"] and sim.relay.incidents[0].rank == 1
-    assert 2.0 < sim.now - sim.relay.attempt_started < 2.2
+    assert 2.0 < sim.now - sim.relay.att.started < 2.2
 
 
 def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():

@@ -40,7 +40,7 @@ datagram = st.one_of(
 def relay_invariants(relay: RelayCore, n_in: int) -> None:
     c = relay.counters()
     assert c.get("datagrams_in", 0) == n_in
-    assert relay.reasm.nbytes <= relay.reasm.max_bytes and len(relay.reasm) <= relay.reasm.max_messages
+    assert relay.att.reasm.nbytes <= relay.att.reasm.max_bytes and len(relay.att.reasm) <= relay.att.reasm.max_messages
     assert relay.params.shape == (N,) and relay.params.dtype == np.float32
     assert relay.complete_through >= relay.cursor.start_step - 1
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
-from gradshare.transport import Peer, Relay, new_job_key, param_hash
+from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
 from transport_util import TOY, random_update, toy_apply_payload, wait_until
 
 N = 2000
@@ -229,8 +229,8 @@ def test_real_encoding_messages_make_bit_identical_replicas():
 
 def test_silent_peer_is_declared_gone_over_sockets():
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", liveness_timeout=0.5,
-               on_rank_loss="continue", **TOY) as relay:
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1",
+               tuning=RelayTuning(liveness_timeout=0.5, on_rank_loss="continue"), **TOY) as relay:
         a = Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10)
         b = Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10)
         try:

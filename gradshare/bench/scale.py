@@ -45,7 +45,7 @@ import numpy as np
 from gradshare.bench.scale_train import sealed_size
 from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import Peer, Relay, new_job_key
+from gradshare.transport import Peer, Relay, RelayTuning, new_job_key
 from gradshare.transport.sockets import udp
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.memory import joined_cores
@@ -214,8 +214,9 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
     aggregator = (AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
                   if aggregate else None)
     relay = Relay(np.zeros(args.params, np.float32), n_peers, key, 1, port=0, bind="127.0.0.1",
-                  datagram_size=args.datagram_size, forwarding=args.forwarding, aggregator=aggregator,
-                  snapshot_datagram_size=args.aggregate_datagram_size).start()
+                  datagram_size=args.datagram_size, aggregator=aggregator,
+                  tuning=RelayTuning(forwarding=args.forwarding,
+                                     snapshot_datagram_size=args.aggregate_datagram_size)).start()
     procs = []
     try:
         n_procs = max(1, min(args.procs, n_peers))

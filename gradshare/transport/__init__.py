@@ -15,6 +15,7 @@ from gradshare.transport.protocol.crypto import new_job_key
 from gradshare.transport.protocol.events import Update, Welcome
 from gradshare.transport.protocol.peer_core import PeerCore
 from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.tuning import PeerTuning, RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.sockets.peer import Peer
 from gradshare.transport.sockets.relay import Relay
@@ -23,8 +24,10 @@ __all__ = [
     "DEFAULT_DATAGRAM_SIZE",
     "Peer",
     "PeerCore",
+    "PeerTuning",
     "Relay",
     "RelayCore",
+    "RelayTuning",
     "Update",
     "Welcome",
     "new_job_key",

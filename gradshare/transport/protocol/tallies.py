@@ -1,11 +1,19 @@
 """What the relay's applied log says beyond the parameters: per-(rank, epoch) sums of the steps' meta
-(``EpochTally``) and rank 0's epoch-end state a new attempt inherits (``AttemptNotes``).
+(``EpochTally``), rank 0's epoch-end state a new attempt inherits (``AttemptNotes``), and the two as the
+relay core's training observer (``TrainingLog``, observer.LogObserver) with the rollback to checkpoints.
 Pure bookkeeping, out of relay_core.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+from numpy.typing import NDArray
+
 from gradshare.transport.protocol.events import Meta
+from gradshare.transport.protocol.observer import Cut
 
 MAX_EPOCH_ROWS = 1 << 16
 
@@ -75,3 +83,68 @@ class AttemptNotes:
             if t <= step:
                 state.update(found)
         return tuple(sorted(state.items()))
+
+
+# what a rollback answers: (through, params, epochs_done, note); see TrainingLog
+RollbackPoint = tuple[int, NDArray[np.float32], int, float]
+
+
+class TrainingLog:
+    """The relay's training bookkeeping (observer.LogObserver): every applied update's meta per (rank,
+    epoch) in ``epochs`` (bounded), so the history of a retried stage includes the steps of the attempts
+    before it (rank 0's validation score of an epoch too, from the message after it scored it); rank 0's
+    early-stopping state and stop decision as of the cut (``notes``), handed over in WELCOME's notes.
+
+    rollback: None, or ``rollback(complete_through) -> None | (through, params, epochs_done, note)``,
+    asked when a new attempt starts: the log restarts after step `through` (<= complete_through) from
+    `params` (the state the log holds through it), per-(rank, epoch) tallies of epochs >= epochs_done
+    (counted in the log's epochs) are dropped, and WELCOME's notes add ``("checkpoint", note)``.
+    The trainer's reads the last checkpoint (checkpoint.py); it is called under the relay's lock."""
+
+    def __init__(self, rollback: Callable[[int], RollbackPoint | None] | None = None,
+                 counters: Counter[str] | None = None) -> None:
+        self.rollback = rollback
+        self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
+        self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
+        self.c: Counter[str] = Counter() if counters is None else counters
+
+    def applied(self, step: int, rank: int, meta: Meta, attempt: int) -> None:
+        if "epoch" in meta:
+            self._tally(rank, int(meta["epoch"]), meta, attempt)
+        if rank == 0:
+            self.notes.add(step, meta)
+            if "val_epoch" in meta and "val_metric" in meta:
+                self._tally_score(int(meta["val_epoch"]), meta["val_metric"])
+
+    def cut(self, complete_through: int, params: NDArray[np.float32]) -> Cut:
+        point = None if self.rollback is None else self.rollback(complete_through)
+        if point is None:
+            return Cut(complete_through, self.notes.at(complete_through), False)
+        through, values, epochs_done, note = point
+        if not -1 <= through <= complete_through or np.shape(values) != params.shape:
+            raise ValueError(f"rollback to step {through} with {np.shape(values)} values: the relay holds "
+                             f"the log through {complete_through} and {params.shape} values")
+        np.copyto(params, values)
+        self.notes.cut(through)
+        for key in [k for k in self.epochs if k[1] >= epochs_done]:  # those epochs run again, whole
+            del self.epochs[key]
+        return Cut(through, self.notes.at(through) + (("checkpoint", float(note)),), True)
+
+    def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
+        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
+        return {k: t.as_dict() for k, t in self.epochs.items()}
+
+    def _tally(self, rank: int, epoch: int, meta: Meta, attempt: int) -> None:
+        tally = self.epochs.get((rank, epoch))
+        if tally is None:
+            if len(self.epochs) >= MAX_EPOCH_ROWS:
+                self.c["epoch_rows_dropped"] += 1
+                return
+            tally = self.epochs[(rank, epoch)] = EpochTally(attempt)
+        tally.add(meta, attempt)
+
+    def _tally_score(self, epoch: int, value: float) -> None:
+        """Rank 0's validation score of `epoch`, from the message after it scored it (worker.py)."""
+        tally = self.epochs.get((0, epoch))
+        if tally is not None:
+            tally.val_metric = value

@@ -21,7 +21,9 @@ from numpy.typing import NDArray
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.sockets import quiet_gc, udp
-from gradshare.transport.protocol.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:  # annotations only
@@ -29,35 +31,23 @@ if TYPE_CHECKING:  # annotations only
 
     # the encoding package loads Numba: the transport imports it where used (relay_core.py, its seam)
     from gradshare.encoding.aggregate import AggregateState
+    from gradshare.transport.protocol.observer import LogObserver
+    from gradshare.transport.protocol.relay_attempt import Decoded
+    from gradshare.transport.protocol.tallies import RollbackPoint
 
-DRAIN_BATCH = 512
-MAX_WAIT = 0.02
 
-
-class RelayOptions(TypedDict, total=False):
-    """RelayCore's tunables, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
+class RelayPlugins(TypedDict, total=False):
+    """RelayCore's plug-ins, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
 
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
-    history_entries: int
-    history_bytes: int
-    reassembly_messages: int
-    reassembly_bytes: int
-    max_ahead: int
-    nak_delay: float
-    tick: float
-    snapshot_rate: float
-    snapshot_burst: int
-    snapshot_datagram_size: int | None
-    max_snapshots: int
-    defer_apply: bool
-    on_rank_loss: str
-    give_up_after: float
-    join_window: float | None
-    step_timeout: float | None
     rollback: Callable[[int], RollbackPoint | None] | None
-    forwarding: str
+    observer: LogObserver | None
     aggregator: AggregateState | None
+
+
+DRAIN_BATCH = 512
+MAX_WAIT = 0.02
 
 
 class Relay:
@@ -65,14 +55,16 @@ class Relay:
 
     def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
                  port: int = DEFAULT_PORT, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 liveness_timeout: float = 30.0, insecure: bool = False,
-                 **core_options: Unpack[RelayOptions]) -> None:
+                 insecure: bool = False, tuning: RelayTuning = RelayTuning(),
+                 **plugins: Unpack[RelayPlugins]) -> None:
+        """tuning: the core's tunables (tuning.RelayTuning); plugins: RelayCore's update codec, training
+        observer (or rollback) and aggregator, handed on unchanged. The shell applies after sending
+        (RelayCore's defer_apply)."""
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
-        core_options.setdefault("defer_apply", True)
         self._core = RelayCore(initial_params, world_size, key, job_id, now=time.monotonic(),
-                               datagram_size=datagram_size, liveness_timeout=liveness_timeout,
-                               insecure=insecure, **core_options)
+                               datagram_size=datagram_size, insecure=insecure, tuning=tuning, defer_apply=True,
+                               **plugins)
         self._port, self._bind = port, bind
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -281,7 +273,7 @@ class Relay:
 
     def rolled_back(self) -> list[dict[str, int]]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
-        "to": the checkpoint's step} (RelayCore's `rollback`)."""
+        "to": the checkpoint's step} (the training observer's rollback, tallies.TrainingLog)."""
         with self._lock:
             return list(self._rolled_back)
 
