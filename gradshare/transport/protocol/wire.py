@@ -197,7 +197,7 @@ def decode_update_body(body: bytes) -> tuple[bytes, ev.Meta | None]:
 
 # --- control bodies -----------------------------------------------------------------------------------
 
-def _pack(fields: list[object]) -> bytes:
+def _pack(fields: object) -> bytes:
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
 
