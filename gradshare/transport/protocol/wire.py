@@ -319,6 +319,7 @@ _CONTROL: tuple[tuple[type, _Spec], ...] = (
 )
 _BY_TYPE: dict[type, _Spec] = dict(_CONTROL)
 _BY_KIND: dict[int, _Spec] = {spec.kind: spec for _, spec in _CONTROL}
+_KIND_NAMES: dict[int, str] = {value: name for name, value in vars(Kind).items() if type(value) is int}
 
 
 def _list_of(obj: Any, name: str, decode: Callable[[Any], Any]) -> tuple[Any, ...]:
@@ -344,7 +345,8 @@ def decode_control(kind: int, body: bytes) -> ev.ControlMessage:
         raise DecodeError(f"kind {kind} has no control body")
     values = [f] if spec.flat else f
     if len(values) != len(spec.fields):
-        raise DecodeError(f"bad kind-{kind} body: {len(values)} fields, expected {len(spec.fields)}")
+        raise DecodeError(f"bad kind-{kind} body: {_KIND_NAMES[kind]} has {len(values)} fields, "
+                          f"expected {len(spec.fields)}")
     try:
         return spec.make(*(field.decode(v) for field, v in zip(spec.fields, values)))
     except DecodeError:
