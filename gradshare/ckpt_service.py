@@ -8,7 +8,7 @@ same digests, file lists and manifest-written-last rules as the local path (chec
 resumed fit, a retried stage's rollback) come back the same way.
 
 Wire: one TCP connection per operation. The server first sends 16 random bytes; every frame after
-that is ``u32 length | AES-256-GCM(body)`` under the job key (the relay's, transport/crypto.py), with
+that is ``u32 length | AES-256-GCM(body)`` under the job key (the relay's, transport/protocol/crypto.py), with
 nonce = direction byte + 7 of the server's random bytes + a 4-byte frame counter, so a recorded
 connection does not replay. The first client frame is a JSON request; file data travels in frames of
 at most stores.CHUNK bytes ("D" + data), "E" ends it; the answer is a JSON frame. No pickle.

@@ -6,7 +6,7 @@
 This is the one place the defaults are written: `SharedTrainer`'s signature takes each default from
 here (so help() and the options table in docs/guide/options.md show the values), the `gradshare.ml` Params and the CLI read them
 from here too, and tests/test_config.py checks that none of them drifts. The relay's port and datagram
-size are the transport's constants (transport/wire.py).
+size are the transport's constants (transport/protocol/wire.py).
 
 Validation runs once, in `__post_init__`, on the driver before any Spark job, and derives the forms the
 rest of gradshare works with (`stopping`, `callbacks`, `mlflow_config`, `device_name`,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, cast, get_args
 
 from gradshare.stopping import EarlyStopping, early_stopping_from
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     import torch

@@ -83,10 +83,10 @@ from gradshare.shipping import pack_user_objects, skeleton
 from gradshare.spark import check_summaries, dataframe_to_rdd, is_connect, is_dataframe, summarise_partition
 from gradshare.stopping import EarlyStopping
 from gradshare.tracking import tracked
-from gradshare.transport import Relay, new_job_key
-from gradshare.transport.events import Fail, Incident
-from gradshare.transport.relay_core import RollbackPoint
-from gradshare.transport.wire import MAX_DATAGRAM_SIZE
+from gradshare.transport import Relay, RelayTuning, new_job_key
+from gradshare.transport.protocol.events import Fail, Incident
+from gradshare.transport.protocol.tallies import RollbackPoint
+from gradshare.transport.protocol.wire import MAX_DATAGRAM_SIZE
 from gradshare.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
 from gradshare.worker import WorkerConfig
 from gradshare.worker import steps_per_epoch as steps_in
@@ -644,15 +644,16 @@ class SharedTrainer:
             agg_rule = copy.deepcopy(rule) if _is_calibrated(rule) else None
             aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
         host = job.driver_host(self.advertise_host)
+        tuning = RelayTuning(liveness_timeout=self.liveness_timeout, on_rank_loss=self.on_rank_loss,
+                             give_up_after=self.timeout, step_timeout=self.step_timeout,
+                             join_window=self._join_window(load_seconds), forwarding=forwarding,
+                             **_snapshot_options(host, self.datagram_size))
         relay = Relay(initial, world_size=world, key=key, job_id=job_id, port=self.port, bind=self.bind,
-                      datagram_size=self.datagram_size, liveness_timeout=self.liveness_timeout,
-                      insecure=self.insecure, decode_update=functools.partial(decode_update, n_params=flat.n_params),
+                      datagram_size=self.datagram_size, insecure=self.insecure, tuning=tuning,
+                      decode_update=functools.partial(decode_update, n_params=flat.n_params),
                       apply_update=functools.partial(apply_update, scale=scale),
-                      on_rank_loss=self.on_rank_loss, give_up_after=self.timeout, step_timeout=self.step_timeout,
-                      join_window=self._join_window(load_seconds),
                       rollback=_rollback(saving, resume, stores, first_epoch, steps_per_epoch),
-                      forwarding=forwarding, aggregator=aggregator,
-                      **_snapshot_options(host, self.datagram_size)).start()
+                      aggregator=aggregator).start()
         service = None
         try:
             saving, resume, service = _serve_checkpoints(stores, saving, resume, key, self.bind, host, self.timeout)
@@ -828,7 +829,7 @@ SNAPSHOT_RATE_NETWORK = 100e6  # about what 1 Gbit/s Ethernet carries
 
 
 class _SnapshotOptions(TypedDict):
-    """The relay's snapshot tunables (RelayOptions) that depend on how the workers reach it."""
+    """The relay's snapshot tunables (RelayTuning) that depend on how the workers reach it."""
 
     snapshot_rate: float
     snapshot_datagram_size: int

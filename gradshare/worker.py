@@ -69,7 +69,7 @@ from gradshare.spark import PartitionData, epoch_order
 from gradshare.spill import SpilledPartition
 from gradshare.stopping import should_stop, stop_epoch
 from gradshare.transport import Peer, param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN, Update
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN, Update
 from gradshare.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, shard_sums, split_rows
 from gradshare.vectors import Vector, copy_into, copy_of, index_for, where
 
@@ -378,7 +378,7 @@ class Worker:
 
     def inherit(self, notes: Mapping[str, Any]) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
-        transport/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
+        transport/protocol/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
         if "stop_epoch" in notes:
             self.inherited_stop = int(notes["stop_epoch"])
         if self.rank != 0:

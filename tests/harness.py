@@ -3,13 +3,17 @@ simulated clock (the shape of aioquic's tests ``client_and_server``/``transfer``
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.tuning import RelayTuning
 from transport_util import TOY, Link, random_update, toy_apply_payload
 
 RELAY = "relay"
+TUNABLES = {f.name for f in dataclasses.fields(RelayTuning)}
 
 
 class Sim:
@@ -23,8 +27,11 @@ class Sim:
         self.link = Link(seed, loss, dup, max_delay)
         self.rng = np.random.default_rng(seed)
         self.p0 = self.rng.standard_normal(n_params).astype(np.float32)
+        # relay_options: RelayTuning's fields and RelayCore's plug-ins (the toy codec unless given)
+        tunables = {k: relay_options.pop(k) for k in list(relay_options) if k in TUNABLES}
         self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
-                               liveness_timeout=liveness_timeout, **{**TOY, **relay_options})
+                               tuning=RelayTuning(liveness_timeout=liveness_timeout, **tunables),
+                               **{**TOY, **relay_options})
         self.peers: dict[int, PeerCore] = {}
         self.params: dict[int, np.ndarray] = {}
         self.delivered: dict[int, list] = {}

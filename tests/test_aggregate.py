@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from gradshare.encoding import CalibratedThreshold, StepUpdate, apply_update, decode_entries, decode_update, encode
 from gradshare.encoding.aggregate import AggregateState, aggregate_step
-from gradshare.transport import Relay, new_job_key, param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from harness import Sim, drive
 from naive import accumulate_encode, naive_kth_largest_abs
 from naive import apply as naive_apply
@@ -230,7 +230,8 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
     from test_transport_sockets import N, exchange
 
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1", forwarding="aggregate") as relay, \
+    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1",
+               tuning=RelayTuning(forwarding="aggregate")) as relay, \
             FaultProxy(relay.address, loss=0.05, duplicate=0.02, reorder=0.05, delay=0.002, seed=4) as proxy:
         params, logs, _, counters = exchange(relay, key, 3, 20, np.random.default_rng(2), address=proxy.address,
                                              entries=(3, 300), make=real_payload, apply=real_apply)
@@ -245,9 +246,9 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
 
 def test_welcome_says_whether_the_log_is_aggregated_and_decodes_both_forms():
     from gradshare.errors import DecodeError
-    from gradshare.transport import events as ev
-    from gradshare.transport import wire
-    from gradshare.transport.wire import _pack
+    from gradshare.transport.protocol import events as ev
+    from gradshare.transport.protocol import wire
+    from gradshare.transport.protocol.wire import _pack
 
     for agg in (False, True):
         msg = ev.Welcome(10, 2, 0, -1, (("checkpoint", 2.0),), agg)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gradshare.bench import scale
+from gradshare.bench import scale, scale_model
 from gradshare.cli import main
 
 
@@ -29,7 +29,7 @@ def test_small_run_writes_json_and_png_with_exactly_once_and_the_per_rank_traffi
         assert model <= r["egress_bytes_per_step"] < 2 * model + 2000
         assert r["relay_cpu_per_step_s"] > 0 and r["latency_p99_ms"] >= r["latency_p50_ms"] > 0
     assert [h["peers"] for h in res["heartbeats"]] == [2, 70]
-    assert {row["peers"] for row in res["projection"]["table"]} == set(scale.PROJECT_TO)
+    assert {row["peers"] for row in res["projection"]["table"]} == set(scale_model.PROJECT_TO)
     assert "max(8*E/B, C)" in res["projection"]["model"]
     text = capsys.readouterr().out
     assert "projected step communication" in text and "heartbeat traffic" in text
@@ -75,7 +75,7 @@ def _row(n: int, cpu: float, d: float = 2.0, w: float = 2800.0) -> dict:
 def test_projection_fits_the_costs_and_takes_the_slower_of_link_and_cpu():
     a, b = 10e-6, 200e-6                     # 10 µs per forwarded datagram, 200 µs per update
     rows = [_row(n, a * n * (n - 1) * 2.0 + b * n) for n in (2, 4, 8, 16)]
-    p = scale.project(rows, sizes=(4, 256), links=(1, 25))
+    p = scale_model.project(rows, sizes=(4, 256), links=(1, 25))
     assert p["costs"]["per_datagram_s"] == pytest.approx(a, rel=1e-6)
     assert p["costs"]["per_update_s"] == pytest.approx(b, rel=1e-6)
     small, big = p["table"]

@@ -12,7 +12,7 @@ import pytest
 
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, TrainConfig, WorkerFlags
 from gradshare.trainer import SharedTrainer
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.worker import WorkerConfig
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
@@ -112,11 +112,13 @@ def test_cli_defaults_are_the_trainer_defaults():
 
 def test_the_relay_and_the_benchmark_runner_default_like_the_trainer():
     from gradshare.bench.systems import run_gradshare
-    from gradshare.transport.relay import Relay
+    from gradshare.transport.protocol.tuning import RelayTuning
+    from gradshare.transport.sockets.relay import Relay
 
     relay = inspect.signature(Relay).parameters
-    for name in ("port", "bind", "datagram_size", "liveness_timeout", "insecure"):
+    for name in ("port", "bind", "datagram_size", "insecure"):
         assert _same(relay[name].default, DEFAULTS[name]), name
+    assert _same(RelayTuning().liveness_timeout, DEFAULTS["liveness_timeout"])  # the relay's tunables
     runner = inspect.signature(run_gradshare).parameters
     own = {"timeout"}  # a benchmark run on a loaded machine waits longer than a user's fit
     for name, p in runner.items():
@@ -131,12 +133,12 @@ def test_the_port_and_the_datagram_size_are_written_once():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in (40123, 1400):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert found == ["transport/wire.py:" + str(_line_of("DEFAULT_DATAGRAM_SIZE = 1400")),
-                     "transport/wire.py:" + str(_line_of("DEFAULT_PORT = 40123"))], found
+    assert found == ["transport/protocol/wire.py:" + str(_line_of("DEFAULT_DATAGRAM_SIZE = 1400")),
+                     "transport/protocol/wire.py:" + str(_line_of("DEFAULT_PORT = 40123"))], found
 
 
 def _line_of(text: str) -> int:
-    lines = (PACKAGE / "transport" / "wire.py").read_text(encoding="utf-8").splitlines()
+    lines = (PACKAGE / "transport" / "protocol" / "wire.py").read_text(encoding="utf-8").splitlines()
     return next(i for i, line in enumerate(lines, 1) if line.startswith(text))
 
 

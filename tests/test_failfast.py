@@ -21,9 +21,9 @@ from gradshare import SharedTrainer, TrainingError
 from gradshare.flat import FlatParams
 from gradshare.shipping import materialize, pack_user_objects, skeleton, unpack_user_objects
 from gradshare.trainer import _driver_error
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.peer_core import PeerCore
 from harness import Sim, drive
 
 # Executors cannot import this test module: ship its model classes by value.
@@ -85,12 +85,13 @@ def test_fail_names_are_bounded():
 
 
 def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_link():
-    from gradshare.transport.relay_core import RelayCore
+    from gradshare.transport.protocol.relay_core import RelayCore
+    from gradshare.transport.protocol.tuning import RelayTuning
     from transport_util import TOY
 
     sim = Sim(world_size=1, n_params=20_000, seed=6, loss=0.1, dup=0.1, max_delay=0.003, datagram_size=400)
-    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400, snapshot_datagram_size=4000,
-                          snapshot_burst=16_000, **TOY)
+    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400,
+                          tuning=RelayTuning(snapshot_datagram_size=4000, snapshot_burst=16_000), **TOY)
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     into = np.zeros(sim.N, np.float32)

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.protocol.peer_core import PeerCore
 from harness import Sim, drive
 from test_transport_core import check_consistent
 
@@ -104,7 +104,7 @@ def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():
     sim.add_peer(0)
     drive(sim, lambda: sim.relay.incidents != [])
     assert _kinds(sim) == ["suspected"] and sim.relay.incidents[0].rank == 1
-    assert 2.0 < sim.now - sim.relay.attempt_started < 2.2
+    assert 2.0 < sim.now - sim.relay.att.started < 2.2
 
 
 def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
@@ -125,7 +125,7 @@ def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
 def test_the_driver_reports_the_first_cause_before_the_last_symptom():
     from gradshare.errors import ProtocolError, TrainingError, TransportTimeout
     from gradshare.trainer import _driver_error
-    from gradshare.transport import events as ev
+    from gradshare.transport.protocol import events as ev
 
     class Relay:
         def __init__(self, cause):

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from gradshare.encoding import encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import wire
-from gradshare.transport.crypto import Sealer, new_job_key
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.crypto import Sealer, new_job_key
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.tuning import RelayTuning
 
 WORLD, PARAMS, DGRAM = 3, 40_000, 256        # small datagrams: each update is several chunks
 KEY = new_job_key()
@@ -58,7 +59,7 @@ def _setup(forwarding: str) -> tuple[list[RelayCore], list[tuple[bytes, int]]]:
     for _ in range(2):
         agg = AggregateState(PARAMS) if forwarding == "aggregate" else None
         relay = RelayCore(np.zeros(PARAMS, np.float32), WORLD, KEY, 7, now=0.0, datagram_size=DGRAM,
-                          forwarding=forwarding, aggregator=agg, defer_apply=True)
+                          tuning=RelayTuning(forwarding=forwarding), aggregator=agg, defer_apply=True)
         for d, r in joins:
             relay.receive_datagram(d, r, 0.0)
         relays.append(relay)
@@ -154,7 +155,7 @@ def test_a_run_does_what_its_datagrams_do_one_by_one(forwarding, ops, cuts):
     assert _plain(_feed_runs(runs, reads)) == _plain(_feed_one_by_one(one, reads))
     assert runs.counters() == one.counters()
     assert runs.param_hash() == one.param_hash() and runs.complete_through == one.complete_through
-    assert sorted(runs.pending) == sorted(one.pending) and sorted(runs.reasm.partials) == sorted(one.reasm.partials)
+    assert sorted(runs.att.pending) == sorted(one.att.pending) and sorted(runs.att.reasm.partials) == sorted(one.att.reasm.partials)
 
 
 def test_a_clean_stream_completes_every_update_through_the_fast_path():

@@ -20,8 +20,9 @@ from gradshare import SharedTrainer
 from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
 from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.trainer import FitResult, _driver_error
-from gradshare.transport import Peer, Relay, new_job_key, wire
-from gradshare.transport import events as ev
+from gradshare.transport import Peer, Relay, new_job_key
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol import events as ev
 from transport_util import TOY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport.crypto import ReplayWindow
-from gradshare.transport.cursor import LogCursor
-from gradshare.transport.history import History
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import Reassembler
+from gradshare.transport.protocol.crypto import ReplayWindow
+from gradshare.transport.protocol.cursor import LogCursor
+from gradshare.transport.protocol.history import History
+from gradshare.transport.protocol.rangeset import RangeSet
+from gradshare.transport.protocol.reassembly import Reassembler
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 20)), max_size=40)
 
@@ -117,7 +117,7 @@ def test_cursor_skips_ranks_that_ended():
 
 
 def test_late_allowance_grows_on_spurious_naks_and_decays_on_clean_updates():
-    from gradshare.transport.reassembly import LateAllowance
+    from gradshare.transport.protocol.reassembly import LateAllowance
 
     late = LateAllowance(0.004, cap=0.02)
     late.arrived_twice(1)                         # never NAKed: a plain duplicate says nothing
@@ -146,7 +146,7 @@ def test_late_allowance_grows_on_spurious_naks_and_decays_on_clean_updates():
 
 @given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.integers(0, (1 << 48) - 1))
 def test_nonce_is_sender_session_counter_little_endian(sender, session, counter):
-    from gradshare.transport.crypto import nonce
+    from gradshare.transport.protocol.crypto import nonce
 
     assert nonce(sender, session, counter) == (sender.to_bytes(2, "little") + session.to_bytes(4, "little")
                                                + counter.to_bytes(6, "little"))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.hashing import param_hash
-from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.protocol.peer_core import PeerCore
 from harness import Sim, drive
 
 
@@ -97,7 +97,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
             sim.sent[(t, r)] = payload
             p.send_update(t, payload, None, sim.now)
         drive(sim, lambda: sim.relay.complete_through >= min(t, 4))
-    drive(sim, lambda: (5, 0) in sim.relay.pending or sim.relay.ranks[0].received.contiguous_from(0) == 6)
+    drive(sim, lambda: (5, 0) in sim.relay.att.pending or sim.relay.ranks[0].received.contiguous_from(0) == 6)
     assert sim.relay.complete_through == 4
     # Spark retries the stage: attempt 1 joins; the old attempt's datagrams are refused from now on
     old = dict(sim.peers)
@@ -207,13 +207,13 @@ def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, st
 
 
 def is_update(datagram: bytes) -> bool:
-    from gradshare.transport.wire import HEADER, Kind
+    from gradshare.transport.protocol.wire import HEADER, Kind
 
     return HEADER.unpack_from(datagram)[2] == Kind.UPDATE
 
 
 def joined_cores(world: int = 3, n: int = 5000, datagram_size: int = 400):
-    from gradshare.transport import memory
+    from gradshare.transport.testing import memory
     from transport_util import TOY
 
     return memory.joined_cores(world, n, b"k" * 32, 7, datagram_size=datagram_size, **TOY)
@@ -250,7 +250,7 @@ def test_relay_forwards_the_origins_datagrams_unchanged_and_replays_are_duplicat
 
 
 def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
-    from gradshare.transport import events as ev
+    from gradshare.transport.protocol import events as ev
     from transport_util import random_update
 
     relay, peers = joined_cores()
@@ -259,13 +259,13 @@ def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
         relay.receive_datagram(d, 0, 0.0)
     n_chunks = sum(1 for d, r in relay.datagrams_to_send() if r == 1 and is_update(d))
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))      # "I have none of (0, 0)"
-    relay.receive_datagram(nak, 1, relay.nak_delay / 2)
+    relay.receive_datagram(nak, 1, relay.tuning.nak_delay / 2)
     assert relay.c["nak_crossed_forward"] == 1 and relay.c["retransmits"] == 0
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))
-    relay.receive_datagram(nak, 1, 2 * relay.nak_delay)                 # asked again: really lost
+    relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)                 # asked again: really lost
     assert relay.c["retransmits"] == n_chunks
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, (1,)),)))   # specific chunks: always answered
-    relay.receive_datagram(nak, 1, 2 * relay.nak_delay)
+    relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)
     assert relay.c["retransmits"] == n_chunks + 1
 
 
@@ -281,7 +281,7 @@ def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one(
         peers[1].receive_datagram(d, "relay", 0.001)
     t, naks = 0.001, 0
     while t < 0.05 and not naks:                         # well before any heartbeat or STATUS
-        t += peers[1].tick
+        t += peers[1].tuning.tick
         peers[1].handle_timer(t)
         naks = peers[1].c["naks_sent"]
-    assert naks == 1 and t < 4 * peers[1].nak_delay
+    assert naks == 1 and t < 4 * peers[1].tuning.nak_delay

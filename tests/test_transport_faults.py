@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from test_transport_sockets import N, exchange
 from transport_util import TOY
 
@@ -33,7 +33,8 @@ def test_snapshot_of_25m_params_through_5_percent_loss():
     n = 25_000_000
     key = new_job_key()
     p0 = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    with Relay(p0, 1, key, 5, port=0, bind="127.0.0.1", datagram_size=8192, snapshot_rate=150e6) as relay, \
+    with Relay(p0, 1, key, 5, port=0, bind="127.0.0.1", datagram_size=8192,
+               tuning=RelayTuning(snapshot_rate=150e6)) as relay, \
             FaultProxy(relay.address, loss=0.05, duplicate=0.01, reorder=0.01, delay=0.001, seed=5) as proxy:
         with Peer(proxy.address, 0, 1, 0, key, 5, n, datagram_size=8192, timeout=60) as peer:
             peer.join(10)

@@ -12,10 +12,10 @@ import time
 import numpy as np
 
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
 from test_transport_sockets import N, exchange
-from transport_util import TOY, toy_encode
+from transport_util import TOY, toy_encode, wait_until
 
 FLOOD = 100_000
 RATE = 8_000           # datagrams/s: the whole flood takes ~12 s on the shared 2-core machine
@@ -110,7 +110,7 @@ def test_flood_of_forged_datagrams_during_exchange():
         with Peer(relay.address, W, W + 1, 0, key, 9, N, timeout=10) as insider:
             insider.join(5)
             insider.send_update(0, toy_encode(1.0, [N + 5, -(N + 9)]))
-            relay.wait_for(lambda core: core.ranks[W].ended is not None, 5, "insider declared gone")
+            wait_until(lambda: relay.progress()["ranks"][W]["ended"] is not None, 5, "insider declared gone")
 
         (params, logs, expected, _), sent = flooded(
             relay, key, lambda: exchange(relay, key, W, 150, np.random.default_rng(7), world_size=W + 1))

@@ -6,12 +6,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.events import Join
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import RelayCore
-from gradshare.transport.wire import RELAY_ID
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.events import Join
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.wire import RELAY_ID
 from transport_util import TOY
 
 KEY = b"K" * 32
@@ -40,7 +40,7 @@ datagram = st.one_of(
 def relay_invariants(relay: RelayCore, n_in: int) -> None:
     c = relay.counters()
     assert c.get("datagrams_in", 0) == n_in
-    assert relay.reasm.nbytes <= relay.reasm.max_bytes and len(relay.reasm) <= relay.reasm.max_messages
+    assert relay.att.reasm.nbytes <= relay.att.reasm.max_bytes and len(relay.att.reasm) <= relay.att.reasm.max_messages
     assert relay.params.shape == (N,) and relay.params.dtype == np.float32
     assert relay.complete_through >= relay.cursor.start_step - 1
 

@@ -18,12 +18,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gradshare.errors import LocalProtocolError
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay_core import MAX_INCIDENTS, ON_RANK_LOSS, RelayCore
-from gradshare.transport.states import PeerState
-from gradshare.transport.wire import Kind
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
+from gradshare.transport.protocol.states import PeerState
+from gradshare.transport.protocol.wire import Kind
 from transport_util import TOY, random_update, toy_apply_payload
 
 KEY, JOB, N, DATAGRAM = b"k" * 32, 42, 200, 400
@@ -70,8 +72,8 @@ class CoreMisuse(RuleBasedStateMachine):
         self.world = world
         self.rng = np.random.default_rng(0)
         self.p0 = np.random.default_rng(1).standard_normal(N).astype(np.float32)
-        self.relay = RelayCore(self.p0, world, KEY, JOB, now=0.0, datagram_size=DATAGRAM, liveness_timeout=1.0,
-                               give_up_after=2.0, step_timeout=3.0, on_rank_loss=on_rank_loss, **TOY)
+        tuning = RelayTuning(liveness_timeout=1.0, give_up_after=2.0, step_timeout=3.0, on_rank_loss=on_rank_loss)
+        self.relay = RelayCore(self.p0, world, KEY, JOB, now=0.0, datagram_size=DATAGRAM, tuning=tuning, **TOY)
         self.peers: dict[int, PeerCore] = {}
         self.delivered: dict[int, list[ev.Update]] = {}     # per live core, everything it delivered
         self.sent: dict[tuple[int, int, int], bytes] = {}   # (attempt, step, rank) -> payload
@@ -88,7 +90,8 @@ class CoreMisuse(RuleBasedStateMachine):
 
     # --- helpers -----------------------------------------------------------------------------------
     def _new_peer(self, rank: int, attempt: int) -> PeerCore:
-        p = PeerCore(rank, self.world, attempt, KEY, JOB, N, now=self.now, datagram_size=DATAGRAM, rto=0.05)
+        p = PeerCore(rank, self.world, attempt, KEY, JOB, N, now=self.now, datagram_size=DATAGRAM,
+                     tuning=PeerTuning(rto=0.05))
         self.peers[rank] = p
         self.delivered[rank] = []
         return p
@@ -155,7 +158,7 @@ class CoreMisuse(RuleBasedStateMachine):
             p.send_update(step, payload, meta, self.now)
         except LocalProtocolError:
             assert offset != 0 or p.state != PeerState.JOINED or p.error or p.finish_step is not None \
-                or len(p.unacked) >= p.max_unacked
+                or len(p.unacked) >= p.tuning.max_unacked
         else:
             assert offset == 0 and p.next_step == step + 1
             self.sent[(p.attempt, step, p.rank)] = payload
@@ -275,7 +278,7 @@ class CoreMisuse(RuleBasedStateMachine):
         for r, p in self.peers.items():
             assert p.state in set(PeerState)
             assert p.inbox_nbytes == sum(len(u.payload) for u in (*p.inbox.values(), *p.ready))
-            assert len(p.unacked) <= p.max_unacked
+            assert len(p.unacked) <= p.tuning.max_unacked
             assert (p.welcome is None) == (p.cursor is None) == (p.next_step is None)
             c = p.counters()
             assert all(type(v) is int for k, v in c.items() if k != "drops")
@@ -295,10 +298,10 @@ class CoreMisuse(RuleBasedStateMachine):
     @invariant()
     def relay_holds_together(self):
         relay = self.relay
-        assert all(step > relay.complete_through for step, _ in relay.pending)
+        assert all(step > relay.complete_through for step, _ in relay.att.pending)
         assert relay.complete_through >= relay.cursor.start_step - 1
         assert len(relay.incidents) <= MAX_INCIDENTS
-        assert len(relay.history) <= relay.history.max_entries
+        assert len(relay.att.history) <= relay.att.history.max_entries
         c = relay.counters()
         assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.attempt
         assert set(relay.progress()["ranks"]) == set(range(self.world))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradshare.transport import param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from harness import RELAY, Sim, drive
 from test_aggregate import aggregate_sim
 from test_transport_flood import FLOOD, make_flood
@@ -200,8 +200,8 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
         rel = sim.relay
         live = [p for p in sim.peers.values() if p.next_step is not None]
         worst["ahead"] = max([worst["ahead"]] + [p.next_step - 1 - rel.complete_through for p in live])
-        worst["relay_held"] = max(worst["relay_held"], len(rel.pending) + len(rel.reasm))
-        worst["history"] = max(worst["history"], len(rel.history))
+        worst["relay_held"] = max(worst["relay_held"], len(rel.att.pending) + len(rel.att.reasm))
+        worst["history"] = max(worst["history"], len(rel.att.history))
         worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbox) + len(p.reasm) for p in live])
         worst["unacked"] = max([worst["unacked"]] + [len(p.unacked.bodies) for p in live])
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gradshare.encoding import apply_update
-from gradshare.transport import Relay, new_job_key, param_hash
-from gradshare.transport.events import AGGREGATE_ORIGIN
-from gradshare.transport.fault_proxy import FaultProxy
+from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
+from gradshare.transport.testing.fault_proxy import FaultProxy
 from test_aggregate import real_apply, real_payload
 from test_transport_flood import FLOOD, flooded
 from test_transport_sockets import N, exchange
@@ -26,7 +26,7 @@ STEPS = 5
 def codec_for(mode: str) -> tuple[dict, dict]:
     """(relay options, exchange codec): aggregated, the relay re-encodes, so the real codec."""
     if mode == "aggregate":
-        return dict(forwarding=mode), dict(make=real_payload, apply=real_apply)
+        return dict(tuning=RelayTuning(forwarding=mode)), dict(make=real_payload, apply=real_apply)
     return dict(TOY), dict(make=random_update, apply=toy_apply_payload)
 
 

@@ -1,11 +1,11 @@
-"""The relay's rank table alone (transport/ranks.py): who gets updates, who gets STATUS, and the floor
+"""The relay's rank table alone (transport/protocol/ranks.py): who gets updates, who gets STATUS, and the floor
 below which no one needs the history."""
 
 from __future__ import annotations
 
-from gradshare.transport import events as ev
-from gradshare.transport.ranks import RankTable
-from gradshare.transport.states import RankTrigger
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.ranks import RankTable
+from gradshare.transport.protocol.states import RankTrigger
 
 
 def _table() -> RankTable:

@@ -8,10 +8,11 @@ import inspect
 import pytest
 
 from gradshare.errors import LocalProtocolError
-from gradshare.transport import events as ev
-from gradshare.transport import peer, relay, wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.peer_core import PeerCore
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.sockets import peer, relay
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.peer_core import PeerCore
 from harness import Sim, drive
 
 # the cores' read-only properties, the only attribute reads a shell makes that are not method calls

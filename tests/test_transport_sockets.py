@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
-from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from transport_util import TOY, random_update, toy_apply_payload
+from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
+from transport_util import TOY, random_update, toy_apply_payload, wait_until
 
 N = 2000
 
@@ -152,7 +152,7 @@ def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resum
     # to close thaws, including after a failed start
     import gc
 
-    from gradshare.transport import quiet_gc
+    from gradshare.transport.sockets import quiet_gc
 
     assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0     # no earlier test leaked a hold
     old = [[] for _ in range(1000)]
@@ -229,8 +229,8 @@ def test_real_encoding_messages_make_bit_identical_replicas():
 
 def test_silent_peer_is_declared_gone_over_sockets():
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", liveness_timeout=0.5,
-               on_rank_loss="continue", **TOY) as relay:
+    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1",
+               tuning=RelayTuning(liveness_timeout=0.5, on_rank_loss="continue"), **TOY) as relay:
         a = Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10)
         b = Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10)
         try:
@@ -321,8 +321,9 @@ def test_retried_stage_resumes_from_snapshot_over_sockets():
                     p.send_update(t, random_update(rng, N, 30))
             old[0].send_update(4, random_update(rng, N, 30))
             old[0].receive(until_step=3, timeout=5)
-            relay.wait_for(lambda core: core.complete_through == 3 and len(core.pending) == 1, 5,
-                           "steps 0..3 applied and (4, 0) pending")
+            # (4, 0) received and held: rank 0 has step 4, the log is complete through 3
+            wait_until(lambda: relay.complete_through == 3 and relay.progress()["ranks"][0]["have"] == 4, 5,
+                       "steps 0..3 applied and (4, 0) pending")
         finally:
             for p in old:
                 p.close(leave=False)            # killed tasks: no FINISHED, no LEAVE

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from gradshare.bench.scale import heartbeat_traffic
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.memory import joined_cores
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.testing.memory import joined_cores
 from harness import Sim
 
 
@@ -111,8 +111,8 @@ def test_a_kept_page_is_served_until_what_it_shows_changes():
     relay.datagrams_to_send()
     n = relay.status_ranks
     empty = encode(np.zeros(10, np.float32), None, 1.0).to_bytes()
-    kept = [relay._status(p) for p in range(relay.status_pages)]
-    assert all(relay._status(p) is kept[p] for p in range(relay.status_pages))    # nothing changed
+    kept = [relay.status_page(p) for p in range(relay.status_pages)]
+    assert all(relay.status_page(p) is kept[p] for p in range(relay.status_pages))    # nothing changed
 
     def send(rank: int, step: int) -> None:
         peers[rank].send_update(step, empty, None, 0.1)
@@ -120,16 +120,16 @@ def test_a_kept_page_is_served_until_what_it_shows_changes():
             relay.receive_datagram(d, rank, 0.1)
 
     send(3, 0)                                        # rank 3 is on page 0
-    assert relay._status(0).have[3] == 0 and relay._status(0) == _page_by_hand(relay, 0)
-    assert relay._status(1) is kept[1]
+    assert relay.status_page(0).have[3] == 0 and relay.status_page(0) == _page_by_hand(relay, 0)
+    assert relay.status_page(1) is kept[1]
     peers[n + 1].finish(-1, 0.2)                      # a rank of page 1 ends before its first step
     for d in peers[n + 1].datagrams_to_send():
         relay.receive_datagram(d, n + 1, 0.2)
-    assert [e.rank for e in relay._status(1).ended] == [n + 1] and relay._status(1) == _page_by_hand(relay, 1)
+    assert [e.rank for e in relay.status_page(1).ended] == [n + 1] and relay.status_page(1) == _page_by_hand(relay, 1)
     for r in range(W):
         if r not in (3, n + 1):
             send(r, 0)
     relay.apply_pending()
     assert relay.complete_through == 0
-    assert all(relay._status(p) == _page_by_hand(relay, p) for p in range(relay.status_pages))
-    assert relay._status(2).complete_through == 0
+    assert all(relay.status_page(p) == _page_by_hand(relay, p) for p in range(relay.status_pages))
+    assert relay.status_page(2).complete_through == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport.history import History, StepKeys
+from gradshare.transport.protocol.history import History, StepKeys
 from harness import Sim
 
 
@@ -52,14 +52,14 @@ def test_relay_trims_once_per_rise_of_the_floor():
         sim.add_peer(r)
     sim.run(steps=30)
     relay = sim.relay
-    kept = len(sim.sent) - len(relay.history)       # every forwarded update went into the history once
+    kept = len(sim.sent) - len(relay.att.history)       # every forwarded update went into the history once
     # each key is looked at once when dropped (plus keys evicted or discarded earlier, none here)
-    assert relay.history.examined == kept and relay.c["history_evicted"] == 0
+    assert relay.att.history.examined == kept and relay.c["history_evicted"] == 0
     # the last heartbeats may have raised the floor since the last timer: one trim catches up, at the same
     # cost of one look per dropped key
-    relay._trim_history()
-    assert relay.history.examined == len(sim.sent) - len(relay.history)
-    before = relay.history.examined
+    relay.trim_history()
+    assert relay.att.history.examined == len(sim.sent) - len(relay.att.history)
+    before = relay.att.history.examined
     for _ in range(1000):                            # heartbeats that move nothing trim nothing
-        relay._trim_history()
-    assert relay.history.examined == before
+        relay.trim_history()
+    assert relay.att.history.examined == before

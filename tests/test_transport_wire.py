@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradshare.errors import DecodeError
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.crypto import Sealer, new_job_key
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.crypto import Sealer, new_job_key
 
 CONTROL = [
     ev.Join(10, 4), ev.Welcome(10, 4, 3, 2), ev.Reject("no"), ev.Ack((1, 2, 3)),

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.transport import udp
+from gradshare.transport.sockets import udp
 
 LINUX = sys.platform.startswith("linux")
 

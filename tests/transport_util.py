@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import random
 import struct
+import time
 
 import numpy as np
 
@@ -75,3 +76,11 @@ class Link:
 
     def next_time(self) -> float | None:
         return self._q[0][0] if self._q else None
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll ``condition()`` (a shell's public accessors) until it is true; AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(0.01)

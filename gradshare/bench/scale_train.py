@@ -20,8 +20,8 @@ import json
 import math
 import sys
 
-from gradshare.transport.crypto import TAG_BYTES
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
+from gradshare.transport.protocol.crypto import TAG_BYTES
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
 
 META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from gradshare.config import TrainConfig
 from gradshare.errors import TransportTimeout
-from gradshare.transport import Relay, new_job_key
+from gradshare.transport import Relay, RelayTuning, new_job_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise SystemExit("gradshare relay: give --key-file or --new-key (or --insecure for benchmarks)")
     relay = Relay(params, args.world_size, key, _job_id(args.job_id), port=args.port, bind=args.bind,
-                  datagram_size=args.datagram_size, liveness_timeout=args.liveness_timeout,
-                  insecure=args.insecure)
+                  datagram_size=args.datagram_size, insecure=args.insecure,
+                  tuning=RelayTuning(liveness_timeout=args.liveness_timeout))
     try:
         relay.start()
     except OSError as exc:

@@ -1,7 +1,7 @@
 """Control messages on the wire and events out of the protocol cores: small frozen dataclasses.
 
 Messages are validated in their constructors, so a decoded message is a valid one (h11 ``_events.py``,
-aioquic ``quic/events.py``). Their byte codecs live in :mod:`gradshare.transport.wire`.
+aioquic ``quic/events.py``). Their byte codecs live in :mod:`gradshare.transport.protocol.wire`.
 """
 
 from __future__ import annotations

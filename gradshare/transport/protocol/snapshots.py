@@ -13,8 +13,8 @@ from collections.abc import Callable
 import numpy as np
 
 from gradshare.hashing import param_hash
-from gradshare.transport import events as ev
-from gradshare.transport.rangeset import RangeSet
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.rangeset import RangeSet
 
 MAX_TICK = 0.05       # a late pacing tick sends what 50 ms allow, not the whole delay's worth
 

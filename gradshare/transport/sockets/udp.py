@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, cast
 
-from gradshare.transport.events import Address
+from gradshare.transport.protocol.events import Address
 
 BUFFER_BYTES = 8 << 20          # ask for 8 MiB socket buffers (the kernel caps at net.core.[rw]mem_max)
 RECV_BYTES = 65536

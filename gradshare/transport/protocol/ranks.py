@@ -6,10 +6,10 @@ bookkeeping the relay core updates as datagrams arrive: address, session, steps 
 from __future__ import annotations
 
 
-from gradshare.transport import events as ev
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import LateAllowance
-from gradshare.transport.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.rangeset import RangeSet
+from gradshare.transport.protocol.reassembly import LateAllowance
+from gradshare.transport.protocol.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
                                         RankTrigger, transition)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gradshare.transport.history import History
+from gradshare.transport.protocol.history import History
 
 MAX_RTO = 10.0
 MAX_BACKOFF_DOUBLINGS = 6

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any, Final, NamedTuple, NoReturn
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 import msgpack
 
 from gradshare.errors import DecodeError
-from gradshare.transport import events as ev
+from gradshare.transport.protocol import events as ev
 
 MAGIC = b"GS"
 VERSION = 1
@@ -196,7 +197,7 @@ def decode_update_body(body: bytes) -> tuple[bytes, ev.Meta | None]:
 
 # --- control bodies -----------------------------------------------------------------------------------
 
-def _pack(fields: list[object]) -> bytes:
+def _pack(fields: object) -> bytes:
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
 
@@ -214,45 +215,8 @@ def _unpack(body: bytes) -> list[Any]:
     return obj
 
 
-def encode_control(msg: ev.ControlMessage) -> tuple[int, bytes]:
-    """(kind, body bytes) for a control message."""
-    if isinstance(msg, ev.Join):
-        return Kind.JOIN, _pack([msg.n_params, msg.world_size])
-    if isinstance(msg, ev.Welcome):
-        return Kind.WELCOME, _pack([msg.n_params, msg.world_size, msg.start_step, msg.complete_through,
-                                    [list(n) for n in msg.notes], msg.aggregate])
-    if isinstance(msg, ev.Reject):
-        return Kind.REJECT, _pack([msg.reason])
-    if isinstance(msg, ev.Ack):
-        return Kind.ACK, _pack(list(msg.steps))
-    if isinstance(msg, ev.Nak):
-        return Kind.NAK, _pack([[i.step, i.origin, list(i.chunks)] for i in msg.items])
-    if isinstance(msg, ev.Heartbeat):
-        return Kind.HEARTBEAT, _pack([msg.delivered_through, msg.sent_through, msg.computing])
-    if isinstance(msg, ev.Status):
-        return Kind.STATUS, _pack([msg.start_step, msg.complete_through, msg.world_size, msg.first_rank,
-                                   list(msg.have), [[e.rank, e.last_step, e.gone] for e in msg.ended]])
-    if isinstance(msg, ev.Finished):
-        return Kind.FINISHED, _pack([msg.last_step])
-    if isinstance(msg, ev.Leave):
-        return Kind.LEAVE, _pack([])
-    if isinstance(msg, ev.SnapRequest):
-        return Kind.SNAP_REQUEST, _pack([])
-    if isinstance(msg, ev.SnapInfo):
-        return Kind.SNAP_INFO, _pack([msg.snap_id, msg.step, msg.n_params, msg.n_chunks, msg.chunk_bytes,
-                                      msg.digest])
-    if isinstance(msg, ev.SnapNak):
-        return Kind.SNAP_NAK, _pack([msg.snap_id, [list(r) for r in msg.ranges]])
-    if isinstance(msg, ev.SnapDone):
-        return Kind.SNAP_DONE, _pack([msg.snap_id])
-    if isinstance(msg, ev.Fail):
-        return Kind.FAIL, _pack([msg.rank, msg.attempt, msg.error_type, msg.message, msg.step, msg.fatal,
-                                 msg.error_class, msg.cause])
-    if isinstance(msg, ev.FailAck):
-        return Kind.FAIL_ACK, _pack([msg.rank, msg.attempt])
-    if isinstance(msg, ev.Loading):
-        return Kind.LOADING, _pack([])
-    raise TypeError(f"not a control message: {type(msg).__name__}")
+def _same(value: Any) -> Any:
+    return value
 
 
 def _ints(obj: object, name: str) -> tuple[int, ...]:
@@ -261,90 +225,131 @@ def _ints(obj: object, name: str) -> tuple[int, ...]:
     return tuple(obj)
 
 
+class _Field(NamedTuple):
+    """One field of a control message: its attribute, how it goes into the msgpack list and how it comes
+    back out (the message's constructor then checks its type and range, events.py)."""
+
+    name: str
+    encode: Callable[[Any], object] = _same
+    decode: Callable[[Any], Any] = _same
+
+
+def _int_list(name: str) -> _Field:
+    return _Field(name, list, lambda v: _ints(v, name))
+
+
+def _records(name: str, what: str, make: Callable[..., object], fields: tuple[_Field, ...]) -> _Field:
+    """A list of small records (NAK items, ended ranks), each a msgpack list of ``fields``."""
+    def encode(records: Any) -> list[list[object]]:
+        return [[f.encode(getattr(r, f.name)) for f in fields] for r in records]
+
+    def decode(obj: Any) -> tuple[object, ...]:
+        if not isinstance(obj, list):
+            raise DecodeError(f"{name} is not a list")
+        out = []
+        for entry in obj:
+            if not isinstance(entry, list):
+                raise DecodeError(f"{what} is not a list")
+            if len(entry) != len(fields):
+                raise DecodeError(f"{what} has {len(entry)} fields, expected {len(fields)}")
+            out.append(make(*(f.decode(v) for f, v in zip(fields, entry))))
+        return tuple(out)
+
+    return _Field(name, encode, decode)
+
+
+def _decode_notes(obj: Any) -> tuple[tuple[Any, ...], ...]:
+    if not isinstance(obj, list) or not all(isinstance(x, list) for x in obj):
+        raise DecodeError("WELCOME notes must be a list of [name, value] pairs")
+    return tuple(tuple(x) for x in obj)
+
+
+def _decode_bool(obj: Any) -> bool:
+    if not isinstance(obj, bool):
+        raise DecodeError("gone is not a bool")
+    return obj
+
+
+def _decode_range(obj: Any) -> tuple[int, int]:
+    a, b = _ints(obj, "range")
+    return a, b
+
+
+class _Spec(NamedTuple):
+    """How a control message travels: its kind and its fields, in order. ``flat``: the message's one field
+    is the whole msgpack list (ACK's steps, NAK's items) instead of its only element."""
+
+    kind: int
+    make: Callable[..., ev.ControlMessage]
+    fields: tuple[_Field, ...] = ()
+    flat: bool = False
+
+
+# Every control message's fields, in wire order: encode_control and decode_control are derived from this
+# table (the bytes are those of the hand-written codecs it replaced).
+_CONTROL: tuple[tuple[type, _Spec], ...] = (
+    (ev.Join, _Spec(Kind.JOIN, ev.Join, (_Field("n_params"), _Field("world_size")))),
+    (ev.Welcome, _Spec(Kind.WELCOME, ev.Welcome, (
+        _Field("n_params"), _Field("world_size"), _Field("start_step"), _Field("complete_through"),
+        _Field("notes", lambda notes: [list(n) for n in notes], _decode_notes), _Field("aggregate")))),
+    (ev.Reject, _Spec(Kind.REJECT, ev.Reject, (_Field("reason"),))),
+    (ev.Ack, _Spec(Kind.ACK, ev.Ack, (_int_list("steps"),), flat=True)),
+    (ev.Nak, _Spec(Kind.NAK, ev.Nak, (_records("items", "NAK item", ev.NakItem, (
+        _Field("step"), _Field("origin"), _int_list("chunks"))),), flat=True)),
+    (ev.Heartbeat, _Spec(Kind.HEARTBEAT, ev.Heartbeat, (
+        _Field("delivered_through"), _Field("sent_through"), _Field("computing")))),
+    (ev.Status, _Spec(Kind.STATUS, ev.Status, (
+        _Field("start_step"), _Field("complete_through"), _Field("world_size"), _Field("first_rank"),
+        _int_list("have"), _records("ended", "ended entry", ev.Ended, (
+            _Field("rank"), _Field("last_step"), _Field("gone", decode=_decode_bool)))))),
+    (ev.Finished, _Spec(Kind.FINISHED, ev.Finished, (_Field("last_step"),))),
+    (ev.Leave, _Spec(Kind.LEAVE, ev.Leave)),
+    (ev.SnapRequest, _Spec(Kind.SNAP_REQUEST, ev.SnapRequest)),
+    (ev.SnapInfo, _Spec(Kind.SNAP_INFO, ev.SnapInfo, (
+        _Field("snap_id"), _Field("step"), _Field("n_params"), _Field("n_chunks"), _Field("chunk_bytes"),
+        _Field("digest")))),
+    (ev.SnapNak, _Spec(Kind.SNAP_NAK, ev.SnapNak, (
+        _Field("snap_id"), _Field("ranges", lambda ranges: [list(r) for r in ranges],
+                                  lambda obj: _list_of(obj, "ranges", _decode_range))))),
+    (ev.SnapDone, _Spec(Kind.SNAP_DONE, ev.SnapDone, (_Field("snap_id"),))),
+    (ev.Fail, _Spec(Kind.FAIL, ev.Fail, tuple(_Field(name) for name in (
+        "rank", "attempt", "error_type", "message", "step", "fatal", "error_class", "cause")))),
+    (ev.FailAck, _Spec(Kind.FAIL_ACK, ev.FailAck, (_Field("rank"), _Field("attempt")))),
+    (ev.Loading, _Spec(Kind.LOADING, ev.Loading)),
+)
+_BY_TYPE: dict[type, _Spec] = dict(_CONTROL)
+_BY_KIND: dict[int, _Spec] = {spec.kind: spec for _, spec in _CONTROL}
+_KIND_NAMES: dict[int, str] = {value: name for name, value in vars(Kind).items() if type(value) is int}
+
+
+def _list_of(obj: Any, name: str, decode: Callable[[Any], Any]) -> tuple[Any, ...]:
+    if not isinstance(obj, list):
+        raise DecodeError(f"{name} is not a list")
+    return tuple(decode(x) for x in obj)
+
+
+def encode_control(msg: ev.ControlMessage) -> tuple[int, bytes]:
+    """(kind, body bytes) for a control message."""
+    spec = _BY_TYPE.get(type(msg))
+    if spec is None:
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+    values = [f.encode(getattr(msg, f.name)) for f in spec.fields]
+    return spec.kind, _pack(values[0] if spec.flat else values)
+
+
 def decode_control(kind: int, body: bytes) -> ev.ControlMessage:
     """The validated control message of ``kind`` in ``body``; DecodeError on anything else."""
     f = _unpack(body)
+    spec = _BY_KIND.get(kind)
+    if spec is None or kind in CHUNKED_KINDS:
+        raise DecodeError(f"kind {kind} has no control body")
+    values = [f] if spec.flat else f
+    if len(values) != len(spec.fields):
+        raise DecodeError(f"bad kind-{kind} body: {_KIND_NAMES[kind]} has {len(values)} fields, "
+                          f"expected {len(spec.fields)}")
     try:
-        if kind == Kind.JOIN:
-            n, w = f
-            return ev.Join(n, w)
-        if kind == Kind.WELCOME:
-            if len(f) != 6:
-                raise DecodeError(f"WELCOME has {len(f)} fields, expected 6")
-            n, w, s, c, notes, aggregate = f
-            if not isinstance(notes, list) or not all(isinstance(x, list) for x in notes):
-                raise DecodeError("WELCOME notes must be a list of [name, value] pairs")
-            return ev.Welcome(n, w, s, c, tuple(tuple(x) for x in notes), aggregate)
-        if kind == Kind.REJECT:
-            (reason,) = f
-            return ev.Reject(reason)
-        if kind == Kind.ACK:
-            return ev.Ack(_ints(f, "steps"))
-        if kind == Kind.NAK:
-            items = []
-            for item in f:
-                if not isinstance(item, list):
-                    raise DecodeError("NAK item is not a list")
-                step, origin, chunks = item
-                items.append(ev.NakItem(step, origin, _ints(chunks, "chunks")))
-            return ev.Nak(tuple(items))
-        if kind == Kind.HEARTBEAT:
-            d, s, c = f
-            return ev.Heartbeat(d, s, c)
-        if kind == Kind.STATUS:
-            start, complete, world_size, first_rank, have, ended = f
-            if not isinstance(ended, list):
-                raise DecodeError("ended is not a list")
-            out = []
-            for e in ended:
-                if not isinstance(e, list):
-                    raise DecodeError("ended entry is not a list")
-                r, last, gone = e
-                if not isinstance(gone, bool):
-                    raise DecodeError("gone is not a bool")
-                out.append(ev.Ended(r, last, gone))
-            return ev.Status(start, complete, world_size, first_rank, _ints(have, "have"), tuple(out))
-        if kind == Kind.FINISHED:
-            (last,) = f
-            return ev.Finished(last)
-        if kind == Kind.LEAVE:
-            if f:
-                raise DecodeError("LEAVE has no fields")
-            return ev.Leave()
-        if kind == Kind.SNAP_REQUEST:
-            if f:
-                raise DecodeError("SNAP_REQUEST has no fields")
-            return ev.SnapRequest()
-        if kind == Kind.SNAP_INFO:
-            return ev.SnapInfo(*f) if len(f) == 6 else _bad_arity(kind)
-        if kind == Kind.SNAP_NAK:
-            snap_id, ranges = f
-            if not isinstance(ranges, list):
-                raise DecodeError("ranges is not a list")
-            rs = []
-            for r in ranges:
-                a, b = _ints(r, "range")
-                rs.append((a, b))
-            return ev.SnapNak(snap_id, tuple(rs))
-        if kind == Kind.SNAP_DONE:
-            (snap_id,) = f
-            return ev.SnapDone(snap_id)
-        if kind == Kind.FAIL:
-            rank, attempt, error_type, message, step, fatal, error_class, cause = f
-            return ev.Fail(rank, attempt, error_type, message, step, fatal, error_class, cause)
-        if kind == Kind.FAIL_ACK:
-            rank, attempt = f
-            return ev.FailAck(rank, attempt)
-        if kind == Kind.LOADING:
-            if f:
-                raise DecodeError("LOADING has no fields")
-            return ev.Loading()
+        return spec.make(*(field.decode(v) for field, v in zip(spec.fields, values)))
     except DecodeError:
         raise
-    except (ValueError, TypeError) as exc:  # wrong arity (unpacking) or a constructor's range check
+    except (ValueError, TypeError) as exc:  # a constructor's type or range check
         raise DecodeError(f"bad kind-{kind} body: {exc}") from None
-    raise DecodeError(f"kind {kind} has no control body")
-
-
-def _bad_arity(kind: int) -> NoReturn:
-    raise DecodeError(f"bad kind-{kind} body: wrong number of fields")

@@ -11,10 +11,10 @@ from collections import Counter
 from typing import Literal, overload
 
 from gradshare.errors import DecodeError
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.crypto import MAX_COUNTER, ReplayGuard, Sealer
-from gradshare.transport.wire import HEADER_BYTES, Header
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.crypto import MAX_COUNTER, ReplayGuard, Sealer
+from gradshare.transport.protocol.wire import HEADER_BYTES, Header
 
 
 class Channel:

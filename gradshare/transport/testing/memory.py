@@ -10,26 +10,24 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradshare.transport.events import Address
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.relay import RelayOptions
-from gradshare.transport.relay_core import RelayCore
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.protocol.events import Address
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.sockets.relay import RelayPlugins
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
 
 
-class CoreOptions(RelayOptions, total=False):  # what Relay sets itself, RelayCore takes from here
-    liveness_timeout: float
-
-
 def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int | str, *,
                  insecure: bool = False, datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 **relay_options: Unpack[CoreOptions]) -> tuple[RelayCore, list[PeerCore]]:
+                 tuning: RelayTuning = RelayTuning(), defer_apply: bool = False,
+                 **plugins: Unpack[RelayPlugins]) -> tuple[RelayCore, list[PeerCore]]:
     """(relay, peers): every peer has sent JOIN and received WELCOME at time 0; peer r's address is r."""
     relay = RelayCore(np.zeros(n_params, np.float32), world_size, key, job_id, now=0.0, insecure=insecure,
-                      datagram_size=datagram_size, **relay_options)
+                      datagram_size=datagram_size, tuning=tuning, defer_apply=defer_apply, **plugins)
     peers = [PeerCore(r, world_size, 0, key, job_id, n_params, now=0.0, insecure=insecure,
                       datagram_size=datagram_size) for r in range(world_size)]
     for r, p in enumerate(peers):

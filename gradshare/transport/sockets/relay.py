@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict, cast
 
@@ -19,45 +19,35 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, TransportTimeout
-from gradshare.transport import events as ev
-from gradshare.transport import quiet_gc, udp
-from gradshare.transport.relay_core import MAX_INCIDENTS, Decoded, RelayCore, RollbackPoint
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.sockets import quiet_gc, udp
+from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
 
     # the encoding package loads Numba: the transport imports it where used (relay_core.py, its seam)
     from gradshare.encoding.aggregate import AggregateState
+    from gradshare.transport.protocol.observer import LogObserver
+    from gradshare.transport.protocol.relay_attempt import Decoded
+    from gradshare.transport.protocol.tallies import RollbackPoint
 
-DRAIN_BATCH = 512
-MAX_WAIT = 0.02
 
-
-class RelayOptions(TypedDict, total=False):
-    """RelayCore's tunables, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
+class RelayPlugins(TypedDict, total=False):
+    """RelayCore's plug-ins, which Relay hands on unchanged (their meaning and defaults: RelayCore)."""
 
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
-    history_entries: int
-    history_bytes: int
-    reassembly_messages: int
-    reassembly_bytes: int
-    max_ahead: int
-    nak_delay: float
-    tick: float
-    snapshot_rate: float
-    snapshot_burst: int
-    snapshot_datagram_size: int | None
-    max_snapshots: int
-    defer_apply: bool
-    on_rank_loss: str
-    give_up_after: float
-    join_window: float | None
-    step_timeout: float | None
     rollback: Callable[[int], RollbackPoint | None] | None
-    forwarding: str
+    observer: LogObserver | None
     aggregator: AggregateState | None
+
+
+DRAIN_BATCH = 512
+MAX_WAIT = 0.02
 
 
 class Relay:
@@ -65,14 +55,16 @@ class Relay:
 
     def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
                  port: int = DEFAULT_PORT, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 liveness_timeout: float = 30.0, insecure: bool = False,
-                 **core_options: Unpack[RelayOptions]) -> None:
+                 insecure: bool = False, tuning: RelayTuning = RelayTuning(),
+                 **plugins: Unpack[RelayPlugins]) -> None:
+        """tuning: the core's tunables (tuning.RelayTuning); plugins: RelayCore's update codec, training
+        observer (or rollback) and aggregator, handed on unchanged. The shell applies after sending
+        (RelayCore's defer_apply)."""
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
-        core_options.setdefault("defer_apply", True)
         self._core = RelayCore(initial_params, world_size, key, job_id, now=time.monotonic(),
-                               datagram_size=datagram_size, liveness_timeout=liveness_timeout,
-                               insecure=insecure, **core_options)
+                               datagram_size=datagram_size, insecure=insecure, tuning=tuning, defer_apply=True,
+                               **plugins)
         self._port, self._bind = port, bind
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -81,7 +73,6 @@ class Relay:
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self._io_drops: Counter[str] = Counter()
-        self.events: deque[ev.RelayEvent] = deque(maxlen=4096)   # recent events: joins, ends, attempts, log complete
         # what the events said: the log is complete (this attempt), the ranks ended in it, each rank's
         # latest FAIL (first reporter first), the first incidents, the rollbacks
         self._world_size = world_size
@@ -193,7 +184,6 @@ class Relay:
         changed = False
         while (e := self._core.next_event()) is not None:
             changed = True
-            self.events.append(e)
             if isinstance(e, ev.LogComplete):
                 self._log_complete = True
             elif isinstance(e, ev.AttemptStarted):        # a new attempt's log starts over
@@ -283,7 +273,7 @@ class Relay:
 
     def rolled_back(self) -> list[dict[str, int]]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
-        "to": the checkpoint's step} (RelayCore's `rollback`)."""
+        "to": the checkpoint's step} (the training observer's rollback, tallies.TrainingLog)."""
         with self._lock:
             return list(self._rolled_back)
 
@@ -300,17 +290,6 @@ class Relay:
                         f"relay {self.address}: ranks {waiting} neither FINISHED nor declared gone within "
                         f"{timeout:g} s (log complete through step {self._core.complete_through})")
                 self._changed.wait(min(left, 0.1))
-
-    def wait_for(self, predicate: Callable[[RelayCore], bool], timeout: float, what: str) -> None:
-        """Wait (with the lock held between checks) until ``predicate(core)`` is true."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not predicate(self._core):
-                self._check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportTimeout(f"relay {self.address}: {what} did not happen within {timeout:g} s")
-                self._changed.wait(min(left, 0.05))
 
 
 __all__ = ["Relay"]

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 
-from gradshare.transport.udp import SockAddr
+from gradshare.transport.sockets.udp import SockAddr
 
 
 class FaultProxy:

@@ -14,53 +14,37 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
-from gradshare.transport import quiet_gc, udp
-from gradshare.transport import events as ev
-from gradshare.transport.events import Counters, Update, Welcome
-from gradshare.transport.peer_core import PeerCore
-from gradshare.transport.wire import DEFAULT_DATAGRAM_SIZE
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+from gradshare.transport.sockets import quiet_gc, udp
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.events import Counters, Update, Welcome
+from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.tuning import PeerTuning
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02
 LINGER = 2.0          # close() waits this long (at most) for the relay to acknowledge our last updates
 
 
-class PeerOptions(TypedDict, total=False):
-    """PeerCore's tunables, which Peer hands on unchanged (their meaning and defaults: PeerCore)."""
-
-    heartbeat_interval: float
-    rto: float
-    nak_delay: float
-    nak_interval: float
-    tick: float
-    max_unacked: int
-    max_unacked_bytes: int
-    inbox_messages: int
-    inbox_bytes: int
-    max_ahead: int
-
-
 class Peer:
     def __init__(self, relay_address: tuple[str, int], rank: int, world_size: int, attempt: int,
                  key: bytes | None, job_id: int | str, n_params: int,
                  datagram_size: int = DEFAULT_DATAGRAM_SIZE, timeout: float = 60.0, insecure: bool = False,
-                 bind: str | None = None, **core_options: Unpack[PeerOptions]) -> None:
+                 bind: str | None = None, tuning: PeerTuning = PeerTuning()) -> None:
+        """tuning: the core's tunables (tuning.PeerTuning)."""
         host, port = relay_address
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (got {timeout!r})")
         self.timeout = float(timeout)
         self._rank, self._n_params = rank, n_params
         self._core = PeerCore(rank, world_size, attempt, key, job_id, n_params, now=time.monotonic(),
-                              datagram_size=datagram_size, insecure=insecure, **core_options)
+                              datagram_size=datagram_size, insecure=insecure, tuning=tuning)
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except socket.gaierror as exc:

@@ -1,6 +1,8 @@
-"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``peer.py`` moves bytes and time,
-and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
-updates wait for their acknowledgement in ``outstanding.py``.
+"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``sockets/peer.py`` moves bytes and
+time, and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
+updates wait for their acknowledgement in ``outstanding.py``; forwarded updates come in and missing ones
+are NAKed in ``peer_inbound.py``; a snapshot download is ``peer_snapshot.py``'s. Its tunables are one
+frozen ``PeerTuning`` (tuning.py).
 
 A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
 re-sent chunk by chunk when the relay NAKs), receives forwarded updates, NAKs what it knows exists but is
@@ -20,41 +22,25 @@ from collections import Counter, deque
 import numpy as np
 from numpy.typing import NDArray
 
-from gradshare.errors import DecodeError, LocalProtocolError
-from gradshare.hashing import param_hash
-from gradshare.transport import events as ev
-from gradshare.transport import wire
-from gradshare.transport.channel import Channel
-from gradshare.transport.cursor import LogCursor
-from gradshare.transport.outstanding import Outstanding
-from gradshare.transport.rangeset import RangeSet
-from gradshare.transport.reassembly import Reassembler
-from gradshare.transport.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
-from gradshare.transport.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
-
-
-class SnapshotDownload:
-    __slots__ = ("info", "buf", "into", "got", "last_chunk", "total")
-
-    def __init__(self, info: ev.SnapInfo, now: float, into: NDArray[np.float32] | None = None) -> None:
-        self.info = info
-        self.total = info.n_params * 4
-        # into: chunks land straight in the caller's parameter buffer (no second copy of the
-        # model in a worker that takes its initial weights from the relay)
-        self.into = into
-        # into.data is memoryview(into) (numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only)
-        self.buf = bytearray(self.total) if into is None else into.data.cast("B")
-        self.got = RangeSet()
-        self.last_chunk = now
+from gradshare.errors import LocalProtocolError
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.cursor import LogCursor
+from gradshare.transport.protocol.outstanding import Outstanding
+from gradshare.transport.protocol.peer_inbound import nak_missing, receive_update_chunk
+from gradshare.transport.protocol.peer_snapshot import SnapshotDownload, SnapshotFetch
+from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
+from gradshare.transport.protocol.tuning import PeerTuning
+from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
 class PeerCore:
     def __init__(self, rank: int, world_size: int, attempt: int, key: bytes | None, job_id: int | str,
                  n_params: int, *, now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
-                 insecure: bool = False, heartbeat_interval: float = 0.05, rto: float = 0.2,
-                 nak_delay: float = 0.004, nak_interval: float = 0.05, tick: float = 0.002,
-                 max_unacked: int = 4096, max_unacked_bytes: int = 1 << 28,
-                 inbox_messages: int = 1 << 16, inbox_bytes: int = 1 << 30, max_ahead: int = 4096) -> None:
+                 insecure: bool = False, tuning: PeerTuning = PeerTuning()) -> None:
+        """tuning: the tunables (tuning.PeerTuning)."""
         if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
         if type(rank) is not int or not 0 <= rank < world_size:
@@ -63,16 +49,15 @@ class PeerCore:
             raise ValueError(f"attempt must be an int in [0, 65535] (got {attempt!r})")
         if type(n_params) is not int or n_params < 1:
             raise ValueError(f"n_params must be a positive int (got {n_params!r})")
+        if not isinstance(tuning, PeerTuning):
+            raise ValueError(f"tuning must be a PeerTuning (got {type(tuning).__name__})")
         self.rank, self.world_size, self.attempt, self.n_params = rank, world_size, attempt, n_params
+        self.tuning = tuning
         max_message = 8 * n_params + 65536
         self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=rank,
                             attempt=attempt, datagram_size=datagram_size,
                             max_chunks=max(16, -(-max_message // 64)), max_windows=4)
         self.reasm: Reassembler[tuple[int, int]] = Reassembler(4096, 1 << 28, max_message)
-        self.heartbeat_interval, self.rto, self.tick = heartbeat_interval, rto, tick
-        self.nak_delay, self.nak_interval, self.max_ahead = nak_delay, nak_interval, max_ahead
-        self.inbox_messages, self.inbox_bytes = inbox_messages, inbox_bytes
-        self.max_unacked = max_unacked
         self.state = PeerState.NEW        # states.PEER_TRANSITIONS: the only way it changes is _to()
         self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
@@ -83,7 +68,8 @@ class PeerCore:
         self.inbox: dict[tuple[int, int], ev.Update] = {}
         self.inbox_nbytes = 0
         self.ready: deque[ev.Update] = deque()
-        self.unacked = Outstanding(max_unacked, max_unacked_bytes, rto)   # ours, until the relay has them
+        # ours, until the relay has them
+        self.unacked = Outstanding(tuning.max_unacked, tuning.max_unacked_bytes, tuning.rto)
         self.next_step: int | None = None
         self.finish_step: int | None = None
         self.finish_acked = False
@@ -92,20 +78,35 @@ class PeerCore:
         # be ahead of it, since the relay forwards (t, r) before it has (t-1, r)
         self.status_high = [-1] * world_size
         self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK, NAKs]
-        self.snap_requested = False
-        self.snap: SnapshotDownload | None = None
-        self.snapshot: tuple[int, NDArray[np.float32]] | None = None
-        self.snap_into: NDArray[np.float32] | None = None  # fetch_snapshot(into=...): the download's destination
-        self.snap_done_id: int | None = None      # the last completed download's snap_id (_ask_snapshot)
+        self.snaps = SnapshotFetch(self)
         self.failed: ev.Fail | None = None        # our FAIL, resent until the relay acknowledges it
         self.fail_acked = False
         self._last_fail = -1e18
         self.last_heard: float | None = None
-        self._last_join = self._last_hb = self._last_snap_req = -1e18
+        self._last_join = self._last_hb = -1e18
         self._last_tick = now
         self._out: list[bytes] = []
         self._events: deque[ev.PeerEvent] = deque()
         self.c: Counter[str] = Counter()
+
+    # --- the snapshot download's state (peer_snapshot.py) -------------------------------------------
+    @property
+    def snap(self) -> SnapshotDownload | None:
+        """The download in progress (None before its SNAP_INFO)."""
+        return self.snaps.download
+
+    @property
+    def snapshot(self) -> tuple[int, NDArray[np.float32]] | None:
+        """(step, params) of the last completed download."""
+        return self.snaps.result
+
+    @property
+    def snap_into(self) -> NDArray[np.float32] | None:
+        return self.snaps.into
+
+    @snap_into.setter
+    def snap_into(self, into: NDArray[np.float32] | None) -> None:
+        self.snaps.into = into
 
     # --- application calls --------------------------------------------------------------------------
     def loading(self, now: float) -> None:
@@ -128,20 +129,20 @@ class PeerCore:
                                      f"every step produces exactly one message, in order")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes (got {type(payload).__name__})")
-        if len(self.unacked) >= self.max_unacked:
+        if len(self.unacked) >= self.tuning.max_unacked:
             raise LocalProtocolError(f"the relay has not acknowledged {len(self.unacked)} updates of rank "
                                      f"{self.rank}; refusing to buffer more")
         payload = bytes(payload)
         body = wire.encode_update_body(payload, meta)
         _, clean_meta = wire.decode_update_body(body)
         if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
-            self._store(ev.Update(step, self.rank, payload, clean_meta, now))
+            self.store(ev.Update(step, self.rank, payload, clean_meta, now))
         self.unacked.add(step, body, now)
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
         self.computing = -1
         self.c["updates_sent"] += 1
-        self._advance()
+        self.advance()
 
     def finish(self, last_step: int, now: float) -> None:
         self._check_usable("finish")
@@ -152,7 +153,7 @@ class PeerCore:
         if self.finish_step is None:
             self.finish_step = last_step
             self._rank_end(self.rank, last_step)
-            self._advance()
+            self.advance()
         self._out.append(self.chan.seal_control(ev.Finished(last_step)))
 
     def leave(self) -> None:
@@ -162,20 +163,7 @@ class PeerCore:
 
     def request_snapshot(self, now: float) -> None:
         self._check_usable("fetch_snapshot")
-        self.snap_requested = True
-        self.snap = None
-        self.snapshot = None
-        self._ask_snapshot(now)
-
-    def _ask_snapshot(self, now: float) -> None:
-        """SNAP_REQUEST, after SNAP_DONE of the previous download again. The relay answers a rank's request
-        with that rank's transfer in flight, and a finished one stays in flight until its SNAP_DONE: lost,
-        the next fetch got the old step's snapshot; sent late (the shell sends it from the receiver thread,
-        a fetch after it can overtake it), it removed the transfer the relay had just named to us."""
-        self._last_snap_req = now
-        if self.snap_done_id is not None:
-            self._out.append(self.chan.seal_control(ev.SnapDone(self.snap_done_id)))
-        self._out.append(self.chan.seal_control(ev.SnapRequest()))
+        self.snaps.request(now)
 
     def fail(self, error_type: str, message: str, now: float, step: int = -1, fatal: bool = True,
              error_class: str = "TrainingError", cause: str = "") -> None:
@@ -205,7 +193,7 @@ class PeerCore:
                                  or into.shape != (self.n_params,) or not into.flags.c_contiguous
                                  or not into.flags.writeable):
             raise ValueError(f"into must be a writable C-contiguous float32 array of shape ({self.n_params},)")
-        self.snap_into = into
+        self.snaps.into = into
 
     def has_ready(self) -> bool:
         """An update is deliverable (``pop_ready`` returns it)."""
@@ -221,8 +209,7 @@ class PeerCore:
 
     def snapshot_progress(self) -> tuple[int, int] | None:
         """(chunks received, chunks in all) of the snapshot being downloaded; None before its SNAP_INFO."""
-        s = self.snap
-        return None if s is None else (s.got.count(), s.info.n_chunks)
+        return self.snaps.progress()
 
     def pop_ready(self) -> list[ev.Update]:
         out = list(self.ready)
@@ -255,20 +242,20 @@ class PeerCore:
 
     def next_timer(self) -> float:
         if self.failed is not None and not self.fail_acked:
-            return self._last_fail + self.heartbeat_interval
+            return self._last_fail + self.tuning.heartbeat_interval
         if self.state == PeerState.JOINING:
-            return self._last_join + self.rto
+            return self._last_join + self.tuning.rto
         if self.state == PeerState.LOADING:
-            return self._last_hb + self.heartbeat_interval
+            return self._last_hb + self.tuning.heartbeat_interval
         if self.state != PeerState.JOINED:
             return self._last_tick + 1.0
-        nxt = self._last_hb + self.heartbeat_interval
-        if self.missing or len(self.reasm) or self.snap_requested:
-            nxt = min(nxt, self._last_tick + self.tick)          # NAK timing is in milliseconds
+        nxt = self._last_hb + self.tuning.heartbeat_interval
+        if self.missing or len(self.reasm) or self.snaps.requested:
+            nxt = min(nxt, self._last_tick + self.tuning.tick)          # NAK timing is in milliseconds
         elif len(self.unacked) or (self.finish_step is not None and not self.finish_acked):
             # only retransmit timeouts are due (>= rto): a 2 ms tick here woke the receiver thread,
             # and took the GIL from training, ~30 times per training step for nothing
-            nxt = min(nxt, self._last_tick + self.rto / 10)
+            nxt = min(nxt, self._last_tick + self.tuning.rto / 10)
         return nxt
 
     def counters(self) -> ev.Counters:
@@ -316,18 +303,18 @@ class PeerCore:
             self.chan.drops["after_close"] += 1
             return
         if h.kind == Kind.UPDATE:
-            self._on_update_chunk(h, body, now)
+            receive_update_chunk(self, h, body, now)
             return
         if h.kind == Kind.SNAP_CHUNK:
             self.c["snapshot_bytes_in"] += len(data)  # the model's download, not training traffic
-            self._on_snap_chunk(h, body, now)
+            self.snaps.on_chunk(h, body, now)
             return
         msg = self.chan.control(h.kind, body)
         if msg is None:
             return
         if isinstance(msg, ev.Reject):
             self._to(PeerTrigger.REJECT)
-            self._fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
+            self.fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
         elif isinstance(msg, ev.Welcome):
             self._on_welcome(msg)
         elif self.cursor is None:
@@ -347,7 +334,7 @@ class PeerCore:
         elif isinstance(msg, ev.Status):
             self._on_status(msg)
         elif isinstance(msg, ev.SnapInfo):
-            self._on_snap_info(msg, now)
+            self.snaps.on_info(msg, now)
         else:
             self.chan.drops["unexpected_kind"] += 1
 
@@ -356,7 +343,7 @@ class PeerCore:
             return                                     # a duplicate WELCOME (our JOIN was retransmitted)
         if msg.n_params != self.n_params or msg.world_size != self.world_size:
             self._to(PeerTrigger.REJECT)
-            self._fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
+            self.fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
                             f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
             return
         self.welcome = msg
@@ -388,7 +375,7 @@ class PeerCore:
         for e in msg.ended:
             if e.rank == self.rank:
                 if e.gone:
-                    self._fail_with(f"the relay declared rank {self.rank} gone at step {e.last_step}")
+                    self.fail_with(f"the relay declared rank {self.rank} gone at step {e.last_step}")
                 elif self.finish_step == e.last_step:
                     self.finish_acked = True
                 continue
@@ -396,52 +383,9 @@ class PeerCore:
                 self._rank_end(e.rank, e.last_step)
                 self._events.append(ev.PeerEnded(e.rank, e.last_step, e.gone,
                                                  "declared gone" if e.gone else "finished"))
-        self._advance()
+        self.advance()
 
-    def _on_update_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
-        cur = self.cursor
-        if cur is None:
-            self.chan.drops["before_welcome"] += 1
-            return
-        # origin: another rank of this job, or the aggregate (checked before authentication); the aggregate
-        # has the cursor's one slot
-        slot = 0 if self.aggregate else h.origin
-        key = (h.step, slot)
-        if key in self.inbox or h.step < cur.start_step or cur.done_before(*key):
-            self.chan.drops["duplicate"] += 1
-            return
-        if cur.exists(*key) is False:
-            self.chan.drops["after_end"] += 1
-            return
-        if h.step > cur.step + self.max_ahead:
-            self.chan.drops["too_far_ahead"] += 1
-            return
-        if h.step > self.known_high[slot]:
-            # the relay forwards only whole updates, so any chunk of (t, r) proves (t, r) exists: a partial
-            # (t, r) can be NAKed at once, not only after r's next step shows up. Earlier steps of r may not
-            # have reached the relay yet (per-rank forwarding is not in step order): _nak_missing backs off
-            # on those until STATUS says the relay has them
-            self.known_high[slot] = h.step
-        if len(self.inbox) + len(self.ready) >= self.inbox_messages or self.inbox_nbytes >= self.inbox_bytes:
-            self.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
-            return
-        whole, reason = self.reasm.add(key, h.index, h.count, body, now)
-        if reason is not None:
-            self.chan.drops[reason] += 1
-            return
-        if whole is None:
-            return
-        try:
-            payload, meta = wire.decode_update_body(whole)
-        except DecodeError:
-            self.chan.drops["bad_update"] += 1
-            return
-        self.known_high[slot] = max(self.known_high[slot], h.step)
-        self._store(ev.Update(h.step, h.origin, payload, meta, now), slot)
-        self.c["updates_received"] += 1
-        self._advance()
-
-    def _store(self, u: ev.Update, slot: int | None = None) -> None:
+    def store(self, u: ev.Update, slot: int | None = None) -> None:
         key = (u.step, u.sender if slot is None else slot)
         self.inbox[key] = u
         self.inbox_nbytes += len(u.payload)
@@ -468,7 +412,7 @@ class PeerCore:
         for key in [k for k in self.missing if k[1] == rank and k[0] > last_step]:
             del self.missing[key]
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
         cur = self.cursor
         assert cur is not None                 # WELCOME set it: joined states come after it
         while True:
@@ -487,65 +431,25 @@ class PeerCore:
         load the round trip grows (queues); a fixed timeout would then retransmit what is merely late."""
         return self.unacked.rto()
 
-    # --- snapshots -----------------------------------------------------------------------------------
-    def _on_snap_info(self, msg: ev.SnapInfo, now: float) -> None:
-        if not self.snap_requested or (self.snap is not None and self.snap.info.snap_id == msg.snap_id):
-            return
-        total = self.n_params * 4
-        if (msg.n_params != self.n_params or msg.n_chunks * msg.chunk_bytes < total
-                or (msg.n_chunks - 1) * msg.chunk_bytes >= total):
-            self.chan.drops["bad_snapshot_info"] += 1
-            return
-        self.snap = SnapshotDownload(msg, now, self.snap_into)
-
-    def _on_snap_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
-        s = self.snap
-        if s is None or h.step != s.info.snap_id or h.count != s.info.n_chunks:
-            self.chan.drops["stale_snapshot"] += 1
-            return
-        start = h.index * s.info.chunk_bytes
-        expected = min(s.info.chunk_bytes, s.total - start)
-        if len(body) != expected:
-            self.chan.drops["bad_snapshot_chunk"] += 1
-            return
-        s.last_chunk = now
-        if not s.got.add(h.index):
-            self.chan.drops["duplicate"] += 1
-            return
-        s.buf[start:start + expected] = body
-        if s.got.covers(0, s.info.n_chunks):
-            params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
-            self._out.append(self.chan.seal_control(ev.SnapDone(s.info.snap_id)))
-            if param_hash(params) != s.info.digest:
-                self._fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
-                                ev.SnapshotFailed)
-                return
-            self.snapshot = (s.info.step, params)
-            self.snap_done_id = s.info.snap_id
-            self.snap = None
-            self.snap_requested = False
-            self.snap_into = None
-            self._events.append(ev.SnapshotReady(s.info.step, params))
-
     # --- timers --------------------------------------------------------------------------------------
     def handle_timer(self, now: float) -> None:
         self._last_tick = now
-        if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.heartbeat_interval:
+        if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.tuning.heartbeat_interval:
             self._last_fail = now
             self._out.append(self.chan.seal_control(self.failed))   # sealed anew: the relay drops replays
         if self.state == PeerState.JOINING:
-            if now >= self._last_join + self.rto:
+            if now >= self._last_join + self.tuning.rto:
                 self._send_join(now)
             return
         if self.state == PeerState.LOADING:
-            if now >= self._last_hb + self.heartbeat_interval:
+            if now >= self._last_hb + self.tuning.heartbeat_interval:
                 self._last_hb = now
                 self._out.append(self.chan.seal_control(ev.Loading()))
             return
         if self.state != PeerState.JOINED:
             return
         assert self.next_step is not None      # WELCOME set it: joined states come after it
-        if now >= self._last_hb + self.heartbeat_interval:
+        if now >= self._last_hb + self.tuning.heartbeat_interval:
             self._last_hb = now
             self._out.append(self.chan.seal_control(ev.Heartbeat(self.complete_through, self.next_step - 1,
                                                                  self.computing)))
@@ -558,88 +462,23 @@ class PeerCore:
             self._out.extend(ds)
             self.c["retransmits"] += len(ds)
             self.c["timeouts"] += 1
-        self._nak_missing(now)
+        nak_missing(self, now)
         self.reasm.expire(now, 30.0)
-        if self.snap_requested:
-            if self.snap is None and now - self._last_snap_req >= self.rto:
-                self._ask_snapshot(now)
-            elif self.snap is not None and now - self.snap.last_chunk >= 2 * self.nak_interval:
-                self.snap.last_chunk = now
-                if now - self._last_snap_req >= self.rto:
-                    # no chunk came: the relay may have dropped the transfer (idle, or a late SNAP_DONE of
-                    # ours named its id), and it drops NAKs of a transfer it does not hold. A request gets
-                    # a new one, or the same SNAP_INFO again, which is ignored.
-                    self._last_snap_req = now
-                    self._out.append(self.chan.seal_control(ev.SnapRequest()))
-                gaps = self.snap.got.gaps(0, self.snap.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
-                for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
-                    self._out.append(self.chan.seal_control(
-                        ev.SnapNak(self.snap.info.snap_id, tuple(gaps[i:i + ev.MAX_NAK_ITEMS]))))
-                self.c["snapshot_naks"] += 1
-
-    def _nak_missing(self, now: float) -> None:
-        cur = self.cursor
-        if cur is None:
-            return
-        items: list[ev.NakItem] = []
-        limit = cur.step + self.max_ahead
-        # How long a chunk may be late before we call it lost: ``nak_delay`` (the reorder allowance), or
-        # the smoothed RTT when that is longer: a loaded machine delays datagrams by about a round trip,
-        # and NAKing them anyway doubles the traffic exactly when there is least room for it.
-        # Re-NAK when the answer is overdue, after two of those: a lost NAK or retransmission then costs
-        # a few ms, not a fixed 50 ms that stalls the whole staleness window (at 5 % loss nearly every
-        # step needs a repair). Before the first RTT sample: ``nak_interval``.
-        srtt = self.unacked.srtt
-        delay = self.nak_delay if srtt is None else max(self.nak_delay, srtt)
-        renak = 2 * delay if srtt is not None else self.nak_interval
-
-        def unproven(r: int, step: int) -> bool:      # may the relay not have (step, r) yet?
-            return not self.aggregate and step > self.status_high[r]
-
-        slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
-                                                                 if r != self.rank)
-        for r, origin in slots:
-            end = cur.ends.get(r)
-            hi = end if end is not None else self.known_high[r]
-            t = cur.step if r >= cur.rank else cur.step + 1
-            while t <= min(hi, limit) and len(items) < ev.MAX_NAK_ITEMS:
-                key = (t, r)
-                t += 1
-                if key in self.inbox:
-                    continue
-                m = self.missing.get(key)
-                if m is None:
-                    self.missing[key] = [now, -1e18, 0]
-                    continue
-                p = self.reasm.partials.get(key)
-                if now - m[0] < delay:
-                    continue                        # maybe just reordered: give it a moment
-                if p is not None:
-                    if now - p.last_seen < delay:
-                        continue                    # chunks are still arriving
-                    if p.last_seen < m[1] and now - m[1] < renak:
-                        continue                    # nothing new since our last NAK: its answer may be late
-                elif now - m[1] < renak * (1 << min(max(int(m[2]) - 1, 0), 4) if unproven(r, key[0]) else 1):
-                    # the relay may not have it yet: per-rank forwarding is not in step order, so a later
-                    # step of r seen here does not prove it reached the relay. Asking at the flat rate
-                    # meanwhile made W - 1 peers flood a relay that could not keep up with NAKs it could
-                    # not answer, crowding out the origin's own retransmission (a slowed relay at
-                    # N = 32): back off, at most 16x, until STATUS says the relay holds it
-                    continue
-                m[1] = now
-                m[2] += 1
-                items.append(ev.NakItem(key[0], origin, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
-        if items:
-            self._out.append(self.chan.seal_control(ev.Nak(tuple(items))))
-            self.c["naks_sent"] += 1
+        self.snaps.on_timer(now)
 
     # --- helpers -------------------------------------------------------------------------------------
-    def _fail_with(self, error: str, event: type[ev.Rejected | ev.SnapshotFailed] = ev.Rejected) -> None:
+    def fail_with(self, error: str, event: type[ev.Rejected | ev.SnapshotFailed] = ev.Rejected) -> None:
         """This peer cannot go on: every later call raises ``error``; the shell learns it from the event
         (a repeated cause, e.g. one STATUS page per heartbeat, is told once)."""
         if error != self.error:
             self.error = error
             self._events.append(event(error))
+
+    def send(self, msg: ev.ControlMessage) -> None:
+        self._out.append(self.chan.seal_control(msg))
+
+    def emit(self, event: ev.PeerEvent) -> None:
+        self._events.append(event)
 
     def _to(self, trigger: PeerTrigger) -> None:
         self.state = transition(PEER_TRANSITIONS, self.state, trigger, f"peer rank {self.rank}")

@@ -1,0 +1,337 @@
+"""The relay's update log, sans I/O: intake, forwarding, NAK repair, ends, apply and aggregation.
+
+- reassembles updates, validates them (``decode_update``) BEFORE they enter the log, acknowledges them,
+  and forwards each complete update once to every other joined peer: the origin's own sealed datagrams,
+  unchanged (no AEAD per chunk at the relay; retransmissions from history are the same bytes);
+- learns per rank how late chunks may be before it NAKs them (``LateAllowance``): fast repair on a lossy
+  link, no spurious retransmits on a loaded machine;
+- applies the log in canonical (step, rank) order to its authoritative parameters (``apply_update``),
+  telling the training observer each applied update's meta;
+- or, with ``forwarding="aggregate"``, forwards nothing per rank: once a step's row is complete it adds
+  the row into its own residual (``aggregator``, encoding/aggregate.py), seals ONE re-encoded message of
+  origin AGGREGATE_ORIGIN, applies only that, sends it to every peer and keeps it in the history for NAK
+  repair;
+- answers NAKs from a bounded history, trimmed in step order once every peer has delivered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from gradshare.errors import DecodeError
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.ranks import RankState
+from gradshare.transport.protocol.relay_attempt import Decoded, total_len
+from gradshare.transport.protocol.states import RankTrigger
+from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
+
+if TYPE_CHECKING:
+    from gradshare.encoding.update import StepUpdate
+    from gradshare.transport.protocol.relay_core import RelayCore
+
+
+class Chunk(NamedTuple):
+    """An update chunk the relay stored (`RelayCore.receive_run`): its header but for counter and index
+    (wire.header_key), its rank, session, step and chunk count."""
+
+    key: tuple[bytes, bytes, bytes]
+    rank: RankState
+    session: int
+    step: int
+    chunks: int
+
+
+class RelayLog:
+    """Owned by a RelayCore: works on the core's current attempt (``core.att``) and parameters."""
+
+    def __init__(self, core: RelayCore, max_chunks_update: int, aggregate_chunk_bytes: int) -> None:
+        self.core = core
+        self.max_ahead = core.tuning.max_ahead
+        self.nak_delay = core.tuning.nak_delay
+        self.max_chunks_update = max_chunks_update
+        # the relay's own aggregates (forwarding="aggregate") travel in datagrams as large as snapshot
+        # chunks: the relay seals them, so unlike a rank's forwarded datagrams their size is its choice,
+        # and one sendto per peer instead of ~16 is most of what an aggregate costs the relay on loopback
+        self.aggregate_chunk_bytes = aggregate_chunk_bytes
+
+    # --- intake --------------------------------------------------------------------------------------
+    def on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> bool:
+        """True if the chunk was stored and its update is not complete yet."""
+        core, att, drops = self.core, self.core.att, self.core.chan.drops
+        step = h.step
+        if h.origin != rs.rank:
+            drops["bad_origin"] += 1
+            return False
+        if step in rs.received:
+            if h.index == 0 or h.count == 1:
+                att.acks.setdefault(rs.rank, []).append(step)
+            drops["duplicate"] += 1
+            rs.late.arrived_twice(step)
+            return False
+        if rs.ended is not None and step > rs.ended.last_step:
+            drops["after_end"] += 1
+            return False
+        if step < att.cursor.start_step:
+            drops["before_start"] += 1
+            return False
+        if step > rs.received.contiguous_from(att.cursor.start_step) + self.max_ahead:
+            drops["too_far_ahead"] += 1
+            return False
+        if h.count > self.max_chunks_update:
+            drops["too_many_chunks"] += 1
+            return False
+        return self.store_chunk(rs, step, h.index, h.count, body, data, now)
+
+    def next_chunk(self, last: Chunk, data: bytes, now: float) -> bool:
+        """The fast path of `RelayCore.receive_run`: ``data`` if it is the next chunk of ``last``'s update
+        (same header but for counter and index); False (nothing done) for any other datagram, which then
+        takes the whole path. What this skips is what ``last`` passed and a stored chunk cannot change: the
+        sender, attempt, job, kind and session, the rank's state, and the step's place in its log."""
+        core = self.core
+        if not wire.HEADER_BYTES <= len(data) <= core.chan.datagram_size or wire.header_key(data) != last.key:
+            return False
+        counter, index = wire.counter_and_index(data)
+        if counter >= wire.MAX_COUNTER or index >= last.chunks:
+            return False                       # the whole path counts it (malformed)
+        core.c["datagrams_in"] += 1
+        core.c["bytes_in"] += len(data)
+        rs = last.rank
+        body = core.chan.open_fields(rs.rank, core.attempt, last.session, counter, data)
+        if body is not None:
+            core.liveness.heard(rs, now)
+            self.store_chunk(rs, last.step, index, last.chunks, body, data, now)
+        return True
+
+    def store_chunk(self, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes,
+                    now: float) -> bool:
+        """Into reassembly; a completed update is decoded and held for the log. True if the chunk was
+        stored and its update is not complete yet."""
+        core, att = self.core, self.core.att
+        whole, reason = att.reasm.add((rs.rank, step), index, count, body, now, raw=bytes(data))
+        if reason is not None:
+            core.chan.drops[reason] += 1
+            if reason == "duplicate_chunk":
+                rs.late.arrived_twice(step)
+            return False
+        if whole is None:
+            return True
+        rs.late.completed(step)
+        sealed = att.reasm.last_raw
+        try:
+            payload, meta = wire.decode_update_body(whole)
+            decoded = core.decode_update(payload, core.n_params)
+        except DecodeError as exc:
+            self._refuse(rs, step, str(exc))
+            return False
+        rs.received.add(step)
+        core.pages.changed(rs.rank)
+        rs.updates_in += 1
+        rs.bytes_in += len(whole)
+        if meta is not None:
+            rs.meta = dict(meta, step=float(step))
+            att.pending_meta[(step, rs.rank)] = meta
+        att.pending[(step, rs.rank)] = decoded
+        core.c["updates_in"] += 1
+        # the datagrams the accepted updates came in (a per-rank forward sends each of them once): the
+        # exact forwarding model; one from the mean payload under-counts updates whose sizes straddle
+        # a datagram boundary
+        core.c["update_datagrams"] += len(sealed)
+        att.acks.setdefault(rs.rank, []).append(step)
+        if core.aggregator is None:
+            self.keep(step, rs.rank, sealed)
+            self.forward(rs.rank, step, sealed, now)
+        core.last_now = now
+        self.core.request_apply()
+        return False
+
+    def _refuse(self, rs: RankState, step: int, why: str) -> None:
+        """An authenticated peer sent an update that does not decode: it must never enter the log.
+        The rank is declared gone at its contiguous prefix so that the log can go on (and told why)."""
+        self.core.chan.drops["bad_update"] += 1
+        self.core.send(rs, ev.Reject(f"update (step {step}, rank {rs.rank}) refused: {why[:200]}"))
+        self.declare_gone(rs, f"sent an invalid update at step {step}")
+
+    def nak_partials(self, now: float) -> None:
+        """NAK our own partial inbound updates (the peer resends just the missing chunks)."""
+        core = self.core
+        naks: dict[int, list[ev.NakItem]] = {}
+        for (rank, step), p in core.att.reasm.stale(now, self.nak_delay):
+            late = core.att.ranks[rank].late
+            if now - p.last_seen < late.value * (1 << min(p.naks, 1)):
+                continue        # back off, at most 2x: a 5 % loss rate loses some NAKs and answers, and a
+                                # long backoff then stalls the whole staleness window behind one chunk
+            items = naks.setdefault(rank, [])
+            if len(items) < ev.MAX_NAK_ITEMS:
+                items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
+                p.last_seen = now
+                p.naks += 1
+                late.nakked(step)
+        for rank, items in naks.items():
+            core.send(core.att.ranks[rank], ev.Nak(tuple(items)))
+            core.c["naks_sent"] += 1
+
+    # --- forward and repair --------------------------------------------------------------------------
+    def keep(self, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
+        """Into the bounded history, for NAK repair (what the caps evict is remembered: NAK → error)."""
+        att = self.core.att
+        for key in att.history.put((step, origin), sealed):
+            att.evicted.add(key)
+            self.core.c["history_evicted"] += 1
+
+    def forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
+        """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
+        core = self.core
+        targets = core.att.ranks.forward_targets(origin)
+        if not targets:
+            return
+        core.att.recent[(step, origin)] = now
+        # a peer's datagrams one after another: the shell sends such a run as one GSO buffer (udp.py)
+        for addr in targets:
+            core.out.extend((dgram, addr) for dgram in sealed)
+        core.c["forwarded"] += len(targets) * len(sealed)
+
+    def on_nak(self, rs: RankState, msg: ev.Nak, now: float) -> None:
+        core, att = self.core, self.core.att
+        for item in msg.items:
+            key = (item.step, item.origin)
+            if not item.chunks and now - att.recent.get(key, -1e18) < self.nak_delay:
+                # the peer had none of it when it asked, and we forwarded all of it a moment ago: the NAK
+                # crossed the forward. Resending every chunk would double the traffic for nothing; if the
+                # forward was really lost the peer asks again after its re-NAK interval.
+                core.c["nak_crossed_forward"] += 1
+                continue
+            sealed = att.history.get(key)
+            if sealed is None:
+                if key in att.evicted:
+                    core.send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
+                                            f"from the relay's bounded history before this peer had it"))
+                    core.c["nak_evicted"] += 1
+                continue
+            n = len(sealed)
+            dgrams = sealed if not item.chunks else [sealed[i] for i in item.chunks if i < n]
+            for d in dgrams:
+                core.out.append((d, rs.addr))
+            core.c["retransmits"] += len(dgrams)
+
+    def forget_recent(self, now: float) -> None:
+        """Drop the forwards older than nak_delay (a NAK after that is not one that crossed them)."""
+        recent = self.core.att.recent
+        while recent:                        # insertion order is time order: drop from the front
+            key = next(iter(recent))
+            if now - recent[key] < self.nak_delay:
+                break
+            del recent[key]
+
+    def trim(self) -> None:
+        """Forget forwarded updates that every peer still in the job has delivered and the relay applied.
+
+        Only when that floor rose, and only the entries at or below it, in step order: no entry at or
+        below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
+        and a heartbeat that moved nothing costs one pass over the ranks."""
+        att = self.core.att
+        floor = att.ranks.delivered_floor(att.cursor.complete_through)
+        if floor is None or floor <= att.trim_floor:
+            return
+        att.trim_floor = floor
+        att.history.discard_through(floor)
+        att.evicted.discard_through(floor)   # nobody can still NAK what every peer has delivered
+
+    # --- ends ----------------------------------------------------------------------------------------
+    def on_finished(self, rs: RankState, last_step: int) -> None:
+        core = self.core
+        if rs.ended is None:
+            start = core.att.cursor.start_step
+            if last_step < start - 1:
+                core.send(rs, ev.Reject(f"FINISHED({last_step}) is before this attempt's start step {start}"))
+                return
+            self._end(rs, last_step, gone=False, reason="finished")
+        core.send(rs, core.status_page(core.pages.page_of(rs.rank)))   # the page that confirms its end
+
+    def on_leave(self, rs: RankState) -> None:
+        if rs.ended is None:
+            self.declare_gone(rs, "left before FINISHED")
+        rs.to(RankTrigger.LEAVE)
+        self.trim()
+
+    def declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
+        if rs.ended is not None:
+            return
+        self.core.liveness.incident("gone", rs, silent, rs.last_heard if now is None else now, reason[:200])
+        cut = rs.received.contiguous_from(self.core.att.cursor.start_step) - 1
+        self._end(rs, cut, gone=True, reason=reason)
+
+    def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
+        core, att = self.core, self.core.att
+        rs.to(RankTrigger.GONE if gone else RankTrigger.FINISH)
+        rs.ended = ev.Ended(rs.rank, last_step, gone)
+        core.pages.changed(rs.rank)
+        att.cursor.end(rs.rank, last_step)
+        # anything held beyond the end does not exist in the log (never applied: it is after the cut)
+        for key in [k for k in att.pending if k[1] == rs.rank and k[0] > last_step]:
+            del att.pending[key]
+            att.pending_meta.pop(key, None)
+        att.history.discard_where(lambda k: k[1] == rs.rank and k[0] > last_step)
+        att.reasm.discard_where(lambda k: k[0] == rs.rank)
+        core.c["gone" if gone else "finished"] += 1
+        core.emit(ev.PeerEnded(rs.rank, last_step, gone, reason))
+        status = core.status_page(core.pages.page_of(rs.rank))     # only the ended rank's page changed
+        for r in att.ranks.connected():
+            core.send(r, status)
+        self.core.request_apply()
+
+    # --- apply ---------------------------------------------------------------------------------------
+    def advance(self) -> None:
+        """Apply the log in canonical (step, rank) order, one whole step at a time.
+
+        Whole steps only: the authoritative parameters then always equal "the log applied through
+        complete_through", which is what a snapshot and a new attempt's cut promise."""
+        core, att = self.core, self.core.att
+        cur, pending = att.cursor, att.pending
+        while not cur.finished():
+            t = cur.step
+            row = [(t, r) for r in range(cur.rank, core.world_size) if cur.exists(t, r) is not False]
+            if any(k not in pending for k in row):
+                break
+            if core.aggregator is not None:
+                self._aggregate(t, [pending.pop(k) for k in row])
+            for k in row:
+                if core.aggregator is None:
+                    core.apply_update(pending.pop(k), core.params)
+                core.c["applied"] += 1
+                meta = att.pending_meta.pop(k, None)
+                if meta is not None:
+                    core.observer.applied(t, k[1], meta, att.number)
+            while cur.step == t:
+                if cur.next_key() is None:
+                    break
+                if cur.step == t:
+                    cur.advance()
+        if cur.finished() and not att.log_complete_sent:
+            att.log_complete_sent = True
+            core.emit(ev.LogComplete(cur.complete_through))
+
+    def _aggregate(self, step: int, decoded: list[StepUpdate]) -> None:
+        """Step ``step``'s row is complete: encode its one aggregated message (rank order), apply it to
+        the authoritative parameters, send it to every live peer and keep it for NAK repair."""
+        from gradshare.encoding.aggregate import aggregate_step
+
+        core = self.core
+        assert core.aggregator is not None      # advance calls this only with forwarding="aggregate"
+        agg = aggregate_step(core.aggregator, decoded, step)
+        core.apply_update(agg, core.params)
+        meta = None
+        stop = core.att.pending_meta.get((step, 0))
+        if stop is not None and "stop_epoch" in stop:     # rank 0's early-stop decision rides along
+            meta = {"stop_epoch": stop["stop_epoch"]}
+        body = wire.encode_update_body(agg.to_bytes(core.aggregator.n_buffers), meta)
+        sealed = tuple(core.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
+                                             chunk_bytes=self.aggregate_chunk_bytes))
+        self.keep(step, AGGREGATE_ORIGIN, sealed)
+        self.forward(AGGREGATE_ORIGIN, step, sealed, core.last_now)
+        core.c["aggregates"] += 1
+        core.c["aggregate_wire_bytes"] += total_len(sealed)      # one peer's copy
+        core.c["aggregate_entries"] += agg.message.n_entries
+
+
+__all__ = ["Chunk", "Decoded", "RelayLog"]
