@@ -19,7 +19,7 @@ from gradshare.errors import (
 )
 
 if TYPE_CHECKING:
-    from gradshare.trainer import FitResult, SharedTrainer
+    from gradshare.driver.trainer import FitResult, SharedTrainer
     from gradshare.encoding import (
         AdaptiveThreshold,
         FixedThreshold,
@@ -47,7 +47,7 @@ _ENCODING_NAMES = (
     "residual_stats",
 )
 _TRAINER_NAMES = ("SharedTrainer", "FitResult")
-_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.trainer")}
+_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.driver.trainer")}
 
 
 def __getattr__(name: str) -> object:

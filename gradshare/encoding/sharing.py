@@ -62,7 +62,7 @@ class SharingState:
     follow_lr: rescale the residual (and a non-calibrated τ) with the learning rate (module docstring).
     keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
     device: None for a NumPy residual (the Numba path); a torch device or its name for a torch tensor
-        residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
+        residual on it (module docstring; "auto" is resolved by `gradshare.task.device.resolve_device`).
     fold: (params, point, scale) to keep the residual folded into ``point`` = params + scale × r
         (module docstring): two float32 NumPy arrays of n_params, ``point`` equal to ``params`` (r = 0).
     """
@@ -91,7 +91,7 @@ class SharingState:
         else:
             import torch
 
-            from gradshare.device import resolve_device
+            from gradshare.task.device import resolve_device
 
             self.residual = torch.zeros(int(n_params), dtype=torch.float32, device=resolve_device(device))
         self._n_params = int(n_params)

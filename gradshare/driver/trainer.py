@@ -57,39 +57,39 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from tqdm.auto import tqdm
 
-from gradshare.batches import input_names, validation_arrays
-from gradshare.checkpoint import (
-    CheckpointPlan, check_job, job_of, load_params, open_stores, rollback_point, start_service,
-)
-from gradshare.ckpt_service import CheckpointService
+from gradshare.task.batches import input_names, validation_arrays
+from gradshare.driver.checkpoint import check_job, job_of, open_stores, rollback_point, start_service
+from gradshare.task.checkpoint import CheckpointPlan, load_params
+from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.config import (
     DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
     OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, ThresholdRule, TrainConfig,
     TrainStep,
     ValidationData, check_checkpoint_staleness as _check_checkpoint_staleness, is_calibrated as _is_calibrated,
 )
-from gradshare.dataframe_job import FrameJob, RddJob, check_connect, check_rdd, frame_path
+from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.encoding import (
     AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping, apply_update, decode_update,
 )
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY
 from gradshare.errors import ConsistencyError, GradshareError, TrainingError, TransportTimeout
-from gradshare.flat import FlatParams, load_int_buffers
-from gradshare.losses import accuracy, accuracy_sums, plan_loss
-from gradshare.plotting import plot_result
+from gradshare.replica.flat import FlatParams, load_int_buffers
+from gradshare.replica.losses import accuracy, accuracy_sums, plan_loss
+from gradshare.driver.plotting import plot_result
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
-from gradshare.shipping import pack_user_objects, skeleton
-from gradshare.spark import check_summaries, dataframe_to_rdd, is_connect, is_dataframe, summarise_partition
+from gradshare.task.shipping import pack_user_objects, skeleton
+from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect, is_dataframe
+from gradshare.task.partition import summarise_partition
 from gradshare.stopping import EarlyStopping
-from gradshare.tracking import tracked
+from gradshare.driver.tracking import tracked
 from gradshare.transport import Relay, new_job_key
 from gradshare.transport.events import Fail, Incident
 from gradshare.transport.relay_core import RollbackPoint
 from gradshare.transport.wire import MAX_DATAGRAM_SIZE
-from gradshare.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
-from gradshare.worker import WorkerConfig
-from gradshare.worker import steps_per_epoch as steps_in
+from gradshare.driver.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
+from gradshare.task.worker import WorkerConfig
+from gradshare.task.worker import steps_per_epoch as steps_in
 
 # a checkpoint's manifest (checkpoint.py: JSON, read by key), and the driver's stores by source
 Manifest: TypeAlias = dict[str, Any]
@@ -158,7 +158,7 @@ class FitResult:
         return self.dense_bytes / moved if moved else math.inf
 
     def plot(self, path: str | os.PathLike[str]) -> str:
-        """Write a PNG of loss, validation metric and traffic per epoch to `path` (gradshare/plotting.py;
+        """Write a PNG of loss, validation metric and traffic per epoch to `path` (gradshare/driver/plotting.py;
         needs matplotlib). Returns the path."""
         return plot_result(self, path)
 
@@ -196,7 +196,7 @@ class SharedTrainer:
     model: an ``nn.Module`` or a zero-argument factory returning one (called once on the driver, after
         ``torch.manual_seed(seed)``; every replica starts from those same parameters).
     loss: ``(outputs, labels) -> tensor``. Default: chosen from the labels and the model's output on one
-        row, run once on the driver (gradshare/losses.py): CrossEntropyLoss for int labels (and for
+        row, run once on the driver (gradshare/replica/losses.py): CrossEntropyLoss for int labels (and for
         whole-number double labels, e.g. StringIndexer's, when the output is (B, C) with C > 1), else
         MSELoss. Float targets are shaped like the output where unambiguous ((B,) against a (B, 1)
         output is unsqueezed); any other output/label shape difference is an error naming both shapes,
@@ -206,7 +206,7 @@ class SharedTrainer:
         that are not ``loss(model(x), y)`` (several outputs, sample weights, auxiliary losses). `batch` is
         a tuple of tensors ``(x1, ..., xn, labels)``: the row's inputs in order (one for plain rows),
         then the labels; the worker calls ``backward()`` and the optimizer. Gradient clipping goes with
-        the optimizer: ``optimizer=gradshare.losses.clip_grad_norm(factory, max_norm)``. Without a
+        the optimizer: ``optimizer=gradshare.replica.losses.clip_grad_norm(factory, max_norm)``. Without a
         `metric`, validation reports the hook's loss. Giving both `loss` and `train_step` is an error.
     optimizer: a factory taking the parameter list; default ``Adam(lr=1e-3, fused=True)`` (`default_optimizer`).
         Optimizer state stays on each worker (DL4J's design) and is lost on a restart without a checkpoint.
@@ -232,7 +232,7 @@ class SharedTrainer:
         encoding/sharing.py). On by default.
     local_view: each worker takes its gradient at the shared parameters plus its own residual (the
         updates it has not sent yet), not at the shared parameters alone, so a direction it has already
-        pushed stops being pushed (gradshare/local_view.py; docs/guide/convergence.md). On by default; on
+        pushed stops being pushed (gradshare/replica/local_view.py; docs/guide/convergence.md). On by default; on
         the direct update path under aggregate="sum" it is folded into the residual and costs nothing more,
         elsewhere one more float32 copy of the parameters per worker and one add per step.
     drop_last: what happens to a partition's final batch when it is shorter than batch_size: True drops
@@ -254,7 +254,7 @@ class SharedTrainer:
         run under torch.autocast with that dtype; parameters, gradients, optimizer, residual and messages
         stay float32 (the model's parameters must be float32). "fp16-mixed" scales the loss
         (torch.amp.GradScaler, local to each worker); a step whose gradients overflow is skipped and sends
-        an empty message (worker reports count them as skipped_steps). gradshare/precision.py.
+        an empty message (worker reports count them as skipped_steps). gradshare/replica/precision.py.
     device: where each worker trains: "auto" (default: the GPU Spark assigned to the task, from
         TaskContext.resources()["gpu"], else CUDA's current device when torch has CUDA, else the CPU),
         "cpu", "cuda" or "cuda:N". On a GPU the model, its batches, the flat state, the residual, the
@@ -287,7 +287,7 @@ class SharedTrainer:
         RDD of (features, label) rows: cut into one shard per worker, read like the training partitions
         (memory or spill file), and scored by EVERY worker on its replica at the same log point (the
         epoch's last step); the partial sums are all-gathered through Spark's barrier and reduced, so
-        every rank holds the same val_metric (gradshare/validation.py). The reduction: a metric returning
+        every rank holds the same val_metric (gradshare/driver/validation.py). The reduction: a metric returning
         a number is a mean over the batch's rows (summed as value × rows), one returning ``(sum, count)``
         is summed as it is; val_metric = Σ sum / Σ count (exact for accuracy, the mean loss, MSE; not for
         AUC or F1: use the in-memory pair for those). Needs on_rank_loss other than "continue".
@@ -311,7 +311,7 @@ class SharedTrainer:
     label_dtype: None (default: int labels → "int64"; float labels → "float32", or "int64" when they are
         whole numbers and the model is a classifier, see `loss`), or "int64" / "float32" to force
         class indices or regression targets. Features need no such option: each input keeps its dtype
-        (ints → int64, floats → float32, bools; gradshare/batches.py), so token ids reach nn.Embedding
+        (ints → int64, floats → float32, bools; gradshare/task/batches.py), so token ids reach nn.Embedding
         exact; a row's features may be a tuple of arrays, the model is then called as model(x1, x2, ...).
     verbose: 0 quiet, 1 a progress bar fed by the relay.
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error; also how
@@ -328,7 +328,7 @@ class SharedTrainer:
         optimizer, encode) while its process still answers; past it the fit stops with an error naming
         the rank and the step (default 600).
     worker_options: {"profile": True} adds per-phase step timers to each worker report
-        (gradshare/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
+        (gradshare/task/profiling.py); {"direct_update": False} makes the optimizer's update be measured as
         P_after - P_before even where it could write it into the residual directly (capture.py);
         {"step_in_backward": True/False} steps each parameter's optimizer as its gradient is ready, where
         nothing needs every gradient at once / never (capture.py; the same bits; default: where that
@@ -339,13 +339,13 @@ class SharedTrainer:
         the point (local_view.py; an A/B of the two: they learn the same up to rounding).
     mlflow: None (default) or True or ``{"experiment", "run_name", "tags", "log_model"}``: each fit is one
         MLflow run, logged from the driver: these options as params, the history's per-epoch metrics,
-        the model's state_dict as an artifact (gradshare/tracking.py; needs ``gradshare[mlflow]``).
+        the model's state_dict as an artifact (gradshare/driver/tracking.py; needs ``gradshare[mlflow]``).
     checkpoint_dir: None, a local directory (or file: URI) shared by the executors (local[N],
         local-cluster, a shared mount), or any Hadoop-FS URI (hdfs://, s3a://, ...: written through
         Spark's FileSystem API on the driver, the workers stream their files to it; ckpt_service.py):
         after every `checkpoint_every`-th epoch and the last, each worker writes its residual, optimizer,
         lr scheduler, CPU RNG and integer buffers, its τ rule, loss scaler and early-stopping state, and
-        rank 0 the shared parameters and a sha256 manifest, last (gradshare/checkpoint.py).
+        rank 0 the shared parameters and a sha256 manifest, last (gradshare/task/checkpoint.py).
         `fit(resume_from=...)` continues from one bit-identically (staleness 0, same seed), and a retried
         stage restarts at the last one (module docstring, "Restart"). Needs staleness 0 and the same
         steps per epoch on every partition.
@@ -517,8 +517,8 @@ class SharedTrainer:
 
     def _job(self, data: object, features_col: str | list[str] | None, label_col: str | None,
              resume_from: str | None) -> RddJob | FrameJob:
-        """The Spark side of the fit (dataframe_job.py): a DataFrame on Spark Connect, or on a classic session
-        where it measured faster (dataframe_job.frame_path), goes through mapInArrow; an RDD as it is."""
+        """The Spark side of the fit (job.py): a DataFrame on Spark Connect, or on a classic session
+        where it measured faster (job.frame_path), goes through mapInArrow; an RDD as it is."""
         if is_dataframe(data):
             if features_col is None or label_col is None:
                 raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
@@ -535,7 +535,7 @@ class SharedTrainer:
         return RddJob(data, self.num_workers)
 
     # ------------------------------------------------------------------------------------ fit
-    @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/tracking.py)
+    @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/driver/tracking.py)
     def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
             label_col: str | None = None, resume_from: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`. A DataFrame is
@@ -566,7 +566,7 @@ class SharedTrainer:
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
         saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
-        state (gradshare/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
+        state (gradshare/task/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
         the start of the whole training; extra["resumed_from"] names the checkpoint. extra["rolled_back"]:
         each time a retried stage restarted at a checkpoint ({"attempt", "from", "to"}: log steps).
         extra["checkpoint_service_errors"]: connections the driver's checkpoint service (a Hadoop-FS

@@ -29,7 +29,7 @@ from pyspark import cloudpickle
 from torch import nn
 
 if TYPE_CHECKING:  # worker.py imports this module
-    from gradshare.worker import WorkerConfig
+    from gradshare.task.worker import WorkerConfig
 
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
 USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
