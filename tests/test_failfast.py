@@ -20,7 +20,7 @@ from torch import nn
 from gradshare import SharedTrainer, TrainingError
 from gradshare.replica.flat import FlatParams
 from gradshare.task.shipping import materialize, pack_user_objects, skeleton, unpack_user_objects
-from gradshare.driver.trainer import _driver_error
+from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport import events as ev
 from gradshare.transport import wire
 from gradshare.transport.peer_core import PeerCore

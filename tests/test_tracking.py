@@ -13,7 +13,7 @@ import torch
 
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
-from gradshare.driver.trainer import FitResult
+from gradshare.driver.result import FitResult
 
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -38,7 +38,7 @@ from gradshare.bench.workloads import Workload, load, model_factory, test_accura
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.task.partition import PartitionData
 from gradshare.transport import Update
-from gradshare.driver.trainer import warmup_start
+from gradshare.driver.plan import warmup_start
 from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
 

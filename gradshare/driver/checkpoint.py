@@ -9,12 +9,24 @@ checkpoint of this fit that the relay's log has reached.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
 from gradshare.task.stores import HadoopStore, LocalStore, error_line, is_local
+from gradshare.transport.relay_core import RollbackPoint
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+
+# a checkpoint's manifest (task/checkpoint.py: JSON, read by key), and the driver's stores by source
+Manifest: TypeAlias = dict[str, Any]
+Stores: TypeAlias = dict[str, object]
 
 
 def checkpoint_root(path, argument: str) -> str:
@@ -165,3 +177,50 @@ def start_service(stores: dict, key: bytes, bind: str, timeout: float):
     if all(isinstance(store, LocalStore) for store in stores.values()):
         return None
     return CheckpointService(stores, key, bind, timeout).start()
+
+
+# ------------------------------------------------------------------------------------------ a fit's
+def open_for_fit(checkpoint_dir: str | None, resume_from: str | None,
+                 sc: SparkContext | None) -> tuple[Stores, Manifest | None]:
+    """The driver's checkpoint stores and resume_from's manifest, every file checked against it;
+    ({}, None) without checkpoints."""
+    if resume_from is None and checkpoint_dir is None:
+        return {}, None
+    return open_stores(checkpoint_dir, resume_from, sc)
+
+
+def plan_for_fit(checkpoint_dir: str | None, every: int, epochs: int, job: dict[str, Any],
+                 resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
+    """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs) for a fit of `epochs`
+    in all whose job (`job_of`) is `job`."""
+    first = 0
+    if resume is not None:
+        check_job(resume, job)
+        first = resume["epochs_done"]
+        if first >= epochs:
+            raise ValueError(f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={epochs} "
+                             "leaves none to train (epochs counts from the start of the training)")
+    plan = None if checkpoint_dir is None else CheckpointPlan(checkpoint_dir, every, job)
+    return plan, first, epochs - first
+
+
+def relay_rollback(saving: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
+                   steps_per_epoch: tuple[int, ...]) -> Callable[[int], RollbackPoint | None] | None:
+    """The relay's `rollback` (relay_core): with checkpoints, a retried stage restarts at the last one."""
+    if saving is None and resume is None:
+        return None
+    return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])
+
+
+def serve_checkpoints(stores: Stores, saving: CheckpointPlan | None, resume: Manifest | None, key: bytes, bind: str,
+                      host: str, timeout: float) -> tuple[CheckpointPlan | None, Manifest | None, CheckpointService | None]:
+    """A Hadoop-FS checkpoint_dir or resume_from: start the driver's checkpoint service and tell the
+    workers where it is; local ones need none. (plan, resume manifest, service or None)."""
+    service: CheckpointService | None = start_service(stores, key, bind, timeout)
+    if service is None:
+        return saving, resume, None
+    assert service.address is not None  # start_service started it
+    address = (host, service.address[1])
+    saving = None if saving is None else replace(saving, service=address)
+    resume = None if resume is None else {**resume, "service": address}
+    return saving, resume, service
