@@ -22,7 +22,7 @@ class PartitionSummary:
 
     index: int
     rows: int
-    features: InputLayout | None  # dtype and shape of every input (gradshare/batches.py)
+    features: InputLayout | None  # dtype and shape of every input (gradshare/task/batches.py)
     label_kind: str | None  # "int" | "float"
     label_shape: tuple[int, ...] | None
     error: str | None = None
