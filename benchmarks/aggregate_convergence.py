@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     from gradshare import SharedTrainer
     from gradshare.demo import digits_split, evaluate_accuracy, mlp
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder(f"local[{max(workers)}]", app_name="aggregate-convergence").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

@@ -78,7 +78,7 @@ def main(argv=None):
 
     from gradshare.demo import digits_split, mlp
     from gradshare.ml import GradshareEstimator
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder(f"local[{args.workers}]", "gradshare-bench-transform",
                             {"spark.default.parallelism": str(args.workers)}).getOrCreate()

@@ -39,7 +39,7 @@ def main() -> int:
 
     from gradshare import SharedTrainer
     from gradshare.bench.workloads import mlp
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]", app_name="checkpoint-bench").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

@@ -1,5 +1,5 @@
 """Rows per second into the workers from a DataFrame: the RDD path (``df.select(...).rdd``) against the
-mapInArrow path (gradshare/arrow_rows.py), side by side on one classic local session.
+mapInArrow path (gradshare/task/arrow_rows.py), side by side on one classic local session.
 
 Each job is what a fit's tasks do with their partition before training: the pre-pass
 (`summarise_partition` over the rows) or the materialisation (`PartitionData.from_rows`, what every
@@ -23,8 +23,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gradshare.arrow_rows import RESULT_SCHEMA, batch_rows, read_results, result_batches  # noqa: E402
-from gradshare.spark import PartitionData, dataframe_to_rdd, session_builder, summarise_partition  # noqa: E402
+from gradshare.task.arrow_rows import RESULT_SCHEMA, batch_rows, read_results, result_batches  # noqa: E402
+from gradshare.driver.session import dataframe_to_rdd, session_builder, summarise_partition  # noqa: E402
+from gradshare.task.partition import PartitionData
 
 
 def _materialise(rows):

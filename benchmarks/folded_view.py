@@ -1,4 +1,4 @@
-"""CPU time of the local view's per-step passes, two-buffer against folded (gradshare/local_view.py),
+"""CPU time of the local view's per-step passes, two-buffer against folded (gradshare/replica/local_view.py),
 measured side by side in one process with thread_time (robust to a loaded machine):
 
     PYTHONPATH=$PWD python benchmarks/folded_view.py [--params 8403978] [--density 2e-3] [--world 2]

@@ -94,7 +94,7 @@ def main():
 
     from gradshare import SharedTrainer
     from gradshare.demo import digits_split
-    from gradshare.spark import get_or_create_session
+    from gradshare.driver.session import get_or_create_session
 
     spark, _ = get_or_create_session(master="local[2]")
     spark.sparkContext.setLogLevel("OFF")

@@ -56,8 +56,8 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
     import torch
 
     from gradshare import encoding
-    from gradshare.spark import PartitionData
-    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.partition import PartitionData
+    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(batch * 8, widths[0])).astype(np.float32)
@@ -85,7 +85,7 @@ def torch_loop(precision, widths, batch):
     """The same model and step in plain torch, no gradshare: autocast's own cost or gain."""
     import torch
 
-    from gradshare.precision import Precision
+    from gradshare.replica.precision import Precision
 
     torch.manual_seed(0)
     model = make_mlp(widths)

@@ -31,7 +31,7 @@ def main() -> None:
     from gradshare.bench import systems
     from gradshare.bench.lockstep import run
     from gradshare.bench.workloads import RECIPES, load
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     recipe = RECIPES[args.workload]
     epochs, batch, n = args.epochs or recipe.epochs, recipe.batch_for(args.workers), args.workers

@@ -40,8 +40,8 @@ def child_data(spill_bytes, rows, width, epochs):
 
     import numpy as np
 
-    from gradshare.spark import PartitionData, epoch_order
-    from gradshare.worker import _proc_status_bytes, reset_peak_rss
+    from gradshare.task.partition import PartitionData, epoch_order
+    from gradshare.task.worker import _proc_status_bytes, reset_peak_rss
 
     start = reset_peak_rss()
     data = PartitionData.from_rows(rows_of(1, rows, width), "int64", spill_bytes=spill_bytes,
@@ -77,7 +77,7 @@ def run_spark(spill_bytes, rows, width, epochs):
     from torch import nn
 
     from gradshare import SharedTrainer
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

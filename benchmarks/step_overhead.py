@@ -88,7 +88,7 @@ class RelayCpu:
         self._thread = threading.Thread(target=self._sample, name="relay-cpu-sampler", daemon=True)
 
     def _sample(self):
-        from gradshare.profiling import threads_cpu
+        from gradshare.task.profiling import threads_cpu
 
         first = threads_cpu()
         while not self._stop.wait(0.2):
@@ -110,10 +110,10 @@ class RelayCpu:
 
 
 def phase_means(reports, warmup: int, stat=None) -> dict[str, float]:
-    """Mean (or `stat`) ms per timed step of every phase of the workers' profiles (gradshare/profiling.py)."""
+    """Mean (or `stat`) ms per timed step of every phase of the workers' profiles (gradshare/task/profiling.py)."""
     import numpy as np
 
-    from gradshare.profiling import PHASES
+    from gradshare.task.profiling import PHASES
 
     steps = [r["profile"]["steps"] for r in reports]
     stat = np.mean if stat is None else stat
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from gradshare import SharedTrainer
-    from gradshare.spark import get_or_create_session
+    from gradshare.driver.session import get_or_create_session
 
     widths = [int(w) for w in args.widths.split(",")]
     spark, created = get_or_create_session(2)

@@ -59,7 +59,7 @@ def child_single(widths, optimizer, steps, batch):
     """Plain torch in this process: the baseline a worker is compared with."""
     import torch
 
-    from gradshare.worker import reset_peak_rss
+    from gradshare.task.worker import reset_peak_rss
 
     torch.set_num_threads(1)
     start = reset_peak_rss()
@@ -83,7 +83,7 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
     from torch import nn
 
     from gradshare import SharedTrainer
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

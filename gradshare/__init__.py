@@ -19,7 +19,8 @@ from gradshare.errors import (
 )
 
 if TYPE_CHECKING:
-    from gradshare.trainer import FitResult, SharedTrainer
+    from gradshare.driver.result import FitResult
+    from gradshare.driver.trainer import SharedTrainer
     from gradshare.encoding import (
         AdaptiveThreshold,
         FixedThreshold,
@@ -47,7 +48,8 @@ _ENCODING_NAMES = (
     "residual_stats",
 )
 _TRAINER_NAMES = ("SharedTrainer", "FitResult")
-_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.trainer")}
+_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.driver.trainer"),
+         "FitResult": "gradshare.driver.result"}
 
 
 def __getattr__(name: str) -> object:

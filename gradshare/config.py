@@ -161,7 +161,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # the same checks, messages and order as SharedTrainer.__init__ had (tests assert some of them)
-        from gradshare.tracking import check_option
+        from gradshare.driver.tracking import check_option
 
         self._derive("mlflow_config", check_option(self.mlflow))
         self._check_threshold()
@@ -210,8 +210,8 @@ class TrainConfig:
                                 else self.warmup_density)
 
     def _check_choices(self) -> None:
-        from gradshare.device import check_device
-        from gradshare.precision import check_precision
+        from gradshare.replica.device import check_device
+        from gradshare.replica.precision import check_precision
 
         if self.drop_last not in ("auto", True, False):
             raise ValueError(f"drop_last must be 'auto', True or False, got {self.drop_last!r}")
@@ -253,7 +253,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be an int >= 1 (epochs), got {every!r}")
         root = None
         if self.checkpoint_dir is not None:
-            from gradshare.checkpoint import checkpoint_root
+            from gradshare.driver.checkpoint import checkpoint_root
 
             root = checkpoint_root(self.checkpoint_dir, "checkpoint_dir")
             check_checkpoint_staleness("checkpoint_dir", self.staleness)
@@ -274,7 +274,7 @@ class TrainConfig:
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
 
     def _check_validation(self) -> None:
-        from gradshare.validation import is_distributed
+        from gradshare.driver.validation import is_distributed
 
         stopping = early_stopping_from(self.early_stopping)
         self._derive("stopping", stopping)

@@ -18,8 +18,8 @@ from torch import nn
 
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
-from gradshare.spark import get_or_create_session
-from gradshare.trainer import SharedTrainer, default_optimizer
+from gradshare.driver.session import get_or_create_session
+from gradshare.driver.trainer import SharedTrainer, default_optimizer
 
 # the options the demo shares with SharedTrainer default to SharedTrainer's (TrainConfig); the demo's
 # own are its workers and its epochs (30: enough for the digits MLP to converge)

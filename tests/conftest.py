@@ -21,7 +21,7 @@ def spark():
     paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     session = session_builder(
         "local[2]",

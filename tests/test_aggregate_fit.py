@@ -12,7 +12,7 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.demo import evaluate_accuracy, mlp
-from gradshare.trainer import AGGREGATE_FROM, forwarding_for
+from gradshare.driver.plan import AGGREGATE_FROM, forwarding_for
 from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

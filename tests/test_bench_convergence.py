@@ -218,7 +218,7 @@ def test_tabular_workload_shapes_parameters_and_split():
 def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
     # A cosine factory over 2 steps on a 4-step run: the workers take their last 2 steps at lr exactly 0.
     from gradshare.bench import systems, workloads
-    from gradshare.trainer import SharedTrainer
+    from gradshare.driver.trainer import SharedTrainer
 
     wl = workloads.load("tabular", 0, rows=256)
     trainer = SharedTrainer(workloads.tabular, optimizer=systems.adam, lr_scheduler=systems.lr_scheduler_factory(

@@ -22,9 +22,9 @@ from gradshare.demo import digits_split, evaluate_accuracy, train_single_process
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, decode_entries, decode_update, encode
 from gradshare.encoding.update import BUFFER_HEADER
 from gradshare.errors import DecodeError
-from gradshare.flat import FlatParams
+from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
-from gradshare.worker import steps_per_epoch
+from gradshare.task.worker import steps_per_epoch
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""The direct update path (gradshare/capture.py): which optimizers may write into the residual, and
+"""The direct update path (gradshare/replica/capture.py): which optimizers may write into the residual, and
 that what they write there is their update, checked against NumPy oracles of SGD and Adam."""
 
 import numpy as np
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gradshare.capture import aliased, writes_update_only
-from gradshare.flat import FlatParams
+from gradshare.replica.capture import aliased, writes_update_only
+from gradshare.replica.flat import FlatParams
 
 
 def _params():

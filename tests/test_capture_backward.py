@@ -1,4 +1,4 @@
-"""Stepping the optimizer in backward (gradshare/capture.py; docs/benchmarks/memory.md): each parameter is stepped
+"""Stepping the optimizer in backward (gradshare/replica/capture.py; docs/benchmarks/memory.md): each parameter is stepped
 from its gradient hook and its gradient dropped at once. The worker must learn exactly what it learns
 with one optimizer step after backward (checked, not assumed, for every optimizer the direct path
 takes), and fall back to that step when something needs every gradient at once."""
@@ -13,10 +13,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradshare import encoding
-from gradshare.losses import clip_grad_norm
-from gradshare.spark import PartitionData
+from gradshare.replica.losses import clip_grad_norm
+from gradshare.task.partition import PartitionData
 from gradshare.transport import param_hash
-from gradshare.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from precision_step import LocalLog  # noqa: E402 - the one-rank transport the benchmarks use
@@ -144,7 +144,7 @@ def test_it_falls_back_to_one_step_after_backward_when_every_gradient_is_needed(
 
 
 def test_by_default_it_steps_in_backward_only_where_that_frees_enough_memory(monkeypatch):
-    from gradshare import capture
+    from gradshare.replica import capture
 
     small = sum(p.numel() * 4 for p in mlp().parameters())
     assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward

@@ -11,10 +11,11 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.checkpoint import MANIFEST, CheckpointPlan, rollback_point
+from gradshare.driver.checkpoint import rollback_point
+from gradshare.task.checkpoint import MANIFEST, CheckpointPlan
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import CheckpointError
-from gradshare.stores import HadoopStore
+from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from gradshare.checkpoint import npy_chunks
-from gradshare.ckpt_service import MAX_FRAME, CheckpointService, ServiceStore, _Sealed
+from gradshare.task.checkpoint import npy_chunks
+from gradshare.driver.ckpt_service import CheckpointService
+from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, _Sealed
 from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
-from gradshare.stores import CHUNK, Digest, LocalStore
+from gradshare.task.stores import CHUNK, Digest, LocalStore
 from gradshare.transport import new_job_key
 
 

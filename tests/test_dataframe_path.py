@@ -1,4 +1,4 @@
-"""The DataFrame path (mapInArrow; gradshare/arrow_rows.py, dataframe_job.py): Arrow record batches give
+"""The DataFrame path (mapInArrow; gradshare/task/arrow_rows.py, driver/job.py): Arrow record batches give
 the rows the RDD path gives, and on the classic session a fit through it ends bit-identical to the RDD
 path's over the same DataFrame. Connect itself: tests/test_connect.py."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import gradshare.dataframe_job as dataframe_job
+import gradshare.driver.job as dataframe_job
 from gradshare import SharedTrainer
-from gradshare.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
-from gradshare.spark import dataframe_to_rdd, summarise_partition
+from gradshare.task.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
+from gradshare.driver.session import dataframe_to_rdd
+from gradshare.task.partition import summarise_partition
 
 
 def _vectors(rows):
@@ -105,7 +106,7 @@ def test_a_classic_dataframe_fit_is_bit_identical_through_both_paths(spark, monk
 def test_a_barrier_stage_no_worker_reaches_is_given_up_after_the_join_window():
     """Connect cannot count free slots beyond local[N]: no rank heard within the window is a clear error."""
     from gradshare import TransportTimeout
-    from gradshare.dataframe_job import FrameJob
+    from gradshare.driver.job import FrameJob
 
     class Relay:
         address = ("127.0.0.1", 40123)

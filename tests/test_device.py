@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradshare.device import resolve_device, task_gpu
+from gradshare.replica.device import resolve_device, task_gpu
 
 
 class FakeResource:
@@ -100,7 +100,8 @@ def test_the_real_spark_task_context_has_no_gpu_here(spark):
     # What "auto" reads inside a real task (pyspark's TaskContext.resources()) without GPU scheduling:
     # no address, so the choice falls to CUDA's presence. (torch is not imported: it keeps this fast.)
     def probe(_):
-        from gradshare.device import _spark_task_context, task_gpu
+        from gradshare.replica.device import task_gpu
+        from gradshare.task.device import _spark_task_context
 
         context = _spark_task_context()
         yield (context is not None, task_gpu(context))
@@ -112,7 +113,7 @@ def test_select_gives_cuda_its_index_without_asking_set_device_for_an_unindexed_
     # found on an H200 (torch 2.11): torch.cuda.set_device(torch.device("cuda")) raises "Expected a
     # torch.device with a specified index", so device="cuda" failed every worker; here torch's CUDA calls
     # are stood in for, as a CPU machine has none
-    from gradshare.device import select
+    from gradshare.replica.device import select
 
     calls = []
 

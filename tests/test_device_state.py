@@ -20,7 +20,7 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, encode
-from gradshare.flat import FlatParams
+from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -164,8 +164,8 @@ def test_device_is_checked_on_the_driver():
 
 def _worker(device, **options):
     from gradshare import encoding
-    from gradshare.spark import PartitionData
-    from gradshare.worker import Worker, WorkerConfig
+    from gradshare.task.partition import PartitionData
+    from gradshare.task.worker import Worker, WorkerConfig
 
     X, y = np.zeros((8, 64), np.float32), np.zeros(8, np.int64)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
@@ -226,8 +226,8 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
     """Autocast, the fp16 loss scaler and the lookahead (k >= 1, where one worker's own messages are all
     it waits for) on the torch state, step by step against the NumPy state, without Spark."""
     from gradshare import encoding
-    from gradshare.spark import PartitionData
-    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.partition import PartitionData
+    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(96, 64)).astype(np.float32), rng.integers(0, 10, 96).astype(np.int64)

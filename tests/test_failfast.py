@@ -18,9 +18,9 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
-from gradshare.flat import FlatParams
-from gradshare.shipping import materialize, pack_user_objects, skeleton, unpack_user_objects
-from gradshare.trainer import _driver_error
+from gradshare.replica.flat import FlatParams
+from gradshare.task.shipping import materialize, pack_user_objects, skeleton, unpack_user_objects
+from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.peer_core import PeerCore
@@ -159,7 +159,7 @@ def test_skeleton_ships_no_weights_and_materializes_into_the_same_layout():
 
 
 def test_user_objects_travel_as_bytes_and_unpack_in_the_worker():
-    from gradshare.worker import WorkerConfig
+    from gradshare.task.worker import WorkerConfig
 
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=b"k" * 32, job_id=1, world_size=1,
                        model=WithIntBuffer(), loss=nn.MSELoss(), optimizer=lambda p: torch.optim.SGD(p, 0.1),
@@ -213,7 +213,7 @@ def test_a_user_error_at_step_3_surfaces_at_once_with_its_message(spark, tmp_pat
 
 def _assert_slots_free(spark):
     """The cancelled job's tasks are gone when fit raises: the next fit finds its slots."""
-    from gradshare.spark import busy_slots
+    from gradshare.driver.session import busy_slots
 
     sc = spark.sparkContext
     assert not sc.statusTracker().getActiveJobsIds() and busy_slots(sc) == 0
@@ -236,7 +236,7 @@ class DriverOnlyNet(nn.Module):
 @pytest.mark.spark
 def test_a_model_class_the_executors_cannot_import_is_named(spark, tmp_path):
     # the executors' PYTHONPATH is fixed when the session starts (spark.executorEnv.PYTHONPATH,
-    # gradshare/spark.py); this directory is only on the driver's sys.path
+    # gradshare/driver/session.py); this directory is only on the driver's sys.path
     name = f"driver_only_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(DRIVER_ONLY)
     sys.path.insert(0, str(tmp_path))

@@ -1,4 +1,4 @@
-"""The local view (gradshare/local_view.py): a worker's forward/backward runs at P + s·r, while P stays
+"""The local view (gradshare/replica/local_view.py): a worker's forward/backward runs at P + s·r, while P stays
 bit for bit what the log made it; checked against a reference model that holds P + s·r itself."""
 
 import copy
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradshare import encoding
-from gradshare.flat import FlatParams
-from gradshare.local_view import LocalView
-from gradshare.spark import PartitionData
+from gradshare.replica.flat import FlatParams
+from gradshare.replica.local_view import LocalView
+from gradshare.task.partition import PartitionData
 from gradshare.vectors import to_host
-from gradshare.worker import Worker, WorkerConfig
+from gradshare.task.worker import Worker, WorkerConfig
 
 
 def _model(seed: int) -> nn.Module:
@@ -136,7 +136,7 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from precision_step import LocalLog
 
-    from gradshare.worker import ApplyLog
+    from gradshare.task.worker import ApplyLog
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
@@ -185,7 +185,7 @@ def test_the_two_buffer_view_stays_where_folding_would_change_what_is_learnt():
 def test_a_parameter_changed_in_place_under_the_folded_view_changes_p():
     # As with the two-buffer view: the replica leaves the log and the fit's hash check names it. The
     # changed parameter's point (its residual with it) becomes P; the others are untouched.
-    from gradshare.local_view import FoldedView
+    from gradshare.replica.local_view import FoldedView
 
     model = _model(0)
     flat = FlatParams(model)

@@ -1,4 +1,4 @@
-"""Mixed precision (gradshare/precision.py): autocast forward, float32 master parameters, and
+"""Mixed precision (gradshare/replica/precision.py): autocast forward, float32 master parameters, and
 fp16's loss scaler, whose skipped steps send an empty message and leave the residual and P alone.
 
 Unit tests drive the real Worker with an in-memory log (as test_staleness.py does); the fits run on the
@@ -16,11 +16,11 @@ from torch import nn
 from gradshare import SharedTrainer, encoding
 from gradshare.demo import digits_split, evaluate_accuracy, mlp
 from gradshare.encoding import Message
-from gradshare.flat import FlatParams
-from gradshare.precision import Precision
-from gradshare.spark import PartitionData
+from gradshare.replica.flat import FlatParams
+from gradshare.replica.precision import Precision
+from gradshare.task.partition import PartitionData
 from gradshare.transport import Update, param_hash
-from gradshare.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
@@ -191,7 +191,7 @@ def test_a_half_precision_model_is_refused_on_the_driver(digits):
 def test_gradient_clipping_sees_unscaled_gradients_under_fp16(fused):
     # A fused optimizer takes the loss scale into its kernel unless the scaler unscaled first: a
     # clipping pre-hook (losses.clip_grad_norm) would then clip gradients × 65536.
-    from gradshare.losses import clip_grad_norm
+    from gradshare.replica.losses import clip_grad_norm
 
     torch.manual_seed(0)
     model = nn.Linear(3, 2)

@@ -19,7 +19,8 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
 from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
-from gradshare.trainer import FitResult, _driver_error
+from gradshare.driver.failures import driver_error as _driver_error
+from gradshare.driver.result import FitResult
 from gradshare.transport import Peer, Relay, new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev

@@ -1,4 +1,4 @@
-"""gradshare.spark and gradshare.flat: data validation, materialisation (memory and spill), slots, buffer."""
+"""gradshare.driver.session and gradshare.replica.flat: data validation, materialisation (memory and spill), slots, buffer."""
 
 import os
 
@@ -7,15 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradshare.flat import FlatParams
-from gradshare.spark import (
-    PartitionData,
-    check_barrier_slots,
-    check_summaries,
-    epoch_order,
-    summarise_partition,
-    total_slots,
-)
+from gradshare.replica.flat import FlatParams
+from gradshare.driver.session import check_barrier_slots, check_summaries, total_slots
+from gradshare.task.partition import PartitionData, epoch_order, summarise_partition
 
 
 def rows(n, dim=3, label=lambda i: i % 4):

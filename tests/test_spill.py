@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from pyspark import cloudpickle
 
-from gradshare.spark import PartitionData
-from gradshare.spill import BlockShuffle, SpillError, block_layout
+from gradshare.task.partition import PartitionData
+from gradshare.task.spill import BlockShuffle, SpillError, block_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Executors cannot import this test module: ship its row generator by value.
@@ -153,8 +153,8 @@ def test_batches_cover_the_epoch_read_each_window_once_and_a_resume_reads_the_sa
 # ------------------------------------------------------------------------------------ memory
 MEMORY_CHILD = """
 import sys, numpy as np
-from gradshare.spark import PartitionData
-from gradshare.worker import reset_peak_rss, _proc_status_bytes
+from gradshare.task.partition import PartitionData
+from gradshare.task.worker import reset_peak_rss, _proc_status_bytes
 
 spill_bytes, rows, width, spill_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def stream():  # generated on the fly, as Spark hands a task its rows: nothing of it is held here

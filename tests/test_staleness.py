@@ -1,4 +1,4 @@
-"""Staleness k ≥ 1 and the own-update lookahead (gradshare/worker.py), without Spark: the real Worker,
+"""Staleness k ≥ 1 and the own-update lookahead (gradshare/task/worker.py), without Spark: the real Worker,
 ApplyLog and codec, driven in lock step by an in-memory log that hands messages over in canonical
 (step, sender) order, as the transport does.
 
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.spark import PartitionData
+from gradshare.task.partition import PartitionData
 from gradshare.transport import Update, param_hash
-from gradshare.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
 
 class _Log:

@@ -13,7 +13,7 @@ import torch
 
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
-from gradshare.trainer import FitResult
+from gradshare.driver.result import FitResult
 
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -95,7 +95,7 @@ def test_a_failed_fit_is_a_failed_run_nested_under_the_active_run(store):
 
 
 def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, monkeypatch):
-    from gradshare import tracking
+    from gradshare.driver import tracking
 
     class Trainer:  # what `tracked` needs of a SharedTrainer: its options and its mlflow config
         options = {"epochs": 3}

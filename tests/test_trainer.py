@@ -76,7 +76,7 @@ def _fit_digits(digits_rdd, **kw):
 
 def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_identical(digits_rdd):
     a, acc_a = _fit_digits(digits_rdd)
-    # A spilled partition streams in its own seeded block order (gradshare/spill.py), not the in-memory
+    # A spilled partition streams in its own seeded block order (gradshare/task/spill.py), not the in-memory
     # permutation: with the same seed it trains bit-identically again and learns as well, but not
     # bit-identically to the in-memory run `a`.
     b, acc_b = _fit_digits(digits_rdd, spill_bytes=4096)
@@ -95,7 +95,7 @@ def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_id
 
 def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd):
     from gradshare.bench.profile import summarise
-    from gradshare.profiling import PHASES
+    from gradshare.task.profiling import PHASES
 
     _, (X_test, y_test) = digits_rdd
     plain, _ = _fit_digits(digits_rdd, epochs=2, staleness=1)
@@ -293,7 +293,7 @@ def test_worker_killed_mid_training_resumes_from_the_relay(digits_rdd, tmp_path)
 # ------------------------------------------------------------------------------------ local-cluster
 LOCAL_CLUSTER = r"""
 import json, sys
-from gradshare.spark import get_or_create_session
+from gradshare.driver.session import get_or_create_session
 from gradshare.demo import digits_experiment
 spark, _ = get_or_create_session(master="local-cluster[2,1,1024]")
 try:

@@ -20,8 +20,8 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.encoding import buffer_change
 from gradshare.encoding.torch_codec import buffer_change as buffer_change_tensor
-from gradshare.flat import FlatParams, int_buffers
-from gradshare.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
+from gradshare.replica.flat import FlatParams, int_buffers
+from gradshare.replica.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
 from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
@@ -229,8 +229,8 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
 def _one_worker(X, y, lr=1e-3):
     from gradshare.bench.lockstep import LogPeer
     from gradshare.encoding import CalibratedThreshold
-    from gradshare.spark import PartitionData
-    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.partition import PartitionData
+    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
@@ -270,8 +270,8 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
 def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
     from gradshare.bench.lockstep import LogPeer
     from gradshare.encoding import CalibratedThreshold
-    from gradshare.spark import PartitionData
-    from gradshare.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.partition import PartitionData
+    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from gradshare.worker import _proc_status_bytes, release_free_memory
+from gradshare.task.worker import _proc_status_bytes, release_free_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,9 +36,11 @@ def test_the_kernels_load_without_scipy_linalg():
 
 
 def test_a_worker_imports_neither_pandas_nor_pyarrow():
-    """The task's module tree (worker, losses, validation, spark, ...) stays off pyspark.ml, whose package
+    """The task's module tree (task/: worker, partition, validation; replica/: losses, ...) and the driver's
+    Spark glue it used to share a module with stay off pyspark.ml, whose package
     __init__ imports pandas and pyarrow: ~50 MB more in every worker's baseline for nothing it runs."""
-    code = ("import sys, gradshare.worker, gradshare.spark, gradshare.validation; "
+    code = ("import sys, gradshare.task.worker, gradshare.task.partition, gradshare.task.validation, "
+            "gradshare.driver.session, gradshare.driver.validation; "
             "print(*[m in sys.modules for m in ('pandas', 'pyarrow', 'pyspark.ml')])")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradshare.bench.encoding import _density, _positive_int
-from gradshare.device import resolve_device
+from gradshare.replica.device import resolve_device
 from gradshare.encoding import apply, encode
 from gradshare.errors import ConsistencyError
 

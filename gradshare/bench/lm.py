@@ -4,7 +4,7 @@ The model is what people write today: token and position embeddings, `nn.Transfo
 GELU) under a causal -inf mask kept as a non-persistent buffer, a linear head giving (B, T, V) logits
 against (B, T) next-token labels with the default loss. It trains with AdamW (weight decay 0.1 on the
 matrices, betas 0.9/0.95), a linear warm-up over the first 5 % of the steps then a cosine to zero
-(a LambdaLR stepped per step) and the gradient norm clipped to 1 (`gradshare.losses.clip_grad_norm`).
+(a LambdaLR stepped per step) and the gradient norm clipped to 1 (`gradshare.replica.losses.clip_grad_norm`).
 
 The text needs no download: characters of Python's own standard library sources (`TRAIN_MODULES`,
 `VAL_MODULES`, ASCII), cut into windows of `SEQ` tokens. Systems, for each N of `--workers` and each seed:
@@ -171,8 +171,8 @@ def run_ddp(data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
 
 
 def run_gradshare(spark, data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
-    from gradshare.losses import clip_grad_norm
-    from gradshare.trainer import SharedTrainer
+    from gradshare.replica.losses import clip_grad_norm
+    from gradshare.driver.trainer import SharedTrainer
 
     ids, labels, v_ids, v_labels = data
     n = len(ids)

@@ -36,10 +36,10 @@ from gradshare import encoding
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
-from gradshare.spark import PartitionData
+from gradshare.task.partition import PartitionData
 from gradshare.transport import Update
-from gradshare.trainer import warmup_start
-from gradshare.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.driver.plan import warmup_start
+from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
 
 
 class LogPeer:

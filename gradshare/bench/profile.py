@@ -1,7 +1,7 @@
 """Where a gradshare step goes (a missed target is explained from such profiles, not guessed).
 
 The worker times its own phases when `SharedTrainer(worker_options={"profile": True})` is given
-(gradshare/profiling.py); each rank's report then holds a "profile" entry: per-step seconds of every
+(gradshare/task/profiling.py); each rank's report then holds a "profile" entry: per-step seconds of every
 phase, the step wall time (evaluation excluded), the accuracy curve on rank 0 against training
 wall-clock, and the `lo` transmit counter over the steps. This module only summarises it.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradshare.profiling import PHASES as WORKER_PHASES
-from gradshare.profiling import lo_tx_bytes
+from gradshare.task.profiling import PHASES as WORKER_PHASES
+from gradshare.task.profiling import lo_tx_bytes
 
 __all__ = ["PHASES", "WORKER_PHASES", "lo_tx_bytes", "summarise"]
 

@@ -42,7 +42,7 @@ def wire_bytes(payload: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tu
 def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
     """Train the demo MLP with ``workers`` workers on ``spark``; figures for the scale report."""
     from gradshare.demo import digits_split, evaluate_accuracy, mlp
-    from gradshare.trainer import SharedTrainer
+    from gradshare.driver.trainer import SharedTrainer
 
     X_train, X_test, y_train, y_test = digits_split(seed)
     rdd = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), workers)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.workers < 1 or args.epochs < 1:
         raise ValueError("--workers and --epochs must be >= 1")
-    from gradshare.spark import get_or_create_session
+    from gradshare.driver.session import get_or_create_session
 
     spark, created = get_or_create_session(master=args.master)
     try:

@@ -1,6 +1,6 @@
 """The systems of `gradshare bench train` and `gradshare bench convergence`, each run on the same
 workload, seed, batch size (per worker), epochs and (for the distributed ones) the same N contiguous data
-shards and per-rank batch order (`gradshare.spark.epoch_order`):
+shards and per-rank batch order (`gradshare.driver.session.epoch_order`):
 
 - "single":   one process, one thread, the whole training set, batch `batch_size` (no communication);
 - "gradshare": `SharedTrainer` with N barrier tasks, the relay on the driver (loopback);
@@ -136,7 +136,7 @@ def local_spark_env() -> None:
 def local_spark(slots: int, app_name: str):
     """An embedded `local[slots]` SparkSession on loopback (`local_spark_env`); the caller stops it."""
     local_spark_env()
-    from gradshare.spark import session_builder
+    from gradshare.driver.session import session_builder
 
     spark = session_builder(f"local[{slots}]", app_name=app_name).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -153,7 +153,7 @@ def _train_steps(module, evaluated, X, y, test, *, rank: int, epochs: int, spe: 
     Returns (per-step wall seconds, [(training seconds, test accuracy)] per epoch, stopped early)."""
     import torch
 
-    from gradshare.spark import epoch_order
+    from gradshare.task.partition import epoch_order
 
     opt = adam(module.parameters())
     scheduler = lr_scheduler_factory(lr_schedule, spe * epochs)(opt)
@@ -217,7 +217,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
     The LR schedule reaches the workers as `lr_scheduler=` (stepped once per optimizer step) over the
     longest rank's steps."""
     from gradshare.encoding import AdaptiveThreshold
-    from gradshare.trainer import SharedTrainer
+    from gradshare.driver.trainer import SharedTrainer
 
     sc = spark.sparkContext
     rdd = sharded_rdd(sc, wl, workers)

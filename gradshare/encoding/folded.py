@@ -1,4 +1,4 @@
-"""The residual folded into the point the gradient is taken at ("Q-form", gradshare/local_view.py).
+"""The residual folded into the point the gradient is taken at ("Q-form", gradshare/replica/local_view.py).
 
 With the local view a worker needs two things P-sized besides P: its residual r, and the point
 P + s·r its forward/backward runs at. Storing the point q = P + s·r INSTEAD of r keeps one of them:

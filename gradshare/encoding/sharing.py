@@ -54,6 +54,23 @@ if TYPE_CHECKING:
     import torch
 
 
+def _usable(device: object) -> torch.device:
+    """``device`` as a torch.device torch can allocate on, else a ValueError naming it."""
+    import torch  # only here: the NumPy path never imports torch
+
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(str(device))
+    except RuntimeError:
+        raise ValueError(f"device must be None, a torch.device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"device {dev} is not usable: torch sees {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+    return dev
+
+
 class SharingState:
     """Everything a worker keeps between steps to share its updates.
 
@@ -61,8 +78,9 @@ class SharingState:
     clipping: `ResidualClipping` or None.
     follow_lr: rescale the residual (and a non-calibrated τ) with the learning rate (module docstring).
     keep_pending: keep own sent messages until the apply log has applied them (staleness lookahead).
-    device: None for a NumPy residual (the Numba path); a torch device or its name for a torch tensor
-        residual on it (module docstring; "auto" is resolved by `gradshare.device.resolve_device`).
+    device: None for a NumPy residual (the Numba path); a torch device or its name ("cpu", "cuda:1") for a
+        torch tensor residual on it (module docstring). "auto" is the caller's to resolve first (the worker
+        does, with `gradshare.replica.device.resolve_device`), so this package needs no Spark context.
     fold: (params, point, scale) to keep the residual folded into ``point`` = params + scale × r
         (module docstring): two float32 NumPy arrays of n_params, ``point`` equal to ``params`` (r = 0).
     """
@@ -93,10 +111,10 @@ class SharingState:
             self.backend = NUMPY
             self.residual = NUMPY.zeros(int(n_params), None)
         else:
-            from gradshare.device import resolve_device
+            dev = _usable(device)
 
             self.backend = torch_backend()
-            self.residual = self.backend.zeros(int(n_params), resolve_device(device))
+            self.residual = self.backend.zeros(int(n_params), dev)
         self._n_params = int(n_params)
         self.lr: float | None = None  # the rate the residual is expressed in
         self.lr_ref: float | None = None  # the first positive rate: a fixed/adaptive τ is meant for it

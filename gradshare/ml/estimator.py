@@ -17,7 +17,7 @@ from gradshare.ml.params import EstimatorParams, check_features, check_indicator
 from gradshare.ml.persist import EstimatorReader, EstimatorWriter
 from gradshare.ml.predict import output_spec, parse_inputs
 from gradshare.stopping import early_stopping_from
-from gradshare.trainer import SharedTrainer, default_optimizer
+from gradshare.driver.trainer import SharedTrainer, default_optimizer
 
 
 class LearningRate:

@@ -25,7 +25,7 @@ point; afterwards P is restored bit for bit (exact for one worker, partial for s
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
-them from zero — that is what a restart loses — unless there is a checkpoint (gradshare/checkpoint.py),
+them from zero — that is what a restart loses — unless there is a checkpoint (gradshare/task/checkpoint.py),
 which holds them: a fit resumed from one, or a retried stage, which the relay restarts at the last one.
 """
 
@@ -51,26 +51,26 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import gradshare
-from gradshare.capture import DirectPath, frees_enough, needs_all_gradients, update_path, writes_update_only
-from gradshare.checkpoint import load_rank, manifest_for, worker_store, write_manifest, write_rank
+from gradshare.replica.capture import DirectPath, frees_enough, needs_all_gradients, update_path, writes_update_only
+from gradshare.task.checkpoint import load_rank, manifest_for, worker_store, write_manifest, write_rank
 from gradshare.config import TrainConfig
-from gradshare.device import resolve_device, select
+from gradshare.replica.device import resolve_device, select
 from gradshare.encoding import SharingState, StepUpdate, apply, apply_update, buffer_change, decode_update, skipped_step
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
-from gradshare.flat import FlatParams, int_buffers
-from gradshare.local_view import FoldedView, LocalView, NoView
-from gradshare.losses import LossStep
-from gradshare.precision import Precision
-from gradshare.profiling import OFF as OFF_PROFILE
-from gradshare.profiling import StepProfile, _Off
+from gradshare.replica.flat import FlatParams, int_buffers
+from gradshare.replica.local_view import FoldedView, LocalView, NoView
+from gradshare.replica.losses import LossStep
+from gradshare.replica.precision import Precision
+from gradshare.task.profiling import OFF as OFF_PROFILE
+from gradshare.task.profiling import StepProfile, _Off
 from gradshare.reports import Counters, EpochStats, Progress, WorkerFailure, WorkerReport
-from gradshare.shipping import materialize, unpack_user_objects
-from gradshare.spark import PartitionData, epoch_order
-from gradshare.spill import SpilledPartition
+from gradshare.task.shipping import materialize, unpack_user_objects
+from gradshare.task.partition import PartitionData, epoch_order
+from gradshare.task.spill import SpilledPartition
 from gradshare.stopping import should_stop, stop_epoch
 from gradshare.transport import Peer, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN, Update
-from gradshare.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, shard_sums, split_rows
+from gradshare.task.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, shard_sums, split_rows
 from gradshare.vectors import Vector, copy_into, copy_of, index_for, where
 
 
@@ -125,7 +125,7 @@ class WorkerConfig:
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = TrainConfig.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
-    device: Any = TrainConfig.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/device.py)
+    device: Any = TrainConfig.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)
     user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
     # worker_options (config.WORKER_OPTIONS: each key is the field of that name)
     profile: bool = False  # per-phase step timers in the report (profiling.py)
@@ -174,9 +174,9 @@ def non_finite_cause(batch: tuple[torch.Tensor, ...], loss: torch.Tensor) -> str
     value = float(loss.detach())
     if not math.isfinite(value):
         return (f"the loss is {value} on finite inputs: the model diverged or the loss overflowed; lower the "
-                "learning rate or clip gradients (gradshare.losses.clip_grad_norm)")
+                "learning rate or clip gradients (gradshare.replica.losses.clip_grad_norm)")
     return (f"the loss is finite ({value:.4g}) but the optimizer's update is not: a gradient overflowed or the "
-            "learning rate is too high; lower it or clip gradients (gradshare.losses.clip_grad_norm)")
+            "learning rate is too high; lower it or clip gradients (gradshare.replica.losses.clip_grad_norm)")
 
 
 class ApplyLog:

@@ -22,26 +22,36 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, ClassVar, Iterable, Protocol, TypeVar
 
 import torch
 from pyspark import cloudpickle
 from torch import nn
 
-if TYPE_CHECKING:  # worker.py imports this module
-    from gradshare.worker import WorkerConfig
+
+class Shipped(Protocol):
+    """What the packing reads of a config: a dataclass (worker.WorkerConfig) with a `user_objects` field.
+    A protocol, not WorkerConfig itself: worker.py imports this module."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def user_objects(self) -> bytes | None: ...
+
+
+C = TypeVar("C", bound=Shipped)
 
 # WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
 USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
 
 
-def pack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
+def pack_user_objects(cfg: C) -> C:
     """`cfg` with its USER_FIELDS cloudpickled into ``cfg.user_objects`` and set to None."""
     objects = {name: getattr(cfg, name) for name in USER_FIELDS}
     return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))
 
 
-def unpack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
+def unpack_user_objects(cfg: C) -> C:
     """The inverse of `pack_user_objects` (a cfg without packed objects is returned as it is). Raises
     whatever unpickling raises, e.g. ModuleNotFoundError naming a module the executor cannot import."""
     if cfg.user_objects is None:
@@ -50,7 +60,7 @@ def unpack_user_objects(cfg: WorkerConfig) -> WorkerConfig:
     return dataclasses.replace(cfg, user_objects=None, **objects)
 
 
-def skeleton(model, tensors: Iterable[Any]):
+def skeleton(model: nn.Module, tensors: Iterable[Any]) -> nn.Module:
     """A deep copy of `model` in which each of `tensors` (the tensors the flat state holds: their
     values come from the relay) is a meta tensor of the same shape, dtype and requires_grad; every other
     tensor (e.g. an int buffer such as BatchNorm's num_batches_tracked) is copied as it is.

@@ -4,20 +4,14 @@
 each task is handed its own device addresses, and two tasks on one executor host must not both pick
 cuda:0. Outside such a task it takes CUDA's current device when torch has CUDA, else the CPU.
 
-The Spark task context and the CUDA device count are arguments (defaulting to the real ones), so the
-choice is tested with plain fakes and without a GPU.
+The Spark task context and the CUDA device count are arguments (the CUDA count defaulting to torch's),
+so the choice is tested with plain fakes and without a GPU. This module imports no pyspark: a task's
+worker asks Spark for its context through `gradshare.task.device.resolve_device`.
 """
 
 from __future__ import annotations
 
 import torch
-from pyspark import TaskContext
-
-_FROM_SPARK = object()  # default of ``task_context``: ask pyspark
-
-
-def _spark_task_context():
-    return TaskContext.get()  # None on the driver and outside Spark
 
 
 def _cuda_count() -> int:
@@ -45,12 +39,13 @@ def task_gpu(task_context) -> int | None:
     return int(first)
 
 
-def resolve_device(device="auto", *, task_context=_FROM_SPARK, cuda_count: int | None = None):
+def resolve_device(device="auto", *, task_context=None, cuda_count: int | None = None):
     """The torch.device for ``device``: "cpu", "cuda" (CUDA's current device), "cuda:N", "auto", or a
     torch.device.
 
-    task_context: a Spark TaskContext-like object (``resources()["gpu"].addresses``) or None; default
-        the running task's. cuda_count: CUDA devices torch can use; default torch's own count.
+    task_context: a Spark TaskContext-like object (``resources()["gpu"].addresses``) or None (no task;
+        task/device.py passes the running task's). cuda_count: CUDA devices torch can use; default
+        torch's own count.
     A CUDA device that torch cannot use is a ValueError naming it (no silent fall-back to the CPU:
     the user asked for the GPU, or Spark scheduled one for the task).
     """
@@ -59,8 +54,6 @@ def resolve_device(device="auto", *, task_context=_FROM_SPARK, cuda_count: int |
     elif isinstance(device, str):
         name = device.strip().lower()
         if name == "auto":
-            if task_context is _FROM_SPARK:
-                task_context = _spark_task_context()
             index = task_gpu(task_context)
             count = _cuda_count() if cuda_count is None else cuda_count
             if index is not None:

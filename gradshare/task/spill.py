@@ -28,7 +28,7 @@ import tempfile
 
 import numpy as np
 
-from gradshare.batches import InputLayout, spill_dtype
+from gradshare.task.batches import InputLayout, spill_dtype
 from gradshare.errors import GradshareError
 
 # Blocks of about 1 MiB: large enough that a disk reads them at sequential speed, small enough that a

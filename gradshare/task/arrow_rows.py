@@ -1,6 +1,6 @@
 """A DataFrame's partition as training rows, read from Arrow record batches (`DataFrame.mapInArrow`).
 
-What runs inside the tasks of the DataFrame path (dataframe_job.py): the pre-pass and the barrier stage
+What runs inside the tasks of the DataFrame path (driver/job.py): the pre-pass and the barrier stage
 over ``df.select(*features, label).mapInArrow(...)``. A Spark Connect session has no RDDs, and this path
 needs none (docs/guide/connect.md).
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from gradshare.spark import summarise_partition
+from gradshare.task.partition import summarise_partition
 
 # (part, chunk, data): one task's pickled result, cut into chunks of at most RESULT_CHUNK bytes (an Arrow
 # binary value is capped at 2 GiB; small chunks keep each result batch small too)
@@ -40,7 +40,7 @@ def _nulls(arr: Any, name: str, offset: int) -> None:
 
 
 def _training_dtype(values: np.ndarray, name: str) -> np.ndarray:
-    """Floats float32, integers int64, bools as they are (gradshare/batches.py); anything else an error."""
+    """Floats float32, integers int64, bools as they are (gradshare/task/batches.py); anything else an error."""
     kind = values.dtype.kind
     if kind == "f":
         return values.astype(np.float32, copy=False)
@@ -156,7 +156,7 @@ def train_batches(cfg: Any, names: tuple[str, ...], multi: bool, batches: Iterat
     from pyspark import BarrierTaskContext
 
     from gradshare.errors import TrainingError
-    from gradshare.worker import train_partition
+    from gradshare.task.worker import train_partition
 
     ctx = BarrierTaskContext.get()
     tasks = len(ctx.getTaskInfos())

@@ -44,8 +44,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from gradshare.capture import aliased
-from gradshare.flat import FlatParams
+from gradshare.replica.capture import aliased
+from gradshare.replica.flat import FlatParams
 from gradshare.vectors import Vector, copy_into, is_tensor
 
 

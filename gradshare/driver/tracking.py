@@ -21,7 +21,7 @@ What a run holds:
   parameters: no pickled module, load it into your own architecture) and ``history.json``.
 
 Only the driver talks to MLflow; the workers never import it. Nothing is logged while the workers
-train: the per-epoch rows exist once every worker has reported (`trainer._merge_history`). The run
+train: the per-epoch rows exist once every worker has reported (`history.merge_history`). The run
 is RUNNING (params only) meanwhile.
 """
 

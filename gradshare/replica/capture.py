@@ -38,8 +38,8 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from gradshare.encoding import Message, SharingState, share_step
-from gradshare.flat import FlatParams
-from gradshare.precision import Precision, plain_step
+from gradshare.replica.flat import FlatParams
+from gradshare.replica.precision import Precision, plain_step
 from gradshare.vectors import Vector, copy_into
 
 # run(optimizer) -> whether the step was taken (precision.py: plain_step, Precision.step)

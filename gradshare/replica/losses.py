@@ -34,8 +34,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gradshare.validation import metric_value
-
 
 def _shape(t) -> str:
     """A batch tensor's shape with the batch dimension written B: what the user's model sees."""
@@ -290,3 +288,12 @@ def _probe(model, inputs, names, call_model: bool):
 
     why = _attempt(forward)
     return (got[0], None) if why is None else (None, why)
+
+
+def metric_value(value: Any):
+    """A metric's value: a float, or a (sum, count) pair of floats (module docstring)."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise TypeError(f"metric returned a sequence of {len(value)} values; return a number or (sum, count)")
+        return float(value[0]), float(value[1])
+    return float(value)

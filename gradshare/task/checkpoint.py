@@ -29,6 +29,9 @@ run the same code below on a store; files move in bounded chunks, digests are ta
 
 A retried stage restarts at the last checkpoint of its fit (`rollback_point`, the relay's rollback).
 
+This module is the format and the workers' side (write_rank, write_manifest, load_rank); the driver's
+side (open_stores, rollback_point, the service) is driver/checkpoint.py.
+
 Limits (documented in docs/guide/checkpoints.md): checkpoints need staleness 0 and the same steps per epoch on every
 rank (so that an epoch's end is one step of the log that every rank reaches).
 """
@@ -37,17 +40,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from gradshare.ckpt_service import CheckpointService, ServiceStore
 from gradshare.errors import CheckpointError, TransportTimeout
-from gradshare.flat import int_buffers, load_int_buffers
-from gradshare.stores import CHUNK, Digest, HadoopStore, LocalStore, error_line, is_local, read_all
+from gradshare.replica.flat import int_buffers, load_int_buffers
+from gradshare.task.ckpt_client import ServiceStore
+from gradshare.task.stores import CHUNK, Digest, LocalStore, error_line, is_local, read_all
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -67,21 +69,6 @@ class CheckpointPlan:
     service: tuple | None = None  # the driver's checkpoint service (host, port) when root is not local
 
 
-def checkpoint_root(path, argument: str) -> str:
-    """`path` as a checkpoint root: an absolute local directory, or the Hadoop-FS URI as given."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{argument} must be a path or a Hadoop-FS URI, got {type(path).__name__}")
-    path = os.fspath(path)
-    return LocalStore(path).root if is_local(path) else path.rstrip("/")
-
-
-def driver_store(root: str, spark_context):
-    """The driver's store for `root`: local file I/O, or Spark's Hadoop FileSystem API."""
-    if is_local(root):
-        return LocalStore(root)
-    return HadoopStore(spark_context, root)
-
-
 def worker_store(cfg, source: str, rank: int):
     """Worker `rank`'s store for "checkpoint" (cfg.checkpoint.root) or "resume" (cfg.resume's root):
     the directory itself when it is local, else the driver's service (ckpt_service.py)."""
@@ -90,35 +77,6 @@ def worker_store(cfg, source: str, rank: int):
     if is_local(root):
         return LocalStore(root)
     return ServiceStore(service, cfg.key, source, rank, cfg.timeout, root)
-
-
-def check_writable(store) -> None:
-    """Create the root and write a probe file in it: a checkpoint_dir we cannot write fails before training."""
-    probe = f".gradshare-probe-{os.getpid()}"
-    try:
-        store.makedirs()
-        store.write(probe, [b"ok"])
-        store.remove(probe)
-    except Exception as e:  # noqa: BLE001 - OSError locally; a Py4J error wrapping Java's IOException otherwise
-        raise ValueError(f"checkpoint_dir={store.where()!r} is not writable: {error_line(e)}") from e
-
-
-def _epochs_in(store) -> list[int]:
-    return sorted(int(n[6:]) for n in store.list() if n.startswith("epoch-") and n[6:].isdigit())
-
-
-def check_fresh(store, epochs_done: int) -> None:
-    """A fit writes epoch-<E> for E > epochs_done: refuse to mix its files with an earlier fit's there."""
-    taken = [epoch_dir(e) for e in _epochs_in(store) if e > epochs_done]
-    if taken:
-        raise ValueError(f"checkpoint_dir={store.where()!r} already holds {', '.join(taken)}, which this fit would "
-                         "overwrite; give an empty directory, or remove them")
-
-
-def job_of(world_size: int, steps_per_epoch: tuple, batch_size: int, seed: int, shapes: list) -> dict:
-    """The facts a checkpoint must share with the fit that resumes from it."""
-    return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
-            "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes]}
 
 
 def epoch_dir(epochs_done: int) -> str:
@@ -270,30 +228,6 @@ def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: 
     store.write(f"{directory}/{MANIFEST}", [json.dumps(manifest).encode()], atomic=True)
 
 
-# ------------------------------------------------------------------------------------------ reading
-def find(store) -> str:
-    """The checkpoint in `store` (resume_from's): "" when its root holds a manifest, else its latest
-    epoch-<E> that has one (a checkpoint_dir)."""
-    if store.exists(MANIFEST):
-        return ""
-    if not store.is_dir():
-        raise FileNotFoundError(f"resume_from={store.where()!r} does not exist")
-    done = [epoch_dir(e) for e in _epochs_in(store) if store.exists(f"{epoch_dir(e)}/{MANIFEST}")]
-    if not done:
-        raise CheckpointError(f"resume_from={store.where()!r} holds no complete checkpoint (no {MANIFEST}; one is "
-                              "written last, so a checkpoint cut short has none)")
-    return done[-1]
-
-
-def read_manifest(store, prefix: str, source: str) -> dict:
-    """The manifest of checkpoint `prefix` in `store`, with every file it lists checked against its size
-    and sha256."""
-    manifest = parse_manifest(store, prefix, source)
-    for name in manifest["files"]:
-        verify(store, manifest, name)
-    return manifest
-
-
 def parse_manifest(store, prefix: str, source: str) -> dict:
     """The manifest of checkpoint `prefix` in `store`, its files unchecked (a worker checks its own:
     `load_rank`). `source`: which of the fit's stores holds it ("checkpoint" or "resume": worker_store)."""
@@ -370,24 +304,6 @@ def _array_of(manifest: dict, name: str):
     return lambda reader: _array(reader, manifest["files"][name]["bytes"])
 
 
-def check_job(manifest: dict, job: dict) -> None:
-    """The resumed fit must be the checkpoint's job: the same shapes, workers, batches and seed."""
-    have, want = manifest["job"], job
-    where = manifest["directory"]
-    if have["shapes"] != want["shapes"]:
-        theirs = {n: tuple(s) for n, s in have["shapes"]}
-        ours = {n: tuple(s) for n, s in want["shapes"]}
-        # the first entry, in the model's order, whose shape differs (or that only one side has)
-        name = next((n for n in [*ours, *theirs] if theirs.get(n) != ours.get(n)), "?")
-        raise ValueError(f"resume_from={where!r} is a checkpoint of another model: {name} has shape "
-                         f"{theirs.get(name, 'none')} there and {ours.get(name, 'none')} in this model "
-                         f"(checkpoint shapes {theirs}; model shapes {ours})")
-    for key in ("world_size", "steps_per_epoch", "batch_size", "seed"):
-        if have[key] != want[key]:
-            raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have[key]!r}, "
-                             f"this fit's is {want[key]!r}")
-
-
 def manifest_for(cfg, epochs_done: int, rank: int) -> dict:
     """The checkpoint after `epochs_done` epochs that the relay restarted this attempt at (WELCOME's
     "checkpoint" note, `rollback_point`): the fit's resume_from, or one this fit wrote."""
@@ -397,39 +313,6 @@ def manifest_for(cfg, epochs_done: int, rank: int) -> dict:
         raise CheckpointError(f"the relay restarted at the checkpoint after epoch {epochs_done}, but this fit "
                               "has no checkpoint_dir")
     return parse_manifest(worker_store(cfg, "checkpoint", rank), epoch_dir(epochs_done), "checkpoint")
-
-
-def rollback_point(plan: CheckpointPlan | None, resume: dict | None, stores: dict, first_epoch: int,
-                   steps_per_epoch: int, complete_through: int):
-    """RelayCore's `rollback` for a fit with checkpoints: the latest complete checkpoint of this fit whose
-    step the relay's log has reached (or the fit's resume_from, at step -1), as (step the log holds it
-    through, parameters, epochs done in this fit's log, whole-training epochs done); None without one.
-    `stores`: the driver's, by source ("checkpoint", "resume").
-
-    A checkpoint that does not read back whole (a file missing, truncated or changed) is passed over
-    for the one before it: a retried stage never starts from half a checkpoint."""
-    if plan is not None:
-        store = stores["checkpoint"]
-        for e in reversed(_epochs_in(store)):
-            if e <= first_epoch or (e - first_epoch) * steps_per_epoch - 1 > complete_through:
-                continue
-            try:
-                manifest = parse_manifest(store, epoch_dir(e), "checkpoint")
-                if manifest["job"] == plan.job:
-                    for name in manifest["files"]:  # the parameters are checked as _point loads them
-                        if name != PARAMS:
-                            verify(store, manifest, name)
-                    return _point(store, manifest, first_epoch, steps_per_epoch)
-            except CheckpointError:
-                continue  # cut short (no manifest yet) or damaged: the one before it
-    if resume is not None:
-        return _point(stores["resume"], resume, first_epoch, steps_per_epoch)
-    return None
-
-
-def _point(store, manifest: dict, first_epoch: int, steps_per_epoch: int):
-    local = manifest["epochs_done"] - first_epoch
-    return local * steps_per_epoch - 1, load_params(store, manifest), local, manifest["epochs_done"]
 
 
 def load_params(store, manifest: dict) -> np.ndarray:
@@ -470,32 +353,3 @@ def load_rank(manifest: dict, worker) -> None:
     worker.restored = True  # its lr schedule and batch counters are the checkpoint's (Worker.run)
 
 
-# ------------------------------------------------------------------------------------------ the driver
-def open_stores(checkpoint_dir: str | None, resume_from, spark_context) -> tuple[dict, dict | None]:
-    """The driver's stores by source ({"checkpoint": ..., "resume": ...}) and resume_from's manifest,
-    every file of it checked; checkpoint_dir writable and holding no later checkpoints. All before any
-    Spark job."""
-    stores: dict = {}
-    resume = None
-    if resume_from is not None:
-        root = checkpoint_root(resume_from, "resume_from")
-        try:
-            store = stores["resume"] = driver_store(root, spark_context)
-        except Exception as e:  # noqa: BLE001 - Hadoop's error (no FileSystem for the scheme, ...) via Py4J
-            raise ValueError(f"resume_from={root!r} cannot be read: {error_line(e)}") from e
-        resume = read_manifest(store, find(store), "resume")
-    if checkpoint_dir is not None:
-        try:
-            store = stores["checkpoint"] = driver_store(checkpoint_dir, spark_context)
-        except Exception as e:  # noqa: BLE001 - as above
-            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} is not writable: {error_line(e)}") from e
-        check_writable(store)
-        check_fresh(store, 0 if resume is None else resume["epochs_done"])
-    return stores, resume
-
-
-def start_service(stores: dict, key: bytes, bind: str, timeout: float):
-    """The driver's checkpoint service (ckpt_service.py) when a store is not local, else None."""
-    if all(isinstance(store, LocalStore) for store in stores.values()):
-        return None
-    return CheckpointService(stores, key, bind, timeout).start()

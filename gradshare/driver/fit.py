@@ -1,0 +1,333 @@
+"""`SharedTrainer.fit` as five stages, each a plain function of the trainer's options (plan.FitOptions):
+
+    prepare_data    the Spark job for the data, checkpoints opened, the model built, the pre-pass run and
+                    checked, the loss planned on one row, validation shards zipped in (before any training)
+    plan_run        the flat state, steps per epoch, the threshold rule, checkpoints and forwarding
+    start_relay     the relay (the master), with a fresh job key, on the host the workers reach
+    run_job         the barrier stage with one worker per partition; the relay's end state
+    collect_result  the replicas checked against the relay, the result model and the merged history
+
+The stages hand each other frozen records (Prepared, RunPlan, Outcome); the relay is closed by run_job
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import secrets
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from pyspark import RDD
+from torch import nn
+
+from gradshare.config import Metric, ThresholdRule, check_checkpoint_staleness, is_calibrated
+from gradshare.driver.checkpoint import (
+    Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
+)
+from gradshare.driver.history import Tallies, merge_history
+from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
+from gradshare.driver.plan import (
+    FitOptions, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
+)
+from gradshare.driver.relay_setup import join_window, snapshot_options
+from gradshare.driver.result import FitResult
+from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect, is_dataframe
+from gradshare.driver.stage import run_stage
+from gradshare.driver.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
+from gradshare.encoding import ResidualClipping, apply_update, decode_update
+from gradshare.encoding.aggregate import AggregateState
+from gradshare.errors import ConsistencyError
+from gradshare.replica.flat import FlatParams, load_int_buffers
+from gradshare.replica.losses import LossPlan, accuracy, accuracy_sums, plan_loss
+from gradshare.reports import Counters, WorkerReport
+from gradshare.task.batches import InputLayout, input_names, validation_arrays
+from gradshare.task.checkpoint import CheckpointPlan, load_params
+from gradshare.task.partition import PartitionSummary, summarise_partition
+from gradshare.task.shipping import pack_user_objects, skeleton
+from gradshare.task.worker import WorkerConfig
+from gradshare.task.worker import steps_per_epoch as steps_in
+from gradshare.transport import Relay, RelayTuning, new_job_key
+from gradshare.transport.protocol.events import Incident
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare_data` leaves: the job, the pre-pass's checked layout, the model and its loss plan."""
+
+    job: RddJob | FrameJob
+    summaries: list[PartitionSummary]
+    load_seconds: float  # the slowest partition's read in the pre-pass
+    features: InputLayout
+    model: nn.Module
+    plan: LossPlan
+    validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None  # the in-memory pair, as arrays
+    shards: bool  # validation shards are zipped into the training rows
+    metric: Metric | None
+    stores: Stores
+    resume: Manifest | None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What `plan_run` decides: the shared state, the steps, the rule, checkpoints and forwarding."""
+
+    flat: FlatParams
+    initial: np.ndarray  # the relay's first state: the model's, or the resumed checkpoint's
+    shipped: nn.Module  # the model's skeleton (meta tensors) that the job ships
+    drop_last: str
+    steps_per_epoch: tuple[int, ...]
+    rule: ThresholdRule
+    clip: ResidualClipping | None
+    saving: CheckpointPlan | None
+    first_epoch: int
+    epochs: int
+    scale: float  # apply scale: 1/N for aggregate="mean"
+    forwarding: str
+    aggregator: AggregateState | None
+
+
+@dataclass(frozen=True)
+class Started:
+    """The running relay, the job's key and id, and the host the workers reach the driver at."""
+
+    relay: Relay
+    key: bytes
+    job_id: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What `run_job` brings back from the stage and the relay."""
+
+    reports: list[WorkerReport]
+    final: np.ndarray
+    relay_hash: str
+    counters: Counters
+    tallies: Tallies
+    incidents: list[Incident]
+    rolled_back: list[dict[str, int]]
+    service_errors: list[str]
+    resume: Manifest | None  # with the checkpoint service's address where there is one
+
+
+def job_for(opts: FitOptions, data: object, features_col: str | list[str] | None, label_col: str | None,
+            resume_from: str | None) -> RddJob | FrameJob:
+    """The Spark side of the fit (job.py): a DataFrame on Spark Connect, or on a classic session
+    where it measured faster (job.frame_path), goes through mapInArrow; an RDD as it is."""
+    if is_dataframe(data):
+        if features_col is None or label_col is None:
+            raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
+        if is_connect(data):
+            check_connect(opts.validation_data, opts.checkpoint_dir, resume_from)
+            return FrameJob(data, features_col, label_col, opts.num_workers)
+        if frame_path(opts.validation_data):
+            return FrameJob(data, features_col, label_col, opts.num_workers)
+        return RddJob(dataframe_to_rdd(data, features_col, label_col), opts.num_workers)
+    if features_col is not None or label_col is not None:
+        raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
+                         "(features: one array, or a tuple of arrays for several inputs)")
+    check_rdd(data)
+    return RddJob(data, opts.num_workers)
+
+
+def prepare_data(opts: FitOptions, data: object, features_col: str | list[str] | None, label_col: str | None,
+                 resume_from: str | None) -> Prepared:
+    """Everything checked before training: the data, its validation shards, checkpoints, model, loss."""
+    job = job_for(opts, data, features_col, label_col, resume_from)
+    shards: RDD[tuple[object, object]] | None = None
+    if is_distributed(opts.validation_data):  # its columns are checked here, before any Spark job
+        shards = validation_rows(opts.validation_data, data, features_col, label_col)
+    if resume_from is not None:
+        check_checkpoint_staleness("resume_from", opts.staleness)
+    # a corrupt checkpoint fails here, before any Spark job
+    stores, resume = open_for_fit(opts.checkpoint_dir, resume_from, job.spark_context)
+    model = build_model(opts)
+    check_optimizer(opts, model)
+    # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
+    # as data, so the driver names partition and row instead of Spark retrying a failing task).
+    timed = job.prepass()
+    summaries = [s for s, _ in timed]
+    layout = check_summaries(summaries)
+    features, label_kind, label_shape = layout.features, layout.label_kind, layout.label_shape
+    # check_summaries raised for any partition with an error, and an empty one is an error
+    assert features is not None and label_kind is not None and label_shape is not None
+    names = input_names(features, (features_col,) if isinstance(features_col, str) else tuple(features_col or ()))
+    plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=opts.loss,
+                     train_step=opts.train_step, label_dtype=opts.label_dtype, input_names=names,
+                     label_range=layout.label_range)
+    validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
+    if shards is not None:
+        assert isinstance(job, RddJob)  # job_for keeps a fit with validation shards on the RDD path
+        shards = shards_of(shards, job.world)
+        shard_rows = check_shards(shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)])
+                                  .collect(), layout, names)
+        job.training = zip_shards(job.rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
+                                  shard_rows)
+    elif opts.validation_data is not None:
+        validation = validation_arrays(opts.validation_data, features, plan.label_dtype, label_shape)
+    # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
+    classes = plan.label_dtype == "int64" and opts.train_step is None
+    default = accuracy if validation is not None else accuracy_sums if shards is not None else None
+    return Prepared(job=job, summaries=summaries, load_seconds=max(seconds for _, seconds in timed),
+                    features=features, model=model, plan=plan, validation=validation, shards=shards is not None,
+                    metric=opts.metric or (default if classes else None), stores=stores, resume=resume)
+
+
+def plan_run(opts: FitOptions, prep: Prepared) -> RunPlan:
+    """The shared state and how the fit runs it: steps per epoch, the rule, checkpoints, forwarding."""
+    world, model = prep.job.world, prep.model
+    flat = FlatParams(model)  # raises on a model with no trainable parameters
+    initial = flat.host_state().copy()  # parameters, then float buffers (the state itself here: NumPy)
+    drop_last = drop_rule(opts, model)
+    # The job ships a skeleton: the flat state's tensors are meta tensors; the workers take their
+    # values from the relay's snapshot (shipping.py: the weights never sit twice in a worker).
+    shipped = skeleton(model, flat.tensors)
+    rows = {s.index: s.rows for s in prep.summaries}
+    steps_per_epoch = tuple(steps_in(rows[r], opts.batch_size, drop_last) for r in range(world))
+    empty = [r for r in range(world) if steps_per_epoch[r] == 0]
+    if empty:
+        raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
+                         f"{opts.batch_size} is left with drop_last={opts.drop_last!r}; repartition the "
+                         "data or lower batch_size")
+    rule = rule_for(opts, max(steps_per_epoch), world)
+    saving, first_epoch, epochs = checkpoint_plan(opts, model, world, steps_per_epoch, prep.resume)
+    if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
+        initial = load_params(prep.stores["resume"], prep.resume)
+    # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
+    # checkpointed fit per-rank, so that a resumed one stays bit-identical
+    checkpointed = opts.checkpoint_dir is not None or prep.resume is not None
+    forwarding = forwarding_for(opts.forwarding, world, checkpointed)
+    if checkpointed and forwarding == "aggregate":
+        raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
+                         "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
+    aggregator = None
+    if forwarding == "aggregate":
+        # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
+        agg_rule = copy.deepcopy(rule) if is_calibrated(rule) else None
+        aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
+    return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
+                   rule=rule, clip=clipping(opts), saving=saving, first_epoch=first_epoch, epochs=epochs,
+                   scale=1.0 / world if opts.aggregate == "mean" else 1.0, forwarding=forwarding,
+                   aggregator=aggregator)
+
+
+def checkpoint_plan(opts: FitOptions, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
+                    resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
+    """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
+    if opts.checkpoint_dir is None and resume is None:
+        return None, 0, opts.epochs
+    if len(set(steps_per_epoch)) > 1:
+        raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
+                         f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
+    shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+    job = job_of(world, steps_per_epoch, opts.batch_size, opts.seed, shapes)
+    return plan_for_fit(opts.checkpoint_dir, opts.checkpoint_every, opts.epochs, job, resume)
+
+
+def start_relay(opts: FitOptions, prep: Prepared, run: RunPlan) -> Started:
+    """The relay (the master) with a fresh job key and id, and the host the workers reach it at."""
+    key, job_id = new_job_key(), secrets.randbits(31)
+    host = prep.job.driver_host(opts.advertise_host)
+    tuning = RelayTuning(liveness_timeout=opts.liveness_timeout, on_rank_loss=opts.on_rank_loss,
+                         give_up_after=opts.timeout, step_timeout=opts.step_timeout,
+                         join_window=join_window(opts.timeout, opts.liveness_timeout, prep.load_seconds),
+                         forwarding=run.forwarding, **snapshot_options(host, opts.datagram_size))
+    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=opts.port, bind=opts.bind,
+                  datagram_size=opts.datagram_size, insecure=opts.insecure, tuning=tuning,
+                  decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
+                  apply_update=functools.partial(apply_update, scale=run.scale),
+                  rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
+                  aggregator=run.aggregator).start()
+    return Started(relay, key, job_id, host)
+
+
+def run_job(opts: FitOptions, prep: Prepared, run: RunPlan, started: Started) -> Outcome:
+    """The barrier stage against the started relay, then the relay's end state; closes the relay (and
+    the checkpoint service) whatever happens."""
+    relay, service = started.relay, None
+    try:
+        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key, opts.bind,
+                                                    started.host, opts.timeout)
+        cfg = worker_config(opts, prep, replace(run, saving=saving), resume, started)
+        window = join_window(opts.timeout, opts.liveness_timeout, prep.load_seconds)
+        reports = run_stage(prep.job, cfg, relay, window, opts.verbose)
+        relay.wait_finished(opts.timeout)
+        final = relay.params
+        relay_hash = relay.param_hash()
+        counters = Counters.from_dict(relay.counters())
+        tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
+    finally:
+        relay.close()
+        if service is not None:
+            service.close()
+    # connections the checkpoint service refused or lost (a worker's own failed call raises in it)
+    service_errors = [] if service is None else list(service.errors)
+    return Outcome(reports=reports, final=final, relay_hash=relay_hash, counters=counters, tallies=tallies,
+                   incidents=incidents, rolled_back=rolled_back, service_errors=service_errors, resume=resume)
+
+
+def worker_config(opts: FitOptions, prep: Prepared, run: RunPlan, resume: Manifest | None,
+                  started: Started) -> WorkerConfig:
+    """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py)."""
+    assert started.relay.address is not None  # start() bound it
+    return pack_user_objects(WorkerConfig(
+        relay_address=(started.host, started.relay.address[1]), key=started.key, job_id=started.job_id,
+        world_size=prep.job.world,
+        model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=opts.optimizer,
+        threshold_rule=run.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
+        epochs=run.epochs, batch_size=opts.batch_size, staleness=opts.staleness, seed=opts.seed,
+        label_dtype=prep.plan.label_dtype, datagram_size=opts.datagram_size, timeout=opts.timeout,
+        insecure=opts.insecure, spill_bytes=opts.spill_bytes, validation=prep.validation,
+        metric=prep.metric, lookahead=opts.lookahead, **opts.worker_options,
+        lr_scheduler=opts.lr_scheduler, scheduler_interval=opts.scheduler_interval,
+        follow_lr=opts.follow_lr, local_view=opts.local_view, apply_scale=run.scale, drop_last=run.drop_last,
+        precision=opts.precision, train_step=prep.plan.step, device=opts.device, n_state=int(run.initial.size),
+        early_stopping=opts.early_stopping, on_epoch_end=opts.on_epoch_end,
+        checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
+    ))
+
+
+def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float) -> FitResult:
+    """The replicas checked against the relay (ConsistencyError on a mismatch), the model given the
+    relay's parameters and rank 0's integer buffers, and the history merged over the workers."""
+    bad = [(r.rank, r.param_hash) for r in out.reports if r.param_hash != out.relay_hash]
+    if bad:
+        raise ConsistencyError(f"replicas diverged from the relay (hash {out.relay_hash}): "
+                               + ", ".join(f"rank {r} has {h}" for r, h in bad))
+    model, flat, first_epoch = prep.model, run.flat, run.first_epoch
+    flat.load(out.final)
+    with torch.no_grad():  # give the result its own per-tensor storages (see `shipped`)
+        for t in flat.tensors:
+            t.data = t.data.clone()
+    reports = sorted(out.reports, key=lambda r: r.rank)
+    load_int_buffers(model, dict(reports[0].int_buffers))
+    stopped = reports[0].stopped_epoch  # the log carried it: every rank has the same one
+    epochs_run = run.epochs if stopped is None else stopped + 1
+    merged, skipped = merge_history(reports, out.tallies, run.steps_per_epoch, epochs_run)
+    # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
+    history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=prep.plan.name).as_dict() for row in merged]
+    extra: dict[str, Any] = {
+        "loss": prep.plan.name, "label_dtype": prep.plan.label_dtype, "inputs": prep.features.describe(),
+        "probe": prep.plan.probe, "incidents": [i.describe() for i in out.incidents],
+        "stopped_epoch": _offset(stopped, first_epoch),
+        "stop_requested_epoch": _offset(reports[0].stop_requested_epoch, first_epoch),
+        "resumed_from": None if out.resume is None else out.resume["directory"],
+        # a retried stage restarted at a checkpoint: the steps it went back from and to
+        "rolled_back": out.rolled_back,
+        "checkpoint_service_errors": out.service_errors,
+        "forwarding": run.forwarding}
+    return FitResult(
+        model=model, history=history, counters=out.counters, worker_reports=reports,
+        param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,
+        steps=max(r.last_step for r in reports) + 1, resumed_from=max(r.start_step for r in reports),
+        seconds=time.monotonic() - t_start, extra=extra, skipped_steps=skipped)
+
+
+def _offset(epoch: int | None, first_epoch: int) -> int | None:
+    return None if epoch is None else epoch + first_epoch

@@ -1,0 +1,201 @@
+"""What a SharedTrainer's options become at the start of a fit, before any Spark job: the model built,
+the optimizer and scheduler tried once, the threshold rule each worker starts from, drop_last's rule
+and the relay's forwarding mode.
+
+`FitOptions` is the trainer's options as the fit reads them (a frozen copy taken when `fit` starts),
+so the fit's stages (fit.py) are plain functions of it and import nothing of trainer.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradshare.config import (
+    DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
+    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, ThresholdRule, TrainStep,
+    ValidationData, WorkerFlags, is_calibrated,
+)
+from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
+from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY
+from gradshare.stopping import EarlyStopping
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """A SharedTrainer's options as its fit reads them (the attributes of the same names)."""
+
+    model: ModelSpec
+    loss: LossFn | None
+    optimizer: OptimizerFactory
+    train_step: TrainStep | None
+    threshold: float | Literal["auto"]
+    threshold_algorithm: ThresholdAlgorithm
+    auto: bool
+    density: float | None
+    warmup: float
+    warmup_density: float | None
+    options: Mapping[str, Any]  # as given to SharedTrainer (warmup=None: the default warm-up)
+    port: int
+    bind: str
+    advertise_host: str | None
+    batch_size: int
+    epochs: int
+    num_workers: int | None
+    staleness: int
+    lookahead: bool
+    residual_clip: float | None
+    seed: int
+    verbose: int
+    validation_data: ValidationData | None
+    metric: Metric | None
+    early_stopping: EarlyStopping | None
+    on_epoch_end: tuple[EpochCallback, ...]
+    label_dtype: LabelDtype | None
+    datagram_size: int
+    timeout: float
+    liveness_timeout: float
+    on_rank_loss: OnRankLoss
+    step_timeout: float
+    spill_bytes: int
+    insecure: bool
+    worker_options: WorkerFlags
+    lr_scheduler: SchedulerFactory | None
+    scheduler_interval: SchedulerInterval
+    follow_lr: bool
+    local_view: bool
+    aggregate: Aggregate
+    forwarding: Forwarding
+    drop_last: bool | Literal["auto"]
+    precision: Precision
+    device: str
+    checkpoint_dir: str | None
+    checkpoint_every: int
+
+    @classmethod
+    def of(cls, trainer: object) -> FitOptions:
+        """The options `trainer` (a SharedTrainer) holds now."""
+        return cls(**{f.name: getattr(trainer, f.name) for f in fields(cls)})
+
+
+def build_model(opts: FitOptions) -> nn.Module:
+    """A copy of the user's model, or the factory's model built after ``torch.manual_seed(seed)``."""
+    spec: object = opts.model  # the user's: checked here, whatever the annotation promises
+    if isinstance(spec, nn.Module):
+        return copy.deepcopy(spec)
+    if callable(spec):
+        torch.manual_seed(opts.seed)
+        model: object = spec()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model factory returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(spec).__name__}")
+
+
+# The warm-up's first density, shared by the workers: each starts at this ÷ N. Every replica applies all N
+# workers' messages, so at N = 4 four workers at 0.1 each moved the model as one at ~0.4 and the digits MLP
+# was slower in its first epochs than at 0.05 each (seeds 0-2 after epoch 3: 89.5 against 90.9 %, DDP's
+# 90.5 %); at N = 2 this is the 0.1 that measured best (docs/benchmarks/convergence.md, lock step).
+DEFAULT_WARMUP_SHARED_DENSITY = 0.2
+
+
+def warmup_start(world: int) -> float:
+    """The default warm-up's first density per worker among ``world`` (never above the single worker's)."""
+    return min(DEFAULT_WARMUP_DENSITY, DEFAULT_WARMUP_SHARED_DENSITY / max(world, 1))
+
+
+def rule_for(opts: FitOptions, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
+    """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
+    algo = opts.threshold_algorithm
+    if is_calibrated(algo):
+        return copy.deepcopy(algo)
+    if opts.auto:
+        steps = round(opts.warmup * steps_per_epoch)
+        if opts.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
+            steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
+        # None: CalibratedThreshold's own defaults
+        return CalibratedThreshold(
+            density=DEFAULT_DENSITY if opts.density is None else opts.density, warmup_steps=steps,
+            warmup_density=warmup_start(world) if opts.warmup_density is None else opts.warmup_density)
+    tau = float(opts.threshold)  # not "auto" here: the number TrainConfig checked
+    if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
+        return FixedThreshold(tau) if algo == "fixed" else AdaptiveThreshold(initial=tau)
+    if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
+        raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
+    return copy.deepcopy(algo)
+
+
+def check_optimizer(opts: FitOptions, model: nn.Module) -> None:
+    """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
+    any Spark job, not on every executor after the data is loaded."""
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(f"module {sparse[0]!r} is an embedding with sparse=True: gradshare needs dense gradients "
+                         "(its updates are sparse on the wire already); build it with sparse=False and use a "
+                         "dense optimizer such as Adam or AdamW")
+    trainable = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
+    if not trainable:  # FlatParams names it: nothing to train or share
+        return
+    optimizer = opts.optimizer(trainable)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("optimizer: SparseAdam needs sparse gradients, and gradshare trains with dense ones (its "
+                         "updates are sparse on the wire already); use Adam or AdamW")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
+                         "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
+                         "as Adam, AdamW or SGD")
+    if opts.lr_scheduler is not None:
+        check_scheduler(opts.lr_scheduler, optimizer)
+
+
+def check_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> None:
+    """The scheduler `factory` builds for `optimizer`: one of steps or epochs, bound to that optimizer."""
+    scheduler = factory(optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("lr_scheduler: ReduceLROnPlateau is not supported: it steps on a metric, and "
+                         "each worker would see its own; use a schedule of steps or epochs")
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"lr_scheduler must return a torch.optim.lr_scheduler.LRScheduler for the optimizer "
+                        f"it is given, got {type(scheduler).__name__}")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
+                         "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
+
+
+def drop_rule(opts: FitOptions, model: nn.Module) -> str:
+    """drop_last as the worker's rule ("never" | "single" | "partial", worker.steps_per_epoch)."""
+    if opts.drop_last == "auto":
+        return "single" if any(isinstance(m, _BatchNorm) for m in model.modules()) else "never"
+    return "partial" if opts.drop_last else "never"
+
+
+def clipping(opts: FitOptions) -> ResidualClipping | None:
+    if opts.residual_clip is None:
+        return None
+    return ResidualClipping(clip=float(opts.residual_clip))
+
+
+# forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
+# cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
+# accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
+# 14 ms, per-rank retransmitting; docs/benchmarks/scale.md, docs/bench-scale*.json)
+AGGREGATE_FROM = 16
+
+
+def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False) -> str:
+    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM, and
+    per-rank for a checkpointed fit (a checkpoint does not hold the relay's aggregation residual)."""
+    if forwarding == "auto":
+        return "aggregate" if world_size >= AGGREGATE_FROM and not checkpointed else "per-rank"
+    return forwarding

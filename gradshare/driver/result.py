@@ -1,0 +1,70 @@
+"""FitResult: what `SharedTrainer.fit` returns (the model with the relay's parameters, the history, the
+transport's counters and the workers' reports)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from gradshare.driver.plotting import plot_result
+from gradshare.reports import Counters, WorkerReport
+
+
+@dataclass
+class FitResult:
+    """What `fit` returns. `history` has one dict per epoch (see `SharedTrainer.fit`)."""
+
+    model: nn.Module
+    # EpochStats.as_dict() rows: plain dicts users index, JSON-dump and log. Values are of the row's
+    # several types (int, float, str, bool, None), read by key: Any, as the bare `dict` said before.
+    history: list[dict[str, Any]]
+    counters: Counters  # the relay's transport counters (read like a dict: counters["applied"])
+    worker_reports: list[WorkerReport]  # one per rank (read like a dict: report["param_hash"])
+    param_hash: str
+    world_size: int
+    n_params: int
+    steps: int  # steps of the longest-running rank
+    resumed_from: int  # 0, or the step a retried stage continued from
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)  # fit's docstring lists the keys; values of several types
+    # steps of data the log went on without (only on_rank_loss="continue" skips any)
+    skipped_steps: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """UDP bytes the workers sent (datagrams incl. headers, acks and retransmits)."""
+        return sum(r.counters.bytes_sent for r in self.worker_reports)
+
+    @property
+    def bytes_received(self) -> int:
+        """UDP bytes the workers received for training (the model's snapshot downloads apart)."""
+        return sum(r.counters.training_bytes_in for r in self.worker_reports)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """UDP bytes of the model's downloads from the relay: every worker's initial state (4 B × the
+        state's entries, plus headers) and a resumed attempt's. Not in `bytes_received`/`traffic_ratio`:
+        it is the model's distribution, once per task, not the training's traffic."""
+        return sum(r.counters.snapshot_bytes_in for r in self.worker_reports)
+
+    @property
+    def dense_bytes(self) -> int:
+        """What dense float32 sharing would move for the same steps: each worker sends 4·N bytes per
+        step and receives every other worker's 4·N (a parameter-server / relay layout)."""
+        steps = sum(r.last_step + 1 for r in self.worker_reports)
+        return 4 * self.n_params * steps * self.world_size
+
+    @property
+    def traffic_ratio(self) -> float:
+        """dense bytes ÷ bytes actually moved (sent + received by the workers)."""
+        moved = self.bytes_sent + self.bytes_received
+        return self.dense_bytes / moved if moved else math.inf
+
+    def plot(self, path: str | os.PathLike[str]) -> str:
+        """Write a PNG of loss, validation metric and traffic per epoch to `path` (gradshare/driver/plotting.py;
+        needs matplotlib). Returns the path."""
+        return plot_result(self, path)

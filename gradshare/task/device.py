@@ -1,0 +1,23 @@
+"""The torch device of a Spark task's worker: `replica.device.resolve_device` with the running task's
+context, so that "auto" takes the GPU Spark gave this task (two tasks on one executor host must not
+both pick cuda:0). The replica's module takes the context as an argument and imports no pyspark.
+"""
+
+from __future__ import annotations
+
+from pyspark import TaskContext
+
+from gradshare.replica import device as _replica
+
+_FROM_SPARK = object()  # default of ``task_context``: ask pyspark
+
+
+def _spark_task_context():
+    return TaskContext.get()  # None on the driver and outside Spark
+
+
+def resolve_device(device="auto", *, task_context=_FROM_SPARK, cuda_count: int | None = None):
+    """`replica.device.resolve_device` with ``task_context`` defaulting to the running Spark task's."""
+    if task_context is _FROM_SPARK:
+        task_context = _spark_task_context()
+    return _replica.resolve_device(device, task_context=task_context, cuda_count=cuda_count)
