@@ -85,8 +85,15 @@ def test_run_long_decay_is_a_floor_under_the_warm_up_and_ends_at_the_density():
     assert targets[128:] == [2e-3] * 12
     high = CalibratedThreshold(density=2e-3, warmup_steps=10, warmup_density=0.5, decay_from=0.02, decay_steps=128)
     assert high.target(0, 10**7) == pytest.approx(0.5)  # a warm-up above the decay keeps its ramp
+    unplanned = CalibratedThreshold(decay_from=0.02)  # decay_steps 0: the run's, filled in by for_run
     with pytest.raises(ValueError, match="decay_from needs decay_steps"):
-        CalibratedThreshold(decay_from=0.02)
+        unplanned.target(0, 10**7)
+    planned = unplanned.for_run(128)
+    assert (planned.decay_steps, unplanned.decay_steps) == (128, 0)  # a copy; the rule given stays as it was
+    assert planned.target(0, 10**7) == pytest.approx(0.02)
+    assert rule.for_run(7).decay_steps == 128  # steps a user gave are kept
+    with pytest.raises(ValueError, match="steps"):
+        unplanned.for_run(0)
     with pytest.raises(ValueError, match="decay_from must be 0"):
         CalibratedThreshold(decay_from=2.0, decay_steps=10)
 

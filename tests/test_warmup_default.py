@@ -6,6 +6,7 @@ import pytest
 from torch import nn
 
 from gradshare import SharedTrainer
+from gradshare.encoding import CalibratedThreshold
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 
 N_PARAMS = 10_000_000  # large enough that the 768-entry floor stays below the density
@@ -53,3 +54,19 @@ def test_the_workers_share_the_warmups_first_density():
 def test_a_given_warmup_density_is_taken_as_given_whatever_the_workers():
     for n in (2, 4, 8):
         assert SharedTrainer(model, warmup_density=0.3)._rule_for(12, n).target(0, N_PARAMS) == pytest.approx(0.3)
+
+
+def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
+    from gradshare.driver.plan import FitOptions, rule_for
+    from gradshare.encoding.threshold import DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, DEFAULT_DENSITY
+
+    trainer = SharedTrainer(nn.Linear(4, 2), epochs=8)
+    small, large = (rule_for(FitOptions.of(trainer), 16, n) for n in (16, 64))
+    assert small.decay_from == 0.0 and small.lr_factor(0, N_PARAMS) == 1.0  # below 32 workers: as it was
+    assert (large.decay_from, large.decay_lr_power, large.decay_steps) == (DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, 8 * 16)
+    assert large.target(0, N_PARAMS) == pytest.approx(DEFAULT_DECAY_FROM)
+    assert large.target(8 * 16, N_PARAMS) == pytest.approx(DEFAULT_DENSITY)
+    assert large.lr_factor(0, N_PARAMS) == pytest.approx((DEFAULT_DENSITY / DEFAULT_DECAY_FROM) ** DEFAULT_DECAY_LR_POWER)
+    given = CalibratedThreshold(density=1e-3, decay_from=0.01)  # a user's rule: its decay spans the run too
+    users = rule_for(FitOptions.of(SharedTrainer(nn.Linear(4, 2), epochs=3, threshold_algorithm=given)), 10, 64)
+    assert (users.decay_from, users.decay_steps, given.decay_steps) == (0.01, 30, 0)

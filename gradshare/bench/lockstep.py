@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from gradshare import encoding
+from gradshare.encoding.threshold import default_decay
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
@@ -94,9 +95,11 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
     warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
-    if rule and rule.get("decay_from") and "decay_steps" not in rule:  # the run's planned steps
-        rule = dict(rule, decay_steps=max(spe) * epochs)
     rule_obj = make_rule(rule)
+    if isinstance(rule_obj, encoding.CalibratedThreshold) and not {"decay_from", "decay_lr_power"} & set(rule or {}):
+        rule_obj.decay_from, rule_obj.decay_lr_power = default_decay(world)  # what SharedTrainer's rule gives
+    if isinstance(rule_obj, encoding.CalibratedThreshold):
+        rule_obj = rule_obj.for_run(max(spe) * epochs)  # a run-long decay spans the run's planned steps
     if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
         rule_obj.warmup_steps = warmup
     if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_density" not in (rule or {}):

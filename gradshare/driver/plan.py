@@ -24,7 +24,7 @@ from gradshare.config import (
     ValidationData, WorkerFlags, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
-from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY
+from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, default_decay
 from gradshare.stopping import EarlyStopping
 
 
@@ -114,16 +114,19 @@ def warmup_start(world: int) -> float:
 def rule_for(opts: FitOptions, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
     """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
     algo = opts.threshold_algorithm
+    run_steps = opts.epochs * steps_per_epoch  # what a run-long density decay spans
     if is_calibrated(algo):
-        return copy.deepcopy(algo)
+        return algo.for_run(run_steps)
     if opts.auto:
         steps = round(opts.warmup * steps_per_epoch)
         if opts.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
             steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
+        decay_from, lr_power = default_decay(world)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
             density=DEFAULT_DENSITY if opts.density is None else opts.density, warmup_steps=steps,
-            warmup_density=warmup_start(world) if opts.warmup_density is None else opts.warmup_density)
+            warmup_density=warmup_start(world) if opts.warmup_density is None else opts.warmup_density,
+            decay_from=decay_from, decay_lr_power=lr_power).for_run(run_steps)
     tau = float(opts.threshold)  # not "auto" here: the number TrainConfig checked
     if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
         return FixedThreshold(tau) if algo == "fixed" else AdaptiveThreshold(initial=tau)

@@ -15,6 +15,7 @@ encode, the others only advance after it.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +54,25 @@ DEFAULT_MIN_ENTRIES = 768
 FLOOR_MAX_DENSITY = 0.05
 # The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, docs/benchmarks/convergence.md).
 DEFAULT_WARMUP_DENSITY = 0.1
+# From 32 workers on, the default rule decays the density over the run, from 2 % of the entries to the
+# density, and lowers each worker's lr by (density / target) ** 0.35 meanwhile (CalibratedThreshold's
+# run-long decay). Why: with N workers each worker's entry waits ~1/density steps in its residual while
+# a 64-worker run is only ~100 steps long. Lock step, 3 seeds, last-3 test accuracy (docs/design.md,
+# "What we tried: learning at 64 workers"): tabular64k N = 64 81.9 -> 82.7 %, MNIST-1D MLP N = 64
+# 70.5 -> 73.2 % (tuned DDP 85.8 / 73.0), N = 32 MNIST-1D 82.0 -> 83.2 %; at N = 16 it bought nothing
+# (tabular64k 87.7 -> 87.6 %), so below 32 workers the rule stays as it was.
+DECAY_FROM_WORKERS = 32
+DEFAULT_DECAY_FROM = 0.02
+DEFAULT_DECAY_LR_POWER = 0.35
+
+
+def default_decay(world: int) -> tuple[float, float]:
+    """(decay_from, decay_lr_power) of the default rule at ``world`` workers; (0, 0) is no decay."""
+    if world >= DECAY_FROM_WORKERS:
+        return DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER
+    return 0.0, 0.0
+
+
 # Under a decaying learning rate the density rises as (peak rate / rate) ** LR_EXPONENT, at most
 # MAX_LR_BOOST times (docs/benchmarks/convergence.md, "Density follows the learning rate"): on the digits MLP with cosine
 # annealing, N = 4, seeds 0-2 (lock step), the last-3 accuracy rose from 96.37 to 97.06 % (DDP 96.96)
@@ -249,12 +269,14 @@ class CalibratedThreshold(_HeldThreshold):
     Warm-up (DGC): for the first ``warmup_steps`` steps the target falls geometrically from
     ``warmup_density`` to the density, so the first steps, where the model moves most, send more.
 
-    Run-long decay (``decay_from`` > 0, ``decay_steps`` the run's planned steps): the target is at least
+    Run-long decay (``decay_from`` > 0, ``decay_steps`` the run's planned steps; 0 until `for_run`
+    fills it in, as SharedTrainer does): the target is at least
     ``density × (decay_from / density) ** (1 − step / decay_steps)``, more entries early in the run. Why:
     at 64 workers a run is ~128 steps of each worker, while an entry of average size waits ~1/density
     steps in the residual; paying for that delay early took tabular64k from 81.8 to 83.9 % in lock step
-    (docs/design.md, "What we tried: learning at 64 workers"). Off by default: on MNIST-1D it costs
-    unless each worker's lr is lowered while the density is high (``decay_lr_power``, `lr_factor`).
+    (docs/design.md, "What we tried: learning at 64 workers"). On MNIST-1D it costs unless each worker's
+    lr is lowered while the density is high (``decay_lr_power``, `lr_factor`). SharedTrainer's default
+    rule turns both on from 32 workers (`default_decay`).
 
     Learning rate (``follow_lr``, called by SharingState with each step's rate): after the warm-up the
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
@@ -289,14 +311,19 @@ class CalibratedThreshold(_HeldThreshold):
         self.decay_steps = _int_at_least("decay_steps", self.decay_steps, 0)
         if not (math.isfinite(self.decay_from) and 0.0 <= self.decay_from <= 1.0):
             raise ValueError(f"decay_from must be 0 (off) or a share of entries in (0, 1], got {self.decay_from!r}")
-        if self.decay_from > 0.0 and self.decay_steps == 0:
-            raise ValueError("decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch)")
         if not (math.isfinite(self.decay_lr_power) and self.decay_lr_power >= 0.0):
             raise ValueError(f"decay_lr_power must be finite and >= 0, got {self.decay_lr_power!r}")
         if not (math.isfinite(self.lr_exponent) and self.lr_exponent >= 0.0):
             raise ValueError(f"lr_exponent must be finite and >= 0, got {self.lr_exponent!r}")
         if not (math.isfinite(self.max_lr_boost) and self.max_lr_boost >= 1.0):
             raise ValueError(f"max_lr_boost must be finite and >= 1, got {self.max_lr_boost!r}")
+
+    def for_run(self, steps: int) -> CalibratedThreshold:
+        """A copy whose run-long decay spans ``steps`` (the run's planned steps) where it was left at 0."""
+        rule = copy.deepcopy(self)
+        if rule.decay_from > 0.0 and rule.decay_steps == 0:
+            rule.decay_steps = _int_at_least("steps", steps, 1)
+        return rule
 
     def follow_lr(self, lr: float) -> None:
         """The coming step's learning rate (> 0): sets the density's factor (class docstring)."""
@@ -315,6 +342,9 @@ class CalibratedThreshold(_HeldThreshold):
             start = max(self.warmup_density, density)
             ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)   # float ** float: typed Any
             target = density * ramp
+        if self.decay_from > 0.0 and self.decay_steps == 0:
+            raise ValueError("decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch); "
+                             "SharedTrainer fills it in (for_run), a rule used on its own must be given it")
         if self.decay_from > 0.0 and step < self.decay_steps:
             decay: float = (max(self.decay_from, density) / density) ** (1.0 - step / self.decay_steps)
             target = max(target, density * decay)
