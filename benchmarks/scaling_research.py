@@ -237,7 +237,7 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         fold="g", vwarm=None, beta=0.9, nesterov=False, mom_mask=True, eps=1e-8, gclip=0.0, factor="rowcol",
         outer_mom=0.0, outer_lr=1.0, b2=0.999, glr=None, gview=False, nden=0.0,
         # round-2 knobs
-        vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, **extra):
+        vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, lrcomp_until=None, **extra):
     torch.set_num_threads(int(os.environ.get("SR_THREADS", "1")))
     dev = torch.device("cpu")
     Xtr, ytr, Xte, yte = load_workload(workload, seed)
@@ -270,6 +270,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             enc.sched = lambda t: c_ / (t + 1)
         elif kind_ == "T":  # flat c / T (steps per worker in the run)
             enc.sched = lambda t: c_ / T
+        elif kind_ == "rampgeo":  # the warm-up's ramp up to c over the warm-up, then geometric to the density
+            enc.sched = lambda t: (wdens * (c_ / wdens) ** (t / wsteps) if t < wsteps
+                                   else density * (c_ / density) ** (1.0 - (t - wsteps) / max(1, T - wsteps)))
     om = torch.zeros(P) if outer_mom else None
 
     def outer(a):  # optional outer (SNOO-style) momentum on the aggregated step, shared state
@@ -334,7 +337,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             # today's design (and the global modes' warm-up): own Adam at the local view P + S·r
             pts = p + enc.r * S if view else p.expand(N, P)
             rp.grad = model.grads(pts, X, y)
-            if lrcomp:  # own-Adam lr × (base density / this step's scheduled density)^lrcomp
+            if lrcomp and (lrcomp_until is None or t >= lrcomp_until):
+                opt.param_groups[0]["lr"] = lr
+            if lrcomp and (lrcomp_until is None or t < lrcomp_until):  # own-Adam lr × (base density / this step's scheduled density)^lrcomp
                 dt = enc.target(t) if enc.sched is None else max(enc.target(t), enc.sched(t))
                 opt.param_groups[0]["lr"] = lr * (max(density, enc.floor) / dt) ** lrcomp
             opt.step()
