@@ -129,6 +129,7 @@ class TrainConfig:
     density: float | None = None
     warmup: float | None = None  # None: DEFAULT_WARMUP_EPOCHS, and at least DEFAULT_WARMUP_MIN_STEPS steps
     warmup_density: float | None = None
+    decay_from: float | None = None  # None: default_decay(N), 2e-2 from 32 workers, 0 (off) below
     lr_scheduler: SchedulerFactory | None = None
     scheduler_interval: SchedulerInterval = "step"
     follow_lr: bool = True
@@ -180,7 +181,8 @@ class TrainConfig:
                                   and threshold > 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be 'auto' or a positive finite number, got {threshold!r}")
         tuning = {k: v for k, v in (("density", self.density), ("warmup", self.warmup),
-                                    ("warmup_density", self.warmup_density)) if v is not None}
+                                    ("warmup_density", self.warmup_density), ("decay_from", self.decay_from))
+                  if v is not None}
         if not self.auto and tuning:
             raise ValueError(f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
                              "(drop them, or pass threshold='auto')")
@@ -207,7 +209,8 @@ class TrainConfig:
             defaults = CalibratedThreshold()
             CalibratedThreshold(density=defaults.density if self.density is None else self.density,
                                 warmup_density=defaults.warmup_density if self.warmup_density is None
-                                else self.warmup_density)
+                                else self.warmup_density,
+                                decay_from=0.0 if self.decay_from is None else self.decay_from)
 
     def _check_choices(self) -> None:
         from gradshare.replica.device import check_device

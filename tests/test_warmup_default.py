@@ -70,3 +70,11 @@ def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
     given = CalibratedThreshold(density=1e-3, decay_from=0.01)  # a user's rule: its decay spans the run too
     users = rule_for(FitOptions.of(SharedTrainer(nn.Linear(4, 2), epochs=3, threshold_algorithm=given)), 10, 64)
     assert (users.decay_from, users.decay_steps, given.decay_steps) == (0.01, 30, 0)
+    off, on = (rule_for(FitOptions.of(SharedTrainer(nn.Linear(4, 2), epochs=2, decay_from=d)), 10, n)
+               for d, n in ((0.0, 64), (0.05, 4)))
+    assert off.decay_from == 0.0 and off.lr_factor(0, N_PARAMS) == 1.0  # decay_from=0: off at any N
+    assert (on.decay_from, on.decay_lr_power, on.decay_steps) == (0.05, DEFAULT_DECAY_LR_POWER, 20)
+    with pytest.raises(ValueError, match="decay_from"):
+        SharedTrainer(nn.Linear(4, 2), decay_from=1.5)
+    with pytest.raises(ValueError, match="decay_from"):
+        SharedTrainer(nn.Linear(4, 2), threshold=1e-3, decay_from=0.02)  # it tunes threshold="auto"

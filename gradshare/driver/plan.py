@@ -24,7 +24,7 @@ from gradshare.config import (
     ValidationData, WorkerFlags, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
-from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, default_decay
+from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
 from gradshare.stopping import EarlyStopping
 
 
@@ -42,6 +42,7 @@ class FitOptions:
     density: float | None
     warmup: float
     warmup_density: float | None
+    decay_from: float | None
     options: Mapping[str, Any]  # as given to SharedTrainer (warmup=None: the default warm-up)
     port: int
     bind: str
@@ -122,6 +123,8 @@ def rule_for(opts: FitOptions, steps_per_epoch: int, world: int = 2) -> Threshol
         if opts.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
             steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
         decay_from, lr_power = default_decay(world)
+        if opts.decay_from is not None:  # the user's, with the default lr power wherever it is on
+            decay_from, lr_power = opts.decay_from, DEFAULT_DECAY_LR_POWER if opts.decay_from else 0.0
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
             density=DEFAULT_DENSITY if opts.density is None else opts.density, warmup_steps=steps,

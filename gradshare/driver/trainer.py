@@ -99,6 +99,10 @@ class SharedTrainer:
         as given). A small model sends at least 768 entries a step (up to 5 % of them) whatever the density
         (`CalibratedThreshold.min_entries`: one datagram's worth); pass a `CalibratedThreshold` as
         threshold_algorithm to change that.
+    decay_from: with threshold="auto", the density the run starts from, falling geometrically to
+        ``density`` over the whole run while each worker's lr is × (density ÷ that density) ** 0.35
+        (a floor under the warm-up; docs/guide/convergence.md, "Run-long decay"). Default: 0.02 from 32
+        workers on, off (0) below, as measured in lock step; 0 turns it off at any N.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -264,6 +268,7 @@ class SharedTrainer:
         density: float | None = TrainConfig.density,
         warmup: float | None = TrainConfig.warmup,
         warmup_density: float | None = TrainConfig.warmup_density,
+        decay_from: float | None = TrainConfig.decay_from,
         lr_scheduler: SchedulerFactory | None = TrainConfig.lr_scheduler,
         scheduler_interval: SchedulerInterval = TrainConfig.scheduler_interval,
         follow_lr: bool = TrainConfig.follow_lr,
@@ -293,6 +298,7 @@ class SharedTrainer:
         self.density = density  # None: CalibratedThreshold's default
         self.warmup = config.warmup_epochs
         self.warmup_density = warmup_density
+        self.decay_from = decay_from  # None: by the number of workers (encoding.threshold.default_decay)
         self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
         self.follow_lr = bool(follow_lr)
         self.local_view = bool(local_view)
