@@ -13,7 +13,7 @@ from pyspark import cloudpickle
 from gradshare.task.partition import PartitionData
 from gradshare.task.spill import BlockShuffle, SpillError, block_layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 # Executors cannot import this test module: ship its row generator by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -28,6 +28,7 @@ def _store(service, key=None, timeout=5.0):
     return ServiceStore(s.address, key or job_key, "checkpoint", 1, timeout, "viewfs://x/ckpt")
 
 
+@pytest.mark.sockets
 def test_files_stream_through_in_bounded_chunks_and_come_back_whole(service):
     store = _store(service)
     array = np.random.default_rng(0).standard_normal(700_000).astype(np.float32)  # 2.8 MB: several frames
@@ -49,6 +50,7 @@ def test_files_stream_through_in_bounded_chunks_and_come_back_whole(service):
         b"".join(store.read("nope"))
 
 
+@pytest.mark.sockets
 def test_another_jobs_key_and_names_outside_the_store_are_refused(service):
     s, key, root = service
     with pytest.raises(CheckpointError, match="rank 1's checkpoint write of viewfs://x/ckpt/x.bin"):
@@ -64,6 +66,7 @@ def test_another_jobs_key_and_names_outside_the_store_are_refused(service):
     assert "authentication" in s.errors[0]
 
 
+@pytest.mark.sockets
 def test_an_oversized_frame_is_refused_before_it_is_read(service):
     s, key, _ = service
     sock = socket.create_connection(s.address, timeout=5)
@@ -77,6 +80,7 @@ def test_an_oversized_frame_is_refused_before_it_is_read(service):
     assert f"> {MAX_FRAME}" in s.errors[0]
 
 
+@pytest.mark.sockets
 def test_a_driver_that_does_not_answer_is_a_timeout_naming_rank_and_file():
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
     try:
