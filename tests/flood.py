@@ -9,9 +9,10 @@ import socket
 import threading
 import time
 
-from gradshare.transport import Peer, new_job_key
+from gradshare.transport import new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.sockets import udp
 from transport_util import N, toy_encode
 
 FLOOD = 100_000
@@ -58,14 +59,17 @@ def flooded(relay, key: bytes, run_exchange):
     """Run ``run_exchange()`` while a thread sends the FLOOD of forged datagrams (make_flood, with
     genuine ones the peers sent to replay) to the relay at RATE; returns its result and how many were sent."""
     captured: list[bytes] = []
-    original = Peer._send
+    original = udp.send_all
+    target = tuple(relay.address)
 
-    def tap(self, out):
+    def tap(sock, datagrams, drops):
+        # what a peer sends the relay: each batch's first four, as the replays of the flood
+        datagrams = list(datagrams)
         if len(captured) < 2000:
-            captured.extend(out[:4])
-        original(self, out)
+            captured.extend([d for d, addr in datagrams if tuple(addr) == target][:4])
+        original(sock, datagrams, drops)
 
-    Peer._send = tap
+    udp.send_all = tap
     sent = [0]
     stop = threading.Event()
 
@@ -92,7 +96,7 @@ def flooded(relay, key: bytes, run_exchange):
         time.sleep(0.2)
         result = run_exchange()
     finally:
-        Peer._send = original
+        udp.send_all = original
         flooder.join(60)
         stop.set()
     return result, sent[0]

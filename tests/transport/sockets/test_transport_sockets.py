@@ -12,7 +12,7 @@ import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
-from transport_util import TOY, random_update, toy_apply_payload, wait_until
+from transport_util import TOY, N, exchange, random_update, toy_apply_payload, wait_until
 
 def test_exchange_is_exactly_once_and_bit_identical():
     key = new_job_key()
@@ -191,8 +191,7 @@ def test_silent_peer_is_declared_gone_over_sockets():
             a.send_update(0, random_update(np.random.default_rng(0), N, 4))
             b.send_update(0, random_update(np.random.default_rng(1), N, 4))
             assert [(u.step, u.sender) for u in a.receive(until_step=0, timeout=5)] == [(0, 0), (0, 1)]
-            b._stop.set()                       # rank 1's process hangs: no heartbeat, no FINISHED
-            b._thread.join(5)
+            b.close(leave=False)                # rank 1's process hangs: no heartbeat, no FINISHED
             a.send_update(1, random_update(np.random.default_rng(2), N, 4))
             t0 = time.monotonic()
             got = a.receive(until_step=1, timeout=5)    # completes once rank 1 is cut at step 0

@@ -7,6 +7,7 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
+from gradshare.driver.plan import FitOptions, rule_for
 
 N_PARAMS = 10_000_000  # large enough that the 768-entry floor stays below the density
 
@@ -21,9 +22,14 @@ def model():
     return nn.Linear(4, 2)
 
 
+def start_rule(steps_per_epoch: int, world: int = 2, **options):
+    """The rule each of ``world`` workers of SharedTrainer(model, **options) starts from."""
+    return rule_for(FitOptions.of(SharedTrainer(model, **options)), steps_per_epoch, world)
+
+
 @pytest.mark.parametrize("steps_per_epoch", [6, 12, 50])
 def test_default_warmup_spans_its_epochs_but_at_least_the_floor(steps_per_epoch):
-    rule = SharedTrainer(model)._rule_for(steps_per_epoch)
+    rule = start_rule(steps_per_epoch)
     want = max(round(DEFAULT_WARMUP_EPOCHS * steps_per_epoch), DEFAULT_WARMUP_MIN_STEPS)
     assert ramp_length(rule) == want
     assert rule.target(0, N_PARAMS) > rule.target(want - 1, N_PARAMS) > rule.target(want, N_PARAMS)
@@ -32,24 +38,24 @@ def test_default_warmup_spans_its_epochs_but_at_least_the_floor(steps_per_epoch)
 def test_default_warmup_outlasts_two_epochs_and_the_floor_on_eleven_step_epochs():
     # the measured case (digits MLP, 2 workers, 11 steps an epoch): the floor's 24 steps (2 epochs gave 22)
     # reached 90 % one epoch after DDP
-    assert ramp_length(SharedTrainer(model)._rule_for(11)) > max(2 * 11, DEFAULT_WARMUP_MIN_STEPS)
+    assert ramp_length(start_rule(11)) > max(2 * 11, DEFAULT_WARMUP_MIN_STEPS)
 
 
 def test_a_given_warmup_is_taken_as_given():
-    assert ramp_length(SharedTrainer(model, warmup=1)._rule_for(12)) == 12
-    assert ramp_length(SharedTrainer(model, warmup=0)._rule_for(12)) == 0
+    assert ramp_length(start_rule(12, warmup=1)) == 12
+    assert ramp_length(start_rule(12, warmup=0)) == 0
 
 
 def test_the_workers_share_the_warmups_first_density():
     # every replica applies all N workers' messages: 4 workers start at half the density of 2
-    first = {n: SharedTrainer(model)._rule_for(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
+    first = {n: start_rule(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
     assert first[4] == pytest.approx(first[2] / 2) and first[8] == pytest.approx(first[2] / 4)
     assert first[1] == first[2]  # one worker starts no denser than it did alone before
     for n in (2, 4, 8):  # and every ramp still falls to the same density
-        rule = SharedTrainer(model)._rule_for(12, n)
+        rule = start_rule(12, n)
         assert rule.target(10**6, N_PARAMS) < rule.target(0, N_PARAMS)
 
 
 def test_a_given_warmup_density_is_taken_as_given_whatever_the_workers():
     for n in (2, 4, 8):
-        assert SharedTrainer(model, warmup_density=0.3)._rule_for(12, n).target(0, N_PARAMS) == pytest.approx(0.3)
+        assert start_rule(12, n, warmup_density=0.3).target(0, N_PARAMS) == pytest.approx(0.3)
