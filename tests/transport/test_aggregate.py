@@ -214,19 +214,20 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
 
 
 def test_welcome_says_whether_the_log_is_aggregated_and_decodes_both_forms():
+    import msgpack  # the control bodies' encoding (wire.py)
+
     from gradshare.errors import DecodeError
     from gradshare.transport.protocol import events as ev
     from gradshare.transport.protocol import wire
-    from gradshare.transport.protocol.wire import _pack
 
     for agg in (False, True):
         msg = ev.Welcome(10, 2, 0, -1, (("checkpoint", 2.0),), agg)
         kind, body = wire.encode_control(msg)
         assert wire.decode_control(kind, body) == msg
     with pytest.raises(DecodeError, match="WELCOME"):
-        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, [], True, 1]))   # a field too many
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], True, 1]))   # a field too many
     with pytest.raises(DecodeError):
-        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, [], 1]))         # not a bool
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], 1]))         # not a bool
 
 
 def test_an_aggregating_peer_takes_no_rank_sealed_update():
