@@ -180,7 +180,7 @@ def test_lr_schedule_flag_takes_every_shared_schedule(capsys):
     from gradshare.bench import systems
 
     # bench train and bench convergence build their schedulers with the one systems.lr_scheduler_factory
-    # (its formulas: tests/test_bench_convergence.py)
+    # (its formulas: tests/bench/test_bench_convergence.py)
     for schedule in systems.LR_SCHEDULES:
         assert train.settings(_args("--lr-schedule", schedule))["lr_schedule"] == schedule
     with pytest.raises(SystemExit):
