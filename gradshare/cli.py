@@ -84,14 +84,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             continue  # not the command being run: its help line is all the parser needs
         mod = importlib.import_module(module)
         mod.add_arguments(sub)
-        sub.set_defaults(_run=mod.run)
+        sub.set_defaults(handler=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return int(args._run(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

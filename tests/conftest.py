@@ -1,4 +1,5 @@
-"""The ONE shared Spark session of the test suite (real local Spark, loopback, small).
+"""The ONE shared Spark session of the test suite (real local Spark, loopback, small), and the markers
+that pick the fast subset.
 
 Every test that needs Spark takes the session-scoped `spark` fixture; starting a JVM costs seconds, so
 nobody starts their own (the single local-cluster test is the documented exception).
@@ -10,6 +11,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+SPARK_FIXTURES = frozenset({"spark", "digits_rdd", "connect"})
+SOCKET_FOLDERS = (os.path.join(TESTS, "transport", "sockets") + os.sep,)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`spark` on every test that takes a Spark fixture, `sockets` on every test in a sockets folder: the
+    fast subset (-m "not spark and not sockets and not slow") cannot miss one by a forgotten mark."""
+    for item in items:
+        if SPARK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.spark)
+        if str(item.path).startswith(SOCKET_FOLDERS):
+            item.add_marker(pytest.mark.sockets)
 
 
 @pytest.fixture(scope="session")

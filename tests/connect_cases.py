@@ -1,4 +1,4 @@
-"""The bodies of tests/test_connect.py, run inside the Connect runner's process (connect_runner.py) with
+"""The bodies of tests/driver/test_connect.py, run inside the Connect runner's process (connect_runner.py) with
 its Spark Connect session as `spark`. Each returns plain data (it is sent back to the test process)."""
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from gradshare.hashing import param_hash
 from gradshare.transport.protocol.peer_core import PeerCore
 from gradshare.transport.protocol.relay_core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
@@ -116,3 +117,16 @@ def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
             return
         sim.step_time()
     raise AssertionError("condition not reached")
+
+
+def check_consistent(sim: Sim) -> None:
+    expected = sorted(sim.sent)                       # canonical (step, sender) order
+    for r in sim.peers:
+        if r in sim.silent:
+            continue
+        got = [(u.step, u.sender) for u in sim.delivered[r]]
+        assert got == expected, f"rank {r} delivered {len(got)} of {len(expected)} (or out of order)"
+        for u in sim.delivered[r]:
+            assert u.payload == sim.sent[(u.step, u.sender)]
+        assert param_hash(sim.params[r]) == param_hash(sim.relay.params), f"rank {r} differs from relay"
+    assert sim.relay.c["applied"] == len(expected)

@@ -53,13 +53,13 @@ def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
 
 
 def test_the_estimator_params_default_to_the_trainer_options():
-    from gradshare.ml.params import _NOT_OPTIONS, EstimatorParams, trainer_option_names
+    from gradshare.ml.params import NOT_OPTIONS, EstimatorParams, trainer_option_names
 
     params = EstimatorParams()
     pairs = {"epochs": "epochs", "batchSize": "batch_size", "seed": "seed", "numWorkers": "num_workers"}
     for param, option in pairs.items():
         assert _same(params.getOrDefault(param), DEFAULTS[option]), param
-    assert trainer_option_names() == set(DEFAULTS) - _NOT_OPTIONS
+    assert trainer_option_names() == set(DEFAULTS) - NOT_OPTIONS
 
 
 # CLI options that mean a SharedTrainer option but default otherwise on purpose: (command, dest) -> why

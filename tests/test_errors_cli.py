@@ -55,7 +55,7 @@ def test_cli_parser_for_one_command_has_its_options():
     import gradshare.demo
 
     args = build_parser(["demo", "--workers", "3"]).parse_args(["demo", "--workers", "3"])
-    assert args.workers == 3 and args._run is gradshare.demo.run
+    assert args.workers == 3 and args.handler is gradshare.demo.run
     parser = build_parser(["relay"])
     with pytest.raises(SystemExit):  # a command other than the one named has no options yet: usage error
         parser.parse_args(["demo", "--workers", "3"])

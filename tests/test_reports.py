@@ -201,6 +201,7 @@ def test_fail_carries_the_failure_fields_on_the_wire():
         ev.Fail(0, 0, "X", "m", -1, True, "TrainingError", "c" * (ev.MAX_ERROR_TEXT + 1))
 
 
+@pytest.mark.sockets
 def test_a_retryable_report_reaches_the_relay_without_stopping_the_job():
     key, n = new_job_key(), 16
     with Relay(np.zeros(n, np.float32), world_size=2, key=key, job_id=5, port=0, bind="127.0.0.1", **TOY) as relay:

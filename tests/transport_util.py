@@ -2,6 +2,7 @@
 
 The toy codec (float32 τ, then int32 signed 1-based indices, "add ±τ at |i|-1") stands in for
 gradshare.encoding in the core tests so they exercise the transport alone; it validates every index.
+`exchange` runs ranks as threads against a real relay over loopback sockets.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import heapq
 import random
 import struct
+import threading
 import time
 
 import numpy as np
 
 from gradshare.errors import DecodeError
+from gradshare.transport import Peer
 
 
 def toy_encode(tau: float, signed_indices) -> bytes:
@@ -84,3 +87,51 @@ def wait_until(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
         time.sleep(0.01)
+
+
+N = 2000
+
+
+def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
+             world_size=None, make=random_update, apply=toy_apply_payload):
+    """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
+    `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
+    and ``apply(payload, params)``: the codec (default the toy one)."""
+    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
+    params = [np.zeros(N, np.float32) for _ in range(W)]
+    logs: list[list] = [[] for _ in range(W)]
+    sent = {}
+    errors = []
+    payloads = {(t, r): make(rng, N, int(rng.choice(entries))) for t in range(steps) for r in range(W)}
+
+    def work(r):
+        try:
+            p = peers[r]
+            p.join(10)
+            for t in range(steps):
+                if t - 1 - staleness >= 0:
+                    for u in p.receive(until_step=t - 1 - staleness, timeout=20):
+                        logs[r].append((u.step, u.sender))
+                        apply(u.payload, params[r])
+                p.send_update(t, payloads[(t, r)], {"loss": 1.0 / (t + 1)})
+                sent[(t, r)] = payloads[(t, r)]
+            p.finish(steps - 1)
+            for u in p.receive(until_step=steps - 1, timeout=20):
+                logs[r].append((u.step, u.sender))
+                apply(u.payload, params[r])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        relay.wait_finished(20)
+    finally:
+        counters = [p.counters() for p in peers]
+        for p in peers:
+            p.close()
+    return params, logs, sorted(payloads), counters

@@ -9,7 +9,7 @@ table or a helper:
   `gradshare bench train --help` should not wait for torch;
 - scale_train keeps torch and pyspark inside its functions: scale imports its wire sizes (sealed_size);
 - encoding keeps NumPy and Numba inside `measure`: device imports its argument types, and importing it
-  must stay free of both (tests/test_bench_encoding.py);
+  must stay free of both (tests/bench/test_bench_encoding.py);
 - matplotlib stays lazy everywhere, as an optional dependency that must be told its backend first.
 report and profile import at module level.
 """

@@ -47,11 +47,11 @@ from torch import nn
 
 from gradshare.config import (
     Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss, OptimizerFactory,
-    Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, ThresholdRule, TrainConfig, TrainStep,
+    Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
     ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
-from gradshare.driver.plan import FitOptions, rule_for
+from gradshare.driver.plan import FitOptions
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
 from gradshare.stopping import EarlyStopping
@@ -316,10 +316,6 @@ class SharedTrainer:
         self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
         self.spill_bytes, self.insecure = spill_bytes, insecure
         self.worker_options = config.worker_flags
-
-    def _rule_for(self, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
-        """The threshold rule each of ``world`` workers starts from (plan.rule_for)."""
-        return rule_for(FitOptions.of(self), steps_per_epoch, world)
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/driver/tracking.py)

@@ -8,7 +8,7 @@ residual carries ``bound``: for each block of ``1 << shift`` values an upper bou
 inf when a value is not finite). Adding a message raises the bound of the blocks it touches; the encode
 reads only the blocks whose bound reaches τ and sets their bound to the exact maximum it leaves.
 
-The results are the plain kernels', bit for bit (tests/test_aggregate_kernels.py against naive oracles):
+The results are the plain kernels', bit for bit (tests/encoding/test_aggregate_kernels.py against naive oracles):
 the adds are the same float32 additions in the same order, and the encode emits and reduces the same
 entries, in index order. A skipped block holds no |r| >= τ and nothing non-finite, since its bound is
 below τ.

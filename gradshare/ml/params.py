@@ -23,8 +23,8 @@ from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, Str
 from gradshare.config import TrainConfig
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
-_NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
-                "batch_size", "seed", "num_workers", "validation_data"}
+NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
+               "batch_size", "seed", "num_workers", "validation_data"}
 # where the Estimator takes each of them instead (the hint of an error naming one in trainerOptions)
 _INSTEAD = {"validation_data": "the validationIndicatorCol Param (a boolean column marking validation rows)",
             "batch_size": "the batchSize Param", "num_workers": "the numWorkers Param", "epochs": "the epochs Param",
@@ -60,7 +60,7 @@ def _task(value: object) -> str:
 
 
 def trainer_option_names() -> set[str]:
-    return {f.name for f in dataclasses.fields(TrainConfig) if f.init} - _NOT_OPTIONS
+    return {f.name for f in dataclasses.fields(TrainConfig) if f.init} - NOT_OPTIONS
 
 
 def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTrainer keyword options
@@ -71,7 +71,7 @@ def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTra
     for key, item in value.items():
         if key not in known:
             instead = _INSTEAD.get(key, "a constructor argument of GradshareEstimator")
-            hint = f"; use {instead}" if key in _NOT_OPTIONS else f"; known: {sorted(known)}"
+            hint = f"; use {instead}" if key in NOT_OPTIONS else f"; known: {sorted(known)}"
             raise ValueError(f"trainerOptions has unknown key {key!r}{hint}")
         try:
             json.dumps(item, allow_nan=False)

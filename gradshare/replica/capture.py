@@ -18,7 +18,7 @@ layer's gradient instead of a gradient for every parameter (51.6 M-parameter MLP
 about half of P's bytes). The one optimizer steps once per parameter: the others hold no gradient at
 that moment (they are None before their own hook and again after it), and torch's optimizers skip a
 parameter without one. Every update this file allows is element-wise per parameter, so the update is
-bit-identical to one step over all of them (tests/test_capture_backward.py checks eleven optimizers).
+bit-identical to one step over all of them (tests/replica/test_capture_backward.py checks eleven optimizers).
 It is not used, and the step runs after backward as before, when something needs every gradient at
 once: a loss scaler (fp16-mixed: unscale and the inf/NaN check cover all gradients), a step hook on the
 optimizer (e.g. losses.clip_grad_norm, which clips their total norm) or a global one, the general path,

@@ -149,6 +149,7 @@ class SpilledPartition:
         self._shuffle: BlockShuffle | None = None
         self._window = -1  # which window of `_shuffle` the buffer holds
         self._order: np.ndarray | None = None
+        self._windows_read = 0
 
     def __len__(self) -> int:
         return self.rows
@@ -157,6 +158,16 @@ class SpilledPartition:
     def window_rows(self) -> int:
         """Rows one window holds: the memory bound of an epoch's reads."""
         return len(self._buffer)
+
+    @property
+    def window(self) -> int:
+        """The window of the current epoch's order the buffer holds (-1: none yet this epoch)."""
+        return self._window
+
+    @property
+    def windows_read(self) -> int:
+        """Windows read from the file so far: batches taken in order read each window once an epoch."""
+        return self._windows_read
 
     def close(self) -> None:
         if self.spill_path is None:
@@ -202,6 +213,7 @@ class SpilledPartition:
             self._read_into(self._buffer[at : at + size], first)
             at += size
         self._window, self._order = w, shuffle.window_order(w)
+        self._windows_read += 1
 
     def batch(self, epoch: int, b: int, batch_size: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
         """The epoch's b-th batch as (*inputs, labels), new arrays each: positions b·batch_size onwards of

@@ -82,6 +82,11 @@ class History(Generic[K, V]):
         """Keys ``discard_through`` has looked at so far (the work a trim costs; tests count it)."""
         return self._steps.examined if self._steps is not None else 0
 
+    @property
+    def index_entries(self) -> int:
+        """Entries of the step index, removed keys it still holds included (bounded; tests check it)."""
+        return self._steps.heap_entries if self._steps is not None else 0
+
     def discard_where(self, pred: Callable[[K], bool]) -> int:
         keys = [k for k in self._d if pred(k)]
         for k in keys:
@@ -119,6 +124,11 @@ class StepKeys:
         self._set.discard(key)
         if len(self._heap) > 2 * len(self._set) + 64:
             self._heap = sorted(self._set)          # a sorted list is a heap
+
+    @property
+    def heap_entries(self) -> int:
+        """Keys in the heap, removed ones not yet popped included: at most 2·len(self) + 65."""
+        return len(self._heap)
 
     def discard_through(self, step: int) -> list[StepKey]:
         out = []

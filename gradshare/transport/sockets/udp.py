@@ -43,6 +43,12 @@ _gso: weakref.WeakSet[socket.socket] = weakref.WeakSet()   # sockets that send r
 _gro: weakref.WeakSet[socket.socket] = weakref.WeakSet()   # sockets whose reads may hold several datagrams
 
 
+def offloads(sock: socket.socket) -> tuple[bool, bool]:
+    """(GSO, GRO) of a socket open_udp opened: whether it sends a run as one GSO buffer (until the kernel
+    refuses one) and whether one read may hold several datagrams."""
+    return sock in _gso, sock in _gro
+
+
 def open_udp(host: str, port: int, what: str) -> socket.socket:
     """A non-blocking UDP socket bound to (host, port) with large buffers; OSError names the address."""
     try:
@@ -151,7 +157,7 @@ def send_all(sock: socket.socket, datagrams: Iterable[tuple[bytes, Address]], dr
     i = 0
     while i < len(items):
         data, addr = items[i]
-        end = _run_end(items, i) if sock in _gso else i + 1
+        end = run_end(items, i) if sock in _gso else i + 1
         if end - i > 1 and _send_segments(sock, [d for d, _ in items[i:end]], len(data), addr, drops):
             i = end
             continue
@@ -160,7 +166,7 @@ def send_all(sock: socket.socket, datagrams: Iterable[tuple[bytes, Address]], dr
         i = end
 
 
-def _run_end(items: list[tuple[bytes, SockAddr]], i: int) -> int:
+def run_end(items: list[tuple[bytes, SockAddr]], i: int) -> int:
     """The end of the GSO run from ``items[i]``: to the same address, each of its size but the last (which
     may be shorter), at most GSO_MAX_SEGMENTS and GSO_MAX_BYTES."""
     data, addr = items[i]

@@ -13,7 +13,7 @@ from pyspark import cloudpickle
 from gradshare.task.partition import PartitionData
 from gradshare.task.spill import BlockShuffle, SpillError, block_layout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 # Executors cannot import this test module: ship its row generator by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -119,20 +119,21 @@ def test_block_shuffle_is_a_seeded_permutation_of_each_epoch(rows, block_rows, w
 
 def test_batches_cover_the_epoch_read_each_window_once_and_a_resume_reads_the_same(tmp_path):
     data = spilled(numbered(1000), tmp_path)  # 119 rows a window: batches of 64 straddle windows
-    reads = []
-    load = data._load
-    data._load = lambda w: (reads.append(w), load(w))
     try:
         assert data.dtype.itemsize == 32 and (data.window_rows, data.block_rows) == (119, 7)  # 17 blocks, 3 808 B
+        windows = -(-len(data) // data.window_rows)
         for epoch in (0, 1):
-            batches = [data.batch(epoch, b, 64, seed=5, rank=1) for b in range(16)]
+            before, held, batches = data.windows_read, [], []
+            for b in range(16):
+                batches.append(data.batch(epoch, b, 64, seed=5, rank=1))
+                held.append(data.window)
             seen = np.concatenate([x[:, 0] for x, _ in batches]).astype(int)
             assert sorted(seen) == list(range(1000)) and len(batches[-1][1]) == 1000 - 15 * 64
             for x, y in batches:  # features and labels of the same rows, dtypes kept
                 assert x.dtype == np.float32 and y.dtype == np.int64
                 np.testing.assert_array_equal(x[:, 0].astype(int), y)
-            assert reads == list(range(len(data._shuffle)))  # in order: every window read once
-            reads.clear()
+            # in order, every window read once: as many reads as windows, and the one held never goes back
+            assert data.windows_read - before == windows and held == sorted(held) and held[-1] == windows - 1
             if epoch == 0:
                 first = seen
         assert not np.array_equal(first, seen)  # a new order every epoch

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.spark
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 
 
 def test_four_workers_on_local_4_train_bit_identical_with_per_rank_traffic():

@@ -14,10 +14,9 @@ from gradshare.encoding import apply_update
 from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.fault_proxy import FaultProxy
-from test_aggregate import real_apply, real_payload
-from test_transport_flood import FLOOD, flooded
-from test_transport_sockets import N, exchange
-from transport_util import TOY, random_update, toy_apply_payload
+from aggregate_util import real_apply, real_payload
+from flood import FLOOD, flooded
+from transport_util import TOY, N, exchange, random_update, toy_apply_payload
 
 W = 32
 STEPS = 5

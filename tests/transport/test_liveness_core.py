@@ -8,8 +8,7 @@ import re
 import numpy as np
 
 from gradshare.transport.protocol.peer_core import PeerCore
-from harness import Sim, drive
-from test_transport_core import check_consistent
+from harness import Sim, check_consistent, drive
 
 
 def _exchange(sim: Sim, steps, ranks) -> None:

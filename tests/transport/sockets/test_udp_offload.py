@@ -43,7 +43,7 @@ def test_runs_partition_the_datagrams_into_valid_gso_buffers(items):
     datagrams = [(b"x" * n, addr) for n, addr in items]
     i = 0
     while i < len(datagrams):
-        end = udp._run_end(datagrams, i)          # type: ignore[arg-type]
+        end = udp.run_end(datagrams, i)           # type: ignore[arg-type]
         run = datagrams[i:end]
         size = len(run[0][0])
         assert end > i and len(run) <= udp.GSO_MAX_SEGMENTS
@@ -67,7 +67,7 @@ def pair():
 
 def test_a_gso_run_reads_back_as_the_same_datagrams_in_fewer_reads(pair):
     send, recv = pair
-    assert not LINUX or (send in udp._gso and recv in udp._gro)    # Linux >= 5.0 has both
+    assert not LINUX or (udp.offloads(send)[0] and udp.offloads(recv)[1])    # Linux >= 5.0 has both
     to = recv.getsockname()
     sizes = [1400] * 11 + [700] + [1400] * 3 + [60] + [1400] * 70 + [1400, 90]
     sent = _datagrams(sizes)
@@ -103,18 +103,19 @@ class _Refusing(socket.socket):
         raise OSError(errno.EIO, "no GSO here")
 
 
-def test_a_refused_gso_send_falls_back_to_one_datagram_a_call_and_stays_off(pair):
+def test_a_refused_gso_send_falls_back_to_one_datagram_a_call_and_stays_off(pair, monkeypatch):
     _, recv = pair
-    send = _Refusing(socket.AF_INET, socket.SOCK_DGRAM)
+    with monkeypatch.context() as m:  # open_udp opens a _Refusing socket with GSO on, on any platform
+        m.setattr(socket, "socket", _Refusing)
+        m.setattr(udp, "OFFLOAD", True)
+        send = udp.open_udp("127.0.0.1", 0, "test sender")
     try:
-        send.bind(("127.0.0.1", 0))
-        send.setblocking(False)
-        udp._gso.add(send)
+        assert isinstance(send, _Refusing) and udp.offloads(send)[0]
         to = recv.getsockname()
         first = _datagrams([1400] * 5, tag=1)
         drops: Counter[str] = Counter()
         udp.send_all(send, [(d, to) for d in first], drops)
-        assert send not in udp._gso and _Refusing.calls == 1
+        assert not udp.offloads(send)[0] and _Refusing.calls == 1
         later = _datagrams([1400] * 5, tag=9)
         udp.send_all(send, [(d, to) for d in later], drops)
         assert _Refusing.calls == 1                     # not asked again
@@ -128,6 +129,6 @@ def test_offload_off_opens_plain_sockets(monkeypatch):
     monkeypatch.setattr(udp, "OFFLOAD", False)
     s = udp.open_udp("127.0.0.1", 0, "test")
     try:
-        assert s not in udp._gso and s not in udp._gro
+        assert udp.offloads(s) == (False, False)
     finally:
         s.close()

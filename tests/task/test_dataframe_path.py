@@ -1,6 +1,6 @@
 """The DataFrame path (mapInArrow; gradshare/task/arrow_rows.py, driver/job.py): Arrow record batches give
 the rows the RDD path gives, and on the classic session a fit through it ends bit-identical to the RDD
-path's over the same DataFrame. Connect itself: tests/test_connect.py."""
+path's over the same DataFrame. Connect itself: tests/driver/test_connect.py."""
 
 import numpy as np
 import pyarrow as pa

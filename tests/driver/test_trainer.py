@@ -25,7 +25,7 @@ from dying import DiesOnce
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 
 

@@ -100,10 +100,11 @@ def test_the_real_spark_task_context_has_no_gpu_here(spark):
     # What "auto" reads inside a real task (pyspark's TaskContext.resources()) without GPU scheduling:
     # no address, so the choice falls to CUDA's presence. (torch is not imported: it keeps this fast.)
     def probe(_):
-        from gradshare.replica.device import task_gpu
-        from gradshare.task.device import _spark_task_context
+        from pyspark import TaskContext
 
-        context = _spark_task_context()
+        from gradshare.replica.device import task_gpu
+
+        context = TaskContext.get()
         yield (context is not None, task_gpu(context))
 
     assert spark.sparkContext.parallelize([0], 1).mapPartitions(probe).collect() == [(True, None)]

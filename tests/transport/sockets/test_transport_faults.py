@@ -7,8 +7,7 @@ import pytest
 
 from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.testing.fault_proxy import FaultProxy
-from test_transport_sockets import N, exchange
-from transport_util import TOY
+from transport_util import TOY, N, exchange
 
 
 @pytest.mark.parametrize("loss", [0.01, 0.05, 0.20])

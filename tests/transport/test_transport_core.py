@@ -7,20 +7,7 @@ import pytest
 
 from gradshare.hashing import param_hash
 from gradshare.transport.protocol.peer_core import PeerCore
-from harness import Sim, drive
-
-
-def check_consistent(sim: Sim) -> None:
-    expected = sorted(sim.sent)                       # canonical (step, sender) order
-    for r in sim.peers:
-        if r in sim.silent:
-            continue
-        got = [(u.step, u.sender) for u in sim.delivered[r]]
-        assert got == expected, f"rank {r} delivered {len(got)} of {len(expected)} (or out of order)"
-        for u in sim.delivered[r]:
-            assert u.payload == sim.sent[(u.step, u.sender)]
-        assert param_hash(sim.params[r]) == param_hash(sim.relay.params), f"rank {r} differs from relay"
-    assert sim.relay.c["applied"] == len(expected)
+from harness import Sim, check_consistent, drive
 
 
 @pytest.mark.parametrize("seed,loss,dup,delay", [(0, 0.0, 0.0, 0.0), (1, 0.05, 0.05, 0.003),

@@ -10,7 +10,7 @@ import pytest
 
 from gradshare.task.checkpoint import npy_chunks
 from gradshare.driver.ckpt_service import CheckpointService
-from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, _Sealed
+from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, Sealed
 from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
 from gradshare.task.stores import CHUNK, Digest, LocalStore
 from gradshare.transport import new_job_key
@@ -28,6 +28,7 @@ def _store(service, key=None, timeout=5.0):
     return ServiceStore(s.address, key or job_key, "checkpoint", 1, timeout, "viewfs://x/ckpt")
 
 
+@pytest.mark.sockets
 def test_files_stream_through_in_bounded_chunks_and_come_back_whole(service):
     store = _store(service)
     array = np.random.default_rng(0).standard_normal(700_000).astype(np.float32)  # 2.8 MB: several frames
@@ -49,6 +50,7 @@ def test_files_stream_through_in_bounded_chunks_and_come_back_whole(service):
         b"".join(store.read("nope"))
 
 
+@pytest.mark.sockets
 def test_another_jobs_key_and_names_outside_the_store_are_refused(service):
     s, key, root = service
     with pytest.raises(CheckpointError, match="rank 1's checkpoint write of viewfs://x/ckpt/x.bin"):
@@ -64,6 +66,7 @@ def test_another_jobs_key_and_names_outside_the_store_are_refused(service):
     assert "authentication" in s.errors[0]
 
 
+@pytest.mark.sockets
 def test_an_oversized_frame_is_refused_before_it_is_read(service):
     s, key, _ = service
     sock = socket.create_connection(s.address, timeout=5)
@@ -77,6 +80,7 @@ def test_an_oversized_frame_is_refused_before_it_is_read(service):
     assert f"> {MAX_FRAME}" in s.errors[0]
 
 
+@pytest.mark.sockets
 def test_a_driver_that_does_not_answer_is_a_timeout_naming_rank_and_file():
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
     try:
@@ -94,11 +98,11 @@ def test_frames_are_sealed_per_connection():
     a, b = socket.socketpair()
     key = new_job_key()
     try:
-        _Sealed(a, key, b"1234567", b"C").send(b"hello")
-        assert _Sealed(b, key, b"1234567", b"S").receive() == b"hello"
-        _Sealed(a, key, b"1234567", b"C").send(b"hello")
+        Sealed(a, key, b"1234567", b"C").send(b"hello")
+        assert Sealed(b, key, b"1234567", b"S").receive() == b"hello"
+        Sealed(a, key, b"1234567", b"C").send(b"hello")
         with pytest.raises(RemoteProtocolError, match="authentication"):
-            _Sealed(b, key, b"7654321", b"S").receive()
+            Sealed(b, key, b"7654321", b"S").receive()
     finally:
         a.close()
         b.close()

@@ -1,7 +1,7 @@
 """Liveness end to end on the real local Spark session: a paused worker process is waited
 for and the fit is bit-identical to an undisturbed one; a stuck training thread is named with its step;
 a partition that loads 40 s slower joins fine; the restart and continue policies. (A killed worker's
-resumed history: tests/test_trainer.py, test_worker_killed_mid_training_resumes_from_the_relay.)"""
+resumed history: tests/driver/test_trainer.py, test_worker_killed_mid_training_resumes_from_the_relay.)"""
 
 import os
 import signal

@@ -32,7 +32,7 @@ def test_step_ordered_history_matches_a_dict(ops):
             assert dropped == sum(1 for k in model if k[0] <= step)
             model = {k: v for k, v in model.items() if k[0] > step}
         assert sorted(h) == sorted(model) and h.nbytes == sum(map(len, model.values()))
-        assert len(h._steps._heap) <= 2 * len(model) + 65   # removed keys do not pile up in the heap
+        assert h.index_entries <= 2 * len(model) + 65   # removed keys do not pile up in the heap
 
 
 def test_trim_looks_only_at_what_it_drops():

@@ -8,7 +8,7 @@ import re
 
 from gradshare import SharedTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 README = os.path.join(ROOT, "README.md")
 OPTIONS = os.path.join(ROOT, "docs", "guide", "options.md")
 SPARK_ML = os.path.join(ROOT, "docs", "guide", "spark-ml.md")

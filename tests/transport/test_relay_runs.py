@@ -162,16 +162,18 @@ def test_a_clean_stream_completes_every_update_through_the_fast_path():
     (one, runs), stream = _setup("aggregate")
     reads = _reads(stream, [])
     assert len(reads) == 2 * WORLD and all(len(r) > 5 for r in reads)     # one read per update
-    whole_path = []
-    receive = runs._receive
+    fast_path = []
+    next_chunk = runs.log.next_chunk
 
-    def counted(data, addr, now):
-        whole_path.append(data)
-        return receive(data, addr, now)
+    def counted(last, data, now):
+        took = next_chunk(last, data, now)
+        if took:
+            fast_path.append(data)
+        return took
 
-    runs._receive = counted                        # type: ignore[method-assign]
+    runs.log.next_chunk = counted                  # type: ignore[method-assign]
     before = runs.counters()["datagrams_in"]
     _feed_runs(runs, reads)
     assert runs.complete_through == 1 and runs.counters()["updates_in"] == 2 * WORLD
     assert runs.counters()["datagrams_in"] - before == len(stream) and not runs.chan.drops
-    assert whole_path == [r[0][0] for r in reads]   # each update's first chunk; the rest took the fast path
+    assert fast_path == [d for r in reads for d, _ in r[1:]]   # all but each update's first chunk

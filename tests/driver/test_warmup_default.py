@@ -6,8 +6,9 @@ import pytest
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.encoding import CalibratedThreshold
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
+from gradshare.driver.plan import FitOptions, rule_for
+from gradshare.encoding import CalibratedThreshold
 
 N_PARAMS = 10_000_000  # large enough that the 768-entry floor stays below the density
 
@@ -22,9 +23,14 @@ def model():
     return nn.Linear(4, 2)
 
 
+def start_rule(steps_per_epoch: int, world: int = 2, **options):
+    """The rule each of ``world`` workers of SharedTrainer(model, **options) starts from."""
+    return rule_for(FitOptions.of(SharedTrainer(model, **options)), steps_per_epoch, world)
+
+
 @pytest.mark.parametrize("steps_per_epoch", [6, 12, 50])
 def test_default_warmup_spans_its_epochs_but_at_least_the_floor(steps_per_epoch):
-    rule = SharedTrainer(model)._rule_for(steps_per_epoch)
+    rule = start_rule(steps_per_epoch)
     want = max(round(DEFAULT_WARMUP_EPOCHS * steps_per_epoch), DEFAULT_WARMUP_MIN_STEPS)
     assert ramp_length(rule) == want
     assert rule.target(0, N_PARAMS) > rule.target(want - 1, N_PARAMS) > rule.target(want, N_PARAMS)
@@ -33,45 +39,42 @@ def test_default_warmup_spans_its_epochs_but_at_least_the_floor(steps_per_epoch)
 def test_default_warmup_outlasts_two_epochs_and_the_floor_on_eleven_step_epochs():
     # the measured case (digits MLP, 2 workers, 11 steps an epoch): the floor's 24 steps (2 epochs gave 22)
     # reached 90 % one epoch after DDP
-    assert ramp_length(SharedTrainer(model)._rule_for(11)) > max(2 * 11, DEFAULT_WARMUP_MIN_STEPS)
+    assert ramp_length(start_rule(11)) > max(2 * 11, DEFAULT_WARMUP_MIN_STEPS)
 
 
 def test_a_given_warmup_is_taken_as_given():
-    assert ramp_length(SharedTrainer(model, warmup=1)._rule_for(12)) == 12
-    assert ramp_length(SharedTrainer(model, warmup=0)._rule_for(12)) == 0
+    assert ramp_length(start_rule(12, warmup=1)) == 12
+    assert ramp_length(start_rule(12, warmup=0)) == 0
 
 
 def test_the_workers_share_the_warmups_first_density():
     # every replica applies all N workers' messages: 4 workers start at half the density of 2
-    first = {n: SharedTrainer(model)._rule_for(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
+    first = {n: start_rule(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
     assert first[4] == pytest.approx(first[2] / 2) and first[8] == pytest.approx(first[2] / 4)
     assert first[1] == first[2]  # one worker starts no denser than it did alone before
     for n in (2, 4, 8):  # and every ramp still falls to the same density
-        rule = SharedTrainer(model)._rule_for(12, n)
+        rule = start_rule(12, n)
         assert rule.target(10**6, N_PARAMS) < rule.target(0, N_PARAMS)
 
 
 def test_a_given_warmup_density_is_taken_as_given_whatever_the_workers():
     for n in (2, 4, 8):
-        assert SharedTrainer(model, warmup_density=0.3)._rule_for(12, n).target(0, N_PARAMS) == pytest.approx(0.3)
+        assert start_rule(12, n, warmup_density=0.3).target(0, N_PARAMS) == pytest.approx(0.3)
 
 
 def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
-    from gradshare.driver.plan import FitOptions, rule_for
     from gradshare.encoding.threshold import DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, DEFAULT_DENSITY
 
-    trainer = SharedTrainer(nn.Linear(4, 2), epochs=8)
-    small, large = (rule_for(FitOptions.of(trainer), 16, n) for n in (16, 64))
+    small, large = (start_rule(16, n, epochs=8) for n in (16, 64))
     assert small.decay_from == 0.0 and small.lr_factor(0, N_PARAMS) == 1.0  # below 32 workers: as it was
     assert (large.decay_from, large.decay_lr_power, large.decay_steps) == (DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, 8 * 16)
     assert large.target(0, N_PARAMS) == pytest.approx(DEFAULT_DECAY_FROM)
     assert large.target(8 * 16, N_PARAMS) == pytest.approx(DEFAULT_DENSITY)
     assert large.lr_factor(0, N_PARAMS) == pytest.approx((DEFAULT_DENSITY / DEFAULT_DECAY_FROM) ** DEFAULT_DECAY_LR_POWER)
     given = CalibratedThreshold(density=1e-3, decay_from=0.01)  # a user's rule: its decay spans the run too
-    users = rule_for(FitOptions.of(SharedTrainer(nn.Linear(4, 2), epochs=3, threshold_algorithm=given)), 10, 64)
+    users = start_rule(10, 64, epochs=3, threshold_algorithm=given)
     assert (users.decay_from, users.decay_steps, given.decay_steps) == (0.01, 30, 0)
-    off, on = (rule_for(FitOptions.of(SharedTrainer(nn.Linear(4, 2), epochs=2, decay_from=d)), 10, n)
-               for d, n in ((0.0, 64), (0.05, 4)))
+    off, on = (start_rule(10, n, epochs=2, decay_from=d) for d, n in ((0.0, 64), (0.05, 4)))
     assert off.decay_from == 0.0 and off.lr_factor(0, N_PARAMS) == 1.0  # decay_from=0: off at any N
     assert (on.decay_from, on.decay_lr_power, on.decay_steps) == (0.05, DEFAULT_DECAY_LR_POWER, 20)
     with pytest.raises(ValueError, match="decay_from"):

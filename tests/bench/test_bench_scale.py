@@ -11,6 +11,7 @@ from gradshare.bench import scale, scale_model
 from gradshare.cli import main
 
 
+@pytest.mark.sockets
 def test_small_run_writes_json_and_png_with_exactly_once_and_the_per_rank_traffic(tmp_path, capsys):
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
     assert main(["bench", "scale", "--peers", "2,3", "--params", "20000", "--density", "0.02", "--steps", "4",
@@ -48,6 +49,7 @@ def test_an_unknown_forwarding_mode_is_refused_naming_the_modes(capsys):
     assert "per-rank" in err and "'aggregate'" in err
 
 
+@pytest.mark.sockets
 def test_aggregate_run_is_exactly_once_per_step_with_one_message_per_peer(tmp_path):
     out = tmp_path / "scale.json"
     assert main(["bench", "scale", "--forwarding", "aggregate", "--peers", "3,5", "--params", "200000",

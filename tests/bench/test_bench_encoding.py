@@ -13,7 +13,7 @@ import pytest
 from gradshare.bench import encoding as bench
 from gradshare.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/bench/ -> the repo
 KEYS = {
     "params", "density_requested", "density", "entries", "threshold", "repeat", "threads",
     "encode_s", "numpy_add_s", "encode_over_numpy_add", "apply_s", "apply_entries_per_s",

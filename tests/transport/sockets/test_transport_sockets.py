@@ -12,55 +12,7 @@ import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
-from transport_util import TOY, random_update, toy_apply_payload, wait_until
-
-N = 2000
-
-
-def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
-             world_size=None, make=random_update, apply=toy_apply_payload):
-    """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
-    `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
-    and ``apply(payload, params)``: the codec (default the toy one)."""
-    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
-    params = [np.zeros(N, np.float32) for _ in range(W)]
-    logs: list[list] = [[] for _ in range(W)]
-    sent = {}
-    errors = []
-    payloads = {(t, r): make(rng, N, int(rng.choice(entries))) for t in range(steps) for r in range(W)}
-
-    def work(r):
-        try:
-            p = peers[r]
-            p.join(10)
-            for t in range(steps):
-                if t - 1 - staleness >= 0:
-                    for u in p.receive(until_step=t - 1 - staleness, timeout=20):
-                        logs[r].append((u.step, u.sender))
-                        apply(u.payload, params[r])
-                p.send_update(t, payloads[(t, r)], {"loss": 1.0 / (t + 1)})
-                sent[(t, r)] = payloads[(t, r)]
-            p.finish(steps - 1)
-            for u in p.receive(until_step=steps - 1, timeout=20):
-                logs[r].append((u.step, u.sender))
-                apply(u.payload, params[r])
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    try:
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(W)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
-        relay.wait_finished(20)
-    finally:
-        counters = [p.counters() for p in peers]
-        for p in peers:
-            p.close()
-    return params, logs, sorted(payloads), counters
-
+from transport_util import TOY, N, exchange, random_update, toy_apply_payload, wait_until
 
 def test_exchange_is_exactly_once_and_bit_identical():
     key = new_job_key()
@@ -239,8 +191,7 @@ def test_silent_peer_is_declared_gone_over_sockets():
             a.send_update(0, random_update(np.random.default_rng(0), N, 4))
             b.send_update(0, random_update(np.random.default_rng(1), N, 4))
             assert [(u.step, u.sender) for u in a.receive(until_step=0, timeout=5)] == [(0, 0), (0, 1)]
-            b._stop.set()                       # rank 1's process hangs: no heartbeat, no FINISHED
-            b._thread.join(5)
+            b.close(leave=False)                # rank 1's process hangs: no heartbeat, no FINISHED
             a.send_update(1, random_update(np.random.default_rng(2), N, 4))
             t0 = time.monotonic()
             got = a.receive(until_step=1, timeout=5)    # completes once rank 1 is cut at step 0

@@ -20,7 +20,7 @@ def _args(*argv):
 
 
 @pytest.mark.parametrize("name, rows, features, params", [
-    ("tabular64k", 64000, 100, 633354), ("mnist1d-mlp", 40000, 40, 551434), ("mnist1d-cnn", 4000, 40, 5210)])
+    ("tabular64k", 64000, 100, 633354), pytest.param("mnist1d-mlp", 40000, 40, 551434, marks=pytest.mark.slow), ("mnist1d-cnn", 4000, 40, 5210)])
 def test_workloads_are_generated_at_their_size(name, rows, features, params):
     wl = load(name, 0)
     assert wl.X_train.shape == (rows, features) and wl.X_train.dtype == np.float32 and wl.y_train.dtype == np.int64

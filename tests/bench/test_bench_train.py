@@ -65,6 +65,7 @@ def test_probe_names_what_is_missing(tmp_path, monkeypatch):
     assert not ok and "Operation not permitted" in why and "user namespaces" in why
 
 
+@pytest.mark.sockets
 def test_fresh_namespace_has_only_loopback_and_counts_its_bytes():
     # As root (as on the development machine) a namespace must work, so a failure fails. Only an
     # unprivileged user whose kernel refuses user namespaces cannot build one: the benchmark then
@@ -76,7 +77,7 @@ def test_fresh_namespace_has_only_loopback_and_counts_its_bytes():
     code = ("from gradshare.bench.netns import interfaces; from gradshare.bench.profile import lo_tx_bytes;"
             "import socket; a=lo_tx_bytes(); s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
             "s.sendto(b'x'*1000, ('127.0.0.1', 9)); print(interfaces(), lo_tx_bytes()-a)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(netns.wrap([sys.executable, "-c", code], "100mbit"), capture_output=True, text=True,
                        timeout=30, env=env)
@@ -179,7 +180,7 @@ def test_lr_schedule_flag_takes_every_shared_schedule(capsys):
     from gradshare.bench import systems
 
     # bench train and bench convergence build their schedulers with the one systems.lr_scheduler_factory
-    # (its formulas: tests/test_bench_convergence.py)
+    # (its formulas: tests/bench/test_bench_convergence.py)
     for schedule in systems.LR_SCHEDULES:
         assert train.settings(_args("--lr-schedule", schedule))["lr_schedule"] == schedule
     with pytest.raises(SystemExit):

@@ -285,7 +285,7 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
         "print('ok', m.n_entries)\n"
     )
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")
-    tests_dir = os.path.dirname(__file__)
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # naive.py lives in tests/
     out = subprocess.run(
         [sys.executable, str(script), tests_dir], env=env, capture_output=True, text=True, timeout=300
     )

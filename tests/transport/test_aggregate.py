@@ -9,38 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.encoding import CalibratedThreshold, StepUpdate, apply_update, decode_entries, decode_update, encode
+from gradshare.encoding import CalibratedThreshold, apply_update, decode_entries, decode_update
 from gradshare.encoding.aggregate import AggregateState, aggregate_step
 from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.fault_proxy import FaultProxy
+from aggregate_util import aggregate_sim, real_apply, real_payload, real_update
 from harness import Sim, drive
 from naive import accumulate_encode, naive_kth_largest_abs
 from naive import apply as naive_apply
-
-TAUS = (0.01, 0.125, 0.5, 3e-3)
-
-
-def real_update(rng: np.random.Generator, n: int, n_entries: int, buffers: int = 0) -> StepUpdate:
-    """A StepUpdate of the real codec: ``n_entries`` distinct ±τ entries (and some buffer changes)."""
-    tau = np.float32(rng.choice(TAUS))
-    vec = np.zeros(n, np.float32)
-    idx = rng.choice(n, size=min(n_entries, n), replace=False)
-    vec[idx] = tau * rng.choice([-1, 1], size=idx.size).astype(np.float32)
-    msg = encode(vec, None, tau)
-    if not buffers:
-        return StepUpdate(msg)
-    b = np.unique(rng.choice(buffers, size=rng.integers(0, buffers + 1))).astype(np.uint32)
-    return StepUpdate(msg, b, rng.standard_normal(b.size).astype(np.float32))
-
-
-def real_payload(rng: np.random.Generator, n: int, n_entries: int) -> bytes:
-    return real_update(rng, n, n_entries).to_bytes(0)
-
-
-def real_apply(payload: bytes, params: np.ndarray) -> None:
-    apply_update(decode_update(payload, params.size, n_params=params.size), params)
-
 
 # --- the aggregate against the oracle -------------------------------------------------------------------
 
@@ -112,15 +89,6 @@ def test_aggregate_keeps_what_it_does_not_send_and_refuses_a_foreign_size():
 
 
 # --- the protocol in aggregate mode (in-memory link) -------------------------------------------------------
-
-def aggregate_sim(world_size=4, n_params=3000, **kw) -> Sim:
-    sim = Sim(world_size=world_size, n_params=n_params, forwarding="aggregate",
-              decode_update=lambda p, n: decode_update(p, n, n_params=n),
-              apply_update=lambda u, params: apply_update(u, params), **kw)
-    sim.make_payload = lambda n_entries: real_payload(sim.rng, sim.N, n_entries)
-    sim.apply_payload = real_apply
-    return sim
-
 
 def check_aggregated(sim: Sim, first: int, last: int) -> None:
     """Every live peer got the aggregate of every step first..last exactly once, in order, and nothing
@@ -226,8 +194,9 @@ def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through()
 
 # --- real sockets, lossy ----------------------------------------------------------------------------------
 
+@pytest.mark.sockets
 def test_aggregate_mode_through_the_lossy_fault_proxy():
-    from test_transport_sockets import N, exchange
+    from transport_util import N, exchange
 
     key = new_job_key()
     with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1",
@@ -245,19 +214,20 @@ def test_aggregate_mode_through_the_lossy_fault_proxy():
 
 
 def test_welcome_says_whether_the_log_is_aggregated_and_decodes_both_forms():
+    import msgpack  # the control bodies' encoding (wire.py)
+
     from gradshare.errors import DecodeError
     from gradshare.transport.protocol import events as ev
     from gradshare.transport.protocol import wire
-    from gradshare.transport.protocol.wire import _pack
 
     for agg in (False, True):
         msg = ev.Welcome(10, 2, 0, -1, (("checkpoint", 2.0),), agg)
         kind, body = wire.encode_control(msg)
         assert wire.decode_control(kind, body) == msg
     with pytest.raises(DecodeError, match="WELCOME"):
-        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, [], True, 1]))   # a field too many
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], True, 1]))   # a field too many
     with pytest.raises(DecodeError):
-        wire.decode_control(wire.Kind.WELCOME, _pack([10, 2, 0, -1, [], 1]))         # not a bool
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], 1]))         # not a bool
 
 
 def test_an_aggregating_peer_takes_no_rank_sealed_update():
