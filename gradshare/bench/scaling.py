@@ -6,7 +6,9 @@ traffic. Every run is in ONE process in lock step (gradshare/bench/lockstep.py: 
 and codec, messages delivered through an in-memory log; no Spark, no UDP), so N = 64 fits on 2 cores.
 
 Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch):
-- "gradshare":  today's default, each worker's own Adam, ±τ of its update with error feedback, summed;
+- "gradshare":  the default, each worker's own Adam, ±τ of its update with error feedback, summed (from
+                32 workers with the run-long density decay, encoding.threshold.default_decay);
+- "gradshare-nodecay": the same without the run-long decay (decay_from=0), what it buys;
 - "local":      the same design without compression (each worker's own Adam, updates summed densely);
 - "ddp", "ddp-sqrt", "ddp-linear": one Adam on the mean gradient of the N batches at lr, √N·lr, N·lr.
   "DDP tuned" in the summary is the best of the three by last-3 accuracy (mean over seeds).
@@ -32,7 +34,8 @@ from gradshare.bench import report
 from gradshare.bench.train import comma_list
 from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, load
 
-SYSTEMS = ("gradshare", "local", "ddp", "ddp-sqrt", "ddp-linear")
+SYSTEMS = ("gradshare", "gradshare-nodecay", "local", "ddp", "ddp-sqrt", "ddp-linear")
+RULES = {"gradshare-nodecay": {"kind": "auto", "decay_from": 0.0}}  # the default rule without the run-long decay
 DDP_LR = {"ddp": lambda n: 1.0, "ddp-sqrt": math.sqrt, "ddp-linear": float}  # lr multiplier at N workers
 DEFAULTS = {"workers": "1,2,4,8,16,32,64", "seeds": "0,1,2"}
 QUICK = {"workers": "1,4", "seeds": "0", "epochs": 2, "rows": 2048, "workloads": "tabular64k"}
@@ -92,10 +95,10 @@ def run_one(workload: str, world: int, system: str, seed: int, cfg: dict, data) 
 
     recipe = RECIPES[workload]
     lr = recipe.lr * (DDP_LR[system](world) if system in DDP_LR else 1.0)
-    mode = "ddp" if system in DDP_LR else system
+    mode = "ddp" if system in DDP_LR else "gradshare" if system in RULES else system
     t0 = time.monotonic()
     out = run(workload=workload, world=world, epochs=cfg["epochs"] or recipe.epochs, seed=seed, lr=lr,
-              batch=recipe.batch_for(world), system=mode, data=data)
+              batch=recipe.batch_for(world), system=mode, rule=RULES.get(system), data=data)
     accuracy = [a / 100 for a in out["acc"]]
     return {"workload": workload, "workers": world, "system": system, "seed": seed, "lr": lr,
             "batch": recipe.batch_for(world), "accuracy": accuracy, "last3": statistics.fmean(accuracy[-3:]),
@@ -129,7 +132,7 @@ def gaps(summary: list[dict]) -> list[dict]:
     """gradshare's (and the dense local design's) last-3 accuracy minus tuned DDP's, in pp, per workload × N."""
     found = []
     for s in summary:
-        if s["system"] not in ("gradshare", "local"):
+        if s["system"] not in ("gradshare", "gradshare-nodecay", "local"):
             continue
         tuned = next((t for t in summary if t["system"] == "ddp-tuned"
                       and (t["workload"], t["workers"]) == (s["workload"], s["workers"])), None)
@@ -148,7 +151,7 @@ def plot(path: str, summary: list[dict], title: str) -> None:
 
     workloads = sorted({s["workload"] for s in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.4), squeeze=False)
-    colors = {"gradshare": "tab:green", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
+    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
               "ddp-linear": "tab:purple", "ddp-tuned": "black"}
     for ax, w in zip(axes[0], workloads):
         for system in colors:
@@ -196,10 +199,10 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(out_dir, "bench-scaling.json"), "w") as f:
         json.dump(doc, f, indent=1, default=float)
     plot(os.path.join(out_dir, "bench-scaling.png"), summary, f"{doc['date']}, lock step")
-    print(f"{'workload':<12} {'N':>3} {'system':<11} {'last-3 %':>14} {'best %':>7} {'→target':>7} {'traffic':>8}")
+    print(f"{'workload':<12} {'N':>3} {'system':<17} {'last-3 %':>14} {'best %':>7} {'→target':>7} {'traffic':>8}")
     for s in summary:
         std = f" ± {100 * s['last3_std']:.2f}" if s["last3_std"] is not None else ""
-        print(f"{s['workload']:<12} {s['workers']:>3} {s['system']:<11} {100 * s['last3_mean']:>7.2f}{std:<7} "
+        print(f"{s['workload']:<12} {s['workers']:>3} {s['system']:<17} {100 * s['last3_mean']:>7.2f}{std:<7} "
               f"{100 * s['best_mean']:>7.2f} {s['epochs_to_target'] or '—':>7} {s['traffic_ratio']:>7,.0f}x")
     for g in doc["gaps"]:
         print(f"  {g['workload']} N={g['workers']} {g['system']} − DDP tuned: {g['gap_pp']:+.2f} pp")
