@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, cast, get_args
 
+from gradshare.checks import check_mlflow_option, checkpoint_root, is_distributed
 from gradshare.stopping import EarlyStopping, early_stopping_from
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
@@ -161,9 +162,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # the same checks, messages and order as SharedTrainer.__init__ had (tests assert some of them)
-        from gradshare.driver.tracking import check_option
-
-        self._derive("mlflow_config", check_option(self.mlflow))
+        self._derive("mlflow_config", check_mlflow_option(self.mlflow))
         self._check_threshold()
         self._check_choices()
         self._check_numbers()
@@ -253,8 +252,6 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be an int >= 1 (epochs), got {every!r}")
         root = None
         if self.checkpoint_dir is not None:
-            from gradshare.driver.checkpoint import checkpoint_root
-
             root = checkpoint_root(self.checkpoint_dir, "checkpoint_dir")
             check_checkpoint_staleness("checkpoint_dir", self.staleness)
         self._derive("checkpoint_root", root)
@@ -274,8 +271,6 @@ class TrainConfig:
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
 
     def _check_validation(self) -> None:
-        from gradshare.driver.validation import is_distributed
-
         stopping = early_stopping_from(self.early_stopping)
         self._derive("stopping", stopping)
         if is_distributed(self.validation_data) and self.on_rank_loss == "continue":

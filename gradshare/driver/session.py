@@ -147,14 +147,6 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
                             label_range=span)
 
 
-def is_dataframe(data: object) -> bool:
-    """A pyspark DataFrame, classic or Spark Connect (both subclass pyspark.sql.DataFrame; a Connect
-    DataFrame's `.rdd` raises, so no duck typing on it)."""
-    from pyspark.sql import DataFrame
-
-    return isinstance(data, DataFrame)
-
-
 def is_connect(data: object) -> bool:
     """A Spark Connect DataFrame or session: no SparkContext, no RDDs."""
     return type(data).__module__.startswith("pyspark.sql.connect")

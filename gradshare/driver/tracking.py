@@ -34,7 +34,6 @@ import math
 import os
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
@@ -51,46 +50,10 @@ _Trainer = TypeVar("_Trainer", bound=_Options)
 
 import torch
 
-# keys of the mlflow= dict; anything else is a typo the user should hear about
-OPTION_KEYS = ("experiment", "run_name", "tags", "log_model")
+from gradshare.checks import import_mlflow
+
 MAX_PARAM_CHARS = 500  # MLflow's limit for a param value before 2.x's 6000; servers of either age take this
 MAX_BATCH_METRICS, MAX_BATCH_PARAMS = 1000, 100  # MLflow's log_batch limits
-
-
-def check_option(value: Any) -> dict | None:
-    """SharedTrainer's `mlflow` argument → a normalised dict, or None when off. Fails on the driver, at
-    construction, when mlflow is not installed or the dict has an unknown key or a bad value."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        value = {}
-    if not isinstance(value, dict):
-        raise TypeError(f"mlflow must be None, True or a dict with keys {list(OPTION_KEYS)}, "
-                        f"got {type(value).__name__}")
-    unknown = sorted(set(value) - set(OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"mlflow has unknown key(s) {unknown}; known: {list(OPTION_KEYS)}")
-    for key in ("experiment", "run_name"):
-        if value.get(key) is not None and not (isinstance(value[key], str) and value[key]):
-            raise ValueError(f"mlflow[{key!r}] must be a non-empty string, got {value[key]!r}")
-    tags = value.get("tags") or {}
-    if not (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)):
-        raise ValueError(f"mlflow['tags'] must be a dict with string keys, got {tags!r}")
-    if not isinstance(value.get("log_model", True), bool):
-        raise ValueError(f"mlflow['log_model'] must be True or False, got {value['log_model']!r}")
-    _import_mlflow()
-    return {"experiment": value.get("experiment"), "run_name": value.get("run_name"),
-            "tags": {k: str(v) for k, v in tags.items()}, "log_model": value.get("log_model", True)}
-
-
-def _import_mlflow() -> types.ModuleType:
-    """MLflow itself: the one lazy import here, since it is optional (the [mlflow] extra)."""
-    try:
-        import mlflow
-    except ImportError as e:
-        raise ImportError("SharedTrainer(mlflow=...) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
-                          "(mlflow-skinny), or the full mlflow package") from e
-    return mlflow
 
 
 def tracked(
@@ -110,7 +73,7 @@ def tracked(
         config = getattr(trainer, "mlflow", None)
         if config is None:
             return fit(trainer, *args, **kwargs)
-        mlflow = _import_mlflow()
+        mlflow = import_mlflow()
         bound = inspect.signature(fit).bind(trainer, *args, **kwargs)
         call = {k: v for k, v in list(bound.arguments.items())[2:] if v is not None}  # not self, not data
         client = mlflow.tracking.MlflowClient()
@@ -163,7 +126,7 @@ def _start_run(mlflow, client, config: dict) -> str:
 def log_result(result, run_id: str, log_model: bool = True) -> None:
     """Log a FitResult into the MLflow run `run_id`: per-epoch metrics, the fit's facts as params, and
     (log_model) the model's state_dict and the history as artifacts."""
-    mlflow = _import_mlflow()
+    mlflow = import_mlflow()
     client = mlflow.tracking.MlflowClient()
     now = _now_ms()
     metrics = [mlflow.entities.Metric(key, float(value), now, int(row["epoch"]))

@@ -16,21 +16,17 @@ Worker side, and the rule that reduces the shards' sums to one number: task/vali
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING
 
 from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
 
-from gradshare.driver.session import dataframe_to_rdd, is_dataframe
+from gradshare.checks import is_dataframe
+from gradshare.driver.session import dataframe_to_rdd
 from gradshare.task.validation import pack
 
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
-
-
-def is_distributed(data: object) -> TypeGuard[DataFrame | RDD[Any]]:
-    """Whether `validation_data` is a Spark DataFrame or RDD (else an in-memory pair or None)."""
-    return is_dataframe(data) or hasattr(data, "mapPartitionsWithIndex")
 
 
 def _column_kind(dtype) -> str:

@@ -19,15 +19,10 @@ import os
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
-from urllib.parse import urlparse
+
+from gradshare.checks import local_root
 
 CHUNK = 1 << 20
-
-
-def is_local(path: str) -> bool:
-    """A local path or file: URI ("C:" is a drive, not a scheme)."""
-    scheme = urlparse(path).scheme
-    return scheme in ("", "file") or len(scheme) == 1
 
 
 def file_chunks(path: str) -> Iterator[bytes]:
@@ -53,8 +48,7 @@ class Digest:
 
 class LocalStore:
     def __init__(self, root: str):
-        parsed = urlparse(root)
-        self.root = parsed.path if parsed.scheme == "file" else os.path.abspath(root)
+        self.root = local_root(root)
 
     def where(self, name: str = "") -> str:
         return os.path.join(self.root, *[p for p in name.split("/") if p])
