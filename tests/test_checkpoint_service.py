@@ -10,7 +10,7 @@ import pytest
 
 from gradshare.task.checkpoint import npy_chunks
 from gradshare.driver.ckpt_service import CheckpointService
-from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, _Sealed
+from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, Sealed
 from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
 from gradshare.task.stores import CHUNK, Digest, LocalStore
 from gradshare.transport import new_job_key
@@ -94,11 +94,11 @@ def test_frames_are_sealed_per_connection():
     a, b = socket.socketpair()
     key = new_job_key()
     try:
-        _Sealed(a, key, b"1234567", b"C").send(b"hello")
-        assert _Sealed(b, key, b"1234567", b"S").receive() == b"hello"
-        _Sealed(a, key, b"1234567", b"C").send(b"hello")
+        Sealed(a, key, b"1234567", b"C").send(b"hello")
+        assert Sealed(b, key, b"1234567", b"S").receive() == b"hello"
+        Sealed(a, key, b"1234567", b"C").send(b"hello")
         with pytest.raises(RemoteProtocolError, match="authentication"):
-            _Sealed(b, key, b"7654321", b"S").receive()
+            Sealed(b, key, b"7654321", b"S").receive()
     finally:
         a.close()
         b.close()

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from gradshare.bench.encoding import _density, _positive_int
+from gradshare.bench.encoding import density_arg, positive_int
 from gradshare.replica.device import resolve_device
 from gradshare.encoding import apply, encode
 from gradshare.errors import ConsistencyError
@@ -34,7 +34,7 @@ DEFAULT_REPEAT = 7
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sizes", type=_positive_int, nargs="+", default=list(DEFAULT_SIZES), metavar="N",
+        "--sizes", type=positive_int, nargs="+", default=list(DEFAULT_SIZES), metavar="N",
         help="float32 parameters per vector, one row each (default 1e6 1e7 5e7; 5e7 takes ~1 GB of RAM)",
     )
     parser.add_argument(
@@ -42,15 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu, cuda, cuda:N or auto (the GPU when torch has CUDA, else the CPU; default auto)",
     )
     parser.add_argument(
-        "--density", type=_density, default=DEFAULT_DENSITY, metavar="D",
+        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
         help=f"timed repeats; medians are reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, metavar="T",
+        "--threads", type=positive_int, default=1, metavar="T",
         help="torch intra-op threads on the CPU (default 1, as the Numba path's single thread)",
     )
     parser.add_argument("--no-numba", dest="numba", action="store_false",

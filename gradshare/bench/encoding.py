@@ -39,7 +39,7 @@ print(time.perf_counter() - t0)
 """
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(float(text)) if "e" in text.lower() else int(text)
     except ValueError:
@@ -49,7 +49,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _density(text: str) -> float:
+def density_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -61,19 +61,19 @@ def _density(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", type=_positive_int, default=DEFAULT_PARAMS, metavar="N",
+        "--params", type=positive_int, default=DEFAULT_PARAMS, metavar="N",
         help=f"float32 parameters per vector (default {DEFAULT_PARAMS:,}; 1e8 takes ~1.2 GB of RAM)",
     )
     parser.add_argument(
-        "--density", type=_density, default=DEFAULT_DENSITY, metavar="D",
+        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
         help=f"timed repeats; the median is reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, metavar="T",
+        "--threads", type=positive_int, default=1, metavar="T",
         help="threads for encode and for the numpy.add baseline alike (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the update vector (default 0)")

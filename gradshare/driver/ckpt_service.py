@@ -17,7 +17,7 @@ import socket
 import threading
 
 from gradshare.errors import RemoteProtocolError
-from gradshare.task.ckpt_client import _Sealed, check_name
+from gradshare.task.ckpt_client import Sealed, check_name
 from gradshare.task.stores import error_line
 
 MAX_CONNECTIONS = 64      # concurrent operations the driver serves; more wait in the listen backlog
@@ -76,7 +76,7 @@ class CheckpointService:
             conn.settimeout(self.timeout)
             salt = os.urandom(7)
             conn.sendall(salt)
-            link = _Sealed(conn, self.key, salt, b"S")
+            link = Sealed(conn, self.key, salt, b"S")
             request = link.receive_json()
             try:
                 answer = self._do(link, request)
@@ -94,7 +94,7 @@ class CheckpointService:
         if len(self.errors) < 100:
             self.errors.append(text)
 
-    def _do(self, link: _Sealed, request: dict) -> dict:
+    def _do(self, link: Sealed, request: dict) -> dict:
         op, name = request.get("op"), check_name(request.get("name", ""))
         store = self.stores.get(request.get("store"))
         if op not in OPS or store is None:

@@ -29,7 +29,7 @@ MAX_FRAME = CHUNK + 4096  # a data chunk, its mark and tag; a request or answer 
 _LEN = struct.Struct("<I")
 
 
-class _Sealed:
+class Sealed:
     """Frames of one connection, sealed under the job key (module docstring)."""
 
     def __init__(self, sock: socket.socket, key: bytes, salt: bytes, sending: bytes):
@@ -138,7 +138,7 @@ class ServiceStore:
         with self._named(what):  # the request too: a driver gone mid-handshake is named like any failure
             sock = socket.create_connection(self.address, timeout=self.timeout)
             try:
-                link = _Sealed(sock, self.key, _exactly(sock, 7), b"C")
+                link = Sealed(sock, self.key, _exactly(sock, 7), b"C")
                 link.send_json({"op": op, "store": self.store, "name": name, "rank": self.rank, **extra})
             except BaseException:
                 sock.close()
