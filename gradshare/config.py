@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypedDict, TypeG
 
 from gradshare.checks import check_mlflow_option, checkpoint_root, is_distributed
 from gradshare.stopping import EarlyStopping, early_stopping_from
-from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.wire import DEFAULT_BIND, DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,7 @@ class TrainConfig:
     train_step: TrainStep | None = None
     threshold: float | Literal["auto"] = "auto"
     port: int = DEFAULT_PORT
-    bind: str = "0.0.0.0"
+    bind: str = DEFAULT_BIND
     advertise_host: str | None = None
     threshold_algorithm: ThresholdAlgorithm = "adaptive"
     batch_size: int = 32
@@ -121,7 +122,7 @@ class TrainConfig:
     label_dtype: LabelDtype | None = None
     datagram_size: int = DEFAULT_DATAGRAM_SIZE
     timeout: float = 60.0
-    liveness_timeout: float = 30.0
+    liveness_timeout: float = RelayTuning.liveness_timeout
     on_rank_loss: OnRankLoss = "wait"
     step_timeout: float = 600.0
     spill_bytes: int = 256 << 20
