@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 DEFAULT_PARAMS = 10_000_000
 DEFAULT_DENSITY = 1e-3
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(
     params: int, density: float, repeat: int, threads: int = 1, seed: int = 0, cold_start: bool = True
-) -> dict:
+) -> dict[str, Any]:
     """Run the benchmark and return the result dict (the --json object)."""
     import numba
     import numpy as np
@@ -204,7 +205,7 @@ def _cold_start() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _table(res: dict) -> str:
+def _table(res: dict[str, Any]) -> str:
     def ms(s: float) -> str:
         return f"{s * 1e3:9.3f} ms"
 
