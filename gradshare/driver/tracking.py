@@ -36,7 +36,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 
 class _Options(Protocol):
@@ -51,6 +51,9 @@ _Trainer = TypeVar("_Trainer", bound=_Options)
 import torch
 
 from gradshare.checks import import_mlflow
+
+if TYPE_CHECKING:
+    from gradshare.driver.result import FitResult
 
 MAX_PARAM_CHARS = 500  # MLflow's limit for a param value before 2.x's 6000; servers of either age take this
 MAX_BATCH_METRICS, MAX_BATCH_PARAMS = 1000, 100  # MLflow's log_batch limits
@@ -85,7 +88,8 @@ def tracked(
             _end_run(client, run_id, "FAILED")
             raise
         try:
-            log_result(result, run_id=run_id, log_model=config["log_model"])
+            # `tracked` decorates SharedTrainer.fit, whose result is a FitResult
+            log_result(cast("FitResult", result), run_id=run_id, log_model=config["log_model"])
         except Exception as e:  # noqa: BLE001 - the result matters more than its log; said below
             warnings.warn(f"the fit succeeded but logging it to MLflow run {run_id} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
@@ -97,7 +101,7 @@ def tracked(
     return wrapper
 
 
-def _end_run(client, run_id: str, status: str) -> None:
+def _end_run(client: Any, run_id: str, status: str) -> None:
     """Mark the run ended; a tracking server that fails here must not hide the fit's own outcome."""
     try:
         client.set_terminated(run_id, status)
@@ -106,7 +110,7 @@ def _end_run(client, run_id: str, status: str) -> None:
                       stacklevel=3)
 
 
-def _start_run(mlflow, client, config: dict) -> str:
+def _start_run(mlflow: Any, client: Any, config: dict[str, Any]) -> str:
     """Create the fit's run (its id) without making it the thread's active run: fits may run in parallel
     threads (CrossValidator(parallelism=k)) and the caller's own active run must stay theirs."""
     active = mlflow.active_run()
@@ -120,10 +124,11 @@ def _start_run(mlflow, client, config: dict) -> str:
     tags = {"mlflow.source.name": "gradshare.SharedTrainer.fit", **config["tags"]}
     if active is not None:
         tags["mlflow.parentRunId"] = active.info.run_id
-    return client.create_run(experiment_id, run_name=config["run_name"], tags=tags).info.run_id
+    run_id: str = client.create_run(experiment_id, run_name=config["run_name"], tags=tags).info.run_id
+    return run_id
 
 
-def log_result(result, run_id: str, log_model: bool = True) -> None:
+def log_result(result: FitResult, run_id: str, log_model: bool = True) -> None:
     """Log a FitResult into the MLflow run `run_id`: per-epoch metrics, the fit's facts as params, and
     (log_model) the model's state_dict and the history as artifacts."""
     mlflow = import_mlflow()
@@ -161,7 +166,7 @@ def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or hasattr(value, "dtype")
 
 
-def _log_params(mlflow, client, run_id: str, options: dict) -> None:
+def _log_params(mlflow: Any, client: Any, run_id: str, options: Mapping[str, object]) -> None:
     params = [mlflow.entities.Param(name, _describe(value)) for name, value in options.items()]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
         client.log_batch(run_id, params=params[i:i + MAX_BATCH_PARAMS])
@@ -186,7 +191,7 @@ def _describe(value: Any) -> str:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 1] + "…"
 
 
-def _plain(value: Any):
+def _plain(value: Any) -> Any:
     """json.dump's fallback for NumPy scalars in history rows."""
     if hasattr(value, "item"):
         return value.item()
