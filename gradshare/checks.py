@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 # keys of the mlflow= dict; anything else is a typo the user should hear about
 MLFLOW_OPTION_KEYS = ("experiment", "run_name", "tags", "log_model")
@@ -78,7 +79,7 @@ def checkpoint_root(path: object, argument: str) -> str:
     return local_root(path) if is_local(path) else path.rstrip("/")
 
 
-def is_dataframe(data: object) -> bool:
+def is_dataframe(data: object) -> TypeIs[DataFrame]:
     """A pyspark DataFrame, classic or Spark Connect (both subclass pyspark.sql.DataFrame; a Connect
     DataFrame's `.rdd` raises, so no duck typing on it)."""
     from pyspark.sql import DataFrame
