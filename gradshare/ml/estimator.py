@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from pyspark import cloudpickle
