@@ -69,7 +69,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     command's module is imported and adds its options (module docstring); the others are listed."""
     parser = argparse.ArgumentParser(prog="gradshare", description=__doc__.splitlines()[0])
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    groups: dict[str, argparse._SubParsersAction] = {}
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     for path, module, help_text in COMMANDS:
         if not _available(module):
             continue  # a command whose module is not built yet is simply not offered

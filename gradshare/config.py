@@ -22,8 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypedDict, TypeGuard, cast, get_args
 
+from gradshare.checks import check_mlflow_option, checkpoint_root, is_distributed
 from gradshare.stopping import EarlyStopping, early_stopping_from
-from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.wire import DEFAULT_BIND, DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +104,7 @@ class TrainConfig:
     train_step: TrainStep | None = None
     threshold: float | Literal["auto"] = "auto"
     port: int = DEFAULT_PORT
-    bind: str = "0.0.0.0"
+    bind: str = DEFAULT_BIND
     advertise_host: str | None = None
     threshold_algorithm: ThresholdAlgorithm = "adaptive"
     batch_size: int = 32
@@ -120,7 +122,7 @@ class TrainConfig:
     label_dtype: LabelDtype | None = None
     datagram_size: int = DEFAULT_DATAGRAM_SIZE
     timeout: float = 60.0
-    liveness_timeout: float = 30.0
+    liveness_timeout: float = RelayTuning.liveness_timeout
     on_rank_loss: OnRankLoss = "wait"
     step_timeout: float = 600.0
     spill_bytes: int = 256 << 20
@@ -162,9 +164,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # the same checks, messages and order as SharedTrainer.__init__ had (tests assert some of them)
-        from gradshare.driver.tracking import check_option
-
-        self._derive("mlflow_config", check_option(self.mlflow))
+        self._derive("mlflow_config", check_mlflow_option(self.mlflow))
         self._check_threshold()
         self._check_choices()
         self._check_numbers()
@@ -256,8 +256,6 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be an int >= 1 (epochs), got {every!r}")
         root = None
         if self.checkpoint_dir is not None:
-            from gradshare.driver.checkpoint import checkpoint_root
-
             root = checkpoint_root(self.checkpoint_dir, "checkpoint_dir")
             check_checkpoint_staleness("checkpoint_dir", self.staleness)
         self._derive("checkpoint_root", root)
@@ -277,8 +275,6 @@ class TrainConfig:
                             "lambda p: torch.optim.SGD(p, lr=0.1)")
 
     def _check_validation(self) -> None:
-        from gradshare.driver.validation import is_distributed
-
         stopping = early_stopping_from(self.early_stopping)
         self._derive("stopping", stopping)
         if is_distributed(self.validation_data) and self.on_rank_loss == "continue":

@@ -11,15 +11,21 @@ demo's and many tests' model factory), and never need it (~0.8 s a fresh Python 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 import torch
 from torch import nn
 
 from gradshare.cli import threshold_arg
-from gradshare.config import TrainConfig
+from gradshare.config import OptimizerFactory, ThresholdAlgorithm, TrainConfig
 from gradshare.driver.session import get_or_create_session
 from gradshare.driver.trainer import SharedTrainer, default_optimizer
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 # the options the demo shares with SharedTrainer default to SharedTrainer's (TrainConfig); the demo's
 # own are its workers and its epochs (30: enough for the digits MLP to converge)
@@ -46,36 +52,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _threshold_type(text: str):
+def _threshold_type(text: str) -> float | str:
     try:
         return threshold_arg(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def digits_split(seed: int = 0):
+def digits_split(seed: int = 0) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64], NDArray[np.int64]]:
     """Digits scaled to [0, 1], split 75/25 stratified: (X_train, X_test, y_train, y_test)."""
     from sklearn.datasets import load_digits  # lazy: the module docstring says why
     from sklearn.model_selection import train_test_split
 
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
-    return train_test_split(X, y.astype(np.int64), test_size=0.25, random_state=seed, stratify=y)
+    X_train, X_test, y_train, y_test = train_test_split(X, y.astype(np.int64), test_size=0.25, random_state=seed,
+                                                        stratify=y)
+    return X_train, X_test, y_train, y_test
 
 
-def mlp(hidden: int = 128):
+def mlp(hidden: int = 128) -> nn.Module:
     """The demo model: 64 → hidden → 10 with ReLU."""
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def evaluate_accuracy(model, X, y) -> float:
+def evaluate_accuracy(model: nn.Module, X: ArrayLike, y: ArrayLike) -> float:
     model.eval()
     with torch.no_grad():
         pred = model(torch.from_numpy(np.asarray(X, np.float32))).argmax(dim=1).numpy()
     return float((pred == np.asarray(y)).mean())
 
 
-def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, seed: int, optimizer=None):
+def train_single_process(model_factory: Callable[[], nn.Module], X: ArrayLike, y: ArrayLike, *, epochs: int,
+                         batch_size: int, seed: int, optimizer: OptimizerFactory | None = None) -> nn.Module:
     """The baseline: the same model, optimizer and batch size in one process, seeded shuffles."""
     torch.manual_seed(seed)
     model = model_factory()
@@ -92,10 +101,11 @@ def train_single_process(model_factory, X, y, *, epochs: int, batch_size: int, s
     return model
 
 
-def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.batch_size,
-                      threshold=TrainConfig.threshold, threshold_algorithm=TrainConfig.threshold_algorithm,
-                      staleness=TrainConfig.staleness, port=0, seed=TrainConfig.seed, verbose=0,
-                      bind=TrainConfig.bind, single=True) -> dict:
+def digits_experiment(spark: SparkSession, *, workers: int = 2, epochs: int = 30,
+                      batch_size: int = TrainConfig.batch_size, threshold: float | Literal["auto"] = TrainConfig.threshold,
+                      threshold_algorithm: ThresholdAlgorithm = TrainConfig.threshold_algorithm,
+                      staleness: int = TrainConfig.staleness, port: int = 0, seed: int = TrainConfig.seed,
+                      verbose: int = 0, bind: str = TrainConfig.bind, single: bool = True) -> dict[str, Any]:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
     X_train, X_test, y_train, y_test = digits_split(seed)
     rows = list(zip(X_train, (int(v) for v in y_train)))
@@ -104,7 +114,7 @@ def digits_experiment(spark, *, workers=2, epochs=30, batch_size=TrainConfig.bat
                             batch_size=batch_size, epochs=epochs, staleness=staleness, seed=seed,
                             verbose=verbose, validation_data=(X_test, y_test))
     result = trainer.fit(rdd)
-    out = {"result": result, "gp_accuracy": evaluate_accuracy(result.model, X_test, y_test)}
+    out: dict[str, Any] = {"result": result, "gp_accuracy": evaluate_accuracy(result.model, X_test, y_test)}
     if single:
         base = train_single_process(mlp, X_train, y_train, epochs=epochs, batch_size=batch_size, seed=seed)
         out["single_accuracy"] = evaluate_accuracy(base, X_test, y_test)

@@ -38,7 +38,7 @@ class EarlyStopping:
     best: float | None = field(default=None, init=False)
     waited: int = field(default=0, init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
             raise ValueError(f"early_stopping: patience must be an int >= 0, got {self.patience!r}")
         if not isinstance(self.min_delta, (int, float)) or not math.isfinite(self.min_delta) or self.min_delta < 0:
@@ -49,7 +49,7 @@ class EarlyStopping:
             raise ValueError(f"early_stopping: monitor must be one of {MONITORS}, got {self.monitor!r}")
 
 
-def early_stopping_from(option) -> EarlyStopping | None:
+def early_stopping_from(option: object) -> EarlyStopping | None:
     """SharedTrainer's `early_stopping` option: None, an EarlyStopping, or a dict of its fields."""
     if option is None or isinstance(option, EarlyStopping):
         return option

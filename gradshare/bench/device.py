@@ -18,11 +18,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
-from gradshare.bench.encoding import _density, _positive_int
+from gradshare.bench.encoding import density_arg, positive_int
 from gradshare.replica.device import resolve_device
 from gradshare.encoding import apply, encode
 from gradshare.errors import ConsistencyError
@@ -34,7 +36,7 @@ DEFAULT_REPEAT = 7
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sizes", type=_positive_int, nargs="+", default=list(DEFAULT_SIZES), metavar="N",
+        "--sizes", type=positive_int, nargs="+", default=list(DEFAULT_SIZES), metavar="N",
         help="float32 parameters per vector, one row each (default 1e6 1e7 5e7; 5e7 takes ~1 GB of RAM)",
     )
     parser.add_argument(
@@ -42,15 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu, cuda, cuda:N or auto (the GPU when torch has CUDA, else the CPU; default auto)",
     )
     parser.add_argument(
-        "--density", type=_density, default=DEFAULT_DENSITY, metavar="D",
+        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
         help=f"timed repeats; medians are reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, metavar="T",
+        "--threads", type=positive_int, default=1, metavar="T",
         help="torch intra-op threads on the CPU (default 1, as the Numba path's single thread)",
     )
     parser.add_argument("--no-numba", dest="numba", action="store_false",
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _timer(device):
+def _timer(device: torch.device) -> Callable[[], float]:
     """A perf_counter reading that waits for the device's queued work first (CUDA runs asynchronously)."""
     if device.type == "cuda":
         def now() -> float:
@@ -70,7 +72,7 @@ def _timer(device):
     return now
 
 
-def _row(params: int, density: float, repeat: int, device, numba: bool, seed: int) -> dict:
+def _row(params: int, density: float, repeat: int, device: torch.device, numba: bool, seed: int) -> dict[str, Any]:
     # τ such that a standard normal update crosses it with probability `density` (both tails).
     tau = statistics.NormalDist().inv_cdf(1.0 - density / 2.0)
     host_u = np.random.default_rng(seed).standard_normal(params, dtype=np.float32)
@@ -127,8 +129,8 @@ def _row(params: int, density: float, repeat: int, device, numba: bool, seed: in
     return row
 
 
-def measure(sizes, density: float = DEFAULT_DENSITY, repeat: int = DEFAULT_REPEAT, device="auto",
-            threads: int = 1, numba: bool = True, seed: int = 0) -> dict:
+def measure(sizes: Iterable[int], density: float = DEFAULT_DENSITY, repeat: int = DEFAULT_REPEAT, device: object = "auto",
+            threads: int = 1, numba: bool = True, seed: int = 0) -> dict[str, Any]:
     """Run the benchmark and return the result dict (the --json object)."""
     dev = resolve_device(device)
     saved = torch.get_num_threads()
@@ -149,7 +151,7 @@ def measure(sizes, density: float = DEFAULT_DENSITY, repeat: int = DEFAULT_REPEA
     }
 
 
-def _table(res: dict) -> str:
+def _table(res: dict[str, Any]) -> str:
     def ms(s: float | None) -> str:
         return f"{s * 1e3:9.3f}" if s is not None else "        -"
 

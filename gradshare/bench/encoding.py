@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 DEFAULT_PARAMS = 10_000_000
 DEFAULT_DENSITY = 1e-3
@@ -39,7 +40,7 @@ print(time.perf_counter() - t0)
 """
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(float(text)) if "e" in text.lower() else int(text)
     except ValueError:
@@ -49,7 +50,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _density(text: str) -> float:
+def density_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -61,19 +62,19 @@ def _density(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", type=_positive_int, default=DEFAULT_PARAMS, metavar="N",
+        "--params", type=positive_int, default=DEFAULT_PARAMS, metavar="N",
         help=f"float32 parameters per vector (default {DEFAULT_PARAMS:,}; 1e8 takes ~1.2 GB of RAM)",
     )
     parser.add_argument(
-        "--density", type=_density, default=DEFAULT_DENSITY, metavar="D",
+        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
         help=f"timed repeats; the median is reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, metavar="T",
+        "--threads", type=positive_int, default=1, metavar="T",
         help="threads for encode and for the numpy.add baseline alike (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the update vector (default 0)")
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(
     params: int, density: float, repeat: int, threads: int = 1, seed: int = 0, cold_start: bool = True
-) -> dict:
+) -> dict[str, Any]:
     """Run the benchmark and return the result dict (the --json object)."""
     import numba
     import numpy as np
@@ -204,7 +205,7 @@ def _cold_start() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _table(res: dict) -> str:
+def _table(res: dict[str, Any]) -> str:
     def ms(s: float) -> str:
         return f"{s * 1e3:9.3f} ms"
 

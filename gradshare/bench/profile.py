@@ -8,6 +8,8 @@ wall-clock, and the `lo` transmit counter over the steps. This module only summa
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gradshare.task.profiling import PHASES as WORKER_PHASES
@@ -22,7 +24,7 @@ _COARSE = {"compute": ("batch", "lookahead", "compute", "snapshot", "optimizer")
            "encode": ("encode",), "send": ("send",), "wait": ("wait",), "apply": ("apply",)}
 
 
-def summarise(steps: dict[str, list[float]], warmup: int) -> dict:
+def summarise(steps: dict[str, list[float]], warmup: int) -> dict[str, Any]:
     """Mean seconds per step of each coarse phase and of the wall time, skipping the first `warmup`
     steps (JIT compilation, allocator warm-up). "other" is the wall time no phase accounts for;
     "detail" holds the mean of every worker phase."""
@@ -33,7 +35,7 @@ def summarise(steps: dict[str, list[float]], warmup: int) -> dict:
         return float(np.mean(steps[k][skip:])) if n else float("nan")
 
     detail = {k: mean(k) for k in WORKER_PHASES}
-    out: dict = {k: sum(detail[p] for p in parts) for k, parts in _COARSE.items()}
+    out: dict[str, Any] = {k: sum(detail[p] for p in parts) for k, parts in _COARSE.items()}
     out["wall"] = mean("wall")
     out["other"] = out["wall"] - sum(out[p] for p in PHASES)
     out["detail"] = detail

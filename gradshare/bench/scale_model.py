@@ -3,13 +3,16 @@ communication time they project to larger N and faster links (scale.py measures,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 LINKS_GBIT = (1, 10, 25)
 PROJECT_TO = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def fit_costs(rows: list[dict]) -> dict:
+def fit_costs(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Relay CPU per step ≈ a·(forwarded datagrams per step) + b·(updates per step), least squares ≥ 0.
 
     ``a`` is the per-datagram cost of forwarding (sendto + bookkeeping: AEAD is the origin's and the
@@ -36,7 +39,8 @@ def fit_costs(rows: list[dict]) -> dict:
     return {"per_datagram_s": float(a), "per_update_s": float(b), "per_step_s": 0.0}
 
 
-def project(rows: list[dict], sizes=PROJECT_TO, links=LINKS_GBIT) -> dict:
+def project(rows: list[dict[str, Any]], sizes: Sequence[int] = PROJECT_TO,
+            links: Sequence[float] = LINKS_GBIT) -> dict[str, Any]:
     """Projected step-communication time, from the measured rows.
 
     Model (stated in the output): per step the relay sends E(N) = P(N)·w bytes in D(N) = P(N)·d

@@ -19,9 +19,13 @@ import argparse
 import json
 import math
 import sys
+from typing import TYPE_CHECKING, Any
 
 from gradshare.transport.protocol.crypto import TAG_BYTES
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 
@@ -39,7 +43,7 @@ def wire_bytes(payload: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tu
     return sealed_size(payload + 2 + META_BYTES, datagram_size)
 
 
-def train_run(spark, workers: int, epochs: int = 2, seed: int = 0) -> dict:
+def train_run(spark: SparkSession, workers: int, epochs: int = 2, seed: int = 0) -> dict[str, Any]:
     """Train the demo MLP with ``workers`` workers on ``spark``; figures for the scale report."""
     from gradshare.demo import digits_split, evaluate_accuracy, mlp
     from gradshare.driver.trainer import SharedTrainer

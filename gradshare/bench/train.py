@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 from gradshare.bench import netns, report
 from gradshare.bench import systems as sysmod
@@ -32,6 +34,9 @@ from gradshare.bench.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_sp
 from gradshare.bench.workloads import WORKLOADS, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 # MLP: 16 epochs = 176 steps per worker (11 per epoch at batch 64 on 673 rows). At 8 epochs gradshare
 # was still climbing: with the initial τ of 1e-2 (ten Adam steps of lr 1e-3) its first epoch sends
@@ -85,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
 
 
-def comma_list(text: str, allowed, what: str) -> list[str]:
+def comma_list(text: str, allowed: Collection[str], what: str) -> list[str]:
     """The items of a comma list flag `--what`, each one of `allowed`; ValueError naming the flag."""
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
@@ -94,7 +99,7 @@ def comma_list(text: str, allowed, what: str) -> list[str]:
     return items
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The resolved configuration (validated; --quick applied)."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -123,7 +128,7 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ child
-def run_configs(cfg: dict, link: str, systems: list[str], spark=None) -> list[dict]:
+def run_configs(cfg: dict[str, Any], link: str, systems: list[str], spark: SparkSession | None = None) -> list[dict[str, Any]]:
     """Run `systems` × cfg's workloads in this process (on `link`, already set up); one row each."""
     rows = []
     for name in cfg["workloads"]:
@@ -230,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-bench-") if args.quick else "docs")
     n_cfg = len(cfg["workloads"]) * len(cfg["systems"])
     per_child = n_cfg * (3 * cfg["budget"] + 150) + 120  # generous: the budget bounds each config
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gradshare-bench-") as tmp:
         for link in links:
             # The single process sends nothing: it runs once, in the unshaped namespace.

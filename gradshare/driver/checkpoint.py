@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from gradshare.checks import checkpoint_root, is_local
 from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
-from gradshare.task.stores import HadoopStore, LocalStore, error_line, is_local
+from gradshare.task.stores import HadoopStore, LocalStore, error_line
 from gradshare.transport.protocol.tallies import RollbackPoint
 
 if TYPE_CHECKING:
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
 # a checkpoint's manifest (task/checkpoint.py: JSON, read by key), and the driver's stores by source
 Manifest: TypeAlias = dict[str, Any]
 Stores: TypeAlias = dict[str, object]
-
-
-def checkpoint_root(path, argument: str) -> str:
-    """`path` as a checkpoint root: an absolute local directory, or the Hadoop-FS URI as given."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{argument} must be a path or a Hadoop-FS URI, got {type(path).__name__}")
-    path = os.fspath(path)
-    return LocalStore(path).root if is_local(path) else path.rstrip("/")
 
 
 def driver_store(root: str, spark_context):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from typing import Any
 
 from gradshare.errors import RemoteProtocolError
 from gradshare.task.ckpt_client import Sealed, check_name
@@ -28,7 +29,7 @@ class CheckpointService:
     """``CheckpointService({"checkpoint": store, "resume": store}, key, bind, timeout).start()``; the
     workers' ServiceStore reaches it at `address`. A context manager."""
 
-    def __init__(self, stores: dict, key: bytes, bind: str = "0.0.0.0", timeout: float = 60.0):
+    def __init__(self, stores: dict[str, Any], key: bytes, bind: str = "0.0.0.0", timeout: float = 60.0):
         self.stores, self.key, self.bind, self.timeout = dict(stores), key, bind, float(timeout)
         self.address: tuple[str, int] | None = None
         self.errors: list[str] = []  # what went wrong serving (bounded): a failed fit's driver shows it
@@ -55,13 +56,15 @@ class CheckpointService:
     def __enter__(self) -> CheckpointService:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _accept(self) -> None:
+        sock = self._sock
+        assert sock is not None  # start() made it before starting this thread
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except (TimeoutError, socket.timeout):
                 continue
             except OSError:
@@ -94,9 +97,10 @@ class CheckpointService:
         if len(self.errors) < 100:
             self.errors.append(text)
 
-    def _do(self, link: Sealed, request: dict) -> dict:
+    def _do(self, link: Sealed, request: dict[str, Any]) -> dict[str, Any]:
         op, name = request.get("op"), check_name(request.get("name", ""))
-        store = self.stores.get(request.get("store"))
+        named = request.get("store")
+        store = self.stores.get(named) if isinstance(named, str) else None
         if op not in OPS or store is None:
             raise RemoteProtocolError(f"unknown checkpoint request {op!r} for store {request.get('store')!r}")
         if op == "write":

@@ -25,6 +25,7 @@ import torch
 from pyspark import RDD
 from torch import nn
 
+from gradshare.checks import is_dataframe, is_distributed
 from gradshare.config import Metric, ThresholdRule, check_checkpoint_staleness, is_calibrated
 from gradshare.driver.checkpoint import (
     Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
@@ -36,9 +37,9 @@ from gradshare.driver.plan import (
 )
 from gradshare.driver.relay_setup import join_window, snapshot_options
 from gradshare.driver.result import FitResult
-from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect, is_dataframe
+from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
-from gradshare.driver.validation import check_shards, is_distributed, shards_of, validation_rows, zip_shards
+from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
 from gradshare.encoding import ResidualClipping, apply_update, decode_update
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ConsistencyError

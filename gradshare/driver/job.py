@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gradshare.task.arrow_rows import RESULT_SCHEMA, read_results, summarise_batches, train_batches
+from gradshare.checks import is_distributed, is_local
 from gradshare.errors import TransportTimeout
 from gradshare.reports import WorkerReport
 from gradshare.driver.session import busy_slots, check_barrier_slots, feature_columns, is_connect
 from gradshare.task.partition import PartitionSummary, summarise_partition
-from gradshare.task.stores import is_local
 from gradshare.task.worker import WorkerConfig, train_partition
 
 T = TypeVar("T")
@@ -225,16 +225,12 @@ def frame_path(validation_data: object) -> bool:
     validation shards must zip into its RDD (validation.py) or pandas/pyarrow (mapInArrow's) are missing."""
     from importlib.util import find_spec
 
-    from gradshare.driver.validation import is_distributed
-
     return (FRAME_PATH_CLASSIC and not is_distributed(validation_data)
             and find_spec("pyarrow") is not None and find_spec("pandas") is not None)
 
 
 def check_connect(validation_data: object, checkpoint_dir: str | None, resume_from: str | None) -> None:
     """What a fit on a Spark Connect session cannot do yet, refused before any Spark job, naming the option."""
-    from gradshare.driver.validation import is_distributed
-
     if is_distributed(validation_data):
         raise ValueError("validation_data as a DataFrame or RDD (scored in shards on every worker) does not work on a "
                          "Spark Connect session yet: its shards ride in the training RDD, and Connect has no RDDs; "

@@ -11,9 +11,25 @@ safe from any thread.
 from __future__ import annotations
 
 import os
+from typing import Any, Protocol
 
 
-def plot_result(result, path: str | os.PathLike) -> str:
+class Fit(Protocol):
+    """What the figure reads of a FitResult (result.py imports this module: no import back)."""
+
+    @property
+    def history(self) -> list[dict[str, Any]]: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def n_params(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+
+
+def plot_result(result: Fit, path: str | os.PathLike[str]) -> str:
     """Write the figure of `result` (a FitResult) to `path`; the format follows the suffix (.png, .svg,
     .pdf, ...; PNG when there is none). Returns the path written."""
     try:

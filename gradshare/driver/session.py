@@ -11,8 +11,12 @@ import os
 import sys
 import time
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
-from pyspark.sql import SparkSession
+from pyspark import RDD, SparkContext
+from pyspark.sql import DataFrame, SparkSession
 
 from gradshare.task.partition import PartitionSummary, label_value
 
@@ -26,7 +30,8 @@ def _executor_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(parts))  # dedupe, keep order
 
 
-def session_builder(master: str, app_name: str = "gradshare", extra_conf: dict[str, str] | None = None):
+def session_builder(master: str, app_name: str = "gradshare",
+                    extra_conf: dict[str, str] | None = None) -> SparkSession.Builder:
     """A SparkSession builder with gradshare's defaults for `master`.
 
     Local masters (``local[...]``, ``local-cluster[...]``) run Python workers with the driver's own
@@ -56,7 +61,7 @@ def session_builder(master: str, app_name: str = "gradshare", extra_conf: dict[s
     return builder
 
 
-def get_or_create_session(num_workers: int | None = None, master: str | None = None):
+def get_or_create_session(num_workers: int | None = None, master: str | None = None) -> tuple[SparkSession, bool]:
     """The active SparkSession, or an embedded ``local[N]`` one (N = num_workers, default 2).
 
     Returns ``(session, created)``; whoever created it stops it.
@@ -74,7 +79,7 @@ def get_or_create_session(num_workers: int | None = None, master: str | None = N
     return session, True
 
 
-def total_slots(sc) -> int:
+def total_slots(sc: SparkContext) -> int:
     """How many tasks of the default resource profile can run at once (what barrier stages need)."""
     jsc = sc._jsc.sc()
     try:  # the scheduler's own count, the same one Spark's barrier check uses
@@ -85,7 +90,7 @@ def total_slots(sc) -> int:
         return sc.defaultParallelism // max(cpus, 1)
 
 
-def busy_slots(sc) -> int:
+def busy_slots(sc: SparkContext) -> int:
     tracker = sc.statusTracker()
     busy = 0
     for sid in tracker.getActiveStageIds():
@@ -95,7 +100,7 @@ def busy_slots(sc) -> int:
     return busy
 
 
-def check_barrier_slots(sc, needed: int, wait: float | None = None) -> None:
+def check_barrier_slots(sc: SparkContext, needed: int, wait: float | None = None) -> None:
     """Raise a clear error when fewer than `needed` task slots are free for a barrier stage.
 
     Without this, Spark keeps re-checking for minutes before failing. Cluster masters get `wait`
@@ -103,7 +108,7 @@ def check_barrier_slots(sc, needed: int, wait: float | None = None) -> None:
     """
     if needed < 1:
         raise ValueError(f"a barrier stage needs at least 1 slot, got needed={needed}")
-    master = sc.master
+    master = str(sc.master)  # a running SparkContext's master is set
     if wait is None:
         wait = 0.0 if master.startswith("local[") or master == "local" else 30.0
     deadline = time.monotonic() + wait
@@ -129,6 +134,9 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
             raise (TypeError if s.error_type == "TypeError" else ValueError)(f"bad training data: {s.error}")
     first = summaries[0]
     for s in summaries[1:]:
+        # only a summary with an error (raised above) lacks its layout (task/partition.summarise_partition)
+        assert first.features is not None and s.features is not None
+        assert first.label_shape is not None and s.label_shape is not None
         diff = first.features.difference(s.features)
         if diff is not None:  # each partition agrees with its own row 0, so row 0 is where it differs
             raise (ValueError if "shape" in diff[0] else TypeError)(
@@ -147,20 +155,12 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
                             label_range=span)
 
 
-def is_dataframe(data: object) -> bool:
-    """A pyspark DataFrame, classic or Spark Connect (both subclass pyspark.sql.DataFrame; a Connect
-    DataFrame's `.rdd` raises, so no duck typing on it)."""
-    from pyspark.sql import DataFrame
-
-    return isinstance(data, DataFrame)
-
-
 def is_connect(data: object) -> bool:
     """A Spark Connect DataFrame or session: no SparkContext, no RDDs."""
     return type(data).__module__.startswith("pyspark.sql.connect")
 
 
-def feature_columns(df, features_col, label_col) -> list[str]:
+def feature_columns(df: DataFrame, features_col: str | Iterable[str], label_col: str) -> list[str]:
     """features_col as a list of column names, every named column checked against the DataFrame's."""
     cols = [features_col] if isinstance(features_col, str) else list(features_col)
     if not cols or not all(isinstance(c, str) for c in cols):
@@ -171,7 +171,8 @@ def feature_columns(df, features_col, label_col) -> list[str]:
     return cols
 
 
-def dataframe_to_rdd(df, features_col: str | list[str] | tuple[str, ...], label_col: str):
+def dataframe_to_rdd(df: DataFrame, features_col: str | list[str] | tuple[str, ...],
+                     label_col: str) -> RDD[tuple[Any, Any]]:
     """(features, label) rows from DataFrame columns (ML vectors, arrays or numbers; numeric labels).
     A list of feature columns gives multi-input rows ``((a, b, ...), label)``: model(a, b, ...)."""
     cols = feature_columns(df, features_col, label_col)

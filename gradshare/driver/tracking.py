@@ -34,10 +34,9 @@ import math
 import os
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 
 class _Options(Protocol):
@@ -51,46 +50,13 @@ _Trainer = TypeVar("_Trainer", bound=_Options)
 
 import torch
 
-# keys of the mlflow= dict; anything else is a typo the user should hear about
-OPTION_KEYS = ("experiment", "run_name", "tags", "log_model")
+from gradshare.checks import import_mlflow
+
+if TYPE_CHECKING:
+    from gradshare.driver.result import FitResult
+
 MAX_PARAM_CHARS = 500  # MLflow's limit for a param value before 2.x's 6000; servers of either age take this
 MAX_BATCH_METRICS, MAX_BATCH_PARAMS = 1000, 100  # MLflow's log_batch limits
-
-
-def check_option(value: Any) -> dict | None:
-    """SharedTrainer's `mlflow` argument → a normalised dict, or None when off. Fails on the driver, at
-    construction, when mlflow is not installed or the dict has an unknown key or a bad value."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        value = {}
-    if not isinstance(value, dict):
-        raise TypeError(f"mlflow must be None, True or a dict with keys {list(OPTION_KEYS)}, "
-                        f"got {type(value).__name__}")
-    unknown = sorted(set(value) - set(OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"mlflow has unknown key(s) {unknown}; known: {list(OPTION_KEYS)}")
-    for key in ("experiment", "run_name"):
-        if value.get(key) is not None and not (isinstance(value[key], str) and value[key]):
-            raise ValueError(f"mlflow[{key!r}] must be a non-empty string, got {value[key]!r}")
-    tags = value.get("tags") or {}
-    if not (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)):
-        raise ValueError(f"mlflow['tags'] must be a dict with string keys, got {tags!r}")
-    if not isinstance(value.get("log_model", True), bool):
-        raise ValueError(f"mlflow['log_model'] must be True or False, got {value['log_model']!r}")
-    _import_mlflow()
-    return {"experiment": value.get("experiment"), "run_name": value.get("run_name"),
-            "tags": {k: str(v) for k, v in tags.items()}, "log_model": value.get("log_model", True)}
-
-
-def _import_mlflow() -> types.ModuleType:
-    """MLflow itself: the one lazy import here, since it is optional (the [mlflow] extra)."""
-    try:
-        import mlflow
-    except ImportError as e:
-        raise ImportError("SharedTrainer(mlflow=...) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
-                          "(mlflow-skinny), or the full mlflow package") from e
-    return mlflow
 
 
 def tracked(
@@ -110,7 +76,7 @@ def tracked(
         config = getattr(trainer, "mlflow", None)
         if config is None:
             return fit(trainer, *args, **kwargs)
-        mlflow = _import_mlflow()
+        mlflow = import_mlflow()
         bound = inspect.signature(fit).bind(trainer, *args, **kwargs)
         call = {k: v for k, v in list(bound.arguments.items())[2:] if v is not None}  # not self, not data
         client = mlflow.tracking.MlflowClient()
@@ -122,7 +88,8 @@ def tracked(
             _end_run(client, run_id, "FAILED")
             raise
         try:
-            log_result(result, run_id=run_id, log_model=config["log_model"])
+            # `tracked` decorates SharedTrainer.fit, whose result is a FitResult
+            log_result(cast("FitResult", result), run_id=run_id, log_model=config["log_model"])
         except Exception as e:  # noqa: BLE001 - the result matters more than its log; said below
             warnings.warn(f"the fit succeeded but logging it to MLflow run {run_id} failed: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
@@ -134,7 +101,7 @@ def tracked(
     return wrapper
 
 
-def _end_run(client, run_id: str, status: str) -> None:
+def _end_run(client: Any, run_id: str, status: str) -> None:
     """Mark the run ended; a tracking server that fails here must not hide the fit's own outcome."""
     try:
         client.set_terminated(run_id, status)
@@ -143,7 +110,7 @@ def _end_run(client, run_id: str, status: str) -> None:
                       stacklevel=3)
 
 
-def _start_run(mlflow, client, config: dict) -> str:
+def _start_run(mlflow: Any, client: Any, config: dict[str, Any]) -> str:
     """Create the fit's run (its id) without making it the thread's active run: fits may run in parallel
     threads (CrossValidator(parallelism=k)) and the caller's own active run must stay theirs."""
     active = mlflow.active_run()
@@ -157,13 +124,14 @@ def _start_run(mlflow, client, config: dict) -> str:
     tags = {"mlflow.source.name": "gradshare.SharedTrainer.fit", **config["tags"]}
     if active is not None:
         tags["mlflow.parentRunId"] = active.info.run_id
-    return client.create_run(experiment_id, run_name=config["run_name"], tags=tags).info.run_id
+    run_id: str = client.create_run(experiment_id, run_name=config["run_name"], tags=tags).info.run_id
+    return run_id
 
 
-def log_result(result, run_id: str, log_model: bool = True) -> None:
+def log_result(result: FitResult, run_id: str, log_model: bool = True) -> None:
     """Log a FitResult into the MLflow run `run_id`: per-epoch metrics, the fit's facts as params, and
     (log_model) the model's state_dict and the history as artifacts."""
-    mlflow = _import_mlflow()
+    mlflow = import_mlflow()
     client = mlflow.tracking.MlflowClient()
     now = _now_ms()
     metrics = [mlflow.entities.Metric(key, float(value), now, int(row["epoch"]))
@@ -198,7 +166,7 @@ def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or hasattr(value, "dtype")
 
 
-def _log_params(mlflow, client, run_id: str, options: dict) -> None:
+def _log_params(mlflow: Any, client: Any, run_id: str, options: Mapping[str, object]) -> None:
     params = [mlflow.entities.Param(name, _describe(value)) for name, value in options.items()]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
         client.log_batch(run_id, params=params[i:i + MAX_BATCH_PARAMS])
@@ -223,7 +191,7 @@ def _describe(value: Any) -> str:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 1] + "…"
 
 
-def _plain(value: Any):
+def _plain(value: Any) -> Any:
     """json.dump's fallback for NumPy scalars in history rows."""
     if hasattr(value, "item"):
         return value.item()

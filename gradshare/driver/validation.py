@@ -16,24 +16,23 @@ Worker side, and the rule that reduces the shards' sums to one number: task/vali
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeVar
 
-from pyspark.sql.types import ArrayType, BooleanType, FractionalType, IntegralType
+from pyspark.sql.types import ArrayType, BooleanType, DataType, FractionalType, IntegralType
 
-from gradshare.driver.session import dataframe_to_rdd, is_dataframe
+from gradshare.checks import is_dataframe
+from gradshare.driver.session import dataframe_to_rdd
+from gradshare.task.partition import PartitionSummary
 from gradshare.task.validation import pack
 
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import DataFrame
 
-
-def is_distributed(data: object) -> TypeGuard[DataFrame | RDD[Any]]:
-    """Whether `validation_data` is a Spark DataFrame or RDD (else an in-memory pair or None)."""
-    return is_dataframe(data) or hasattr(data, "mapPartitionsWithIndex")
+T = TypeVar("T")
 
 
-def _column_kind(dtype) -> str:
+def _column_kind(dtype: DataType) -> str:
     """A column's Spark type as what it becomes for the model: "vector", "int", "float", "bool", or
     "array<...>" of those; "?" for anything else."""
     # imported here, on the driver only: pyspark.ml's package __init__ imports pandas and pyarrow, which
@@ -54,7 +53,7 @@ def _column_kind(dtype) -> str:
     return "?"
 
 
-def check_columns(validation, training, columns: list[str]) -> None:
+def check_columns(validation: DataFrame, training: DataFrame, columns: list[str]) -> None:
     """A validation DataFrame has every column (features and label) with the kind of type the training
     DataFrame's has: read from the schemas, so it fails before any Spark job."""
     for c in columns:
@@ -75,20 +74,23 @@ def validation_rows(validation: DataFrame | RDD[tuple[object, object]], training
         if not is_dataframe(training):
             raise ValueError("validation_data is a DataFrame but the training data is an RDD: give both as "
                              "DataFrames (fit's features_col/label_col name the columns of both) or both as RDDs")
+        # fit(df) without features_col and label_col raised before (driver/fit.job_for)
+        assert features_col is not None and label_col is not None
         cols = [features_col] if isinstance(features_col, str) else list(features_col)
         check_columns(validation, training, [*cols, label_col])
-        return dataframe_to_rdd(validation, features_col, label_col)
+        rows: RDD[tuple[object, object]] = dataframe_to_rdd(validation, features_col, label_col)
+        return rows
     return validation
 
 
-def shards_of(rdd, world: int):
+def shards_of(rdd: RDD[T], world: int) -> RDD[T]:
     """The validation RDD cut into `world` partitions, one per rank (any shard may be empty). Not by
     coalesce: a barrier stage refuses an RDD with ancestors of another partition count in it
     (SPARK-24820); a shuffle puts them in a stage of their own."""
     return rdd if rdd.getNumPartitions() == world else rdd.repartition(world)
 
 
-def check_shards(summaries, layout, names: tuple[str, ...]) -> list[int]:
+def check_shards(summaries: list[PartitionSummary], layout: PartitionSummary, names: tuple[str, ...]) -> list[int]:
     """Every non-empty shard agrees with the training rows (`layout`: check_summaries's), errors naming
     the shard, the row and the column or input; returns the rows of every shard."""
     rows = []
@@ -99,6 +101,9 @@ def check_shards(summaries, layout, names: tuple[str, ...]) -> list[int]:
         if s.error is not None:  # "partition 1 row 3: ..." of the shards
             raise (TypeError if s.error_type == "TypeError" else ValueError)(
                 f"bad validation_data: {s.error.replace('partition', 'shard', 1)}")
+        # a shard without an error has its layout; `layout` is check_summaries's, which has one
+        assert layout.features is not None and s.features is not None
+        assert layout.label_shape is not None and s.label_shape is not None
         diff = layout.features.difference(s.features)
         if diff is not None:  # "features input 1 of dtype" -> "column 'b' of dtype" where there are columns
             what = diff[0]
@@ -116,7 +121,8 @@ def check_shards(summaries, layout, names: tuple[str, ...]) -> list[int]:
     return rows
 
 
-def zip_shards(train, shards, train_rows: list[int], shard_rows: list[int]):
+def zip_shards(train: RDD[T], shards: RDD[tuple[object, object]], train_rows: list[int],
+               shard_rows: list[int]) -> RDD[tuple[T, list[tuple[object, object]]]]:
     """The training RDD with each row paired to a list of validation rows of the same rank (`pack`)."""
     return train.zip(shards.mapPartitionsWithIndex(partial(pack, have=shard_rows, into=train_rows)))
 

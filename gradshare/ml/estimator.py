@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import pickle
+from collections.abc import Sequence
 
 import torch
+from pyspark import cloudpickle
 from pyspark.ml import Estimator
-from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.ml.util import DefaultParamsWriter, MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
@@ -14,10 +17,13 @@ from torch import nn
 from gradshare.config import EpochCallback, LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
-from gradshare.ml.persist import EstimatorReader, EstimatorWriter
+from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
 from gradshare.ml.predict import output_spec, parse_inputs
 from gradshare.stopping import early_stopping_from
 from gradshare.driver.trainer import SharedTrainer, default_optimizer
+
+# GradshareEstimator's constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
+OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
 
 
 class LearningRate:
@@ -124,3 +130,20 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
     @classmethod
     def read(cls) -> EstimatorReader:
         return EstimatorReader(cls)
+
+
+class EstimatorWriter(ParamsWriter[GradshareEstimator]):
+    """metadata/ (Params) and objects.pkl: cloudpickle of the model (or factory), optimizer, loss, ..."""
+
+    def saveImpl(self, path: str) -> None:
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
+        objects = {name: getattr(self.instance, name) for name in OBJECTS}
+        write_bytes(self.sparkSession, os.path.join(path, "objects.pkl"), cloudpickle.dumps(objects))
+
+
+class EstimatorReader(ParamsReader[GradshareEstimator]):
+    def load(self, path: str) -> GradshareEstimator:
+        instance, _ = load_params(self.sparkSession, self.cls, path)
+        for name, value in pickle.loads(read_bytes(self.sparkSession, os.path.join(path, "objects.pkl"))).items():
+            setattr(instance, name, value)
+        return instance

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
+import os
+import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pyspark import Broadcast, SparkContext, cloudpickle
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector, predict_batch_udf, vector_to_array
-from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.ml.util import DefaultParamsWriter, MLReadable, MLWritable
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
 from torch import nn
 
 from gradshare.ml.params import ColumnParams, check_features, check_new
-from gradshare.ml.persist import ModelReader, ModelWriter
-from gradshare.ml.predict import Payload, dump_weights, make_predict
+from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
+from gradshare.ml.predict import Payload, dump_weights, load_module, make_predict
 
 if TYPE_CHECKING:
     from pyspark.ml._typing import ParamMap  # pyspark's stub-only alias (what Params.copy takes)
@@ -156,3 +159,34 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
 
 def _struct_field(column: str, field: str) -> Column:
     return F.col(column).getField(field)
+
+
+class ModelWriter(ParamsWriter[GradshareModel]):
+    """metadata/ (Params, the spec, the history), architecture.pkl (cloudpickle of a zero-argument factory
+    that builds the module) and weights.pt (torch.save of the trained state_dict)."""
+
+    def saveImpl(self, path: str) -> None:
+        model = self.instance
+        if model.torchModel is None:
+            raise ValueError("this GradshareModel has no module to save")
+        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession,
+                                         extraMetadata={"spec": model.spec, "history": _jsonable(model.history)})
+        write_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"), cloudpickle.dumps(model.architecture))
+        write_bytes(self.sparkSession, os.path.join(path, "weights.pt"), dump_weights(model.torchModel))
+
+
+class ModelReader(ParamsReader[GradshareModel]):
+    def load(self, path: str) -> GradshareModel:
+        instance, metadata = load_params(self.sparkSession, self.cls, path)
+        architecture = read_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"))
+        module = load_module(architecture, read_bytes(self.sparkSession, os.path.join(path, "weights.pt")))
+        instance._module, instance.spec, instance.history = module, metadata["spec"], metadata.get("history", [])
+        instance.architecture = pickle.loads(architecture)
+        return instance
+
+
+def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """History rows as JSON values (NumPy scalars become numbers; anything else its text)."""
+    jsonable: list[dict[str, Any]] = json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item")
+                                                             else str(v)))
+    return jsonable

@@ -1,4 +1,4 @@
-"""save/load for GradshareEstimator and GradshareModel (pyspark MLWritable/MLReadable).
+"""save/load for GradshareEstimator and GradshareModel (pyspark MLWritable/MLReadable): the generic pieces.
 
 A saved instance is a directory (any Hadoop-FS URI: local, hdfs://, s3a://, ...):
     metadata/          Spark's DefaultParamsWriter JSON: class, uid, Params; for a model also its spec
@@ -8,28 +8,19 @@ A saved instance is a directory (any Hadoop-FS URI: local, hdfs://, s3a://, ...)
     weights.pt         Model: torch.save of the trained state_dict (loadable with torch.load alone)
 Pickles hold code by reference: loading needs the model's class importable, as with any pickled torch
 module. Pipeline/PipelineModel and CrossValidator save their stages through these writers.
+Each class's writer and reader live beside it (estimator.py, model.py); this module knows neither class.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import pickle
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
-from pyspark import cloudpickle
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.ml.param import Params
+from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWriter
 from pyspark.sql import SparkSession
 
-from gradshare.ml.predict import dump_weights, load_module
-
-if TYPE_CHECKING:  # they import this module
-    from gradshare.ml.estimator import GradshareEstimator
-    from gradshare.ml.model import GradshareModel
-
-P = TypeVar("P", "GradshareEstimator", "GradshareModel")  # the classes saved here
-# GradshareEstimator's constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
-OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")
+S = TypeVar("S", bound=Params)  # an instance saved here: its Params are the metadata
+R = TypeVar("R", bound=MLReadable[Any])  # a class loaded here (a Params too: load_params checks)
 
 # pickle/cloudpickle: the model-file format of this Spark ML layer (like torch.save), never the UDP wire
 
@@ -65,14 +56,15 @@ def read_bytes(spark: SparkSession, path: str) -> bytes:
         stream.close()
 
 
-def _load_params(spark: SparkSession, cls: type[P], path: str) -> tuple[P, dict[str, Any]]:
+def load_params(spark: SparkSession, cls: type[R], path: str) -> tuple[R, dict[str, Any]]:
     """A new `cls` with the uid and Params saved at `path`, and the metadata (JSON)."""
     metadata = DefaultParamsReader.loadMetadata(path, spark)
     expected = f"{cls.__module__}.{cls.__name__}"
     if metadata["class"] != expected:
         raise ValueError(f"{path} holds a {metadata['class']}, not a {expected}")
     instance = cls()
-    instance._resetUid(metadata["uid"])
+    # both classes saved here are Params and MLReadable; typing has no intersection type to say so
+    cast(Params, instance)._resetUid(metadata["uid"])
     DefaultParamsReader.getAndSetParams(instance, metadata)
     return instance, metadata
 
@@ -80,56 +72,13 @@ def _load_params(spark: SparkSession, cls: type[P], path: str) -> tuple[P, dict[
 # Each class's write() / read() returns its writer / reader (MLWritable.save, MLReadable.load call them).
 
 
-class _Writer(MLWriter, Generic[P]):
-    def __init__(self, instance: P) -> None:
+class ParamsWriter(MLWriter, Generic[S]):
+    def __init__(self, instance: S) -> None:
         super().__init__()
-        self.instance: P = instance
+        self.instance: S = instance
 
 
-class _Reader(MLReader[P]):
-    def __init__(self, cls: type[P]) -> None:
+class ParamsReader(MLReader[R]):
+    def __init__(self, cls: type[R]) -> None:
         super().__init__()
-        self.cls: type[P] = cls
-
-
-class EstimatorWriter(_Writer["GradshareEstimator"]):
-    def saveImpl(self, path: str) -> None:
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
-        objects = {name: getattr(self.instance, name) for name in OBJECTS}
-        write_bytes(self.sparkSession, os.path.join(path, "objects.pkl"), cloudpickle.dumps(objects))
-
-
-class EstimatorReader(_Reader["GradshareEstimator"]):
-    def load(self, path: str) -> GradshareEstimator:
-        instance, _ = _load_params(self.sparkSession, self.cls, path)
-        for name, value in pickle.loads(read_bytes(self.sparkSession, os.path.join(path, "objects.pkl"))).items():
-            setattr(instance, name, value)
-        return instance
-
-
-class ModelWriter(_Writer["GradshareModel"]):
-    def saveImpl(self, path: str) -> None:
-        model = self.instance
-        if model.torchModel is None:
-            raise ValueError("this GradshareModel has no module to save")
-        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession,
-                                         extraMetadata={"spec": model.spec, "history": _jsonable(model.history)})
-        write_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"), cloudpickle.dumps(model.architecture))
-        write_bytes(self.sparkSession, os.path.join(path, "weights.pt"), dump_weights(model.torchModel))
-
-
-class ModelReader(_Reader["GradshareModel"]):
-    def load(self, path: str) -> GradshareModel:
-        instance, metadata = _load_params(self.sparkSession, self.cls, path)
-        architecture = read_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"))
-        module = load_module(architecture, read_bytes(self.sparkSession, os.path.join(path, "weights.pt")))
-        instance._module, instance.spec, instance.history = module, metadata["spec"], metadata.get("history", [])
-        instance.architecture = pickle.loads(architecture)
-        return instance
-
-
-def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """History rows as JSON values (NumPy scalars become numbers; anything else its text)."""
-    jsonable: list[dict[str, Any]] = json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item")
-                                                             else str(v)))
-    return jsonable
+        self.cls: type[R] = cls

@@ -11,14 +11,23 @@ worker asks Spark for its context through `gradshare.task.device.resolve_device`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, Protocol
+
 import torch
+
+
+class TaskContextLike(Protocol):
+    """What is read of a Spark TaskContext: the resources Spark assigned the task."""
+
+    def resources(self) -> Mapping[str, Any]: ...
 
 
 def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def task_gpu(task_context) -> int | None:
+def task_gpu(task_context: TaskContextLike | None) -> int | None:
     """The first GPU address Spark assigned to the task as a CUDA ordinal, or None without one.
 
     A task may be given several GPUs; a worker trains on one replica, so it takes the first.
@@ -39,7 +48,8 @@ def task_gpu(task_context) -> int | None:
     return int(first)
 
 
-def resolve_device(device="auto", *, task_context=None, cuda_count: int | None = None):
+def resolve_device(device: object = "auto", *, task_context: TaskContextLike | None = None,
+                   cuda_count: int | None = None) -> torch.device:
     """The torch.device for ``device``: "cpu", "cuda" (CUDA's current device), "cuda:N", "auto", or a
     torch.device.
 
@@ -75,14 +85,14 @@ def resolve_device(device="auto", *, task_context=None, cuda_count: int | None =
     return dev
 
 
-def _check_cuda(dev, count: int, *, why: str) -> None:
+def _check_cuda(dev: torch.device, count: int, *, why: str) -> None:
     if count == 0:
         raise ValueError(f"{why}, but torch cannot use CUDA here (no GPU visible, or a CPU-only torch build)")
     if dev.index is not None and dev.index >= count:
         raise ValueError(f"{why}, but torch sees only {count} CUDA device(s): cuda:0..cuda:{count - 1}")
 
 
-def check_device(device) -> str:
+def check_device(device: object) -> str:
     """``device`` as the name a worker resolves (SharedTrainer checks it on the driver, which may have no
     GPU of its own, so only the spelling is checked here; executors check that CUDA is usable)."""
     if isinstance(device, torch.device):
@@ -105,7 +115,8 @@ def select(device: torch.device) -> torch.device:
     """Make a CUDA ``device`` CUDA's current one (kernels launched without a device, autocast's and the
     loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
     if device.type == "cuda":
-        if device.index is None:   # "cuda" is the current device already; set_device needs an index
+        index: int | None = device.index  # torch's stubs say int; "cuda" has None
+        if index is None:   # "cuda" is the current device already; set_device needs an index
             return torch.device("cuda", torch.cuda.current_device())  # (torch 2.11 raises without one)
         torch.cuda.set_device(device)
     return device

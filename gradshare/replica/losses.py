@@ -27,21 +27,27 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
+# a loss: loss(output, target) -> scalar tensor; a metric: metric(output, labels) -> a number or (sum, count)
+Loss = Callable[[Any, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[Any, torch.Tensor], object]
 
 
-def _shape(t) -> str:
+def _shape(t: torch.Tensor) -> str:
     """A batch tensor's shape with the batch dimension written B: what the user's model sees."""
     dims = ["B", *(str(d) for d in tuple(t.shape)[1:])] if t.dim() else []
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
 
-def class_axis(out, y) -> int:
+def class_axis(out: object, y: torch.Tensor) -> int:
     """Where a classifier's output keeps its classes, for class-index labels `y`: 1 for PyTorch's
     (B, C, *d) against labels (B, *d); -1 for the class-last (B, *d, C) that sequence models produce
     (a language model's logits (B, T, C) against labels (B, T)). ValueError naming both shapes when
@@ -64,7 +70,7 @@ def class_axis(out, y) -> int:
                      f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')")
 
 
-def match_target(out, y, *, classes: bool = False):
+def match_target(out: object, y: torch.Tensor, *, classes: bool = False) -> torch.Tensor:
     """The labels `y` shaped for `out`, or ValueError naming both shapes (module docstring).
 
     classes: the loss takes class indices (CrossEntropyLoss): `out` must be (B, C, *d) or (B, *d, C)
@@ -111,7 +117,7 @@ _DTYPE = re.compile(r"dtype|scalar type|Long and Float|Float and Long")
 
 
 @contextmanager
-def explained(inputs, names: tuple[str, ...]):
+def explained(inputs: Sequence[torch.Tensor], names: tuple[str, ...]) -> Iterator[None]:
     """Re-raise torch's dtype errors from a forward pass as TypeError naming the input and its dtype:
     features keep their dtype (batches.py), so float ids reach an nn.Embedding, or int data a Linear."""
     try:
@@ -136,25 +142,26 @@ def explained(inputs, names: tuple[str, ...]):
 class LossStep:
     """The default train step: ``loss(model(*inputs), target)`` with `match_target`'s shaping."""
 
-    def __init__(self, loss: Callable, name: str | None = None, input_names: tuple[str, ...] = (),
-                 classes: bool = False):
+    def __init__(self, loss: Loss, name: str | None = None, input_names: tuple[str, ...] = (),
+                 classes: bool = False) -> None:
         self.loss, self.name, self.input_names, self.classes = loss, name or _name(loss), input_names, classes
 
-    def outputs(self, model, inputs):
+    def outputs(self, model: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
         with explained(inputs, self.input_names):
             return model(*inputs)
 
-    def __call__(self, model, batch):
+    def __call__(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         *inputs, y = batch
         return self._loss(self.outputs(model, inputs), y)
 
-    def _loss(self, out, y):
+    def _loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
         target = match_target(out, y, classes=self.classes)
         if self.classes and class_axis(out, y) == -1:  # class-last logits: the loss takes (B, C, *d)
             out = out.movedim(-1, 1)
         return self.loss(out, target)
 
-    def evaluate(self, model, batch, metric: Callable | None):
+    def evaluate(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...],
+                 metric: MetricFn | None) -> float | tuple[float, float]:
         *inputs, y = batch
         out = self.outputs(model, inputs)
         if metric is not None:  # a number, or a (sum, count) pair (validation.py's reduction rule)
@@ -165,10 +172,10 @@ class LossStep:
 class HookStep:
     """A user's ``train_step(model, batch) -> loss``; checks that it returns a scalar tensor."""
 
-    def __init__(self, fn: Callable, input_names: tuple[str, ...] = ()):
+    def __init__(self, fn: Callable[[Any, tuple[torch.Tensor, ...]], object], input_names: tuple[str, ...] = ()) -> None:
         self.fn, self.name, self.input_names = fn, f"train_step:{_name(fn)}", input_names
 
-    def __call__(self, model, batch):
+    def __call__(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with explained(batch[:-1], self.input_names):
             loss = self.fn(model, batch)
         if not (torch.is_tensor(loss) and loss.dim() == 0):
@@ -176,7 +183,8 @@ class HookStep:
             raise InputTypeError(f"train_step must return a scalar loss tensor, got {shape}")
         return loss
 
-    def evaluate(self, model, batch, metric: Callable | None):
+    def evaluate(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...],
+                 metric: MetricFn | None) -> float | tuple[float, float]:
         if metric is None:  # validation: the hook's own loss
             return float(self(model, batch))
         *inputs, y = batch
@@ -188,7 +196,8 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def clip_grad_norm(optimizer: Callable, max_norm: float) -> Callable:
+def clip_grad_norm(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                   max_norm: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
     """An optimizer factory like `optimizer` whose step first clips the gradients' total norm to
     `max_norm` (torch.nn.utils.clip_grad_norm_), e.g.
     ``optimizer=clip_grad_norm(lambda p: torch.optim.Adam(p, 1e-3), 1.0)``. A step pre-hook keeps the
@@ -198,10 +207,10 @@ def clip_grad_norm(optimizer: Callable, max_norm: float) -> Callable:
     if not (isinstance(max_norm, (int, float)) and max_norm > 0 and np.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm: max_norm must be a positive finite number, got {max_norm!r}")
 
-    def factory(params):
-        params = list(params)
+    def factory(given: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(given)
         opt = optimizer(params)
-        def clip(*_):  # a step pre-hook must return None
+        def clip(*_: object) -> None:  # a step pre-hook must return None
             torch.nn.utils.clip_grad_norm_(params, max_norm)
 
         opt.register_step_pre_hook(clip)
@@ -216,17 +225,21 @@ class LossPlan:
     """What `plan_loss` decided: the labels' dtype, the step every worker runs, and what to report."""
 
     label_dtype: str
-    step: Any  # LossStep | HookStep
+    step: LossStep | HookStep
     name: str  # "CrossEntropyLoss", "MSELoss", a user loss's class/function name, "train_step:<name>"
-    probe: str  # "output (B, 10)" or why the probe could not run on the driver
+    probe: str | None  # "output (B, 10)" or why the probe could not run on the driver (None: the model
+    # returned None, which the workers then report)
 
 
-def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, train_step=None,
+def plan_loss(model: nn.Module, sample: tuple[Any, ...] | None, label_kind: str, labels_whole: bool, *,
+              loss: Loss | None = None, train_step: Callable[[Any, tuple[torch.Tensor, ...]], object] | None = None,
               label_dtype: str | None = None, input_names: tuple[str, ...] = (),
               label_range: tuple[int, int] | None = None) -> LossPlan:
     """Choose label dtype and loss from the label kind and the model's output on one row (`sample`:
     ``(inputs, label)`` NumPy arrays); raise before training on dtype, shape or class-count errors it
     can see (`label_range`: the pre-pass's lowest and highest scalar class label)."""
+    # the pre-pass's first row: only a partition with an error lacks one, and the driver raised for it
+    assert sample is not None
     inputs = tuple(torch.from_numpy(np.array(a)[None]) for a in sample[0])  # a batch of one row
     if label_dtype == "int64" and label_kind == "float" and not labels_whole:
         raise ValueError("label_dtype='int64' but the labels hold fractional or negative values; class "
@@ -238,10 +251,10 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
         label_dtype = "int64" if label_kind == "int" or (whole and classifier) else "float32"
     y = torch.as_tensor(np.asarray(sample[1]).astype(label_dtype))[None]
     if train_step is not None:
-        step = HookStep(train_step, input_names)
+        hook = HookStep(train_step, input_names)
         if why is None:  # the hook's own dtype/result errors surface here, before any task starts
-            why = _attempt(lambda: step(_eval_copy(model), (*inputs, y))) or "train_step ran on one row"
-        return LossPlan(label_dtype, step, step.name, why)
+            why = _attempt(lambda: hook(_eval_copy(model), (*inputs, y))) or "train_step ran on one row"
+        return LossPlan(label_dtype, hook, hook.name, why)
     classes = loss is None and label_dtype == "int64"
     if loss is None:
         loss = torch.nn.CrossEntropyLoss() if classes else torch.nn.MSELoss()
@@ -256,13 +269,13 @@ def plan_loss(model, sample, label_kind: str, labels_whole: bool, *, loss=None, 
     return LossPlan(label_dtype, step, step.name, f"output {_shape(out)}")
 
 
-def _eval_copy(model):
+def _eval_copy(model: nn.Module) -> nn.Module:
     probe = copy.deepcopy(model)  # a forward may keep state (counters, caches): the shipped model stays fresh
     probe.eval()  # BatchNorm and dropout: one row is fine in eval mode
     return probe
 
 
-def _attempt(fn) -> str | None:
+def _attempt(fn: Callable[[], object]) -> str | None:
     """Run `fn` without gradients; None when it ran, else why not. InputTypeError is raised: it is the
     user's data or hook, wherever it runs."""
     try:
@@ -275,14 +288,15 @@ def _attempt(fn) -> str | None:
     return None
 
 
-def _probe(model, inputs, names, call_model: bool):
+def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str, ...],
+           call_model: bool) -> tuple[Any, str | None]:
     """(output, None) from one forward pass, or (None, why not); dtype errors are raised, named.
     A train_step hook calls the model its own way (an input may be sample weights): not probed here."""
     if not call_model:
         return None, None
-    got = []
+    got: list[Any] = []
 
-    def forward():
+    def forward() -> None:
         with explained(inputs, names):
             got.append(_eval_copy(model)(*inputs))
 
@@ -290,7 +304,7 @@ def _probe(model, inputs, names, call_model: bool):
     return (got[0], None) if why is None else (None, why)
 
 
-def metric_value(value: Any):
+def metric_value(value: Any) -> float | tuple[float, float]:
     """A metric's value: a float, or a (sum, count) pair of floats (module docstring)."""
     if isinstance(value, (tuple, list)):
         if len(value) != 2:

@@ -27,7 +27,7 @@ import torch
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
 
 
-def check_precision(precision) -> str:
+def check_precision(precision: object) -> str:
     """`precision` itself, or a ValueError naming the argument and the choices."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)} "
@@ -35,7 +35,7 @@ def check_precision(precision) -> str:
     return precision
 
 
-def plain_step(optimizer) -> bool:
+def plain_step(optimizer: torch.optim.Optimizer) -> bool:
     """The optimizer step with nothing in between ("32", "bf16-mixed"): always taken."""
     optimizer.step()
     return True
@@ -61,10 +61,10 @@ class Precision:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, loss) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def step(self, optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Run the optimizer step (unscaled first under fp16-mixed); False when the scaler skipped it
         because the gradients held inf/NaN, in which case the optimizer wrote nothing."""
         if self.scaler is None:

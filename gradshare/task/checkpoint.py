@@ -49,7 +49,8 @@ import torch
 from gradshare.errors import CheckpointError, TransportTimeout
 from gradshare.replica.flat import int_buffers, load_int_buffers
 from gradshare.task.ckpt_client import ServiceStore
-from gradshare.task.stores import CHUNK, Digest, LocalStore, error_line, is_local, read_all
+from gradshare.checks import is_local
+from gradshare.task.stores import CHUNK, Digest, LocalStore, error_line, read_all
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -18,6 +18,7 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -54,10 +55,10 @@ class Sealed:
         self.received += 1
         return body
 
-    def send_json(self, obj: dict) -> None:
+    def send_json(self, obj: dict[str, Any]) -> None:
         self.send(json.dumps(obj).encode())
 
-    def receive_json(self) -> dict:
+    def receive_json(self) -> dict[str, Any]:
         try:
             obj = json.loads(self.receive())
         except ValueError as e:
@@ -114,7 +115,7 @@ def check_name(name: object) -> str:
 class ServiceStore:
     """A worker's view of one of the driver's stores (stores.py's interface, minus remove)."""
 
-    def __init__(self, address, key: bytes, store: str, rank: int, timeout: float, root: str):
+    def __init__(self, address: Iterable[Any], key: bytes, store: str, rank: int, timeout: float, root: str):
         self.address, self.key, self.store, self.rank = tuple(address), key, store, rank
         self.timeout, self.root = float(timeout), root
 
@@ -122,7 +123,7 @@ class ServiceStore:
         return "/".join([self.root.rstrip("/"), *[p for p in name.split("/") if p]])
 
     @contextmanager
-    def _named(self, what: str):
+    def _named(self, what: str) -> Iterator[None]:
         """Failures of one operation as errors naming the rank, the file and the driver (`what`)."""
         try:
             yield
@@ -133,7 +134,7 @@ class ServiceStore:
         except ConnectionError as e:
             raise CheckpointError(f"{what}: the driver hung up without an answer ({e}; another job's key?)") from e
 
-    def _connect(self, op: str, name: str, **extra):
+    def _connect(self, op: str, name: str, **extra: object) -> tuple[socket.socket, Sealed, str]:
         what = f"rank {self.rank}'s checkpoint {op} of {self.where(name)} through the driver {self.address}"
         with self._named(what):  # the request too: a driver gone mid-handshake is named like any failure
             sock = socket.create_connection(self.address, timeout=self.timeout)
@@ -145,7 +146,7 @@ class ServiceStore:
                 raise
         return sock, link, what
 
-    def _call(self, op: str, name: str, body=None, **extra) -> dict:
+    def _call(self, op: str, name: str, body: Iterable[bytes] | None = None, **extra: object) -> dict[str, Any]:
         sock, link, what = self._connect(op, name, **extra)
         try:
             with self._named(what):
@@ -158,8 +159,9 @@ class ServiceStore:
             raise CheckpointError(f"{what}: {answer.get('error')}")
         return answer
 
-    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict:
-        return self._call("write", name, body=chunks, atomic=atomic)["digest"]
+    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict[str, Any]:
+        digest: dict[str, Any] = self._call("write", name, body=chunks, atomic=atomic)["digest"]
+        return digest
 
     def read(self, name: str) -> Iterator[bytes]:
         sock, link, what = self._connect("read", name)

@@ -28,11 +28,11 @@ class PartitionSummary:
     error: str | None = None
     error_type: str = "ValueError"  # "TypeError" for labels/features of the wrong type
     labels_whole: bool = True  # every label is a whole number >= 0 (class indices as doubles: StringIndexer)
-    sample: tuple | None = None  # the first row as (inputs, label) arrays: the driver's one-row probe
+    sample: tuple[Any, ...] | None = None  # the first row as (inputs, label) arrays: the driver's one-row probe
     label_range: tuple[int, int] | None = None  # lowest and highest scalar int (or whole) label
 
     @property
-    def feature_shape(self):
+    def feature_shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...] | None:
         """The features' shape; a tuple of shapes for multi-input rows."""
         if self.features is None:
             return None
@@ -92,7 +92,7 @@ def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
                 raise (ValueError if "shape" in diff[0] else TypeError)(
                     f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}")
             elif (k, ls) != (kind, lshape) and not (ls == lshape == () and {k, kind} == {"int", "float"}):
-                raise TypeError(f"label kind {k}{list(ls)} differs from the first row's {kind}{list(lshape)}")
+                raise TypeError(f"label kind {k}{list(ls)} differs from the first row's {kind}{list(lshape or ())}")
             elif k == "float":
                 kind = "float"  # ints mixed with floats: the labels are floats
             whole = whole and ls == () and _whole(y)
@@ -127,13 +127,13 @@ class PartitionData:
     spilled = False
     spill_path = None
 
-    def __init__(self, features, labels: np.ndarray):
+    def __init__(self, features: np.ndarray | tuple[np.ndarray, ...], labels: np.ndarray) -> None:
         self.multi = isinstance(features, tuple)
-        self.inputs = features if self.multi else (features,)
+        self.inputs: tuple[np.ndarray, ...] = features if isinstance(features, tuple) else (features,)
         self.labels = labels
 
     @property
-    def features(self):
+    def features(self) -> np.ndarray | tuple[np.ndarray, ...]:
         return self.inputs if self.multi else self.inputs[0]
 
     def __len__(self) -> int:
@@ -160,7 +160,7 @@ class PartitionData:
         chunks: list[tuple[tuple[np.ndarray, ...], np.ndarray]] = []  # held in memory until the limit
         held = 0
         writer: SpillWriter | None = None
-        layout = None
+        layout: InputLayout | None = None
         xs: list[tuple[np.ndarray, ...]] = []
         ys: list[Any] = []
         n = 0
@@ -170,6 +170,7 @@ class PartitionData:
             nonlocal held, writer
             if not xs:
                 return
+            assert layout is not None  # set by the first row, before any row is held
             cx = stack_inputs(xs, len(layout.dtypes))
             cy = np.asarray(ys, dtype=label_dtype)
             xs.clear()
@@ -209,6 +210,7 @@ class PartitionData:
             raise ValueError(f"partition {index} is empty")
         if writer is not None:
             return writer.finish(window_bytes=spill_bytes)
+        assert layout is not None  # n > 0 rows: the first one set it
         labels = np.concatenate([c[1] for c in chunks])
         inputs = tuple(np.concatenate([c[0][i] for c in chunks]) for i in range(len(layout.dtypes)))
         return cls(inputs if layout.multi else inputs[0], labels)

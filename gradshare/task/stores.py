@@ -19,15 +19,14 @@ import os
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gradshare.checks import local_root
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 CHUNK = 1 << 20
-
-
-def is_local(path: str) -> bool:
-    """A local path or file: URI ("C:" is a drive, not a scheme)."""
-    scheme = urlparse(path).scheme
-    return scheme in ("", "file") or len(scheme) == 1
 
 
 def file_chunks(path: str) -> Iterator[bytes]:
@@ -47,19 +46,30 @@ class Digest:
         self.size += len(chunk)
         return chunk
 
-    def result(self) -> dict:
+    def result(self) -> dict[str, Any]:
         return {"sha256": self.h.hexdigest(), "bytes": self.size}
+
+
+class Store(Protocol):
+    """What every store does (LocalStore, HadoopStore, ckpt_client.ServiceStore)."""
+
+    def where(self, name: str = "") -> str: ...
+    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict[str, Any]: ...
+    def read(self, name: str) -> Iterator[bytes]: ...
+    def exists(self, name: str) -> bool: ...
+    def list(self, name: str = "") -> list[str]: ...
+    def is_dir(self, name: str = "") -> bool: ...
+    def makedirs(self, name: str = "") -> None: ...
 
 
 class LocalStore:
     def __init__(self, root: str):
-        parsed = urlparse(root)
-        self.root = parsed.path if parsed.scheme == "file" else os.path.abspath(root)
+        self.root = local_root(root)
 
     def where(self, name: str = "") -> str:
         return os.path.join(self.root, *[p for p in name.split("/") if p])
 
-    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict:
+    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict[str, Any]:
         path = self.where(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         digest = Digest()
@@ -99,16 +109,17 @@ class HadoopStore:
     """A directory of any Hadoop FileSystem, through the driver's JVM (gradshare/ml/persist.py does the
     same for saved models). Only usable on the driver."""
 
-    def __init__(self, spark_context, root: str):
+    def __init__(self, spark_context: SparkContext, root: str) -> None:
         self.root = root.rstrip("/")
         jvm = spark_context._jvm
+        assert jvm is not None  # the driver's SparkContext of a classic session runs a JVM
         self._path = jvm.org.apache.hadoop.fs.Path
         self.fs = self._path(self.root).getFileSystem(spark_context._jsc.hadoopConfiguration())
 
     def where(self, name: str = "") -> str:
         return "/".join([self.root, *[p for p in name.split("/") if p]])
 
-    def _p(self, name: str):
+    def _p(self, name: str) -> Any:  # a py4j proxy of a Hadoop Path
         return self._path(self.where(name))
 
     # Data does not cross Py4J: its byte arrays travel base64-encoded through the gateway socket (a
@@ -116,7 +127,7 @@ class HadoopStore:
     # is spooled, in chunks, to a local temporary file on the driver and Hadoop copies it from there
     # (copyFromLocalFile / copyToLocalFile), so the bytes move inside the JVM. The spool file lives only
     # for the one operation; memory stays at one chunk.
-    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict:
+    def write(self, name: str, chunks: Iterable[bytes], atomic: bool = False) -> dict[str, Any]:
         digest = Digest()
         fd, spool = tempfile.mkstemp(prefix="gradshare-ckpt-")
         try:
@@ -177,7 +188,7 @@ def error_line(e: BaseException) -> str:
     return (text.strip().splitlines() or [type(e).__name__])[0][:300]
 
 
-def read_all(store, name: str, limit: int) -> bytes:
+def read_all(store: Store, name: str, limit: int) -> bytes:
     """A small file whole (manifests, file lists, state.json), refusing one over `limit` bytes."""
     out = bytearray()
     for chunk in store.read(name):

@@ -24,10 +24,12 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from gradshare.errors import TrainingError
 from gradshare.replica.losses import metric_value
@@ -39,8 +41,8 @@ QUEUE_CHUNKS = 64  # validation chunks in flight between the reading thread and 
 
 def as_mean(value: Any) -> float:
     """The in-memory pair's score: a (sum, count) pair is its ratio."""
-    value = metric_value(value)
-    return value[0] / value[1] if isinstance(value, tuple) else value
+    score = metric_value(value)
+    return score[0] / score[1] if isinstance(score, tuple) else score
 
 
 def reduce_sums(messages: Iterable[str]) -> float:
@@ -53,7 +55,7 @@ def reduce_sums(messages: Iterable[str]) -> float:
     return total / count if count else float("nan")
 
 
-def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> Iterator[list]:
+def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> Iterator[list[Any]]:
     """Shard `index`'s `have[index]` rows as exactly `into[index]` lists (element j: rows
     j·m/n .. (j+1)·m/n), so that `RDD.zip` can pair them with the training partition's rows."""
     m, n = have[index], into[index]
@@ -67,16 +69,31 @@ def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> I
         yield chunk
 
 
+
+class Evaluates(Protocol):
+    """A train step's evaluation (losses.LossStep, losses.HookStep)."""
+
+    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, ...],
+                 metric: Callable[..., Any] | None) -> Any: ...
+
+
+class Rows(Protocol):
+    """A shard's rows, read in slices (partition.PartitionData, spill.SpilledPartition)."""
+
+    def __len__(self) -> int: ...
+    def read(self, start: int, stop: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]: ...
+
 # ------------------------------------------------------------------------------------ worker side
-def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, timeout: float):
+def split_rows(pairs: Iterable[tuple[Any, list[Any]]], read_train: Callable[[Iterator[Any]], Any],
+               read_shard: Callable[[Iterator[Any]], Any], timeout: float) -> tuple[Any, Any]:
     """(read_train(training rows), read_shard(validation rows) or None when the shard is empty) from
     `zip_shards`'s pairs, read in one pass: the shard's reader runs on a thread fed through a bounded
     queue, so neither side waits for the other's whole partition (both stream, or spill)."""
-    chunks: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
+    chunks: queue.Queue[list[Any]] = queue.Queue(maxsize=QUEUE_CHUNKS)
     done = threading.Event()  # the training side stopped (finished or failed): no more chunks come
-    out: dict = {}
+    out: dict[str, Any] = {}
 
-    def shard_rows():
+    def shard_rows() -> Iterator[Any]:
         while True:
             try:
                 chunk = chunks.get(timeout=0.1)
@@ -86,7 +103,7 @@ def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, time
                 continue
             yield from chunk
 
-    def reader():
+    def reader() -> None:
         try:
             first = shard_rows()
             head = next(first, None)
@@ -94,7 +111,7 @@ def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, time
         except BaseException as e:  # noqa: BLE001 - handed to the training side below
             out["error"] = e
 
-    def training_rows():
+    def training_rows() -> Iterator[Any]:
         for row, chunk in pairs:
             while chunk:  # bounded: wait for the reader, never hold more than QUEUE_CHUNKS
                 if "error" in out:
@@ -130,7 +147,8 @@ def split_rows(pairs: Iterable, read_train: Callable, read_shard: Callable, time
     return train, out.get("shard")
 
 
-def shard_sums(model, step, data, metric, label_dtype: str, batch_rows: int, device) -> tuple[float, float]:
+def shard_sums(model: nn.Module, step: Evaluates, data: Rows | None, metric: Callable[..., Any] | None, label_dtype: str,
+               batch_rows: int, device: torch.device) -> tuple[float, float]:
     """(sum, count) of `metric` (None: the step's loss) over a shard, read in slices of `batch_rows`
     (`PartitionData.read` / `SpilledPartition.read`: bounded memory), on the model in eval mode."""
     total, count = 0.0, 0.0

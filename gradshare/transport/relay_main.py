@@ -17,23 +17,23 @@ import time
 
 import numpy as np
 
-from gradshare.config import TrainConfig
 from gradshare.errors import TransportTimeout
 from gradshare.transport import Relay, RelayTuning, new_job_key
+from gradshare.transport.protocol.wire import DEFAULT_BIND, DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=TrainConfig.port,
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="UDP port to bind (0 = ephemeral; default %(default)s)")
-    parser.add_argument("--bind", default=TrainConfig.bind, help="address to bind (default %(default)s)")
+    parser.add_argument("--bind", default=DEFAULT_BIND, help="address to bind (default %(default)s)")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (Spark tasks)")
     parser.add_argument("--n-params", type=int, help="parameter count (initial parameters are zeros)")
     parser.add_argument("--params-file", help=".npy file with the initial float32 parameters")
     parser.add_argument("--key-file", help="file holding the 32-byte job key (raw or hex)")
     parser.add_argument("--new-key", metavar="PATH", help="create a new job key at PATH (mode 0600) and use it")
     parser.add_argument("--job-id", default="0", help="job id (int, or any string: it is hashed)")
-    parser.add_argument("--datagram-size", type=int, default=TrainConfig.datagram_size)
-    parser.add_argument("--liveness-timeout", type=float, default=TrainConfig.liveness_timeout)
+    parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
+    parser.add_argument("--liveness-timeout", type=float, default=RelayTuning.liveness_timeout)
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     parser.add_argument("--insecure", action="store_true",
                         help="NO encryption or authentication (benchmarking only; anyone can forge updates)")

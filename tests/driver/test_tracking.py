@@ -95,11 +95,12 @@ def test_a_failed_fit_is_a_failed_run_nested_under_the_active_run(store):
 
 
 def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, monkeypatch):
+    from gradshare.checks import check_mlflow_option
     from gradshare.driver import tracking
 
     class Trainer:  # what `tracked` needs of a SharedTrainer: its options and its mlflow config
         options = {"epochs": 3}
-        mlflow = tracking.check_option({"experiment": "gradshare-late"})
+        mlflow = check_mlflow_option({"experiment": "gradshare-late"})
 
         @tracking.tracked
         def fit(self, data):

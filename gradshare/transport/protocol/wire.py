@@ -42,6 +42,7 @@ _COUNTER_AT, _COUNTER = struct.calcsize("<2sBBHHQI"), struct.Struct("<Q")
 _INDEX_AT, _INDEX = struct.calcsize("<2sBBHHQIQHI"), struct.Struct("<I")
 DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
 DEFAULT_PORT = 40123                   # the relay's UDP port on the driver (SharedTrainer, `gradshare relay`)
+DEFAULT_BIND = "0.0.0.0"               # the address the relay binds: every interface
 MIN_DATAGRAM_SIZE = 256
 MAX_DATAGRAM_SIZE = 65000
 MAX_META_BYTES = 1024
