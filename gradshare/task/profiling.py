@@ -114,7 +114,7 @@ class StepProfile:
         self.curve.append((self._clock, metric))
 
     def score(self, index: int, metric: float | None) -> None:
-        """The metric of the `index`-th epoch, known after its end (worker.py scores it later)."""
+        """The metric of the `index`-th epoch, known after its end (scoring.py scores it later)."""
         self.curve[index] = (self.curve[index][0], metric)
 
     def report(self) -> dict[str, Any]:
