@@ -57,7 +57,9 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
 
     from gradshare import encoding
     from gradshare.task.partition import PartitionData
-    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.apply_log import ApplyLog
+    from gradshare.task.config import WorkerConfig
+    from gradshare.task.worker import Worker
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(batch * 8, widths[0])).astype(np.float32)

@@ -41,7 +41,7 @@ def child_data(spill_bytes, rows, width, epochs):
     import numpy as np
 
     from gradshare.task.partition import PartitionData, epoch_order
-    from gradshare.task.worker import _proc_status_bytes, reset_peak_rss
+    from gradshare.task.memory import proc_status_bytes, reset_peak_rss
 
     start = reset_peak_rss()
     data = PartitionData.from_rows(rows_of(1, rows, width), "int64", spill_bytes=spill_bytes,
@@ -57,7 +57,7 @@ def child_data(spill_bytes, rows, width, epochs):
                 idx = np.sort(order[b * 64 : (b + 1) * 64])
                 _ = [np.ascontiguousarray(a[idx]) for a in data.inputs], data.labels[idx]
     ms = (time.perf_counter() - t0) * 1e3 / (epochs * batches)
-    out = {"spilled": data.spilled, "growth": _proc_status_bytes("VmHWM") - start, "ms_per_batch": ms}
+    out = {"spilled": data.spilled, "growth": proc_status_bytes("VmHWM") - start, "ms_per_batch": ms}
     data.close()
     return out
 

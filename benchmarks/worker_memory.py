@@ -59,7 +59,7 @@ def child_single(widths, optimizer, steps, batch):
     """Plain torch in this process: the baseline a worker is compared with."""
     import torch
 
-    from gradshare.task.worker import reset_peak_rss
+    from gradshare.task.memory import reset_peak_rss
 
     torch.set_num_threads(1)
     start = reset_peak_rss()

@@ -13,7 +13,7 @@ import pytest
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, TrainConfig, WorkerFlags
 from gradshare.driver.trainer import SharedTrainer
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
-from gradshare.task.worker import WorkerConfig
+from gradshare.task.config import WorkerConfig
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}

@@ -40,7 +40,9 @@ from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.task.partition import PartitionData
 from gradshare.transport import Update
 from gradshare.driver.plan import warmup_start
-from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.apply_log import ApplyLog
+from gradshare.task.config import WorkerConfig
+from gradshare.task.worker import Worker
 
 
 class LogPeer:
@@ -124,7 +126,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
             epoch, b = divmod(t, spe[0])
             opt.zero_grad(set_to_none=True)
             for w in workers:
-                *x, y = w._batch(epoch, b)
+                *x, y = w.batches.read(epoch, b)
                 (loss_fn(ddp(*x), y) / world).backward()
             opt.step()
             if scheduler:
@@ -149,7 +151,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                     for pm, ps in zip(m.parameters(), shared.parameters()):
                         pm.copy_(ps)
                 opt.zero_grad(set_to_none=True)
-                *x, y = w._batch(epoch, b)
+                *x, y = w.batches.read(epoch, b)
                 loss_fn(m(*x), y).backward()
                 opt.step()
                 with torch.no_grad():

@@ -50,8 +50,8 @@ from gradshare.task.batches import InputLayout, input_names, validation_arrays
 from gradshare.task.checkpoint import CheckpointPlan, load_params
 from gradshare.task.partition import PartitionSummary, summarise_partition
 from gradshare.task.shipping import pack_user_objects, skeleton
-from gradshare.task.worker import WorkerConfig
-from gradshare.task.worker import steps_per_epoch as steps_in
+from gradshare.task.config import WorkerConfig
+from gradshare.task.config import steps_per_epoch as steps_in
 from gradshare.transport import Relay, RelayTuning, new_job_key
 from gradshare.transport.protocol.events import Incident
 

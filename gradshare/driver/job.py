@@ -32,7 +32,8 @@ from gradshare.errors import TransportTimeout
 from gradshare.reports import WorkerReport
 from gradshare.driver.session import busy_slots, check_barrier_slots, feature_columns, is_connect
 from gradshare.task.partition import PartitionSummary, summarise_partition
-from gradshare.task.worker import WorkerConfig, train_partition
+from gradshare.task.config import WorkerConfig
+from gradshare.task.train import train_partition
 
 T = TypeVar("T")
 # A DataFrame on a classic session goes through FrameJob (mapInArrow) when True, else through

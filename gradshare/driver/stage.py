@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from gradshare.driver.failures import driver_error, incident_error, reported_error
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.reports import Progress, WorkerReport
-from gradshare.task.worker import WorkerConfig
+from gradshare.task.config import WorkerConfig
 from gradshare.transport import Relay
 
 

@@ -17,6 +17,10 @@ On a device (``FlatParams(module, device=...)``) the buffer is a float32 torch t
 `state`, `array`, `buffer_array` and `twin` are torch views of it instead of NumPy ones: the codec, the
 apply log and the worker take either (encoding/torch_codec.py, vectors.py). Without a device they stay
 the NumPy views the Numba kernels run on, the CPU default.
+
+The copies that follow P (`twin`, `point`: `followers`) change only with it, through the methods that
+change P between steps (`apply_update`, `add`, `load`, `sync_followers`, `put`), so no caller keeps them
+in step by hand.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradshare.encoding import Message, StepUpdate, apply, apply_update
 from gradshare.vectors import Vector, copy_into, copy_of, to_host
 
 
@@ -178,10 +183,39 @@ class FlatParams:
         else:  # the host snapshot crosses to the device once
             host = values.astype(np.float32, casting="same_kind", copy=False)
             state.copy_(torch.from_numpy(np.ascontiguousarray(host)))
+        self.sync_followers()
+
+    @property
+    def followers(self) -> tuple[Vector, ...]:
+        """The copies of P kept (`twin`, `point`): whatever changes P between steps changes them alike."""
+        return tuple(v for v in (self.twin, self.point) if v is not None)
+
+    def apply_update(self, update: StepUpdate, scale: float) -> None:
+        """One decoded message of the log × `scale`: into the state (parameters and float buffers) and
+        into every follower (the twin stays P; the folded point stays P + s·r: r does not change)."""
+        apply_update(update, self.state, scale)
+        for v in self.followers:
+            apply(update.message, v, scale)
+
+    def add(self, message: Message, scale: float) -> None:
+        """`message` × `scale` into P and every follower (the own-update lookahead, lookahead.py)."""
+        apply(message, self.array, scale)
+        for v in self.followers:
+            apply(message, v, scale)
+
+    def sync_followers(self) -> None:
+        """Every follower := P (after P was overwritten: the folded point's residual starts from 0)."""
+        for v in self.followers:
+            copy_into(v, self.array)
+
+    def put(self, idx: Vector, values: Vector, point_values: Vector | None = None) -> None:
+        """P and its twin at `idx` := `values`; the folded point there := `point_values` (None: left as
+        it is). Every vector of P's kind (`device`)."""
+        self.array[idx] = values  # type: ignore[assignment]  # one kind: mypy cannot tie the union
         if self.twin is not None:
-            copy_into(self.twin, self.array)
-        if self.point is not None:
-            copy_into(self.point, self.array)
+            self.twin[idx] = values  # type: ignore[assignment]
+        if self.point is not None and point_values is not None:
+            self.point[idx] = point_values  # type: ignore[assignment]
 
     def host_state(self) -> np.ndarray:
         """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy

@@ -156,7 +156,7 @@ def train_batches(cfg: Any, names: tuple[str, ...], multi: bool, batches: Iterat
     from pyspark import BarrierTaskContext
 
     from gradshare.errors import TrainingError
-    from gradshare.task.worker import train_partition
+    from gradshare.task.train import train_partition
 
     ctx = BarrierTaskContext.get()
     tasks = len(ctx.getTaskInfos())

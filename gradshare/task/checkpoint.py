@@ -174,26 +174,26 @@ def _stopping_state(worker) -> dict:
     rule's best and count, the stop request and the stop epoch the log carries, in whole-training epochs
     (a resumed fit's log counts its own from 0)."""
     first = worker.cfg.first_epoch
-    rule = worker.stopper
+    rule = worker.stops.rule
     return {"best": None if rule is None else rule.best, "waited": None if rule is None else rule.waited,
-            "stop_requested": None if worker.stop_requested is None else worker.stop_requested + first,
-            "stop_sent": worker.stop_sent,
+            "stop_requested": None if worker.stops.requested is None else worker.stops.requested + first,
+            "stop_sent": worker.stops.sent,
             "stop_epoch": None if worker.log.stop_epoch is None else worker.log.stop_epoch + first,
             # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
             # here sends it as the uninterrupted one does, and the relay keeps the score for the row
-            "epoch_notes": {k: v + first if k == "val_epoch" else v for k, v in worker.epoch_notes.items()}}
+            "epoch_notes": {k: v + first if k == "val_epoch" else v for k, v in worker.stops.notes.items()}}
 
 
 def _load_stopping(worker, saved: dict | None) -> None:
     if not saved:  # a checkpoint of a fit without these fields
         return
     first = worker.cfg.first_epoch
-    if worker.stopper is not None and saved["waited"] is not None:
-        worker.stopper.best, worker.stopper.waited = saved["best"], saved["waited"]
+    if worker.stops.rule is not None and saved["waited"] is not None:
+        worker.stops.rule.best, worker.stops.rule.waited = saved["best"], saved["waited"]
     if saved["stop_requested"] is not None:
-        worker.stop_requested, worker.stop_sent = saved["stop_requested"] - first, saved["stop_sent"]
-    worker.inherited_stop = None if saved["stop_epoch"] is None else saved["stop_epoch"] - first
-    worker.epoch_notes = {k: v - first if k == "val_epoch" else v for k, v in saved.get("epoch_notes", {}).items()}
+        worker.stops.requested, worker.stops.sent = saved["stop_requested"] - first, saved["stop_sent"]
+    worker.stops.inherited = None if saved["stop_epoch"] is None else saved["stop_epoch"] - first
+    worker.stops.notes = {k: v - first if k == "val_epoch" else v for k, v in saved.get("epoch_notes", {}).items()}
 
 
 def _file_list(store, name: str, run: int) -> dict | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 # In step order. wait: blocked in peer.receive; apply: decoding and applying the log's messages;
 # batch: building the batch; lookahead: k >= 1, adding own pending messages to P (and the checks);
@@ -113,15 +114,15 @@ class StepProfile:
         self.curve.append((self._clock, metric))
 
     def score(self, index: int, metric: float | None) -> None:
-        """The metric of the `index`-th epoch, known after its end (worker.py scores it later)."""
+        """The metric of the `index`-th epoch, known after its end (scoring.py scores it later)."""
         self.curve[index] = (self.curve[index][0], metric)
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         lo = None if self._lo0 is None or self._lo1 is None else self._lo1 - self._lo0
         return {"steps": self.steps, "curve": self.curve, "lo_tx_bytes": lo, "threads_cpu": self._threads}
 
 
-class _Off:
+class Off:
     """The profile of a worker that is not profiled: every stamp is a no-op."""
 
     def begin(self) -> None:
@@ -143,4 +144,4 @@ class _Off:
         pass
 
 
-OFF = _Off()
+OFF = Off()

@@ -16,7 +16,9 @@ from gradshare import encoding
 from gradshare.replica.losses import clip_grad_norm
 from gradshare.task.partition import PartitionData
 from gradshare.transport import param_hash
-from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.apply_log import ApplyLog
+from gradshare.task.config import WorkerConfig
+from gradshare.task.worker import Worker
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from precision_step import LocalLog  # noqa: E402 - the one-rank transport the benchmarks use

@@ -16,7 +16,8 @@ from gradshare.replica.flat import FlatParams
 from gradshare.replica.local_view import LocalView
 from gradshare.task.partition import PartitionData
 from gradshare.vectors import to_host
-from gradshare.task.worker import Worker, WorkerConfig
+from gradshare.task.config import WorkerConfig
+from gradshare.task.worker import Worker
 
 
 def _model(seed: int) -> nn.Module:
@@ -120,7 +121,7 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         w.optimizer.register_step_pre_hook(
             lambda opt, args, kwargs: seen.append(np.concatenate([q.grad.numpy().ravel() for q in w.flat.params])))
         w.step(sink, 1)
-        batch = w._batch(0, 1)
+        batch = w.batches.read(0, 1)
         at_view, at_p = _grads_at(w.model, p + r, *batch), _grads_at(w.model, p, *batch)
         want, other = (at_view, at_p) if local_view else (at_p, at_view)
         np.testing.assert_allclose(seen[0], want, rtol=1e-5, atol=1e-7)
@@ -136,7 +137,7 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from precision_step import LocalLog
 
-    from gradshare.task.worker import ApplyLog
+    from gradshare.task.apply_log import ApplyLog
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)

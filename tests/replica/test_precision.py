@@ -20,7 +20,9 @@ from gradshare.replica.flat import FlatParams
 from gradshare.replica.precision import Precision
 from gradshare.task.partition import PartitionData
 from gradshare.transport import Update, param_hash
-from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.apply_log import ApplyLog
+from gradshare.task.config import WorkerConfig
+from gradshare.task.worker import Worker
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -230,7 +230,9 @@ def _one_worker(X, y, lr=1e-3):
     from gradshare.bench.lockstep import LogPeer
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
-    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.apply_log import ApplyLog
+    from gradshare.task.config import WorkerConfig
+    from gradshare.task.worker import Worker
 
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
@@ -271,7 +273,9 @@ def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
     from gradshare.bench.lockstep import LogPeer
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
-    from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+    from gradshare.task.apply_log import ApplyLog
+    from gradshare.task.config import WorkerConfig
+    from gradshare.task.worker import Worker
 
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)

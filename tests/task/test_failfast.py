@@ -159,7 +159,7 @@ def test_skeleton_ships_no_weights_and_materializes_into_the_same_layout():
 
 
 def test_user_objects_travel_as_bytes_and_unpack_in_the_worker():
-    from gradshare.task.worker import WorkerConfig
+    from gradshare.task.config import WorkerConfig
 
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=b"k" * 32, job_id=1, world_size=1,
                        model=WithIntBuffer(), loss=nn.MSELoss(), optimizer=lambda p: torch.optim.SGD(p, 0.1),

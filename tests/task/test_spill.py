@@ -155,7 +155,8 @@ def test_batches_cover_the_epoch_read_each_window_once_and_a_resume_reads_the_sa
 MEMORY_CHILD = """
 import sys, numpy as np
 from gradshare.task.partition import PartitionData
-from gradshare.task.worker import reset_peak_rss, _proc_status_bytes
+from gradshare.task.memory import reset_peak_rss, proc_status_bytes
+import numpy.random, secrets  # loaded before the baseline (the data order uses them): the peak is the data's
 
 spill_bytes, rows, width, spill_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def stream():  # generated on the fly, as Spark hands a task its rows: nothing of it is held here
@@ -168,7 +169,7 @@ for epoch in range(2):
     for b in range(-(-rows // 64)):
         x, y = data.batch(epoch, b, 64, seed=0, rank=0) if data.spilled else (None, data.labels)
         total += len(y)
-print(data.spilled, total, _proc_status_bytes("VmHWM") - start)
+print(data.spilled, total, proc_status_bytes("VmHWM") - start)
 data.close()
 """
 

@@ -18,7 +18,9 @@ from torch import nn
 from gradshare import encoding
 from gradshare.task.partition import PartitionData
 from gradshare.transport import Update, param_hash
-from gradshare.task.worker import ApplyLog, Worker, WorkerConfig
+from gradshare.task.apply_log import ApplyLog
+from gradshare.task.config import WorkerConfig
+from gradshare.task.worker import Worker
 
 
 class _Log:

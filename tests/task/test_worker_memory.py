@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from gradshare.task.worker import _proc_status_bytes, release_free_memory
+from gradshare.task.memory import proc_status_bytes, release_free_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,9 +16,9 @@ def test_release_free_memory_returns_freed_heap_pages():
     blocks = [bytearray(64 << 10) for _ in range(800)]  # 50 MiB, written (zero-filled)
     pin = bytearray(64 << 10)
     del blocks
-    held = _proc_status_bytes("VmRSS")
+    held = proc_status_bytes("VmRSS")
     release_free_memory()
-    assert held - _proc_status_bytes("VmRSS") > 30 << 20
+    assert held - proc_status_bytes("VmRSS") > 30 << 20
     del pin
 
 
@@ -36,10 +36,10 @@ def test_the_kernels_load_without_scipy_linalg():
 
 
 def test_a_worker_imports_neither_pandas_nor_pyarrow():
-    """The task's module tree (task/: worker, partition, validation; replica/: losses, ...) and the driver's
+    """The task's module tree (task/: train, worker, partition, validation; replica/: losses, ...) and the driver's
     Spark glue it used to share a module with stay off pyspark.ml, whose package
     __init__ imports pandas and pyarrow: ~50 MB more in every worker's baseline for nothing it runs."""
-    code = ("import sys, gradshare.task.worker, gradshare.task.partition, gradshare.task.validation, "
+    code = ("import sys, gradshare.task.train, gradshare.task.partition, gradshare.task.validation, "
             "gradshare.driver.session, gradshare.driver.validation; "
             "print(*[m in sys.modules for m in ('pandas', 'pyarrow', 'pyspark.ml')])")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
