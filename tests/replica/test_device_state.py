@@ -1,6 +1,6 @@
 """The device code path run on the CPU: FlatParams with a torch tensor state, the buffer
 change and its apply on tensors, and whole fits on the torch path (worker_options tensor_state) that end
-bit-identical to the NumPy/Numba path. The codecs are bit-identical (tests/test_torch_codec.py), and every
+bit-identical to the NumPy/Numba path. The codecs are bit-identical (tests/encoding/test_torch_codec.py), and every
 other operation of a step is the same float32 operation on either kind (gradshare/vectors.py), so a
 whole fit must be too. CUDA itself is not exercised here (no GPU on the test machines)."""
 
