@@ -31,6 +31,7 @@ import numpy as np
 
 from gradshare.encoding import blockmax as _bm
 from gradshare.encoding import forms, kernels
+from gradshare.encoding.forms.base import apply_buffers
 from gradshare.encoding.message import Message, to_float32_threshold
 from gradshare.encoding.threshold import CalibratedThreshold, quantile_threshold
 from gradshare.encoding.update import StepUpdate
@@ -109,14 +110,12 @@ def add_message(state: AggregateState, message: Message) -> None:
     """residual += the message's ±τ (codec.apply's float32 additions, in entry order), keeping the bound."""
     if message.n_entries == 0:
         return
-    step = message.step(1.0)
-    steps = np.array([step, -step], np.float32)
+    steps, batch = apply_buffers(message.step(1.0), message.n_entries)
     r, bound = state.residual, state.bound
     add = _STREAM_ADD.get(forms.BY_NAME[message.form].tag)
     if add is None:
         _bm.add_codes(message.codes(), steps, r, bound)
         return
-    batch = np.empty(min(message.n_entries, forms.APPLY_BATCH), np.int64)
     add(message.reader, message.n_entries, steps, r, bound, batch)
 
 

@@ -20,6 +20,11 @@ from gradshare.encoding.kernels import (CHECK_COUNT, CHECK_INDEX, CHECK_OK, CHEC
 APPLY_BATCH = 1024  # codes decoded per batch before they are applied (see kernels.apply_batch)
 
 
+def apply_buffers(step: np.float32, n_entries: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (+step, −step) pair a code's sign bit picks from, and the batch the decoded codes go through."""
+    return np.array([step, -step], np.float32), np.empty(min(n_entries, APPLY_BATCH), np.int64)
+
+
 @dataclass(frozen=True)
 class CodeSizes:
     """One pass over a message's codes (forms/rice.py `measure`): what each form's size follows from."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from gradshare.encoding.forms.base import APPLY_BATCH, CodeSizes, check
+from gradshare.encoding.forms.base import CodeSizes, apply_buffers, check
 from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING, CHECK_TRAILING,
                                         CHECK_TRUNCATED, apply_batch, cttz, prefetch_write)
 
@@ -293,8 +293,7 @@ class RiceForm:
         _rice_decode(reader, n_entries, out)
 
     def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
-        steps = np.array([step, -step], np.float32)
-        batch = np.empty(min(n_entries, APPLY_BATCH), np.int64)
+        steps, batch = apply_buffers(step, n_entries)
         _rice_apply(reader, n_entries, steps, params, batch)
 
 
