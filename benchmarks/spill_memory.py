@@ -40,8 +40,9 @@ def child_data(spill_bytes, rows, width, epochs):
 
     import numpy as np
 
-    from gradshare.task.partition import PartitionData, epoch_order
+    import gradshare.task.train  # noqa: F401 - the task body's modules, loaded before its baseline as in a task
     from gradshare.task.memory import proc_status_bytes, reset_peak_rss
+    from gradshare.task.partition import PartitionData, epoch_order
 
     start = reset_peak_rss()
     data = PartitionData.from_rows(rows_of(1, rows, width), "int64", spill_bytes=spill_bytes,

@@ -156,7 +156,7 @@ MEMORY_CHILD = """
 import sys, numpy as np
 from gradshare.task.partition import PartitionData
 from gradshare.task.memory import reset_peak_rss, proc_status_bytes
-import numpy.random, secrets  # loaded before the baseline (the data order uses them): the peak is the data's
+import gradshare.task.train  # the task body's modules, loaded before the baseline as in a Spark task
 
 spill_bytes, rows, width, spill_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def stream():  # generated on the fly, as Spark hands a task its rows: nothing of it is held here
