@@ -30,8 +30,8 @@ from torch import nn
 
 
 class Shipped(Protocol):
-    """What the packing reads of a config: a dataclass (worker.WorkerConfig) with a `user_objects` field.
-    A protocol, not WorkerConfig itself: worker.py imports this module."""
+    """What the packing reads of a config: a dataclass (task.config.WorkerConfig) with a `user_objects` field.
+    A protocol, not WorkerConfig itself: the task body (train.py) imports this module."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
