@@ -19,7 +19,6 @@ import functools
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from gradshare.driver.plan import (
     FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
 )
 from gradshare.driver.relay_setup import join_window, snapshot_options
-from gradshare.driver.result import FitResult
+from gradshare.driver.result import FitExtras, FitResult
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
@@ -318,16 +317,14 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float) -
     merged, skipped = merge_history(reports, out.tallies, run.steps_per_epoch, epochs_run)
     # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
     history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=prep.plan.name).as_dict() for row in merged]
-    extra: dict[str, Any] = {
-        "loss": prep.plan.name, "label_dtype": prep.plan.label_dtype, "inputs": prep.features.describe(),
-        "probe": prep.plan.probe, "incidents": [i.describe() for i in out.incidents],
-        "stopped_epoch": _offset(stopped, first_epoch),
-        "stop_requested_epoch": _offset(reports[0].stop_requested_epoch, first_epoch),
-        "resumed_from": None if out.resume is None else out.resume["directory"],
+    extra = FitExtras(
+        loss=prep.plan.name, label_dtype=prep.plan.label_dtype, inputs=prep.features.describe(),
+        probe=prep.plan.probe, incidents=[i.describe() for i in out.incidents],
+        stopped_epoch=_offset(stopped, first_epoch),
+        stop_requested_epoch=_offset(reports[0].stop_requested_epoch, first_epoch),
+        resumed_from=None if out.resume is None else out.resume["directory"],
         # a retried stage restarted at a checkpoint: the steps it went back from and to
-        "rolled_back": out.rolled_back,
-        "checkpoint_service_errors": out.service_errors,
-        "forwarding": run.forwarding}
+        rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding)
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,

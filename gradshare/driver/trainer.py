@@ -331,7 +331,8 @@ class SharedTrainer:
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
         DataFrame, features_col names one column or a list of columns (one input each). Every input
         keeps its dtype; rows and partitions must agree on dtypes and shapes (errors name partition and
-        row). `FitResult.extra`: "loss" (the loss or train step used), "label_dtype", "inputs" (dtype and
+        row). `FitResult.extra` (a `FitExtras`, read by attribute or by key like a dict: extra.loss or
+        extra["loss"]): "loss" (the loss or train step used), "label_dtype", "inputs" (dtype and
         shape per input) and "probe" (the driver's one-row forward: its output shape, or why it was
         skipped; losses.py).
 
