@@ -232,3 +232,18 @@ def test_the_trainer_keeps_its_attributes_and_the_options_as_given():
     assert trainer.on_epoch_end == (print,) and trainer.worker_options == {"direct_update": False}
     assert trainer.warmup == DEFAULT_WARMUP_EPOCHS and trainer.device == "auto" and trainer.mlflow is None
     assert trainer.port == DEFAULT_PORT and trainer.checkpoint_dir is None and trainer.early_stopping is None
+
+
+def test_every_option_reads_through_the_trainer_from_its_config_and_none_is_set_after_construction():
+    from gradshare.driver.trainer import CHECKED, default_optimizer
+
+    trainer = SharedTrainer(lambda: None, epochs=2)
+    for f in dataclasses.fields(TrainConfig):
+        if f.init and f.name != "optimizer":  # a new option reads as trainer.<name> with no trainer code
+            assert getattr(trainer, f.name) is getattr(trainer.config, CHECKED.get(f.name, f.name)), f.name
+    assert trainer.optimizer is default_optimizer and SharedTrainer(lambda: None, optimizer=print).optimizer is print
+    assert set(vars(trainer)) == {"options", "config", "model"}  # no copies of the options
+    with pytest.raises(AttributeError, match="fixed when it is made"):
+        trainer.epochs = 3
+    with pytest.raises(AttributeError, match="no attribute 'epoch'"):
+        trainer.epoch

@@ -20,7 +20,7 @@ from gradshare import SharedTrainer
 from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
 from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.driver.failures import driver_error as _driver_error
-from gradshare.driver.result import FitResult
+from gradshare.driver.result import FitExtras, FitResult
 from gradshare.transport import Peer, Relay, new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev
@@ -70,6 +70,21 @@ def test_fit_result_traffic_comes_from_the_workers_counters():
                   world_size=2, n_params=10, steps=4, resumed_from=0, seconds=1.0)
     assert (r.bytes_sent, r.bytes_received, r.snapshot_bytes) == (150, 120, 1600)
     assert r.dense_bytes == 4 * 10 * (4 + 4) * 2 and r.traffic_ratio == r.dense_bytes / 270
+
+
+def test_fit_extras_read_by_attribute_and_by_key_like_the_dict_they_were():
+    extra = FitExtras(loss="MSELoss", label_dtype="float32", inputs="float32[4]", probe="output (B, 1)",
+                      incidents=["rank 1 suspected"], stopped_epoch=2, forwarding="per-rank")
+    assert extra["loss"] == extra.loss == "MSELoss" and extra["stopped_epoch"] == 2 and "probe" in extra
+    assert set(extra) == {"loss", "label_dtype", "inputs", "probe", "incidents", "stopped_epoch",
+                          "stop_requested_epoch", "resumed_from", "rolled_back", "checkpoint_service_errors",
+                          "forwarding"}  # SharedTrainer.fit's docstring lists these
+    assert extra == dict(extra.items()) and extra.get("resumed_from") is None and extra["rolled_back"] == []
+    with pytest.raises(KeyError):
+        extra["nope"]
+    assert pickle.loads(pickle.dumps(extra)) == extra
+    assert FitResult(model=None, history=[], counters=Counters(), worker_reports=[], param_hash="", world_size=1,
+                     n_params=1, steps=0, resumed_from=0, seconds=0.0).extra == FitExtras()
 
 
 def test_a_worker_row_reads_as_the_dict_it_was_and_the_driver_row_adds_its_fields():

@@ -1,4 +1,5 @@
-"""`SharedTrainer.fit` as five stages, each a plain function of the trainer's options (plan.FitOptions):
+"""`SharedTrainer.fit` as five stages, each a plain function of the trainer's options (its TrainConfig, or
+plan.FitSpec where the model or the optimizer factory is read too):
 
     prepare_data    the Spark job for the data, checkpoints opened, the model built, the pre-pass run and
                     checked, the loss planned on one row, validation shards zipped in (before any training)
@@ -18,7 +19,6 @@ import functools
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,17 +26,17 @@ from pyspark import RDD
 from torch import nn
 
 from gradshare.checks import is_dataframe, is_distributed
-from gradshare.config import Metric, ThresholdRule, check_checkpoint_staleness, is_calibrated
+from gradshare.config import Metric, ThresholdRule, TrainConfig, check_checkpoint_staleness, is_calibrated
 from gradshare.driver.checkpoint import (
     Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
 )
 from gradshare.driver.history import Tallies, merge_history
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.driver.plan import (
-    FitOptions, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
+    FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
 )
 from gradshare.driver.relay_setup import join_window, snapshot_options
-from gradshare.driver.result import FitResult
+from gradshare.driver.result import FitExtras, FitResult
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
@@ -117,7 +117,7 @@ class Outcome:
     resume: Manifest | None  # with the checkpoint service's address where there is one
 
 
-def job_for(opts: FitOptions, data: object, features_col: str | list[str] | None, label_col: str | None,
+def job_for(config: TrainConfig, data: object, features_col: str | list[str] | None, label_col: str | None,
             resume_from: str | None) -> RddJob | FrameJob:
     """The Spark side of the fit (job.py): a DataFrame on Spark Connect, or on a classic session
     where it measured faster (job.frame_path), goes through mapInArrow; an RDD as it is."""
@@ -125,31 +125,32 @@ def job_for(opts: FitOptions, data: object, features_col: str | list[str] | None
         if features_col is None or label_col is None:
             raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
         if is_connect(data):
-            check_connect(opts.validation_data, opts.checkpoint_dir, resume_from)
-            return FrameJob(data, features_col, label_col, opts.num_workers)
-        if frame_path(opts.validation_data):
-            return FrameJob(data, features_col, label_col, opts.num_workers)
-        return RddJob(dataframe_to_rdd(data, features_col, label_col), opts.num_workers)
+            check_connect(config.validation_data, config.checkpoint_root, resume_from)
+            return FrameJob(data, features_col, label_col, config.num_workers)
+        if frame_path(config.validation_data):
+            return FrameJob(data, features_col, label_col, config.num_workers)
+        return RddJob(dataframe_to_rdd(data, features_col, label_col), config.num_workers)
     if features_col is not None or label_col is not None:
         raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
                          "(features: one array, or a tuple of arrays for several inputs)")
     check_rdd(data)
-    return RddJob(data, opts.num_workers)
+    return RddJob(data, config.num_workers)
 
 
-def prepare_data(opts: FitOptions, data: object, features_col: str | list[str] | None, label_col: str | None,
+def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
                  resume_from: str | None) -> Prepared:
     """Everything checked before training: the data, its validation shards, checkpoints, model, loss."""
-    job = job_for(opts, data, features_col, label_col, resume_from)
+    config = spec.config
+    job = job_for(config, data, features_col, label_col, resume_from)
     shards: RDD[tuple[object, object]] | None = None
-    if is_distributed(opts.validation_data):  # its columns are checked here, before any Spark job
-        shards = validation_rows(opts.validation_data, data, features_col, label_col)
+    if is_distributed(config.validation_data):  # its columns are checked here, before any Spark job
+        shards = validation_rows(config.validation_data, data, features_col, label_col)
     if resume_from is not None:
-        check_checkpoint_staleness("resume_from", opts.staleness)
+        check_checkpoint_staleness("resume_from", config.staleness)
     # a corrupt checkpoint fails here, before any Spark job
-    stores, resume = open_for_fit(opts.checkpoint_dir, resume_from, job.spark_context)
-    model = build_model(opts)
-    check_optimizer(opts, model)
+    stores, resume = open_for_fit(config.checkpoint_root, resume_from, job.spark_context)
+    model = build_model(spec.model, config.seed)
+    check_optimizer(spec.optimizer, config.lr_scheduler, model)
     # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
     # as data, so the driver names partition and row instead of Spark retrying a failing task).
     timed = job.prepass()
@@ -159,8 +160,8 @@ def prepare_data(opts: FitOptions, data: object, features_col: str | list[str] |
     # check_summaries raised for any partition with an error, and an empty one is an error
     assert features is not None and label_kind is not None and label_shape is not None
     names = input_names(features, (features_col,) if isinstance(features_col, str) else tuple(features_col or ()))
-    plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=opts.loss,
-                     train_step=opts.train_step, label_dtype=opts.label_dtype, input_names=names,
+    plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=config.loss,
+                     train_step=config.train_step, label_dtype=config.label_dtype, input_names=names,
                      label_range=layout.label_range)
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
     if shards is not None:
@@ -170,40 +171,40 @@ def prepare_data(opts: FitOptions, data: object, features_col: str | list[str] |
                                   .collect(), layout, names)
         job.training = zip_shards(job.rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
                                   shard_rows)
-    elif opts.validation_data is not None:
-        validation = validation_arrays(opts.validation_data, features, plan.label_dtype, label_shape)
+    elif config.validation_data is not None:
+        validation = validation_arrays(config.validation_data, features, plan.label_dtype, label_shape)
     # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
-    classes = plan.label_dtype == "int64" and opts.train_step is None
+    classes = plan.label_dtype == "int64" and config.train_step is None
     default = accuracy if validation is not None else accuracy_sums if shards is not None else None
     return Prepared(job=job, summaries=summaries, load_seconds=max(seconds for _, seconds in timed),
                     features=features, model=model, plan=plan, validation=validation, shards=shards is not None,
-                    metric=opts.metric or (default if classes else None), stores=stores, resume=resume)
+                    metric=config.metric or (default if classes else None), stores=stores, resume=resume)
 
 
-def plan_run(opts: FitOptions, prep: Prepared) -> RunPlan:
+def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
     """The shared state and how the fit runs it: steps per epoch, the rule, checkpoints, forwarding."""
     world, model = prep.job.world, prep.model
     flat = FlatParams(model)  # raises on a model with no trainable parameters
     initial = flat.host_state().copy()  # parameters, then float buffers (the state itself here: NumPy)
-    drop_last = drop_rule(opts, model)
+    drop_last = drop_rule(config, model)
     # The job ships a skeleton: the flat state's tensors are meta tensors; the workers take their
     # values from the relay's snapshot (shipping.py: the weights never sit twice in a worker).
     shipped = skeleton(model, flat.tensors)
     rows = {s.index: s.rows for s in prep.summaries}
-    steps_per_epoch = tuple(steps_in(rows[r], opts.batch_size, drop_last) for r in range(world))
+    steps_per_epoch = tuple(steps_in(rows[r], config.batch_size, drop_last) for r in range(world))
     empty = [r for r in range(world) if steps_per_epoch[r] == 0]
     if empty:
         raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
-                         f"{opts.batch_size} is left with drop_last={opts.drop_last!r}; repartition the "
+                         f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
-    rule = rule_for(opts, max(steps_per_epoch), world)
-    saving, first_epoch, epochs = checkpoint_plan(opts, model, world, steps_per_epoch, prep.resume)
+    rule = rule_for(config, max(steps_per_epoch), world)
+    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume)
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
     # checkpointed fit per-rank, so that a resumed one stays bit-identical
-    checkpointed = opts.checkpoint_dir is not None or prep.resume is not None
-    forwarding = forwarding_for(opts.forwarding, world, checkpointed)
+    checkpointed = config.checkpoint_root is not None or prep.resume is not None
+    forwarding = forwarding_for(config.forwarding, world, checkpointed)
     if checkpointed and forwarding == "aggregate":
         raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
                          "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
@@ -213,34 +214,34 @@ def plan_run(opts: FitOptions, prep: Prepared) -> RunPlan:
         agg_rule = copy.deepcopy(rule) if is_calibrated(rule) else None
         aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
-                   rule=rule, clip=clipping(opts), saving=saving, first_epoch=first_epoch, epochs=epochs,
-                   scale=1.0 / world if opts.aggregate == "mean" else 1.0, forwarding=forwarding,
+                   rule=rule, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
+                   scale=1.0 / world if config.aggregate == "mean" else 1.0, forwarding=forwarding,
                    aggregator=aggregator)
 
 
-def checkpoint_plan(opts: FitOptions, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
+def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
                     resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
-    if opts.checkpoint_dir is None and resume is None:
-        return None, 0, opts.epochs
+    if config.checkpoint_root is None and resume is None:
+        return None, 0, config.epochs
     if len(set(steps_per_epoch)) > 1:
         raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
                          f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
-    job = job_of(world, steps_per_epoch, opts.batch_size, opts.seed, shapes)
-    return plan_for_fit(opts.checkpoint_dir, opts.checkpoint_every, opts.epochs, job, resume)
+    job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes)
+    return plan_for_fit(config.checkpoint_root, config.checkpoint_every, config.epochs, job, resume)
 
 
-def start_relay(opts: FitOptions, prep: Prepared, run: RunPlan) -> Started:
+def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
     """The relay (the master) with a fresh job key and id, and the host the workers reach it at."""
     key, job_id = new_job_key(), secrets.randbits(31)
-    host = prep.job.driver_host(opts.advertise_host)
-    tuning = RelayTuning(liveness_timeout=opts.liveness_timeout, on_rank_loss=opts.on_rank_loss,
-                         give_up_after=opts.timeout, step_timeout=opts.step_timeout,
-                         join_window=join_window(opts.timeout, opts.liveness_timeout, prep.load_seconds),
-                         forwarding=run.forwarding, **snapshot_options(host, opts.datagram_size))
-    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=opts.port, bind=opts.bind,
-                  datagram_size=opts.datagram_size, insecure=opts.insecure, tuning=tuning,
+    host = prep.job.driver_host(config.advertise_host)
+    tuning = RelayTuning(liveness_timeout=config.liveness_timeout, on_rank_loss=config.on_rank_loss,
+                         give_up_after=config.timeout, step_timeout=float(config.step_timeout),
+                         join_window=join_window(config.timeout, config.liveness_timeout, prep.load_seconds),
+                         forwarding=run.forwarding, **snapshot_options(host, config.datagram_size))
+    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=config.bind,
+                  datagram_size=config.datagram_size, insecure=config.insecure, tuning=tuning,
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
                   apply_update=functools.partial(apply_update, scale=run.scale),
                   rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
@@ -248,17 +249,18 @@ def start_relay(opts: FitOptions, prep: Prepared, run: RunPlan) -> Started:
     return Started(relay, key, job_id, host)
 
 
-def run_job(opts: FitOptions, prep: Prepared, run: RunPlan, started: Started) -> Outcome:
+def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Outcome:
     """The barrier stage against the started relay, then the relay's end state; closes the relay (and
     the checkpoint service) whatever happens."""
+    config = spec.config
     relay, service = started.relay, None
     try:
-        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key, opts.bind,
-                                                    started.host, opts.timeout)
-        cfg = worker_config(opts, prep, replace(run, saving=saving), resume, started)
-        window = join_window(opts.timeout, opts.liveness_timeout, prep.load_seconds)
-        reports = run_stage(prep.job, cfg, relay, window, opts.verbose)
-        relay.wait_finished(opts.timeout)
+        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key, config.bind,
+                                                    started.host, config.timeout)
+        cfg = worker_config(spec, prep, replace(run, saving=saving), resume, started)
+        window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
+        reports = run_stage(prep.job, cfg, relay, window, config.verbose)
+        relay.wait_finished(config.timeout)
         final = relay.params
         relay_hash = relay.param_hash()
         counters = Counters.from_dict(relay.counters())
@@ -273,23 +275,25 @@ def run_job(opts: FitOptions, prep: Prepared, run: RunPlan, started: Started) ->
                    incidents=incidents, rolled_back=rolled_back, service_errors=service_errors, resume=resume)
 
 
-def worker_config(opts: FitOptions, prep: Prepared, run: RunPlan, resume: Manifest | None,
+def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest | None,
                   started: Started) -> WorkerConfig:
     """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py)."""
     assert started.relay.address is not None  # start() bound it
+    config = spec.config
     return pack_user_objects(WorkerConfig(
         relay_address=(started.host, started.relay.address[1]), key=started.key, job_id=started.job_id,
         world_size=prep.job.world,
-        model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=opts.optimizer,
+        model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
         threshold_rule=run.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
-        epochs=run.epochs, batch_size=opts.batch_size, staleness=opts.staleness, seed=opts.seed,
-        label_dtype=prep.plan.label_dtype, datagram_size=opts.datagram_size, timeout=opts.timeout,
-        insecure=opts.insecure, spill_bytes=opts.spill_bytes, validation=prep.validation,
-        metric=prep.metric, lookahead=opts.lookahead, **opts.worker_options,
-        lr_scheduler=opts.lr_scheduler, scheduler_interval=opts.scheduler_interval,
-        follow_lr=opts.follow_lr, local_view=opts.local_view, apply_scale=run.scale, drop_last=run.drop_last,
-        precision=opts.precision, train_step=prep.plan.step, device=opts.device, n_state=int(run.initial.size),
-        early_stopping=opts.early_stopping, on_epoch_end=opts.on_epoch_end,
+        epochs=run.epochs, batch_size=config.batch_size, staleness=config.staleness, seed=config.seed,
+        label_dtype=prep.plan.label_dtype, datagram_size=config.datagram_size, timeout=config.timeout,
+        insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
+        metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
+        lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
+        follow_lr=bool(config.follow_lr), local_view=bool(config.local_view), apply_scale=run.scale,
+        drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step, device=config.device_name,
+        n_state=int(run.initial.size),
+        early_stopping=config.stopping, on_epoch_end=config.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
     ))
 
@@ -313,16 +317,14 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float) -
     merged, skipped = merge_history(reports, out.tallies, run.steps_per_epoch, epochs_run)
     # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
     history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=prep.plan.name).as_dict() for row in merged]
-    extra: dict[str, Any] = {
-        "loss": prep.plan.name, "label_dtype": prep.plan.label_dtype, "inputs": prep.features.describe(),
-        "probe": prep.plan.probe, "incidents": [i.describe() for i in out.incidents],
-        "stopped_epoch": _offset(stopped, first_epoch),
-        "stop_requested_epoch": _offset(reports[0].stop_requested_epoch, first_epoch),
-        "resumed_from": None if out.resume is None else out.resume["directory"],
+    extra = FitExtras(
+        loss=prep.plan.name, label_dtype=prep.plan.label_dtype, inputs=prep.features.describe(),
+        probe=prep.plan.probe, incidents=[i.describe() for i in out.incidents],
+        stopped_epoch=_offset(stopped, first_epoch),
+        stop_requested_epoch=_offset(reports[0].stop_requested_epoch, first_epoch),
+        resumed_from=None if out.resume is None else out.resume["directory"],
         # a retried stage restarted at a checkpoint: the steps it went back from and to
-        "rolled_back": out.rolled_back,
-        "checkpoint_service_errors": out.service_errors,
-        "forwarding": run.forwarding}
+        rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding)
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,

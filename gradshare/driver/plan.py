@@ -2,97 +2,44 @@
 the optimizer and scheduler tried once, the threshold rule each worker starts from, drop_last's rule
 and the relay's forwarding mode.
 
-`FitOptions` is the trainer's options as the fit reads them (a frozen copy taken when `fit` starts),
-so the fit's stages (fit.py) are plain functions of it and import nothing of trainer.py.
+`FitSpec` is what the fit reads: the trainer's TrainConfig (frozen, checked once) with its model and
+optimizer factory, so the fit's stages (fit.py) are plain functions of it and import nothing of trainer.py.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.config import (
-    DEFAULT_WARMUP_MIN_STEPS, Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss,
-    OptimizerFactory, Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, ThresholdRule, TrainStep,
-    ValidationData, WorkerFlags, is_calibrated,
+    DEFAULT_WARMUP_MIN_STEPS, ModelSpec, OptimizerFactory, SchedulerFactory, ThresholdRule, TrainConfig, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
-from gradshare.stopping import EarlyStopping
 
 
 @dataclass(frozen=True)
-class FitOptions:
-    """A SharedTrainer's options as its fit reads them (the attributes of the same names)."""
+class FitSpec:
+    """What a fit reads: the trainer's options (its TrainConfig, checked and frozen) and the two things
+    the trainer adds to them, the model (not an option) and the optimizer factory with its default."""
 
+    config: TrainConfig
     model: ModelSpec
-    loss: LossFn | None
-    optimizer: OptimizerFactory
-    train_step: TrainStep | None
-    threshold: float | Literal["auto"]
-    threshold_algorithm: ThresholdAlgorithm
-    auto: bool
-    density: float | None
-    warmup: float
-    warmup_density: float | None
-    decay_from: float | None
-    options: Mapping[str, Any]  # as given to SharedTrainer (warmup=None: the default warm-up)
-    port: int
-    bind: str
-    advertise_host: str | None
-    batch_size: int
-    epochs: int
-    num_workers: int | None
-    staleness: int
-    lookahead: bool
-    residual_clip: float | None
-    seed: int
-    verbose: int
-    validation_data: ValidationData | None
-    metric: Metric | None
-    early_stopping: EarlyStopping | None
-    on_epoch_end: tuple[EpochCallback, ...]
-    label_dtype: LabelDtype | None
-    datagram_size: int
-    timeout: float
-    liveness_timeout: float
-    on_rank_loss: OnRankLoss
-    step_timeout: float
-    spill_bytes: int
-    insecure: bool
-    worker_options: WorkerFlags
-    lr_scheduler: SchedulerFactory | None
-    scheduler_interval: SchedulerInterval
-    follow_lr: bool
-    local_view: bool
-    aggregate: Aggregate
-    forwarding: Forwarding
-    drop_last: bool | Literal["auto"]
-    precision: Precision
-    device: str
-    checkpoint_dir: str | None
-    checkpoint_every: int
-
-    @classmethod
-    def of(cls, trainer: object) -> FitOptions:
-        """The options `trainer` (a SharedTrainer) holds now."""
-        return cls(**{f.name: getattr(trainer, f.name) for f in fields(cls)})
+    optimizer: OptimizerFactory  # config.optimizer, or SharedTrainer's default_optimizer
 
 
-def build_model(opts: FitOptions) -> nn.Module:
+def build_model(given: ModelSpec, seed: int) -> nn.Module:
     """A copy of the user's model, or the factory's model built after ``torch.manual_seed(seed)``."""
-    spec: object = opts.model  # the user's: checked here, whatever the annotation promises
+    spec: object = given  # the user's: checked here, whatever the annotation promises
     if isinstance(spec, nn.Module):
         return copy.deepcopy(spec)
     if callable(spec):
-        torch.manual_seed(opts.seed)
+        torch.manual_seed(seed)
         model: object = spec()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model factory returned {type(model).__name__}, not a torch.nn.Module")
@@ -112,25 +59,25 @@ def warmup_start(world: int) -> float:
     return min(DEFAULT_WARMUP_DENSITY, DEFAULT_WARMUP_SHARED_DENSITY / max(world, 1))
 
 
-def rule_for(opts: FitOptions, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
+def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
     """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
-    algo = opts.threshold_algorithm
-    run_steps = opts.epochs * steps_per_epoch  # what a run-long density decay spans
+    algo = config.threshold_algorithm
+    run_steps = config.epochs * steps_per_epoch  # what a run-long density decay spans
     if is_calibrated(algo):
         return algo.for_run(run_steps)
-    if opts.auto:
-        steps = round(opts.warmup * steps_per_epoch)
-        if opts.options["warmup"] is None and steps > 0:  # a warm-up the user gave is taken as given
+    if config.auto:
+        steps = round(config.warmup_epochs * steps_per_epoch)
+        if config.warmup is None and steps > 0:  # a warm-up the user gave is taken as given
             steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
         decay_from, lr_power = default_decay(world)
-        if opts.decay_from is not None:  # the user's, with the default lr power wherever it is on
-            decay_from, lr_power = opts.decay_from, DEFAULT_DECAY_LR_POWER if opts.decay_from else 0.0
+        if config.decay_from is not None:  # the user's, with the default lr power wherever it is on
+            decay_from, lr_power = config.decay_from, DEFAULT_DECAY_LR_POWER if config.decay_from else 0.0
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
-            density=DEFAULT_DENSITY if opts.density is None else opts.density, warmup_steps=steps,
-            warmup_density=warmup_start(world) if opts.warmup_density is None else opts.warmup_density,
+            density=DEFAULT_DENSITY if config.density is None else config.density, warmup_steps=steps,
+            warmup_density=warmup_start(world) if config.warmup_density is None else config.warmup_density,
             decay_from=decay_from, decay_lr_power=lr_power).for_run(run_steps)
-    tau = float(opts.threshold)  # not "auto" here: the number TrainConfig checked
+    tau = float(config.threshold)  # not "auto" here: the number TrainConfig checked
     if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
         return FixedThreshold(tau) if algo == "fixed" else AdaptiveThreshold(initial=tau)
     if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
@@ -138,7 +85,7 @@ def rule_for(opts: FitOptions, steps_per_epoch: int, world: int = 2) -> Threshol
     return copy.deepcopy(algo)
 
 
-def check_optimizer(opts: FitOptions, model: nn.Module) -> None:
+def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module) -> None:
     """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
     any Spark job, not on every executor after the data is loaded."""
     sparse = [name for name, m in model.named_modules()
@@ -150,7 +97,7 @@ def check_optimizer(opts: FitOptions, model: nn.Module) -> None:
     trainable = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
     if not trainable:  # FlatParams names it: nothing to train or share
         return
-    optimizer = opts.optimizer(trainable)
+    optimizer = factory(trainable)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.SparseAdam):
@@ -161,8 +108,8 @@ def check_optimizer(opts: FitOptions, model: nn.Module) -> None:
         raise ValueError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
                          "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
                          "as Adam, AdamW or SGD")
-    if opts.lr_scheduler is not None:
-        check_scheduler(opts.lr_scheduler, optimizer)
+    if lr_scheduler is not None:
+        check_scheduler(lr_scheduler, optimizer)
 
 
 def check_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> None:
@@ -179,17 +126,17 @@ def check_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer)
                          "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
 
 
-def drop_rule(opts: FitOptions, model: nn.Module) -> str:
+def drop_rule(config: TrainConfig, model: nn.Module) -> str:
     """drop_last as the worker's rule ("never" | "single" | "partial", worker.steps_per_epoch)."""
-    if opts.drop_last == "auto":
+    if config.drop_last == "auto":
         return "single" if any(isinstance(m, _BatchNorm) for m in model.modules()) else "never"
-    return "partial" if opts.drop_last else "never"
+    return "partial" if config.drop_last else "never"
 
 
-def clipping(opts: FitOptions) -> ResidualClipping | None:
-    if opts.residual_clip is None:
+def clipping(config: TrainConfig) -> ResidualClipping | None:
+    if config.residual_clip is None:
         return None
-    return ResidualClipping(clip=float(opts.residual_clip))
+    return ResidualClipping(clip=float(config.residual_clip))
 
 
 # forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages

@@ -1,17 +1,51 @@
 """FitResult: what `SharedTrainer.fit` returns (the model with the relay's parameters, the history, the
-transport's counters and the workers' reports)."""
+transport's counters and the workers' reports), and FitExtras, the fit's facts beside them."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
 
 from gradshare.driver.plotting import plot_result
 from gradshare.reports import Counters, WorkerReport
+
+
+@dataclass(frozen=True, eq=False)  # eq: Mapping's, so it compares like the dict it was
+class FitExtras(Mapping[str, Any]):
+    """What the fit chose and what happened to it (`SharedTrainer.fit`'s docstring), read as attributes or
+    by key like a dict: ``result.extra.loss`` is ``result.extra["loss"]``. None where a FitResult is made
+    by hand (a fit sets every field but the epochs and the checkpoint it did not have)."""
+
+    loss: str | None = None  # the loss's or train step's name (each history row's "loss_fn")
+    label_dtype: str | None = None  # "int64" | "float32"
+    inputs: str | None = None  # dtype and shape per input: "float32[64]" or "(float32[4], int64[])"
+    probe: str | None = None  # the driver's one-row forward: its output shape, or why it was skipped
+    incidents: list[str] = field(default_factory=list)  # the relay's liveness incidents
+    stopped_epoch: int | None = None  # the last epoch run after an early stop (None: every epoch ran)
+    stop_requested_epoch: int | None = None  # the epoch whose end asked for the stop
+    resumed_from: str | None = None  # fit(resume_from=...)'s checkpoint directory
+    rolled_back: list[dict[str, int]] = field(default_factory=list)  # {"attempt", "from", "to"}: log steps
+    checkpoint_service_errors: list[str] = field(default_factory=list)  # at most 100
+    forwarding: str | None = None  # "per-rank" | "aggregate": what ran
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _EXTRAS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_EXTRAS)
+
+    def __len__(self) -> int:
+        return len(_EXTRAS)
+
+
+_EXTRAS = tuple(f.name for f in fields(FitExtras))
 
 
 @dataclass
@@ -30,7 +64,7 @@ class FitResult:
     steps: int  # steps of the longest-running rank
     resumed_from: int  # 0, or the step a retried stage continued from
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)  # fit's docstring lists the keys; values of several types
+    extra: FitExtras = field(default_factory=FitExtras)  # read like a dict too: extra["loss"]
     # steps of data the log went on without (only on_rank_loss="continue" skips any)
     skipped_steps: int = 0
 

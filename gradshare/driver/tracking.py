@@ -143,7 +143,8 @@ def log_result(result: FitResult, run_id: str, log_model: bool = True) -> None:
     metrics += [mlflow.entities.Metric(key, float(value), now, 0)
                 for key, value in summary.items() if value is not None]
     facts = {"world_size": result.world_size, "n_params": result.n_params, "resumed_from": result.resumed_from,
-             **{f"fit.{k}": v for k, v in result.extra.items() if k in ("loss", "label_dtype", "inputs")}}
+             **{f"fit.{k}": v for k, v in result.extra.items()
+                if k in ("loss", "label_dtype", "inputs") and v is not None}}  # None: a FitResult made by hand
     for i in range(0, len(metrics), MAX_BATCH_METRICS):
         client.log_batch(run_id, metrics=metrics[i:i + MAX_BATCH_METRICS])
     _log_params(mlflow, client, run_id, facts)

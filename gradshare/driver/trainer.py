@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from dataclasses import fields
+from typing import Any, Literal
 
 import torch
 from pyspark import RDD
@@ -51,7 +52,7 @@ from gradshare.config import (
     ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
-from gradshare.driver.plan import FitOptions
+from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
 from gradshare.stopping import EarlyStopping
@@ -64,6 +65,14 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     worker's peak memory on the 51.6 M MLP: 7.85 instead of 8.63 × the parameter bytes;
     docs/benchmarks/memory.md)."""
     return torch.optim.Adam(params, lr=1e-3, fused=True)
+
+
+# The trainer's attributes of these options' names are TrainConfig's checked forms of them
+CHECKED = {"warmup": "warmup_epochs", "early_stopping": "stopping", "on_epoch_end": "callbacks",
+           "worker_options": "worker_flags", "device": "device_name", "mlflow": "mlflow_config",
+           "checkpoint_dir": "checkpoint_root"}
+# read through trainer.config (`optimizer` is a property: the option or its default); `auto` is derived
+OPTIONS = frozenset(f.name for f in fields(TrainConfig) if f.init) - {"optimizer"} | {"auto"}
 
 
 class SharedTrainer:
@@ -284,38 +293,33 @@ class SharedTrainer:
     ) -> None:
         # Every default is TrainConfig's (the one place they are written; tests/test_config.py), and
         # TrainConfig checks every option: a bad one fails here, naming it, before any Spark job.
-        self.options = {k: v for k, v in locals().items() if k != "self"}  # as given: MLflow's params
-        self.config = config = TrainConfig(**{k: v for k, v in self.options.items() if k != "model"})
-        self.mlflow = config.mlflow_config
-        self.auto = config.auto
-        self.device = config.device_name
-        self.on_rank_loss, self.step_timeout = on_rank_loss, float(step_timeout)
-        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, config.checkpoint_root
-        self.model, self.loss, self.optimizer = model, loss, optimizer or default_optimizer
-        self.train_step = train_step
-        self.threshold = threshold if config.auto else float(threshold)
-        self.threshold_algorithm = threshold_algorithm
-        self.density = density  # None: CalibratedThreshold's default
-        self.warmup = config.warmup_epochs
-        self.warmup_density = warmup_density
-        self.decay_from = decay_from  # None: by the number of workers (encoding.threshold.default_decay)
-        self.lr_scheduler, self.scheduler_interval = lr_scheduler, scheduler_interval
-        self.follow_lr = bool(follow_lr)
-        self.local_view = bool(local_view)
-        self.aggregate = aggregate
-        self.forwarding = forwarding
-        self.drop_last = drop_last
-        self.precision = precision
-        self.port, self.bind, self.advertise_host = port, bind, advertise_host
-        self.batch_size, self.epochs, self.num_workers = batch_size, epochs, num_workers
-        self.lookahead = bool(lookahead)
-        self.staleness, self.residual_clip, self.seed, self.verbose = staleness, residual_clip, seed, verbose
-        self.validation_data, self.metric, self.label_dtype = validation_data, metric, label_dtype
-        self.early_stopping = config.stopping
-        self.on_epoch_end = config.callbacks
-        self.datagram_size, self.timeout, self.liveness_timeout = datagram_size, timeout, liveness_timeout
-        self.spill_bytes, self.insecure = spill_bytes, insecure
-        self.worker_options = config.worker_flags
+        options = {k: v for k, v in locals().items() if k != "self"}  # as given: MLflow's params
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "config", TrainConfig(**{k: v for k, v in options.items() if k != "model"}))
+        object.__setattr__(self, "model", model)
+
+    options: dict[str, object]
+    config: TrainConfig
+    model: ModelSpec
+
+    @property
+    def optimizer(self) -> OptimizerFactory:
+        """The optimizer factory the workers build: the option, or `default_optimizer`."""
+        return self.config.optimizer or default_optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        """An option's name reads the config: ``trainer.epochs`` is ``trainer.config.epochs``, and where
+        TrainConfig derives a checked form (``trainer.device`` is ``config.device_name``) that form."""
+        if name in OPTIONS:
+            return getattr(self.config, CHECKED.get(name, name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # an option set here would not reach the config the fit reads: make a new trainer instead
+        if name in OPTIONS or name in ("config", "optimizer"):
+            raise AttributeError(f"SharedTrainer's options are fixed when it is made (trainer.config is frozen); "
+                                 f"make a new SharedTrainer to change {name!r}")
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/driver/tracking.py)
@@ -327,7 +331,8 @@ class SharedTrainer:
         features: one array per row, or a tuple of arrays (several inputs: model(x1, x2, ...)); for a
         DataFrame, features_col names one column or a list of columns (one input each). Every input
         keeps its dtype; rows and partitions must agree on dtypes and shapes (errors name partition and
-        row). `FitResult.extra`: "loss" (the loss or train step used), "label_dtype", "inputs" (dtype and
+        row). `FitResult.extra` (a `FitExtras`, read by attribute or by key like a dict: extra.loss or
+        extra["loss"]): "loss" (the loss or train step used), "label_dtype", "inputs" (dtype and
         shape per input) and "probe" (the driver's one-row forward: its output shape, or why it was
         skipped; losses.py).
 
@@ -356,9 +361,9 @@ class SharedTrainer:
         checkpoint_dir) refused or lost, at most 100.
         """
         t_start = time.monotonic()
-        opts = FitOptions.of(self)  # the stages (fit.py) read the options through this frozen copy
-        prep = prepare_data(opts, data, features_col, label_col, resume_from)  # every check before training
-        run = plan_run(opts, prep)
-        started = start_relay(opts, prep, run)
-        outcome = run_job(opts, prep, run, started)  # closes the relay
+        spec = FitSpec(self.config, self.model, self.optimizer)  # what the stages (fit.py) read
+        prep = prepare_data(spec, data, features_col, label_col, resume_from)  # every check before training
+        run = plan_run(self.config, prep)
+        started = start_relay(self.config, prep, run)
+        outcome = run_job(spec, prep, run, started)  # closes the relay
         return collect_result(prep, run, outcome, t_start)

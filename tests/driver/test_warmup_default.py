@@ -7,7 +7,7 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
-from gradshare.driver.plan import FitOptions, rule_for
+from gradshare.driver.plan import rule_for
 from gradshare.encoding import CalibratedThreshold
 
 N_PARAMS = 10_000_000  # large enough that the 768-entry floor stays below the density
@@ -25,7 +25,7 @@ def model():
 
 def start_rule(steps_per_epoch: int, world: int = 2, **options):
     """The rule each of ``world`` workers of SharedTrainer(model, **options) starts from."""
-    return rule_for(FitOptions.of(SharedTrainer(model, **options)), steps_per_epoch, world)
+    return rule_for(SharedTrainer(model, **options).config, steps_per_epoch, world)
 
 
 @pytest.mark.parametrize("steps_per_epoch", [6, 12, 50])
