@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 Aggregate: TypeAlias = Literal["sum", "mean"]
 Forwarding: TypeAlias = Literal["per-rank", "aggregate", "auto"]
+RelayPlace: TypeAlias = Literal["client", "in-job", "auto"]
 OnRankLoss: TypeAlias = Literal["wait", "restart", "continue"]
 SchedulerInterval: TypeAlias = Literal["step", "epoch"]
 Precision: TypeAlias = Literal["32", "bf16-mixed", "fp16-mixed"]
@@ -106,6 +107,7 @@ class TrainConfig:
     port: int = DEFAULT_PORT
     bind: str = DEFAULT_BIND
     advertise_host: str | None = None
+    relay: RelayPlace = "auto"  # "auto": in the job on a Spark Connect session, in this process on a classic one
     threshold_algorithm: ThresholdAlgorithm = "adaptive"
     batch_size: int = 32
     epochs: int = 1
@@ -224,6 +226,8 @@ class TrainConfig:
             raise ValueError(f"aggregate must be 'sum' or 'mean', got {self.aggregate!r}")
         if self.forwarding not in FORWARDING:
             raise ValueError(f"forwarding must be one of {FORWARDING}, got {self.forwarding!r}")
+        if self.relay not in get_args(RelayPlace):
+            raise ValueError(f"relay must be one of {get_args(RelayPlace)}, got {self.relay!r}")
         if self.forwarding == "aggregate" and self.checkpoint_dir is not None:
             raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation residual is "
                              "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")

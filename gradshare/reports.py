@@ -30,11 +30,14 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradshare import errors
+
+if TYPE_CHECKING:
+    from gradshare.transport.protocol.events import Incident
 
 # ----------------------------------------------------------------------------------- dict-style access
 
@@ -125,6 +128,20 @@ class Counters(_ReadAsMapping):
         return self.bytes_in - self.snapshot_bytes_in
 
 
+@dataclass(frozen=True, eq=False)
+class RelayResult:
+    """The relay's end state, as the driver reads it from the relay it runs, or from rank 0's report when
+    the relay ran inside the job (task/relay_host.py): the parameters (then float buffers), their hash,
+    the counters, the log's (rank, epoch) tallies, its incidents and the checkpoints it rolled back to."""
+
+    params: np.ndarray
+    param_hash: str
+    counters: Counters
+    tallies: Mapping[tuple[int, int], Mapping[str, float | None]]
+    incidents: tuple[Incident, ...]
+    rolled_back: tuple[Mapping[str, int], ...]
+
+
 # ----------------------------------------------------------------------------------- history rows
 
 
@@ -193,8 +210,9 @@ class WorkerReport(_ReadAsMapping):
     package: str = ""  # the directory gradshare was imported from in the task
     start_rss_bytes: int = 0
     peak_rss_bytes: int = 0
+    relay: RelayResult | None = None  # rank 0 with the relay in the job: the relay's end state
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"profile", "validation_rows", "validation_spilled"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"profile", "validation_rows", "validation_spilled", "relay"})
 
     def with_(self, **changes: Any) -> WorkerReport:
         """A copy with `changes` (the task adds what it learns after the loop)."""

@@ -6,11 +6,26 @@ arrived, the root cause read from Spark's job failure.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 from gradshare.errors import GradshareError, TrainingError, TransportTimeout
 from gradshare.reports import WorkerFailure
-from gradshare.transport import Relay
 from gradshare.transport.protocol.events import Fail, Incident
+
+
+class RelayReads(Protocol):
+    """What the driver reads of a relay while its job runs: the `Relay` in this process, or the in-job
+    relay's pushed status (in_job.JobRelay)."""
+
+    def progress(self) -> dict[str, object]: ...
+
+    def failure(self) -> Fail | None: ...
+
+    def reported_failure(self) -> Fail | None: ...
+
+    def first_cause(self) -> Incident | None: ...
+
+    def fatal_incident(self) -> Incident | None: ...
 
 
 # the closing line of a Python traceback: "ModuleNotFoundError: No module named 'x'" (dotted names too)
@@ -38,7 +53,7 @@ def incident_class(incident: Incident) -> type[GradshareError]:
     return TransportTimeout if incident.kind == "silent" else TrainingError
 
 
-def driver_error(exc: BaseException, relay: Relay | None, reported: Fail | None = None) -> Exception:
+def driver_error(exc: BaseException, relay: RelayReads | None, reported: Fail | None = None) -> Exception:
     """Turn Spark's job failure into one clear error naming the rank and the cause: the relay's first
     incident (the rank it suspected, cut or gave up on first, with its step) before the
     tasks' errors, which are often symptoms of it (a rank rejected because another was cut).

@@ -35,7 +35,8 @@ from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, fra
 from gradshare.driver.plan import (
     FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
 )
-from gradshare.driver.relay_setup import join_window, snapshot_options
+from gradshare.driver.relay_setup import join_window, relay_tuning
+from gradshare.transport.sockets.snapshot_rate import snapshot_options
 from gradshare.driver.result import FitExtras, FitResult
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
@@ -51,8 +52,9 @@ from gradshare.task.checkpoint import CheckpointPlan, load_params
 from gradshare.task.partition import PartitionSummary, summarise_partition
 from gradshare.task.shipping import pack_user_objects, skeleton
 from gradshare.task.config import WorkerConfig
+from gradshare.task.relay_host import HostedRelay
 from gradshare.task.config import steps_per_epoch as steps_in
-from gradshare.transport import Relay, RelayTuning, new_job_key
+from gradshare.transport import Relay, new_job_key
 from gradshare.transport.protocol.events import Incident
 
 
@@ -115,6 +117,7 @@ class Outcome:
     rolled_back: list[dict[str, int]]
     service_errors: list[str]
     resume: Manifest | None  # with the checkpoint service's address where there is one
+    statuses: int | None = None  # relay="in-job": the relay's statuses this process received
 
 
 def job_for(config: TrainConfig, data: object, features_col: str | list[str] | None, label_col: str | None,
@@ -236,10 +239,7 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
     """The relay (the master) with a fresh job key and id, and the host the workers reach it at."""
     key, job_id = new_job_key(), secrets.randbits(31)
     host = prep.job.driver_host(config.advertise_host)
-    tuning = RelayTuning(liveness_timeout=config.liveness_timeout, on_rank_loss=config.on_rank_loss,
-                         give_up_after=config.timeout, step_timeout=float(config.step_timeout),
-                         join_window=join_window(config.timeout, config.liveness_timeout, prep.load_seconds),
-                         forwarding=run.forwarding, **snapshot_options(host, config.datagram_size))
+    tuning = relay_tuning(config, prep.load_seconds, run.forwarding, **snapshot_options(host, config.datagram_size))
     relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=config.bind,
                   datagram_size=config.datagram_size, insecure=config.insecure, tuning=tuning,
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
@@ -257,7 +257,9 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Ou
     try:
         saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key, config.bind,
                                                     started.host, config.timeout)
-        cfg = worker_config(spec, prep, replace(run, saving=saving), resume, started)
+        assert relay.address is not None  # start() bound it
+        cfg = worker_config(spec, prep, replace(run, saving=saving), resume, (started.host, relay.address[1]),
+                            started.key, started.job_id)
         window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
         reports = run_stage(prep.job, cfg, relay, window, config.verbose)
         relay.wait_finished(config.timeout)
@@ -275,13 +277,13 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Ou
                    incidents=incidents, rolled_back=rolled_back, service_errors=service_errors, resume=resume)
 
 
-def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest | None,
-                  started: Started) -> WorkerConfig:
-    """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py)."""
-    assert started.relay.address is not None  # start() bound it
+def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest | None, relay_address: tuple[str, int],
+                  key: bytes, job_id: int, hosted: HostedRelay | None = None) -> WorkerConfig:
+    """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py). `hosted`:
+    the relay runs in rank 0's task (relay="in-job"), which tells the others its address."""
     config = spec.config
     return pack_user_objects(WorkerConfig(
-        relay_address=(started.host, started.relay.address[1]), key=started.key, job_id=started.job_id,
+        relay_address=relay_address, key=key, job_id=job_id, hosted=hosted,
         world_size=prep.job.world,
         model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
         threshold_rule=run.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
@@ -298,7 +300,8 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
     ))
 
 
-def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float) -> FitResult:
+def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, relay: str = "client",
+                   restarts: list[dict[str, str | None]] | None = None) -> FitResult:
     """The replicas checked against the relay (ConsistencyError on a mismatch), the model given the
     relay's parameters and rank 0's integer buffers, and the history merged over the workers."""
     bad = [(r.rank, r.param_hash) for r in out.reports if r.param_hash != out.relay_hash]
@@ -324,7 +327,8 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float) -
         stop_requested_epoch=_offset(reports[0].stop_requested_epoch, first_epoch),
         resumed_from=None if out.resume is None else out.resume["directory"],
         # a retried stage restarted at a checkpoint: the steps it went back from and to
-        rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding)
+        rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding,
+        relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses)
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,

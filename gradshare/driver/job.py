@@ -81,10 +81,8 @@ class RddJob:
     def collect(self, cfg: WorkerConfig) -> list[WorkerReport]:
         self.group = f"gradshare-{cfg.job_id}"
         self.spark_context.setJobGroup(self.group, "gradshare SharedTrainer.fit", interruptOnCancel=True)
-        # A shuffle after the barrier stage makes it a shuffle-map stage, which Spark retries as a
-        # whole when a task dies; a barrier *result* stage is never retried.
         task = functools.partial(train_partition, cfg)
-        reports: list[WorkerReport] = self.training.barrier().mapPartitions(task).repartition(1).collect()
+        reports: list[WorkerReport] = retried(self.training.barrier().mapPartitions(task), cfg).collect()
         return reports
 
     def check_started(self, relay: Any, elapsed: float, window: float) -> None:
@@ -179,8 +177,7 @@ class FrameJob:
         try:
             stage = self.frame.mapInArrow(functools.partial(train_batches, cfg, self.names, self.multi),
                                           RESULT_SCHEMA, barrier=True)
-            # as RddJob: a shuffle after the barrier stage makes Spark retry it as a whole when a task dies
-            rows = stage.repartition(1).collect()
+            rows = retried(stage, cfg).collect()
         finally:
             self.session.removeTag(self.tag)
         reports = read_results(rows)
@@ -188,8 +185,10 @@ class FrameJob:
 
     def check_started(self, relay: Any, elapsed: float, window: float) -> None:
         """No task of the stage reached the relay `window` s after the job began: too few free slots (the
-        barrier stage waits for all of them), or executors that cannot reach the relay."""
-        if elapsed > window and int(relay.progress().get("attempt", -1)) < 0:
+        barrier stage waits for all of them), or executors that cannot reach the relay. A relay in the job
+        whose status cannot reach this client (`watched` false) tells nothing: Spark's own barrier slot
+        check then fails the job."""
+        if getattr(relay, "watched", True) and elapsed > window and int(relay.progress().get("attempt", -1)) < 0:
             raise TransportTimeout(
                 f"no worker of the barrier stage reached the relay within {window:.0f} s (the join window): the "
                 f"cluster may have fewer than {self.world} free task slots (a Spark Connect client cannot count "
@@ -204,6 +203,17 @@ class FrameJob:
         deadline = time.monotonic() + timeout
         while self.spark_context is not None and busy_slots(self.spark_context) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def retried(stage: T, cfg: WorkerConfig) -> T:
+    """The barrier stage as Spark runs it. With the relay in the driver, a shuffle after it: that makes it
+    a shuffle-map stage, which Spark retries as a whole when a task dies (a barrier *result* stage is
+    never retried), and the relay's log resumes the retry. With the relay in rank 0's task nothing of the
+    relay survives a failed attempt: the result stage fails the job, and the driver runs it again from
+    the last checkpoint (in_job.py)."""
+    if cfg.hosted is not None:
+        return stage
+    return stage.repartition(1)  # type: ignore[attr-defined, no-any-return]
 
 
 def _conf(session: Any, key: str) -> str | None:

@@ -1,13 +1,12 @@
-"""The relay's tunables that depend on the fit: how long it waits for a rank it has not heard at all
-(the join window), and how fast and in what datagrams it sends the model's snapshot to the workers."""
+"""The relay's join window: how long it waits for a rank it has not heard at all (its snapshot
+options, which depend on the host the workers reach it at, are transport/sockets/snapshot_rate.py)."""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-from typing import TypedDict
+from typing import Any
 
-from gradshare.transport.protocol.wire import MAX_DATAGRAM_SIZE
+from gradshare.config import TrainConfig
+from gradshare.transport import RelayTuning
 
 JOIN_LOAD_FACTOR = 4.0  # join window = timeout + this × the slowest pre-pass partition read (join_window)
 
@@ -19,27 +18,10 @@ def join_window(timeout: float, liveness_timeout: float, load_seconds: float) ->
     return max(timeout, liveness_timeout) + JOIN_LOAD_FACTOR * load_seconds
 
 
-# Every worker takes the initial weights from the relay's snapshot (task/shipping.py), so its speed is
-# start-up time: 50 MB/s in 1.4 kB datagrams made a 206 MB model wait 9-14 s on loopback with 2 workers.
-SNAPSHOT_RATE_LOOPBACK = 1e9   # the CPU (sealing, opening) is the limit there, not the link
-SNAPSHOT_RATE_NETWORK = 100e6  # about what 1 Gbit/s Ethernet carries
-
-
-class SnapshotOptions(TypedDict):
-    """The relay's snapshot tunables (RelayTuning) that depend on how the workers reach it."""
-
-    snapshot_rate: float
-    snapshot_datagram_size: int
-
-
-def snapshot_options(host: str, datagram_size: int) -> SnapshotOptions:
-    """Relay options for snapshot transfers to workers that reach it at `host`: on loopback (MTU 64 kB,
-    nothing to fragment) the largest datagrams and a CPU-bound rate; otherwise `datagram_size` and a rate
-    a gigabit link carries (a lost fragment would lose a whole large datagram)."""
-    try:
-        loopback = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)[0][4][0]).is_loopback
-    except (OSError, ValueError):
-        loopback = False
-    if loopback:
-        return {"snapshot_rate": SNAPSHOT_RATE_LOOPBACK, "snapshot_datagram_size": MAX_DATAGRAM_SIZE}
-    return {"snapshot_rate": SNAPSHOT_RATE_NETWORK, "snapshot_datagram_size": datagram_size}
+def relay_tuning(config: TrainConfig, load_seconds: float, forwarding: str, **snapshot: Any) -> RelayTuning:
+    """The relay's tunables for this fit (liveness, give-up, join window, forwarding), and `snapshot`'s
+    (snapshot_rate.snapshot_options, for the host the workers reach it at)."""
+    return RelayTuning(liveness_timeout=config.liveness_timeout, on_rank_loss=config.on_rank_loss,
+                       give_up_after=config.timeout, step_timeout=float(config.step_timeout),
+                       join_window=join_window(config.timeout, config.liveness_timeout, load_seconds),
+                       forwarding=forwarding, **snapshot)

@@ -32,6 +32,12 @@ class FitExtras(Mapping[str, Any]):
     rolled_back: list[dict[str, int]] = field(default_factory=list)  # {"attempt", "from", "to"}: log steps
     checkpoint_service_errors: list[str] = field(default_factory=list)  # at most 100
     forwarding: str | None = None  # "per-rank" | "aggregate": what ran
+    relay: str | None = None  # "client" | "in-job": where the relay ran
+    # relay="in-job": each time a failed stage was run again, {"error": its first line, "from": the
+    # checkpoint it resumed from, or None: from scratch}
+    restarts: list[dict[str, str | None]] = field(default_factory=list)
+    # relay="in-job": the relay's statuses that reached this process (0: its pushes cannot reach it)
+    relay_statuses: int | None = None
 
     def __getitem__(self, key: str) -> Any:
         if key not in _EXTRAS:

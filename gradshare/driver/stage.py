@@ -11,14 +11,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from gradshare.driver.failures import driver_error, incident_error, reported_error
+from gradshare.driver.failures import RelayReads, driver_error, incident_error, reported_error
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.reports import Progress, WorkerReport
 from gradshare.task.config import WorkerConfig
-from gradshare.transport import Relay
 
 
-def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: Relay, window: float, verbose: int) -> list[WorkerReport]:
+def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, window: float, verbose: int) -> list[WorkerReport]:
     """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
     # what the job's thread leaves: collect's list, or the error it raised
     collected: list[list[WorkerReport]] = []

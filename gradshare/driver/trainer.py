@@ -48,10 +48,11 @@ from torch import nn
 
 from gradshare.config import (
     Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss, OptimizerFactory,
-    Precision, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
+    Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
     ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
+from gradshare.driver.in_job import fit_in_job, in_job
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
@@ -152,9 +153,14 @@ class SharedTrainer:
         a CUDA device torch cannot use on an executor is a ValueError naming it. Worker reports say
         where each rank trained (report["device"]).
     residual_clip: clip |residual| to this many τ every few steps (ResidualClipping); None disables.
-    port / bind: where the relay listens on the driver (port 0: ephemeral); advertise_host: the address
-        executors use to reach it (default: spark.driver.host; on Spark Connect 127.0.0.1 for a local
-        master on this machine, and required otherwise: docs/guide/connect.md).
+    port / bind: where the relay listens (port 0: ephemeral); advertise_host: the address executors use to
+        reach this process (default: spark.driver.host; on Spark Connect 127.0.0.1 for a local master on
+        this machine: docs/guide/connect.md).
+    relay: where the relay runs: "client" (in this process; the executors send it UDP), "in-job" (in
+        rank 0's task, beside its worker: the executors reach only each other, and the relay's status
+        reaches this process when it can, at advertise_host), or "auto" (in-job on a Spark Connect
+        session, client on a classic one). In the job, a failed stage is run again by the driver from
+        the last checkpoint, or from scratch without one (extra["restarts"]).
     batch_size: rows per step per worker; epochs: passes over each partition.
     num_workers: barrier tasks (default: the RDD's partitions; otherwise the RDD is re-partitioned).
     staleness: k ≥ 0; before step t a worker has applied the whole log through t-1-k. k ≥ 1 overlaps
@@ -252,6 +258,7 @@ class SharedTrainer:
         port: int = TrainConfig.port,
         bind: str = TrainConfig.bind,
         advertise_host: str | None = TrainConfig.advertise_host,
+        relay: RelayPlace = TrainConfig.relay,
         threshold_algorithm: ThresholdAlgorithm = TrainConfig.threshold_algorithm,
         batch_size: int = TrainConfig.batch_size,
         epochs: int = TrainConfig.epochs,
@@ -362,8 +369,11 @@ class SharedTrainer:
         """
         t_start = time.monotonic()
         spec = FitSpec(self.config, self.model, self.optimizer)  # what the stages (fit.py) read
+        if in_job(self.config, data):  # the relay in rank 0's task (in_job.py)
+            prep, run, outcome, restarts = fit_in_job(spec, data, features_col, label_col, resume_from)
+            return collect_result(prep, run, outcome, t_start, relay="in-job", restarts=restarts)
         prep = prepare_data(spec, data, features_col, label_col, resume_from)  # every check before training
         run = plan_run(self.config, prep)
         started = start_relay(self.config, prep, run)
         outcome = run_job(spec, prep, run, started)  # closes the relay
-        return collect_result(prep, run, outcome, t_start)
+        return collect_result(prep, run, outcome, t_start, relay="client")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
+from gradshare.task.relay_host import HostedRelay
 
 
 class TrainStep(Protocol):
@@ -79,6 +80,7 @@ class WorkerConfig:
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
     local_view: bool = TrainConfig.local_view  # forward/backward at P + own residual (local_view.py); False: at P
+    hosted: HostedRelay | None = None  # relay="in-job": rank 0 hosts the relay (relay_host.py); relay_address is then its
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs

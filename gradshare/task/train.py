@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from gradshare.task.checkpoint import load_rank, manifest_for
 from gradshare.task.config import WorkerConfig, steps_per_epoch
 from gradshare.task.memory import proc_status_bytes, release_free_memory, reset_peak_rss
 from gradshare.task.partition import PartitionData
+from gradshare.task.relay_host import RelayHost, executor_host, gather_relay
 from gradshare.task.shipping import materialize, unpack_user_objects
 from gradshare.task.spill import SpilledPartition
 from gradshare.task.validation import split_rows
@@ -58,9 +59,29 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
     """
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
-    # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
-    # every rank and grows with every retry, which is all the relay needs of `attempt`.
-    attempt = min(int(i) for i in ctx.allGather(str(ctx.taskAttemptId())))
+    host = None  # relay="in-job": rank 0 hosts the relay (relay_host.py)
+    try:
+        if cfg.hosted is not None and rank == 0:
+            host = RelayHost(cfg.hosted, executor_host(ctx, rank), cfg.world_size, cfg.key, cfg.job_id,
+                             cfg.datagram_size, cfg.insecure)
+        # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
+        # every rank and grows with every retry, which is all the relay needs of `attempt`.
+        attempt, hosted_at = gather_relay(ctx, rank, host)
+        if hosted_at is not None:
+            cfg = replace(cfg, relay_address=hosted_at)
+        report = _attempt(cfg, ctx, rank, attempt, rows)
+        if cfg.hosted is not None:
+            if host is not None:  # the log complete before any task leaves: the relay goes with this one
+                report = report.with_(relay=host.finish(cfg.timeout))
+            ctx.barrier()
+        return [report]
+    finally:
+        if host is not None:
+            host.close()
+
+
+def _attempt(cfg: WorkerConfig, ctx: BarrierTaskContext, rank: int, attempt: int, rows: Iterator[Any]) -> WorkerReport:
+    """One rank's training in this stage attempt, its failure reported and raised with the rank named."""
     position = TaskPosition()
     try:
         torch.set_num_threads(max(1, int(ctx.cpus())))  # no oversubscription (docs/design.md, Spark)
@@ -71,8 +92,8 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
         if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
             _report_failure(cfg, failure, fatal=is_deterministic(e))
         raise TrainingError(failure.to_text()) from e
-    return [report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
-                         start_rss_bytes=start_rss, peak_rss_bytes=proc_status_bytes("VmHWM"))]
+    return report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
+                        start_rss_bytes=start_rss, peak_rss_bytes=proc_status_bytes("VmHWM"))
 
 
 def is_deterministic(exc: BaseException) -> bool:

@@ -1,0 +1,180 @@
+"""The fit with the relay inside the Spark job (relay="in-job"; docs/guide/connect.md, "Where the relay runs").
+
+Rank 0's task hosts the relay (task/relay_host.py); this process ships it the first state and how it runs,
+follows its status when the executors can reach this process (a `StatusInbox`), and reads the relay's end
+state from rank 0's report. Nothing of a relay survives its task, so Spark does not retry the stage: a
+failed stage whose cause may pass (a task or executor that died, a timeout, a lost connection) is run
+again by `SharedTrainer.fit` from the last checkpoint of this fit, or from scratch without one; an error a
+retry would repeat (the user's model, data or code) is raised at once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+
+from gradshare.checks import is_local
+from gradshare.config import TrainConfig
+from gradshare.driver.checkpoint import find
+from gradshare.driver.fit import Outcome, Prepared, RunPlan, plan_run, prepare_data, worker_config
+from gradshare.driver.job import FrameJob, RddJob
+from gradshare.driver.plan import FitSpec
+from gradshare.driver.relay_setup import join_window, relay_tuning
+from gradshare.driver.session import is_connect
+from gradshare.driver.stage import run_stage
+from gradshare.errors import CheckpointError, GradshareError
+from gradshare.task.stores import LocalStore
+from gradshare.task.relay_host import HostedRelay
+from gradshare.transport import new_job_key
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.sockets.status import StatusInbox
+
+MAX_RESTARTS = 3  # runs of the stage after the first, as Spark's default stage attempts (4 in all)
+# the worker's error types a run of the stage again may pass (task/train.py, is_deterministic)
+PASSING_TYPES = frozenset({"ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError",
+                           "MemoryError", "KeyboardInterrupt", "SystemExit", "OSError", "TimeoutError"})
+# the classes the driver raises for an error of the user's code or data (reports.error_class_name)
+USER_CLASSES = frozenset({"TrainingError", "ValueError", "TypeError", "InputTypeError"})
+
+
+def in_job(config: TrainConfig, data: object) -> bool:
+    """Where the relay runs: relay="in-job", or "auto" on a Spark Connect session."""
+    return config.relay == "in-job" or (config.relay == "auto" and is_connect(data))
+
+
+def check_in_job(config: TrainConfig, resume_from: str | None) -> None:
+    """What the in-job relay cannot do, refused before any Spark job, naming the option: a Hadoop-FS
+    checkpoint store is written through the driver's checkpoint service, which the tasks may not reach."""
+    for name, path in (("checkpoint_dir", config.checkpoint_dir), ("resume_from", resume_from)):
+        if path is not None and not is_local(str(path)):
+            raise ValueError(f"{name}={path!r} is a Hadoop-FS URI, written through this process, which the tasks "
+                             "may not reach with relay='in-job'; give a directory the executors share, or "
+                             "relay='client'")
+
+
+class JobRelay:
+    """The reads the stage loop (stage.run_stage) makes of a relay, answered from the in-job relay's
+    status (`StatusInbox`), or as a relay that heard nothing when its status cannot reach this process."""
+
+    def __init__(self, inbox: StatusInbox | None, host: str | None) -> None:
+        self.inbox = inbox
+        self.watched = inbox is not None  # FrameJob.check_started: no status, no verdict on slots
+        self.address = ("the relay in rank 0's task" if inbox is None else
+                        f"the relay in rank 0's task (its status to this client at {host}:{inbox.address[1]})")
+
+    def progress(self) -> dict[str, object]:
+        return {} if self.inbox is None else self.inbox.progress()
+
+    def failure(self) -> ev.Fail | None:
+        return None if self.inbox is None else self.inbox.failure()
+
+    def reported_failure(self) -> ev.Fail | None:
+        return None if self.inbox is None else self.inbox.reported_failure()
+
+    def first_cause(self) -> ev.Incident | None:
+        return None if self.inbox is None else self.inbox.first_cause()
+
+    def fatal_incident(self) -> ev.Incident | None:
+        return None if self.inbox is None else self.inbox.fatal_incident()
+
+
+def status_host(job: RddJob | FrameJob, advertise_host: str | None) -> str | None:
+    """Where the relay host sends its status: the address the client relay would be reached at, or None
+    when no address of this process is known to reach the executors (Connect to a remote server without
+    advertise_host: the client then hears nothing until the job ends)."""
+    try:
+        return job.driver_host(advertise_host)
+    except ValueError:
+        return None
+
+
+class Restart(Exception):
+    """The in-job stage failed in a way a new run may pass (`restartable`): `error` is what to raise when
+    no run is left."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
+    """The barrier stage with the relay in rank 0's task: its `Outcome` from rank 0's report. Raises
+    `Restart` for a failure a new run of the stage may pass, any other error as it is."""
+    config = spec.config
+    key, job_id = new_job_key(), secrets.randbits(31)
+    host = status_host(prep.job, config.advertise_host)
+    inbox = None if host is None else StatusInbox(key, job_id, bind=config.bind, insecure=config.insecure)
+    relay = JobRelay(inbox, host)
+    try:
+        hosted = HostedRelay(initial=run.initial, n_params=run.flat.n_params, port=config.port, bind=config.bind,
+                             tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.scale,
+                             aggregator=run.aggregator,
+                             inbox=None if inbox is None else (str(host), inbox.address[1]),
+                             resumed=None if prep.resume is None else int(prep.resume["epochs_done"]))
+        cfg = worker_config(spec, prep, run, prep.resume, ("", 0), key, job_id, hosted)
+        window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
+        reports = run_stage(prep.job, cfg, relay, window, config.verbose)
+    except Exception as e:
+        if relay.failure() is None and relay.fatal_incident() is None and restartable(e):
+            raise Restart(e) from e
+        raise
+    finally:
+        if inbox is not None:
+            inbox.close()
+    hosts = [r.relay for r in reports if r.relay is not None]
+    if len(hosts) != 1:
+        raise GradshareError(f"the job's reports hold {len(hosts)} relay results (rank 0's task hosts the relay)")
+    end = hosts[0]
+    return Outcome(reports=[r.with_(relay=None) for r in reports], final=end.params, relay_hash=end.param_hash,
+                   counters=end.counters, tallies=end.tallies, incidents=list(end.incidents),
+                   rolled_back=[dict(r) for r in end.rolled_back], service_errors=[], resume=prep.resume,
+                   statuses=None if inbox is None else inbox.received)
+
+
+def restartable(error: BaseException) -> bool:
+    """Whether a failed in-job stage may pass when run again: a task that died without a gradshare failure
+    record (a killed process or executor), or one whose error was a timeout, a lost connection or memory;
+    not the user's model, data or code (nor, checked by the caller, a fatal FAIL or a rank the relay
+    gave up on)."""
+    failure = getattr(error, "worker_failure", None)
+    if failure is None:
+        return not isinstance(error, (ValueError, TypeError))
+    return failure.error_type in PASSING_TYPES or failure.error_class not in USER_CLASSES
+
+
+def fit_in_job(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
+               resume_from: str | None) -> tuple[Prepared, RunPlan, Outcome, list[dict[str, str | None]]]:
+    """The fit's stages with the relay in the job, the stage run again after a `Restart` (at most
+    MAX_RESTARTS times) from this fit's last checkpoint, else from where the fit began (resume_from, or
+    scratch), each restart said in a warning and in the list returned (extra["restarts"])."""
+    config = spec.config
+    if not is_connect(data):  # on Connect, job.check_connect refuses the same, naming Connect
+        check_in_job(config, resume_from)
+    restarts: list[dict[str, str | None]] = []
+    start = resume_from
+    while True:
+        prep = prepare_data(spec, data, features_col, label_col, start)
+        run = plan_run(config, prep)
+        try:
+            return prep, run, run_in_job(spec, prep, run), restarts
+        except Restart as failed:
+            if len(restarts) >= MAX_RESTARTS:
+                raise failed.error from failed.error.__cause__
+            start = restart_point(config.checkpoint_root, resume_from)
+            line = str(failed.error).splitlines()[0][:300] if str(failed.error) else type(failed.error).__name__
+            restarts.append({"error": line, "from": start})
+            warnings.warn(f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "
+                          f"relay survives its task) from {start or 'scratch (no checkpoint_dir)'}",
+                          RuntimeWarning, stacklevel=3)
+
+
+def restart_point(checkpoint_root: str | None, resume_from: str | None) -> str | None:
+    """Where a restarted stage begins: checkpoint_dir when it holds a complete checkpoint of this fit (the
+    resume takes its latest), else the fit's own resume_from (None: scratch)."""
+    if checkpoint_root is not None:
+        try:
+            find(LocalStore(checkpoint_root))
+            return checkpoint_root
+        except (CheckpointError, FileNotFoundError):
+            pass
+    return resume_from
