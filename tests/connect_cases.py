@@ -57,7 +57,13 @@ def digits(spark, epochs: int, tmp: str) -> dict:
                     "worker_hashes": [w["param_hash"] for w in r.worker_reports], "world": r.world_size,
                     "val": [h["val_metric"] for h in r.history], "stopped": r.extra["stopped_epoch"],
                     "inputs": r.extra["inputs"], "loss": r.extra["loss"],
-                    "checkpoints": sorted(os.listdir(os.path.join(tmp, col)))}
+                    "checkpoints": sorted(os.listdir(os.path.join(tmp, col))),
+                    "relay": r.extra.relay, "statuses": r.extra.relay_statuses}
+    # the same fit with the relay in this client instead of rank 0's task
+    r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
+                      early_stopping=dict(patience=50, mode="max"), checkpoint_dir=os.path.join(tmp, "client"),
+                      relay="client", **LOOPBACK).fit(df, features_col="arr", label_col="label")
+    out["client"] = {"hash": r.param_hash, "relay": r.extra.relay}
     # resume the array column's fit from its last checkpoint: one more epoch
     r = SharedTrainer(mlp, epochs=epochs + 1, batch_size=32, seed=3, **LOOPBACK).fit(
         df, features_col="arr", label_col="label", resume_from=os.path.join(tmp, "arr"))
@@ -157,3 +163,20 @@ def worker_error(spark) -> None:
 
 def ping(spark) -> int:
     return int(np.int64(spark.range(3).count()))
+
+
+def killed_host(spark, tmp: str) -> dict:
+    """Rank 0's task, which hosts the relay, dies mid-fit on its first run: the stage runs again from the
+    last checkpoint; and the same fit uninterrupted."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dying import DiesOnce
+
+    df, _, _ = _digits_frame(spark)
+    marker = os.path.join(tmp, "died")
+    fit = dict(epochs=3, batch_size=64, seed=4, warmup=1.0, **LOOPBACK)
+    killed = SharedTrainer(lambda: DiesOnce(marker, 0, 20), checkpoint_dir=os.path.join(tmp, "ckpt"), **fit).fit(
+        df, features_col="arr", label_col="label")
+    whole = SharedTrainer(lambda: DiesOnce(marker, 0, 20), **fit).fit(df, features_col="arr", label_col="label")
+    return {"died": os.path.exists(marker), "restarts": killed.extra.restarts, "hash": killed.param_hash,
+            "workers": sorted({w["param_hash"] for w in killed.worker_reports}), "whole": whole.param_hash,
+            "relay": killed.extra.relay, "epochs": [h["epoch"] for h in killed.history]}

@@ -161,6 +161,14 @@ class SharingState:
             return
         self.backend.load(self.plain_residual(), values)
 
+    def load_point(self, values: Vector) -> None:
+        """Set the folded point q itself (float32, n_params): a checkpoint's q, so that a resume is bit for
+        bit where the fit was ((q − P)/s and back rounds twice). Folded states only."""
+        pair = self.fold_pair()
+        if pair is None:
+            raise ValueError("the residual is not folded into a point: load_residual()")
+        self.backend.load(pair[0], values)
+
     def rescale(self, ratio: float | np.float32) -> None:
         """r ← ratio·r (float32 ratio)."""
         ratio32 = np.float32(ratio)

@@ -8,6 +8,7 @@ A checkpoint is the state after the last step of an epoch E-1 (E epochs done), i
                         through that step: rank 0's replica, bit-identical to the relay's (the end-of-fit
                         hash checks that)
     rank-<r>/residual.npy   worker r's residual (sub-threshold update mass not yet sent)
+    rank-<r>/point.npy      with the folded local view: its point q = P + s·r, which a resume loads as it is
     rank-<r>/local.pt       torch.save of {optimizer, scheduler, rng, int_buffers} state_dicts; loaded
                             with torch.load(weights_only=True): tensors and plain values only
     rank-<r>/state.json     the threshold rule's fields, the residual's lr, τ, the loss scaler, counts
@@ -56,6 +57,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 PARAMS = "params.npy"
 RANK_FILES = ("residual.npy", "local.pt", "state.json")  # each rank's, in rank-<r>/
+POINT = "point.npy"  # a rank's folded point q (local_view.py), beside its residual where the view is folded
 POLL_SECONDS = 0.05  # rank 0 polls for the other ranks' file lists
 MAX_JSON = 64 << 20  # manifests, file lists, state.json: far smaller; a bigger one is not ours
 
@@ -146,6 +148,11 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) 
     residual = worker.state.residual_values()  # r itself; a folded state's (q − P)/s, so files stay r
     residual = residual.detach().cpu().numpy() if hasattr(residual, "detach") else residual
     files = {f"{own}/residual.npy": store.write(f"{directory}/{own}/residual.npy", npy_chunks(residual))}
+    del residual
+    pair = worker.state.fold_pair()
+    if pair is not None:  # the folded point q too: r = (q − P)/s and back rounds, q itself resumes exactly
+        point = pair[0].detach().cpu().numpy() if hasattr(pair[0], "detach") else pair[0]
+        files[f"{own}/{POINT}"] = store.write(f"{directory}/{own}/{POINT}", npy_chunks(point))
     local = {"optimizer": worker.optimizer.state_dict(),
              "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None,
              "rng": torch.get_rng_state(),
@@ -337,7 +344,11 @@ def load_rank(manifest: dict, worker) -> None:
     if residual.shape != (state.n_params,):
         raise CheckpointError(f"checkpoint {directory}: rank {rank}'s residual has shape {residual.shape}, "
                               f"the model ({state.n_params},)")
-    state.load_residual(residual)  # folded: onto the parameters the relay's snapshot just loaded
+    point = f"rank-{rank}/{POINT}"
+    if state.folded and point in manifest["files"]:
+        state.load_point(_read_checked(store, manifest, point, _array_of(manifest, point)))
+    else:  # folded: onto the parameters the relay's snapshot just loaded
+        state.load_residual(residual)
     del residual
     worker.optimizer.load_state_dict(local["optimizer"])
     if worker.scheduler is not None and local["scheduler"] is not None:

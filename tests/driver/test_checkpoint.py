@@ -78,7 +78,8 @@ def test_a_checkpoint_holds_each_workers_state_with_checksums(checkpointed):
     manifest = json.load(open(os.path.join(root, "epoch-00002", MANIFEST)))
     assert manifest["epochs_done"] == 2 and manifest["job"]["steps_per_epoch"] == [5, 5]
     assert set(manifest["files"]) == {"params.npy"} | {f"rank-{r}/{n}" for r in (0, 1)
-                                                       for n in ("residual.npy", "local.pt", "state.json")}
+                                                       for n in ("residual.npy", "point.npy", "local.pt",
+                                                                 "state.json")}  # point: the folded view's q
     state = json.load(open(os.path.join(root, "epoch-00002", "rank-1", "state.json")))
     assert state["rule"]["warmup_steps"] == 10 and state["lr"] is not None
 
@@ -169,3 +170,17 @@ def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(spark, rdd
     with pytest.raises(CheckpointError, match="state.json is corrupt"):
         trainer(4).fit(rdd, resume_from=f"{uri}/run")
     assert rollback_point(plan, None, stores, 0, 5, 12)[:1] == (4,)  # epoch-00001's step
+
+
+def test_a_resume_inside_the_warm_up_is_bit_identical_whatever_the_rounding(spark, tmp_path):
+    """Partitions of 673 and 674 rows, resumed after epoch 0 of a 2-epoch warm-up: the folded local view's
+    point q = P + s·r does not survive r = (q − P)/s and back bit for bit there; the checkpoint keeps q."""
+    X_train, _, y_train, _ = digits_split(0)
+    rows = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), 2).cache()
+    assert rows.glom().map(len).collect() == [673, 674]
+    options = dict(epochs=3, batch_size=64, seed=4, warmup=2.0, **LOOPBACK)
+    root = str(tmp_path / "ckpt")
+    whole = SharedTrainer(mlp, checkpoint_dir=root, **options).fit(rows)
+    assert all(os.path.exists(os.path.join(root, "epoch-00001", f"rank-{r}", "point.npy")) for r in (0, 1))
+    resumed = SharedTrainer(mlp, **options).fit(rows, resume_from=os.path.join(root, "epoch-00001"))
+    assert resumed.param_hash == whole.param_hash

@@ -31,8 +31,21 @@ def test_digits_on_connect_from_array_and_vector_columns_with_validation_and_che
         arr["accuracy"], abs=1e-6)
     assert arr["stopped"] is None  # patience 50: early stopping watched and never fired
     assert arr["checkpoints"] == [f"epoch-{e:05d}" for e in range(1, 6)]
+    # "auto" on Connect: the relay ran in rank 0's task, and its status reached this client
+    assert arr["relay"] == vec["relay"] == "in-job" and arr["statuses"] > 0
+    assert got["client"]["relay"] == "client" and got["client"]["hash"] == arr["hash"]  # the same log
     resumed = got["resumed"]
     assert resumed["epochs"] == [5] and resumed["from"].endswith("epoch-00005") and resumed["accuracy"] > 0.9
+
+
+def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_on_connect(connect, tmp_path):
+    got = ok(connect.run("killed_host", tmp=str(tmp_path), timeout=400))
+    assert got["died"] and got["relay"] == "in-job"
+    [restart] = got["restarts"]
+    assert restart["from"] == str(tmp_path / "ckpt")
+    # 11 steps an epoch: rank 0 died in epoch 1, after the checkpoint of epoch 0; the run that finished
+    # resumed there, and ends bit-identical to the fit that never died
+    assert got["epochs"] == [1, 2] and got["workers"] == [got["hash"]] and got["hash"] == got["whole"]
 
 
 def test_a_callback_stops_every_rank_after_the_same_epoch_on_connect(connect):
