@@ -83,6 +83,10 @@ class RelayHost:
         return RelayResult(params=r.params, param_hash=r.param_hash(), counters=Counters.from_dict(r.counters()),
                            tallies=r.epoch_tallies(), incidents=tuple(r.incidents()), rolled_back=tuple(r.rolled_back()))
 
+    def wait_left(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) for every rank's LEAVE, its last acknowledgements received."""
+        return self.relay.wait_left(timeout)
+
     def close(self) -> None:
         try:
             if self.sender is not None:

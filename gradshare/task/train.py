@@ -28,6 +28,7 @@ from gradshare.task.spill import SpilledPartition
 from gradshare.task.validation import split_rows
 from gradshare.task.worker import Worker
 from gradshare.transport import Peer, param_hash
+from gradshare.transport.sockets.peer import LINGER
 
 FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its fatal FAIL
 # ... and a retryable one's: only which class the driver raises rides on it (Spark's text is the
@@ -70,10 +71,10 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
         if hosted_at is not None:
             cfg = replace(cfg, relay_address=hosted_at)
         report = _attempt(cfg, ctx, rank, attempt, rows)
-        if cfg.hosted is not None:
-            if host is not None:  # the log complete before any task leaves: the relay goes with this one
-                report = report.with_(relay=host.finish(cfg.timeout))
-            ctx.barrier()
+        if host is not None:  # the relay goes with this task: the log complete, and every rank gone from it
+            report = report.with_(relay=host.finish(cfg.timeout))
+            # not a barrier(): Spark answers one in whole seconds (measured 1.0 s each, local[2])
+            host.wait_left(min(cfg.timeout, LINGER + 1.0))
         return [report]
     finally:
         if host is not None:

@@ -277,6 +277,19 @@ class Relay:
         with self._lock:
             return list(self._rolled_back)
 
+    def wait_left(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until every rank said LEAVE; whether they all did. After FINISHED a
+        peer lingers for its last acknowledgements, then leaves: a relay closed before that would leave it
+        waiting out its linger (the relay inside the job closes with its task)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not all(r.left for r in self._core.ranks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.02))
+            return True
+
     def wait_finished(self, timeout: float) -> None:
         """Return when every rank sent FINISHED or was declared gone and the log is applied."""
         deadline = time.monotonic() + timeout

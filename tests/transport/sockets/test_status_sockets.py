@@ -58,3 +58,24 @@ def test_another_jobs_pushes_are_dropped():
         assert inbox.received == 0 and inbox.progress() == {}
     finally:
         inbox.close()
+
+
+def test_the_relay_knows_when_every_rank_has_left_and_says_so_within_its_timeout():
+    """What rank 0's task waits for before its relay goes with it: every peer's LEAVE (after FINISHED and
+    its last acknowledgements); a rank that vanished without one makes the wait end at its timeout."""
+    import numpy as np
+
+    from gradshare.transport import Peer, Relay
+    from transport_util import N, TOY, exchange
+
+    key = new_job_key()
+    with Relay(np.zeros(N, np.float32), 2, key, 9, port=0, bind="127.0.0.1", **TOY) as relay:
+        assert relay.wait_left(0.05) is False  # nobody joined, nobody left
+        exchange(relay, key, 2, 5, np.random.default_rng(2))  # closes both peers: LEAVE
+        assert relay.wait_left(5.0) is True
+    with Relay(np.zeros(N, np.float32), 1, key, 9, port=0, bind="127.0.0.1", **TOY) as relay:
+        peer = Peer(relay.address, 0, 1, 0, key, 9, N, timeout=10)
+        peer.join(10)
+        peer.close(linger=0.0, leave=False)  # vanishes, as a killed task
+        t = time.monotonic()
+        assert relay.wait_left(0.3) is False and 0.25 < time.monotonic() - t < 3.0
