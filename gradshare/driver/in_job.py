@@ -10,8 +10,14 @@ retry would repeat (the user's model, data or code) is raised at once.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import secrets
+import shutil
+import tempfile
 import warnings
+
+import numpy as np
 
 from gradshare.checks import is_local
 from gradshare.config import TrainConfig
@@ -29,6 +35,7 @@ from gradshare.transport import new_job_key
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.sockets.status import StatusInbox
 
+INLINE_STATE_BYTES = 16 << 20  # a larger first state is shipped as a file (ship_state)
 MAX_RESTARTS = 3  # runs of the stage after the first, as Spark's default stage attempts (4 in all)
 # the worker's error types a run of the stage again may pass (task/train.py, is_deterministic)
 PASSING_TYPES = frozenset({"ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError",
@@ -105,8 +112,10 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
     host = status_host(prep.job, config.advertise_host)
     inbox = None if host is None else StatusInbox(key, job_id, bind=config.bind, insecure=config.insecure)
     relay = JobRelay(inbox, host)
+    folder = tempfile.mkdtemp(prefix="gradshare-state-")
     try:
-        hosted = HostedRelay(initial=run.initial, n_params=run.flat.n_params, port=config.port, bind=config.bind,
+        initial, initial_file = ship_state(prep.job, run.initial, job_id, folder)
+        hosted = HostedRelay(initial=initial, initial_file=initial_file, n_params=run.flat.n_params, port=config.port, bind=config.bind,
                              tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.scale,
                              aggregator=run.aggregator,
                              inbox=None if inbox is None else (str(host), inbox.address[1]),
@@ -119,6 +128,7 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
             raise Restart(e) from e
         raise
     finally:
+        shutil.rmtree(folder, ignore_errors=True)
         if inbox is not None:
             inbox.close()
     hosts = [r.relay for r in reports if r.relay is not None]
@@ -129,6 +139,23 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
                    counters=end.counters, tallies=end.tallies, incidents=list(end.incidents),
                    rolled_back=[dict(r) for r in end.rolled_back], service_errors=[], resume=prep.resume,
                    statuses=None if inbox is None else inbox.received)
+
+
+def ship_state(job: RddJob | FrameJob, initial: np.ndarray, job_id: int, folder: str,
+               inline: int | None = None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+    """How the relay's first state reaches rank 0's task: in the job's closure up to INLINE_STATE_BYTES
+    (`inline`), else as a .npy file shipped with the session's files, named by the job and checked by its
+    sha256 there, so that a large model does not swell the job itself (a Spark Connect plan is one gRPC
+    message, 128 MiB at most by default). Spark keeps a shipped file until the session ends."""
+    if initial.nbytes <= (INLINE_STATE_BYTES if inline is None else inline):
+        return initial, None
+    name = f"gradshare-initial-{job_id}.npy"
+    path = os.path.join(folder, name)
+    np.save(path, initial, allow_pickle=False)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    job.ship_file(path)
+    return None, (name, digest)
 
 
 def restartable(error: BaseException) -> bool:

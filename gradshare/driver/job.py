@@ -88,6 +88,10 @@ class RddJob:
     def check_started(self, relay: Any, elapsed: float, window: float) -> None:
         """Slots were counted before the stage: nothing to watch."""
 
+    def ship_file(self, path: str) -> None:
+        """A file every task can read by its name (SparkFiles.get)."""
+        self.spark_context.addFile(path)
+
     def cancel(self) -> None:
         self.spark_context.cancelJobGroup(self.group)
 
@@ -196,6 +200,14 @@ class FrameJob:
 
     def cancel(self) -> None:
         self.session.interruptTag(self.tag)
+
+    def ship_file(self, path: str) -> None:
+        """A file every task can read by its name (SparkFiles.get): a Connect session's artifact, a classic
+        one's SparkContext file."""
+        if self.spark_context is not None:
+            self.spark_context.addFile(path)
+        else:
+            self.session.addArtifacts(path, file=True)
 
     def settle(self, timeout: float) -> None:
         """After cancelling, on a classic session: wait (at most `timeout` s) until no stage runs tasks (a

@@ -12,6 +12,8 @@ survive the retry) but restarted by the driver from the last checkpoint (driver/
 from __future__ import annotations
 
 import functools
+import hashlib
+import io
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ import numpy as np
 
 from gradshare.encoding import apply_update, decode_update
 from gradshare.encoding.aggregate import AggregateState
+from gradshare.errors import ProtocolError
 from gradshare.reports import Counters, RelayResult
 from gradshare.transport import Relay, RelayTuning
 from gradshare.transport.protocol.status_wire import Status
@@ -33,7 +36,8 @@ class HostedRelay:
     """What rank 0 needs to host the relay: its first state and how it runs (the job's key, id and
     world size are the WorkerConfig's)."""
 
-    initial: np.ndarray  # parameters, then float buffers: the model's, or a resumed checkpoint's
+    # parameters, then float buffers: the model's, or a resumed checkpoint's; None: in `initial_file`
+    initial: np.ndarray | None
     n_params: int
     port: int
     bind: str
@@ -42,6 +46,24 @@ class HostedRelay:
     aggregator: AggregateState | None
     inbox: tuple[str, int] | None  # the client's StatusInbox; None: the client hears nothing until the end
     resumed: int | None = None  # a resumed fit: the checkpoint's epochs done (the workers load their state)
+    # a large state: the .npy file shipped with the session's files (SparkFiles) and its sha256
+    initial_file: tuple[str, str] | None = None
+
+    def first_state(self) -> np.ndarray:
+        """The initial state: the shipped array, or the shipped file's, checked against its digest."""
+        if self.initial is not None:
+            return self.initial
+        assert self.initial_file is not None
+        from pyspark import SparkFiles
+
+        name, digest = self.initial_file
+        with open(SparkFiles.get(name), "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ProtocolError(f"the initial state shipped as {name} does not match its sha256 (a stale or "
+                                "damaged file of the session)")
+        state: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
+        return state
 
 
 class RelayHost:
@@ -51,11 +73,13 @@ class RelayHost:
     def __init__(self, plan: HostedRelay, host: str, world_size: int, key: bytes, job_id: int,
                  datagram_size: int, insecure: bool) -> None:
         tuning = RelayTuning(**{**plan.tuning.__dict__, **snapshot_options(host, datagram_size)})
-        self.relay = Relay(plan.initial, world_size=world_size, key=key, job_id=job_id, port=plan.port,
+        initial = plan.first_state()
+        self.relay = Relay(initial, world_size=world_size, key=key, job_id=job_id, port=plan.port,
                            bind=plan.bind, datagram_size=datagram_size, insecure=insecure, tuning=tuning,
                            decode_update=functools.partial(decode_update, n_params=plan.n_params),
                            apply_update=functools.partial(apply_update, scale=plan.scale),
-                           rollback=None if plan.resumed is None else functools.partial(resume_point, plan),
+                           rollback=None if plan.resumed is None else functools.partial(resume_point, initial,
+                                                                                        plan.resumed),
                            aggregator=plan.aggregator).start()
         assert self.relay.address is not None  # start() bound it
         self.address = (host, int(self.relay.address[1]))
@@ -95,13 +119,12 @@ class RelayHost:
             self.relay.close()
 
 
-def resume_point(plan: HostedRelay, complete_through: int) -> RollbackPoint:
+def resume_point(initial: np.ndarray, epochs_done: int, complete_through: int) -> RollbackPoint:
     """The relay's rollback in a resumed fit, as the driver's (driver/checkpoint.rollback_point) answers
     its first attempt: the log starts after the checkpoint (through step -1) at its parameters, and the
     checkpoint's epochs count goes to the workers in WELCOME, which then load their own state from it.
     The stage is never retried in the job, so no later checkpoint is asked for."""
-    assert plan.resumed is not None
-    return -1, plan.initial, 0, float(plan.resumed)
+    return -1, initial, 0, float(epochs_done)
 
 
 def gather_relay(ctx: Any, rank: int, host: RelayHost | None) -> tuple[int, tuple[str, int] | None]:

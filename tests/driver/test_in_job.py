@@ -84,6 +84,21 @@ def test_without_checkpoints_a_killed_relay_host_runs_the_stage_again_from_scrat
     assert killed.param_hash == uninterrupted.param_hash and len(killed.history) == 4
 
 
+def test_a_first_state_above_the_inline_size_goes_to_the_relay_host_as_a_session_file(even, uninterrupted,
+                                                                                      monkeypatch):
+    from gradshare.driver import in_job
+
+    rdd, validation = even
+    shipped = []
+    real = in_job.ship_state
+    monkeypatch.setattr(in_job, "INLINE_STATE_BYTES", 0)  # every state is "large"
+    monkeypatch.setattr(in_job, "ship_state", lambda *a, **k: shipped.append(real(*a, **k)) or shipped[-1])
+    result = SharedTrainer(mlp, relay="in-job", validation_data=validation, **FIT).fit(rdd)
+    [(inline, (name, digest))] = shipped
+    assert inline is None and name.startswith("gradshare-initial-") and len(digest) == 64
+    assert result.param_hash == uninterrupted.param_hash
+
+
 class Explodes(nn.Module):
     def __init__(self):
         super().__init__()
