@@ -54,6 +54,15 @@ def test_the_in_job_relay_gives_the_client_relays_parameters_and_its_status_reac
     assert all(r.relay is None for r in job.worker_reports)  # the end state does not stay in the reports
 
 
+@pytest.mark.parametrize("options", [dict(forwarding="aggregate"), dict(staleness=2)])
+def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in_the_driver(even, options):
+    rdd, _ = even
+    fit = {**FIT, "epochs": 2, **options}
+    job, client = (SharedTrainer(mlp, relay=where, **fit).fit(rdd) for where in ("in-job", "client"))
+    assert job.param_hash == client.param_hash and job.extra.forwarding == client.extra.forwarding
+    assert {r["param_hash"] for r in job.worker_reports} == {job.param_hash}
+
+
 def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_bit_identically(even, uninterrupted,
                                                                                              tmp_path):
     rdd, validation = even
