@@ -223,6 +223,32 @@ class WorkerReport(_ReadAsMapping):
 
 
 @dataclass(frozen=True)
+class EpochLine:
+    """One finished epoch as the progress bar prints it: the mean loss over every rank's steps of the
+    epoch in the applied log, and rank 0's score of it once it came (None before, or without one)."""
+
+    epoch: int  # counted in the log (a resumed fit adds its first epoch when it prints)
+    loss: float
+    val_metric: float | None
+
+
+def epoch_lines(tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_epoch: tuple[int, ...],
+                last: int = 8) -> list[EpochLine]:
+    """The last `last` epochs every rank has finished in the applied log (each rank's tally holds its
+    steps_per_epoch steps), from the relay's (rank, epoch) tallies (transport/protocol/tallies.py)."""
+    lines = []
+    for epoch in sorted({e for _, e in tallies}):
+        rows = [tallies.get((rank, epoch)) for rank in range(len(steps_per_epoch))]
+        if any(row is None or int(row["steps"]) < steps_per_epoch[rank] for rank, row in enumerate(rows)):
+            continue
+        steps = sum(int(row["steps"]) for row in rows if row is not None)
+        loss = sum(float(row["loss"]) for row in rows if row is not None) / max(steps, 1)
+        score = rows[0]["val_metric"] if rows[0] is not None else None
+        lines.append(EpochLine(epoch, loss, None if score is None else float(score)))
+    return lines[-last:]
+
+
+@dataclass(frozen=True)
 class Progress:
     """What a worker says about its step, inside the step's message `meta` (msgpack floats on the
     wire): the relay tallies it per (rank, epoch) and the driver's progress bar shows the latest."""

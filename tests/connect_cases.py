@@ -44,6 +44,20 @@ def session_kind(spark) -> dict:
     return {"session": type(spark).__module__, "rdd": rdd}
 
 
+def epoch_lines(spark) -> dict:
+    """A fit with the progress bar on, its relay in the job: what this client printed per epoch."""
+    import contextlib
+    import io
+
+    df, X_test, y_test = _digits_frame(spark)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        r = SharedTrainer(mlp, epochs=3, batch_size=64, seed=3, validation_data=(X_test, y_test),
+                          **{**LOOPBACK, "verbose": 1}).fit(df, features_col="arr", label_col="label")
+    return {"printed": [x for x in out.getvalue().splitlines() if x.startswith("epoch ")],
+            "history": [(h["epoch"], h["loss"], h["val_metric"]) for h in r.history]}
+
+
 def digits(spark, epochs: int, tmp: str) -> dict:
     """The digits MLP from the array column (with in-memory validation, early stopping and a local
     checkpoint dir) and from the vector column: accuracy, hashes, history, checkpoints."""

@@ -46,7 +46,7 @@ from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ConsistencyError
 from gradshare.replica.flat import FlatParams, load_int_buffers
 from gradshare.replica.losses import LossPlan, accuracy, accuracy_sums, plan_loss
-from gradshare.reports import Counters, WorkerReport
+from gradshare.reports import Counters, WorkerReport, epoch_lines
 from gradshare.task.batches import InputLayout, input_names, validation_arrays
 from gradshare.task.checkpoint import CheckpointPlan, load_params
 from gradshare.task.partition import PartitionSummary, summarise_partition
@@ -261,7 +261,8 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Ou
         cfg = worker_config(spec, prep, replace(run, saving=saving), resume, (started.host, relay.address[1]),
                             started.key, started.job_id)
         window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
-        reports = run_stage(prep.job, cfg, relay, window, config.verbose)
+        reports = run_stage(prep.job, cfg, relay, window, config.verbose,
+                            lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch))
         relay.wait_finished(config.timeout)
         final = relay.params
         relay_hash = relay.param_hash()

@@ -29,6 +29,7 @@ from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.driver.session import is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.errors import CheckpointError, GradshareError
+from gradshare.reports import EpochLine
 from gradshare.task.stores import LocalStore
 from gradshare.task.relay_host import HostedRelay
 from gradshare.transport import new_job_key
@@ -84,6 +85,9 @@ class JobRelay:
     def fatal_incident(self) -> ev.Incident | None:
         return None if self.inbox is None else self.inbox.fatal_incident()
 
+    def epoch_lines(self) -> list[EpochLine]:
+        return [] if self.inbox is None else [EpochLine(*row) for row in self.inbox.epochs()]
+
 
 def status_host(job: RddJob | FrameJob, advertise_host: str | None) -> str | None:
     """Where the relay host sends its status: the address the client relay would be reached at, or None
@@ -119,10 +123,11 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
                              tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.scale,
                              aggregator=run.aggregator,
                              inbox=None if inbox is None else (str(host), inbox.address[1]),
-                             resumed=None if prep.resume is None else int(prep.resume["epochs_done"]))
+                             resumed=None if prep.resume is None else int(prep.resume["epochs_done"]),
+                             steps_per_epoch=run.steps_per_epoch)
         cfg = worker_config(spec, prep, run, prep.resume, ("", 0), key, job_id, hosted)
         window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
-        reports = run_stage(prep.job, cfg, relay, window, config.verbose)
+        reports = run_stage(prep.job, cfg, relay, window, config.verbose, relay.epoch_lines)
     except Exception as e:
         if relay.failure() is None and relay.fatal_incident() is None and restartable(e):
             raise Restart(e) from e

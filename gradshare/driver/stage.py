@@ -6,19 +6,21 @@ cancels the job at once instead of waiting out Spark's stage retries).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from gradshare.driver.failures import RelayReads, driver_error, incident_error, reported_error
 from gradshare.driver.job import FrameJob, RddJob
-from gradshare.reports import Progress, WorkerReport
+from gradshare.reports import EpochLine, Progress, WorkerReport
 from gradshare.task.config import WorkerConfig
 
 
-def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, window: float, verbose: int) -> list[WorkerReport]:
-    """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay."""
+def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, window: float, verbose: int,
+              lines: Callable[[], list[EpochLine]] | None = None) -> list[WorkerReport]:
+    """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay, and
+    prints each finished epoch of `lines` (the applied log's)."""
     # what the job's thread leaves: collect's list, or the error it raised
     collected: list[list[WorkerReport]] = []
     errors: list[BaseException] = []
@@ -32,7 +34,8 @@ def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, wind
     thread = job.thread(target)
     t_job = time.monotonic()
     thread.start()
-    bar = ProgressBar(cfg.final_step + 1, enabled=verbose > 0)
+    bar = ProgressBar(cfg.final_step + 1, enabled=verbose > 0, first_epoch=cfg.first_epoch,
+                      scored=cfg.validation is not None or cfg.shards, lines=lines)
     try:
         while thread.is_alive():
             thread.join(0.25)
@@ -60,18 +63,30 @@ def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, wind
 
 
 
-class ProgressBar:
-    """tqdm on the driver: step (the relay's complete_through + 1), loss, sparsity, τ, KB/step."""
+LINES_EVERY = 1.0  # s between reads of the finished epochs (the client relay's tallies take its lock)
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class ProgressBar:
+    """tqdm on the driver: step (the relay's complete_through + 1), loss, sparsity, τ, KB/step; and a line
+    per finished epoch (its mean loss, and its score with validation, once rank 0's score came or the
+    next epoch finished), from `lines`."""
+
+    def __init__(self, total: int, enabled: bool, first_epoch: int = 0, scored: bool = False,
+                 lines: Callable[[], list[EpochLine]] | None = None) -> None:
         self.bar: tqdm | None = None
         if enabled:
             self.bar = tqdm(total=total, desc="gradshare", unit="step")
+        self.first_epoch, self.scored, self.lines = first_epoch, scored, lines
+        self.printed = -1  # the last epoch printed
+        self.read_at = 0.0
 
     def update(self, progress: Mapping[str, Any]) -> None:
         """`progress`: Relay.progress(); each rank's latest step summary is the worker's `Progress`."""
         if self.bar is None or not progress:
             return
+        if self.lines is not None and time.monotonic() - self.read_at >= LINES_EVERY:
+            self.read_at = time.monotonic()
+            self._print(self.lines(), final=False)
         done = int(progress.get("complete_through", -1)) + 1
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
@@ -87,7 +102,22 @@ class ProgressBar:
                                  tau=f"{mean([p.tau for p in latest]):.2e}",
                                  kb_step=f"{mean([p.bytes for p in latest]) / 1024:.2f}", refresh=False)
 
+    def _print(self, lines: list[EpochLine], final: bool) -> None:
+        assert self.bar is not None
+        finished = {line.epoch for line in lines}
+        for line in lines:
+            if line.epoch <= self.printed:
+                continue
+            waiting = self.scored and line.val_metric is None and line.epoch + 1 not in finished
+            if waiting and not final:
+                break
+            score = "" if line.val_metric is None else f", val_metric {line.val_metric:.4f}"
+            self.bar.write(f"epoch {line.epoch + self.first_epoch}: loss {line.loss:.4f}{score}")
+            self.printed = line.epoch
+
     def close(self) -> None:
         if self.bar is not None:
+            if self.lines is not None:
+                self._print(self.lines(), final=True)
             self.bar.close()
 

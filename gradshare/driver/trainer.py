@@ -208,7 +208,7 @@ class SharedTrainer:
         class indices or regression targets. Features need no such option: each input keeps its dtype
         (ints → int64, floats → float32, bools; gradshare/task/batches.py), so token ids reach nn.Embedding
         exact; a row's features may be a tuple of arrays, the model is then called as model(x1, x2, ...).
-    verbose: 0 quiet, 1 a progress bar fed by the relay.
+    verbose: 0 quiet, 1 a progress bar fed by the relay and a line per finished epoch (mean loss, score).
     timeout: seconds any single wait (join, receive, snapshot) may take before a clear error; also how
         long the relay waits for a suspected rank (on_rank_loss="wait") before it gives up with an error
         naming the rank, its step and how long it was silent.

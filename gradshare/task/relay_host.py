@@ -23,7 +23,7 @@ import numpy as np
 from gradshare.encoding import apply_update, decode_update
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ProtocolError
-from gradshare.reports import Counters, RelayResult
+from gradshare.reports import Counters, RelayResult, epoch_lines
 from gradshare.transport import Relay, RelayTuning
 from gradshare.transport.protocol.status_wire import Status
 from gradshare.transport.protocol.tallies import RollbackPoint
@@ -48,6 +48,7 @@ class HostedRelay:
     resumed: int | None = None  # a resumed fit: the checkpoint's epochs done (the workers load their state)
     # a large state: the .npy file shipped with the session's files (SparkFiles) and its sha256
     initial_file: tuple[str, str] | None = None
+    steps_per_epoch: tuple[int, ...] = ()  # per rank: the status's finished epochs (reports.epoch_lines)
 
     def first_state(self) -> np.ndarray:
         """The initial state: the shipped array, or the shipped file's, checked against its digest."""
@@ -83,6 +84,7 @@ class RelayHost:
                            aggregator=plan.aggregator).start()
         assert self.relay.address is not None  # start() bound it
         self.address = (host, int(self.relay.address[1]))
+        self.steps_per_epoch = plan.steps_per_epoch
         self.sender: StatusSender | None = None
         try:
             if plan.inbox is not None:
@@ -97,8 +99,10 @@ class RelayHost:
         ranks = progress.get("ranks")
         if isinstance(ranks, dict):  # the bar reads each rank's latest step summary only
             progress["ranks"] = {k: {"meta": v.get("meta")} for k, v in ranks.items() if isinstance(v, dict)}
+        lines = epoch_lines(r.epoch_tallies(), self.steps_per_epoch) if self.steps_per_epoch else []
         return Status(progress=progress, failure=r.failure(), reported=r.reported_failure(),
-                      first_cause=r.first_cause(), fatal=r.fatal_incident())
+                      first_cause=r.first_cause(), fatal=r.fatal_incident(),
+                      epochs=tuple((line.epoch, line.loss, line.val_metric) for line in lines))
 
     def finish(self, timeout: float) -> RelayResult:
         """Wait (at most `timeout` s) until every rank FINISHED and the log is applied, then read it."""

@@ -48,6 +48,14 @@ def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_on_co
     assert got["epochs"] == [1, 2] and got["workers"] == [got["hash"]] and got["hash"] == got["whole"]
 
 
+def test_each_epoch_reaches_the_connect_client_as_a_line_while_the_relay_runs_in_the_job(connect):
+    got = ok(connect.run("epoch_lines"))
+    history = got["history"]
+    # one line per epoch, its mean loss (the applied log's) and, for all but the last, rank 0's score
+    assert got["printed"] == [f"epoch {e}: loss {loss:.4f}" + ("" if e == 2 else f", val_metric {val:.4f}")
+                              for e, loss, val in history]
+
+
 def test_a_callback_stops_every_rank_after_the_same_epoch_on_connect(connect):
     got = ok(connect.run("early_stop"))
     assert got["stopped"] is not None and got["stopped"] < 5 and got["epochs"] == list(range(got["stopped"] + 1))

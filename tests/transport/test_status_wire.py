@@ -28,7 +28,8 @@ def status(**kw):
 
 def test_a_status_opens_to_the_same_record_fail_and_incidents_included():
     sealer, opener = StatusSealer(KEY, 77), StatusOpener(KEY, 77)
-    sent = status(failure=FAIL, reported=FAIL, first_cause=INCIDENT, fatal=INCIDENT)
+    sent = status(failure=FAIL, reported=FAIL, first_cause=INCIDENT, fatal=INCIDENT,
+                  epochs=((0, 2.25, 0.5), (1, 1.5, None)))
     got = opener.open(sealer.seal(sent))
     assert got == sent and opener.dropped == 0
 
@@ -55,7 +56,8 @@ def test_a_replayed_or_older_status_is_dropped_and_a_new_sender_session_is_taken
 
 
 @pytest.mark.parametrize("body", [[], {"p": []}, {"p": {}, "f": {"rank": "x"}}, {"p": {}, "x": 3},
-                                  {"p": {}, "f": {"no_such_field": 1}}])
+                                  {"p": {}, "f": {"no_such_field": 1}}, {"p": {}, "e": [[0, 1.0]]},
+                                  {"p": {}, "e": [["0", 1.0, None]]}, {"p": {}, "e": [[0, 1.0, None]] * 65}])
 def test_a_malformed_body_is_dropped_not_raised(body, monkeypatch):
     sealer, opener = StatusSealer(None, 9, insecure=True), StatusOpener(None, 9, insecure=True)
     # seal the raw body as the channel would (insecure: no key, the body in the clear)

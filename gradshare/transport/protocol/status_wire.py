@@ -50,6 +50,8 @@ class Status:
     reported: ev.Fail | None = None  # the FAIL the latest attempt that reported any sent
     first_cause: ev.Incident | None = None
     fatal: ev.Incident | None = None
+    # the last finished epochs of the applied log: (epoch, mean loss, rank 0's score or None)
+    epochs: tuple[tuple[int, float, float | None], ...] = ()
 
 
 def _record(obj: object) -> dict[str, Any] | None:
@@ -67,7 +69,7 @@ class StatusSealer:
 
     def seal(self, status: Status) -> bytes:
         body = {"p": status.progress, "f": _record(status.failure), "r": _record(status.reported),
-                "c": _record(status.first_cause), "x": _record(status.fatal)}
+                "c": _record(status.first_cause), "x": _record(status.fatal), "e": [list(e) for e in status.epochs]}
         data = msgpack.packb(body, use_bin_type=True)
         if len(data) > MAX_STATUS_BYTES:  # many ranks: the bar's summaries go, the step and attempt stay
             body["p"] = {k: v for k, v in status.progress.items() if k != "ranks"}
@@ -134,4 +136,16 @@ def _parse(body: object) -> Status:
         return ev.Incident(**d)
 
     return Status(progress=body["p"], failure=fail(body.get("f")), reported=fail(body.get("r")),
-                  first_cause=incident(body.get("c")), fatal=incident(body.get("x")))
+                  first_cause=incident(body.get("c")), fatal=incident(body.get("x")), epochs=_epochs(body.get("e", [])))
+
+
+def _epochs(rows: object) -> tuple[tuple[int, float, float | None], ...]:
+    if not isinstance(rows, list) or len(rows) > 64:
+        raise ValueError("a status's epochs are a list of at most 64 rows")
+    out = []
+    for row in rows:
+        if (not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], int)
+                or not isinstance(row[1], (int, float)) or not isinstance(row[2], (int, float, type(None)))):
+            raise ValueError("an epoch row is [epoch, loss, score or None]")
+        out.append((int(row[0]), float(row[1]), None if row[2] is None else float(row[2])))
+    return tuple(out)

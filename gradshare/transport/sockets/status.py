@@ -108,6 +108,10 @@ class StatusInbox:
         s = self.status()
         return None if s is None else s.fatal
 
+    def epochs(self) -> tuple[tuple[int, float, float | None], ...]:
+        s = self.status()
+        return () if s is None else s.epochs
+
     @property
     def dropped(self) -> int:
         return self.opener.dropped
