@@ -116,19 +116,35 @@ def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
     DIFF modes (pass any float32 array otherwise). Returns (k, pos, status): OK with pos == r.size;
     FULL/NONFINITE with pos = start of the block that stopped the pass.
     """
+    # One loop per kind of block, the mode decided once: with the choice inside the block loop the pass
+    # ran at 2.0x numpy.add, with it outside at 1.65-1.68x (10 M values, density 1e-3, the same bits).
+    # Work on block views: loops over range(view.size) have provably non-negative indices, which lets
+    # LLVM drop Numba's wraparound checks and vectorise (range(pos, stop) does not).
     n = r.size
     pos = start
+    while pos < n and pos < added_end:  # accumulated by the call that stopped with FULL: count only
+        stop = min(pos + BLOCK, n)
+        rb = r[pos:stop]
+        cnt, bad = _count_block(rb, tau)
+        k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
+        if status != OK:
+            return k, pos, status
+        pos = stop
+    if mode == ADD:
+        while pos < n:
+            stop = min(pos + BLOCK, n)
+            rb = r[pos:stop]
+            cnt, bad = _add_block(rb, u[pos:stop], tau)
+            k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
+            if status != OK:
+                return k, pos, status
+            pos = stop
+        return k, n, OK
+    rewind = mode == DIFF_REWIND
     while pos < n:
         stop = min(pos + BLOCK, n)
-        # Work on block views: loops over range(view.size) have provably non-negative indices, which
-        # lets LLVM drop Numba's wraparound checks and vectorise (range(pos, stop) does not).
         rb = r[pos:stop]
-        if pos < added_end:
-            cnt, bad = _count_block(rb, tau)
-        elif mode == ADD:
-            cnt, bad = _add_block(rb, u[pos:stop], tau)
-        else:
-            cnt, bad = _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, mode == DIFF_REWIND)
+        cnt, bad = _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, rewind)
         k, status = _emit_block(rb, pos, tau, out, k, cnt, bad)
         if status != OK:
             return k, pos, status
