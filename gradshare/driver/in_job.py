@@ -30,6 +30,7 @@ from gradshare.driver.session import is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.errors import CheckpointError, GradshareError
 from gradshare.reports import EpochLine
+from gradshare.task.checkpoint import MANIFEST
 from gradshare.task.stores import LocalStore
 from gradshare.task.relay_host import HostedRelay
 from gradshare.transport import new_job_key
@@ -202,10 +203,16 @@ def fit_in_job(spec: FitSpec, data: object, features_col: str | list[str] | None
 
 def restart_point(checkpoint_root: str | None, resume_from: str | None) -> str | None:
     """Where a restarted stage begins: checkpoint_dir when it holds a complete checkpoint of this fit (the
-    resume takes its latest), else the fit's own resume_from (None: scratch)."""
+    resume takes its latest), else the fit's own resume_from (None: scratch). A checkpoint the failure cut
+    short (an epoch directory without its manifest, written last) is removed first: no fit resumes from
+    it, and the restarted fit would refuse to write over it."""
     if checkpoint_root is not None:
+        store = LocalStore(checkpoint_root)
+        for name in store.list() if store.is_dir() else []:
+            if name.startswith("epoch-") and not store.exists(f"{name}/{MANIFEST}"):
+                shutil.rmtree(store.where(name), ignore_errors=True)
         try:
-            find(LocalStore(checkpoint_root))
+            find(store)
             return checkpoint_root
         except (CheckpointError, FileNotFoundError):
             pass

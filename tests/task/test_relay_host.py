@@ -59,3 +59,4 @@ def test_every_rank_learns_rank_0s_relay_and_the_stage_attempt():
                                              (["[::1]:41000"], "::1"), ([], "127.0.0.1")])
 def test_the_executor_host_is_sparks_address_for_the_task(addresses, host):
     assert executor_host(Ctx(0, [], addresses), 0) == host
+
