@@ -280,6 +280,10 @@ class RelayCore:
         """The step of this rank the log waits for next."""
         return rs.received.contiguous_from(self.cursor.start_step)
 
+    def all_left(self) -> bool:
+        """Every rank said LEAVE (after FINISHED, its last acknowledgements received)."""
+        return all(r.left for r in self.ranks)
+
     def first_cause(self) -> ev.Incident | None:
         return ev.first_cause(self.incidents)
 

@@ -283,7 +283,7 @@ class Relay:
         waiting out its linger (the relay inside the job closes with its task)."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not all(r.left for r in self._core.ranks):
+            while not self._core.all_left():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
