@@ -232,6 +232,14 @@ def _unfitted_model(**params):
     return model._set(**params) if params else model
 
 
+def _save_without_weights(path: str) -> None:
+    from gradshare.ml import GradshareModel
+
+    _unfitted_model().save(path)
+    os.remove(os.path.join(path, "weights.pt"))
+    GradshareModel.load(path)
+
+
 def ml_bad_input(spark, tmp: str) -> list:
     """Each bad input to fit, transform and save on Connect: (error type, message), as on classic."""
     import functools
@@ -257,6 +265,7 @@ def ml_bad_input(spark, tmp: str) -> list:
         lambda: _unfitted_model(featuresCol="v3").transform(three),
         lambda: _unfitted_model().save("hdfs://namenode/models/m"),
         lambda: GradshareModel.load(os.path.join(tmp, "never-saved")),
+        lambda: _save_without_weights(os.path.join(tmp, "partial")),
     ]
     errors = []
     for case in cases:

@@ -7,7 +7,7 @@ load from a local directory with identical predictions; bad input is named as on
 
 import pytest
 
-pytestmark = pytest.mark.spark
+from gradshare.ml.persist import write_bytes
 
 
 def ok(reply):
@@ -15,11 +15,29 @@ def ok(reply):
     return reply[1]
 
 
+class ConnectSession:
+    """Stands in for a Connect session where only its kind is read (gradshare.driver.session.is_connect)."""
+
+    __module__ = "pyspark.sql.connect.session"
+
+
+def test_a_connect_save_to_a_path_the_client_cannot_see_is_named(tmp_path):
+    # the server wrote no metadata/ where this client looks: client and server do not share the path
+    with pytest.raises(ValueError, match="cannot see it there"):
+        write_bytes(ConnectSession(), str(tmp_path / "model" / "weights.pt"), b"weights")
+    (tmp_path / "model" / "metadata").mkdir(parents=True)
+    write_bytes(ConnectSession(), f"file://{tmp_path}/model/weights.pt", b"weights")
+    assert (tmp_path / "model" / "weights.pt").read_bytes() == b"weights"
+    with pytest.raises(FileExistsError):  # never overwrite, as on classic
+        write_bytes(ConnectSession(), str(tmp_path / "model" / "weights.pt"), b"other")
+
+
+@pytest.mark.spark
 def test_pipeline_fit_transform_save_load_on_connect(connect, tmp_path):
     got = ok(connect.run("ml_pipeline", epochs=3, tmp=str(tmp_path), timeout=400))
     assert got["classifier"] and got["history"] == 3
     assert got["schema"].endswith(",raw:vector,scaled:vector,prediction:double,probability:vector>"), got["schema"]
-    assert got["accuracy"] > 0.75, got  # as on classic: 0.83 measured there (3 epochs)
+    assert got["accuracy"] > 0.9, got  # 0.95 measured (3 epochs, seeded: the same every run)
     # the executors predicted what the driver's module predicts for the same rows
     assert got["forward_pred"] and got["forward_prob"] < 1e-5
     assert got["pipeline_same"] and got["model_same"] and got["loaded_uid"]
@@ -30,6 +48,7 @@ def test_pipeline_fit_transform_save_load_on_connect(connect, tmp_path):
     assert got["est_params"]
 
 
+@pytest.mark.spark
 def test_bad_input_on_connect_is_named_as_on_classic(connect, tmp_path):
     errors = ok(connect.run("ml_bad_input", tmp=str(tmp_path)))
     expected = [
@@ -45,6 +64,7 @@ def test_bad_input_on_connect_is_named_as_on_classic(connect, tmp_path):
         ("ValueError", "the path must be a local directory shared with the Connect server, not "
                        "'hdfs://namenode/models/m'"),
         ("AnalysisException", "Path does not exist"),
+        ("FileNotFoundError", "weights.pt does not exist: not a saved gradshare.ml instance, or saved incompletely"),
     ]
     assert len(errors) == len(expected)
     for got, (kind, words) in zip(errors, expected):
