@@ -175,6 +175,128 @@ def worker_error(spark) -> None:
     SharedTrainer(Exploding, **LOOPBACK).fit(df, features_col="arr", label_col="label")
 
 
+# ------------------------------------------------------------------------------------ gradshare.ml
+PIXELS = [f"p{i}" for i in range(64)]
+
+
+def _pixels_frame(spark, X, y):
+    """Digits as one double column per pixel (what VectorAssembler takes) and an int label."""
+    return spark.createDataFrame([tuple(float(v) for v in x) + (int(t),) for x, t in zip(X, y)], [*PIXELS, "label"])
+
+
+def _columns(df, *cols) -> list[np.ndarray]:
+    rows = df.select(*cols).toPandas()
+    return [np.stack(rows[c].map(lambda v: v.toArray() if hasattr(v, "toArray") else v).to_numpy()) for c in cols]
+
+
+def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
+    """A Pipeline of VectorAssembler, StandardScaler (Spark's own stages, run by the server) and the
+    GradshareEstimator fitted on digits; its transform against the driver's module; save/load of the
+    PipelineModel, the GradshareModel alone and the Estimator, to local directories."""
+    import functools
+
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+
+    from gradshare.ml import GradshareEstimator, GradshareModel
+
+    X, X_test, y, y_test = digits_split(0)
+    train, test = _pixels_frame(spark, X, y), _pixels_frame(spark, X_test, y_test)
+    est = GradshareEstimator(functools.partial(mlp, 32), featuresCol="scaled", epochs=epochs, batchSize=32,
+                             learningRate=1e-2, numWorkers=2, trainerOptions=LOOPBACK)
+    model = Pipeline(stages=[VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+                             StandardScaler(inputCol="raw", outputCol="scaled"), est]).fit(train)
+    stage = model.stages[-1]
+    out = model.transform(test)
+    scaled, pred, prob, label = _columns(out, "scaled", "prediction", "probability", "label")
+    with torch.no_grad():  # what the driver's module predicts for the same rows
+        logits = stage.torchModel.eval()(torch.from_numpy(scaled.astype(np.float32)))
+
+    pipeline_dir, model_dir, est_dir = (os.path.join(tmp, d) for d in ("pipeline", "model", "est"))
+    model.write().overwrite().save(pipeline_dir)
+    model.write().overwrite().save(pipeline_dir)  # the server clears it first
+    stage.save(model_dir)
+    try:
+        stage.save(model_dir)
+        again = "saved twice"
+    except Exception as e:  # noqa: BLE001 - what a second save without overwrite() says
+        again = f"{type(e).__name__}: {e}"
+    est.save(est_dir)
+    loaded_pipeline, loaded = PipelineModel.load(pipeline_dir), GradshareModel.load(model_dir)
+    loaded_est = GradshareEstimator.load(est_dir)
+    by_pipeline = _columns(loaded_pipeline.transform(test), "prediction", "probability")
+    by_model = _columns(loaded.transform(out.drop("prediction", "probability")), "prediction", "probability")
+    return {
+        "schema": out.schema.simpleString(), "classifier": stage.isClassifier, "history": len(stage.history),
+        "accuracy": float((pred == label).mean()),
+        "forward_pred": bool(np.array_equal(pred, logits.argmax(dim=1).numpy().astype(np.float64))),
+        "forward_prob": float(np.abs(prob - torch.softmax(logits, dim=1).numpy()).max()),
+        "pipeline_same": all(np.array_equal(a, b) for a, b in zip(by_pipeline, (pred, prob))),
+        "model_same": all(np.array_equal(a, b) for a, b in zip(by_model, (pred, prob))),
+        "loaded_uid": loaded.uid == stage.uid and loaded.spec == stage.spec and loaded.history == stage.history,
+        "stages": [type(s).__name__ for s in loaded_pipeline.stages],
+        "files": sorted(os.listdir(model_dir)), "second_save": again,
+        "weights_keys": sorted(torch.load(os.path.join(model_dir, "weights.pt"), weights_only=True)),
+        "est_params": {p.name: v for p, v in loaded_est.extractParamMap().items()} ==
+                      {p.name: v for p, v in est.extractParamMap().items()} and loaded_est.uid == est.uid,
+    }
+
+
+def _unfitted_model(**params):
+    """A GradshareModel of the digits MLP (untrained: the checks read only the schema and the spec)."""
+    from gradshare.ml import GradshareModel
+
+    spec = {"inputs": [{"dtype": "float32", "shape": [64]}], "loss": "CrossEntropyLoss",
+            "output": {"classification": True, "width": 10, "scalar": False}}
+    model = GradshareModel(mlp(32), lambda: mlp(32), spec)
+    return model._set(**params) if params else model
+
+
+def _save_without_weights(path: str) -> None:
+    from gradshare.ml import GradshareModel
+
+    _unfitted_model().save(path)
+    os.remove(os.path.join(path, "weights.pt"))
+    GradshareModel.load(path)
+
+
+def ml_bad_input(spark, tmp: str) -> list:
+    """Each bad input to fit, transform and save on Connect: (error type, message), as on classic."""
+    import functools
+
+    from pyspark.ml.feature import VectorAssembler
+
+    from gradshare.ml import GradshareEstimator, GradshareModel
+
+    def est(**params):
+        return GradshareEstimator(functools.partial(mlp, 32), numWorkers=2, trainerOptions=LOOPBACK, **params)
+
+    df = spark.createDataFrame([([0.0] * 64, 1, "a", 2.0, True)], ["features", "label", "text", "prediction", "val"])
+    three = VectorAssembler(inputCols=["label", "label", "label"], outputCol="v3").transform(df.drop("prediction"))
+    cases = [
+        lambda: est(featuresCol="nope").fit(df),
+        lambda: est(featuresCol="text").fit(df),
+        lambda: est(labelCol="y").fit(df),
+        lambda: est(predictionCol="label").fit(df.drop("prediction")),
+        lambda: est(validationIndicatorCol="val").fit(df.drop("prediction")),
+        lambda: _unfitted_model(featuresCol="scaled").transform(df),
+        lambda: _unfitted_model().transform(df),
+        lambda: _unfitted_model(featuresCol="label").transform(df.drop("prediction")),
+        lambda: _unfitted_model(featuresCol="v3").transform(three),
+        lambda: _unfitted_model().save("hdfs://namenode/models/m"),
+        lambda: GradshareModel.load(os.path.join(tmp, "never-saved")),
+        lambda: _save_without_weights(os.path.join(tmp, "partial")),
+    ]
+    errors = []
+    for case in cases:
+        try:
+            case()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - returned for the test to check
+            errors.append((type(e).__name__, str(e)))
+    return errors
+
+
 def ping(spark) -> int:
     return int(np.int64(spark.range(3).count()))
 

@@ -20,6 +20,7 @@ from gradshare.ml.params import EstimatorParams, check_features, check_indicator
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
 from gradshare.ml.predict import output_spec, parse_inputs
 from gradshare.stopping import early_stopping_from
+from gradshare.driver.session import is_connect
 from gradshare.driver.trainer import SharedTrainer, default_optimizer
 
 # GradshareEstimator's constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
@@ -122,6 +123,10 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
                                  "rows, or monitor='loss'")
             return dataset, None
         check_indicator(dataset.schema, column)
+        if is_connect(dataset):  # SharedTrainer's own error would point at validation_data, as above
+            raise ValueError(f"validationIndicatorCol={column!r} does not work on a Spark Connect session yet: the "
+                             "validation rows are scored in shards that ride in the training RDD, and Connect has no "
+                             "RDDs; fit without it (early stopping can monitor 'loss'), or fit on a classic session")
         return dataset.filter(~F.col(column)), dataset.filter(F.col(column))
 
     def write(self) -> EstimatorWriter:

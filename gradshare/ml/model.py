@@ -14,11 +14,12 @@ from pyspark import Broadcast, SparkContext, cloudpickle
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector, predict_batch_udf, vector_to_array
 from pyspark.ml.util import DefaultParamsWriter, MLReadable, MLWritable
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DataType, DoubleType, StructField, StructType
 from torch import nn
 
+from gradshare.driver.session import is_connect
 from gradshare.ml.params import ColumnParams, check_features, check_new
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
 from gradshare.ml.predict import Payload, dump_weights, load_module, make_predict
@@ -74,12 +75,16 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
         that._weights = None
         return that
 
-    def _broadcast(self, sc: SparkContext) -> Broadcast[Payload]:
-        """The module as one broadcast, made again only when the SparkContext or the weights changed (a
-        user may fine-tune `torchModel` between transforms); serialising it once per transform is cheap
-        next to a Spark job."""
+    def _shipped(self, spark: SparkSession) -> Broadcast[Payload] | Payload:
+        """The module as the executors get it: one broadcast on a classic session, made again only when the
+        SparkContext or the weights changed (a user may fine-tune `torchModel` between transforms);
+        serialising it once per transform is cheap next to a Spark job. A Connect session has no
+        broadcasts: the bytes themselves, which travel inside the UDF."""
         assert self._module is not None  # _transform checked
         payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
+        if is_connect(spark):
+            return payload
+        sc = spark.sparkContext
         key = hashlib.sha256(payload[0] + payload[1]).digest()
         if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:
             if self._weights is not None and self._weights[0] is sc:
@@ -134,7 +139,7 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
         else:
             return_type = DoubleType() if output["classification"] or output["scalar"] else ArrayType(DoubleType())
         udf = predict_batch_udf(
-            make_predict(self._broadcast(dataset.sparkSession.sparkContext), self.spec["inputs"], output,
+            make_predict(self._shipped(dataset.sparkSession), self.spec["inputs"], output,
                          bool(probability)),
             return_type=return_type, batch_size=self.getOrDefault(self.predictBatchSize),
             # one scalar input takes no shapes (pyspark would reshape it to [-1] + None)

@@ -2,8 +2,9 @@
 
 The spec is plain JSON (saved in the model's metadata): each input's dtype and shape, whether the model
 is a classifier, and the width of its output. The weights reach the executors once per transform as
-one Spark broadcast of ``(architecture bytes, state_dict bytes)``; each Python worker builds the module
-from it once (pyspark's ModelCache, keyed by the predict_batch_udf) and reuses it for every batch.
+one Spark broadcast of ``(architecture bytes, state_dict bytes)`` (on a Spark Connect session, which has
+no broadcasts, as those bytes inside the pickled UDF, which the plan carries); each Python worker builds
+the module from it once (pyspark's ModelCache, keyed by the predict_batch_udf) and reuses it for every batch.
 torch.save/cloudpickle here are Spark's own data path for a model, not gradshare's UDP wire (which
 carries no pickle).
 """
@@ -86,19 +87,20 @@ def output_spec(module: nn.Module, inputs: list[InputSpec], loss_name: str, task
     return {"classification": classify, "width": width, "scalar": not classify and width == 1}
 
 
-def make_predict(payload: Broadcast[Payload], inputs: list[InputSpec], output: OutputSpec,
+def make_predict(payload: Broadcast[Payload] | Payload, inputs: list[InputSpec], output: OutputSpec,
                  probability: bool) -> Callable[[], Predict]:
-    """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it)."""
+    """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it).
+    payload: a broadcast of it (classic), or the bytes themselves (Connect: no broadcasts)."""
     return _MakePredict(payload, inputs, output, probability)
 
 
 class _MakePredict:
-    def __init__(self, payload: Broadcast[Payload], inputs: list[InputSpec], output: OutputSpec,
+    def __init__(self, payload: Broadcast[Payload] | Payload, inputs: list[InputSpec], output: OutputSpec,
                  probability: bool) -> None:
         self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
 
     def __call__(self) -> Predict:
-        module = load_module(*self.payload.value)
+        module = load_module(*(self.payload if isinstance(self.payload, tuple) else self.payload.value))
         module.eval()
         context = TaskContext.get()
         if context is not None:  # docs/design.md, "Spark": torch threads = the task's CPUs, no oversubscription
