@@ -212,6 +212,16 @@ def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
     with torch.no_grad():  # what the driver's module predicts for the same rows
         logits = stage.torchModel.eval()(torch.from_numpy(scaled.astype(np.float32)))
 
+    # a model above the inline size goes to the executors as a session file named by its sha256
+    from gradshare.ml import model as model_module
+
+    inline, model_module.INLINE_MODEL_BYTES = model_module.INLINE_MODEL_BYTES, 0
+    try:
+        by_file = _columns(model.transform(test), "prediction", "probability")
+        by_file_again = _columns(model.transform(test), "prediction", "probability")  # the same file again
+    finally:
+        model_module.INLINE_MODEL_BYTES = inline
+
     pipeline_dir, model_dir, est_dir = (os.path.join(tmp, d) for d in ("pipeline", "model", "est"))
     model.write().overwrite().save(pipeline_dir)
     model.write().overwrite().save(pipeline_dir)  # the server clears it first
@@ -232,6 +242,7 @@ def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
         "forward_pred": bool(np.array_equal(pred, logits.argmax(dim=1).numpy().astype(np.float64))),
         "forward_prob": float(np.abs(prob - torch.softmax(logits, dim=1).numpy()).max()),
         "pipeline_same": all(np.array_equal(a, b) for a, b in zip(by_pipeline, (pred, prob))),
+        "file_same": all(np.array_equal(a, b) for a, b in zip(by_file + by_file_again, (pred, prob) * 2)),
         "model_same": all(np.array_equal(a, b) for a, b in zip(by_model, (pred, prob))),
         "loaded_uid": loaded.uid == stage.uid and loaded.spec == stage.spec and loaded.history == stage.history,
         "stages": [type(s).__name__ for s in loaded_pipeline.stages],

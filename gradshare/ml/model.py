@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,10 @@ from torch import nn
 from gradshare.driver.session import is_connect
 from gradshare.ml.params import ColumnParams, check_features, check_new
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
-from gradshare.ml.predict import Payload, dump_weights, load_module, make_predict
+from gradshare.ml.predict import Payload, ShippedModel, dump_weights, load_module, make_predict, pack_payload
+
+# a Connect session's model larger than this goes to the executors as a session file, not inside the UDF
+INLINE_MODEL_BYTES = 16 << 20
 
 if TYPE_CHECKING:
     from pyspark.ml._typing import ParamMap  # pyspark's stub-only alias (what Params.copy takes)
@@ -75,15 +79,26 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
         that._weights = None
         return that
 
-    def _shipped(self, spark: SparkSession) -> Broadcast[Payload] | Payload:
+    def _shipped(self, spark: SparkSession) -> Broadcast[Payload] | Payload | ShippedModel:
         """The module as the executors get it: one broadcast on a classic session, made again only when the
         SparkContext or the weights changed (a user may fine-tune `torchModel` between transforms);
         serialising it once per transform is cheap next to a Spark job. A Connect session has no
-        broadcasts: the bytes themselves, which travel inside the UDF."""
+        broadcasts: the bytes themselves, which travel inside the UDF, up to INLINE_MODEL_BYTES; a larger
+        model goes as a session file named by its sha256 (a Connect plan is one gRPC message, 128 MiB at
+        most by default), added once per session and content."""
         assert self._module is not None  # _transform checked
         payload = (cloudpickle.dumps(self.architecture), dump_weights(self._module))
         if is_connect(spark):
-            return payload
+            if len(payload[0]) + len(payload[1]) <= INLINE_MODEL_BYTES:
+                return payload
+            data = pack_payload(payload)
+            shipped = ShippedModel(ShippedModel.name_for(data))
+            with tempfile.TemporaryDirectory(prefix="gradshare-model-") as folder:
+                path = os.path.join(folder, shipped.name)
+                with open(path, "wb") as f:
+                    f.write(data)
+                spark.addArtifacts(path, file=True)  # the same name and bytes again: accepted
+            return shipped
         sc = spark.sparkContext
         key = hashlib.sha256(payload[0] + payload[1]).digest()
         if self._weights is None or self._weights[0] is not sc or self._weights[1] != key:

@@ -12,11 +12,13 @@ carries no pickle).
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import io
 import pickle
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeAlias, TypedDict
 
 import numpy as np
@@ -87,20 +89,57 @@ def output_spec(module: nn.Module, inputs: list[InputSpec], loss_name: str, task
     return {"classification": classify, "width": width, "scalar": not classify and width == 1}
 
 
-def make_predict(payload: Broadcast[Payload] | Payload, inputs: list[InputSpec], output: OutputSpec,
+@dataclass(frozen=True)
+class ShippedModel:
+    """A Connect session's large payload, shipped as a session file (SparkSession.addArtifacts): its name,
+    which is its content's sha256 (a session file cannot be replaced, so a fine-tuned model is another
+    name), read back and checked in the task."""
+
+    name: str
+
+    @classmethod
+    def name_for(cls, data: bytes) -> str:
+        return f"gradshare-model-{hashlib.sha256(data).hexdigest()}.bin"
+
+    def payload(self) -> Payload:
+        from pyspark import SparkFiles
+
+        with open(SparkFiles.get(self.name), "rb") as f:
+            data = f.read()
+        if self.name_for(data) != self.name:
+            raise ValueError(f"the model shipped as {self.name} does not match its sha256")
+        return unpack_payload(data)
+
+
+def pack_payload(payload: Payload) -> bytes:
+    """(architecture, weights) as one file: the architecture's length (8 bytes, little-endian), then both."""
+    return len(payload[0]).to_bytes(8, "little") + payload[0] + payload[1]
+
+
+def unpack_payload(data: bytes) -> Payload:
+    n = int.from_bytes(data[:8], "little")
+    if not 0 <= n <= len(data) - 8:
+        raise ValueError("a shipped model file holds a bad architecture length")
+    return data[8:8 + n], data[8 + n:]
+
+
+def make_predict(payload: Broadcast[Payload] | Payload | ShippedModel, inputs: list[InputSpec], output: OutputSpec,
                  probability: bool) -> Callable[[], Predict]:
     """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it).
-    payload: a broadcast of it (classic), or the bytes themselves (Connect: no broadcasts)."""
+    payload: a broadcast of it (classic), the bytes themselves (Connect: no broadcasts), or a session file
+    holding them (Connect, a large model)."""
     return _MakePredict(payload, inputs, output, probability)
 
 
 class _MakePredict:
-    def __init__(self, payload: Broadcast[Payload] | Payload, inputs: list[InputSpec], output: OutputSpec,
-                 probability: bool) -> None:
+    def __init__(self, payload: Broadcast[Payload] | Payload | ShippedModel, inputs: list[InputSpec],
+                 output: OutputSpec, probability: bool) -> None:
         self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
 
     def __call__(self) -> Predict:
-        module = load_module(*(self.payload if isinstance(self.payload, tuple) else self.payload.value))
+        shipped = self.payload
+        module = load_module(*(shipped if isinstance(shipped, tuple) else
+                               shipped.payload() if isinstance(shipped, ShippedModel) else shipped.value))
         module.eval()
         context = TaskContext.get()
         if context is not None:  # docs/design.md, "Spark": torch threads = the task's CPUs, no oversubscription

@@ -41,6 +41,7 @@ def test_pipeline_fit_transform_save_load_on_connect(connect, tmp_path):
     # the executors predicted what the driver's module predicts for the same rows
     assert got["forward_pred"] and got["forward_prob"] < 1e-5
     assert got["pipeline_same"] and got["model_same"] and got["loaded_uid"]
+    assert got["file_same"]  # a large model, shipped as a session file, predicts the same
     assert got["stages"] == ["VectorAssembler", "StandardScalerModel", "GradshareModel"]
     assert got["files"] == ["architecture.pkl", "metadata", "weights.pt"]  # the classic layout: plain files
     assert got["weights_keys"] and all("." in k for k in got["weights_keys"])  # a plain torch state_dict
@@ -70,3 +71,22 @@ def test_bad_input_on_connect_is_named_as_on_classic(connect, tmp_path):
     for got, (kind, words) in zip(errors, expected):
         assert got is not None and got[0] == kind and words in got[1], (kind, words, got)
     assert ok(connect.run("ping")) == 3  # the session is still usable
+
+
+def test_a_shipped_model_file_holds_both_parts_and_a_changed_one_is_refused(tmp_path, monkeypatch):
+    from pyspark import SparkFiles
+
+    from gradshare.ml.predict import ShippedModel, pack_payload, unpack_payload
+
+    payload = (b"architecture", b"weights" * 100)
+    data = pack_payload(payload)
+    assert unpack_payload(data) == payload
+    shipped = ShippedModel(ShippedModel.name_for(data))
+    (tmp_path / shipped.name).write_bytes(data)
+    monkeypatch.setattr(SparkFiles, "get", lambda name: str(tmp_path / name))
+    assert shipped.payload() == payload
+    (tmp_path / shipped.name).write_bytes(data + b"x")
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        shipped.payload()
+    with pytest.raises(ValueError, match="bad architecture length"):
+        unpack_payload((1 << 40).to_bytes(8, "little") + b"short")
