@@ -2,15 +2,15 @@
 
     WorkerReport    what a training task returns to the driver (through Spark's result channel)
     EpochStats      one history row: a rank's epoch (worker) or every rank's (the driver's merged row)
-    Progress        what a worker sends with each step for the driver's progress bar (msgpack `meta`)
+    Progress        a worker's step for the driver's progress bar (from its message's StepMeta)
     Counters        a peer's or the relay's transport counters, taken once at the boundary
     WorkerFailure   a worker's error: its class (by name), rank, step and first cause, so the driver
                     raises the class the worker raised
 
 They replace dicts with string keys that worker.py, trainer.py and bench/* shared. Reports cross Spark
 pickled (Spark's own channel, not our UDP wire: plain dataclasses of numbers, strings and arrays).
-Progress and WorkerFailure cross OUR wire as the msgpack fields they always had (`Progress.to_meta`,
-transport.events.Fail): nothing here is pickled onto the UDP port.
+A step's meta (transport/protocol/step_meta.StepMeta) and a WorkerFailure cross OUR wire as the msgpack
+fields they always had (StepMeta.to_wire, transport.events.Fail): nothing here is pickled onto the UDP port.
 
 Reports and history rows keep dict-style read access (``report["rank"]``, ``row.get("val_metric")``,
 ``dict(row)``, ``"profile" in report``): FitResult.worker_reports, the rows on_epoch_end and
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from gradshare import errors
+from gradshare.transport.protocol.step_meta import StepMeta
 
 if TYPE_CHECKING:
     from gradshare.transport.protocol.events import Incident
@@ -250,8 +251,8 @@ def epoch_lines(tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_
 
 @dataclass(frozen=True)
 class Progress:
-    """What a worker says about its step, inside the step's message `meta` (msgpack floats on the
-    wire): the relay tallies it per (rank, epoch) and the driver's progress bar shows the latest."""
+    """A worker's step as the driver's progress bar shows it: the progress fields of the step's message
+    meta (transport/protocol/step_meta.StepMeta, which the relay tallies per (rank, epoch))."""
 
     loss: float
     sparsity: float  # share of the entries the step sent
@@ -260,26 +261,18 @@ class Progress:
     tau: float | None = None  # None: an fp16 step the loss scaler skipped (no τ was used)
     lr: float | None = None
 
-    def to_meta(self) -> dict[str, float]:
-        meta = {"loss": self.loss, "sparsity": self.sparsity, "bytes": self.bytes, "epoch": self.epoch}
-        if self.tau is not None:
-            meta["tau"] = self.tau
-        if self.lr is not None:
-            meta["lr"] = self.lr
-        return meta
-
     @classmethod
-    def from_meta(cls, meta: Mapping[str, Any] | None) -> Progress | None:
-        """The step summary in a message's meta; None when it carries none (a relay-made aggregate)."""
-        if not meta or any(not isinstance(meta.get(k), (int, float)) for k in ("loss", "sparsity", "bytes")):
+    def from_meta(cls, meta: StepMeta | Mapping[str, object] | None) -> Progress | None:
+        """The step summary in a message's meta, the record or its wire map (a relay's progress() holds
+        the map); None when it carries none (a relay-made aggregate) or the map is not a StepMeta's."""
+        if meta is not None and not isinstance(meta, StepMeta):
+            try:
+                meta = StepMeta.from_wire(dict(meta))
+            except errors.DecodeError:
+                return None
+        if meta is None or meta.loss is None or meta.sparsity is None or meta.bytes is None:
             return None
-
-        def number(key: str) -> float | None:
-            value = meta.get(key)
-            return float(value) if isinstance(value, (int, float)) else None
-
-        return cls(float(meta["loss"]), float(meta["sparsity"]), float(meta["bytes"]),
-                   number("epoch") or 0.0, number("tau"), number("lr"))
+        return cls(meta.loss, meta.sparsity, meta.bytes, float(meta.epoch or 0), meta.tau, meta.lr)
 
 
 # ----------------------------------------------------------------------------------- failures

@@ -2,7 +2,7 @@
 
 Why the log: every replica must stop at a step that is a function of the log alone, or the replicas
 would apply different logs and diverge. Rank 0 scores epoch e on the log through its epoch's last step
-(task/scoring.py, `Scorer`), decides, and puts ``meta["stop_epoch"] = E`` on its next message (step t). Every
+(task/scoring.py, `Scorer`), decides, and sets ``StepMeta.stop_epoch = E`` in its next message (step t). Every
 rank applies that message before its step t + 1 + k, so every rank whose epoch E ends at step t + k or
 later can still stop there; E is the first epoch for which that holds on every rank (`stop_epoch`).
 Each rank then ends after its own epoch E and announces FINISHED at that step, as at a normal end, so

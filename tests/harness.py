@@ -11,6 +11,7 @@ from gradshare.hashing import param_hash
 from gradshare.transport.protocol.peer_core import PeerCore
 from gradshare.transport.protocol.relay_core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, Link, random_update, toy_apply_payload
 
 RELAY = "relay"
@@ -97,7 +98,7 @@ class Sim:
                 if t <= end and p.complete_through >= t - 1 - self.staleness:
                     payload = self.make_payload(int(self.rng.choice(entries)))
                     self.sent[(t, r)] = payload
-                    p.send_update(t, payload, {"loss": float(t)}, self.now)
+                    p.send_update(t, payload, StepMeta(loss=float(t)), self.now)
                 elif t > end and p.finish_step is None:
                     p.finish(end, self.now)
             if self.relay.finished() and all(p.cursor is not None and p.cursor.finished()

@@ -24,6 +24,7 @@ from gradshare.driver.result import FitExtras, FitResult
 from gradshare.transport import Peer, Relay, new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
@@ -108,14 +109,16 @@ def test_a_worker_report_crosses_spark_and_reads_like_a_dict():
     assert timed["profile"] == {"steps": {}} and timed["validation_rows"] == 5 and rep.profile is None
 
 
-def test_progress_travels_as_the_meta_floats_it_always_was():
+def test_progress_reads_a_steps_meta_or_the_floats_it_travels_as():
     p = Progress(loss=0.25, sparsity=0.002, bytes=512.0, epoch=1.0, tau=1e-3, lr=0.1)
-    meta = p.to_meta()
-    assert meta == {"loss": 0.25, "sparsity": 0.002, "bytes": 512.0, "epoch": 1.0, "tau": 1e-3, "lr": 0.1}
-    assert Progress.from_meta({**meta, "es_waited": 2.0}) == p  # rank 0's notes ride beside it
-    skipped = Progress(0.5, 0.0, 8.0, 0.0)  # an fp16 step the scaler skipped: no τ was used
-    assert "tau" not in skipped.to_meta() and Progress.from_meta(skipped.to_meta()) == skipped
-    assert Progress.from_meta(None) is None and Progress.from_meta({"stop_epoch": 3.0}) is None
+    meta = StepMeta(loss=0.25, sparsity=0.002, bytes=512.0, epoch=1, tau=1e-3, lr=0.1)
+    assert meta.to_wire() == {"loss": 0.25, "sparsity": 0.002, "bytes": 512.0, "epoch": 1.0, "tau": 1e-3, "lr": 0.1}
+    assert Progress.from_meta(meta) == Progress.from_meta(meta.to_wire()) == p
+    assert Progress.from_meta(meta.with_(StepMeta(es_waited=2))) == p  # rank 0's notes ride beside it
+    skipped = StepMeta(loss=0.5, sparsity=0.0, bytes=8.0, epoch=0)  # an fp16 step the scaler skipped: no τ
+    assert "tau" not in skipped.to_wire() and Progress.from_meta(skipped) == Progress(0.5, 0.0, 8.0, 0.0)
+    assert Progress.from_meta(None) is None and Progress.from_meta(StepMeta(stop_epoch=3)) is None
+    assert Progress.from_meta({"loss": "high"}) is None  # not a StepMeta's map: nothing to show
 
 
 # ------------------------------------------------------------------------------------ failures

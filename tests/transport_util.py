@@ -17,6 +17,7 @@ import numpy as np
 
 from gradshare.errors import DecodeError
 from gradshare.transport import Peer
+from gradshare.transport.protocol.step_meta import StepMeta
 
 
 def toy_encode(tau: float, signed_indices) -> bytes:
@@ -113,7 +114,7 @@ def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), stal
                     for u in p.receive(until_step=t - 1 - staleness, timeout=20):
                         logs[r].append((u.step, u.sender))
                         apply(u.payload, params[r])
-                p.send_update(t, payloads[(t, r)], {"loss": 1.0 / (t + 1)})
+                p.send_update(t, payloads[(t, r)], StepMeta(loss=1.0 / (t + 1)))
                 sent[(t, r)] = payloads[(t, r)]
             p.finish(steps - 1)
             for u in p.receive(until_step=steps - 1, timeout=20):

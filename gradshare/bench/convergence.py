@@ -28,18 +28,24 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from gradshare.bench import report, systems
 from gradshare.bench.report import accuracy_panel, final_accuracy, fmt, human_bytes, machine, save_figure
-from gradshare.bench.systems import LR_SCHEDULES, STEP_DECAY_AT, STEP_DECAY_GAMMA
+from gradshare.bench.report import Row
+from gradshare.bench.systems import LR_SCHEDULES, STEP_DECAY_AT, STEP_DECAY_GAMMA, Measured
 from gradshare.bench.train import comma_list
-from gradshare.bench.workloads import WORKLOADS, load
+from gradshare.bench.workloads import WORKLOADS, Workload, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 SYSTEMS = ("single", "gradshare", "ddp")
-QUICK = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
+QUICK: dict[str, Any] = {"rows": 256, "epochs": 2, "seeds": "0", "workers": "2", "schedules": "cosine"}
 # Epochs per workload of the full run, sized so that 3 workloads × 3 schedules × 3 seeds × N ∈ {2, 4} ×
 # 3 systems fit in about an hour on the 2-core VM (docs/benchmarks/convergence.md has the timings). On
 # seed 0 with cosine every system had crossed its target by epoch 5 (MLP), 7 (CNN, of 8: too few to see
@@ -91,7 +97,7 @@ def _ints(text: str, flag: str, minimum: int) -> list[int]:
 
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The resolved configuration (validated, every error naming its flag; --quick applied)."""
     quick = bool(args.quick)
     for flag, value in (("epochs", args.epochs), ("batch-size", args.batch_size), ("rows", args.rows)):
@@ -100,7 +106,7 @@ def settings(args: argparse.Namespace) -> dict:
     if not args.budget > 0:
         raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
 
-    def given(value, full: str, smoke: str) -> str:  # an explicit flag wins over --quick
+    def given(value: str | None, full: str, smoke: str) -> str:  # an explicit flag wins over --quick
         return value if value is not None else (smoke if quick else full)
 
     workloads = comma_list(args.workloads, WORKLOADS, "workloads")
@@ -123,8 +129,8 @@ def epochs_to_target(accuracies: list[float], target: float) -> int | None:
     return next((e + 1 for e, a in enumerate(accuracies) if a >= target), None)
 
 
-def make_row(system: str, workload: str, schedule: str, seed: int, workers: int, measured, target: float,
-             epochs: int) -> dict:
+def make_row(system: str, workload: str, schedule: str, seed: int, workers: int, measured: Measured, target: float,
+             epochs: int) -> dict[str, Any]:
     """One result row from a `systems.Measured`; a run stopped by its budget is a failed row (curve kept)."""
     curve = [(float(t), float(a)) for t, a in measured.curve]
     accuracy = [a for _, a in curve]
@@ -155,7 +161,7 @@ def make_row(system: str, workload: str, schedule: str, seed: int, workers: int,
     return row
 
 
-def failed_row(system: str, workload: str, schedule: str, seed: int, workers: int, error) -> dict:
+def failed_row(system: str, workload: str, schedule: str, seed: int, workers: int, error: str | BaseException) -> dict[str, Any]:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     first = text.strip().splitlines()[0][:300] if text.strip() else "error"
     return {"system": system, "workload": workload, "schedule": schedule, "seed": seed, "workers": workers,
@@ -163,15 +169,16 @@ def failed_row(system: str, workload: str, schedule: str, seed: int, workers: in
 
 
 # ------------------------------------------------------------------------------------------ running
-def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]:
+def run_configs(cfg: dict[str, Any], spark: SparkSession | None,
+                on_part: Callable[[list[Row], list[Row]], object] | None = None) -> tuple[list[Row], list[Row]]:
     """Every configuration of `cfg`, workload by workload: single, then per N gradshare and DDP.
     Returns (rows, parts: seconds per workload × system × N). `on_part(rows, parts)` after each part."""
-    rows: list[dict] = []
-    parts: list[dict] = []
+    rows: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
     budget, bs = cfg["budget"], cfg["batch_size"]
     runs = [(schedule, seed) for schedule in cfg["schedules"] for seed in cfg["seeds"]]
 
-    def part(workload: str, system: str, workers: int, new: list[dict], seconds: float) -> None:
+    def part(workload: str, system: str, workers: int, new: list[dict[str, Any]], seconds: float) -> None:
         rows.extend(new)
         parts.append({"workload": workload, "system": system, "workers": workers, "configs": len(new),
                       "failed": sum(r["status"] != "ok" for r in new), "seconds": seconds})
@@ -179,7 +186,8 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
         if on_part is not None:
             on_part(rows, parts)
 
-    def one(system: str, wl, schedule: str, seed: int, workers: int, epochs: int, train) -> dict:
+    def one(system: str, wl: Workload, schedule: str, seed: int, workers: int, epochs: int,
+            train: Callable[[], Measured]) -> Row:
         t0 = time.monotonic()
         try:
             r = make_row(system, wl.name, schedule, seed, workers, train(), wl.target, epochs)
@@ -199,6 +207,7 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
             part(name, "single", 1, new, time.monotonic() - t0)
         for n in cfg["workers"]:
             if "gradshare" in cfg["systems"]:
+                assert spark is not None  # run() starts Spark for every system but the single process
                 t0 = time.monotonic()
                 # the fit's start-up (Spark jobs, relay, worker imports) is inside the cancel timer
                 new = [one("gradshare", data[seed], sch, seed, n, epochs, lambda: systems.run_gradshare(
@@ -206,13 +215,15 @@ def run_configs(cfg: dict, spark, on_part=None) -> tuple[list[dict], list[dict]]
                            aggregate=cfg["aggregate"], **dict(common, budget=budget + 60))) for sch, seed in runs]
                 part(name, "gradshare", n, new, time.monotonic() - t0)
             if "ddp" in cfg["systems"]:
+                assert spark is not None  # as above
                 t0 = time.monotonic()
                 new = _ddp_part(spark, cfg, name, n, runs, data, epochs)
                 part(name, "ddp", n, new, time.monotonic() - t0)
     return rows, parts
 
 
-def _ddp_part(spark, cfg: dict, name: str, workers: int, runs, data, epochs: int) -> list[dict]:
+def _ddp_part(spark: SparkSession, cfg: dict[str, Any], name: str, workers: int, runs: list[tuple[str, int]],
+              data: dict[int, Workload], epochs: int) -> list[Row]:
     """Every (schedule, seed) of one workload × N in one TorchDistributor launch; each row's `elapsed`
     is its own run plus an equal share of the launch's start-up."""
     specs = [systems.ddp_spec(name, seed=seed, epochs=epochs, batch_size=cfg["batch_size"], budget=cfg["budget"],
@@ -234,7 +245,7 @@ def _ddp_part(spark, cfg: dict, name: str, workers: int, runs, data, epochs: int
     return new
 
 
-def _said(r: dict) -> dict:
+def _said(r: dict[str, Any]) -> dict[str, Any]:
     """`r`, after a progress line about it."""
     acc = r["accuracy"][-1] if r["accuracy"] else math.nan
     print(f"[convergence]   {r['workload']} {r['schedule']} seed {r['seed']} {r['system']} N={r['workers']}: "
@@ -250,7 +261,7 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def _per_epoch(rows: list[dict], key: str) -> list[float | None]:
+def _per_epoch(rows: list[dict[str, Any]], key: str) -> list[float | None]:
     """The mean over `rows` of the per-epoch list `key`, epoch by epoch (None where a row has None)."""
     series = [r[key] for r in rows if r.get(key)]
     out = []
@@ -260,7 +271,7 @@ def _per_epoch(rows: list[dict], key: str) -> list[float | None]:
     return out
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per workload × schedule × N × system over its seeds (ok rows only): accuracy mean ± std
     per epoch, epochs to target of the mean curve and of every seed, final accuracy mean ± std, bytes per
     worker-step, traffic ratio, seconds; gradshare also τ, sent share and silent-step share per epoch."""
@@ -281,7 +292,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "seeds": [r["seed"] for r in ok], "failed": [{"seed": r["seed"], "error": r.get("error")}
                                                          for r in group if r["status"] != "ok"],
             "target": target, "mean": mean, "std": [_mean_std(c)[1] for c in curves],
-            "epochs_to_target": epochs_to_target(mean, target) if ok else None,
+            "epochs_to_target": epochs_to_target(mean, target) if target is not None else None,  # None: no ok seed
             "epochs_to_target_per_seed": [r["epochs_to_target"] for r in ok],
             "final_mean": final[0], "final_std": final[1],
             "bytes_per_step": _mean_std([r["bytes_per_step"] for r in ok])[0],
@@ -295,12 +306,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _find(summary: list[dict], workload: str, schedule: str, workers: int, system: str) -> dict | None:
+def _find(summary: list[dict[str, Any]], workload: str, schedule: str, workers: int, system: str) -> dict[str, Any] | None:
     return next((s for s in summary if (s["workload"], s["schedule"], s["workers"], s["system"])
                  == (workload, schedule, workers, system) and s["seeds"]), None)
 
 
-def checks(summary: list[dict]) -> list[dict]:
+def checks(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The convergence targets for every workload × schedule × N that has gradshare or DDP rows: gradshare's mean
     final accuracy ≥ DDP's − 0.3 pp; its epochs to target (mean curve) ≤ DDP's; traffic ≥ 300× less than
     dense on the MLP, ≥ 100× on the CNN (FitResult.traffic_ratio, mean over seeds). `met` is None where a
@@ -313,7 +324,7 @@ def checks(summary: list[dict]) -> list[dict]:
         dd = _find(summary, workload, schedule, workers, "ddp")
         where = {"workload": workload, "schedule": schedule, "workers": workers}
         both = gs is not None and dd is not None
-        diff = 100 * (gs["final_mean"] - dd["final_mean"]) if both else None
+        diff = 100 * (gs["final_mean"] - dd["final_mean"]) if gs is not None and dd is not None else None
         out.append({**where, "check": "final acc. gradshare − DDP (pp)", "value": diff,
                     "limit": -ACCURACY_SLACK_PP, "met": None if diff is None else diff >= -ACCURACY_SLACK_PP})
         g_ett, d_ett = (gs or {}).get("epochs_to_target"), (dd or {}).get("epochs_to_target")
@@ -335,7 +346,7 @@ def _pm(mean: float | None, std: float | None, scale: float = 100.0) -> str:
     return f"{scale * mean:.2f}" + (f" ± {scale * std:.2f}" if std is not None else "")
 
 
-def table(summary: list[dict]) -> str:
+def table(summary: list[dict[str, Any]]) -> str:
     head = (f"{'workload':<8} {'schedule':<8} {'N':>2} {'system':<9} {'seeds':>5} {'final acc %':>15} "
             f"{'→target':>7} {'per seed':<11} {'bytes/step':>10} {'dense÷this':>10} {'train s':>8} {'elapsed':>8}")
     lines = [head, "-" * len(head)]
@@ -350,7 +361,7 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def checks_table(found: list[dict]) -> str:
+def checks_table(found: list[dict[str, Any]]) -> str:
     lines = []
     for c in found:
         met = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
@@ -361,7 +372,7 @@ def checks_table(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, summary: list[dict], title: str = "") -> None:
+def plot(path: str, summary: list[dict[str, Any]], title: str = "") -> None:
     """Accuracy per epoch: one panel per workload × schedule, one line (mean) and ±std band per system × N."""
     import matplotlib
 
@@ -409,7 +420,7 @@ NOTES = [
 ]
 
 
-def write_json(path: str, rows: list[dict], parts: list[dict], *, command: str, config: dict) -> dict:
+def write_json(path: str, rows: list[dict[str, Any]], parts: list[dict[str, Any]], *, command: str, config: dict[str, Any]) -> dict[str, Any]:
     summary = summarise(rows)
     doc = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),

@@ -17,8 +17,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for annotations only (see above)
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from gradshare.encoding import Message
 
 DEFAULT_PARAMS = 10_000_000
 DEFAULT_DENSITY = 1e-3
@@ -92,71 +99,17 @@ def measure(
     import numba
     import numpy as np
 
-    from gradshare.encoding import BITMAP, RICE, SPARSE, apply, convert, encode
-    from gradshare.encoding.codec import entry_codes as codes  # the bare decoder: payload -> int64 entry codes
+    from gradshare.encoding import BITMAP, RICE, SPARSE, convert
 
     # τ such that a standard normal update crosses it with probability `density` (both tails).
     tau = statistics.NormalDist().inv_cdf(1.0 - density / 2.0)
-    rng = np.random.default_rng(seed)
-    u = rng.standard_normal(params, dtype=np.float32)
-    r = np.zeros(params, np.float32)
-    target = np.zeros(params, np.float32)
-
-    if threads > 1:
-        pool = ThreadPoolExecutor(max_workers=threads)
-        step = -(-params // threads)
-        spans = [(lo, min(lo + step, params)) for lo in range(0, params, step)]
-
-        def numpy_add() -> None:
-            list(pool.map(lambda s: np.add(r[s[0] : s[1]], u[s[0] : s[1]], out=r[s[0] : s[1]]), spans))
-
-    else:
-        pool = None
-
-        def numpy_add() -> None:
-            np.add(r, u, out=r)
-
-    try:
-        # warm-up: loads the kernels (from the on-disk cache when warm) and faults the pages in
-        m = encode(r, u, tau, threads=threads)
-        numpy_add()
-        apply(m, target)
-        codes(m)
-        t_encode, t_add, t_apply, t_warm, t_decode = [], [], [], [], []
-        for _ in range(repeat):
-            r.fill(0.0)  # same density every repeat; also the same cache state for both timings
-            t0 = time.perf_counter()
-            m = encode(r, u, tau, threads=threads)
-            t_encode.append(time.perf_counter() - t0)
-            r.fill(0.0)
-            t0 = time.perf_counter()
-            numpy_add()
-            t_add.append(time.perf_counter() - t0)
-            # decode-apply as a training step sees it: right after streaming passes, target not cached
-            t0 = time.perf_counter()
-            apply(m, target)
-            t_apply.append(time.perf_counter() - t0)
-            # the same again with the touched lines cached (best of 3 back-to-back re-applies; the
-            # first re-apply still competes with write-backs of the streaming passes)
-            warm = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                apply(m, target)
-                warm.append(time.perf_counter() - t0)
-            t_warm.append(min(warm))
-            t0 = time.perf_counter()
-            codes(m)
-            t_decode.append(time.perf_counter() - t0)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-
+    m, t = _time_codec(params, tau, repeat, threads, seed)
     k = m.n_entries
-    encode_s = statistics.median(t_encode)
-    add_s = statistics.median(t_add)
-    apply_s = statistics.median(t_apply)
-    warm_s = statistics.median(t_warm)
-    decode_s = statistics.median(t_decode)
+    encode_s = statistics.median(t["encode"])
+    add_s = statistics.median(t["add"])
+    apply_s = statistics.median(t["apply"])
+    warm_s = statistics.median(t["warm"])
+    decode_s = statistics.median(t["decode"])
     wire = {form: convert(m, form).nbytes for form in (SPARSE, RICE, BITMAP)}
 
     def per_s(seconds: float) -> float | None:
@@ -174,7 +127,7 @@ def measure(
         "numpy_add_s": add_s,
         # each repeat times encode and numpy.add back to back: the median of those paired ratios
         # cancels most of the noise of a shared machine
-        "encode_over_numpy_add": statistics.median(e / a for e, a in zip(t_encode, t_add)),
+        "encode_over_numpy_add": statistics.median(e / a for e, a in zip(t["encode"], t["add"])),
         "apply_s": apply_s,
         "apply_entries_per_s": per_s(apply_s),
         "apply_warm_s": warm_s,
@@ -195,6 +148,77 @@ def measure(
     if cold_start:
         result["cold_start_first_s"], result["cold_start_s"] = _cold_start(), _cold_start()
     return result
+
+
+def _time_codec(params: int, tau: float, repeat: int, threads: int, seed: int) -> tuple[Message, dict[str, list[float]]]:
+    """The last message encoded and the seconds of each repeat by phase: encode, add (numpy.add of the
+    same arrays), apply (cold), warm (apply with the touched lines cached), decode."""
+    import numpy as np
+
+    from gradshare.encoding import apply, encode
+    from gradshare.encoding.codec import entry_codes as codes  # the bare decoder: payload -> int64 entry codes
+
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(params, dtype=np.float32)
+    r = np.zeros(params, np.float32)
+    target = np.zeros(params, np.float32)
+    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+    numpy_add = _numpy_add(r, u, pool, threads)
+    t: dict[str, list[float]] = {"encode": [], "add": [], "apply": [], "warm": [], "decode": []}
+    try:
+        # warm-up: loads the kernels (from the on-disk cache when warm) and faults the pages in
+        m = encode(r, u, tau, threads=threads)
+        numpy_add()
+        apply(m, target)
+        codes(m)
+        for _ in range(repeat):
+            r.fill(0.0)  # same density every repeat; also the same cache state for both timings
+            t0 = time.perf_counter()
+            m = encode(r, u, tau, threads=threads)
+            t["encode"].append(time.perf_counter() - t0)
+            r.fill(0.0)
+            t0 = time.perf_counter()
+            numpy_add()
+            t["add"].append(time.perf_counter() - t0)
+            # decode-apply as a training step sees it: right after streaming passes, target not cached
+            t0 = time.perf_counter()
+            apply(m, target)
+            t["apply"].append(time.perf_counter() - t0)
+            # the same again with the touched lines cached (best of 3 back-to-back re-applies; the
+            # first re-apply still competes with write-backs of the streaming passes)
+            warm = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                apply(m, target)
+                warm.append(time.perf_counter() - t0)
+            t["warm"].append(min(warm))
+            t0 = time.perf_counter()
+            codes(m)
+            t["decode"].append(time.perf_counter() - t0)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return m, t
+
+
+def _numpy_add(r: NDArray[np.float32], u: NDArray[np.float32], pool: ThreadPoolExecutor | None,
+               threads: int) -> Callable[[], None]:
+    """r += u in place, the baseline pass: split over `pool`'s `threads` like the threaded encode."""
+    import numpy as np
+
+    if pool is None:
+        def numpy_add() -> None:
+            np.add(r, u, out=r)
+
+        return numpy_add
+    params = len(r)
+    step = -(-params // threads)
+    spans = [(lo, min(lo + step, params)) for lo in range(0, params, step)]
+
+    def numpy_add_threaded() -> None:
+        list(pool.map(lambda s: np.add(r[s[0] : s[1]], u[s[0] : s[1]], out=r[s[0] : s[1]]), spans))
+
+    return numpy_add_threaded
 
 
 def _cold_start() -> float:

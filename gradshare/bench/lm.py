@@ -29,6 +29,8 @@ import sysconfig
 import tempfile
 import time
 from datetime import datetime, timezone
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,14 +40,19 @@ from torch import nn
 from gradshare.bench import report
 from gradshare.bench.train import comma_list
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+LmData = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (ids, labels, validation ids, its labels)
+
 TRAIN_MODULES = ("argparse", "difflib", "shutil", "pathlib", "functools", "dataclasses", "statistics", "fractions")
 VAL_MODULES = ("textwrap", "heapq")
 VOCAB, SEQ, WIDTH, LAYERS, HEADS = 128, 64, 96, 2, 4
 LR, WEIGHT_DECAY, CLIP, WARMUP_SHARE = 3e-3, 0.1, 1.0, 0.05
 LOSS_SLACK = 0.05  # nats: gradshare's validation loss at most this above DDP's
 TRAFFIC_TARGET = 100.0
-DEFAULTS = {"epochs": 4, "seeds": "0,1,2", "workers": "2,4", "rows": 4096, "batch_size": 32}
-QUICK = {"epochs": 1, "seeds": "0", "workers": "2", "rows": 256, "batch_size": 32}
+DEFAULTS: dict[str, Any] = {"epochs": 4, "seeds": "0,1,2", "workers": "2,4", "rows": 4096, "batch_size": 32}
+QUICK: dict[str, Any] = {"epochs": 1, "seeds": "0", "workers": "2", "rows": 256, "batch_size": 32}
 
 
 # ------------------------------------------------------------------------------------ data and model
@@ -63,7 +70,7 @@ def text_windows(modules: tuple[str, ...], limit: int | None = None) -> np.ndarr
     return np.ascontiguousarray(windows[:limit])
 
 
-def lm_data(seed: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def lm_data(seed: int, rows: int | None = None) -> LmData:
     """(train ids, train labels, val ids, val labels), (n, SEQ) int64; training windows in a seeded order."""
     train = text_windows(TRAIN_MODULES)
     train = train[np.random.default_rng(seed).permutation(len(train))][:rows]
@@ -87,7 +94,9 @@ class CausalLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
         x = self.tokens(ids) + self.positions(torch.arange(n, device=ids.device))
-        return self.head(self.norm(self.blocks(x, mask=self.mask[:n, :n], is_causal=True)))
+        mask = self.get_buffer("mask")  # typed: nn.Module's attribute reads are Tensor | Module
+        out: torch.Tensor = self.head(self.norm(self.blocks(x, mask=mask[:n, :n], is_causal=True)))
+        return out
 
 
 def causal_lm() -> CausalLM:
@@ -95,7 +104,7 @@ def causal_lm() -> CausalLM:
     return CausalLM()
 
 
-def adamw(params):
+def adamw(params: Iterable[torch.Tensor]) -> torch.optim.AdamW:
     """AdamW, weight decay on the matrices only (GPT-2's recipe); `run_gradshare` clips the gradient norm."""
     params = list(params)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -111,19 +120,19 @@ def warmup_cosine(total_steps: int, step: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total_steps - warm))))
 
 
-def scheduler_factory(total_steps: int):
-    def factory(optimizer):
+def scheduler_factory(total_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
+    def factory(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_cosine, total_steps))
 
     return factory
 
 
-def val_loss_sums(out, labels) -> tuple[float, float]:
+def val_loss_sums(out: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     """(summed next-token cross-entropy, tokens): the validation metric, exact to add across batches."""
     return float(F.cross_entropy(out.flatten(0, -2), labels.flatten(), reduction="sum")), float(labels.numel())
 
 
-def val_loss(model, ids: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
+def val_loss(model: nn.Module, ids: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
     total = count = 0.0
     model.eval()
     with torch.no_grad():
@@ -140,7 +149,7 @@ def steps_per_epoch(rows: int, world: int, batch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ systems
-def run_ddp(data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
+def run_ddp(data: LmData, *, workers: int, epochs: int, batch: int, seed: int) -> dict[str, Any]:
     """DDP's step in one process: the mean loss of the N ranks' batches, one clipped AdamW step."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -170,7 +179,7 @@ def run_ddp(data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
             "n_params": sum(p.numel() for p in model.parameters())}
 
 
-def run_gradshare(spark, data, *, workers: int, epochs: int, batch: int, seed: int) -> dict:
+def run_gradshare(spark: SparkSession, data: LmData, *, workers: int, epochs: int, batch: int, seed: int) -> dict[str, Any]:
     from gradshare.replica.losses import clip_grad_norm
     from gradshare.driver.trainer import SharedTrainer
 
@@ -201,7 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default=None, help="where bench-lm.json/.png go (default docs/; --quick: a temp dir)")
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     base = QUICK if args.quick else DEFAULTS
     ints = {}
     for key, value in (("workers", args.workers), ("seeds", args.seeds)):
@@ -221,7 +230,7 @@ def settings(args: argparse.Namespace) -> dict:
     return cfg
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for workers, system in sorted({(r["workers"], r["system"]) for r in rows}):
         group = [r for r in rows if (r["workers"], r["system"]) == (workers, system) and "val_loss" in r]
@@ -235,7 +244,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def checks(summary: list[dict]) -> list[dict]:
+def checks(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for workers in sorted({s["workers"] for s in summary}):
         gs = next((s for s in summary if s["workers"] == workers and s["system"] == "gradshare"), None)
@@ -250,7 +259,7 @@ def checks(summary: list[dict]) -> list[dict]:
     return found
 
 
-def plot(path: str, summary: list[dict], title: str) -> None:
+def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-lm-") if cfg["quick"] else "docs")
     systems.local_spark_env()
     spark = systems.local_spark(max(cfg["workers"]), "gradshare-bench-lm") if "gradshare" in cfg["systems"] else None
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
         for seed in cfg["seeds"]:
@@ -287,7 +296,11 @@ def run(args: argparse.Namespace) -> int:
                     kw = dict(workers=workers, epochs=cfg["epochs"], batch=cfg["batch_size"], seed=seed)
                     row = {"system": system, "workers": workers, "seed": seed}
                     try:
-                        row.update(run_ddp(data, **kw) if system == "ddp" else run_gradshare(spark, data, **kw))
+                        if system == "ddp":
+                            row.update(run_ddp(data, **kw))
+                        else:
+                            assert spark is not None  # started above whenever gradshare runs
+                            row.update(run_gradshare(spark, data, **kw))
                     except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(f"[lm] seed {seed} N={workers} {system}: "
@@ -297,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         if spark is not None:
             spark.stop()
     summary = summarise(rows)
-    doc = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
+    doc: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
            "command": report.command_line("lm"), "config": cfg,
            "recipe": {"model": f"{LAYERS} pre-norm layers, width {WIDTH}, {HEADS} heads, vocab {VOCAB}, T {SEQ}",
                       "optimizer": f"AdamW lr {LR}, betas 0.9/0.95, wd {WEIGHT_DECAY} (matrices), clip {CLIP}",

@@ -28,12 +28,15 @@ import math
 import sys
 import time
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.encoding.threshold import default_decay
+from gradshare.config import SchedulerFactory
+from gradshare.encoding.threshold import ThresholdRule, default_decay
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
@@ -43,51 +46,73 @@ from gradshare.driver.plan import warmup_start
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
+from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.vectors import Vector
 
 
 class LogPeer:
     """A peer whose relay is a shared list: every message sent is delivered to every rank in order."""
 
-    def __init__(self, log: list, rank: int) -> None:
+    def __init__(self, log: list[tuple[int, int, bytes]], rank: int) -> None:
         self.log, self.rank, self.last = log, rank, (-1, -1)
 
-    def send_update(self, step, payload, meta=None) -> None:
+    def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None:
         self.log.append((step, self.rank, payload))
 
-    def receive(self, until_step=None, timeout=None):
+    def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
+        assert until_step is not None  # ApplyLog always names the step it needs
         new = sorted(m for m in self.log if m[0] <= until_step and (m[0], m[1]) > self.last)
         if new:
             self.last = new[-1][:2]
         return [Update(s, r, p, None) for s, r, p in new]
 
-    def counters(self) -> dict:
+    def counters(self) -> dict[str, int]:
         return {}
 
 
 class CappedRule(encoding.CalibratedThreshold):
-    def __init__(self, cap, **kw):
+    def __init__(self, cap: float, **kw: Any) -> None:
         super().__init__(**kw)
-        self.cap, self.ceiling = cap, None
+        self.cap = cap
+        self.ceiling: float | None = None
 
-    def calibrate(self, sample, step, n_params):
+    def calibrate(self, sample: Vector, step: int, n_params: int) -> float:
         tau = super().calibrate(sample, step, n_params)
         if step >= self.warmup_steps:
-            if self.ceiling is None:
-                self.ceiling = self.cap * tau
-            self.tau = min(tau, self.ceiling)
+            ceiling = self.ceiling = self.cap * tau if self.ceiling is None else self.ceiling
+            self.tau = min(tau, ceiling)
         return self.tau
 
 
-def make_rule(spec: dict | None):
+def make_rule(spec: dict[str, Any] | None) -> ThresholdRule:
     spec = dict(spec or {"kind": "auto"})
     kind = spec.pop("kind")
-    return {"auto": encoding.CalibratedThreshold, "adaptive": encoding.AdaptiveThreshold,
-            "fixed": encoding.FixedThreshold}[kind](**spec)
+    rule: ThresholdRule = {"auto": encoding.CalibratedThreshold, "adaptive": encoding.AdaptiveThreshold,
+                           "fixed": encoding.FixedThreshold}[kind](**spec)
+    return rule
 
 
-def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule="constant", batch=64,
-        system="gradshare", scale=1.0, follow_lr=True, clip=5.0, decay=1.0, cap=None, view=True,
-        folded=True, device="cpu", data: Workload | None = None) -> dict:
+def _rule_for(rule: dict[str, Any] | None, world: int, steps: int, warmup: int, cap: float | None) -> ThresholdRule:
+    """The run's threshold rule: `rule` with what SharedTrainer's default rule gives where it is silent."""
+    given = rule or {}
+    rule_obj = make_rule(rule)
+    if isinstance(rule_obj, encoding.CalibratedThreshold):
+        if not {"decay_from", "decay_lr_power"} & set(given):
+            rule_obj.decay_from, rule_obj.decay_lr_power = default_decay(world)  # what SharedTrainer's rule gives
+        rule_obj = rule_obj.for_run(steps)  # a run-long decay spans the run's planned steps
+        if "warmup_steps" not in given:
+            rule_obj.warmup_steps = warmup
+        if "warmup_density" not in given:
+            rule_obj.warmup_density = warmup_start(world)
+    if cap is not None:  # experiment: after the warm-up τ may not exceed cap × its value at the warm-up's end
+        rule_obj = CappedRule(cap, **{k: getattr(rule_obj, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
+    return rule_obj
+
+
+def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, rule: dict[str, Any] | None = None,
+        lr: float = 1e-3, schedule: str = "constant", batch: int = 64, system: str = "gradshare", scale: float = 1.0,
+        follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
+        folded: bool = True, device: str = "cpu", data: Workload | None = None) -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -97,17 +122,7 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
     warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
-    rule_obj = make_rule(rule)
-    if isinstance(rule_obj, encoding.CalibratedThreshold) and not {"decay_from", "decay_lr_power"} & set(rule or {}):
-        rule_obj.decay_from, rule_obj.decay_lr_power = default_decay(world)  # what SharedTrainer's rule gives
-    if isinstance(rule_obj, encoding.CalibratedThreshold):
-        rule_obj = rule_obj.for_run(max(spe) * epochs)  # a run-long decay spans the run's planned steps
-    if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_steps" not in (rule or {}):
-        rule_obj.warmup_steps = warmup
-    if isinstance(rule_obj, encoding.CalibratedThreshold) and "warmup_density" not in (rule or {}):
-        rule_obj.warmup_density = warmup_start(world)
-    if cap is not None:  # experiment: after the warm-up τ may not exceed cap × its value at the warm-up's end
-        rule_obj = CappedRule(cap, **{k: getattr(rule_obj, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
+    rule_obj = _rule_for(rule, world, max(spe) * epochs, warmup, cap)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
                        residual_clip=encoding.ResidualClipping(clip=clip) if clip else None,
@@ -116,78 +131,103 @@ def run(workload="mlp", world=2, epochs=12, seed=0, rule=None, lr=1e-3, schedule
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
                        folded_view=bool(folded), device=device)
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
-    accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
+    taus: list[str] = []
+    silent = 0
     if system == "ddp":
-        ddp = copy.deepcopy(model)
-        opt = adam(list(ddp.parameters()), lr)
-        scheduler = sched(opt) if sched else None
-        loss_fn = nn.CrossEntropyLoss()
-        for t in range(cfg.final_step + 1):
-            epoch, b = divmod(t, spe[0])
-            opt.zero_grad(set_to_none=True)
-            for w in workers:
-                *x, y = w.batches.read(epoch, b)
-                (loss_fn(ddp(*x), y) / world).backward()
-            opt.step()
-            if scheduler:
-                scheduler.step()
-            if (t + 1) % spe[0] == 0:
-                accs.append(test_accuracy(ddp, wl.X_test, wl.y_test))
-        ratio = 1.0
+        accs, ratio = _run_ddp(model, workers, cfg, wl, lr, sched), 1.0
     elif system == "local":
-        # the design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
-        # state, the post-updater update) from the shared parameters on its own batch, and the updates are
-        # combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all
-        shared = copy.deepcopy(model)
-        local = [copy.deepcopy(model) for _ in range(world)]
-        opts = [adam(list(m.parameters()), lr) for m in local]
-        scheds = [sched(o) for o in opts] if sched else []
-        loss_fn = nn.CrossEntropyLoss()
-        for t in range(cfg.final_step + 1):
-            epoch, b = divmod(t, spe[0])
-            total = [torch.zeros_like(p) for p in shared.parameters()]
-            for w, m, opt in zip(workers, local, opts):
-                with torch.no_grad():
-                    for pm, ps in zip(m.parameters(), shared.parameters()):
-                        pm.copy_(ps)
-                opt.zero_grad(set_to_none=True)
-                *x, y = w.batches.read(epoch, b)
-                loss_fn(m(*x), y).backward()
-                opt.step()
-                with torch.no_grad():
-                    for acc, pm, ps in zip(total, m.parameters(), shared.parameters()):
-                        acc.add_(pm - ps)
-            with torch.no_grad():
-                for acc, ps in zip(total, shared.parameters()):
-                    ps.add_(acc, alpha=cfg.apply_scale)
-            for s in scheds:
-                s.step()
-            if (t + 1) % spe[0] == 0:
-                accs.append(test_accuracy(shared, wl.X_test, wl.y_test))
-        ratio = 1.0
+        accs, ratio = _run_local(model, workers, cfg, wl, lr, sched), 1.0
     else:
-        log: list = []
-        peers = [LogPeer(log, r) for r in range(world)]
-        for r, w in enumerate(workers):
-            w.log = ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale)
-        for t in range(cfg.final_step + 1):
-            for r, w in enumerate(workers):
-                if t >= cfg.total_steps(r):
-                    continue
-                w.log.apply_through(t - 1)
-                _, entries, nb = w.step(peers[r], t)
-                if decay != 1.0:  # experiment: leaky error feedback
-                    w.state.rescale(decay)
-                nbytes += nb
-                silent += entries == 0
-                steps += 1
-            if (t + 1) % spe[0] == 0:
-                workers[0].log.apply_through(t)
-                accs.append(test_accuracy(workers[0].model, wl.X_test, wl.y_test))
-                taus.append(f"{workers[0].state.tau:.1e}")
-        ratio = 4 * workers[0].flat.n_params / (nbytes / steps)
+        accs, taus, silent, ratio = _run_gradshare(workers, cfg, wl, decay)
     return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
             "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params}
+
+
+def _run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float,
+             sched: SchedulerFactory | None) -> list[float]:
+    """Dense DDP in one process: one model, the mean loss of the ranks' batches, one Adam step."""
+    spe, world = cfg.steps_per_epoch, len(workers)
+    accs = []
+    ddp = copy.deepcopy(model)
+    opt = adam(list(ddp.parameters()), lr)
+    scheduler = sched(opt) if sched else None
+    loss_fn = nn.CrossEntropyLoss()
+    for t in range(cfg.final_step + 1):
+        epoch, b = divmod(t, spe[0])
+        opt.zero_grad(set_to_none=True)
+        for w in workers:
+            *x, y = w.batches.read(epoch, b)
+            (loss_fn(ddp(*x), y) / world).backward()
+        opt.step()
+        if scheduler:
+            scheduler.step()
+        if (t + 1) % spe[0] == 0:
+            accs.append(test_accuracy(ddp, wl.X_test, wl.y_test))
+    return accs
+
+
+def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float,
+               sched: SchedulerFactory | None) -> list[float]:
+    """The design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
+    state, the post-updater update) from the shared parameters on its own batch, and the updates are
+    combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all."""
+    spe, world = cfg.steps_per_epoch, len(workers)
+    accs = []
+    shared = copy.deepcopy(model)
+    local = [copy.deepcopy(model) for _ in range(world)]
+    opts = [adam(list(m.parameters()), lr) for m in local]
+    scheds = [sched(o) for o in opts] if sched else []
+    loss_fn = nn.CrossEntropyLoss()
+    for t in range(cfg.final_step + 1):
+        epoch, b = divmod(t, spe[0])
+        total = [torch.zeros_like(p) for p in shared.parameters()]
+        for w, m, opt in zip(workers, local, opts):
+            with torch.no_grad():
+                for pm, ps in zip(m.parameters(), shared.parameters()):
+                    pm.copy_(ps)
+            opt.zero_grad(set_to_none=True)
+            *x, y = w.batches.read(epoch, b)
+            loss_fn(m(*x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                for acc, pm, ps in zip(total, m.parameters(), shared.parameters()):
+                    acc.add_(pm - ps)
+        with torch.no_grad():
+            for acc, ps in zip(total, shared.parameters()):
+                ps.add_(acc, alpha=cfg.apply_scale)
+        for s in scheds:
+            s.step()
+        if (t + 1) % spe[0] == 0:
+            accs.append(test_accuracy(shared, wl.X_test, wl.y_test))
+    return accs
+
+
+def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
+                   decay: float) -> tuple[list[float], list[str], int, float]:
+    """The real workers and apply logs over a shared list: (accuracies, τ per epoch, silent steps, ratio)."""
+    spe, world = cfg.steps_per_epoch, len(workers)
+    accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
+    log: list[tuple[int, int, bytes]] = []
+    peers = [LogPeer(log, r) for r in range(world)]
+    logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale) for r, w in enumerate(workers)]
+    for w, apply_log in zip(workers, logs):
+        w.log = apply_log
+    for t in range(cfg.final_step + 1):
+        for r, w in enumerate(workers):
+            if t >= cfg.total_steps(r):
+                continue
+            logs[r].apply_through(t - 1)
+            _, entries, nb = w.step(peers[r], t)
+            if decay != 1.0:  # experiment: leaky error feedback
+                w.state.rescale(decay)
+            nbytes += nb
+            silent += entries == 0
+            steps += 1
+        if (t + 1) % spe[0] == 0:
+            logs[0].apply_through(t)
+            accs.append(test_accuracy(workers[0].model, wl.X_test, wl.y_test))
+            taus.append(f"{workers[0].state.tau:.1e}")
+    return accs, taus, silent, 4 * workers[0].flat.n_params / (nbytes / steps)
 
 
 def main() -> None:

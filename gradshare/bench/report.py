@@ -11,8 +11,18 @@ import shlex
 import sys
 from datetime import datetime, timezone
 from importlib import metadata
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from gradshare.bench.profile import summarise
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from gradshare.bench.systems import Measured
+
+Row = dict[str, Any]  # one result row, as the JSON report holds it
 
 WARMUP_STEPS = 3  # steps left out of s/step: JIT compilation, allocator and socket warm-up
 # "Final accuracy" is the mean test accuracy of the last FINAL_EVALS per-epoch evaluations. One
@@ -32,7 +42,7 @@ def final_accuracy(curve: list[tuple[float, float]], evals: int = FINAL_EVALS) -
     return sum(tail) / len(tail) if tail else None
 
 
-def row(system: str, workload: str, link: str, measured, target: float) -> dict:
+def row(system: str, workload: str, link: str, measured: Measured, target: float) -> Row:
     """One result row from a `systems.Measured`."""
     walls = list(measured.walls)
     skip = min(WARMUP_STEPS, max(len(walls) - 1, 0))
@@ -62,36 +72,36 @@ def row(system: str, workload: str, link: str, measured, target: float) -> dict:
     return r
 
 
-def failed_row(system: str, workload: str, link: str, error: BaseException | str) -> dict:
+def failed_row(system: str, workload: str, link: str, error: BaseException | str) -> dict[str, Any]:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     return {"system": system, "workload": workload, "link": link, "status": "error",
             "error": text.strip().splitlines()[0][:300] if text.strip() else "error", "curve": []}
 
 
-def _find(rows, system, workload, link):
+def _find(rows: list[Row], system: str, workload: str, link: str) -> Row | None:
     for r in rows:
         if (r["system"], r["workload"], r["link"]) == (system, workload, link) and r["status"] == "ok":
             return r
     return None
 
 
-def _baseline_single(rows, workload):
+def _baseline_single(rows: list[Row], workload: str) -> Row | None:
     """The single-process row (run once, unshaped: it sends nothing)."""
     return next((r for r in rows if r["system"] == "single" and r["workload"] == workload
                  and r["status"] == "ok"), None)
 
 
-def _ratio(a, b):
+def _ratio(a: Any, b: Any) -> float | None:  # numbers from result rows (JSON), or None
     return a / b if a is not None and b not in (None, 0) else None
 
 
-def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
+def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str, Any]]:
     """The step-time, traffic and time-to-accuracy targets for `workload`: each with the measured value,
     the limit and pass/miss."""
     out = []
     single = _baseline_single(rows, workload)
 
-    def add(name, value, limit, ok):
+    def add(name: str, value: float | None, limit: float, ok: Callable[[float, float], bool]) -> None:
         out.append({"target": name, "value": value, "limit": limit,
                     "met": None if value is None else bool(ok(value, limit))})
 
@@ -131,11 +141,11 @@ def targets(rows: list[dict], workload: str = "mlp") -> list[dict]:
     return out
 
 
-def fmt(v, spec, unit=""):
+def fmt(v: Any, spec: str, unit: str = "") -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{unit}"
 
 
-def human_bytes(b):
+def human_bytes(b: float | None) -> str:
     if b is None:
         return "—"
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -144,7 +154,7 @@ def human_bytes(b):
     return f"{b:.0f} B"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     """The terminal table: per workload and link, each system with ratios to single and DDP dense.
 
     "final acc" is the mean of the last FINAL_EVALS epochs' test accuracy, "last acc" the last one."""
@@ -179,7 +189,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def targets_table(checks: list[dict]) -> str:
+def targets_table(checks: list[dict[str, Any]]) -> str:
     lines = []
     for c in checks:
         met = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
@@ -194,7 +204,7 @@ def command_line(subcommand: str) -> str:
     return " ".join(shlex.quote(a) for a in sys.argv)
 
 
-def machine() -> dict:
+def machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_average": os.getloadavg()}  # the machine may be shared: say how busy it was
     try:
@@ -210,7 +220,7 @@ def machine() -> dict:
     return info
 
 
-def write_json(path: str, rows: list[dict], *, command: str, config: dict, notes: list[str]) -> dict:
+def write_json(path: str, rows: list[dict[str, Any]], *, command: str, config: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     doc = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(), "command": command, "config": config, "notes": notes,
@@ -224,7 +234,7 @@ def write_json(path: str, rows: list[dict], *, command: str, config: dict, notes
     return doc
 
 
-def plot(path: str, rows: list[dict], title: str = "") -> None:
+def plot(path: str, rows: list[dict[str, Any]], title: str = "") -> None:
     """Accuracy vs training wall-clock: one panel per (workload, link), one line per system."""
     import matplotlib
 
@@ -251,7 +261,7 @@ def plot(path: str, rows: list[dict], title: str = "") -> None:
     save_figure(fig, path, title)
 
 
-def accuracy_panel(ax, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7) -> None:
+def accuracy_panel(ax: Axes, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7) -> None:
     """Labels, the target line and the legend of one test-accuracy panel (bench train and convergence)."""
     if target:
         ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")
@@ -263,7 +273,7 @@ def accuracy_panel(ax, title: str, xlabel: str, target: float | None, *, ylabel:
     ax.legend(fontsize=legend_size)
 
 
-def save_figure(fig, path: str, title: str = "") -> None:
+def save_figure(fig: Figure, path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     if title:

@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from multiprocessing.synchronize import Barrier
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +48,7 @@ from gradshare.bench.scale_model import LINKS_GBIT, project
 from gradshare.bench.scale_train import sealed_size
 from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.transport import Peer, Relay, RelayTuning, new_job_key
+from gradshare.transport import Peer, Relay, RelayTuning, Update, new_job_key
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.protocol.relay_core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
@@ -105,13 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # --- peers (child process) ---------------------------------------------------------------------------
 
-def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
+def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results: mp.Queue[dict[str, Any]]) -> None:
     """Several ranks in one process: join, then synchronous steps; records deliveries for the parent."""
     W, messages, timeout = cfg["peers"], cfg["messages"], cfg["timeout"]
     aggregate = cfg["forwarding"] == "aggregate"
     senders = [AGGREGATE_ORIGIN] if aggregate else list(range(W))
-    out: dict = {"ranks": ranks, "error": None}
-    peers: list = []
+    out: dict[str, Any] = {"ranks": ranks, "error": None}
+    peers: list[Peer] = []
     udp.OFFLOAD = udp.OFFLOAD and cfg["offload"]
     try:
         for r in ranks:
@@ -119,11 +121,11 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
                               datagram_size=cfg["datagram_size"], timeout=timeout))
         for p in peers:
             p.join(timeout)
-        send_t: dict = {}
-        delivered: dict = {}                   # (step, sender) -> when the last local receiver got it
-        counts = {p.rank: Counter() for p in peers}
+        send_t: dict[tuple[int, int], float] = {}
+        delivered: dict[tuple[int, int], float] = {}     # (step, sender) -> when the last local receiver got it
+        counts: dict[int, Counter[tuple[int, int]]] = {p.rank: Counter() for p in peers}
 
-        def record(p, updates) -> bool:
+        def record(p: Peer, updates: list[Update]) -> bool:
             for u in updates:
                 counts[p.rank][(u.step, u.sender)] += 1
                 if u.sender != p.rank:
@@ -162,7 +164,7 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
         # exactly-once, checked here (shipping every (step, sender, receiver) would be millions of tuples):
         # per receiver and sender (aggregated: the relay's one sender), the steps received must be
         # 0..last with no repeats
-        received_through = {}
+        received_through: dict[int, list[int]] = {}
         duplicates = gaps = 0
         for r, c in counts.items():
             through = [-1] * len(senders)
@@ -172,9 +174,9 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
                 gaps += len(steps) != through[i] + 1
             duplicates += sum(v - 1 for v in c.values())
             received_through[r] = through
+        counters: list[dict[str, Any]] = [p.counters() for p in peers]
         out.update(send_t=send_t, delivered=delivered, last_step=t - 1, received_through=received_through,
-                   duplicates=duplicates, gaps=gaps,
-                   retransmits=sum(p.counters().get("retransmits", 0) for p in peers))
+                   duplicates=duplicates, gaps=gaps, retransmits=sum(c.get("retransmits", 0) for c in counters))
     except BaseException as exc:  # reported to the parent
         out["error"] = f"ranks {ranks[0]}..{ranks[-1]}: {exc!r}"
         barrier.abort()
@@ -187,14 +189,14 @@ def _host_main(cfg: dict, ranks: list[int], barrier, results) -> None:
 def _thread_cpu(name: str) -> float:
     """CPU seconds used so far by this process's thread called ``name`` (the relay's I/O thread)."""
     for th in threading.enumerate():
-        if th.name == name:
+        if th.name == name and th.ident is not None:
             return time.clock_gettime(time.pthread_getcpuclockid(th.ident))
     raise RuntimeError(f"no thread named {name!r} (did the relay start?)")
 
 
 # --- one peer count -----------------------------------------------------------------------------------
 
-def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool = True) -> dict:
+def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool = True) -> dict[str, Any]:
     """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table. ``offload``:
     whether the relay's and the peers' sockets use UDP segmentation offload where the system has it."""
     saved = udp.OFFLOAD
@@ -205,10 +207,18 @@ def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offlo
         udp.OFFLOAD = saved
 
 
-def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool) -> dict:
+def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool) -> dict[str, Any]:
+    aggregate = args.forwarding == "aggregate"
+    outs, c0, c1, relay_cpu = _exchange(n_peers, args, messages, offload, aggregate)
+    return _row(n_peers, args, messages, offload, aggregate, outs, c0, c1, relay_cpu)
+
+
+def _exchange(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool,
+              aggregate: bool) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], float]:
+    """The relay here, the ranks in child processes, synchronous steps: (each process's report, the
+    relay's counters once every rank joined and at the end, the relay thread's CPU seconds between)."""
     ctx = mp.get_context("spawn")
     key = new_job_key()
-    aggregate = args.forwarding == "aggregate"
     # the aggregate is encoded at the ranks' density: one message of about one rank's size per step
     aggregator = (AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
                   if aggregate else None)
@@ -221,15 +231,17 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
         n_procs = max(1, min(args.procs, n_peers))
         groups = [list(range(n_peers))[i::n_procs] for i in range(n_procs)]
         timeout = 120.0
+        assert relay.address is not None  # started above
         cfg = dict(address=relay.address, peers=n_peers, params=args.params, key=key, messages=messages,
                    forwarding=args.forwarding, offload=offload,
                    steps=args.steps, seconds=args.seconds, datagram_size=args.datagram_size, timeout=timeout)
         barrier = ctx.Barrier(n_procs + 1)       # + this process: counters start once every rank joined
-        results = ctx.Queue()
+        results: mp.Queue[dict[str, Any]] = ctx.Queue()
         procs = [ctx.Process(target=_host_main, args=(cfg, g, barrier, results), daemon=True) for g in groups]
         for p in procs:
             p.start()
         thread = f"gradshare-relay-{relay.address[1]}"
+        c0: dict[str, Any]
         try:
             barrier.wait(timeout + 60)
             c0, cpu0 = relay.counters(), _thread_cpu(thread)
@@ -241,16 +253,23 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
         if errors:
             raise RuntimeError(f"{n_peers} peers: " + "; ".join(errors))
         relay.wait_finished(60)
-        c1, cpu1 = relay.counters(), _thread_cpu(thread)
+        c1: dict[str, Any] = relay.counters()
+        cpu1 = _thread_cpu(thread)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
         relay.close()
-    last = {}
-    send_t: dict = {}
-    delivered: dict = {}
+    return outs, c0, c1, cpu1 - cpu0
+
+
+def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool, aggregate: bool,
+         outs: list[dict[str, Any]], c0: dict[str, Any], c1: dict[str, Any], relay_cpu: float) -> dict[str, Any]:
+    """One row of the table from the processes' reports and the relay's counters (`_exchange`)."""
+    last: dict[int, int] = {}
+    send_t: dict[tuple[int, int], float] = {}
+    delivered: dict[tuple[int, int], float] = {}
     for o in outs:
         last.update({r: o["last_step"] for r in o["ranks"]})
         send_t.update(o["send_t"])
@@ -262,14 +281,12 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
     # step 0 pays for first-touch costs (buffers, caches) in every process: latency from step 1 on
     # aggregated: a rank's update reaches the others inside its step's aggregate
     got = {k: delivered.get((k[0], AGGREGATE_ORIGIN) if aggregate else k) for k in send_t}
-    lat = np.array([got[k] - ts for k, ts in send_t.items() if k[0] >= 1 and got[k] is not None]) * 1e3
+    lat = np.array([arrived - ts for k, ts in send_t.items() if k[0] >= 1 and (arrived := got[k]) is not None]) * 1e3
     if len(lat) + n_peers < len(send_t):   # an update nobody else received (exactly_once is False then)
         exactly_once = False
     updates = c1["updates_in"] - c0["updates_in"]
     steps = updates / n_peers
     forwarded = c1["forwarded"] - c0["forwarded"]
-    bytes_out = c1["bytes_out"] - c0["bytes_out"]
-    dgrams_out = c1["datagrams_out"] - c0["datagrams_out"]
     message_wire = _wire_bytes(messages, args.datagram_size)
     if aggregate:
         # what went out per step and peer: one aggregate (its datagrams, wire bytes from the relay's tally)
@@ -282,14 +299,14 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
         model_egress = n_peers * (n_peers - 1) * message_wire
     return {
         "peers": n_peers, "forwarding": args.forwarding, "offload": offload, "steps": steps, "updates": updates,
-        "egress_bytes_per_step": bytes_out / steps,
-        "egress_datagrams_per_step": dgrams_out / steps,
+        "egress_bytes_per_step": (c1["bytes_out"] - c0["bytes_out"]) / steps,
+        "egress_datagrams_per_step": (c1["datagrams_out"] - c0["datagrams_out"]) / steps,
         "forwarded_datagrams_per_step": forwarded / steps,
         "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": per_update_bytes,
         "rank_message_wire_bytes": message_wire,
         "target_egress_bytes_per_step": 2 * n_peers * message_wire,     # target: <= 2·N·m
         "model_egress_bytes_per_step": model_egress,
-        "relay_cpu_per_step_s": (cpu1 - cpu0) / steps,
+        "relay_cpu_per_step_s": relay_cpu / steps,
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
         "exactly_once": bool(exactly_once and c1["applied"] == c1["updates_in"]),
@@ -302,7 +319,7 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
 # --- heartbeats (protocol cores, simulated clock) ------------------------------------------------------
 
 def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
-                      datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict:
+                      datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict[str, Any]:
     """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.
 
     Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the
@@ -327,10 +344,11 @@ def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
             relay.handle_timer(now)
         out = relay.datagrams_to_send()
         cpu += time.thread_time() - c
-        for d, r in out:
+        for d, to in out:
             counts["out_datagrams"] += 1
             counts["out_bytes"] += len(d)
-            peers[r].receive_datagram(d, "relay", now)
+            assert isinstance(to, int)  # joined_cores addresses each peer by its rank
+            peers[to].receive_datagram(d, "relay", now)
     errors = [p.error for p in peers if p.error]
     if errors:
         raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
@@ -387,8 +405,8 @@ def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[
     for i in range(count):
         tau = np.float32(1e-3 * (1 + i / count))
         r = np.zeros(n_params, np.float32)
-        r[rng.choice(n_params, size=k, replace=False)] = tau * rng.choice(np.float32([-1.5, 1.5]), size=k)
-        out.append(encode(r, None, tau).to_bytes())
+        r[rng.choice(n_params, size=k, replace=False)] = tau * rng.choice(np.array([-1.5, 1.5], np.float32), size=k)
+        out.append(encode(r, None, float(tau)).to_bytes())
     return out
 
 
@@ -397,7 +415,7 @@ def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
     return sum(sealed_size(len(encode_update_body(m, None)), datagram_size)[0] for m in messages) / len(messages)
 
 
-def _print_row(r: dict, header: bool, params: int, density: float, message_bytes: float) -> None:
+def _print_row(r: dict[str, Any], header: bool, params: int, density: float, message_bytes: float) -> None:
     if header:
         print(f"scale ({r['forwarding']} forwarding): {params:,} params, density {density:g}, "
               f"{message_bytes:,.0f} B/update on the wire")
@@ -413,7 +431,7 @@ def _print_row(r: dict, header: bool, params: int, density: float, message_bytes
           f"{'on' if r['offload'] else 'off':>9}", flush=True)
 
 
-def _print_tail(heartbeats: list[dict], projection: dict, forwarding: str) -> None:
+def _print_tail(heartbeats: list[dict[str, Any]], projection: dict[str, Any], forwarding: str) -> None:
     print("\nheartbeat traffic at the relay, idle job (protocol cores, simulated 1 s):")
     print(f"{'N':>5}{'in dgrams/s':>13}{'out dgrams/s':>14}{'out kB/s':>10}{'out B/s per peer':>18}"
           f"{'relay CPU ms/s':>16}")
@@ -432,7 +450,7 @@ def _print_tail(heartbeats: list[dict], projection: dict, forwarding: str) -> No
     print("(L: the link bounds the step; C: the relay's CPU does)")
 
 
-def plot(out: dict, path: str) -> None:
+def plot(out: dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

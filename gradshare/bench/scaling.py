@@ -29,10 +29,11 @@ import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
+from typing import Any
 
 from gradshare.bench import report
 from gradshare.bench.train import comma_list
-from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, load
+from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 
 SYSTEMS = ("gradshare", "gradshare-nodecay", "local", "ddp", "ddp-sqrt", "ddp-linear")
 RULES = {"gradshare-nodecay": {"kind": "auto", "decay_from": 0.0}}  # the default rule without the run-long decay
@@ -63,10 +64,10 @@ def _ints(text: str, flag: str, minimum: int) -> list[int]:
     return values
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     quick = bool(args.quick)
 
-    def given(value, key: str):
+    def given(value: Any, key: str) -> Any:
         return value if value is not None else (QUICK.get(key) if quick else DEFAULTS.get(key))
 
     for flag, value in (("epochs", args.epochs), ("rows", args.rows)):
@@ -80,7 +81,7 @@ def settings(args: argparse.Namespace) -> dict:
             "epochs": given(args.epochs, "epochs"), "rows": given(args.rows, "rows"), "quick": quick}
 
 
-def runs(cfg: dict) -> list[tuple[str, int, str, int]]:
+def runs(cfg: dict[str, Any]) -> list[tuple[str, int, str, int]]:
     """(workload, N, system, seed) of every run; N = 1 is one run, the single process."""
     out = []
     for w in cfg["workloads"]:
@@ -90,7 +91,7 @@ def runs(cfg: dict) -> list[tuple[str, int, str, int]]:
     return out
 
 
-def run_one(workload: str, world: int, system: str, seed: int, cfg: dict, data) -> dict:
+def run_one(workload: str, world: int, system: str, seed: int, cfg: dict[str, Any], data: Workload) -> dict[str, Any]:
     from gradshare.bench.lockstep import run
 
     recipe = RECIPES[workload]
@@ -106,7 +107,7 @@ def run_one(workload: str, world: int, system: str, seed: int, cfg: dict, data) 
             "traffic_ratio": out["ratio"] if mode == "gradshare" else 1.0, "seconds": time.monotonic() - t0}
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per workload × N × system over seeds, plus a "ddp-tuned" entry (the best DDP lr by last-3 mean)."""
     out = []
     for w, n, system in sorted({(r["workload"], r["workers"], r["system"]) for r in rows}):
@@ -128,7 +129,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def gaps(summary: list[dict]) -> list[dict]:
+def gaps(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gradshare's (and the dense local design's) last-3 accuracy minus tuned DDP's, in pp, per workload × N."""
     found = []
     for s in summary:
@@ -143,7 +144,7 @@ def gaps(summary: list[dict]) -> list[dict]:
     return found
 
 
-def plot(path: str, summary: list[dict], title: str) -> None:
+def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,9 +173,9 @@ def plot(path: str, summary: list[dict], title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = settings(args)
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-scaling-") if cfg["quick"] else "docs")
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    cache: dict = {}
+    cache: dict[tuple[str, int], Workload] = {}
     for workload, world, system, seed in runs(cfg):
         if (workload, seed) not in cache:
             cache = {(workload, seed): load(workload, seed, None, cfg["rows"])}
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                                      f"{row['seconds']:.0f} s"), flush=True)
     ok = [r for r in rows if "error" not in r]
     summary = summarise(ok)
-    doc = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
+    doc: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
            "command": report.command_line("scaling"), "config": cfg,
            "recipes": {w: vars(RECIPES[w]) for w in cfg["workloads"]},
            "summary": summary, "gaps": gaps(summary), "rows": rows, "total_seconds": time.monotonic() - t0}

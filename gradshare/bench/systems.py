@@ -31,12 +31,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.bench.profile import lo_tx_bytes
-from gradshare.bench.workloads import load, model_factory, test_accuracy
-from gradshare.config import TrainConfig
+from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
+from gradshare.config import Aggregate, TrainConfig
+
+if TYPE_CHECKING:
+    import torch
+    from pyspark import RDD, SparkContext
+    from pyspark.sql import SparkSession
+    from torch import nn
 
 SYSTEMS = ("gradshare", "ddp", "powersgd", "single")
 LEARNING_RATE = 1e-3
@@ -49,7 +58,7 @@ class Measured:
     lo_bytes: int | None
     n_params: int
     stopped_by_budget: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -77,7 +86,7 @@ def lr_factor(schedule: str, step: int, total_steps: int) -> float:
     return 1.0
 
 
-def _lambda_lr(schedule: str, total_steps: int, optimizer):
+def _lambda_lr(schedule: str, total_steps: int, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     import torch
 
     return torch.optim.lr_scheduler.LambdaLR(
@@ -88,7 +97,8 @@ def _factor_at(schedule: str, total_steps: int, step: int) -> float:
     return lr_factor(schedule, step, total_steps)
 
 
-def lr_scheduler_factory(schedule: str, total_steps: int):
+def lr_scheduler_factory(schedule: str,
+                         total_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     """`callable(optimizer) -> torch LambdaLR` for `schedule` over `total_steps` optimizer steps; the
     caller steps the scheduler once after every `optimizer.step()`. One factory for every system
     (single and DDP build the scheduler themselves, gradshare ships it to its workers as
@@ -99,7 +109,7 @@ def lr_scheduler_factory(schedule: str, total_steps: int):
     return functools.partial(_lambda_lr, schedule, int(total_steps))
 
 
-def adam(params, lr: float = LEARNING_RATE):
+def adam(params: Iterable[torch.Tensor], lr: float = LEARNING_RATE) -> torch.optim.Adam:
     """Adam(lr, fused): every system's optimizer (SharedTrainer's default optimizer)."""
     import torch
 
@@ -133,7 +143,7 @@ def local_spark_env() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
-def local_spark(slots: int, app_name: str):
+def local_spark(slots: int, app_name: str) -> SparkSession:
     """An embedded `local[slots]` SparkSession on loopback (`local_spark_env`); the caller stops it."""
     local_spark_env()
     from gradshare.driver.session import session_builder
@@ -144,8 +154,10 @@ def local_spark(slots: int, app_name: str):
 
 
 # ---------------------------------------------------------------------------------------- local loop
-def _train_steps(module, evaluated, X, y, test, *, rank: int, epochs: int, spe: int, batch_size: int,
-                 seed: int, lr_schedule: str, stop) -> tuple[list[float], list[tuple[float, float]], bool]:
+def _train_steps(module: nn.Module, evaluated: nn.Module, X: torch.Tensor, y: torch.Tensor,
+                 test: tuple[NDArray[Any], NDArray[Any]] | None, *, rank: int, epochs: int, spe: int, batch_size: int,
+                 seed: int, lr_schedule: str,
+                 stop: Callable[[float], bool]) -> tuple[list[float], list[tuple[float, float]], bool]:
     """The step loop of the single process and of every DDP rank: Adam + the shared LR scheduler
     (stepped once per optimizer step), rank `rank`'s seeded batch order (`epoch_order`), `spe` steps per
     epoch. After every step `stop(training seconds so far)` says whether to stop (DDP: agreed by every
@@ -158,7 +170,9 @@ def _train_steps(module, evaluated, X, y, test, *, rank: int, epochs: int, spe: 
     opt = adam(module.parameters())
     scheduler = lr_scheduler_factory(lr_schedule, spe * epochs)(opt)
     loss_fn = torch.nn.CrossEntropyLoss()
-    walls, curve, clock, stopped = [], [], 0.0, False
+    walls: list[float] = []
+    curve: list[tuple[float, float]] = []
+    clock, stopped = 0.0, False
     for epoch in range(epochs):
         order = epoch_order(len(y), seed, rank, epoch)
         for b in range(spe):
@@ -185,7 +199,7 @@ def _lo_delta(lo0: int | None, lo1: int | None) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- single
-def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
+def run_single(wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float,
                lr_schedule: str = "constant") -> Measured:
     import torch
 
@@ -202,12 +216,12 @@ def run_single(wl, *, epochs: int, batch_size: int, seed: int, budget: float,
 
 
 # ---------------------------------------------------------------------------------------- gradshare
-def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget: float,
-                  threshold: float | str = TrainConfig.threshold, max_sparsity: float | None = None,
+def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float,
+                  threshold: float | Literal["auto"] = TrainConfig.threshold, max_sparsity: float | None = None,
                   staleness: int = TrainConfig.staleness, lr: float = LEARNING_RATE,
                   residual_clip: float | None = TrainConfig.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: str = TrainConfig.aggregate) -> Measured:
+                  aggregate: Aggregate = TrainConfig.aggregate) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -222,7 +236,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
     sc = spark.sparkContext
     rdd = sharded_rdd(sc, wl, workers)
     total = gradshare_steps_per_epoch(len(wl.y_train), workers, batch_size) * epochs
-    options = {}
+    options: dict[str, Any] = {}
     if max_sparsity is not None:
         if threshold == "auto":
             raise ValueError("max_sparsity tunes the adaptive rule of a numeric threshold, not threshold='auto'")
@@ -271,7 +285,7 @@ def run_gradshare(spark, wl, *, epochs: int, batch_size: int, seed: int, budget:
     )
 
 
-def sharded_rdd(sc, wl, world: int):
+def sharded_rdd(sc: SparkContext, wl: Workload, world: int) -> RDD[tuple[NDArray[Any], int]]:
     """An RDD of (features, label) rows whose partition r is exactly `wl.shard(r, world)`, the rows DDP's
     rank r trains on. (`sc.parallelize(rows, world)` slices whole serialisation batches of up to 1,024
     rows: 6,000 rows in 4 slices come out as 1,024/2,048/1,024/1,904 rows.)"""
@@ -282,7 +296,7 @@ def sharded_rdd(sc, wl, world: int):
 class _cancel_after:
     """Cancel every Spark job of `sc` if the block runs longer than `seconds` (a bounded run)."""
 
-    def __init__(self, sc, seconds: float):
+    def __init__(self, sc: SparkContext, seconds: float) -> None:
         self.sc, self.seconds, self.fired = sc, seconds, threading.Event()
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
@@ -295,20 +309,20 @@ class _cancel_after:
         self._timer.start()
         return self.fired
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
 
 
 # ---------------------------------------------------------------------------------------- DDP
 def ddp_spec(workload: str, *, seed: int, epochs: int, batch_size: int, budget: float,
              lr_schedule: str = "constant", rows: int | None = None, target: float | None = None,
-             powersgd: bool = False) -> dict:
+             powersgd: bool = False) -> dict[str, Any]:
     """One DDP run of a `ddp_train` batch (plain data: it travels to the torchrun processes)."""
     return {"workload": workload, "seed": seed, "target": target, "rows": rows, "powersgd": powersgd,
             "epochs": epochs, "batch_size": batch_size, "budget": budget, "lr_schedule": lr_schedule}
 
 
-def ddp_train(specs: list[dict], gloo_ifname: str | None = None) -> list[dict] | None:
+def ddp_train(specs: list[dict[str, Any]], gloo_ifname: str | None = None) -> list[dict[str, Any]] | None:
     """The TorchDistributor training function (runs in each torchrun process; env:// rendezvous): every
     run of `specs` in turn, in ONE process group. TorchDistributor's start-up (per rank: a Spark task,
     the wrapper and torchrun interpreters, torch and the workload imported, ~15-20 s on the 2-core VM)
@@ -328,7 +342,7 @@ def ddp_train(specs: list[dict], gloo_ifname: str | None = None) -> list[dict] |
         dist.destroy_process_group()
 
 
-def _ddp_run(spec: dict, rank: int, world: int) -> dict:
+def _ddp_run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """One DDP run. Rank 0 decides when the time budget is spent; a one-element allreduce after every
     step (outside the timed part) makes every rank stop at the same step, as DDP requires."""
     import torch
@@ -372,7 +386,7 @@ def _ddp_run(spec: dict, rank: int, world: int) -> dict:
             "lo_bytes": _lo_delta(lo0, lo1), "seconds": time.monotonic() - t0}
 
 
-def run_ddp_batch(spark, specs: list[dict], *, workers: int, hard_timeout: float) -> tuple[list[Measured], float]:
+def run_ddp_batch(spark: SparkSession, specs: list[dict[str, Any]], *, workers: int, hard_timeout: float) -> tuple[list[Measured], float]:
     """DDP over Gloo in `workers` processes (pyspark `TorchDistributor(num_processes=workers,
     local_mode=False)`, one barrier task each) for every run of `specs` (`ddp_spec`), in order. Each run
     stops after its `budget` seconds of training (every rank at the same step); the Spark job is cancelled
@@ -390,12 +404,14 @@ def run_ddp_batch(spark, specs: list[dict], *, workers: int, hard_timeout: float
             if fired.is_set():
                 raise TimeoutError(f"DDP exceeded the hard limit of {hard_timeout:g} s and was cancelled") from None
             raise
+    if out is None:  # TorchDistributor returns rank 0's value, which is never None (ddp_train)
+        raise RuntimeError("DDP's rank 0 returned no results")
     measured = [Measured(r["walls"], [tuple(p) for p in r["curve"]], r["lo_bytes"], r["n_params"], r["stopped"],
                          extra={"seconds": r["seconds"]}) for r in out]
     return measured, time.monotonic() - t0
 
 
-def run_ddp(spark, wl, *, powersgd: bool, epochs: int, batch_size: int, seed: int, budget: float,
+def run_ddp(spark: SparkSession, wl: Workload, *, powersgd: bool, epochs: int, batch_size: int, seed: int, budget: float,
             rows: int | None, hard_timeout: float, lr_schedule: str = "constant", workers: int = 2) -> Measured:
     """One DDP run (`run_ddp_batch` of one)."""
     spec = ddp_spec(wl.name, seed=seed, target=wl.target, rows=rows, powersgd=powersgd, epochs=epochs,

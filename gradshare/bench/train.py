@@ -141,6 +141,8 @@ def run_configs(cfg: dict[str, Any], link: str, systems: list[str], spark: Spark
             try:
                 if system == "single":
                     m = sysmod.run_single(wl, budget=cfg["budget"], **common)
+                elif spark is None:
+                    raise ValueError(f"{system} runs on Spark, and no session was given")
                 elif system == "gradshare":
                     m = sysmod.run_gradshare(spark, wl, budget=3 * cfg["budget"], threshold=cfg["threshold"],
                                              max_sparsity=cfg["max_sparsity"], staleness=cfg["staleness"],

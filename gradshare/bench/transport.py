@@ -21,6 +21,10 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Barrier
+from typing import Any
 
 import numpy as np
 
@@ -56,12 +60,13 @@ def _make_messages(n_params: int, density: float, count: int, seed: int) -> list
     for _ in range(count):
         r = np.zeros(n_params, np.float32)
         idx = rng.choice(n_params, size=k, replace=False)
-        r[idx] = rng.choice(np.float32([-1.5e-3, 1.5e-3]), size=k)
+        r[idx] = rng.choice(np.array([-1.5e-3, 1.5e-3], np.float32), size=k)
         out.append(encode(r, None, 1e-3).to_bytes())
     return out
 
 
-def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
+def _peer_main(cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchronized[float],
+               results: mp.Queue[dict[str, Any]]) -> None:
     """One rank in its own process, as in a Spark task: join, send, receive + apply, report times.
 
     Modes: ``throughput`` sends as fast as a staleness window allows; ``paced`` runs ``rate`` steps/s, rank
@@ -71,15 +76,15 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
     Latency is send → applied at every other peer, so it includes waiting for canonical order."""
     W, n, mode = cfg["peers"], cfg["params"], cfg["mode"]
     messages = cfg["messages"]
-    send_t: dict = {}
-    deliver_t: dict = {}
+    send_t: dict[int, float] = {}
+    deliver_t: dict[tuple[int, int], float] = {}
     # np.full, not np.zeros: calloc'd pages would fault in during the first applies and count as latency
     params = np.full(n, 0.0, np.float32)
-    out = {"rank": rank, "error": None}
+    out: dict[str, Any] = {"rank": rank, "error": None}
     peer = Peer(tuple(cfg["address"]), rank, W, 0, cfg["key"], 1, n, datagram_size=cfg["datagram_size"],
                 timeout=60, insecure=cfg["insecure"])
     try:
-        def consume(until, timeout=60.0):
+        def consume(until: int | None, timeout: float = 60.0) -> None:
             for u in peer.receive(until_step=until, timeout=timeout):
                 apply(Message.from_bytes(u.payload, max_params=n), params)
                 if u.sender != rank:
@@ -129,8 +134,8 @@ def _peer_main(cfg: dict, rank: int, barrier, start, results) -> None:
         results.put(out)
 
 
-def _proxy_main(target, loss, seed, conn) -> None:
-    with FaultProxy(tuple(target), loss=loss, duplicate=loss / 5, reorder=loss / 2, delay=0.0005,
+def _proxy_main(target: tuple[str, int], loss: float, seed: int, conn: Connection) -> None:
+    with FaultProxy((target[0], target[1]), loss=loss, duplicate=loss / 5, reorder=loss / 2, delay=0.0005,
                     seed=seed) as proxy:
         conn.send(proxy.address)
         conn.recv()                          # parent says stop
@@ -139,7 +144,7 @@ def _proxy_main(target, loss, seed, conn) -> None:
 
 # --- one measured run ---------------------------------------------------------------------------------
 
-def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> dict:
+def _one_run(args: argparse.Namespace, messages: list[bytes], *, secure: bool, loss: float | None, mode: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     key = new_job_key() if secure else None
     relay = Relay(np.zeros(args.params, np.float32), args.peers, key, 1, port=0, bind="127.0.0.1",
@@ -154,7 +159,7 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
             if not conn.poll(60):
                 raise TimeoutError("fault proxy did not start within 60 s")
             address = conn.recv()
-        results = ctx.Queue()
+        results: mp.Queue[dict[str, Any]] = ctx.Queue()
         cfg = dict(address=address, peers=args.peers, params=args.params, key=key, insecure=not secure,
                    messages=messages, seconds=args.seconds, steps=args.latency_steps, window=args.window,
                    mode=mode, datagram_size=args.datagram_size, rate=args.rate)
@@ -174,9 +179,9 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
                     w.kill()
         relay.wait_finished(30)
         relay_cpu = time.process_time() - cpu0
-        c = relay.counters()
-        stats = {}
-        if proxy is not None:
+        c: dict[str, Any] = relay.counters()
+        stats: dict[str, int] = {}
+        if proxy is not None and conn is not None:
             conn.send("stop")
             stats = conn.recv() if conn.poll(10) else {}
         errors = [o["error"] for o in outs if o["error"]]
@@ -197,15 +202,15 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
                "retransmits": sum(o["retransmits"] for o in outs),
                "timeouts": sum(o["timeouts"] for o in outs), "naks": sum(o["naks"] for o in outs)}
         elapsed = max(res["t1"] - res["t0"], 1e-9)
-        lat = np.array(res["latencies"]) * 1e3
+        lat_ms = np.array(res["latencies"]) * 1e3
         hashes_equal = len(set(res["hashes"])) == 1 and res["hashes"][0] == relay.param_hash()
         return {
             "secure": secure, "loss": loss, "mode": mode, "seconds": elapsed, "updates": res["sent"],
             "forwarded_datagrams": c["forwarded"], "forwarded_per_s": c["forwarded"] / elapsed,
             "mb_per_s": c["bytes_out"] / elapsed / 1e6, "updates_per_s": res["sent"] / elapsed,
             "relay_cpu_s": relay_cpu, "forwarded_per_relay_cpu_s": c["forwarded"] / max(relay_cpu, 1e-9),
-            "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-            "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+            "latency_p50_ms": float(np.percentile(lat_ms, 50)) if lat_ms.size else None,
+            "latency_p99_ms": float(np.percentile(lat_ms, 99)) if lat_ms.size else None,
             "retransmits": c["retransmits"] + res["retransmits"],
             "exactly_once": bool(res["complete"] and c["applied"] == res["sent"] and hashes_equal),
             "relay_retransmits": c["retransmits"], "relay_naks": c["naks_sent"],
@@ -220,7 +225,7 @@ def _one_run(args, messages, *, secure: bool, loss: float | None, mode: str) -> 
         relay.close()
 
 
-def _core_rate(args, messages, secure: bool, steps: int = 60) -> float:
+def _core_rate(args: argparse.Namespace, messages: list[bytes], secure: bool, steps: int = 60) -> float:
     """Forwarded datagrams per CPU-second of the relay core alone on pre-sealed datagrams (no sockets):
     the relay's own capacity, and a stable way to see what AEAD costs it (STYLE 12: call the core)."""
     W = args.peers
@@ -251,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(3):                                   # alternate, best of 3 each: the machine is shared
         for secure, name in ((True, "secure"), (False, "insecure")):
             core[name] = max(core[name], _core_rate(args, messages, secure))
-    runs = {}
-    for i in range(args.rounds):
+    runs: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):
         for secure, name in ((True, "secure"), (False, "insecure")):
             r = _one_run(args, messages, secure=secure, loss=None, mode="throughput")
             if name not in runs or r["forwarded_per_s"] > runs[name]["forwarded_per_s"]:
@@ -295,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(summary: dict, runs: dict) -> None:
+def _print_table(summary: dict[str, Any], runs: dict[str, Any]) -> None:
     print(f"transport: {summary['peers']} peers, {summary['params']:,} params, density {summary['density']:g} "
           f"({summary['message_bytes']:,} B/update)")
     print(f"{'run':<12}{'fwd dgram/s':>13}{'per relay CPU-s':>17}{'MB/s':>8}{'updates/s':>11}{'p50 ms':>8}"

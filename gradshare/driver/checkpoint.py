@@ -19,7 +19,7 @@ from gradshare.checks import checkpoint_root, is_local
 from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
-from gradshare.task.stores import HadoopStore, LocalStore, error_line
+from gradshare.task.stores import HadoopStore, LocalStore, Store, error_line
 from gradshare.transport.protocol.tallies import RollbackPoint
 
 if TYPE_CHECKING:
@@ -27,17 +27,21 @@ if TYPE_CHECKING:
 
 # a checkpoint's manifest (task/checkpoint.py: JSON, read by key), and the driver's stores by source
 Manifest: TypeAlias = dict[str, Any]
-Stores: TypeAlias = dict[str, object]
+DriverStore: TypeAlias = "LocalStore | HadoopStore"
+Stores: TypeAlias = "dict[str, DriverStore]"
 
 
-def driver_store(root: str, spark_context):
+def driver_store(root: str, spark_context: SparkContext | None) -> DriverStore:
     """The driver's store for `root`: local file I/O, or Spark's Hadoop FileSystem API."""
     if is_local(root):
         return LocalStore(root)
+    if spark_context is None:  # a Connect session: no JVM of ours to reach Hadoop's FileSystem through
+        raise ValueError(f"{root!r} is not a local directory, and this Spark session has no SparkContext "
+                         "to reach it through Hadoop's FileSystem API")
     return HadoopStore(spark_context, root)
 
 
-def check_writable(store) -> None:
+def check_writable(store: DriverStore) -> None:
     """Create the root and write a probe file in it: a checkpoint_dir we cannot write fails before training."""
     probe = f".gradshare-probe-{os.getpid()}"
     try:
@@ -48,11 +52,11 @@ def check_writable(store) -> None:
         raise ValueError(f"checkpoint_dir={store.where()!r} is not writable: {error_line(e)}") from e
 
 
-def _epochs_in(store) -> list[int]:
+def _epochs_in(store: Store) -> list[int]:
     return sorted(int(n[6:]) for n in store.list() if n.startswith("epoch-") and n[6:].isdigit())
 
 
-def check_fresh(store, epochs_done: int) -> None:
+def check_fresh(store: Store, epochs_done: int) -> None:
     """A fit writes epoch-<E> for E > epochs_done: refuse to mix its files with an earlier fit's there."""
     taken = [epoch_dir(e) for e in _epochs_in(store) if e > epochs_done]
     if taken:
@@ -60,14 +64,15 @@ def check_fresh(store, epochs_done: int) -> None:
                          "overwrite; give an empty directory, or remove them")
 
 
-def job_of(world_size: int, steps_per_epoch: tuple, batch_size: int, seed: int, shapes: list) -> dict:
+def job_of(world_size: int, steps_per_epoch: tuple[int, ...], batch_size: int, seed: int,
+           shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     """The facts a checkpoint must share with the fit that resumes from it."""
     return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
             "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes]}
 
 
 # ------------------------------------------------------------------------------------------ reading
-def find(store) -> str:
+def find(store: Store) -> str:
     """The checkpoint in `store` (resume_from's): "" when its root holds a manifest, else its latest
     epoch-<E> that has one (a checkpoint_dir)."""
     if store.exists(MANIFEST):
@@ -81,7 +86,7 @@ def find(store) -> str:
     return done[-1]
 
 
-def read_manifest(store, prefix: str, source: str) -> dict:
+def read_manifest(store: Store, prefix: str, source: str) -> Manifest:
     """The manifest of checkpoint `prefix` in `store`, with every file it lists checked against its size
     and sha256."""
     manifest = parse_manifest(store, prefix, source)
@@ -90,7 +95,7 @@ def read_manifest(store, prefix: str, source: str) -> dict:
     return manifest
 
 
-def check_job(manifest: dict, job: dict) -> None:
+def check_job(manifest: Manifest, job: dict[str, Any]) -> None:
     """The resumed fit must be the checkpoint's job: the same shapes, workers, batches and seed."""
     have, want = manifest["job"], job
     where = manifest["directory"]
@@ -108,8 +113,8 @@ def check_job(manifest: dict, job: dict) -> None:
                              f"this fit's is {want[key]!r}")
 
 
-def rollback_point(plan: CheckpointPlan | None, resume: dict | None, stores: dict, first_epoch: int,
-                   steps_per_epoch: int, complete_through: int):
+def rollback_point(plan: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
+                   steps_per_epoch: int, complete_through: int) -> RollbackPoint | None:
     """RelayCore's `rollback` for a fit with checkpoints: the latest complete checkpoint of this fit whose
     step the relay's log has reached (or the fit's resume_from, at step -1), as (step the log holds it
     through, parameters, epochs done in this fit's log, whole-training epochs done); None without one.
@@ -136,17 +141,19 @@ def rollback_point(plan: CheckpointPlan | None, resume: dict | None, stores: dic
     return None
 
 
-def _point(store, manifest: dict, first_epoch: int, steps_per_epoch: int):
-    local = manifest["epochs_done"] - first_epoch
-    return local * steps_per_epoch - 1, load_params(store, manifest), local, manifest["epochs_done"]
+def _point(store: Store, manifest: Manifest, first_epoch: int, steps_per_epoch: int) -> RollbackPoint:
+    done: int = manifest["epochs_done"]
+    local = done - first_epoch
+    return local * steps_per_epoch - 1, load_params(store, manifest), local, done
 
 
 # ------------------------------------------------------------------------------------------ the driver
-def open_stores(checkpoint_dir: str | None, resume_from, spark_context) -> tuple[dict, dict | None]:
+def open_stores(checkpoint_dir: str | None, resume_from: str | None,
+                spark_context: SparkContext | None) -> tuple[Stores, Manifest | None]:
     """The driver's stores by source ({"checkpoint": ..., "resume": ...}) and resume_from's manifest,
     every file of it checked; checkpoint_dir writable and holding no later checkpoints. All before any
     Spark job."""
-    stores: dict = {}
+    stores: Stores = {}
     resume = None
     if resume_from is not None:
         root = checkpoint_root(resume_from, "resume_from")
@@ -165,7 +172,7 @@ def open_stores(checkpoint_dir: str | None, resume_from, spark_context) -> tuple
     return stores, resume
 
 
-def start_service(stores: dict, key: bytes, bind: str, timeout: float):
+def start_service(stores: Stores, key: bytes, bind: str, timeout: float) -> CheckpointService | None:
     """The driver's checkpoint service (ckpt_service.py) when a store is not local, else None."""
     if all(isinstance(store, LocalStore) for store in stores.values()):
         return None

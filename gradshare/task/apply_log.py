@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from gradshare.encoding import decode_update
 from gradshare.errors import ProtocolError
 from gradshare.replica.flat import FlatParams
 from gradshare.task.profiling import OFF, Off, StepProfile
-from gradshare.transport import Peer
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN, Update
 
+
+
+class UpdateSource(Protocol):
+    """What the log reads of its peer (transport.Peer; an in-process list in bench/lockstep.py)."""
+
+    def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]: ...
 
 class ApplyLog:
     """Applies delivered messages to the replica in canonical (step, sender) order, never past a bound.
@@ -21,7 +27,7 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer: Peer, flat: FlatParams, start_step: int, timeout: float,
+    def __init__(self, peer: UpdateSource, flat: FlatParams, start_step: int, timeout: float,
                  profile: StepProfile | Off | None = None, scale: float = 1.0) -> None:
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
@@ -49,8 +55,8 @@ class ApplyLog:
     def _note_stop(self, u: Update) -> None:
         """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
         # aggregated forwarding: the relay's aggregate carries rank 0's decision (transport/protocol/relay_log.py)
-        if u.sender in (0, AGGREGATE_ORIGIN) and u.meta and "stop_epoch" in u.meta and self.stop_epoch is None:
-            self.stop_epoch = int(u.meta["stop_epoch"])
+        if u.sender in (0, AGGREGATE_ORIGIN) and u.meta is not None and self.stop_epoch is None:
+            self.stop_epoch = u.meta.stop_epoch
 
     def apply_through(self, step: int) -> None:
         if step <= self.applied_through:

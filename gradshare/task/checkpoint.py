@@ -39,19 +39,31 @@ rank (so that an epoch's end is one step of the log that every rank reaches).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
+from torch import nn
 
 from gradshare.errors import CheckpointError, TransportTimeout
 from gradshare.replica.flat import int_buffers, load_int_buffers
 from gradshare.task.ckpt_client import ServiceStore
 from gradshare.checks import is_local
-from gradshare.task.stores import CHUNK, Digest, LocalStore, error_line, read_all
+from gradshare.encoding import SharingState
+from gradshare.replica.precision import Precision
+from gradshare.replica.flat import FlatParams
+from gradshare.task.apply_log import ApplyLog
+from gradshare.task.config import WorkerConfig
+from gradshare.task.stops import StopNotes
+from gradshare.task.stores import CHUNK, Digest, LocalStore, Store, error_line, read_all
+from gradshare.transport.protocol.step_meta import StepMeta
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -61,6 +73,37 @@ POINT = "point.npy"  # a rank's folded point q (local_view.py), beside its resid
 POLL_SECONDS = 0.05  # rank 0 polls for the other ranks' file lists
 MAX_JSON = 64 << 20  # manifests, file lists, state.json: far smaller; a bigger one is not ours
 
+# A parsed JSON object: a manifest (parse_manifest's dict, WorkerConfig.resume), a file list, state.json
+Json = dict[str, Any]
+T = TypeVar("T")
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint saves and loads of a worker (task/worker.py's Worker)."""
+
+    restored: bool  # load_rank sets it: the lr schedule and batch counters are the checkpoint's
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def cfg(self) -> WorkerConfig: ...
+    @property
+    def state(self) -> SharingState: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None: ...
+    @property
+    def precision(self) -> Precision: ...
+    @property
+    def flat(self) -> FlatParams: ...
+    @property
+    def stops(self) -> StopNotes: ...
+    @property
+    def log(self) -> ApplyLog | None: ...
+
 
 @dataclass(frozen=True)
 class CheckpointPlan:
@@ -68,17 +111,20 @@ class CheckpointPlan:
 
     root: str  # a local directory or a Hadoop-FS URI
     every: int  # epochs between checkpoints (the fit's last epoch always writes one)
-    job: dict  # `job_of`: compared on resume
-    service: tuple | None = None  # the driver's checkpoint service (host, port) when root is not local
+    job: Json  # `job_of`: compared on resume
+    service: tuple[str, int] | None = None  # the driver's checkpoint service (host, port) when root is not local
 
 
-def worker_store(cfg, source: str, rank: int):
+def worker_store(cfg: WorkerConfig, source: str, rank: int) -> Store:
     """Worker `rank`'s store for "checkpoint" (cfg.checkpoint.root) or "resume" (cfg.resume's root):
     the directory itself when it is local, else the driver's service (ckpt_service.py)."""
-    root = cfg.checkpoint.root if source == "checkpoint" else cfg.resume["root"]
-    service = cfg.checkpoint.service if cfg.checkpoint is not None else cfg.resume.get("service")
+    resume = cfg.resume or {}
+    root: str = cfg.checkpoint.root if source == "checkpoint" else resume["root"]
+    service = cfg.checkpoint.service if cfg.checkpoint is not None else resume.get("service")
     if is_local(root):
         return LocalStore(root)
+    if service is None:
+        raise CheckpointError(f"checkpoint {root}: not a local directory, and no checkpoint service to reach it")
     return ServiceStore(service, cfg.key, source, rank, cfg.timeout, root)
 
 
@@ -90,13 +136,13 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def npy_chunks(array: np.ndarray):
+def npy_chunks(array: NDArray[Any]) -> Iterator[bytes]:
     """An array as .npy bytes in chunks, straight from its memory (np.save's format, no copy of it)."""
     array = np.ascontiguousarray(array)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
     yield header.getvalue()
-    data = memoryview(array.reshape(-1)).cast("B")
+    data = memoryview(array.reshape(-1).data).cast("B")
     for i in range(0, len(data), CHUNK):
         yield bytes(data[i:i + CHUNK])
 
@@ -105,7 +151,7 @@ class _ChunkReader:
     """A read-only file over a chunk iterator, hashing what passes (np.lib.format.read_array reads
     an array from it in bounded pieces)."""
 
-    def __init__(self, chunks):
+    def __init__(self, chunks: Iterable[bytes]) -> None:
         # a bytearray: appending a chunk to bytes would copy all read so far (quadratic on a whole file)
         self.chunks, self.buf, self.digest = iter(chunks), bytearray(), Digest()
 
@@ -120,16 +166,16 @@ class _ChunkReader:
         del self.buf[:end]
         return out
 
-    def finish(self) -> dict:
+    def finish(self) -> Json:
         """Read to the end (a file longer than its array) and return the digest of it all."""
         self.read()
         return self.digest.result()
 
 
 # ------------------------------------------------------------------------------------------ writing
-def _jsonable_fields(obj, what: str) -> dict:
+def _jsonable_fields(obj: object, what: str) -> Json:
     """The plain fields of a rule object (floats, ints, strings, bools, None) for state.json."""
-    out = {}
+    out: Json = {}
     for name, value in vars(obj).items():
         if isinstance(value, np.generic):
             value = value.item()
@@ -140,7 +186,7 @@ def _jsonable_fields(obj, what: str) -> dict:
     return out
 
 
-def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) -> None:
+def write_rank(plan: CheckpointPlan, epochs_done: int, worker: Checkpointed, run: int, store: Store) -> None:
     """Worker `worker.rank`'s state after its last step of epoch epochs_done-1, then its file list,
     tagged with the fit's `run` (its job id) so that rank 0 never takes an earlier fit's list."""
     directory = epoch_dir(epochs_done)
@@ -176,22 +222,23 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker, run: int, store) 
                 atomic=True)
 
 
-def _stopping_state(worker) -> dict:
+def _stopping_state(worker: Checkpointed) -> Json:
     """Early stopping as this rank holds it after the epoch (stopping.py; rank 0 scored it first): the
     rule's best and count, the stop request and the stop epoch the log carries, in whole-training epochs
     (a resumed fit's log counts its own from 0)."""
     first = worker.cfg.first_epoch
     rule = worker.stops.rule
+    stop = None if worker.log is None else worker.log.stop_epoch
     return {"best": None if rule is None else rule.best, "waited": None if rule is None else rule.waited,
             "stop_requested": None if worker.stops.requested is None else worker.stops.requested + first,
             "stop_sent": worker.stops.sent,
-            "stop_epoch": None if worker.log.stop_epoch is None else worker.log.stop_epoch + first,
+            "stop_epoch": None if stop is None else stop + first,
             # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
             # here sends it as the uninterrupted one does, and the relay keeps the score for the row
-            "epoch_notes": {k: v + first if k == "val_epoch" else v for k, v in worker.stops.notes.items()}}
+            "epoch_notes": _shift_val_epoch(worker.stops.notes, first).to_wire()}
 
 
-def _load_stopping(worker, saved: dict | None) -> None:
+def _load_stopping(worker: Checkpointed, saved: Json | None) -> None:
     if not saved:  # a checkpoint of a fit without these fields
         return
     first = worker.cfg.first_epoch
@@ -200,23 +247,30 @@ def _load_stopping(worker, saved: dict | None) -> None:
     if saved["stop_requested"] is not None:
         worker.stops.requested, worker.stops.sent = saved["stop_requested"] - first, saved["stop_sent"]
     worker.stops.inherited = None if saved["stop_epoch"] is None else saved["stop_epoch"] - first
-    worker.stops.notes = {k: v - first if k == "val_epoch" else v for k, v in saved.get("epoch_notes", {}).items()}
+    notes = StepMeta.from_wire({k: float(v) for k, v in saved.get("epoch_notes", {}).items()})
+    worker.stops.notes = _shift_val_epoch(notes, -first)
 
 
-def _file_list(store, name: str, run: int) -> dict | None:
+def _shift_val_epoch(notes: StepMeta, by: int) -> StepMeta:
+    """`notes` with its scored epoch moved by `by` (the log's epochs <-> whole-training epochs)."""
+    return notes if notes.val_epoch is None else dataclasses.replace(notes, val_epoch=notes.val_epoch + by)
+
+
+def _file_list(store: Store, name: str, run: int) -> Json | None:
     """A rank's file list if this fit (`run`) wrote it; None while it is missing or an earlier fit's."""
     try:
         found = json.loads(read_all(store, name, MAX_JSON))
     except (FileNotFoundError, ValueError):  # not there yet (lists are replaced atomically, never half written)
         return None
-    return found["files"] if found.get("run") == run else None
+    files: Json = found["files"]
+    return files if found.get("run") == run else None
 
 
-def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: int, store) -> None:
+def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: int, store: Store) -> None:
     """Rank 0: once every rank's file list of this fit is there (at most `timeout` s), the manifest, last."""
     directory = epoch_dir(epochs_done)
     world = plan.job["world_size"]
-    lists: dict = {}
+    lists: dict[int, Json] = {}
     deadline = time.monotonic() + timeout
     while len(lists) < world:
         for r in range(world):
@@ -229,14 +283,14 @@ def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: 
             raise TransportTimeout(f"checkpoint {store.where(directory)}: rank(s) {missing} wrote no state "
                                    f"within {timeout} s")
         time.sleep(POLL_SECONDS)
-    files = {}
+    files: Json = {}
     for r in range(world):
         files.update(lists[r])
     manifest = {"format": FORMAT, "epochs_done": epochs_done, "job": plan.job, "files": files}
     store.write(f"{directory}/{MANIFEST}", [json.dumps(manifest).encode()], atomic=True)
 
 
-def parse_manifest(store, prefix: str, source: str) -> dict:
+def parse_manifest(store: Store, prefix: str, source: str) -> Json:
     """The manifest of checkpoint `prefix` in `store`, its files unchecked (a worker checks its own:
     `load_rank`). `source`: which of the fit's stores holds it ("checkpoint" or "resume": worker_store)."""
     directory = store.where(prefix)
@@ -253,14 +307,14 @@ def parse_manifest(store, prefix: str, source: str) -> dict:
             "epochs_done": epochs_done, "job": job, "files": files}
 
 
-def _reader(store, manifest: dict, name: str) -> _ChunkReader:
+def _reader(store: Store, manifest: Json, name: str) -> _ChunkReader:
     try:
         return _ChunkReader(store.read(_join(manifest["prefix"], name)))
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is missing") from e
 
 
-def _check(manifest: dict, name: str, got: dict) -> None:
+def _check(manifest: Json, name: str, got: Json) -> None:
     want = manifest["files"][name]
     if got != want:
         raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is corrupt or truncated ({got['bytes']} "
@@ -268,7 +322,7 @@ def _check(manifest: dict, name: str, got: dict) -> None:
                               f"{want['sha256'][:12]}…)")
 
 
-def _read_checked(store, manifest: dict, name: str, load):
+def _read_checked(store: Store, manifest: Json, name: str, load: Callable[[_ChunkReader], T]) -> T:
     """load(reader) on the file's stream, then its digest checked: a damaged file is an error before
     anything uses what was read."""
     reader = _reader(store, manifest, name)
@@ -284,11 +338,11 @@ def _read_checked(store, manifest: dict, name: str, load):
     return value
 
 
-def verify(store, manifest: dict, name: str) -> None:
+def verify(store: Store, manifest: Json, name: str) -> None:
     _read_checked(store, manifest, name, lambda reader: None)
 
 
-def _array(reader: _ChunkReader, limit: int) -> np.ndarray:
+def _array(reader: _ChunkReader, limit: int) -> NDArray[Any]:
     """A .npy array from the stream, refused before allocation when its header promises more than
     `limit` bytes (the manifest's size) or Python objects."""
     fmt = np.lib.format
@@ -298,8 +352,8 @@ def _array(reader: _ChunkReader, limit: int) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     if dtype.hasobject or fortran or count * dtype.itemsize > limit:
         raise ValueError(f"array header {shape} {dtype} does not fit the file's {limit} bytes")
-    array = np.empty(shape, dtype)
-    view = memoryview(array.reshape(-1)).cast("B")
+    array: NDArray[Any] = np.empty(shape, dtype)
+    view = memoryview(array.reshape(-1).data).cast("B")
     for i in range(0, len(view), CHUNK):
         piece = reader.read(min(CHUNK, len(view) - i))
         if len(piece) != min(CHUNK, len(view) - i):
@@ -308,11 +362,11 @@ def _array(reader: _ChunkReader, limit: int) -> np.ndarray:
     return array
 
 
-def _array_of(manifest: dict, name: str):
+def _array_of(manifest: Json, name: str) -> Callable[[_ChunkReader], NDArray[Any]]:
     return lambda reader: _array(reader, manifest["files"][name]["bytes"])
 
 
-def manifest_for(cfg, epochs_done: int, rank: int) -> dict:
+def manifest_for(cfg: WorkerConfig, epochs_done: int, rank: int) -> Json:
     """The checkpoint after `epochs_done` epochs that the relay restarted this attempt at (WELCOME's
     "checkpoint" note, `rollback_point`): the fit's resume_from, or one this fit wrote."""
     if cfg.resume is not None and cfg.resume["epochs_done"] == epochs_done:
@@ -323,12 +377,12 @@ def manifest_for(cfg, epochs_done: int, rank: int) -> dict:
     return parse_manifest(worker_store(cfg, "checkpoint", rank), epoch_dir(epochs_done), "checkpoint")
 
 
-def load_params(store, manifest: dict) -> np.ndarray:
+def load_params(store: Store, manifest: Json) -> NDArray[Any]:
     """The checkpoint's shared state, checked against its digest (it may have changed since it was read)."""
     return _read_checked(store, manifest, PARAMS, _array_of(manifest, PARAMS))
 
 
-def load_rank(manifest: dict, worker) -> None:
+def load_rank(manifest: Json, worker: Checkpointed) -> None:
     """Worker state from a checkpoint the driver verified; re-checked here (the files may have changed
     since), all of it before any of it is loaded."""
     rank = worker.rank
@@ -339,7 +393,7 @@ def load_rank(manifest: dict, worker) -> None:
     # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
     local = _read_checked(store, manifest, f"rank-{rank}/local.pt",
                           lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
-    meta = _read_checked(store, manifest, f"rank-{rank}/state.json", lambda reader: json.loads(reader.read()))
+    meta: Json = _read_checked(store, manifest, f"rank-{rank}/state.json", lambda reader: json.loads(reader.read()))
     state = worker.state
     if residual.shape != (state.n_params,):
         raise CheckpointError(f"checkpoint {directory}: rank {rank}'s residual has shape {residual.shape}, "

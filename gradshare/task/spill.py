@@ -124,7 +124,8 @@ class BlockShuffle:
         """File row numbers of window w in epoch order."""
         rows = np.concatenate([np.arange(b * self.block_rows, min((b + 1) * self.block_rows, self.rows))
                                for b in self.window_blocks_of(w)])
-        return rows[self.window_order(w)]
+        ordered: np.ndarray = rows[self.window_order(w)]
+        return ordered
 
 
 class SpilledPartition:
@@ -137,7 +138,8 @@ class SpilledPartition:
     spilled = True
 
     def __init__(self, path: str, dtype: np.dtype, layout: InputLayout, rows: int, window_bytes: int):
-        self.spill_path, self.dtype, self.layout, self.rows = path, dtype, layout, rows
+        self.spill_path: str | None = path  # None once closed
+        self.dtype, self.layout, self.rows = dtype, layout, rows
         self.multi = layout.multi
         self.block_rows, self.window_blocks = block_layout(rows, dtype.itemsize, window_bytes)
         self._fd = os.open(path, os.O_RDONLY)
@@ -173,7 +175,7 @@ class SpilledPartition:
         if self.spill_path is None:
             return
         os.close(self._fd)
-        self._buffer = self._order = None
+        self._buffer, self._order = self._buffer[:0].copy(), None  # the window's memory goes
         try:
             os.remove(self.spill_path)
         except OSError:
@@ -182,7 +184,7 @@ class SpilledPartition:
 
     def _read_into(self, out: np.ndarray, start: int) -> None:
         """Rows start .. start+len(out) of the file into `out` (explicit reads, nothing mapped)."""
-        view = memoryview(out).cast("B")
+        view = memoryview(out.data).cast("B")
         offset, done = start * self.dtype.itemsize, 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)
@@ -207,6 +209,7 @@ class SpilledPartition:
     def _load(self, w: int) -> None:
         """Read window w of the current epoch's shuffle into the buffer, block by block."""
         shuffle, at = self._shuffle, 0
+        assert shuffle is not None  # batch() makes the epoch's shuffle before it loads a window
         for block in shuffle.window_blocks_of(w):
             first = int(block) * shuffle.block_rows
             size = min(shuffle.block_rows, self.rows - first)
@@ -234,6 +237,7 @@ class SpilledPartition:
                 self._load(w)
             first = position - int(shuffle.starts[w])
             take = min(stop, int(shuffle.starts[w + 1])) - position
+            assert self._order is not None  # the window just loaded, or loaded before: its order
             rows = self._order[first : first + take]
             pieces.append([self._buffer[f][rows] for f in fields])  # one gather per field: no record copy
             position += take

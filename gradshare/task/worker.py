@@ -37,7 +37,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ from gradshare.replica.local_view import FoldedView, LocalView, NoView
 from gradshare.replica.lookahead import look_ahead, look_back
 from gradshare.replica.losses import LossStep
 from gradshare.replica.precision import Precision
-from gradshare.reports import EpochStats, Progress, WorkerReport
+from gradshare.reports import EpochStats, WorkerReport
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.checkpoint import worker_store, write_manifest, write_rank
 from gradshare.task.config import TrainStep, WorkerConfig
@@ -67,6 +67,7 @@ from gradshare.task.scoring import Scorer
 from gradshare.task.spill import SpilledPartition
 from gradshare.task.stops import StopNotes
 from gradshare.transport import Peer
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.vectors import Vector, copy_into, copy_of
 
 
@@ -128,6 +129,12 @@ def train_step_of(cfg: WorkerConfig) -> TrainStep:
     raise ValueError("WorkerConfig needs a loss or a train_step")
 
 
+
+class UpdateSink(Protocol):
+    """What a step needs of its peer: somewhere to send its message (transport.Peer; bench/lockstep.py's list)."""
+
+    def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None: ...
+
 class Worker:
     """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
 
@@ -178,14 +185,14 @@ class Worker:
     def inherit(self, notes: Mapping[str, Any]) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
         transport/protocol/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
-        self.stops.inherit(notes, self.rank)
+        self.stops.inherit(StepMeta.from_notes(notes), self.rank)
 
     def _score(self, scores: deque[tuple[int, int]], upto: int, history: list[EpochStats]) -> None:
         """Score the epochs whose log step is <= `upto` (scoring.py); rank 0 then runs each one's end."""
         self.scoring.score(scores, upto, self._log(), history, self.profile,
                            lambda row: self.stops.epoch_end(row, self.cfg.on_epoch_end))
 
-    def step(self, peer: Peer, t: int) -> tuple[float, int, int]:
+    def step(self, peer: UpdateSink, t: int) -> tuple[float, int, int]:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
@@ -194,7 +201,7 @@ class Worker:
             self.scheduler.step()
         return out
 
-    def _step(self, peer: Peer, t: int, epoch: int, b: int) -> tuple[float, int, int]:
+    def _step(self, peer: UpdateSink, t: int, epoch: int, b: int) -> tuple[float, int, int]:
         prof, flat, state = self.profile, self.flat, self.state
         batch = self.batches.read(epoch, b)
         prof.lap("batch")
@@ -243,9 +250,9 @@ class Worker:
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it
         # (a skipped fp16 step's empty message carries a placeholder τ, not one that was used: no τ)
-        meta = Progress(loss_value, msg.n_entries / flat.n_params, float(len(payload)),
-                        float(epoch - self.cfg.first_epoch), msg.threshold if taken else None, lr).to_meta()
-        meta.update(self.stops.take_meta(t, self.cfg))  # rank 0's epoch end and stop request, if any
+        meta = StepMeta(loss=loss_value, sparsity=msg.n_entries / flat.n_params, bytes=float(len(payload)),
+                        epoch=epoch - self.cfg.first_epoch, tau=msg.threshold if taken else None, lr=lr)
+        meta = meta.with_(self.stops.take_meta(t, self.cfg))  # rank 0's epoch end and stop request, if any
         peer.send_update(t, payload, meta)
         # a message this large (density ~1e-2 and up: a warm-up, Adam's first steps) left its codes and
         # payloads freed but held, and the others' messages of the step will be as large

@@ -14,6 +14,7 @@ from gradshare import SharedTrainer
 from gradshare.demo import digits_split
 from gradshare.stopping import stop_epoch
 from gradshare.hashing import param_hash
+from gradshare.transport.protocol.step_meta import StepMeta
 from dying import DiesOnce
 from harness import Sim, drive
 from transport_util import random_update
@@ -50,11 +51,11 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
     assert asked == [-1] and sim.relay.attempt_notes == ()  # the first attempt: nothing to inherit
 
     def meta(t, r):
-        out = {"epoch": float(t // 2), "loss": 1.0}
+        out = StepMeta(epoch=t // 2, loss=1.0)
         if r == 0 and t in (2, 4):  # rank 0 scored epoch t//2 - 1 before step t
-            out.update(es_best=0.5, es_waited=float(t // 2 - 1), val_epoch=float(t // 2 - 1), val_metric=0.25 * t)
+            out = out.with_(StepMeta(es_best=0.5, es_waited=t // 2 - 1, val_epoch=t // 2 - 1, val_metric=0.25 * t))
         if r == 0 and t == 4:
-            out.update(stop_requested=1.0, stop_epoch=3.0)
+            out = out.with_(StepMeta(stop_requested=1, stop_epoch=3))
         return out
 
     _send_steps(sim, range(6), meta)
@@ -84,7 +85,7 @@ def test_without_a_rollback_a_new_attempt_inherits_the_state_at_the_cut():
     for r in range(2):
         sim.add_peer(r)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
-    _send_steps(sim, range(4), lambda t, r: {"es_waited": float(t)} if (r, t) in ((0, 1), (0, 3)) else None)
+    _send_steps(sim, range(4), lambda t, r: StepMeta(es_waited=t) if (r, t) in ((0, 1), (0, 3)) else None)
     for r in range(2):
         sim.add_peer(r, attempt=1)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))

@@ -12,12 +12,13 @@ from gradshare.transport.protocol.events import Join
 from gradshare.transport.protocol.peer_core import PeerCore
 from gradshare.transport.protocol.relay_core import RelayCore
 from gradshare.transport.protocol.wire import RELAY_ID
+from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY
 
 KEY = b"K" * 32
 N, W = 300, 3
 JOIN_BODY = wire.encode_control(Join(N, W))[1]
-UPDATE_BODY = wire.encode_update_body(b"\x00\x00\x80\x3f" + bytes([5, 0, 0, 0]), {"loss": 1.0})
+UPDATE_BODY = wire.encode_update_body(b"\x00\x00\x80\x3f" + bytes([5, 0, 0, 0]), StepMeta(loss=1.0))
 
 
 def forged(kind, sender, attempt, origin, step, index, count, body, job=42, key=KEY, counter=0):

@@ -25,6 +25,7 @@ from gradshare.transport.protocol.relay_core import RelayCore
 from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
 from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
 from gradshare.transport.protocol.states import PeerState
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.wire import Kind
 from transport_util import TOY, random_update, toy_apply_payload
 
@@ -149,7 +150,7 @@ class CoreMisuse(RuleBasedStateMachine):
             assert was in (PeerState.NEW, PeerState.LOADING) and p.state == PeerState.JOINING
 
     @rule(rank=ranks, offset=st.sampled_from([0, 0, 0, 1, -1, 5]), entries=st.sampled_from([0, 3, 150]),
-          meta=st.sampled_from([None, {"loss": 1.0, "epoch": 0}]))
+          meta=st.sampled_from([None, StepMeta(loss=1.0, epoch=0)]))
     def send_update(self, rank, offset, entries, meta):
         p = self._peer(rank)
         step = (p.next_step if p.next_step is not None else 0) + offset
@@ -222,7 +223,7 @@ class CoreMisuse(RuleBasedStateMachine):
             for p in self.peers.values():
                 if p.state == PeerState.JOINED and not p.error and p.finish_step is None and len(p.unacked) < 32:
                     payload = random_update(self.rng, N, entries)
-                    p.send_update(p.next_step, payload, {"loss": 1.0, "epoch": 0}, self.now)
+                    p.send_update(p.next_step, payload, StepMeta(loss=1.0, epoch=0), self.now)
                     self.sent[(p.attempt, p.next_step - 1, p.rank)] = payload
             self.tick(0.003)
             self.pump(1, 0, dup_every)

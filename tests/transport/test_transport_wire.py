@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.crypto import Sealer, new_job_key
+from gradshare.transport.protocol.step_meta import StepMeta
 
 CONTROL = [
     ev.Join(10, 4), ev.Welcome(10, 4, 3, 2), ev.Reject("no"), ev.Ack((1, 2, 3)),
@@ -56,9 +58,15 @@ def test_header_round_trip_and_size():
         wire.decode_header(raw, 4)
 
 
+_floats = st.one_of(st.none(), st.floats(allow_nan=False))
+_wholes = st.one_of(st.none(), st.integers(-2**53, 2**53))
+step_metas = st.builds(StepMeta, loss=_floats, sparsity=_floats, bytes=_floats, epoch=_wholes, tau=_floats,
+                       lr=_floats, val_epoch=_wholes, val_metric=_floats, es_best=_floats, es_waited=_wholes,
+                       stop_requested=_wholes, stop_epoch=_wholes)
+
+
 @settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=3000), st.one_of(st.none(), st.dictionaries(
-    st.text(max_size=10), st.floats(allow_nan=False), max_size=5)), st.integers(20, 500))
+@given(st.binary(max_size=3000), st.one_of(st.none(), step_metas), st.integers(20, 500))
 def test_update_body_round_trip_through_chunks(payload, meta, chunk):
     body = wire.encode_update_body(payload, meta)
     parts = wire.split(body, chunk)
@@ -67,9 +75,37 @@ def test_update_body_round_trip_through_chunks(payload, meta, chunk):
     assert got == payload and got_meta == meta
 
 
-def test_meta_must_be_str_to_float():
+def test_meta_is_the_msgpack_map_of_floats_it_always_was():
+    body = wire.encode_update_body(b"xy", StepMeta(loss=0.5, epoch=2, stop_epoch=3))
+    assert msgpack.unpackb(body[2:-2]) == {"loss": 0.5, "epoch": 2.0, "stop_epoch": 3.0}
+    assert wire.encode_update_body(b"", None) == b"\x00\x00"  # no meta: length 0
+
+
+def test_meta_must_be_a_step_meta_of_numbers():
     with pytest.raises(ValueError, match="meta"):
-        wire.encode_update_body(b"", {"x": "y"})
+        wire.encode_update_body(b"", {"loss": 1.0})
+    with pytest.raises(ValueError, match="loss must be a number"):
+        StepMeta(loss="high")
+    with pytest.raises(ValueError, match="epoch must be a whole number"):
+        StepMeta(epoch=1.5)
+
+
+def _body(fields) -> bytes:
+    packed = msgpack.packb(fields)
+    return len(packed).to_bytes(2, "little") + packed
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"loss": 1.0, "step": 3.0}, "unknown entry 'step'"),    # an unknown key is refused, not dropped
+    ({"loss": 1}, "'loss' is not a float"),                  # msgpack ints never were meta values
+    ({"loss": "x"}, "'loss' is not a float"),
+    ({"epoch": 1.5}, "'epoch' is not a whole number"),
+    ({1: 1.0}, "bad meta"),                                  # msgpack itself refuses a number key
+    (3.0, "meta is not a map"),
+])
+def test_a_malformed_meta_is_refused_with_a_clear_error(fields, error):
+    with pytest.raises(DecodeError, match=error):
+        wire.decode_update_body(_body(fields))
 
 
 @pytest.mark.parametrize("insecure", [False, True])

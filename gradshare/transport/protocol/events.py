@@ -10,6 +10,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gradshare.transport.protocol.step_meta import StepMeta
+
 if TYPE_CHECKING:  # for annotations only: this module needs no numpy at run time
     import numpy as np
     from numpy.typing import NDArray
@@ -33,8 +35,6 @@ MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits o
 # back beside each datagram to send. The UDP shells use socket addresses ((host, port) tuples), the
 # in-memory link (memory.py, tests/harness.py) ranks and names.
 Address = Hashable
-# An update's meta: what a rank says about its step (loss, tau, epoch, ...); wire.py checks str -> float
-Meta = dict[str, float]
 # What the cores' counters() return: counts by name, and "drops": reason -> count
 Counters = dict[str, int | dict[str, int]]
 
@@ -304,7 +304,7 @@ class Update:
     step: int
     sender: int
     payload: bytes
-    meta: Meta | None = None
+    meta: StepMeta | None = None
     arrived: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
@@ -312,6 +312,8 @@ class Update:
         _check_int("sender", self.sender, 0, AGGREGATE_ORIGIN)
         if not isinstance(self.payload, bytes):
             raise TypeError("payload must be bytes")
+        if self.meta is not None and not isinstance(self.meta, StepMeta):
+            raise TypeError("meta must be a StepMeta or None")
 
 
 @dataclass(frozen=True)

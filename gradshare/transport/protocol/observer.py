@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from gradshare.transport.protocol.events import Meta
+from gradshare.transport.protocol.step_meta import StepMeta
 
 
 class Cut(NamedTuple):
@@ -24,7 +24,7 @@ class Cut(NamedTuple):
 
 
 class LogObserver(Protocol):
-    def applied(self, step: int, rank: int, meta: Meta, attempt: int) -> None:
+    def applied(self, step: int, rank: int, meta: StepMeta, attempt: int) -> None:
         """Update (step, rank), which carried ``meta``, entered the applied log (canonical order)."""
 
     def cut(self, complete_through: int, params: NDArray[np.float32]) -> Cut:

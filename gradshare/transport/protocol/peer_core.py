@@ -31,6 +31,7 @@ from gradshare.transport.protocol.outstanding import Outstanding
 from gradshare.transport.protocol.peer_inbound import nak_missing, receive_update_chunk
 from gradshare.transport.protocol.peer_snapshot import SnapshotDownload, SnapshotFetch
 from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
 from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
@@ -120,7 +121,7 @@ class PeerCore:
         self._to(PeerTrigger.JOIN)
         self._send_join(now)
 
-    def send_update(self, step: int, payload: bytes, meta: ev.Meta | None, now: float) -> None:
+    def send_update(self, step: int, payload: bytes, meta: StepMeta | None, now: float) -> None:
         self._check_usable("send_update")
         if self.finish_step is not None:
             raise LocalProtocolError(f"rank {self.rank} already sent FINISHED({self.finish_step})")
@@ -134,9 +135,8 @@ class PeerCore:
                                      f"{self.rank}; refusing to buffer more")
         payload = bytes(payload)
         body = wire.encode_update_body(payload, meta)
-        _, clean_meta = wire.decode_update_body(body)
         if not self.aggregate:            # aggregated: it reaches our log inside the relay's aggregate
-            self.store(ev.Update(step, self.rank, payload, clean_meta, now))
+            self.store(ev.Update(step, self.rank, payload, meta, now))
         self.unacked.add(step, body, now)
         self._out.extend(self.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1

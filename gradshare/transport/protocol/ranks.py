@@ -9,6 +9,7 @@ from __future__ import annotations
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.rangeset import RangeSet
 from gradshare.transport.protocol.reassembly import LateAllowance
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
                                         RankTrigger, transition)
 
@@ -40,7 +41,7 @@ class RankState:
         self.ended: ev.Ended | None = None
         self.delivered_through = -1
         self.sent_through = -1
-        self.meta: ev.Meta | None = None
+        self.meta: StepMeta | None = None  # its latest update's
         self.bytes_in = 0
         self.updates_in = 0
         self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them

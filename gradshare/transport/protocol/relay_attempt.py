@@ -19,6 +19,7 @@ from gradshare.transport.protocol.history import History, StepKeys
 from gradshare.transport.protocol.ranks import RankTable
 from gradshare.transport.protocol.reassembly import Reassembler
 from gradshare.transport.protocol.states import RankTrigger
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import Kind
 
@@ -46,7 +47,7 @@ class Attempt:
         self.cursor = LogCursor(world_size, base)
         self.ranks = RankTable(world_size, now, tuning.nak_delay)
         self.pending: dict[tuple[int, int], Decoded] = {}    # (step, rank) -> decoded, validated, not applied
-        self.pending_meta: dict[tuple[int, int], ev.Meta] = {}  # their meta, accounted when applied
+        self.pending_meta: dict[tuple[int, int], StepMeta] = {}  # their meta, accounted when applied
         self.restart_reason: str | None = None           # on_rank_loss="restart" fired in this attempt
         self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
         self.trim_floor = -2                             # the floor the last trim dropped through

@@ -268,7 +268,7 @@ class RelayCore:
                                "ended": None if r.ended is None else
                                {"last_step": r.ended.last_step, "gone": r.ended.gone},
                                "updates_in": r.updates_in, "bytes_in": r.bytes_in,
-                               "meta": dict(r.meta) if r.meta else None}
+                               "meta": None if r.meta is None else r.meta.to_wire()}
                       for r in self.ranks},
         }
 

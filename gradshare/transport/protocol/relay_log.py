@@ -24,6 +24,7 @@ from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.ranks import RankState
 from gradshare.transport.protocol.relay_attempt import Decoded, total_len
 from gradshare.transport.protocol.states import RankTrigger
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class RelayLog:
         rs.updates_in += 1
         rs.bytes_in += len(whole)
         if meta is not None:
-            rs.meta = dict(meta, step=float(step))
+            rs.meta = meta
             att.pending_meta[(step, rs.rank)] = meta
         att.pending[(step, rs.rank)] = decoded
         core.c["updates_in"] += 1
@@ -322,8 +323,8 @@ class RelayLog:
         core.apply_update(agg, core.params)
         meta = None
         stop = core.att.pending_meta.get((step, 0))
-        if stop is not None and "stop_epoch" in stop:     # rank 0's early-stop decision rides along
-            meta = {"stop_epoch": stop["stop_epoch"]}
+        if stop is not None and stop.stop_epoch is not None:     # rank 0's early-stop decision rides along
+            meta = StepMeta(stop_epoch=stop.stop_epoch)
         body = wire.encode_update_body(agg.to_bytes(core.aggregator.n_buffers), meta)
         sealed = tuple(core.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
                                              chunk_bytes=self.aggregate_chunk_bytes))

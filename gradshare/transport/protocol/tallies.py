@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from gradshare.transport.protocol.events import Meta
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.observer import Cut
 
 MAX_EPOCH_ROWS = 1 << 16
@@ -33,15 +33,16 @@ class EpochTally:
         self.val_metric: float | None = None
         self.first_attempt = self.last_attempt = attempt
 
-    def add(self, meta: Meta, attempt: int) -> None:
+    def add(self, meta: StepMeta, attempt: int) -> None:
         self.steps += 1
-        self.loss += meta.get("loss", 0.0)
-        self.sparsity += meta.get("sparsity", 0.0)
-        self.payload += meta.get("bytes", 0.0)
-        self.silent += meta.get("sparsity", 1.0) == 0.0
-        self.tau = meta.get("tau", self.tau)
+        self.loss += meta.loss or 0.0
+        self.sparsity += meta.sparsity or 0.0
+        self.payload += meta.bytes or 0.0
+        self.silent += meta.sparsity == 0.0
+        if meta.tau is not None:
+            self.tau = meta.tau
         if self.lr is None:
-            self.lr = meta.get("lr")
+            self.lr = meta.lr
         self.last_attempt = attempt
 
     def as_dict(self) -> dict[str, float | None]:
@@ -50,13 +51,9 @@ class EpochTally:
                 "resumed": self.first_attempt != self.last_attempt}
 
 
-# rank 0's meta keys that a new attempt inherits (worker.py sends them, stopping.py defines them)
-NOTE_KEYS = ("es_best", "es_waited", "stop_epoch", "stop_requested")
-
-
 class AttemptNotes:
     """Rank 0's epoch-end state as the applied log carries it: (step, {key: value}) in log order, one
-    entry per message that carried any of NOTE_KEYS (at most one per epoch), bounded. `at(step)` is the
+    entry per message that carried any of StepMeta.NOTE_FIELDS (at most one per epoch), bounded. `at(step)` is the
     state after the log through `step`: what an attempt that starts after `step` inherits."""
 
     def __init__(self, limit: int = MAX_EPOCH_ROWS) -> None:
@@ -64,8 +61,8 @@ class AttemptNotes:
         self.limit = limit
         self.dropped = 0
 
-    def add(self, step: int, meta: Meta) -> None:
-        found = {k: float(meta[k]) for k in NOTE_KEYS if k in meta}
+    def add(self, step: int, meta: StepMeta) -> None:
+        found = meta.notes()
         if not found:
             return
         if len(self.entries) >= self.limit:  # a fit of more epochs than this keeps its newest state
@@ -108,13 +105,13 @@ class TrainingLog:
         self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
         self.c: Counter[str] = Counter() if counters is None else counters
 
-    def applied(self, step: int, rank: int, meta: Meta, attempt: int) -> None:
-        if "epoch" in meta:
-            self._tally(rank, int(meta["epoch"]), meta, attempt)
+    def applied(self, step: int, rank: int, meta: StepMeta, attempt: int) -> None:
+        if meta.epoch is not None:
+            self._tally(rank, meta.epoch, meta, attempt)
         if rank == 0:
             self.notes.add(step, meta)
-            if "val_epoch" in meta and "val_metric" in meta:
-                self._tally_score(int(meta["val_epoch"]), meta["val_metric"])
+            if meta.val_epoch is not None and meta.val_metric is not None:
+                self._tally_score(meta.val_epoch, meta.val_metric)
 
     def cut(self, complete_through: int, params: NDArray[np.float32]) -> Cut:
         point = None if self.rollback is None else self.rollback(complete_through)
@@ -134,7 +131,7 @@ class TrainingLog:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         return {k: t.as_dict() for k, t in self.epochs.items()}
 
-    def _tally(self, rank: int, epoch: int, meta: Meta, attempt: int) -> None:
+    def _tally(self, rank: int, epoch: int, meta: StepMeta, attempt: int) -> None:
         tally = self.epochs.get((rank, epoch))
         if tally is None:
             if len(self.epochs) >= MAX_EPOCH_ROWS:

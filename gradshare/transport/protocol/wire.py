@@ -29,6 +29,7 @@ import msgpack
 
 from gradshare.errors import DecodeError
 from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.step_meta import StepMeta
 
 MAGIC = b"GS"
 VERSION = 1
@@ -160,39 +161,33 @@ def split(body: bytes, chunk_bytes: int) -> list[bytes]:
 
 # --- update bodies ------------------------------------------------------------------------------------
 
-def encode_update_body(payload: bytes, meta: ev.Meta | None) -> bytes:
+def encode_update_body(payload: bytes, meta: StepMeta | None) -> bytes:
+    """``u16 meta length | msgpack meta | payload``; no meta is length 0 (step_meta.py: the map's keys)."""
     if meta is None:
         packed = b""
     else:
-        if not isinstance(meta, dict) or len(meta) > MAX_META_KEYS:
-            raise ValueError(f"meta must be a dict of at most {MAX_META_KEYS} str -> float entries")
-        clean: ev.Meta = {}
-        for k, v in meta.items():
-            if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise ValueError(f"meta entry {k!r}: {v!r} is not str -> float")
-            clean[k] = float(v)
-        packed = msgpack.packb(clean, use_bin_type=True)
-        if len(packed) > MAX_META_BYTES:
+        if not isinstance(meta, StepMeta):
+            raise ValueError(f"meta must be a StepMeta or None (got {type(meta).__name__})")
+        packed = msgpack.packb(meta.to_wire(), use_bin_type=True)
+        if len(packed) > MAX_META_BYTES:  # 12 floats and their names pack to ~180 bytes: never, today
             raise ValueError(f"meta packs to {len(packed)} bytes > {MAX_META_BYTES}")
     return len(packed).to_bytes(2, "little") + packed + bytes(payload)
 
 
-def decode_update_body(body: bytes) -> tuple[bytes, ev.Meta | None]:
+def decode_update_body(body: bytes) -> tuple[bytes, StepMeta | None]:
     if len(body) < 2:
         raise DecodeError("update body shorter than its meta length")
     n = int.from_bytes(body[:2], "little")
     if n > MAX_META_BYTES or 2 + n > len(body):
         raise DecodeError(f"meta length {n} out of range")
-    meta: ev.Meta | None = None
+    meta: StepMeta | None = None
     if n:
         try:
-            meta = msgpack.unpackb(body[2:2 + n], max_str_len=64, max_bin_len=0, max_array_len=0,
-                                   max_map_len=MAX_META_KEYS, max_ext_len=0, raw=False)
+            fields = msgpack.unpackb(body[2:2 + n], max_str_len=64, max_bin_len=0, max_array_len=0,
+                                     max_map_len=MAX_META_KEYS, max_ext_len=0, raw=False)
         except Exception as exc:  # msgpack raises several types for bad input; all mean the same here
             raise DecodeError(f"bad meta: {exc}") from None
-        if not isinstance(meta, dict) or not all(
-                isinstance(k, str) and isinstance(v, float) for k, v in meta.items()):
-            raise DecodeError("meta is not a str -> float map")
+        meta = StepMeta.from_wire(fields)  # DecodeError naming the entry that is wrong
     return body[2 + n:], meta
 
 

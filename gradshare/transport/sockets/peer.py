@@ -24,6 +24,7 @@ from gradshare.transport.sockets import quiet_gc, udp
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.events import Counters, Update, Welcome
 from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 
@@ -217,7 +218,7 @@ class Peer:
             # _wait returned, so the receiver thread set it; the checker still holds the None assigned above
             return self._snapshot  # type: ignore[return-value]
 
-    def send_update(self, step: int, payload: bytes, meta: dict[str, float] | None = None) -> None:
+    def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None:
         self._call(self._core.send_update, step, payload, meta)
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:

@@ -12,6 +12,7 @@ import pytest
 
 from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
+from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, N, exchange, random_update, toy_apply_payload, wait_until
 
 def test_exchange_is_exactly_once_and_bit_identical():
@@ -28,7 +29,7 @@ def test_exchange_is_exactly_once_and_bit_identical():
         # is counted as a duplicate (and applied once, as the logs above show)
         assert set(c["drops"]) <= {"duplicate", "duplicate_chunk"}, c["drops"]
         prog = relay.progress()
-        assert prog["ranks"][1]["meta"]["loss"] == pytest.approx(1 / 30)
+        assert prog["ranks"][1]["meta"]["loss"] == pytest.approx(1 / 30)  # StepMeta.to_wire(): a plain map
 
 
 def test_relay_port_in_use_names_the_port():
@@ -164,7 +165,7 @@ def test_real_encoding_messages_make_bit_identical_replicas():
             for t in range(steps):
                 for r, p in enumerate(peers):
                     m = encode(residual[r], (rng.standard_normal(n) * 0.01).astype(np.float32), 0.02)
-                    p.send_update(t, m.to_bytes(), {"n_entries": float(m.n_entries)})
+                    p.send_update(t, m.to_bytes(), StepMeta(sparsity=m.n_entries / n))
                 for r, p in enumerate(peers):
                     for u in p.receive(until_step=t, timeout=10):
                         apply(Message.from_bytes(u.payload, max_params=n), params[r])
