@@ -39,6 +39,10 @@ NAMES = {"tab10": "tabular64k", "mnist1d": "mnist1d-mlp"}  # the workloads of `g
 
 def load_workload(name: str, seed: int):
     """(X_train, y_train, X_test, y_test) of gradshare/bench/workloads.py's workload for `name`."""
+    cache = os.environ.get("SR_DATA")  # a folder of <name>_<seed>.npz (machines without the data packages)
+    if cache and os.path.exists(os.path.join(cache, f"{name}_{seed}.npz")):
+        z = np.load(os.path.join(cache, f"{name}_{seed}.npz"))
+        return z["Xtr"], z["ytr"], z["Xte"], z["yte"]
     from gradshare.bench.workloads import load
 
     wl = load(NAMES[name], seed)
@@ -237,7 +241,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         fold="g", vwarm=None, beta=0.9, nesterov=False, mom_mask=True, eps=1e-8, gclip=0.0, factor="rowcol",
         outer_mom=0.0, outer_lr=1.0, b2=0.999, glr=None, gview=False, nden=0.0,
         # round-2 knobs
-        vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, lrcomp_until=None, **extra):
+        vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, lrcomp_until=None,
+        # round-3 knobs
+        dsteps=1.0, lrfade=False, lrlayers=None, rdecay=1.0, lrend=1.0, **extra):
     torch.set_num_threads(int(os.environ.get("SR_THREADS", "1")))
     dev = torch.device("cpu")
     Xtr, ytr, Xte, yte = load_workload(workload, seed)
@@ -264,8 +270,10 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         kind_, c_ = dsched[0], float(dsched[1])
         if kind_ == "lin":  # linear decay from c to the density over the run
             enc.sched = lambda t: c_ + (density - c_) * t / T
-        elif kind_ == "geo":  # geometric decay from c to the density over the run
-            enc.sched = lambda t: density * (c_ / density) ** (1.0 - t / T)
+        elif kind_ == "geo":  # geometric decay from c to the density over dsteps × the run (still above
+            # the density at the end when dsteps > 1)
+            TD = dsteps * T
+            enc.sched = lambda t: density * (c_ / density) ** (1.0 - min(t, TD) / TD)
         elif kind_ == "inv":  # c / (steps done so far + 1): a coordinate waits ~steps so far
             enc.sched = lambda t: c_ / (t + 1)
         elif kind_ == "T":  # flat c / T (steps per worker in the run)
@@ -337,12 +345,30 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             # today's design (and the global modes' warm-up): own Adam at the local view P + S·r
             pts = p + enc.r * S if view else p.expand(N, P)
             rp.grad = model.grads(pts, X, y)
-            if lrcomp and (lrcomp_until is None or t >= lrcomp_until):
-                opt.param_groups[0]["lr"] = lr
+            base_lr = lr * (lrend ** (t / max(1, T - 1)))  # lrend: a geometric ramp of the own-Adam lr to lr·lrend
+            opt.param_groups[0]["lr"] = base_lr
+            f_ = 1.0
             if lrcomp and (lrcomp_until is None or t < lrcomp_until):  # own-Adam lr × (base density / this step's scheduled density)^lrcomp
                 dt = enc.target(t) if enc.sched is None else max(enc.target(t), enc.sched(t))
-                opt.param_groups[0]["lr"] = lr * (max(density, enc.floor) / dt) ** lrcomp
+                d_end = max(density, enc.floor)
+                a_ = lrcomp
+                if lrfade and enc.sched is not None:  # the power fades with the decay's progress: α·(d_t − d_end)/(d_0 − d_end)
+                    d0 = max(enc.target(0), enc.sched(0))
+                    a_ = lrcomp * max(0.0, dt - d_end) / max(1e-30, d0 - d_end)
+                f_ = (d_end / dt) ** a_
+                opt.param_groups[0]["lr"] = base_lr * f_
+            if rdecay != 1.0:  # SparseLoCo-style decayed error feedback: old residual mass fades
+                enc.r.mul_(rdecay)
+            if lrlayers is not None and f_ != 1.0:  # the lr factor only on the listed layers (index into ARCH's layers)
+                r0 = enc.r.clone()
             opt.step()
+            if lrlayers is not None and f_ != 1.0:
+                keep = set(int(i) % len(model.layout) for i in lrlayers)
+                for i, (a, b, o0, o1, o2) in enumerate(model.layout):
+                    if i not in keep:  # Adam's update is linear in lr: undo the factor on this layer
+                        sl = enc.r[:, o0:o2]
+                        sl.sub_(r0[:, o0:o2]).mul_(1.0 / f_).add_(r0[:, o0:o2])
+                del r0
             p += outer(enc.encode(t, S))
             if system == "global" and t == vw - 1:
                 st = opt.state[rp]
