@@ -17,7 +17,7 @@ import dataclasses
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 from cryptography.hazmat.primitives import hashes
@@ -120,23 +120,22 @@ class StatusOpener:
 def _parse(body: object) -> Status:
     if not isinstance(body, dict) or not isinstance(body.get("p"), dict):
         raise ValueError("a status body is a map with a progress map")
+    return Status(progress=body["p"], failure=_record_of(ev.Fail, body.get("f")),
+                  reported=_record_of(ev.Fail, body.get("r")), first_cause=_record_of(ev.Incident, body.get("c")),
+                  fatal=_record_of(ev.Incident, body.get("x")), epochs=_epochs(body.get("e", [])))
 
-    def fail(d: object) -> ev.Fail | None:
-        if d is None:
-            return None
-        if not isinstance(d, dict):
-            raise ValueError("a FAIL record is a map")
-        return ev.Fail(**d)
 
-    def incident(d: object) -> ev.Incident | None:
-        if d is None:
-            return None
-        if not isinstance(d, dict):
-            raise ValueError("an incident record is a map")
-        return ev.Incident(**d)
+R = TypeVar("R", ev.Fail, ev.Incident)
 
-    return Status(progress=body["p"], failure=fail(body.get("f")), reported=fail(body.get("r")),
-                  first_cause=incident(body.get("c")), fatal=incident(body.get("x")), epochs=_epochs(body.get("e", [])))
+
+def _record_of(cls: type[R], fields: object) -> R | None:
+    """A FAIL or an incident from its map (None: none); its own checks refuse bad fields (TypeError,
+    ValueError), as a missing or unknown field does."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict):
+        raise ValueError(f"a {cls.__name__} record is a map")
+    return cls(**fields)
 
 
 def _epochs(rows: object) -> tuple[tuple[int, float, float | None], ...]:
