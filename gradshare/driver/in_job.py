@@ -34,8 +34,8 @@ from gradshare.task.checkpoint import MANIFEST
 from gradshare.task.stores import LocalStore
 from gradshare.task.relay_host import HostedRelay
 from gradshare.transport import new_job_key
-from gradshare.transport.protocol import events as ev
-from gradshare.transport.sockets.status import StatusInbox
+from gradshare.transport.protocol.status_wire import Status
+from gradshare.transport.sockets.status import StatusInbox, StatusReads
 
 INLINE_STATE_BYTES = 16 << 20  # a larger first state is shipped as a file (ship_state)
 MAX_RESTARTS = 3  # runs of the stage after the first, as Spark's default stage attempts (4 in all)
@@ -61,7 +61,7 @@ def check_in_job(config: TrainConfig, resume_from: str | None) -> None:
                              "relay='client'")
 
 
-class JobRelay:
+class JobRelay(StatusReads):
     """The reads the stage loop (stage.run_stage) makes of a relay, answered from the in-job relay's
     status (`StatusInbox`), or as a relay that heard nothing when its status cannot reach this process."""
 
@@ -71,23 +71,11 @@ class JobRelay:
         self.address = ("the relay in rank 0's task" if inbox is None else
                         f"the relay in rank 0's task (its status to this client at {host}:{inbox.address[1]})")
 
-    def progress(self) -> dict[str, object]:
-        return {} if self.inbox is None else self.inbox.progress()
-
-    def failure(self) -> ev.Fail | None:
-        return None if self.inbox is None else self.inbox.failure()
-
-    def reported_failure(self) -> ev.Fail | None:
-        return None if self.inbox is None else self.inbox.reported_failure()
-
-    def first_cause(self) -> ev.Incident | None:
-        return None if self.inbox is None else self.inbox.first_cause()
-
-    def fatal_incident(self) -> ev.Incident | None:
-        return None if self.inbox is None else self.inbox.fatal_incident()
+    def status(self) -> Status | None:
+        return None if self.inbox is None else self.inbox.status()
 
     def epoch_lines(self) -> list[EpochLine]:
-        return [] if self.inbox is None else [EpochLine(*row) for row in self.inbox.epochs()]
+        return [EpochLine(*row) for row in self._read().epochs]
 
 
 def status_host(job: RddJob | FrameJob, advertise_host: str | None) -> str | None:

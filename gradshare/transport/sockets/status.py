@@ -27,6 +27,7 @@ class StatusSender:
         family = socket.getaddrinfo(inbox[0], inbox[1], type=socket.SOCK_DGRAM)[0][0]
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sent = self.failed = 0
+        self.error = ""  # the first status that could not be read or sealed (send)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gradshare-status", daemon=True)
         self._thread.start()
@@ -36,9 +37,17 @@ class StatusSender:
             self.send()
 
     def send(self) -> None:
-        """One status now; a send the network refuses is counted, not raised (the client may be gone)."""
+        """One status now; a send the network refuses is counted, not raised (the client may be gone).
+        A status that cannot be read or sealed is counted too, its first error kept in `error`: the
+        pushes are the client's view only, and must not stop the thread or the relay's task."""
         try:
-            self.sock.sendto(self.sealer.seal(self.read()), self.inbox)
+            data = self.sealer.seal(self.read())
+        except Exception as e:  # noqa: BLE001 - kept, counted; the training goes on without the push
+            self.failed += 1
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            return
+        try:
+            self.sock.sendto(data, self.inbox)
             self.sent += 1
         except OSError:
             self.failed += 1
@@ -51,7 +60,36 @@ class StatusSender:
         self.sock.close()
 
 
-class StatusInbox:
+class StatusReads:
+    """The reads the driver's stage loop makes of a `Relay`, answered from `status()`: as a relay that has
+    heard nothing while there is none (this class itself never has one)."""
+
+    def status(self) -> Status | None:
+        return None
+
+    def _read(self) -> Status:
+        return self.status() or NOTHING_HEARD
+
+    def progress(self) -> dict[str, object]:
+        return dict(self._read().progress)
+
+    def failure(self) -> ev.Fail | None:
+        return self._read().failure
+
+    def reported_failure(self) -> ev.Fail | None:
+        return self._read().reported
+
+    def first_cause(self) -> ev.Incident | None:
+        return self._read().first_cause
+
+    def fatal_incident(self) -> ev.Incident | None:
+        return self._read().fatal
+
+
+NOTHING_HEARD = Status(progress={})
+
+
+class StatusInbox(StatusReads):
     """The client's end: a UDP socket bound to (bind, port) and a thread that keeps the newest status."""
 
     def __init__(self, key: bytes | None, job_id: int, bind: str = "0.0.0.0", port: int = 0,
@@ -86,31 +124,6 @@ class StatusInbox:
     def status(self) -> Status | None:
         with self._lock:
             return self._status
-
-    # --- the reads the driver's stage loop makes of a Relay ----------------------------------------------
-    def progress(self) -> dict[str, object]:
-        s = self.status()
-        return {} if s is None else dict(s.progress)
-
-    def failure(self) -> ev.Fail | None:
-        s = self.status()
-        return None if s is None else s.failure
-
-    def reported_failure(self) -> ev.Fail | None:
-        s = self.status()
-        return None if s is None else s.reported
-
-    def first_cause(self) -> ev.Incident | None:
-        s = self.status()
-        return None if s is None else s.first_cause
-
-    def fatal_incident(self) -> ev.Incident | None:
-        s = self.status()
-        return None if s is None else s.fatal
-
-    def epochs(self) -> tuple[tuple[int, float, float | None], ...]:
-        s = self.status()
-        return () if s is None else s.epochs
 
     @property
     def dropped(self) -> int:
