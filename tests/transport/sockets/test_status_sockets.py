@@ -79,3 +79,23 @@ def test_the_relay_knows_when_every_rank_has_left_and_says_so_within_its_timeout
         peer.close(linger=0.0, leave=False)  # vanishes, as a killed task
         t = time.monotonic()
         assert relay.wait_left(0.3) is False and 0.25 < time.monotonic() - t < 3.0
+
+
+def test_a_status_that_cannot_be_read_is_counted_and_the_pushes_go_on():
+    key = new_job_key()
+    calls = {"n": 0}
+
+    def read():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("relay closed")
+        return Status(progress={"complete_through": calls["n"]})
+
+    inbox = StatusInbox(key, 3, bind="127.0.0.1")
+    sender = StatusSender(read, ("127.0.0.1", inbox.address[1]), key, 3, interval=0.02)
+    try:
+        assert wait_until(lambda: inbox.received >= 1)
+        assert sender.failed >= 1 and sender.error == "RuntimeError: relay closed"
+    finally:
+        sender.close()
+        inbox.close()
