@@ -2,7 +2,7 @@
 
 Emulates gradshare's ±τ threshold encoding exactly in torch, per worker: r += x; τ = the calibrated
 (1 − density) quantile of a strided sample of |r| (encoding/threshold.py: same stride, same warm-up
-ramp from min(0.1, 0.2/N) to the density over max(3 epochs, 24 steps)); sent = sign(r)·τ where
+ramp from min(0.07, 0.2/N) to the density over max(3 epochs, 24 steps)); sent = sign(r)·τ where
 |r| >= τ; r -= sent; every 5th step r is clipped to ±5τ (ResidualClipping). All N workers' models are
 one batched MLP (bmm over a leading worker axis), so N = 64 costs about what one process at batch 4096
 costs.
@@ -259,7 +259,7 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
     spe = math.ceil(shard / B)
     T = spe * epochs
     wsteps = max(round(3 * spe), 24) if warmup is None else int(warmup)
-    wdens = min(0.1, 0.2 / N) if warmup_density is None else warmup_density
+    wdens = min(0.07, 0.2 / N) if warmup_density is None else warmup_density
     gen = torch.Generator(device="cpu")
     p = model.init.clone()
     enc = Encoder(N, P, dev, density, wsteps, wdens, clip=clip, exact=exact) if system in ("local", "global") else None

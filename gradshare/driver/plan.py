@@ -50,7 +50,7 @@ def build_model(given: ModelSpec, seed: int) -> nn.Module:
 # The warm-up's first density, shared by the workers: each starts at this ÷ N. Every replica applies all N
 # workers' messages, so at N = 4 four workers at 0.1 each moved the model as one at ~0.4 and the digits MLP
 # was slower in its first epochs than at 0.05 each (seeds 0-2 after epoch 3: 89.5 against 90.9 %, DDP's
-# 90.5 %); at N = 2 this is the 0.1 that measured best (docs/benchmarks/convergence.md, lock step).
+# 90.5 %); at N = 2 DEFAULT_WARMUP_DENSITY's 0.07 caps it (docs/benchmarks/convergence.md, lock step).
 DEFAULT_WARMUP_SHARED_DENSITY = 0.2
 
 

@@ -104,7 +104,7 @@ class SharedTrainer:
     density: with threshold="auto", the share of entries each step sends after the warm-up (default
         2e-3, docs/benchmarks/convergence.md).
     warmup: with threshold="auto", epochs over which the density falls geometrically from
-        ``warmup_density`` (default 0.2 ÷ the number of workers, at most 0.1) to ``density`` (Deep Gradient
+        ``warmup_density`` (default 0.2 ÷ the number of workers, at most 0.07) to ``density`` (Deep Gradient
         Compression's warm-up; default 3 epochs but at least 24 steps, 0 disables; a number given is taken
         as given). A small model sends at least 768 entries a step (up to 5 % of them) whatever the density
         (`CalibratedThreshold.min_entries`: one datagram's worth); pass a `CalibratedThreshold` as

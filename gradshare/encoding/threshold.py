@@ -52,8 +52,11 @@ DEFAULT_MIN_ENTRIES = 768
 # ... and that floor never asks for more than this share of the entries: on a 9.6 k model 768 entries
 # would be 8 % (the demo's traffic fell under 50x less than dense), where 5 % keeps it above.
 FLOOR_MAX_DENSITY = 0.05
-# The warm-up starts at this density (DGC starts at 25 %; 10 % measured better here, docs/benchmarks/convergence.md).
-DEFAULT_WARMUP_DENSITY = 0.1
+# The warm-up starts at this density at most (DGC starts at 25 %). 10 % measured better than 25 % and 5 %; 7 %
+# (was 10 %) keeps the benchmark MLP's 2 workers reaching 90 % in the same epoch on each of seeds 0-4 with 13 %
+# fewer bytes over 16 epochs (lock step: 590x -> 669x less than dense; 6 % already cost seeds 0 and 2 an
+# epoch), which brings `gradshare bench train`'s whole-run traffic above 300x (docs/benchmarks/train.md).
+DEFAULT_WARMUP_DENSITY = 0.07
 # From 32 workers on, the default rule decays the density over the run, from 2 % of the entries to the
 # density, and lowers each worker's lr by (density / target) ** 0.35 meanwhile (CalibratedThreshold's
 # run-long decay). Why: with N workers each worker's entry waits ~1/density steps in its residual while

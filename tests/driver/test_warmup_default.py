@@ -48,10 +48,15 @@ def test_a_given_warmup_is_taken_as_given():
 
 
 def test_the_workers_share_the_warmups_first_density():
-    # every replica applies all N workers' messages: 4 workers start at half the density of 2
-    first = {n: start_rule(12, n).target(0, N_PARAMS) for n in (1, 2, 4, 8)}
-    assert first[4] == pytest.approx(first[2] / 2) and first[8] == pytest.approx(first[2] / 4)
-    assert first[1] == first[2]  # one worker starts no denser than it did alone before
+    # every replica applies all N workers' messages: from 3 workers on they share 0.2 (8 workers start at
+    # half the density of 4); one or two start at the single worker's cap
+    from gradshare.encoding.threshold import DEFAULT_WARMUP_DENSITY
+
+    first = {n: start_rule(12, n).target(0, N_PARAMS) for n in (1, 2, 3, 4, 8)}
+    assert first[4] == pytest.approx(0.05) and first[8] == pytest.approx(first[4] / 2)
+    assert first[3] == pytest.approx(0.2 / 3) and first[3] < first[2]
+    assert DEFAULT_WARMUP_DENSITY == 0.07
+    assert first[1] == first[2] == pytest.approx(DEFAULT_WARMUP_DENSITY)
     for n in (2, 4, 8):  # and every ramp still falls to the same density
         rule = start_rule(12, n)
         assert rule.target(10**6, N_PARAMS) < rule.target(0, N_PARAMS)
