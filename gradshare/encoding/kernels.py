@@ -246,22 +246,20 @@ def _emit_block(rb, pos, tau, out, k, flagged):
     if _bad_count(rb):
         return k, NONFINITE
     cnt = flagged  # every flagged value is finite: each is an entry
-    if cnt:
-        if k + cnt > out.size:
-            return k, FULL
-        # Find the entries: a mask of each SUB-run's hits (branch-free, vectorised), then one visit per
-        # hit, and stop once all `cnt` entries of the block are out. (Scanning every value of a run
-        # that holds an entry, with the emit branches, cost ~2 ns a value: at a warm-up's density of
-        # several % that is nearly every run, 5x the encode's sparse time.)
-        full = rb.size - rb.size % SUB
-        for s0 in range(0, rb.size, SUB):
-            sb = rb[s0 : s0 + SUB]
-            m = _hit_mask_full(sb, tau) if s0 < full else _hit_mask(sb, tau)
-            if m:
-                base = pos + s0
-                k, cnt = _emit_hits(m, sb, base, tau, out, k, cnt)
-                if cnt == 0:
-                    break
+    if k + cnt > out.size:
+        return k, FULL
+    # Find the entries: a mask of each SUB-run's hits (branch-free, vectorised), then one visit per
+    # hit, and stop once all `cnt` entries of the block are out. (Scanning every value of a run
+    # that holds an entry, with the emit branches, cost ~2 ns a value: at a warm-up's density of
+    # several % that is nearly every run, 5x the encode's sparse time.)
+    full = rb.size - rb.size % SUB
+    for s0 in range(0, rb.size, SUB):
+        sb = rb[s0 : s0 + SUB]
+        m = _hit_mask_full(sb, tau) if s0 < full else _hit_mask(sb, tau)
+        if m:
+            k, cnt = _emit_hits(m, sb, pos + s0, tau, out, k, cnt)
+            if cnt == 0:
+                break
     return k, OK
 
 
