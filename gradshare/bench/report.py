@@ -108,8 +108,9 @@ def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str,
     gs1, dd1 = _find(rows, "gradshare", workload, "1gbit"), _find(rows, "ddp", workload, "1gbit")
     gs100, dd100 = _find(rows, "gradshare", workload, "100mbit"), _find(rows, "ddp", workload, "100mbit")
     le = lambda v, lim: v <= lim  # noqa: E731
+    # ≤ 1.15 (was 1.25): a step should cost about what one process's step costs (work hidden behind compute)
     add("1gbit: gradshare s/step ÷ single s/step", _ratio(gs1 and gs1["sec_per_step"],
-                                                       single and single["sec_per_step"]), 1.25, le)
+                                                       single and single["sec_per_step"]), 1.15, le)
     add("1gbit: gradshare s/step ÷ DDP dense s/step", _ratio(gs1 and gs1["sec_per_step"],
                                                           dd1 and dd1["sec_per_step"]), 0.25, le)
     add("100mbit: gradshare s/step ÷ DDP dense s/step", _ratio(gs100 and gs100["sec_per_step"],
@@ -122,10 +123,12 @@ def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str,
                 value = None if g is None else (g / p if p else 0.0)  # 0.0: the peer never reached it
                 add(f"{link}: gradshare time-to-target ÷ {label}", value, 1.0, lambda v, lim: v < lim)
     gs1 = _find(rows, "gradshare", workload, "1gbit")
-    if single and gs1 and single["time_to_target"]:  # time to target: at most half the single process's
+    if single and gs1 and single["time_to_target"]:
+        # at most 0.7 of the single process's time (was 0.5): two workers on this benchmark's 2-core VM
+        # cannot go below ~0.51 even with no warm-up cost at all (docs/benchmarks/train.md)
         g = gs1["time_to_target"]
         add("1gbit: gradshare time-to-target ÷ single", None if g is None else g / single["time_to_target"],
-            0.5, le)
+            0.7, le)
     if single:
         for link in ("1gbit", "unshaped"):
             gs = _find(rows, "gradshare", workload, link)
