@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from pyspark import BarrierTaskContext, SparkFiles
 
-import gradshare
 from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.replica.flat import FlatParams
 from gradshare.reports import Counters, WorkerFailure, WorkerReport
@@ -29,6 +28,11 @@ from gradshare.task.validation import split_rows
 from gradshare.task.worker import Worker
 from gradshare.transport import Peer, param_hash
 from gradshare.transport.sockets.peer import LINGER
+
+# where this task imported gradshare from (its report's `package`): gradshare/, two levels above this
+# module. Not `gradshare.__file__`: importing the package root, which names the driver's trainer for its
+# lazy re-exports, made the task and the driver an import cycle.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))
 
 FAIL_REPORT_SECONDS = 5.0  # how long a failing task waits for the relay to acknowledge its fatal FAIL
 # ... and a retryable one's: only which class the driver raises rides on it (Spark's text is the
@@ -93,7 +97,7 @@ def _attempt(cfg: WorkerConfig, ctx: BarrierTaskContext, rank: int, attempt: int
         if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
             _report_failure(cfg, failure, fatal=is_deterministic(e))
         raise TrainingError(failure.to_text()) from e
-    return report.with_(attempt=attempt, pid=os.getpid(), package=os.path.dirname(gradshare.__file__),
+    return report.with_(attempt=attempt, pid=os.getpid(), package=PACKAGE_DIR,
                         start_rss_bytes=start_rss, peak_rss_bytes=proc_status_bytes("VmHWM"))
 
 

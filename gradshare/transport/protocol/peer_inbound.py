@@ -3,18 +3,48 @@ is missing (peer_core.py owns the state; these are its receive and repair rules)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter, deque
+from typing import Protocol
 
 from gradshare.errors import DecodeError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.cursor import LogCursor
+from gradshare.transport.protocol.outstanding import Outstanding
+from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN
 
-if TYPE_CHECKING:
-    from gradshare.transport.protocol.peer_core import PeerCore
+
+class InboundCore(Protocol):
+    """What these rules use of the peer's state: peer_core.PeerCore, which passes itself (a Protocol, so
+    that this module need not import the core that imports it)."""
+
+    rank: int
+    world_size: int
+    tuning: PeerTuning
+    chan: Channel
+    c: Counter[str]
+    aggregate: bool
+    cursor: LogCursor | None
+    inbox: dict[tuple[int, int], ev.Update]
+    inbox_nbytes: int
+    ready: deque[ev.Update]
+    reasm: Reassembler[tuple[int, int]]
+    unacked: Outstanding
+    known_high: list[int]
+    status_high: list[int]
+    missing: dict[tuple[int, int], list[float]]
+
+    def store(self, u: ev.Update, slot: int | None = None) -> None: ...
+
+    def advance(self) -> None: ...
+
+    def send(self, msg: ev.ControlMessage) -> None: ...
 
 
-def receive_update_chunk(core: PeerCore, h: wire.Header, body: bytes, now: float) -> None:
+def receive_update_chunk(core: InboundCore, h: wire.Header, body: bytes, now: float) -> None:
     """A chunk of a forwarded update (or of the relay's aggregate): into reassembly; a whole one into the
     inbox, and the log released as far as it goes."""
     cur = core.cursor
@@ -61,7 +91,7 @@ def receive_update_chunk(core: PeerCore, h: wire.Header, body: bytes, now: float
     core.advance()
 
 
-def nak_missing(core: PeerCore, now: float) -> None:
+def nak_missing(core: InboundCore, now: float) -> None:
     """NAK what the peer knows exists but is missing: from STATUS ``have`` and from later steps it saw."""
     cur = core.cursor
     if cur is None:
@@ -119,4 +149,4 @@ def nak_missing(core: PeerCore, now: float) -> None:
         core.c["naks_sent"] += 1
 
 
-__all__ = ["nak_missing", "receive_update_chunk"]
+__all__ = ["InboundCore", "nak_missing", "receive_update_chunk"]

@@ -4,7 +4,8 @@ snapshots.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -12,10 +13,25 @@ from numpy.typing import NDArray
 from gradshare.hashing import param_hash
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.rangeset import RangeSet
+from gradshare.transport.protocol.tuning import PeerTuning
 
-if TYPE_CHECKING:
-    from gradshare.transport.protocol.peer_core import PeerCore
+
+class SnapshotCore(Protocol):
+    """What a download uses of its peer: peer_core.PeerCore, which passes itself (a Protocol, so that this
+    module need not import the core that imports it)."""
+
+    n_params: int
+    tuning: PeerTuning
+    chan: Channel
+    c: Counter[str]
+
+    def send(self, msg: ev.ControlMessage) -> None: ...
+
+    def emit(self, event: ev.PeerEvent) -> None: ...
+
+    def fail_with(self, error: str, event: type[ev.Rejected | ev.SnapshotFailed] = ...) -> None: ...
 
 
 class SnapshotDownload:
@@ -36,7 +52,7 @@ class SnapshotDownload:
 class SnapshotFetch:
     """Owned by a PeerCore: one download at a time; ``result`` is the last one completed."""
 
-    def __init__(self, core: PeerCore) -> None:
+    def __init__(self, core: SnapshotCore) -> None:
         self.core = core
         self.requested = False
         self.download: SnapshotDownload | None = None
@@ -133,4 +149,4 @@ class SnapshotFetch:
         core.c["snapshot_naks"] += 1
 
 
-__all__ = ["SnapshotDownload", "SnapshotFetch"]
+__all__ = ["SnapshotCore", "SnapshotDownload", "SnapshotFetch"]

@@ -10,21 +10,30 @@ carries over on purpose (the parameters, the failures, the observer's notes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
 from gradshare.transport.protocol.history import History, StepKeys
-from gradshare.transport.protocol.ranks import RankTable
+from gradshare.transport.protocol.observer import LogObserver
+from gradshare.transport.protocol.ranks import RankState, RankTable
 from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.relay_status import StatusPages
+from gradshare.transport.protocol.snapshots import SnapshotServer
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import Kind
 
+# as in relay_core.py: importing the encoding package loads Numba, which the transport defers to first use
 if TYPE_CHECKING:
-    from gradshare.transport.protocol.relay_core import RelayCore
+    from gradshare.encoding.aggregate import AggregateState
 
 # Any, for a decoded update: the core only holds it between decode_update and apply_update, which come as
 # a pair (the encoding package's StepUpdate by default; tests plug in a toy codec)
@@ -63,8 +72,60 @@ class Attempt:
         self.log_complete_sent = False
 
 
+class _Liveness(Protocol):
+    """relay_liveness.Liveness, as admission uses it (that module reads ``Attempt``: it imports this one)."""
 
-def on_loading(core: RelayCore, h: wire.Header, body: bytes, now: float) -> None:
+    def heard(self, rs: RankState, now: float) -> None: ...
+
+
+class AdmissionCore(Protocol):
+    """What admission and a new attempt use of the relay: relay_core.RelayCore, which passes itself (a
+    Protocol, so that this module need not import the core that imports it)."""
+
+    att: Attempt                            # start_attempt replaces it
+    tuning: RelayTuning
+    world_size: int
+    n_params: int
+    max_message: int
+    params: NDArray[np.float32]
+    c: Counter[str]
+    chan: Channel
+    aggregator: AggregateState | None
+    observer: LogObserver
+    rolled_back: list[dict[str, int]]
+    pages: StatusPages
+    snaps: SnapshotServer
+
+    @property
+    def liveness(self) -> _Liveness: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def attempt_notes(self) -> tuple[tuple[str, float], ...]: ...
+
+    @property
+    def cursor(self) -> LogCursor: ...
+
+    @property
+    def ranks(self) -> RankTable: ...
+
+    @property
+    def complete_through(self) -> int: ...
+
+    def apply_pending(self) -> None: ...
+
+    def status_page(self, page: int) -> ev.Status: ...
+
+    def emit(self, event: ev.RelayEvent) -> None: ...
+
+    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
+
+    def send_to(self, addr: ev.Address, msg: ev.ControlMessage) -> None: ...
+
+
+def on_loading(core: AdmissionCore, h: wire.Header, body: bytes, now: float) -> None:
     """LOADING: a task still materialising its partition is alive (relay_liveness.py)."""
     if core.chan.control(Kind.LOADING, body) is None:
         return
@@ -73,7 +134,7 @@ def on_loading(core: RelayCore, h: wire.Header, body: bytes, now: float) -> None
     core.liveness.heard(core.ranks[h.sender], now)
 
 
-def on_join(core: RelayCore, h: wire.Header, body: bytes, addr: ev.Address, now: float) -> None:
+def on_join(core: AdmissionCore, h: wire.Header, body: bytes, addr: ev.Address, now: float) -> None:
     msg = core.chan.control(Kind.JOIN, body)
     if msg is None:
         return
@@ -109,12 +170,12 @@ def on_join(core: RelayCore, h: wire.Header, body: bytes, addr: ev.Address, now:
         core.emit(ev.PeerJoined(rs.rank, h.attempt, addr))
 
 
-def _reject(core: RelayCore, addr: ev.Address, reason: str) -> None:
+def _reject(core: AdmissionCore, addr: ev.Address, reason: str) -> None:
     core.send_to(addr, ev.Reject(reason))
     core.c["rejects"] += 1
 
 
-def start_attempt(core: RelayCore, attempt: int, now: float) -> None:
+def start_attempt(core: AdmissionCore, attempt: int, now: float) -> None:
     """A retried stage: drop everything after complete_through (or after the step the observer rolls
     the parameters back to) and restart the log after it, from a fresh Attempt."""
     core.apply_pending()                   # complete_through must be current before it becomes the cut
@@ -131,4 +192,4 @@ def start_attempt(core: RelayCore, attempt: int, now: float) -> None:
     core.emit(ev.AttemptStarted(attempt, cut.through + 1))
 
 
-__all__ = ["Attempt", "Decoded", "on_join", "on_loading", "start_attempt", "total_len"]
+__all__ = ["AdmissionCore", "Attempt", "Decoded", "on_join", "on_loading", "start_attempt", "total_len"]

@@ -13,21 +13,48 @@ the driver reports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.ranks import RankState
-
-if TYPE_CHECKING:
-    from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.relay_attempt import Attempt
+from gradshare.transport.protocol.tuning import RelayTuning
 
 MAX_INCIDENTS = 256
+
+
+class _Log(Protocol):
+    """relay_log.RelayLog, as liveness uses it (that module reads ``Liveness``: it imports this one)."""
+
+    def declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None: ...
+
+
+class LivenessCore(Protocol):
+    """What the liveness rules use of the relay: relay_core.RelayCore, which passes itself (a Protocol, so
+    that this module need not import the core that imports it)."""
+
+    att: Attempt
+    tuning: RelayTuning
+    c: Counter[str]
+
+    @property
+    def log(self) -> _Log: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    def owed_step(self, rs: RankState) -> int: ...
+
+    def emit(self, event: ev.RelayEvent) -> None: ...
+
+    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
 
 
 class Liveness:
     """Owned by a RelayCore: its rules read the core's attempt and act through its log and sends."""
 
-    def __init__(self, core: RelayCore) -> None:
+    def __init__(self, core: LivenessCore) -> None:
         self.core = core
         tuning = core.tuning
         self.on_rank_loss = tuning.on_rank_loss
@@ -106,4 +133,4 @@ class Liveness:
                                         f"{self.core.owed_step(rs)} (on_rank_loss='restart')")
 
 
-__all__ = ["MAX_INCIDENTS", "Liveness"]
+__all__ = ["MAX_INCIDENTS", "Liveness", "LivenessCore"]

@@ -16,20 +16,62 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
 
 from gradshare.errors import DecodeError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
+from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.observer import LogObserver
 from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import Decoded, total_len
+from gradshare.transport.protocol.relay_attempt import Attempt, Decoded, total_len
+from gradshare.transport.protocol.relay_liveness import Liveness
+from gradshare.transport.protocol.relay_status import StatusPages
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
 
 if TYPE_CHECKING:
+    from gradshare.encoding.aggregate import AggregateState
     from gradshare.encoding.update import StepUpdate
-    from gradshare.transport.protocol.relay_core import RelayCore
+
+
+class LogCore(Protocol):
+    """What the update log uses of the relay: relay_core.RelayCore, which passes itself (a Protocol, so
+    that this module need not import the core that imports it)."""
+
+    att: Attempt
+    tuning: RelayTuning
+    world_size: int
+    n_params: int
+    params: NDArray[np.float32]
+    c: Counter[str]
+    chan: Channel
+    out: list[tuple[bytes, ev.Address]]
+    last_now: float                         # store_chunk sets it too
+    decode_update: Callable[[bytes, int], Decoded]
+    apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    aggregator: AggregateState | None
+    observer: LogObserver
+    pages: StatusPages
+    liveness: Liveness
+
+    @property
+    def attempt(self) -> int: ...
+
+    def request_apply(self) -> None: ...
+
+    def status_page(self, page: int) -> ev.Status: ...
+
+    def emit(self, event: ev.RelayEvent) -> None: ...
+
+    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
 
 
 class Chunk(NamedTuple):
@@ -46,7 +88,7 @@ class Chunk(NamedTuple):
 class RelayLog:
     """Owned by a RelayCore: works on the core's current attempt (``core.att``) and parameters."""
 
-    def __init__(self, core: RelayCore, max_chunks_update: int, aggregate_chunk_bytes: int) -> None:
+    def __init__(self, core: LogCore, max_chunks_update: int, aggregate_chunk_bytes: int) -> None:
         self.core = core
         self.max_ahead = core.tuning.max_ahead
         self.nak_delay = core.tuning.nak_delay
@@ -335,4 +377,4 @@ class RelayLog:
         core.c["aggregate_entries"] += agg.message.n_entries
 
 
-__all__ = ["Chunk", "Decoded", "RelayLog"]
+__all__ = ["Chunk", "Decoded", "LogCore", "RelayLog"]
