@@ -243,7 +243,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         # round-2 knobs
         vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, lrcomp_until=None,
         # round-3 knobs
-        dsteps=1.0, lrfade=False, lrlayers=None, rdecay=1.0, lrend=1.0, **extra):
+        dsteps=1.0, lrfade=False, lrlayers=None, rdecay=1.0, lrend=1.0,
+        # round-4 knobs
+        trust=0.0, trustinit=False, **extra):
     torch.set_num_threads(int(os.environ.get("SR_THREADS", "1")))
     dev = torch.device("cpu")
     Xtr, ytr, Xte, yte = load_workload(workload, seed)
@@ -282,6 +284,21 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             enc.sched = lambda t: (wdens * (c_ / wdens) ** (t / wsteps) if t < wsteps
                                    else density * (c_ / density) ** (1.0 - (t - wsteps) / max(1, T - wsteps)))
     om = torch.zeros(P) if outer_mom else None
+
+    norms0 = {}  # trustinit: the norms of the initial parameters (known identically everywhere)
+
+    def capped(a):  # trust: each tensor's aggregated step at most trust × that tensor's norm (LARS/LAMB-like)
+        if not trust:
+            return a
+        for _, _, o0, o1, o2 in model.layout:
+            for sl in (slice(o0, o1), slice(o1, o2)):
+                if trustinit and (sl.start, sl.stop) not in norms0:
+                    norms0[(sl.start, sl.stop)] = float(model.init[sl].norm())
+                na = float(a[sl].norm())
+                np_ = norms0[(sl.start, sl.stop)] if trustinit else float(p[sl].norm())
+                if na > trust * np_ > 0:
+                    a[sl] *= trust * np_ / na
+        return a
 
     def outer(a):  # optional outer (SNOO-style) momentum on the aggregated step, shared state
         if om is None:
@@ -369,7 +386,7 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
                         sl = enc.r[:, o0:o2]
                         sl.sub_(r0[:, o0:o2]).mul_(1.0 / f_).add_(r0[:, o0:o2])
                 del r0
-            p += outer(enc.encode(t, S))
+            p += outer(capped(enc.encode(t, S)))
             if system == "global" and t == vw - 1:
                 st = opt.state[rp]
                 vbar = st["exp_avg_sq"].mean(0) / (1 - 0.999 ** float(st["step"]))
