@@ -245,7 +245,7 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         # round-3 knobs
         dsteps=1.0, lrfade=False, lrlayers=None, rdecay=1.0, lrend=1.0,
         # round-4 knobs
-        trust=0.0, trustinit=False, **extra):
+        trust=0.0, trustinit=False, trustepoch=False, trustglobal=False, **extra):
     torch.set_num_threads(int(os.environ.get("SR_THREADS", "1")))
     dev = torch.device("cpu")
     Xtr, ytr, Xte, yte = load_workload(workload, seed)
@@ -290,12 +290,22 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
     def capped(a):  # trust: each tensor's aggregated step at most trust × that tensor's norm (LARS/LAMB-like)
         if not trust:
             return a
+        if trustglobal:  # one factor for the whole step: ‖a‖ at most trust × ‖p‖ (init norm with trustinit)
+            if "all" not in norms0:
+                norms0["all"] = float(model.init.norm())
+            na, np_ = float(a.norm()), (norms0["all"] if trustinit else float(p.norm()))
+            if na > trust * np_ > 0:
+                a *= trust * np_ / na
+            return a
         for _, _, o0, o1, o2 in model.layout:
             for sl in (slice(o0, o1), slice(o1, o2)):
                 if trustinit and (sl.start, sl.stop) not in norms0:
                     norms0[(sl.start, sl.stop)] = float(model.init[sl].norm())
+                if trustepoch and (sl.start, sl.stop, epoch) not in norms0:  # the norms at each epoch's start
+                    norms0[(sl.start, sl.stop, epoch)] = float(p[sl].norm())
                 na = float(a[sl].norm())
-                np_ = norms0[(sl.start, sl.stop)] if trustinit else float(p[sl].norm())
+                np_ = (norms0[(sl.start, sl.stop)] if trustinit else norms0[(sl.start, sl.stop, epoch)] if trustepoch
+                       else float(p[sl].norm()))
                 if na > trust * np_ > 0:
                     a[sl] *= trust * np_ / na
         return a
