@@ -77,3 +77,14 @@ def test_one_small_lock_step_run(system):
     assert len(row["accuracy"]) == 2 and 0.0 <= row["last3"] <= 1.0
     assert row["lr"] == pytest.approx(1e-3 * (2.0 if system == "ddp-sqrt" else 1.0))
     assert (row["traffic_ratio"] > 50) if system == "gradshare" else row["traffic_ratio"] == 1.0
+
+
+def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
+    from gradshare.bench import lockstep
+
+    data = load("tabular64k", 0, None, rows=512)
+    plain = lockstep.run("tabular64k", world=4, epochs=2, data=data)
+    loose = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e9)
+    tight = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-3)
+    assert loose["acc"] == plain["acc"] and loose["taus"] == plain["taus"]
+    assert tight["acc"] != plain["acc"]  # every step capped at 0.1 % of each tensor's norm
