@@ -240,7 +240,7 @@ def _emit_block(rb, pos, tau, out, k, flagged):
     non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
     # One compare a value in the streaming pass (not |x| < τ) flags both, so the non-finite check runs only
     # on blocks that hold an entry, while they are in L1 (10 M values, density 1e-3: the kernel 1.26-1.30 ->
-    # 1.16-1.20x in-place numpy.add; `gradshare bench encoding` 1.51-1.56 -> 1.33-1.45; the same codes).
+    # 1.16-1.20x in-place numpy.add; `gradshare bench encoding` 1.51-1.56 -> 1.43-1.48; the same codes).
     if flagged == 0:
         return k, OK
     if _bad_count(rb):
