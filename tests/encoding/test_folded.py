@@ -155,3 +155,23 @@ def test_a_block_too_full_for_the_entry_buffer_resumes_with_the_same_codes():
     index, signs = decode_entries(msg)
     assert np.array_equal(2 * index + (signs < 0), want_codes) and len(want_codes) == n
     assert q.tobytes() == want_q.tobytes()
+
+
+@SETTINGS
+@given(st.integers(1, 3 * 256 + 70), st.data(), st.sampled_from([np.nan, np.inf, -np.inf]), st.booleans())
+def test_a_non_finite_value_is_named_wherever_it_is_and_whatever_else_crosses_tau(n, data, bad, hits):
+    # The pass flags an entry and a non-finite value with one compare, and checks finiteness only in
+    # the blocks it flagged: a lone NaN in a block with no entry, or one beside entries, must still be
+    # named, at the first bad index, before any entry of its block is sent.
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    p = rng.standard_normal(n).astype(np.float32)
+    r = (rng.standard_normal(n) * (0.6 if hits else 0.1)).astype(np.float32)  # τ = 1: entries or none
+    at = data.draw(st.sampled_from(sorted({0, n - 1, n // 2, min(n - 1, 63), min(n - 1, 64), min(n - 1, 255)})))
+    q = p + r
+    q[at] = bad
+    first = int(np.flatnonzero(~np.isfinite((q - p)))[0])
+    before = q.copy()
+    with pytest.raises(ValueError, match=f"not finite at index {first}"):
+        encode_folded(q, p, 1.0)
+    block = slice(at - at % 256, at - at % 256 + 256)  # kernels.BLOCK: the bad block is left as it was
+    assert q[block].tobytes() == before[block].tobytes()
