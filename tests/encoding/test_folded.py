@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import naive
 from gradshare.encoding import apply, decode_entries, encode
+from gradshare.encoding.kernels import BLOCK
 from gradshare.encoding.folded import clip_folded, encode_folded, fold, rescale_folded, unfold
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -158,7 +159,7 @@ def test_a_block_too_full_for_the_entry_buffer_resumes_with_the_same_codes():
 
 
 @SETTINGS
-@given(st.integers(1, 3 * 256 + 70), st.data(), st.sampled_from([np.nan, np.inf, -np.inf]), st.booleans())
+@given(st.integers(1, 3 * BLOCK + 70), st.data(), st.sampled_from([np.nan, np.inf, -np.inf]), st.booleans())
 def test_a_non_finite_value_is_named_wherever_it_is_and_whatever_else_crosses_tau(n, data, bad, hits):
     # The pass flags an entry and a non-finite value with one compare, and checks finiteness only in
     # the blocks it flagged: a lone NaN in a block with no entry, or one beside entries, must still be
@@ -173,5 +174,6 @@ def test_a_non_finite_value_is_named_wherever_it_is_and_whatever_else_crosses_ta
     before = q.copy()
     with pytest.raises(ValueError, match=f"not finite at index {first}"):
         encode_folded(q, p, 1.0)
-    block = slice(at - at % 256, at - at % 256 + 256)  # kernels.BLOCK: the bad block is left as it was
+    start = at - at % BLOCK  # the bad block is left as it was
+    block = slice(start, start + BLOCK)
     assert q[block].tobytes() == before[block].tobytes()
