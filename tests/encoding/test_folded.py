@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import naive
 from gradshare.encoding import apply, decode_entries, encode
-from gradshare.encoding.kernels import BLOCK
 from gradshare.encoding.folded import clip_folded, encode_folded, fold, rescale_folded, unfold
+from gradshare.encoding.kernels import BLOCK
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCALES = st.sampled_from([1.0, 0.5, 1 / 3, 0.25, 1 / 7])
