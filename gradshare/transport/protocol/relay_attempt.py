@@ -78,17 +78,30 @@ class _Liveness(Protocol):
     def heard(self, rs: RankState, now: float) -> None: ...
 
 
-class AdmissionCore(Protocol):
-    """What admission and a new attempt use of the relay: relay_core.RelayCore, which passes itself (a
-    Protocol, so that this module need not import the core that imports it)."""
+class RelayParts(Protocol):
+    """What every part of the relay (admission, liveness, the update log) uses of the core:
+    relay_core.RelayCore, which passes itself (Protocols, so that no part need import the core that
+    imports it)."""
 
     att: Attempt                            # start_attempt replaces it
     tuning: RelayTuning
+    c: Counter[str]
+
+    @property
+    def attempt(self) -> int: ...
+
+    def emit(self, event: ev.RelayEvent) -> None: ...
+
+    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
+
+
+class AdmissionCore(RelayParts, Protocol):
+    """What admission and a new attempt use of the relay besides `RelayParts`."""
+
     world_size: int
     n_params: int
     max_message: int
     params: NDArray[np.float32]
-    c: Counter[str]
     chan: Channel
     aggregator: AggregateState | None
     observer: LogObserver
@@ -98,9 +111,6 @@ class AdmissionCore(Protocol):
 
     @property
     def liveness(self) -> _Liveness: ...
-
-    @property
-    def attempt(self) -> int: ...
 
     @property
     def attempt_notes(self) -> tuple[tuple[str, float], ...]: ...
@@ -117,10 +127,6 @@ class AdmissionCore(Protocol):
     def apply_pending(self) -> None: ...
 
     def status_page(self, page: int) -> ev.Status: ...
-
-    def emit(self, event: ev.RelayEvent) -> None: ...
-
-    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
 
     def send_to(self, addr: ev.Address, msg: ev.ControlMessage) -> None: ...
 
@@ -192,4 +198,4 @@ def start_attempt(core: AdmissionCore, attempt: int, now: float) -> None:
     core.emit(ev.AttemptStarted(attempt, cut.through + 1))
 
 
-__all__ = ["AdmissionCore", "Attempt", "Decoded", "on_join", "on_loading", "start_attempt", "total_len"]
+__all__ = ["AdmissionCore", "Attempt", "RelayParts", "Decoded", "on_join", "on_loading", "start_attempt", "total_len"]

@@ -13,13 +13,11 @@ the driver reports.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Protocol
 
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import Attempt
-from gradshare.transport.protocol.tuning import RelayTuning
+from gradshare.transport.protocol.relay_attempt import RelayParts
 
 MAX_INCIDENTS = 256
 
@@ -30,25 +28,13 @@ class _Log(Protocol):
     def declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None: ...
 
 
-class LivenessCore(Protocol):
-    """What the liveness rules use of the relay: relay_core.RelayCore, which passes itself (a Protocol, so
-    that this module need not import the core that imports it)."""
-
-    att: Attempt
-    tuning: RelayTuning
-    c: Counter[str]
+class LivenessCore(RelayParts, Protocol):
+    """What the liveness rules use of the relay besides `RelayParts`."""
 
     @property
     def log(self) -> _Log: ...
 
-    @property
-    def attempt(self) -> int: ...
-
     def owed_step(self, rs: RankState) -> int: ...
-
-    def emit(self, event: ev.RelayEvent) -> None: ...
-
-    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
 
 
 class Liveness:

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -29,12 +28,11 @@ from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.observer import LogObserver
 from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import Attempt, Decoded, total_len
+from gradshare.transport.protocol.relay_attempt import Decoded, RelayParts, total_len
 from gradshare.transport.protocol.relay_liveness import Liveness
 from gradshare.transport.protocol.relay_status import StatusPages
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
 
 if TYPE_CHECKING:
@@ -42,16 +40,12 @@ if TYPE_CHECKING:
     from gradshare.encoding.update import StepUpdate
 
 
-class LogCore(Protocol):
-    """What the update log uses of the relay: relay_core.RelayCore, which passes itself (a Protocol, so
-    that this module need not import the core that imports it)."""
+class LogCore(RelayParts, Protocol):
+    """What the update log uses of the relay besides `RelayParts`."""
 
-    att: Attempt
-    tuning: RelayTuning
     world_size: int
     n_params: int
     params: NDArray[np.float32]
-    c: Counter[str]
     chan: Channel
     out: list[tuple[bytes, ev.Address]]
     last_now: float                         # store_chunk sets it too
@@ -62,16 +56,9 @@ class LogCore(Protocol):
     pages: StatusPages
     liveness: Liveness
 
-    @property
-    def attempt(self) -> int: ...
-
     def request_apply(self) -> None: ...
 
     def status_page(self, page: int) -> ev.Status: ...
-
-    def emit(self, event: ev.RelayEvent) -> None: ...
-
-    def send(self, rs: RankState, msg: ev.ControlMessage) -> None: ...
 
 
 class Chunk(NamedTuple):
@@ -101,7 +88,7 @@ class RelayLog:
     # --- intake --------------------------------------------------------------------------------------
     def on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> bool:
         """True if the chunk was stored and its update is not complete yet."""
-        core, att, drops = self.core, self.core.att, self.core.chan.drops
+        att, drops = self.core.att, self.core.chan.drops
         step = h.step
         if h.origin != rs.rank:
             drops["bad_origin"] += 1
