@@ -134,6 +134,7 @@ class TrainConfig:
     warmup: float | None = None  # None: DEFAULT_WARMUP_EPOCHS, and at least DEFAULT_WARMUP_MIN_STEPS steps
     warmup_density: float | None = None
     decay_from: float | None = None  # None: default_decay(N), 2e-2 from 32 workers, 0 (off) below
+    step_cap: float | Literal["auto"] | None = "auto"  # "auto": 0.1 from 32 workers, none below (step_cap.py)
     lr_scheduler: SchedulerFactory | None = None
     scheduler_interval: SchedulerInterval = "step"
     follow_lr: bool = True
@@ -253,6 +254,11 @@ class TrainConfig:
         if self.timeout <= 0 or self.liveness_timeout <= 0:
             raise ValueError(f"timeout and liveness_timeout must be > 0, got {self.timeout!r}, "
                              f"{self.liveness_timeout!r}")
+        cap: object = self.step_cap  # the user's: checked here, whatever the annotation promises
+        if cap not in ("auto", None) and not (isinstance(cap, (int, float)) and _is_number(cap)
+                                              and 0 < cap < math.inf):
+            raise ValueError(f"step_cap must be 'auto', None or a positive share of each tensor's initial norm "
+                             f"(e.g. 0.1), got {cap!r}")
         if not (_is_number(self.step_timeout) and self.step_timeout > 0):
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {self.step_timeout!r}")
         every = self.checkpoint_every

@@ -44,8 +44,8 @@ def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
     shared = {k: (f.default, DEFAULTS[k]) for k, f in fields.items()
               if k in DEFAULTS and f.default is not dataclasses.MISSING and k not in ("loss", "metric",
                                                                                         "lr_scheduler", "train_step")}
-    # drop_last, on_epoch_end and early_stopping reach the task transformed (a rule, a tuple, an object)
-    drift = {k: v for k, v in shared.items() if k not in ("drop_last", "on_epoch_end", "early_stopping")
+    # drop_last, on_epoch_end, early_stopping and step_cap reach the task transformed (a rule, a tuple, objects)
+    drift = {k: v for k, v in shared.items() if k not in ("drop_last", "on_epoch_end", "early_stopping", "step_cap")
              and not _same(*v)}
     assert set(shared) >= {"datagram_size", "timeout", "insecure", "spill_bytes", "lookahead", "follow_lr",
                            "scheduler_interval", "precision", "device", "local_view"}

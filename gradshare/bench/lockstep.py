@@ -14,8 +14,8 @@ aggregate="mean"), view (local_view, default true), folded (the view folded into
 applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
 "cpu"; gradshare only), follow_lr, clip, and three experiments: decay (multiply every residual by it after each step) and cap (after the
 warm-up τ may not exceed cap × its value at the warm-up's end), which the lock-step table of
-docs/benchmarks/convergence.md measured, and step_cap (every replica scales each tensor's part of a step's summed
-messages to at most step_cap × that tensor's initial norm: docs/design.md, "What we tried: learning at 64 workers").
+docs/benchmarks/convergence.md measured; and step_cap, SharedTrainer's option ("auto", None or a share:
+encoding/step_cap.py).
 
 Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
 (4 bytes × parameters ÷ message bytes per worker-step), silent steps and τ per epoch.
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.encoding import decode_update
 from gradshare.config import SchedulerFactory
+from gradshare.encoding.step_cap import StepCap, step_cap_for
 from gradshare.encoding.threshold import ThresholdRule, default_decay
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
@@ -73,62 +73,6 @@ class LogPeer:
         return {}
 
 
-class StepCappedLog(ApplyLog):
-    """Experiment: each tensor's part of a step's summed messages at most ``bounds`` (its initial norm × the
-    cap); the dropped part is lost, not fed back. Host NumPy only (the harness's CPU workers), every message of
-    a step applied with the step's per-tensor factors, in rank order: the replicas stay identical."""
-
-    def __init__(self, peer: LogPeer, flat: FlatParams, bounds: list[tuple[int, int, float]], scale: float) -> None:
-        super().__init__(peer, flat, 0, 10.0, scale=scale)
-        self.bounds = bounds
-
-    def apply_through(self, step: int) -> None:
-        if step <= self.applied_through:
-            return
-        self._take(self.peer.receive(until_step=step, timeout=self.timeout))
-        flat = self.flat
-        while self.pending and self.pending[0].step <= step:
-            t = self.pending[0].step
-            row = []
-            while self.pending and self.pending[0].step == t:
-                u = self.pending.popleft()
-                self._note_stop(u)
-                row.append(decode_update(u.payload, flat.n_state, n_params=flat.n_params))
-            parts = []  # (indices, ±τ·scale) of every message, in rank order
-            for d in row:
-                codes = d.message.codes()
-                step_ = float(d.message.step(self.scale))
-                parts.append((codes >> 1, np.where(codes & 1, -step_, step_)))
-            total = np.zeros(flat.n_params)
-            for idx, val in parts:
-                total[idx] += val
-            factors = np.ones(flat.n_params, np.float32)
-            for lo, hi, bound in self.bounds:
-                norm = float(np.sqrt(np.sum(total[lo:hi] ** 2)))
-                if norm > bound:
-                    factors[lo:hi] = bound / norm
-            state = np.asarray(flat.state)  # the harness's CPU workers: NumPy views of the live arrays
-            targets = [state[:flat.n_params], *(np.asarray(f) for f in flat.followers)]
-            for d, (idx, val) in zip(row, parts):
-                add = (val * factors[idx]).astype(np.float32)
-                for v in targets:
-                    v[idx] += add
-                if len(d.buffer_index):
-                    state[flat.n_params:][d.buffer_index] += d.buffer_value
-                self.applied += 1
-        self.applied_through = step
-
-
-def step_bounds(flat: FlatParams, cap: float) -> list[tuple[int, int, float]]:
-    """(start, stop, cap × the initial norm) of every parameter tensor in the flat layout."""
-    out, lo = [], 0
-    for p in flat.params:
-        hi = lo + p.numel()
-        out.append((lo, hi, cap * float(np.linalg.norm(np.asarray(flat.array[lo:hi], np.float64)))))
-        lo = hi
-    return out
-
-
 class CappedRule(encoding.CalibratedThreshold):
     def __init__(self, cap: float, **kw: Any) -> None:
         super().__init__(**kw)
@@ -151,13 +95,17 @@ def make_rule(spec: dict[str, Any] | None) -> ThresholdRule:
     return rule
 
 
-def _rule_for(rule: dict[str, Any] | None, world: int, steps: int, warmup: int, cap: float | None) -> ThresholdRule:
-    """The run's threshold rule: `rule` with what SharedTrainer's default rule gives where it is silent."""
+def _rule_for(rule: dict[str, Any] | None, world: int, steps: int, warmup: int, cap: float | None,
+              capped: bool = False) -> ThresholdRule:
+    """The run's threshold rule: `rule` with what SharedTrainer's default rule gives where it is silent
+    (`capped`: the run has a step cap, under which the default decay does not lower the lr)."""
     given = rule or {}
     rule_obj = make_rule(rule)
     if isinstance(rule_obj, encoding.CalibratedThreshold):
         if not {"decay_from", "decay_lr_power"} & set(given):
             rule_obj.decay_from, rule_obj.decay_lr_power = default_decay(world)  # what SharedTrainer's rule gives
+            if capped:
+                rule_obj.decay_lr_power = 0.0
         rule_obj = rule_obj.for_run(steps)  # a run-long decay spans the run's planned steps
         if "warmup_steps" not in given:
             rule_obj.warmup_steps = warmup
@@ -172,7 +120,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         lr: float = 1e-3, schedule: str = "constant", batch: int = 64, system: str = "gradshare", scale: float = 1.0,
         follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
         folded: bool = True, device: str = "cpu", data: Workload | None = None,
-        step_cap: float | None = None) -> dict[str, Any]:
+        step_cap: float | str | None = "auto") -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -182,14 +130,17 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
     warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
-    rule_obj = _rule_for(rule, world, max(spe) * epochs, warmup, cap)
+    cap_share = step_cap_for(step_cap, world)
+    rule_obj = _rule_for(rule, world, max(spe) * epochs, warmup, cap, cap_share is not None)
+    flat = FlatParams(copy.deepcopy(model))
+    caps = None if cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, cap_share)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
                        residual_clip=encoding.ResidualClipping(clip=clip) if clip else None,
                        steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
-                       folded_view=bool(folded), device=device)
+                       folded_view=bool(folded), device=device, step_cap=caps)
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
     silent = 0
@@ -198,7 +149,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     elif system == "local":
         accs, ratio = _run_local(model, workers, cfg, wl, lr, sched), 1.0
     else:
-        accs, taus, silent, ratio = _run_gradshare(workers, cfg, wl, decay, step_cap)
+        accs, taus, silent, ratio = _run_gradshare(workers, cfg, wl, decay)
     return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
             "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params}
 
@@ -263,17 +214,14 @@ def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: W
 
 
 def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
-                   decay: float, step_cap: float | None = None) -> tuple[list[float], list[str], int, float]:
+                   decay: float) -> tuple[list[float], list[str], int, float]:
     """The real workers and apply logs over a shared list: (accuracies, τ per epoch, silent steps, ratio)."""
     spe, world = cfg.steps_per_epoch, len(workers)
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     log: list[tuple[int, int, bytes]] = []
     peers = [LogPeer(log, r) for r in range(world)]
-    if step_cap:
-        bounds = step_bounds(workers[0].flat, step_cap)
-        logs: list[ApplyLog] = [StepCappedLog(peers[r], w.flat, bounds, cfg.apply_scale) for r, w in enumerate(workers)]
-    else:
-        logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale) for r, w in enumerate(workers)]
+    logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale, cap=cfg.step_cap)
+            for r, w in enumerate(workers)]
     for w, apply_log in zip(workers, logs):
         w.log = apply_log
     for t in range(cfg.final_step + 1):

@@ -65,10 +65,13 @@ def check_fresh(store: Store, epochs_done: int) -> None:
 
 
 def job_of(world_size: int, steps_per_epoch: tuple[int, ...], batch_size: int, seed: int,
-           shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
-    """The facts a checkpoint must share with the fit that resumes from it."""
+           shapes: list[tuple[str, tuple[int, ...]]], step_cap: float | None = None,
+           step_bounds: list[list[float]] | None = None) -> dict[str, Any]:
+    """The facts a checkpoint must share with the fit that resumes from it, and the step cap's bounds,
+    which a resumed fit takes from it (they come from the training's first parameters)."""
     return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
-            "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes]}
+            "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes], "step_cap": step_cap,
+            "step_bounds": step_bounds}
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -107,10 +110,10 @@ def check_job(manifest: Manifest, job: dict[str, Any]) -> None:
         raise ValueError(f"resume_from={where!r} is a checkpoint of another model: {name} has shape "
                          f"{theirs.get(name, 'none')} there and {ours.get(name, 'none')} in this model "
                          f"(checkpoint shapes {theirs}; model shapes {ours})")
-    for key in ("world_size", "steps_per_epoch", "batch_size", "seed"):
-        if have[key] != want[key]:
-            raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have[key]!r}, "
-                             f"this fit's is {want[key]!r}")
+    for key in ("world_size", "steps_per_epoch", "batch_size", "seed", "step_cap"):
+        if have.get(key) != want.get(key):
+            raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have.get(key)!r}, "
+                             f"this fit's is {want.get(key)!r}")
 
 
 def rollback_point(plan: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,

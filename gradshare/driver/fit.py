@@ -42,6 +42,7 @@ from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_conne
 from gradshare.driver.stage import run_stage
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
 from gradshare.encoding import ResidualClipping, apply_update, decode_update
+from gradshare.encoding.step_cap import StepCap, step_applier, step_cap_for
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ConsistencyError
 from gradshare.replica.flat import FlatParams, load_int_buffers
@@ -92,6 +93,7 @@ class RunPlan:
     scale: float  # apply scale: 1/N for aggregate="mean"
     forwarding: str
     aggregator: AggregateState | None
+    step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,8 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
                          f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
     rule = rule_for(config, max(steps_per_epoch), world)
-    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume)
+    step_cap = cap_of(config, flat, world, prep.resume)
+    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, step_cap)
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
@@ -219,11 +222,23 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
                    rule=rule, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
                    scale=1.0 / world if config.aggregate == "mean" else 1.0, forwarding=forwarding,
-                   aggregator=aggregator)
+                   aggregator=aggregator, step_cap=step_cap)
+
+
+def cap_of(config: TrainConfig, flat: FlatParams, world: int, resume: Manifest | None) -> StepCap | None:
+    """The fit's step cap: the option's share of each tensor's norm in the model as it starts, or the
+    bounds a resumed checkpoint's fit had (its start, not this fit's, is the training's start)."""
+    cap = step_cap_for(config.step_cap, world)
+    if cap is None:
+        return None
+    saved = None if resume is None else resume["job"].get("step_bounds")
+    if saved is not None:
+        return StepCap.from_json(saved, flat.n_params)
+    return StepCap.of([p.numel() for p in flat.params], flat.array, cap)
 
 
 def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
-                    resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
+                    resume: Manifest | None, step_cap: StepCap | None = None) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
     if config.checkpoint_root is None and resume is None:
         return None, 0, config.epochs
@@ -231,7 +246,8 @@ def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per
         raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
                          f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
-    job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes)
+    job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes,
+                 step_cap_for(config.step_cap, world), None if step_cap is None else step_cap.to_json())
     return plan_for_fit(config.checkpoint_root, config.checkpoint_every, config.epochs, job, resume)
 
 
@@ -244,6 +260,7 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
                   datagram_size=config.datagram_size, insecure=config.insecure, tuning=tuning,
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
                   apply_update=functools.partial(apply_update, scale=run.scale),
+                  apply_step=step_applier(run.scale, run.step_cap),
                   rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
                   aggregator=run.aggregator).start()
     return Started(relay, key, job_id, host)
@@ -294,7 +311,7 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
         follow_lr=bool(config.follow_lr), local_view=bool(config.local_view), apply_scale=run.scale,
-        drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step, device=config.device_name,
+        step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step, device=config.device_name,
         n_state=int(run.initial.size),
         early_stopping=config.stopping, on_epoch_end=config.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,

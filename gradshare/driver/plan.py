@@ -20,6 +20,7 @@ from gradshare.config import (
     DEFAULT_WARMUP_MIN_STEPS, ModelSpec, OptimizerFactory, SchedulerFactory, ThresholdRule, TrainConfig, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
+from gradshare.encoding.step_cap import step_cap_for
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
 
 
@@ -72,6 +73,8 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> Thres
         decay_from, lr_power = default_decay(world)
         if config.decay_from is not None:  # the user's, with the default lr power wherever it is on
             decay_from, lr_power = config.decay_from, DEFAULT_DECAY_LR_POWER if config.decay_from else 0.0
+        if step_cap_for(config.step_cap, world) is not None:
+            lr_power = 0.0  # the cap takes the lower lr's place (measured better: encoding/step_cap.py)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
             density=DEFAULT_DENSITY if config.density is None else config.density, warmup_steps=steps,

@@ -112,7 +112,13 @@ class SharedTrainer:
     decay_from: with threshold="auto", the density the run starts from, falling geometrically to
         ``density`` over the whole run while each worker's lr is × (density ÷ that density) ** 0.35
         (a floor under the warm-up; docs/guide/convergence.md, "Run-long decay"). Default: 0.02 from 32
-        workers on, off (0) below, as measured in lock step; 0 turns it off at any N.
+        workers on, off (0) below, as measured in lock step; 0 turns it off at any N. Under a step cap the
+        lr is not lowered (the cap measured better than the lower lr).
+    step_cap: every replica (and the relay) scales each parameter tensor's share of a step's summed
+        messages down to at most this share of the tensor's norm at the start of training: N workers'
+        updates summed overshoot as N grows (docs/guide/convergence.md, "Step cap"). "auto" (default):
+        0.1 from 32 workers on, none below, as measured in lock step; None: none at any N. A resumed fit
+        keeps its checkpoint's bounds.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -285,6 +291,7 @@ class SharedTrainer:
         warmup: float | None = TrainConfig.warmup,
         warmup_density: float | None = TrainConfig.warmup_density,
         decay_from: float | None = TrainConfig.decay_from,
+        step_cap: float | Literal["auto"] | None = TrainConfig.step_cap,
         lr_scheduler: SchedulerFactory | None = TrainConfig.lr_scheduler,
         scheduler_interval: SchedulerInterval = TrainConfig.scheduler_interval,
         follow_lr: bool = TrainConfig.follow_lr,

@@ -120,8 +120,12 @@ def apply_update(update: StepUpdate, state: Vector, scale: float = 1.0) -> None:
     """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32).
     ``state`` is a NumPy array or a float32 torch tensor on any device (the same bits: each index occurs
     once, so each entry sees one float32 addition on either)."""
-    n = update.message.n_params
-    apply(update.message, state[:n], scale)
+    apply(update.message, state[:update.message.n_params], scale)
+    add_buffers(update, state)
+
+
+def add_buffers(update: StepUpdate, state: Vector) -> None:
+    """The buffer part of `apply_update`: state[n_params:] += the values at their indices (float32)."""
     if len(update.buffer_index):
-        buffers = state[n:]
+        buffers = state[update.message.n_params:]
         backend_of(buffers).add_at(buffers, update.buffer_index, update.buffer_value)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from gradshare.encoding import Message, StepUpdate, apply, apply_update
+from gradshare.encoding.step_cap import StepCap, apply_step
 from gradshare.vectors import Vector, copy_into, copy_of, to_host
 
 
@@ -196,6 +197,11 @@ class FlatParams:
         apply_update(update, self.state, scale)
         for v in self.followers:
             apply(update.message, v, scale)
+
+    def apply_step(self, updates: Sequence[StepUpdate], scale: float, cap: StepCap | None) -> None:
+        """One whole step's decoded messages (rank order) × `scale`, each tensor's share capped by `cap`
+        (encoding/step_cap.py; None: as `apply_update` one by one), into the state and every follower."""
+        apply_step(updates, self.state, scale, cap, self.followers)
 
     def add(self, message: Message, scale: float) -> None:
         """`message` × `scale` into P and every follower (the own-update lookahead, lookahead.py)."""

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from gradshare.encoding import decode_update
+from gradshare.encoding.step_cap import StepCap
 from gradshare.errors import ProtocolError
 from gradshare.replica.flat import FlatParams
 from gradshare.task.profiling import OFF, Off, StepProfile
@@ -28,9 +29,10 @@ class ApplyLog:
     """
 
     def __init__(self, peer: UpdateSource, flat: FlatParams, start_step: int, timeout: float,
-                 profile: StepProfile | Off | None = None, scale: float = 1.0) -> None:
+                 profile: StepProfile | Off | None = None, scale: float = 1.0, cap: StepCap | None = None) -> None:
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
-        self.scale = scale  # the same on every replica and the relay, so the replicas stay bit-identical
+        # the same on every replica and the relay, so the replicas stay bit-identical
+        self.scale, self.cap = scale, cap  # cap: the step cap (encoding/step_cap.py), None: none
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
         self.pending: deque[Update] = deque()
@@ -66,10 +68,15 @@ class ApplyLog:
         self.profile.lap("wait")
         flat = self.flat
         while self.pending and self.pending[0].step <= step:
-            u = self.pending.popleft()
-            self._note_stop(u)
+            # one whole step at a time (receive returned every message through `step`): the step cap
+            # scales a tensor by what the step's messages add up to
+            t, row = self.pending[0].step, []
+            while self.pending and self.pending[0].step == t:
+                u = self.pending.popleft()
+                self._note_stop(u)
+                row.append(decode_update(u.payload, flat.n_state, n_params=flat.n_params))
             # the copies that follow P (its twin, the folded point) follow the log too (flat.py)
-            flat.apply_update(decode_update(u.payload, flat.n_state, n_params=flat.n_params), self.scale)
-            self.applied += 1
+            flat.apply_step(row, self.scale, self.cap)
+            self.applied += len(row)
         self.applied_through = step
         self.profile.lap("apply")

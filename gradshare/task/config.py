@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
+from gradshare.encoding.step_cap import StepCap
 from gradshare.task.relay_host import HostedRelay
 
 
@@ -60,6 +61,7 @@ class WorkerConfig:
     scheduler_interval: str = TrainConfig.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
     follow_lr: bool = TrainConfig.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
+    step_cap: StepCap | None = None  # each tensor's share of a step capped (encoding/step_cap.py); None: none
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = TrainConfig.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
     device: Any = TrainConfig.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)

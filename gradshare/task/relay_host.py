@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gradshare.encoding import apply_update, decode_update
+from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ProtocolError
 from gradshare.reports import Counters, RelayResult, epoch_lines
@@ -49,6 +50,7 @@ class HostedRelay:
     # a large state: the .npy file shipped with the session's files (SparkFiles) and its sha256
     initial_file: tuple[str, str] | None = None
     steps_per_epoch: tuple[int, ...] = ()  # per rank: the status's finished epochs (reports.epoch_lines)
+    step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
 
     def first_state(self) -> np.ndarray:
         """The initial state: the shipped array, or the shipped file's, checked against its digest."""
@@ -79,6 +81,7 @@ class RelayHost:
                            bind=plan.bind, datagram_size=datagram_size, insecure=insecure, tuning=tuning,
                            decode_update=functools.partial(decode_update, n_params=plan.n_params),
                            apply_update=functools.partial(apply_update, scale=plan.scale),
+                           apply_step=step_applier(plan.scale, plan.step_cap),
                            rollback=None if plan.resumed is None else functools.partial(resume_point, initial,
                                                                                         plan.resumed),
                            aggregator=plan.aggregator).start()

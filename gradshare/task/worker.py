@@ -296,7 +296,7 @@ class Worker:
         cfg, rank = self.cfg, self.rank
         spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
         prof = self.profile
-        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof, scale=cfg.apply_scale)
+        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof, scale=cfg.apply_scale, cap=cfg.step_cap)
         self.log = log
         log.stop_epoch = self.stops.inherited
         if log.stop_epoch is not None:  # decided before this attempt: this rank may even be done already

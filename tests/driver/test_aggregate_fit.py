@@ -76,6 +76,15 @@ def test_aggregated_fit_carries_batchnorm_statistics_whole(digits_rdd):
     assert float(bn.running_var.sub(1).abs().max()) > 0.01 and acc > 0.6
 
 
+def test_a_capped_aggregated_fit_with_batchnorm_at_staleness_2_is_bit_identical(digits_rdd):
+    torch.manual_seed(0)
+    capped, acc = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, step_cap=0.01)
+    _check_aggregated(capped)       # the relay and every replica applied each aggregate capped alike
+    torch.manual_seed(0)
+    plain, _ = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, step_cap=None)
+    assert capped.param_hash != plain.param_hash and acc > 0.3
+
+
 def test_aggregated_fit_resumes_after_a_worker_dies(digits_rdd, tmp_path):
     marker = str(tmp_path / "died")
     r, acc = _fit(digits_rdd, model=lambda: DiesOnce(marker), epochs=3)

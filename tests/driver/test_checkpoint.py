@@ -30,6 +30,16 @@ def step_lr(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
 
 
+def doubled_mlp():
+    import torch
+
+    model = mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    return model
+
+
 def trainer(epochs, **options):
     # threshold="auto" with a 2-epoch warm-up (given: the default's 24-step floor would cover the whole
     # 20-step fit) and a per-step schedule: τ's step count, the residual's lr and Adam's moments must
@@ -71,6 +81,27 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(rdd, checkpoin
     assert middle.param_hash == whole.param_hash
     # the 2-epoch fit's own result is the state its last checkpoint holds
     assert param_hash(np.load(os.path.join(root, "epoch-00002", "params.npy"))) == first.param_hash
+
+
+def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, tmp_path):
+    # step_cap=0.01 binds on this model at N = 2 (lock step: 2 epochs of the MLP end 20 pp lower)
+    capped = trainer(4, step_cap=0.01).fit(rdd)
+    assert capped.param_hash != whole.param_hash
+    assert {r["param_hash"] for r in capped.worker_reports} == {capped.param_hash}
+    root = str(tmp_path / "capped")
+    trainer(2, step_cap=0.01, checkpoint_dir=root).fit(rdd)
+    with open(os.path.join(root, "epoch-00002", MANIFEST)) as f:
+        job = json.load(f)["job"]
+    assert job["step_cap"] == 0.01 and len(job["step_bounds"]) == len(list(mlp().parameters()))
+    resumed = trainer(4, step_cap=0.01).fit(rdd, resume_from=root)
+    assert resumed.param_hash == capped.param_hash
+    # the bounds come from the checkpoint, not from the model given to the resumed fit (here twice as
+    # large: its own bounds would be twice the checkpoint's)
+    other = SharedTrainer(doubled_mlp, epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, warmup=2.0,
+                          step_cap=0.01, **LOOPBACK).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
+    assert other.param_hash == capped.param_hash
+    with pytest.raises(ValueError, match="its step_cap is 0.01, this fit's is None"):
+        trainer(4, step_cap=None).fit(rdd, resume_from=root)
 
 
 def test_a_checkpoint_holds_each_workers_state_with_checksums(checkpointed):

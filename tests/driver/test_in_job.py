@@ -54,7 +54,8 @@ def test_the_in_job_relay_gives_the_client_relays_parameters_and_its_status_reac
     assert all(r.relay is None for r in job.worker_reports)  # the end state does not stay in the reports
 
 
-@pytest.mark.parametrize("options", [dict(forwarding="aggregate"), dict(staleness=2)])
+@pytest.mark.parametrize("options", [dict(forwarding="aggregate"), dict(staleness=2),
+                                     dict(step_cap=0.01, forwarding="aggregate")])
 def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in_the_driver(even, options):
     rdd, _ = even
     fit = {**FIT, "epochs": 2, **options}

@@ -70,7 +70,7 @@ def test_a_given_warmup_density_is_taken_as_given_whatever_the_workers():
 def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
     from gradshare.encoding.threshold import DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, DEFAULT_DENSITY
 
-    small, large = (start_rule(16, n, epochs=8) for n in (16, 64))
+    small, large = (start_rule(16, n, epochs=8, step_cap=None) for n in (16, 64))
     assert small.decay_from == 0.0 and small.lr_factor(0, N_PARAMS) == 1.0  # below 32 workers: as it was
     assert (large.decay_from, large.decay_lr_power, large.decay_steps) == (DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, 8 * 16)
     assert large.target(0, N_PARAMS) == pytest.approx(DEFAULT_DECAY_FROM)
@@ -79,10 +79,26 @@ def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
     given = CalibratedThreshold(density=1e-3, decay_from=0.01)  # a user's rule: its decay spans the run too
     users = start_rule(10, 64, epochs=3, threshold_algorithm=given)
     assert (users.decay_from, users.decay_steps, given.decay_steps) == (0.01, 30, 0)
-    off, on = (start_rule(10, n, epochs=2, decay_from=d) for d, n in ((0.0, 64), (0.05, 4)))
+    off, on = (start_rule(10, n, epochs=2, decay_from=d, step_cap=None) for d, n in ((0.0, 64), (0.05, 4)))
     assert off.decay_from == 0.0 and off.lr_factor(0, N_PARAMS) == 1.0  # decay_from=0: off at any N
     assert (on.decay_from, on.decay_lr_power, on.decay_steps) == (0.05, DEFAULT_DECAY_LR_POWER, 20)
     with pytest.raises(ValueError, match="decay_from"):
         SharedTrainer(nn.Linear(4, 2), decay_from=1.5)
     with pytest.raises(ValueError, match="decay_from"):
         SharedTrainer(nn.Linear(4, 2), threshold=1e-3, decay_from=0.02)  # it tunes threshold="auto"
+
+
+def test_from_32_workers_the_default_caps_each_step_and_decays_the_density_at_the_full_lr():
+    from gradshare.encoding.threshold import DEFAULT_DECAY_FROM
+
+    capped = start_rule(16, 64, epochs=8)           # step_cap="auto": 0.1 from 32 workers on
+    assert (capped.decay_from, capped.decay_lr_power) == (DEFAULT_DECAY_FROM, 0.0)
+    assert capped.lr_factor(0, N_PARAMS) == 1.0
+    assert start_rule(16, 64, epochs=8, step_cap=0.2).decay_lr_power == 0.0   # a given cap too
+    assert start_rule(16, 4, step_cap=0.1, decay_from=0.05).decay_lr_power == 0.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "on", True])
+def test_a_bad_step_cap_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="step_cap must be 'auto', None or a positive share"):
+        SharedTrainer(nn.Linear(4, 2), step_cap=bad)

@@ -76,11 +76,14 @@ class RelayCore:
                  tuning: RelayTuning = RelayTuning(),
                  decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
                  apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
+                 apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None = None,
                  rollback: Callable[[int], RollbackPoint | None] | None = None,
                  observer: LogObserver | None = None, aggregator: AggregateState | None = None,
                  defer_apply: bool = False) -> None:
         """rollback: the default observer's (tallies.TrainingLog): where a new attempt restarts the log.
         observer: the training bookkeeping (observer.LogObserver); None: a TrainingLog with `rollback`.
+        apply_step: applies one whole step's decoded messages (rank order) at once, in place of
+        apply_update per message (a step cap scales by the step's sum: encoding/step_cap.py).
         aggregator: forwarding="aggregate"'s state (None: a default one). defer_apply: receive_datagram
         only forwards; apply_pending() applies (the shell calls it after sending, so applying to the
         authoritative copy never delays a forward)."""
@@ -110,6 +113,7 @@ class RelayCore:
         self.world_size = world_size
         self.decode_update = decode_update
         self.apply_update = apply_update
+        self.apply_step = apply_step
         self.defer_apply = defer_apply
         # the largest message an update can be: a dense float32 vector plus framing (encoder forms are smaller)
         self.max_message = 8 * self.n_params + 65536

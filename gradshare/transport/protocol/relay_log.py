@@ -51,6 +51,7 @@ class LogCore(RelayParts, Protocol):
     last_now: float                         # store_chunk sets it too
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None
     aggregator: AggregateState | None
     observer: LogObserver
     pages: StatusPages
@@ -323,11 +324,12 @@ class RelayLog:
             row = [(t, r) for r in range(cur.rank, core.world_size) if cur.exists(t, r) is not False]
             if any(k not in pending for k in row):
                 break
+            decoded = [pending.pop(k) for k in row]
             if core.aggregator is not None:
-                self._aggregate(t, [pending.pop(k) for k in row])
+                self._aggregate(t, decoded)
+            else:
+                self._apply(decoded)
             for k in row:
-                if core.aggregator is None:
-                    core.apply_update(pending.pop(k), core.params)
                 core.c["applied"] += 1
                 meta = att.pending_meta.pop(k, None)
                 if meta is not None:
@@ -341,6 +343,15 @@ class RelayLog:
             att.log_complete_sent = True
             core.emit(ev.LogComplete(cur.complete_through))
 
+    def _apply(self, decoded: list[Decoded]) -> None:
+        """One whole step's messages to the authoritative parameters, as every replica applies them."""
+        core = self.core
+        if core.apply_step is not None:
+            core.apply_step(decoded, core.params)
+            return
+        for d in decoded:
+            core.apply_update(d, core.params)
+
     def _aggregate(self, step: int, decoded: list[StepUpdate]) -> None:
         """Step ``step``'s row is complete: encode its one aggregated message (rank order), apply it to
         the authoritative parameters, send it to every live peer and keep it for NAK repair."""
@@ -349,7 +360,7 @@ class RelayLog:
         core = self.core
         assert core.aggregator is not None      # advance calls this only with forwarding="aggregate"
         agg = aggregate_step(core.aggregator, decoded, step)
-        core.apply_update(agg, core.params)
+        self._apply([agg])
         meta = None
         stop = core.att.pending_meta.get((step, 0))
         if stop is not None and stop.stop_epoch is not None:     # rank 0's early-stop decision rides along

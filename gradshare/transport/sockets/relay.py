@@ -41,6 +41,7 @@ class RelayPlugins(TypedDict, total=False):
 
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None
     rollback: Callable[[int], RollbackPoint | None] | None
     observer: LogObserver | None
     aggregator: AggregateState | None
