@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's recipe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--step-cap", default="auto", help="SharedTrainer's step_cap: auto, none or a share")
     args = parser.parse_args()
 
     from gradshare.bench import systems
@@ -35,9 +36,12 @@ def main() -> None:
 
     recipe = RECIPES[args.workload]
     epochs, batch, n = args.epochs or recipe.epochs, recipe.batch_for(args.workers), args.workers
+    named = {"auto": "auto", "none": None}
+    step_cap = named[args.step_cap.lower()] if args.step_cap.lower() in named else float(args.step_cap)
     wl = load(args.workload, args.seed, None, args.rows)
     t0 = time.monotonic()
-    lock = run(workload=args.workload, world=n, epochs=epochs, seed=args.seed, lr=recipe.lr, batch=batch, data=wl)
+    lock = run(workload=args.workload, world=n, epochs=epochs, seed=args.seed, lr=recipe.lr, batch=batch, data=wl,
+               step_cap=step_cap)
     lock_seconds = time.monotonic() - t0
 
     systems.local_spark_env()
@@ -46,14 +50,15 @@ def main() -> None:
     try:
         t0 = time.monotonic()
         fit = systems.run_gradshare(spark, wl, epochs=epochs, batch_size=batch, seed=args.seed, budget=3600.0,
-                                    lr=recipe.lr, workers=n, staleness=0, timeout=600.0)
+                                    lr=recipe.lr, workers=n, staleness=0, timeout=600.0,
+                                    step_cap=step_cap)
         spark_seconds = time.monotonic() - t0
     finally:
         spark.stop()
     spark_acc = [round(100 * a, 2) for _, a in fit.curve]
     print(json.dumps({
         "workload": args.workload, "workers": n, "master": args.master or f"local[{n}]", "epochs": epochs,
-        "batch": batch, "lr": recipe.lr, "seed": args.seed,
+        "batch": batch, "lr": recipe.lr, "seed": args.seed, "step_cap": step_cap,
         "lockstep": {"acc": lock["acc"], "final3": lock["final3"], "ratio": lock["ratio"], "seconds": round(lock_seconds)},
         "spark": {"acc": spark_acc, "final3": round(float(np.mean(spark_acc[-3:])), 2),
                   "ratio": round(fit.extra["traffic_ratio"]), "seconds": round(spark_seconds),

@@ -7,8 +7,11 @@ and codec, messages delivered through an in-memory log; no Spark, no UDP), so N 
 
 Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch):
 - "gradshare":  the default, each worker's own Adam, ±τ of its update with error feedback, summed (from
-                32 workers with the run-long density decay, encoding.threshold.default_decay);
+                32 workers with the run-long density decay and the step cap, encoding.threshold.default_decay,
+                encoding/step_cap.py);
 - "gradshare-nodecay": the same without the run-long decay (decay_from=0), what it buys;
+- "gradshare-nocap": the same without the step cap (step_cap=None: the decay then lowers the lr), what
+                the cap buys (encoding/step_cap.py);
 - "local":      the same design without compression (each worker's own Adam, updates summed densely);
 - "ddp", "ddp-sqrt", "ddp-linear": one Adam on the mean gradient of the N batches at lr, √N·lr, N·lr.
   "DDP tuned" in the summary is the best of the three by last-3 accuracy (mean over seeds).
@@ -35,8 +38,10 @@ from gradshare.bench import report
 from gradshare.bench.train import comma_list
 from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 
-SYSTEMS = ("gradshare", "gradshare-nodecay", "local", "ddp", "ddp-sqrt", "ddp-linear")
-RULES = {"gradshare-nodecay": {"kind": "auto", "decay_from": 0.0}}  # the default rule without the run-long decay
+SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "local", "ddp", "ddp-sqrt", "ddp-linear")
+# gradshare's variants: the lock-step run's arguments that make each (the default's otherwise)
+VARIANTS: dict[str, dict[str, Any]] = {"gradshare-nodecay": {"rule": {"kind": "auto", "decay_from": 0.0}},
+                                       "gradshare-nocap": {"step_cap": None}}
 DDP_LR = {"ddp": lambda n: 1.0, "ddp-sqrt": math.sqrt, "ddp-linear": float}  # lr multiplier at N workers
 DEFAULTS = {"workers": "1,2,4,8,16,32,64", "seeds": "0,1,2"}
 QUICK = {"workers": "1,4", "seeds": "0", "epochs": 2, "rows": 2048, "workloads": "tabular64k"}
@@ -96,10 +101,10 @@ def run_one(workload: str, world: int, system: str, seed: int, cfg: dict[str, An
 
     recipe = RECIPES[workload]
     lr = recipe.lr * (DDP_LR[system](world) if system in DDP_LR else 1.0)
-    mode = "ddp" if system in DDP_LR else "gradshare" if system in RULES else system
+    mode = "ddp" if system in DDP_LR else "gradshare" if system in VARIANTS else system
     t0 = time.monotonic()
     out = run(workload=workload, world=world, epochs=cfg["epochs"] or recipe.epochs, seed=seed, lr=lr,
-              batch=recipe.batch_for(world), system=mode, rule=RULES.get(system), data=data)
+              batch=recipe.batch_for(world), system=mode, data=data, **VARIANTS.get(system, {}))
     accuracy = [a / 100 for a in out["acc"]]
     return {"workload": workload, "workers": world, "system": system, "seed": seed, "lr": lr,
             "batch": recipe.batch_for(world), "accuracy": accuracy, "last3": statistics.fmean(accuracy[-3:]),
@@ -133,7 +138,7 @@ def gaps(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gradshare's (and the dense local design's) last-3 accuracy minus tuned DDP's, in pp, per workload × N."""
     found = []
     for s in summary:
-        if s["system"] not in ("gradshare", "gradshare-nodecay", "local"):
+        if s["system"] not in ("gradshare", *VARIANTS, "local"):
             continue
         tuned = next((t for t in summary if t["system"] == "ddp-tuned"
                       and (t["workload"], t["workers"]) == (s["workload"], s["workers"])), None)
@@ -152,7 +157,7 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
 
     workloads = sorted({s["workload"] for s in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.4), squeeze=False)
-    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
+    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "gradshare-nocap": "tab:blue", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
               "ddp-linear": "tab:purple", "ddp-tuned": "black"}
     for ax, w in zip(axes[0], workloads):
         for system in colors:

@@ -221,7 +221,8 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
                   staleness: int = TrainConfig.staleness, lr: float = LEARNING_RATE,
                   residual_clip: float | None = TrainConfig.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: Aggregate = TrainConfig.aggregate) -> Measured:
+                  aggregate: Aggregate = TrainConfig.aggregate,
+                  step_cap: float | Literal["auto"] | None = TrainConfig.step_cap) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -247,7 +248,7 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
                             residual_clip=residual_clip, bind="127.0.0.1", advertise_host="127.0.0.1",
                             batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
                             validation_data=(wl.X_test, wl.y_test), timeout=timeout,
-                            worker_options={"profile": True}, **options)
+                            worker_options={"profile": True}, step_cap=step_cap, **options)
     with _cancel_after(sc, budget) as fired:
         try:
             result = trainer.fit(rdd)
