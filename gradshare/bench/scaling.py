@@ -11,7 +11,7 @@ Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr
                 encoding/step_cap.py);
 - "gradshare-nodecay": the same without the run-long decay (decay_from=0), what it buys;
 - "gradshare-nocap": the same without the step cap (step_cap=None: the decay then lowers the lr), what
-                the cap buys (encoding/step_cap.py);
+                the cap buys (encoding/step_cap.py); "gradshare-cap": the cap (0.1) at any N;
 - "local":      the same design without compression (each worker's own Adam, updates summed densely);
 - "ddp", "ddp-sqrt", "ddp-linear": one Adam on the mean gradient of the N batches at lr, √N·lr, N·lr.
   "DDP tuned" in the summary is the best of the three by last-3 accuracy (mean over seeds).
@@ -37,11 +37,13 @@ from typing import Any
 from gradshare.bench import report
 from gradshare.bench.train import comma_list
 from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
+from gradshare.encoding.step_cap import DEFAULT_STEP_CAP
 
-SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "local", "ddp", "ddp-sqrt", "ddp-linear")
+SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "gradshare-cap", "local", "ddp", "ddp-sqrt", "ddp-linear")
 # gradshare's variants: the lock-step run's arguments that make each (the default's otherwise)
 VARIANTS: dict[str, dict[str, Any]] = {"gradshare-nodecay": {"rule": {"kind": "auto", "decay_from": 0.0}},
-                                       "gradshare-nocap": {"step_cap": None}}
+                                       "gradshare-nocap": {"step_cap": None},
+                                       "gradshare-cap": {"step_cap": DEFAULT_STEP_CAP}}
 DDP_LR = {"ddp": lambda n: 1.0, "ddp-sqrt": math.sqrt, "ddp-linear": float}  # lr multiplier at N workers
 DEFAULTS = {"workers": "1,2,4,8,16,32,64", "seeds": "0,1,2"}
 QUICK = {"workers": "1,4", "seeds": "0", "epochs": 2, "rows": 2048, "workloads": "tabular64k"}
@@ -157,7 +159,8 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
 
     workloads = sorted({s["workload"] for s in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.4), squeeze=False)
-    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "gradshare-nocap": "tab:blue", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
+    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "gradshare-nocap": "tab:blue",
+              "gradshare-cap": "tab:brown", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
               "ddp-linear": "tab:purple", "ddp-tuned": "black"}
     for ax, w in zip(axes[0], workloads):
         for system in colors:
