@@ -3,6 +3,8 @@ step's N messages applied with the cap against the same messages applied plainly
 
     PYTHONPATH=$PWD python benchmarks/step_cap.py [--params 10000000] [--world 32] [--density 1e-3] [--repeat 7]
 
+--world 1 is a step of aggregated forwarding (the default from 16 workers): one message a step, the relay's.
+
 The messages are drawn the way a step's are (each rank's entries uniform over the parameters, ±τ), laid out
 over the 10.5 M-parameter benchmark MLP's tensor sizes by default. Three ways, each the median of
 --repeat applications of the whole step to a float32 state:

@@ -106,10 +106,12 @@ class StepCap:
         factors = np.ones(len(bounds))
         if (upper <= bounds).all():
             return factors, parts
-        index = np.concatenate([p.index for p in parts])
-        values = np.concatenate([np.where(p.neg, -p.step, p.step) for p in parts])
-        where, inverse = np.unique(index, return_inverse=True)
-        total = np.bincount(inverse, weights=values, minlength=where.size)  # summed in rank order
+        values = [np.where(p.neg, -p.step, p.step) for p in parts]
+        if len(parts) == 1:   # one message (an aggregate): its indices are distinct already
+            where, total = parts[0].index, values[0]
+        else:
+            where, inverse = np.unique(np.concatenate([p.index for p in parts]), return_inverse=True)
+            total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
         tensor = np.searchsorted(starts, where, side="right") - 1
         norm = np.sqrt(np.bincount(tensor, weights=total * total, minlength=len(bounds)))
         over = norm > bounds
