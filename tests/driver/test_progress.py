@@ -2,8 +2,6 @@
 finished it in the applied log, with its mean loss over all ranks' steps and rank 0's score once it came
 (or when the next epoch finished, or at the end); never twice; a resumed fit counts from its first epoch."""
 
-import pytest
-
 from gradshare.driver.stage import ProgressBar
 from gradshare.reports import EpochLine, epoch_lines
 

@@ -5,7 +5,6 @@ Transport parts run on the in-memory harness; the end-to-end parts on the shared
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import time

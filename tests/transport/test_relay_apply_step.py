@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 
 from gradshare.encoding import apply_update, decode_update
