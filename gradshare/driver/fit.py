@@ -94,6 +94,7 @@ class RunPlan:
     forwarding: str
     aggregator: AggregateState | None
     step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
+    cap_share: float | None = None  # its share of each tensor's initial norm (step_cap="auto" resolved)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
                    rule=rule, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
                    scale=1.0 / world if config.aggregate == "mean" else 1.0, forwarding=forwarding,
-                   aggregator=aggregator, step_cap=step_cap)
+                   aggregator=aggregator, step_cap=step_cap,
+                   cap_share=None if step_cap is None else step_cap_for(config.step_cap, world))
 
 
 def cap_of(config: TrainConfig, flat: FlatParams, world: int, resume: Manifest | None) -> StepCap | None:
@@ -346,7 +348,8 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, r
         resumed_from=None if out.resume is None else out.resume["directory"],
         # a retried stage restarted at a checkpoint: the steps it went back from and to
         rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding,
-        relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses)
+        relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses,
+        step_cap=run.cap_share)
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,

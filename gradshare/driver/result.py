@@ -38,6 +38,7 @@ class FitExtras(Mapping[str, Any]):
     restarts: list[dict[str, str | None]] = field(default_factory=list)
     # relay="in-job": the relay's statuses that reached this process (0: its pushes cannot reach it)
     relay_statuses: int | None = None
+    step_cap: float | None = None  # the step cap that ran (step_cap="auto" resolved; None: none)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _EXTRAS:

@@ -366,7 +366,7 @@ class SharedTrainer:
         incidents (docs/guide/failures.md, "Liveness"). extra["forwarding"]: "per-rank" or "aggregate", what ran.
         extra["relay"]: "client" or "in-job", where the relay ran; with it in the job, extra["restarts"] (each
         run of the stage again: {"error", "from"}) and extra["relay_statuses"] (its statuses that reached
-        this process; docs/guide/connect.md).
+        this process; docs/guide/connect.md). extra["step_cap"]: the step cap that ran (None: none).
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
