@@ -204,8 +204,9 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
                          f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
     rule = rule_for(config, max(steps_per_epoch), world)
-    step_cap = cap_of(config, flat, world, prep.resume)
-    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, step_cap)
+    share = step_cap_for(config.step_cap, world)  # "auto" resolved; None: no cap
+    step_cap = None if share is None else cap_of(share, flat, prep.resume)
+    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share, step_cap)
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
@@ -223,24 +224,21 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
                    rule=rule, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
                    scale=1.0 / world if config.aggregate == "mean" else 1.0, forwarding=forwarding,
-                   aggregator=aggregator, step_cap=step_cap,
-                   cap_share=None if step_cap is None else step_cap_for(config.step_cap, world))
+                   aggregator=aggregator, step_cap=step_cap, cap_share=share)
 
 
-def cap_of(config: TrainConfig, flat: FlatParams, world: int, resume: Manifest | None) -> StepCap | None:
-    """The fit's step cap: the option's share of each tensor's norm in the model as it starts, or the
-    bounds a resumed checkpoint's fit had (its start, not this fit's, is the training's start)."""
-    cap = step_cap_for(config.step_cap, world)
-    if cap is None:
-        return None
+def cap_of(share: float, flat: FlatParams, resume: Manifest | None) -> StepCap:
+    """The fit's step cap: ``share`` of each tensor's norm in the model as it starts, or the bounds a
+    resumed checkpoint's fit had (its start, not this fit's, is the training's start)."""
     saved = None if resume is None else resume["job"].get("step_bounds")
     if saved is not None:
         return StepCap.from_json(saved, flat.n_params)
-    return StepCap.of([p.numel() for p in flat.params], flat.array, cap)
+    return StepCap.of([p.numel() for p in flat.params], flat.array, share)
 
 
 def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
-                    resume: Manifest | None, step_cap: StepCap | None = None) -> tuple[CheckpointPlan | None, int, int]:
+                    resume: Manifest | None, share: float | None = None,
+                    step_cap: StepCap | None = None) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
     if config.checkpoint_root is None and resume is None:
         return None, 0, config.epochs
@@ -249,7 +247,7 @@ def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per
                          f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
     job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes,
-                 step_cap_for(config.step_cap, world), None if step_cap is None else step_cap.to_json())
+                 share, None if step_cap is None else step_cap.to_json())
     return plan_for_fit(config.checkpoint_root, config.checkpoint_every, config.epochs, job, resume)
 
 
@@ -313,7 +311,8 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
         follow_lr=bool(config.follow_lr), local_view=bool(config.local_view), apply_scale=run.scale,
-        step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step, device=config.device_name,
+        step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step,
+        device=config.device_name,
         n_state=int(run.initial.size),
         early_stopping=config.stopping, on_epoch_end=config.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,

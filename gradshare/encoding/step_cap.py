@@ -144,13 +144,19 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
         return
     n = updates[0].message.n_params
     targets = (state[:n], *followers)
-    factors, parts = (None, []) if cap is None else cap.factors(updates, scale)
-    if factors is None or cap is None or not (factors < 1.0).any():
-        for u in updates:
-            for v in targets:
-                apply(u.message, v, scale)
-            add_buffers(u, state)
-        return
+    if cap is not None:
+        factors, parts = cap.factors(updates, scale)
+        if (factors < 1.0).any():
+            _add_capped(updates, parts, factors, cap, targets, state)
+            return
+    for u in updates:
+        for v in targets:
+            apply(u.message, v, scale)
+        add_buffers(u, state)
+
+
+def _add_capped(updates: Sequence[StepUpdate], parts: list[Entries], factors: NDArray[np.float64], cap: StepCap,
+                targets: Sequence[Vector], state: Vector) -> None:
     starts = np.asarray(cap.starts, np.int64)
     for u, p in zip(updates, parts):
         if p.index.size:
@@ -166,11 +172,7 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
 def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate], NDArray[np.float32]], None] | None:
     """The relay's `apply_step` for a fit with ``cap`` (None without one: the relay applies message by
     message, as `apply_update`)."""
-    return None if cap is None else functools.partial(_apply_capped, scale=scale, cap=cap)
-
-
-def _apply_capped(updates: list[StepUpdate], state: NDArray[np.float32], scale: float, cap: StepCap) -> None:
-    apply_step(updates, state, scale, cap)
+    return None if cap is None else functools.partial(apply_step, scale=scale, cap=cap)
 
 
 __all__ = ["DEFAULT_STEP_CAP", "STEP_CAP_FROM_WORKERS", "StepCap", "apply_step", "step_applier", "step_cap_for"]
