@@ -39,6 +39,7 @@ Forwarding: TypeAlias = Literal["per-rank", "aggregate", "auto"]
 RelayPlace: TypeAlias = Literal["client", "in-job", "auto"]
 OnRankLoss: TypeAlias = Literal["wait", "restart", "continue"]
 SchedulerInterval: TypeAlias = Literal["step", "epoch"]
+LrScaling: TypeAlias = Literal["sqrt", "linear"]
 Precision: TypeAlias = Literal["32", "bf16-mixed", "fp16-mixed"]
 LabelDtype: TypeAlias = Literal["int64", "float32"]
 WorkerOption: TypeAlias = Literal["profile", "direct_update", "tensor_state", "step_in_backward", "folded_view"]
@@ -93,6 +94,16 @@ class ThresholdRule(Protocol):
 ThresholdAlgorithm: TypeAlias = "Literal['adaptive', 'fixed'] | ThresholdRule"
 
 
+def lr_factor(batch_size: int, lr_batch_size: int | None, scaling: str = "sqrt") -> float:
+    """The factor on a worker's lr for an lr tuned at `lr_batch_size` rows and run at `batch_size`:
+    the ratio's square root for "sqrt" (Adam's rule, Malladi et al. 2022), the ratio for "linear"
+    (SGD's, Goyal et al. 2017); 1 when lr_batch_size is None."""
+    if lr_batch_size is None:
+        return 1.0
+    ratio = batch_size / lr_batch_size
+    return math.sqrt(ratio) if scaling == "sqrt" else ratio
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """SharedTrainer's options (its docstring says what each does), checked together.
@@ -135,6 +146,8 @@ class TrainConfig:
     warmup_density: float | None = None
     decay_from: float | None = None  # None: default_decay(N), 2e-2 from 32 workers, 0 (off) below
     step_cap: float | Literal["auto"] | None = "auto"  # "auto": 0.1 from 32 workers, none below (step_cap.py)
+    lr_batch_size: int | None = None  # the batch the optimizer's lr was tuned at; None: batch_size (lr as given)
+    lr_scaling: LrScaling = "sqrt"  # how each worker's lr follows batch_size ÷ lr_batch_size
     lr_scheduler: SchedulerFactory | None = None
     scheduler_interval: SchedulerInterval = "step"
     follow_lr: bool = True
@@ -160,6 +173,11 @@ class TrainConfig:
     def auto(self) -> bool:
         """τ is calibrated per step (threshold="auto") rather than given."""
         return self.threshold == "auto"
+
+    @property
+    def lr_factor(self) -> float:
+        """What each worker's lr is multiplied by (`lr_factor`)."""
+        return lr_factor(self.batch_size, self.lr_batch_size, self.lr_scaling)
 
     @property
     def warmup_epochs(self) -> float:
@@ -232,6 +250,8 @@ class TrainConfig:
         if self.forwarding == "aggregate" and self.checkpoint_dir is not None:
             raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation residual is "
                              "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")
+        if self.lr_scaling not in get_args(LrScaling):
+            raise ValueError(f"lr_scaling must be 'sqrt' or 'linear', got {self.lr_scaling!r}")
         if self.scheduler_interval not in get_args(SchedulerInterval):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {self.scheduler_interval!r}")
         if self.label_dtype not in (None, *get_args(LabelDtype)):
@@ -245,6 +265,10 @@ class TrainConfig:
         for name, value in (("batch_size", self.batch_size), ("epochs", self.epochs)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        lr_batch = self.lr_batch_size
+        if lr_batch is not None and (not isinstance(lr_batch, int) or isinstance(lr_batch, bool) or lr_batch < 1):
+            raise ValueError(f"lr_batch_size must be None or an int >= 1 (the batch size the optimizer's lr was "
+                             f"tuned at), got {lr_batch!r}")
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
             raise ValueError(f"num_workers must be None or an int >= 1, got {self.num_workers!r}")
         if not isinstance(self.staleness, int) or self.staleness < 0:

@@ -14,8 +14,9 @@ aggregate="mean"), view (local_view, default true), folded (the view folded into
 applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
 "cpu"; gradshare only), follow_lr, clip, and three experiments: decay (multiply every residual by it after each step) and cap (after the
 warm-up τ may not exceed cap × its value at the warm-up's end), which the lock-step table of
-docs/benchmarks/convergence.md measured; and step_cap, SharedTrainer's option ("auto", None or a share:
-encoding/step_cap.py).
+docs/benchmarks/convergence.md measured; step_cap, SharedTrainer's option ("auto", None or a share:
+encoding/step_cap.py); lr_batch, SharedTrainer's lr_batch_size (the batch lr was tuned at: the workers'
+lr × √(batch ÷ lr_batch), gradshare and "local").
 
 Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
 (4 bytes × parameters ÷ message bytes per worker-step), silent steps and τ per epoch.
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.config import SchedulerFactory
+from gradshare.config import SchedulerFactory, lr_factor
 from gradshare.encoding.step_cap import StepCap, step_cap_for
 from gradshare.encoding.threshold import ThresholdRule, default_decay
 from gradshare.bench.systems import adam, lr_scheduler_factory
@@ -120,7 +121,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         lr: float = 1e-3, schedule: str = "constant", batch: int = 64, system: str = "gradshare", scale: float = 1.0,
         follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
         folded: bool = True, device: str = "cpu", data: Workload | None = None,
-        step_cap: float | str | None = "auto") -> dict[str, Any]:
+        step_cap: float | str | None = "auto", lr_batch: int | None = None) -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -140,6 +141,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
                        steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
+                       lr_factor=lr_factor(batch, lr_batch),
                        folded_view=bool(folded), device=device, step_cap=caps)
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
@@ -147,7 +149,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     if system == "ddp":
         accs, ratio = _run_ddp(model, workers, cfg, wl, lr, sched), 1.0
     elif system == "local":
-        accs, ratio = _run_local(model, workers, cfg, wl, lr, sched), 1.0
+        accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.lr_factor, sched), 1.0
     else:
         accs, taus, silent, ratio = _run_gradshare(workers, cfg, wl, decay)
     return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),

@@ -5,7 +5,8 @@ workers: the test accuracy per epoch, the epochs to a target, the best and last-
 traffic. Every run is in ONE process in lock step (gradshare/bench/lockstep.py: the real Worker, ApplyLog
 and codec, messages delivered through an in-memory log; no Spark, no UDP), so N = 64 fits on 2 cores.
 
-Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch):
+Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch; where the
+recipe is stated at a global batch, gradshare and "local" run with lr_batch_size at it):
 - "gradshare":  the default, each worker's own Adam, ±τ of its update with error feedback, summed (from
                 32 workers with the run-long density decay and the step cap, encoding.threshold.default_decay,
                 encoding/step_cap.py);
@@ -104,11 +105,14 @@ def run_one(workload: str, world: int, system: str, seed: int, cfg: dict[str, An
     recipe = RECIPES[workload]
     lr = recipe.lr * (DDP_LR[system](world) if system in DDP_LR else 1.0)
     mode = "ddp" if system in DDP_LR else "gradshare" if system in VARIANTS else system
+    # a recipe stated at a global batch: the design's workers take its lr at that batch (lr_batch_size);
+    # DDP's one optimizer sees the global batch itself
+    lr_batch = None if mode == "ddp" else recipe.global_batch
     t0 = time.monotonic()
     out = run(workload=workload, world=world, epochs=cfg["epochs"] or recipe.epochs, seed=seed, lr=lr,
-              batch=recipe.batch_for(world), system=mode, data=data, **VARIANTS.get(system, {}))
+              batch=recipe.batch_for(world), system=mode, data=data, lr_batch=lr_batch, **VARIANTS.get(system, {}))
     accuracy = [a / 100 for a in out["acc"]]
-    return {"workload": workload, "workers": world, "system": system, "seed": seed, "lr": lr,
+    return {"workload": workload, "workers": world, "system": system, "seed": seed, "lr": lr, "lr_batch": lr_batch,
             "batch": recipe.batch_for(world), "accuracy": accuracy, "last3": statistics.fmean(accuracy[-3:]),
             "best": max(accuracy), "epochs_to_target": next((e + 1 for e, a in enumerate(accuracy) if a >= data.target), None),
             "traffic_ratio": out["ratio"] if mode == "gradshare" else 1.0, "seconds": time.monotonic() - t0}

@@ -47,8 +47,8 @@ from pyspark.sql import DataFrame
 from torch import nn
 
 from gradshare.config import (
-    Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, Metric, ModelSpec, OnRankLoss, OptimizerFactory,
-    Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
+    Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, LrScaling, Metric, ModelSpec, OnRankLoss,
+    OptimizerFactory, Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
     ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
@@ -119,6 +119,14 @@ class SharedTrainer:
         updates summed overshoot as N grows (docs/guide/convergence.md, "Step cap"). "auto" (default):
         0.1 from 32 workers on, none below, as measured in lock step; None: none at any N. A resumed fit
         keeps its checkpoint's bounds.
+    lr_batch_size: the batch size the optimizer's lr was tuned at, when that is not ``batch_size``
+        (e.g. a published recipe's batch, now split over N workers): each worker's lr is then scaled
+        by (batch_size ÷ lr_batch_size) ** 0.5, or by the ratio itself with lr_scaling="linear"
+        (docs/guide/convergence.md, "Learning rate and batch size"). The lr a worker's optimizer is
+        built with is the lr of one process at ``batch_size`` rows: each worker steps its own optimizer
+        and the N updates are summed. Default None: the lr as given.
+    lr_scaling: "sqrt" (default: the square-root rule for Adam-like optimizers, Malladi et al. 2022)
+        or "linear" (SGD's linear rule, Goyal et al. 2017), used with lr_batch_size.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -292,6 +300,8 @@ class SharedTrainer:
         warmup_density: float | None = TrainConfig.warmup_density,
         decay_from: float | None = TrainConfig.decay_from,
         step_cap: float | Literal["auto"] | None = TrainConfig.step_cap,
+        lr_batch_size: int | None = TrainConfig.lr_batch_size,
+        lr_scaling: LrScaling = TrainConfig.lr_scaling,
         lr_scheduler: SchedulerFactory | None = TrainConfig.lr_scheduler,
         scheduler_interval: SchedulerInterval = TrainConfig.scheduler_interval,
         follow_lr: bool = TrainConfig.follow_lr,

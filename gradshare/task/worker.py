@@ -215,7 +215,7 @@ class Worker:
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
-        restore = self._scale_lr(self._global(t))  # a run-long density decay's smaller steps (threshold.py)
+        restore = self._scale_lr(self._global(t))  # lr_batch_size's scaling, a run-long density decay's smaller steps
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
@@ -261,11 +261,11 @@ class Worker:
         return loss_value, msg.n_entries, len(payload)
 
     def _scale_lr(self, step: int) -> list[tuple[dict[str, Any], Any]]:
-        """Multiply every parameter group's lr by the threshold rule's `lr_factor` for this step's
-        optimizer step (not a change of rate: the residual is not rescaled, a scheduler does not see it);
-        returns what to put back."""
+        """Multiply every parameter group's lr by the fit's `lr_factor` (lr_batch_size) and the threshold
+        rule's for this step's optimizer step (not a change of rate: the residual is not rescaled, a
+        scheduler and a checkpoint see the lr as given); returns what to put back."""
         factor_of = getattr(self.state.rule, "lr_factor", None)
-        factor = 1.0 if factor_of is None else float(factor_of(step, self.flat.n_params))
+        factor = self.cfg.lr_factor * (1.0 if factor_of is None else float(factor_of(step, self.flat.n_params)))
         if factor == 1.0:
             return []
         saved = [(group, group["lr"]) for group in self.optimizer.param_groups]

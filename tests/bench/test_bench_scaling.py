@@ -77,6 +77,14 @@ def test_one_small_lock_step_run(system):
     assert len(row["accuracy"]) == 2 and 0.0 <= row["last3"] <= 1.0
     assert row["lr"] == pytest.approx(1e-3 * (2.0 if system == "ddp-sqrt" else 1.0))
     assert (row["traffic_ratio"] > 50) if system == "gradshare" else row["traffic_ratio"] == 1.0
+    assert row["lr_batch"] is None  # the MLP recipes are stated per worker
+
+
+@pytest.mark.parametrize("system, lr_batch", [("gradshare", 100), ("local", 100), ("ddp", None)])
+def test_a_recipe_at_a_global_batch_gives_the_designs_workers_its_lr_at_that_batch(system, lr_batch):
+    data = load("mnist1d-cnn", 0)
+    row = scaling.run_one("mnist1d-cnn", 4, system, 0, {"epochs": 1}, data)
+    assert (row["lr_batch"], row["batch"], row["lr"]) == (lr_batch, 25, 1e-2)
 
 
 def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
@@ -88,3 +96,14 @@ def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
     tight = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-3)
     assert loose["acc"] == plain["acc"] and loose["taus"] == plain["taus"]
     assert tight["acc"] != plain["acc"]  # every step capped at 0.1 % of each tensor's norm
+
+
+@pytest.mark.parametrize("system", ["gradshare", "local"])
+def test_lr_batch_in_lock_step_is_the_lr_scaled_by_the_square_root_rule(system):
+    from gradshare.bench import lockstep
+
+    data = load("tabular64k", 0, None, rows=512)
+    common = {"world": 4, "epochs": 2, "data": data, "system": system, "batch": 16}
+    scaled = lockstep.run("tabular64k", lr=1e-3, lr_batch=64, **common)  # × (16 ÷ 64) ** ½ = ½
+    assert scaled["acc"] == lockstep.run("tabular64k", lr=5e-4, **common)["acc"]
+    assert scaled["acc"] != lockstep.run("tabular64k", lr=1e-3, **common)["acc"]
