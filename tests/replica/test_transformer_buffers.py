@@ -227,7 +227,7 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
 
 # ------------------------------------------------------------------------------------ non-finite updates
 def _one_worker(X, y, lr=1e-3):
-    from gradshare.bench.lockstep import LogPeer
+    from gradshare.bench.lockstep import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
@@ -241,7 +241,7 @@ def _one_worker(X, y, lr=1e-3):
                        steps_per_epoch=(len(y) // 4,), epochs=1, batch_size=4, staleness=0, seed=0,
                        label_dtype="int64")
     worker = Worker(cfg, 0, PartitionData((X,), y))
-    peer = LogPeer([], 0)
+    peer = LogPeer(SharedLog(1), 0)
     worker.log = ApplyLog(peer, worker.flat, 0, 10.0)
     return worker, peer
 
@@ -270,7 +270,7 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
 
 
 def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
-    from gradshare.bench.lockstep import LogPeer
+    from gradshare.bench.lockstep import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
@@ -289,9 +289,10 @@ def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
                            steps_per_epoch=(2,), epochs=1, batch_size=4, staleness=0, seed=0, label_dtype="int64",
                            direct_update=False)  # the general path: the update is P_after − P_before
         worker = Worker(cfg, 0, PartitionData((X,), y))
-        worker.log = ApplyLog(LogPeer([], 0), worker.flat, 0, 10.0)
+        peer = LogPeer(SharedLog(1), 0)
+        worker.log = ApplyLog(peer, worker.flat, 0, 10.0)
         before = worker.flat.array.copy()
-        worker.step(LogPeer([], 0), 0)
+        worker.step(peer, 0)
         steps.append(worker.state.residual + worker.flat.array - before)  # sent + unsent: the whole update
         assert worker.optimizer.param_groups[0]["lr"] == 0.1  # put back after the step
     factor = CalibratedThreshold(density=0.05, decay_from=0.5, decay_steps=4, decay_lr_power=1.0).lr_factor(0, 18)

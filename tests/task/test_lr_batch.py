@@ -11,26 +11,12 @@ import torch
 from torch import nn
 
 from gradshare import SharedTrainer, encoding
+from gradshare.bench.lockstep import LogPeer, SharedLog
 from gradshare.config import lr_factor
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
-from gradshare.transport import Update
-
-
-class _OwnLog:
-    """One rank's transport: what it sends comes back to it, in step order."""
-
-    def __init__(self) -> None:
-        self.pending: list[Update] = []
-
-    def send_update(self, step, payload, meta=None):
-        self.pending.append(Update(step, 0, payload, None))
-
-    def receive(self, until_step=None, timeout=None):
-        out, self.pending = self.pending, []
-        return out
 
 
 def _trained(lr: float, factor: float, steps: int = 10) -> Worker:
@@ -44,7 +30,7 @@ def _trained(lr: float, factor: float, steps: int = 10) -> Worker:
                        residual_clip=None, steps_per_epoch=(8,), epochs=2, batch_size=16, staleness=0, seed=0,
                        label_dtype="int64", lr_factor=factor,
                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.5))
-    w, log = Worker(cfg, 0, PartitionData(X, y)), _OwnLog()
+    w, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     w.log = ApplyLog(log, w.flat, 0, 10.0)
     for t in range(steps):
         w.log.apply_through(t - 1)
