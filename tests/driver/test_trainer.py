@@ -340,6 +340,15 @@ def test_schedule_and_warmup_keep_replicas_identical_and_runs_deterministic(digi
     assert per_epoch.param_hash != a.param_hash
 
 
+def test_lr_batch_size_reaches_every_worker_and_the_history_keeps_the_lr_given(digits_rdd):
+    scaled, _ = _fit_digits(digits_rdd, epochs=2, lr_batch_size=128)  # × (32 ÷ 128) ** ½ = ½
+    halved, _ = _fit_digits(digits_rdd, epochs=2, optimizer=lambda p: torch.optim.Adam(p, lr=5e-4, fused=True))
+    plain, _ = _fit_digits(digits_rdd, epochs=2)
+    assert scaled.param_hash == halved.param_hash != plain.param_hash  # every step at lr 1e-3 × ½, bit for bit
+    assert all(rep["param_hash"] == scaled.param_hash for rep in scaled.worker_reports)
+    assert [h["lr"] for h in scaled.history] == pytest.approx([1e-3, 1e-3])  # the optimizer's lr, as given
+
+
 def test_mean_aggregation_keeps_replicas_and_relay_identical(digits_rdd):
     summed, _ = _fit_digits(digits_rdd, epochs=2)
     mean, acc = _fit_digits(digits_rdd, epochs=2, aggregate="mean")
