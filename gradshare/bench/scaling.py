@@ -19,8 +19,8 @@ recipe is stated at a global batch, gradshare and "local" run with lr_batch_size
 N = 1 is the single process ("ddp" at N = 1). Workloads: workloads.SCALING_WORKLOADS.
 
 Writes bench-scaling.json and bench-scaling.png (last-3 accuracy against N, one panel per workload) to
---out-dir. The full run is long (hours on 2 cores: the MNIST-1D CNN's 150 epochs at N = 64 alone is
-~300 k worker-steps); --quick is a smoke run, and --workloads/--workers/--systems/--seeds cut it.
+--out-dir. The full run is long (hours on 2 cores: the MNIST-1D CNN's 150 epochs at N = 64 alone are
+~300 k worker-steps, ~15 min a seed); --quick is a smoke run, and --workloads/--workers/--systems/--seeds cut it.
 """
 
 from __future__ import annotations
