@@ -176,7 +176,7 @@ class TrainConfig:
 
     @property
     def lr_factor(self) -> float:
-        """What each worker's lr is multiplied by (`lr_factor`)."""
+        """What each worker's lr is multiplied by at every step: lr_batch_size's scaling (`lr_factor`)."""
         return lr_factor(self.batch_size, self.lr_batch_size, self.lr_scaling)
 
     @property
