@@ -311,10 +311,8 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
         lr_factor=config.lr_factor, follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
-        apply_scale=run.scale,
-        step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision, train_step=prep.plan.step,
-        device=config.device_name,
-        n_state=int(run.initial.size),
+        apply_scale=run.scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
+        train_step=prep.plan.step, device=config.device_name, n_state=int(run.initial.size),
         early_stopping=config.stopping, on_epoch_end=config.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
     ))

@@ -48,8 +48,8 @@ from torch import nn
 
 from gradshare.config import (
     Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, LrScaling, Metric, ModelSpec, OnRankLoss,
-    OptimizerFactory, Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig, TrainStep,
-    ValidationData,
+    OptimizerFactory, Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig,
+    TrainStep, ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
 from gradshare.driver.in_job import fit_in_job, in_job

@@ -215,7 +215,7 @@ class Worker:
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
-        restore = self._scale_lr(self._global(t))  # lr_batch_size's scaling, a run-long density decay's smaller steps
+        restore = self._scale_lr(self._global(t))  # lr_batch_size's factor, the run-long decay's smaller steps
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
