@@ -130,6 +130,25 @@ def test_fold_and_unfold_round_trip_within_the_rounding_of_the_point(case, tenso
     assert tr.numpy().tobytes() == r.tobytes()  # the same r on either
 
 
+@SETTINGS
+@given(folded_pairs(), st.lists(st.integers(0, 5_000), max_size=4))
+def test_encoding_consecutive_slices_sends_what_one_encode_of_the_whole_sends(case, cuts):
+    # What an encode per parameter (one slice per gradient hook, as benchmarks/overlap_probe.py measures)
+    # would rest on: the blocks carry nothing from one slice to the next, so the slices' codes, shifted
+    # by their offsets, are the whole vector's codes and the point ends with the same bits.
+    q, p, tau, scale = case
+    edges = sorted({0, q.size, *(c for c in cuts if c < q.size)})
+    whole_q = q.copy()
+    index, signs = decode_entries(encode_folded(whole_q, p, tau, scale))
+    want = 2 * index.astype(np.int64) + (signs < 0)
+    got = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        i, s = decode_entries(encode_folded(q[a:b], p[a:b], tau, scale))
+        got.append(2 * (i.astype(np.int64) + a) + (s < 0))
+    assert np.array_equal(np.concatenate(got) if got else np.empty(0, np.int64), want)
+    assert q.tobytes() == whole_q.tobytes()
+
+
 def test_bad_input_is_named():
     q, p = np.zeros(4, np.float32), np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="scale must be finite and > 0"):
