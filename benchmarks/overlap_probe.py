@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from gradshare.encoding import kernels
+from step_overhead import make_mlp  # this folder is on sys.path when a benchmark runs as a script
 
 ORDERS = ("after", "inhook", "thread")
 
@@ -37,10 +38,7 @@ def build(widths: list[int], density: float, seed: int):
     """The model aliased to q, P, τ and the per-parameter slices."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
+    model = make_mlp(widths)
     params = list(model.parameters())
     p_flat = np.concatenate([p.detach().numpy().ravel() for p in params]).astype(np.float32)
     q = p_flat + rng.normal(0.0, 1e-3, p_flat.size).astype(np.float32)  # a residual of some spread
