@@ -16,10 +16,12 @@ applies, default true; false: the two-buffer view, local_view.py), device (the w
 warm-up τ may not exceed cap × its value at the warm-up's end), which the lock-step table of
 docs/benchmarks/convergence.md measured; step_cap, SharedTrainer's option ("auto", None or a share:
 encoding/step_cap.py); lr_batch, SharedTrainer's lr_batch_size (the batch lr was tuned at: the workers'
-lr × √(batch ÷ lr_batch), gradshare and "local").
+lr × √(batch ÷ lr_batch), gradshare and "local"); tensor_state (the torch state and codec on the CPU, the
+GPU's code path without a GPU).
 
 Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
-(4 bytes × parameters ÷ message bytes per worker-step), silent steps and τ per epoch.
+(4 bytes × parameters ÷ message bytes per worker-step), silent steps, τ per epoch, and for gradshare
+"replicas": how many distinct parameter hashes the N workers hold after the last step (1: one model).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from gradshare import encoding
 from gradshare.config import SchedulerFactory, lr_factor
 from gradshare.encoding.step_cap import StepCap, step_cap_for
 from gradshare.encoding.threshold import ThresholdRule, default_decay
+from gradshare.hashing import param_hash
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
@@ -145,7 +148,8 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         lr: float = 1e-3, schedule: str = "constant", batch: int = 64, system: str = "gradshare", scale: float = 1.0,
         follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
         folded: bool = True, device: str = "cpu", data: Workload | None = None,
-        step_cap: float | str | None = "auto", lr_batch: int | None = None) -> dict[str, Any]:
+        step_cap: float | str | None = "auto", lr_batch: int | None = None,
+        tensor_state: bool = False) -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -166,18 +170,19 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
                        lr_factor=lr_factor(batch, lr_batch),
-                       folded_view=bool(folded), device=device, step_cap=caps)
+                       folded_view=bool(folded), device=device, step_cap=caps, tensor_state=bool(tensor_state))
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
-    silent = 0
+    silent, replicas = 0, None
     if system == "ddp":
         accs, ratio = _run_ddp(model, workers, cfg, wl, lr, sched), 1.0
     elif system == "local":
         accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.lr_factor, sched), 1.0
     else:
-        accs, taus, silent, ratio = _run_gradshare(workers, cfg, wl, decay)
+        accs, taus, silent, ratio, replicas = _run_gradshare(workers, cfg, wl, decay)
     return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
-            "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params}
+            "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params,
+            "replicas": replicas, "device": str(workers[0].flat.buffer.device)}
 
 
 def _run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float,
@@ -240,8 +245,9 @@ def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: W
 
 
 def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
-                   decay: float) -> tuple[list[float], list[str], int, float]:
-    """The real workers and apply logs over a shared list: (accuracies, τ per epoch, silent steps, ratio)."""
+                   decay: float) -> tuple[list[float], list[str], int, float, int]:
+    """The real workers and apply logs over a shared list: (accuracies, τ per epoch, silent steps, ratio,
+    distinct replicas at the end: 1 = every worker holds the same bits)."""
     spe, world = cfg.steps_per_epoch, len(workers)
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     log = SharedLog(world)
@@ -265,7 +271,10 @@ def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
             logs[0].apply_through(t)
             accs.append(test_accuracy(workers[0].model, wl.X_test, wl.y_test))
             taus.append(f"{workers[0].state.tau:.1e}")
-    return accs, taus, silent, 4 * workers[0].flat.n_params / (nbytes / steps)
+    for apply_log in logs:  # every rank through the last step: the replicas must be one model
+        apply_log.apply_through(cfg.final_step)
+    replicas = len({param_hash(w.flat.host_state()) for w in workers})
+    return accs, taus, silent, 4 * workers[0].flat.n_params / (nbytes / steps), replicas
 
 
 def main() -> None:

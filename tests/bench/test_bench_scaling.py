@@ -98,6 +98,16 @@ def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
     assert tight["acc"] != plain["acc"]  # every step capped at 0.1 % of each tensor's norm
 
 
+def test_lock_step_ends_with_one_model_on_the_numba_and_the_torch_path_under_a_binding_cap():
+    from gradshare.bench import lockstep
+
+    data = load("tabular64k", 0, None, rows=512)
+    numba = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-2)
+    tensors = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-2, tensor_state=True)
+    assert numba["replicas"] == tensors["replicas"] == 1  # every rank's parameters hash alike
+    assert tensors["acc"] == numba["acc"] and tensors["device"] == "cpu"
+
+
 @pytest.mark.parametrize("system", ["gradshare", "local"])
 def test_lr_batch_in_lock_step_is_the_lr_scaled_by_the_square_root_rule(system):
     from gradshare.bench import lockstep

@@ -1,11 +1,13 @@
 """The step cap (encoding/step_cap.py) against a naive dense oracle on hypothesis-drawn steps: the same
 factors and the same float32 bits, NumPy and torch alike; no cap (or one that does not bind) is the
-plain apply message by message; a zero-norm tensor is never capped; the bounds survive JSON."""
+plain apply message by message; a zero-norm tensor is never capped; the bounds survive JSON.
+``GRADSHARE_TEST_DEVICE=cuda`` puts the torch path's state on a GPU (as in test_torch_codec.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from gradshare.encoding import Message, StepUpdate, apply_update
 from gradshare.encoding.step_cap import DEFAULT_STEP_CAP, StepCap, apply_step, step_cap_for
 
+DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -90,9 +93,9 @@ def test_capped_step_matches_the_naive_oracle_bit_for_bit(case):
     assert got.tobytes() == want.tobytes()
     assert follower.tobytes() == want.tobytes()     # a follower moves by the same bits
     # the torch path: the same bits
-    tensor = torch.from_numpy(state.copy())
+    tensor = torch.from_numpy(state.copy()).to(DEVICE)
     apply_step(updates_of(codes, taus, n), tensor, scale, step_cap)
-    assert tensor.numpy().tobytes() == want.tobytes()
+    assert tensor.cpu().numpy().tobytes() == want.tobytes()
 
 
 @SETTINGS
