@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--step-cap", default="auto", help="SharedTrainer's step_cap: auto, none or a share")
+    parser.add_argument("--momentum", default="auto", help="SharedTrainer's optimizer_momentum: auto, off, keep or a number")
     args = parser.parse_args()
 
     from gradshare.bench import systems
@@ -38,10 +39,11 @@ def main() -> None:
     epochs, batch, n = args.epochs or recipe.epochs, recipe.batch_for(args.workers), args.workers
     named = {"auto": "auto", "none": None}
     step_cap = named[args.step_cap.lower()] if args.step_cap.lower() in named else float(args.step_cap)
+    momentum = args.momentum if args.momentum in ("auto", "off", "keep") else float(args.momentum)
     wl = load(args.workload, args.seed, None, args.rows)
     t0 = time.monotonic()
     lock = run(workload=args.workload, world=n, epochs=epochs, seed=args.seed, lr=recipe.lr, batch=batch, data=wl,
-               step_cap=step_cap)
+               step_cap=step_cap, momentum=momentum)
     lock_seconds = time.monotonic() - t0
 
     systems.local_spark_env()
@@ -51,7 +53,7 @@ def main() -> None:
         t0 = time.monotonic()
         fit = systems.run_gradshare(spark, wl, epochs=epochs, batch_size=batch, seed=args.seed, budget=3600.0,
                                     lr=recipe.lr, workers=n, staleness=0, timeout=600.0,
-                                    step_cap=step_cap)
+                                    step_cap=step_cap, optimizer_momentum=momentum)
         spark_seconds = time.monotonic() - t0
     finally:
         spark.stop()
@@ -59,6 +61,7 @@ def main() -> None:
     print(json.dumps({
         "workload": args.workload, "workers": n, "master": args.master or f"local[{n}]", "epochs": epochs,
         "batch": batch, "lr": recipe.lr, "seed": args.seed, "step_cap": step_cap,
+        "momentum": momentum,
         "lockstep": {"acc": lock["acc"], "final3": lock["final3"], "ratio": lock["ratio"], "seconds": round(lock_seconds)},
         "spark": {"acc": spark_acc, "final3": round(float(np.mean(spark_acc[-3:])), 2),
                   "ratio": round(fit.extra["traffic_ratio"]), "seconds": round(spark_seconds),

@@ -40,6 +40,8 @@ RelayPlace: TypeAlias = Literal["client", "in-job", "auto"]
 OnRankLoss: TypeAlias = Literal["wait", "restart", "continue"]
 SchedulerInterval: TypeAlias = Literal["step", "epoch"]
 LrScaling: TypeAlias = Literal["sqrt", "linear"]
+# the workers' optimizer momentum (replica/momentum.py): a number is the most each worker steps with
+OptimizerMomentum: TypeAlias = Literal["auto", "off", "keep"] | float
 Precision: TypeAlias = Literal["32", "bf16-mixed", "fp16-mixed"]
 LabelDtype: TypeAlias = Literal["int64", "float32"]
 WorkerOption: TypeAlias = Literal["profile", "direct_update", "tensor_state", "step_in_backward", "folded_view"]
@@ -148,6 +150,7 @@ class TrainConfig:
     step_cap: float | Literal["auto"] | None = "auto"  # "auto": 0.1 from 32 workers, none below (step_cap.py)
     lr_batch_size: int | None = None  # the batch the optimizer's lr was tuned at; None: batch_size (lr as given)
     lr_scaling: LrScaling = "sqrt"  # how each worker's lr follows batch_size ÷ lr_batch_size
+    optimizer_momentum: OptimizerMomentum = "auto"  # "auto": β1 / momentum 0 from 32 workers (replica/momentum.py)
     lr_scheduler: SchedulerFactory | None = None
     scheduler_interval: SchedulerInterval = "step"
     follow_lr: bool = True
@@ -252,6 +255,11 @@ class TrainConfig:
                              "not in the checkpoint); use forwarding='per-rank' or 'auto' with checkpoint_dir")
         if self.lr_scaling not in get_args(LrScaling):
             raise ValueError(f"lr_scaling must be 'sqrt' or 'linear', got {self.lr_scaling!r}")
+        momentum = self.optimizer_momentum
+        if not (momentum in ("auto", "off", "keep") if isinstance(momentum, str) else
+                isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and 0.0 <= momentum < 1.0):
+            raise ValueError(f"optimizer_momentum must be 'auto', 'off', 'keep' or a number in [0, 1) (the most "
+                             f"momentum each worker steps with), got {momentum!r}")
         if self.scheduler_interval not in get_args(SchedulerInterval):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {self.scheduler_interval!r}")
         if self.label_dtype not in (None, *get_args(LabelDtype)):

@@ -17,7 +17,8 @@ warm-up τ may not exceed cap × its value at the warm-up's end), which the lock
 docs/benchmarks/convergence.md measured; step_cap, SharedTrainer's option ("auto", None or a share:
 encoding/step_cap.py); lr_batch, SharedTrainer's lr_batch_size (the batch lr was tuned at: the workers'
 lr × √(batch ÷ lr_batch), gradshare and "local"); tensor_state (the torch state and codec on the CPU, the
-GPU's code path without a GPU).
+GPU's code path without a GPU); momentum, SharedTrainer's optimizer_momentum ("auto", "off", "keep" or
+the most β1 each worker steps with: replica/momentum.py; gradshare only).
 
 Prints one JSON line: test accuracy (%) after every epoch, the mean of the last 3, the payload ratio
 (4 bytes × parameters ÷ message bytes per worker-step), silent steps, τ per epoch, and for gradshare
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.config import SchedulerFactory, lr_factor
+from gradshare.config import OptimizerMomentum, SchedulerFactory, lr_factor
 from gradshare.encoding.step_cap import StepCap, step_cap_for
 from gradshare.encoding.threshold import ThresholdRule, default_decay
 from gradshare.hashing import param_hash
@@ -50,6 +51,7 @@ from gradshare.task.partition import PartitionData
 from gradshare.transport import Update
 from gradshare.driver.plan import warmup_start
 from gradshare.replica.flat import FlatParams
+from gradshare.replica.momentum import momentum_ceiling
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
@@ -149,7 +151,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
         folded: bool = True, device: str = "cpu", data: Workload | None = None,
         step_cap: float | str | None = "auto", lr_batch: int | None = None,
-        tensor_state: bool = False) -> dict[str, Any]:
+        tensor_state: bool = False, momentum: OptimizerMomentum = "auto") -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -169,7 +171,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
                        steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
                        label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
                        apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
-                       lr_factor=lr_factor(batch, lr_batch),
+                       lr_factor=lr_factor(batch, lr_batch), momentum_ceiling=momentum_ceiling(momentum, world),
                        folded_view=bool(folded), device=device, step_cap=caps, tensor_state=bool(tensor_state))
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []

@@ -8,11 +8,13 @@ and codec, messages delivered through an in-memory log; no Spark, no UDP), so N 
 Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch; where the
 recipe is stated at a global batch, gradshare and "local" run with lr_batch_size at it):
 - "gradshare":  the default, each worker's own Adam, ±τ of its update with error feedback, summed (from
-                32 workers with the run-long density decay and the step cap, encoding.threshold.default_decay,
-                encoding/step_cap.py);
+                32 workers with the run-long density decay, the step cap and the workers' momentum off,
+                encoding.threshold.default_decay, encoding/step_cap.py, replica/momentum.py);
 - "gradshare-nodecay": the same without the run-long decay (decay_from=0), what it buys;
 - "gradshare-nocap": the same without the step cap (step_cap=None: the decay then lowers the lr), what
                 the cap buys (encoding/step_cap.py); "gradshare-cap": the cap (0.1) at any N;
+- "gradshare-keep": the default with the workers' Adam momentum kept (optimizer_momentum="keep"), what
+                turning it off buys; "gradshare-nomomentum": the momentum off at any N;
 - "local":      the same design without compression (each worker's own Adam, updates summed densely);
 - "ddp", "ddp-sqrt", "ddp-linear": one Adam on the mean gradient of the N batches at lr, √N·lr, N·lr.
   "DDP tuned" in the summary is the best of the three by last-3 accuracy (mean over seeds).
@@ -40,11 +42,16 @@ from gradshare.bench.train import comma_list
 from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 from gradshare.encoding.step_cap import DEFAULT_STEP_CAP
 
-SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "gradshare-cap", "local", "ddp", "ddp-sqrt", "ddp-linear")
+SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "gradshare-cap", "gradshare-keep", "gradshare-nomomentum",
+           "local", "ddp", "ddp-sqrt", "ddp-linear")
+# what a plain run compares: the default, what it replaced (the workers' momentum kept), the design
+# without compression, and DDP at its three lrs; the other variants on request
+DEFAULT_SYSTEMS = ("gradshare", "gradshare-keep", "local", "ddp", "ddp-sqrt", "ddp-linear")
 # gradshare's variants: the lock-step run's arguments that make each (the default's otherwise)
 VARIANTS: dict[str, dict[str, Any]] = {"gradshare-nodecay": {"rule": {"kind": "auto", "decay_from": 0.0}},
                                        "gradshare-nocap": {"step_cap": None},
-                                       "gradshare-cap": {"step_cap": DEFAULT_STEP_CAP}}
+                                       "gradshare-cap": {"step_cap": DEFAULT_STEP_CAP},
+                                       "gradshare-keep": {"momentum": "keep"}, "gradshare-nomomentum": {"momentum": "off"}}
 DDP_LR = {"ddp": lambda n: 1.0, "ddp-sqrt": math.sqrt, "ddp-linear": float}  # lr multiplier at N workers
 DEFAULTS = {"workers": "1,2,4,8,16,32,64", "seeds": "0,1,2"}
 QUICK = {"workers": "1,4", "seeds": "0", "epochs": 2, "rows": 2048, "workloads": "tabular64k"}
@@ -54,7 +61,8 @@ GAP_SLACK_PP = 0.3  # the goal: the default's last-3 accuracy ≥ tuned DDP's �
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None, help=f"comma list of {','.join(SCALING_WORKLOADS)} (default all)")
     parser.add_argument("--workers", default=None, help=f"comma list of N >= 1 (default {DEFAULTS['workers']})")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {','.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma list of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--seeds", default=None, help=f"comma list (default {DEFAULTS['seeds']})")
     parser.add_argument("--epochs", type=int, default=None, help="epochs for every workload (default: its recipe)")
     parser.add_argument("--rows", type=int, default=None, help="keep only this many training/test rows")
@@ -164,7 +172,8 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
     workloads = sorted({s["workload"] for s in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.4), squeeze=False)
     colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "gradshare-nocap": "tab:blue",
-              "gradshare-cap": "tab:brown", "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
+              "gradshare-cap": "tab:brown", "gradshare-keep": "tab:gray", "gradshare-nomomentum": "tab:pink",
+              "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
               "ddp-linear": "tab:purple", "ddp-tuned": "black"}
     for ax, w in zip(axes[0], workloads):
         for system in colors:

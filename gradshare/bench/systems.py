@@ -39,7 +39,7 @@ from numpy.typing import NDArray
 
 from gradshare.bench.profile import lo_tx_bytes
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
-from gradshare.config import Aggregate, TrainConfig
+from gradshare.config import Aggregate, OptimizerMomentum, TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -222,7 +222,8 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
                   residual_clip: float | None = TrainConfig.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
                   aggregate: Aggregate = TrainConfig.aggregate,
-                  step_cap: float | Literal["auto"] | None = TrainConfig.step_cap) -> Measured:
+                  step_cap: float | Literal["auto"] | None = TrainConfig.step_cap,
+                  optimizer_momentum: OptimizerMomentum = TrainConfig.optimizer_momentum) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -245,7 +246,8 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
     trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(adam, lr=lr),
                             lr_scheduler=lr_scheduler_factory(lr_schedule, total), scheduler_interval="step",
                             threshold=threshold, num_workers=workers, port=0, staleness=staleness, aggregate=aggregate,
-                            residual_clip=residual_clip, bind="127.0.0.1", advertise_host="127.0.0.1",
+                            residual_clip=residual_clip, optimizer_momentum=optimizer_momentum,
+                            bind="127.0.0.1", advertise_host="127.0.0.1",
                             batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
                             validation_data=(wl.X_test, wl.y_test), timeout=timeout,
                             worker_options={"profile": True}, step_cap=step_cap, **options)

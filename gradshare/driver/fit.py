@@ -46,6 +46,7 @@ from gradshare.encoding.step_cap import StepCap, step_applier, step_cap_for
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ConsistencyError
 from gradshare.replica.flat import FlatParams, load_int_buffers
+from gradshare.replica.momentum import momentum_ceiling
 from gradshare.replica.losses import LossPlan, accuracy, accuracy_sums, plan_loss
 from gradshare.reports import Counters, WorkerReport, epoch_lines
 from gradshare.task.batches import InputLayout, input_names, validation_arrays
@@ -156,7 +157,7 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     # a corrupt checkpoint fails here, before any Spark job
     stores, resume = open_for_fit(config.checkpoint_root, resume_from, job.spark_context)
     model = build_model(spec.model, config.seed)
-    check_optimizer(spec.optimizer, config.lr_scheduler, model)
+    check_optimizer(spec.optimizer, config.lr_scheduler, model, config.optimizer_momentum)
     # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
     # as data, so the driver names partition and row instead of Spark retrying a failing task).
     timed = job.prepass()
@@ -310,7 +311,8 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
         metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
-        lr_factor=config.lr_factor, follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
+        lr_factor=config.lr_factor, momentum_ceiling=momentum_ceiling(config.optimizer_momentum, prep.job.world),
+        follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
         apply_scale=run.scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
         train_step=prep.plan.step, device=config.device_name, n_state=int(run.initial.size),
         early_stopping=config.stopping, on_epoch_end=config.callbacks,

@@ -17,10 +17,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.config import (
-    DEFAULT_WARMUP_MIN_STEPS, ModelSpec, OptimizerFactory, SchedulerFactory, ThresholdRule, TrainConfig, is_calibrated,
+    DEFAULT_WARMUP_MIN_STEPS, ModelSpec, OptimizerFactory, OptimizerMomentum, SchedulerFactory, ThresholdRule,
+    TrainConfig, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.encoding.step_cap import step_cap_for
+from gradshare.replica.momentum import check_optimizer_momentum
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
 
 
@@ -88,9 +90,11 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> Thres
     return copy.deepcopy(algo)
 
 
-def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module) -> None:
-    """Build the optimizer and the scheduler once on the driver: a bad factory fails here, before
-    any Spark job, not on every executor after the data is loaded."""
+def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module,
+                    momentum: OptimizerMomentum = "auto") -> None:
+    """Build the optimizer and the scheduler once on the driver: a bad factory (or an optimizer_momentum
+    of "off" for an optimizer that has none) fails here, before any Spark job, not on every executor after
+    the data is loaded."""
     sparse = [name for name, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
@@ -111,6 +115,7 @@ def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | 
         raise ValueError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
                          "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
                          "as Adam, AdamW or SGD")
+    check_optimizer_momentum(momentum, optimizer)
     if lr_scheduler is not None:
         check_scheduler(lr_scheduler, optimizer)
 

@@ -48,8 +48,8 @@ from torch import nn
 
 from gradshare.config import (
     Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, LrScaling, Metric, ModelSpec, OnRankLoss,
-    OptimizerFactory, Precision, RelayPlace, SchedulerFactory, SchedulerInterval, ThresholdAlgorithm, TrainConfig,
-    TrainStep, ValidationData,
+    OptimizerFactory, OptimizerMomentum, Precision, RelayPlace, SchedulerFactory, SchedulerInterval,
+    ThresholdAlgorithm, TrainConfig, TrainStep, ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
 from gradshare.driver.in_job import fit_in_job, in_job
@@ -127,6 +127,13 @@ class SharedTrainer:
         and the N updates are summed. Default None: the lr as given.
     lr_scaling: "sqrt" (default: the square-root rule for Adam-like optimizers, Malladi et al. 2022)
         or "linear" (SGD's linear rule, Goyal et al. 2017), used with lr_batch_size.
+    optimizer_momentum: "off": each worker steps its optimizer with its momentum off (Adam-like
+        optimizers with β1 = 0, SGD and RMSprop with momentum 0): a worker's residual already averages
+        its past updates (error feedback), and a second average on top makes learning lag
+        (docs/guide/convergence.md, "The workers' momentum"); a number in [0, 1): the most momentum each
+        worker steps with; "keep": the optimizer as given. Default "auto": off from 32 workers on, kept
+        below, as measured in lock step. The optimizer, its scheduler and a checkpoint keep the values as
+        given. "off" or a number with an optimizer that has no momentum is refused.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -302,6 +309,7 @@ class SharedTrainer:
         step_cap: float | Literal["auto"] | None = TrainConfig.step_cap,
         lr_batch_size: int | None = TrainConfig.lr_batch_size,
         lr_scaling: LrScaling = TrainConfig.lr_scaling,
+        optimizer_momentum: OptimizerMomentum = TrainConfig.optimizer_momentum,
         lr_scheduler: SchedulerFactory | None = TrainConfig.lr_scheduler,
         scheduler_interval: SchedulerInterval = TrainConfig.scheduler_interval,
         follow_lr: bool = TrainConfig.follow_lr,

@@ -60,6 +60,7 @@ class WorkerConfig:
     lr_scheduler: Callable[..., Any] | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
     scheduler_interval: str = TrainConfig.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
     lr_factor: float = 1.0  # every step's lr × this (TrainConfig.lr_factor: lr_batch_size's scaling)
+    momentum_ceiling: float | None = None  # each step's β1 / momentum at most this (replica/momentum.py); None: as given
     follow_lr: bool = TrainConfig.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     step_cap: StepCap | None = None  # each tensor's share of a step capped (encoding/step_cap.py); None: none

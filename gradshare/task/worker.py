@@ -53,6 +53,7 @@ from gradshare.replica.flat import FlatParams, int_buffers
 from gradshare.replica.local_view import FoldedView, LocalView, NoView
 from gradshare.replica.lookahead import look_ahead, look_back
 from gradshare.replica.losses import LossStep
+from gradshare.replica.momentum import lower_momentum, put_back
 from gradshare.replica.precision import Precision
 from gradshare.reports import EpochStats, WorkerReport
 from gradshare.task.apply_log import ApplyLog
@@ -215,7 +216,7 @@ class Worker:
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
-        restore = self._scale_lr(self._global(t))  # lr_batch_size's factor, the run-long decay's smaller steps
+        restore = self._step_settings(self._global(t))  # lr factors, the momentum off (replica/momentum.py)
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
@@ -231,8 +232,7 @@ class Worker:
         prof.lap("snapshot")
         # False: the fp16 loss scaler skipped it
         taken = True if self.path.in_backward else self.path.optimizer_step(self.precision.step)
-        for group, group_lr in restore:
-            group["lr"] = group_lr
+        put_back(restore)
         self.optimizer.zero_grad(set_to_none=True)  # nothing reads them now: free them before the encode
         prof.lap("optimizer")
         try:
@@ -260,17 +260,20 @@ class Worker:
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
-    def _scale_lr(self, step: int) -> list[tuple[dict[str, Any], Any]]:
-        """Multiply every parameter group's lr by the fit's `lr_factor` (lr_batch_size) and the threshold
-        rule's for this step's optimizer step (not a change of rate: the residual is not rescaled, a
-        scheduler and a checkpoint see the lr as given); returns what to put back."""
+    def _step_settings(self, step: int) -> list[tuple[dict[str, Any], str, Any]]:
+        """For this step's optimizer step only: every parameter group's lr × the fit's `lr_factor`
+        (lr_batch_size) and the threshold rule's (not a change of rate: the residual is not rescaled),
+        and the optimizer's momentum lowered when the fit says so (replica/momentum.py). A scheduler and a
+        checkpoint see the values as given; returns what to put back."""
         factor_of = getattr(self.state.rule, "lr_factor", None)
         factor = self.cfg.lr_factor * (1.0 if factor_of is None else float(factor_of(step, self.flat.n_params)))
-        if factor == 1.0:
-            return []
-        saved = [(group, group["lr"]) for group in self.optimizer.param_groups]
-        for group, group_lr in saved:
-            group["lr"] = group_lr * factor
+        saved: list[tuple[dict[str, Any], str, Any]] = []
+        if factor != 1.0:
+            for group in self.optimizer.param_groups:
+                saved.append((group, "lr", group["lr"]))
+                group["lr"] = group["lr"] * factor
+        if self.cfg.momentum_ceiling is not None:
+            saved += lower_momentum(self.optimizer, self.cfg.momentum_ceiling)
         return saved
 
     def _global(self, t: int) -> int:

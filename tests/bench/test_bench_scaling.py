@@ -80,6 +80,14 @@ def test_one_small_lock_step_run(system):
     assert row["lr_batch"] is None  # the MLP recipes are stated per worker
 
 
+def test_below_32_workers_the_default_keeps_the_workers_momentum_and_the_variants_say_what_off_does():
+    data = load("tabular64k", 0, None, rows=512)
+    rows = {system: scaling.run_one("tabular64k", 4, system, 0, {"epochs": 2}, data)
+            for system in ("gradshare", "gradshare-keep", "gradshare-nomomentum")}
+    assert rows["gradshare"]["accuracy"] == rows["gradshare-keep"]["accuracy"]
+    assert rows["gradshare"]["accuracy"] != rows["gradshare-nomomentum"]["accuracy"]
+
+
 @pytest.mark.parametrize("system, lr_batch", [("gradshare", 100), ("local", 100), ("ddp", None)])
 def test_a_recipe_at_a_global_batch_gives_the_designs_workers_its_lr_at_that_batch(system, lr_batch):
     data = load("mnist1d-cnn", 0)

@@ -85,6 +85,20 @@ def test_a_capped_aggregated_fit_with_batchnorm_at_staleness_2_is_bit_identical(
     assert capped.param_hash != plain.param_hash and acc > 0.3
 
 
+def test_an_aggregated_fit_with_the_workers_momentum_off_under_a_scheduler_at_staleness_2_is_bit_identical(
+        digits_rdd):
+    def one_cycle(optimizer):  # cycles Adam's β1 every step: "off" overrules it for each step only
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=200)
+
+    torch.manual_seed(0)
+    off, acc = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, lr_scheduler=one_cycle,
+                    optimizer_momentum="off")
+    _check_aggregated(off)          # the relay and every replica agree, BatchNorm statistics included
+    torch.manual_seed(0)
+    kept, _ = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, lr_scheduler=one_cycle)
+    assert off.param_hash != kept.param_hash and acc > 0.3
+
+
 def test_aggregated_fit_resumes_after_a_worker_dies(digits_rdd, tmp_path):
     marker = str(tmp_path / "died")
     r, acc = _fit(digits_rdd, model=lambda: DiesOnce(marker), epochs=3)

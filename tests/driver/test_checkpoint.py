@@ -105,6 +105,14 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
         trainer(4, step_cap=None).fit(rdd, resume_from=root)
 
 
+def test_a_fit_with_the_workers_momentum_off_resumes_bit_identically(rdd, whole, tmp_path):
+    off = trainer(4, optimizer_momentum="off").fit(rdd)
+    assert off.param_hash != whole.param_hash   # "auto" at N = 2 keeps Adam's β1: these differ
+    root = str(tmp_path / "off")
+    trainer(2, optimizer_momentum="off", checkpoint_dir=root).fit(rdd)
+    assert trainer(4, optimizer_momentum="off").fit(rdd, resume_from=root).param_hash == off.param_hash
+
+
 def test_a_checkpoint_holds_each_workers_state_with_checksums(checkpointed):
     root, _ = checkpointed
     manifest = json.load(open(os.path.join(root, "epoch-00002", MANIFEST)))

@@ -3,31 +3,14 @@ from its gradient hook and its gradient dropped at once. The worker must learn e
 with one optimizer step after backward (checked, not assumed, for every optimizer the direct path
 takes), and fall back to that step when something needs every gradient at once."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradshare import encoding
 from gradshare.replica.losses import clip_grad_norm
-from gradshare.task.partition import PartitionData
-from gradshare.transport import param_hash
-from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
-from gradshare.task.worker import Worker
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from precision_step import LocalLog  # noqa: E402 - the one-rank transport the benchmarks use
-
-STEPS = 6
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+from one_worker import STEPS, mlp, run_one_worker as _run
 
 
 class DetachedReuse(nn.Module):
@@ -43,28 +26,6 @@ class DetachedReuse(nn.Module):
     def forward(self, x):
         h = x * self.b * self.a.detach().sum(0)  # saves a.detach() to give b its gradient
         return self.head(h @ self.a)
-
-
-def _run(make_optimizer, model=mlp, precision="32", in_backward=True, direct=True, steps=STEPS, staleness=0,
-         tensor_state=False):
-    """(worker, hashes of the parameters after each step, the residual)."""
-    rng = np.random.default_rng(0)
-    X, y = rng.normal(size=(64, 16)).astype(np.float32), rng.integers(0, 4, 64).astype(np.int64)
-    torch.manual_seed(0)  # the same initial weights every time
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model(),
-                       loss=nn.CrossEntropyLoss(), optimizer=make_optimizer,
-                       threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(4,),
-                       epochs=2, batch_size=16, staleness=staleness, seed=0, label_dtype="int64", precision=precision,
-                       direct_update=direct, tensor_state=tensor_state, step_in_backward=in_backward)
-    worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
-    worker.log = ApplyLog(log, worker.flat, 0, 10.0)
-    hashes = []
-    for t in range(steps):
-        worker.log.apply_through(t - 1 - staleness)
-        worker.step(log, t)
-        hashes.append(param_hash(worker.flat.host_state()))
-    residual = worker.state.residual_values()
-    return worker, hashes, residual.cpu().numpy().copy() if tensor_state else residual.copy()
 
 
 OPTIMIZERS = {
