@@ -20,17 +20,18 @@ from typing import Any
 
 import torch
 
-from gradshare.config import OptimizerMomentum
-
 # param-group keys that hold a first moment's decay: Adam, AdamW, Adamax, NAdam, RAdam (and any optimizer
 # that names its moments' decays the same) keep (β1, β2) in "betas"; SGD and RMSprop keep "momentum"
 BETAS, MOMENTUM = "betas", "momentum"
 AUTO_FROM_WORKERS = 32  # "auto": off from this many workers on, as given below (lock step, the docstring)
 
 Saved = list[tuple[dict[str, Any], str, Any]]
+# config.OptimizerMomentum, checked there ("auto", "off", "keep" or a number in [0, 1)); the replica
+# imports nothing above it (pyproject.toml's import contracts)
+Option = str | float
 
 
-def momentum_ceiling(option: OptimizerMomentum, world: int) -> float | None:
+def momentum_ceiling(option: Option, world: int) -> float | None:
     """The most momentum (Adam's β1, SGD's momentum) each of ``world`` workers steps with; None: the
     optimizer's own. "auto": 0 from AUTO_FROM_WORKERS workers on, the optimizer's own below."""
     if option == "keep" or (option == "auto" and world < AUTO_FROM_WORKERS):
@@ -45,7 +46,7 @@ def holds_momentum(optimizer: torch.optim.Optimizer) -> bool:
     return any(BETAS in g or MOMENTUM in g for g in optimizer.param_groups)
 
 
-def check_optimizer_momentum(option: OptimizerMomentum, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_momentum(option: Option, optimizer: torch.optim.Optimizer) -> None:
     """On the driver, before Spark starts: "off" or a number needs an optimizer that has a momentum."""
     if option not in ("auto", "keep") and not holds_momentum(optimizer):
         raise ValueError(f"optimizer_momentum={option!r}: {type(optimizer).__name__} has no momentum to lower "
