@@ -216,7 +216,7 @@ class Worker:
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
-        restore = self._step_settings(self._global(t))  # lr factors, the momentum off (replica/momentum.py)
+        restore = self._step_settings(self._global(t))  # lr factors, the momentum lowered (replica/momentum.py)
         self.optimizer.zero_grad(set_to_none=True)
         with self.view.around(state.residual):  # the gradient at P + own residual (local_view.py)
             with self.precision.autocast():
