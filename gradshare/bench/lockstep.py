@@ -33,6 +33,7 @@ import math
 import sys
 import time
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,18 +41,15 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.config import OptimizerMomentum, SchedulerFactory, lr_factor
-from gradshare.encoding.step_cap import StepCap, step_cap_for
-from gradshare.encoding.threshold import ThresholdRule, default_decay
+from gradshare.config import OptimizerMomentum, SchedulerFactory, TrainConfig
+from gradshare.driver.plan import clipping, plan_steps
+from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash
 from gradshare.bench.systems import adam, lr_scheduler_factory
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
-from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.task.partition import PartitionData
 from gradshare.transport import Update
-from gradshare.driver.plan import warmup_start
 from gradshare.replica.flat import FlatParams
-from gradshare.replica.momentum import momentum_ceiling
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
@@ -117,33 +115,24 @@ class CappedRule(encoding.CalibratedThreshold):
         return self.tau
 
 
-def make_rule(spec: dict[str, Any] | None) -> ThresholdRule:
-    spec = dict(spec or {"kind": "auto"})
-    kind = spec.pop("kind")
-    rule: ThresholdRule = {"auto": encoding.CalibratedThreshold, "adaptive": encoding.AdaptiveThreshold,
-                           "fixed": encoding.FixedThreshold}[kind](**spec)
-    return rule
-
-
-def _rule_for(rule: dict[str, Any] | None, world: int, steps: int, warmup: int, cap: float | None,
-              capped: bool = False) -> ThresholdRule:
-    """The run's threshold rule: `rule` with what SharedTrainer's default rule gives where it is silent
-    (`capped`: the run has a step cap, under which the default decay does not lower the lr)."""
-    given = rule or {}
-    rule_obj = make_rule(rule)
-    if isinstance(rule_obj, encoding.CalibratedThreshold):
-        if not {"decay_from", "decay_lr_power"} & set(given):
-            rule_obj.decay_from, rule_obj.decay_lr_power = default_decay(world)  # what SharedTrainer's rule gives
-            if capped:
-                rule_obj.decay_lr_power = 0.0
-        rule_obj = rule_obj.for_run(steps)  # a run-long decay spans the run's planned steps
-        if "warmup_steps" not in given:
-            rule_obj.warmup_steps = warmup
-        if "warmup_density" not in given:
-            rule_obj.warmup_density = warmup_start(world)
-    if cap is not None:  # experiment: after the warm-up τ may not exceed cap × its value at the warm-up's end
-        rule_obj = CappedRule(cap, **{k: getattr(rule_obj, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
-    return rule_obj
+def trainer_options(rule: dict[str, Any] | None = None, *, scale: float = 1.0, step_cap: float | str | None = "auto",
+                    momentum: OptimizerMomentum = "auto", lr_batch: int | None = None,
+                    follow_lr: bool = True, view: bool = True, clip: float = 5.0) -> dict[str, Any]:
+    """The SharedTrainer options a lock-step run's keys stand for (`rule`: {"kind": "auto" | "adaptive" |
+    "fixed", and SharedTrainer's density, warmup_density, decay_from or threshold}); ValueError naming a
+    rule key that is no SharedTrainer option."""
+    spec = dict(rule or {"kind": "auto"})
+    kind = spec.pop("kind", "auto")
+    options: dict[str, Any] = {"step_cap": step_cap, "optimizer_momentum": momentum, "lr_batch_size": lr_batch,
+                               "follow_lr": follow_lr, "local_view": bool(view), "residual_clip": clip or None,
+                               "aggregate": "mean" if scale < 0 else "sum"}
+    keys = {"auto": ("density", "warmup_density", "decay_from"), "fixed": ("threshold",), "adaptive": ("threshold",)}
+    if kind not in keys or set(spec) - set(keys[kind]):
+        raise ValueError(f"rule {rule!r}: the kind is one of {sorted(keys)}, with the SharedTrainer options "
+                         f"{keys.get(kind, ())}")
+    if kind != "auto":
+        options["threshold_algorithm"] = kind
+    return {**options, **spec}
 
 
 def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, rule: dict[str, Any] | None = None,
@@ -160,19 +149,21 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     shards = [wl.shard(r, world) for r in range(world)]
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
-    warmup = max(round(DEFAULT_WARMUP_EPOCHS * max(spe)), DEFAULT_WARMUP_MIN_STEPS)  # what SharedTrainer's default warm-up gives
-    cap_share = step_cap_for(step_cap, world)
-    rule_obj = _rule_for(rule, world, max(spe) * epochs, warmup, cap, cap_share is not None)
+    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **trainer_options(
+        rule, scale=scale, step_cap=step_cap, momentum=momentum, lr_batch=lr_batch, follow_lr=follow_lr,
+        view=view, clip=clip))
+    plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
+    rule_obj = plan.rule if cap is None else CappedRule(cap, **{
+        k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
     flat = FlatParams(copy.deepcopy(model))
-    caps = None if cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, cap_share)
+    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
-                       residual_clip=encoding.ResidualClipping(clip=clip) if clip else None,
-                       steps_per_epoch=spe, epochs=epochs, batch_size=batch, staleness=0, seed=seed,
-                       label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
-                       apply_scale=1.0 / world if scale < 0 else scale, local_view=bool(view),
-                       lr_factor=lr_factor(batch, lr_batch), momentum_ceiling=momentum_ceiling(momentum, world),
-                       folded_view=bool(folded), device=device, step_cap=caps, tensor_state=bool(tensor_state))
+                       residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs, batch_size=batch,
+                       staleness=0, seed=seed, label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
+                       apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale, local_view=bool(view), lr_factor=plan.lr_factor,
+                       momentum_ceiling=plan.momentum_ceiling, folded_view=bool(folded), device=device,
+                       step_cap=caps, tensor_state=bool(tensor_state))
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
     silent, replicas = 0, None
@@ -181,7 +172,8 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     elif system == "local":
         accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.lr_factor, sched), 1.0
     else:
-        accs, taus, silent, ratio, replicas = _run_gradshare(workers, cfg, wl, decay)
+        accs, taus, silent, ratio, replicas = run_workers(
+            workers, cfg, lambda m: test_accuracy(m, wl.X_test, wl.y_test), decay)
     return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
             "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params,
             "replicas": replicas, "device": str(workers[0].flat.buffer.device)}
@@ -246,10 +238,11 @@ def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: W
     return accs
 
 
-def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
-                   decay: float) -> tuple[list[float], list[str], int, float, int]:
-    """The real workers and apply logs over a shared list: (accuracies, τ per epoch, silent steps, ratio,
-    distinct replicas at the end: 1 = every worker holds the same bits)."""
+def run_workers(workers: list[Worker], cfg: WorkerConfig, evaluate: Callable[[nn.Module], float],
+                decay: float = 1.0) -> tuple[list[float], list[str], int, float, int]:
+    """The real workers and apply logs over a shared list: (rank 0's model scored by `evaluate` after
+    every epoch, τ per epoch, silent steps, ratio, distinct replicas at the end: 1 = every worker holds
+    the same bits)."""
     spe, world = cfg.steps_per_epoch, len(workers)
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     log = SharedLog(world)
@@ -271,7 +264,7 @@ def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
             steps += 1
         if (t + 1) % spe[0] == 0:
             logs[0].apply_through(t)
-            accs.append(test_accuracy(workers[0].model, wl.X_test, wl.y_test))
+            accs.append(evaluate(workers[0].model))
             taus.append(f"{workers[0].state.tau:.1e}")
     for apply_log in logs:  # every rank through the last step: the replicas must be one model
         apply_log.apply_through(cfg.final_step)
@@ -279,10 +272,11 @@ def _run_gradshare(workers: list[Worker], cfg: WorkerConfig, wl: Workload,
     return accs, taus, silent, 4 * workers[0].flat.n_params / (nbytes / steps), replicas
 
 
-def main() -> None:
+def main(runner: Callable[..., dict[str, Any]] = run) -> None:
+    """One run of `runner` with the JSON keys of the first argument; one JSON line out."""
     spec = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     t0 = time.time()
-    out = run(**spec)
+    out = runner(**spec)
     print(json.dumps({"spec": spec, **out, "sec": round(time.time() - t0)}), flush=True)
 
 

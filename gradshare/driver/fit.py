@@ -33,7 +33,7 @@ from gradshare.driver.checkpoint import (
 from gradshare.driver.history import Tallies, merge_history
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.driver.plan import (
-    FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, rule_for,
+    FitSpec, StepPlan, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,
 )
 from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.transport.sockets.snapshot_rate import snapshot_options
@@ -42,11 +42,10 @@ from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_conne
 from gradshare.driver.stage import run_stage
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
 from gradshare.encoding import ResidualClipping, apply_update, decode_update
-from gradshare.encoding.step_cap import StepCap, step_applier, step_cap_for
+from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ConsistencyError
 from gradshare.replica.flat import FlatParams, load_int_buffers
-from gradshare.replica.momentum import momentum_ceiling
 from gradshare.replica.losses import LossPlan, accuracy, accuracy_sums, plan_loss
 from gradshare.reports import Counters, WorkerReport, epoch_lines
 from gradshare.task.batches import InputLayout, input_names, validation_arrays
@@ -86,16 +85,26 @@ class RunPlan:
     shipped: nn.Module  # the model's skeleton (meta tensors) that the job ships
     drop_last: str
     steps_per_epoch: tuple[int, ...]
-    rule: ThresholdRule
+    steps: StepPlan  # the step rule: τ, the cap's share, the momentum, the apply scale, the lr factor
     clip: ResidualClipping | None
     saving: CheckpointPlan | None
     first_epoch: int
     epochs: int
-    scale: float  # apply scale: 1/N for aggregate="mean"
     forwarding: str
     aggregator: AggregateState | None
     step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
-    cap_share: float | None = None  # its share of each tensor's initial norm (step_cap="auto" resolved)
+
+    @property
+    def rule(self) -> ThresholdRule:
+        return self.steps.rule
+
+    @property
+    def scale(self) -> float:
+        return self.steps.apply_scale
+
+    @property
+    def cap_share(self) -> float | None:
+        return self.steps.cap_share
 
 
 @dataclass(frozen=True)
@@ -204,8 +213,8 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
         raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
                          f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
-    rule = rule_for(config, max(steps_per_epoch), world)
-    share = step_cap_for(config.step_cap, world)  # "auto" resolved; None: no cap
+    steps = plan_steps(config, world, max(steps_per_epoch))
+    rule, share = steps.rule, steps.cap_share
     step_cap = None if share is None else cap_of(share, flat, prep.resume)
     saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share, step_cap)
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
@@ -223,9 +232,8 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
         agg_rule = copy.deepcopy(rule) if is_calibrated(rule) else None
         aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
-                   rule=rule, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
-                   scale=1.0 / world if config.aggregate == "mean" else 1.0, forwarding=forwarding,
-                   aggregator=aggregator, step_cap=step_cap, cap_share=share)
+                   steps=steps, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
+                   forwarding=forwarding, aggregator=aggregator, step_cap=step_cap)
 
 
 def cap_of(share: float, flat: FlatParams, resume: Manifest | None) -> StepCap:
@@ -311,7 +319,7 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
         metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
-        lr_factor=config.lr_factor, momentum_ceiling=momentum_ceiling(config.optimizer_momentum, prep.job.world),
+        lr_factor=run.steps.lr_factor, momentum_ceiling=run.steps.momentum_ceiling,
         follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
         apply_scale=run.scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
         train_step=prep.plan.step, device=config.device_name, n_state=int(run.initial.size),

@@ -22,7 +22,7 @@ from gradshare.config import (
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.encoding.step_cap import step_cap_for
-from gradshare.replica.momentum import check_optimizer_momentum
+from gradshare.replica.momentum import check_optimizer_momentum, momentum_ceiling
 from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
 
 
@@ -88,6 +88,25 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> Thres
     if not (hasattr(algo, "threshold") and hasattr(algo, "update")):
         raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
     return copy.deepcopy(algo)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How far each step of a fit of `world` workers moves: every default that depends on the worker
+    count, resolved once. `fit` and the lock-step harness both take it from `plan_steps`."""
+
+    rule: ThresholdRule  # each worker's τ rule (deep-copied per worker)
+    cap_share: float | None  # the step cap's share of each tensor's initial norm (step_cap.py); None: no cap
+    momentum_ceiling: float | None  # the most β1 / momentum each worker steps with; None: the optimizer's own
+    apply_scale: float  # every replica and the relay apply each message × this
+    lr_factor: float  # every worker's lr × this (lr_batch_size's scaling)
+
+
+def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPlan:
+    """The step rule of a fit of `world` workers whose longest shard takes `steps_per_epoch` steps."""
+    return StepPlan(rule=rule_for(config, steps_per_epoch, world), cap_share=step_cap_for(config.step_cap, world),
+                    momentum_ceiling=momentum_ceiling(config.optimizer_momentum, world),
+                    apply_scale=1.0 / world if config.aggregate == "mean" else 1.0, lr_factor=config.lr_factor)
 
 
 def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module,
