@@ -1,10 +1,16 @@
-"""Lock-step N-worker training in one process (gradshare/bench/lockstep.py): one run, one JSON line.
+"""Lock-step N-worker training in one process: one run, one JSON line. A spec with "lm" runs a language
+model (gradshare/bench/lockstep_lm.py), any other a classification workload (gradshare/bench/lockstep.py).
 
     python benchmarks/lockstep.py '{"workload": "mlp", "world": 2, "epochs": 12, "schedule": "constant"}'
     python benchmarks/lockstep.py '{"workload": "tabular64k", "world": 64, "epochs": 8, "system": "local"}'
+    python benchmarks/lockstep.py '{"lm": "llama", "world": 4}'
 """
 
-from gradshare.bench.lockstep import main
+import json
+import sys
+
+from gradshare.bench import lockstep, lockstep_lm
 
 if __name__ == "__main__":
-    main()
+    lm = len(sys.argv) > 1 and "lm" in json.loads(sys.argv[1])
+    lockstep.main(lockstep_lm.run if lm else lockstep.run)

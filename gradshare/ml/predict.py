@@ -26,6 +26,8 @@ import torch
 from pyspark import Broadcast, TaskContext
 from torch import nn
 
+from gradshare.replica.losses import model_output
+
 _INPUT = re.compile(r"(float32|int64|bool)\[([0-9, ]*)\]")
 CLASSIFICATION_LOSSES = ("CrossEntropyLoss", "NLLLoss")
 
@@ -74,7 +76,7 @@ def output_spec(module: nn.Module, inputs: list[InputSpec], loss_name: str, task
     """
     try:  # on a copy: a forward may keep state (counters, caches), as in losses.py's probe
         with torch.no_grad():
-            out = copy.deepcopy(module).eval()(*zero_batch(inputs))
+            out = model_output(copy.deepcopy(module).eval()(*zero_batch(inputs)))
     except Exception as e:  # noqa: BLE001 - a model that cannot run on the driver cannot be described
         raise ValueError(f"transform needs the model's output shape, but it did not run on one row of zeros on "
                          f"the driver: {type(e).__name__}: {e}") from e
@@ -150,7 +152,7 @@ class _MakePredict:
         def predict(*columns: np.ndarray) -> np.ndarray | dict[str, np.ndarray]:
             xs = tuple(torch.from_numpy(np.ascontiguousarray(c, dtype=d)) for c, d in zip(columns, dtypes))
             with torch.inference_mode():
-                out: torch.Tensor = module(*xs)
+                out: torch.Tensor = model_output(module(*xs))  # type: ignore[assignment]  # output_spec checked it
             if output["classification"]:
                 classes = out.argmax(dim=1).to(torch.float64).numpy()
                 if not probability:

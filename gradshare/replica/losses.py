@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +45,27 @@ def _shape(t: torch.Tensor) -> str:
     """A batch tensor's shape with the batch dimension written B: what the user's model sees."""
     dims = ["B", *(str(d) for d in tuple(t.shape)[1:])] if t.dim() else []
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
+
+
+class InputTypeError(TypeError):
+    """Data of a dtype the model cannot take, or a train_step result that is not a scalar loss: the
+    probe raises these on the driver instead of leaving them to the workers."""
+
+
+def model_output(out: object) -> object:
+    """What the default loss and metrics read of a model's output: the output itself, or the ``logits``
+    of a mapping that holds them (a Hugging Face ``ModelOutput``, a dict), as HF's own Trainer reads a
+    model called without labels. A mapping without logits: InputTypeError naming train_step (raised by
+    the driver's probe, before any task starts)."""
+    if isinstance(out, Mapping):
+        logits = out.get("logits")
+        if not torch.is_tensor(logits):
+            keys = ", ".join(map(repr, list(out)[:6]))
+            raise InputTypeError(f"the model returned a {type(out).__name__} with no 'logits' tensor (keys: {keys}); the "
+                            "default loss needs one output: pass train_step=lambda model, batch: ... returning the "
+                            "loss (e.g. model(input_ids=batch[0], labels=batch[0]).loss)")
+        return logits
+    return out
 
 
 def class_axis(out: object, y: torch.Tensor) -> int:
@@ -107,11 +128,6 @@ def accuracy_sums(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, f
     return float((outputs.argmax(dim=class_axis(outputs, labels)) == labels).sum()), float(labels.numel())
 
 
-class InputTypeError(TypeError):
-    """Data of a dtype the model cannot take, or a train_step result that is not a scalar loss: the
-    probe raises these on the driver instead of leaving them to the workers."""
-
-
 _EMBEDDING = re.compile(r"'indices'.*(?:Long, Int|embedding)", re.S)
 _DTYPE = re.compile(r"dtype|scalar type|Long and Float|Float and Long")
 
@@ -148,7 +164,7 @@ class LossStep:
 
     def outputs(self, model: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
         with explained(inputs, self.input_names):
-            return model(*inputs)
+            return model_output(model(*inputs))
 
     def __call__(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         *inputs, y = batch
@@ -189,7 +205,7 @@ class HookStep:
             return float(self(model, batch))
         *inputs, y = batch
         with explained(inputs, self.input_names):
-            return metric_value(metric(model(*inputs), y))
+            return metric_value(metric(model_output(model(*inputs)), y))
 
 
 def _name(fn: Any) -> str:
@@ -299,6 +315,7 @@ def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str,
     def forward() -> None:
         with explained(inputs, names):
             got.append(_eval_copy(model)(*inputs))
+        got[0] = model_output(got[0])  # a mapping without logits: raised, naming train_step
 
     why = _attempt(forward)
     return (got[0], None) if why is None else (None, why)

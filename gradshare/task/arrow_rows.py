@@ -147,7 +147,7 @@ def summarise_batches(names: tuple[str, ...], multi: bool, batches: Iterator[Any
     assert ctx is not None  # inside a task
     index = ctx.partitionId()
     t0 = time.monotonic()
-    summary = summarise_partition(index, batch_rows(batches, names, multi))
+    summary = summarise_partition(index, batch_rows(batches, names, multi), names[:-1])
     yield from result_batches(index, (summary, time.monotonic() - t0))
 
 

@@ -71,13 +71,15 @@ class InputLayout:
         parts = [f"{d}{list(s)}" for d, s in zip(self.dtypes, self.shapes)]
         return f"({', '.join(parts)})" if self.multi else parts[0]
 
-    def difference(self, other: "InputLayout") -> tuple[str, Any, Any] | None:
+    def difference(self, other: "InputLayout", columns: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
         """Where `other` differs from this layout, as (what, other's, this one's), e.g.
-        ("features input 1 of dtype", "float32", "int64"); None when they match."""
+        ("features input 1 of dtype", "float32", "int64"), or ("column 'ids' of shape", ...) where the
+        inputs are the DataFrame `columns`; None when they match."""
         if self.multi != other.multi or len(self.dtypes) != len(other.dtypes):
             return "features", other.describe(), self.describe()
         for i, (d, s, od, os_) in enumerate(zip(self.dtypes, self.shapes, other.dtypes, other.shapes)):
-            name = f"features input {i}" if self.multi else "features"
+            name = (f"column {columns[i]!r}" if len(columns) == len(self.dtypes) else
+                    f"features input {i}" if self.multi else "features")
             if os_ != s:
                 return f"{name} of shape", os_, s
             if od != d:

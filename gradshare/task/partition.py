@@ -75,8 +75,9 @@ def split_row(row: Any) -> tuple[Any, Any]:
     return x, y
 
 
-def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
-    """Validate one partition's rows; errors are returned (not raised) so the driver reports them."""
+def summarise_partition(index: int, rows: Iterable[Any], columns: tuple[str, ...] = ()) -> PartitionSummary:
+    """Validate one partition's rows; errors are returned (not raised) so the driver reports them, naming
+    the DataFrame's feature `columns` where the rows come from one."""
     n, layout, kind, lshape, whole, sample = 0, None, None, None, True, None
     low, high = np.inf, -np.inf  # of scalar labels that can be class indices
     try:
@@ -88,9 +89,12 @@ def summarise_partition(index: int, rows: Iterable[Any]) -> PartitionSummary:
             if layout is None:
                 layout, kind, lshape = here, k, ls
                 sample = (arrays, np.asarray(label_value(y)))
-            elif (diff := layout.difference(here)) is not None:
+            elif (diff := layout.difference(here, columns)) is not None:
+                ragged = "shape" in diff[0] and len(diff[1]) == len(diff[2]) == 1
                 raise (ValueError if "shape" in diff[0] else TypeError)(
-                    f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}")
+                    f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}" + (
+                        ": every row of an array column needs the same length (pad or truncate token ids to "
+                        "one length; an attention_mask column can mark the padding)" if ragged else ""))
             elif (k, ls) != (kind, lshape) and not (ls == lshape == () and {k, kind} == {"int", "float"}):
                 raise TypeError(f"label kind {k}{list(ls)} differs from the first row's {kind}{list(lshape or ())}")
             elif k == "float":

@@ -51,8 +51,11 @@ def test_bad_columns_are_named_with_the_row():
     s = summarise_partition(0, batch_rows(iter([batch]), ("x", "target"), False))
     assert "column 'target' is null at row 1" in s.error
     ragged = pa.RecordBatch.from_arrays([pa.array([[1.0, 2.0], [3.0]]), pa.array([0, 1])], ["x", "y"])
-    s = summarise_partition(3, batch_rows(iter([ragged]), ("x", "y"), False))
-    assert s.error == "partition 3 row 1: features of shape (1,) differ from the first row's (2,)"
+    s = summarise_partition(3, batch_rows(iter([ragged]), ("x", "y"), False), ("x",))
+    assert s.error.startswith("partition 3 row 1: column 'x' of shape (1,) differ from the first row's (2,): every "
+                              "row of an array column needs the same length")
+    s = summarise_partition(3, batch_rows(iter([ragged]), ("x", "y"), False))  # rows of an RDD: no column names
+    assert s.error.startswith("partition 3 row 1: features of shape (1,) differ from the first row's (2,)")
     text = pa.RecordBatch.from_arrays([pa.array(["a"]), pa.array([0])], ["words", "y"])
     s = summarise_partition(0, batch_rows(iter([text]), ("words", "y"), False))
     assert s.error_type == "TypeError" and "column 'words' has type string" in s.error

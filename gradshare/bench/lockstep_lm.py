@@ -1,0 +1,116 @@
+"""Lock-step N-worker training of the language models of `bench/hf.py` (the Hugging Face Llama and GPT-2,
+and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule from
+the planner `fit` runs (driver/plan.py), and the DDP equivalent beside it: one model, each step the mean
+loss of the N ranks' batches (the same shards and batch order as the workers), one clipped AdamW step.
+
+    python benchmarks/lockstep.py '{"lm": "llama", "world": 4}'
+    python benchmarks/lockstep.py '{"lm": "gpt2", "world": 2, "system": "ddp", "seed": 1}'
+
+Keys (all optional): lm (a model of bench/hf.py's MODELS), world, epochs, seed, rows (training windows),
+batch (per worker; default the model's recipe), system ("gradshare" | "ddp"), options (SharedTrainer
+options as a dict, e.g. {"optimizer_momentum": "keep"}), scale (an apply scale to try instead of the
+planned one: an experiment, not an option). Prints one JSON line: validation loss (nats per token) after
+every epoch, the payload ratio, and how many distinct replicas the workers end with.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradshare.bench.hf import FACTORIES, RECIPES, check_transformers, lm_loss, optimizer_for
+from gradshare.bench.lm import lm_data, scheduler_factory
+from gradshare.bench.lockstep import run_workers
+from gradshare.config import TrainConfig
+from gradshare.driver.plan import clipping, plan_steps
+from gradshare.encoding.step_cap import StepCap
+from gradshare.replica.flat import FlatParams
+from gradshare.replica.losses import HookStep, clip_grad_norm
+from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionData
+from gradshare.task.worker import Worker
+
+ROWS, EPOCHS = 6000, 2  # the HF recipe's run: 6,000 windows, 2 epochs
+
+
+def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, batch: int = 128) -> float:
+    """Mean validation loss of `step` over `ids` (every window the same length: a mean of batch means
+    weighted by rows is the per-token mean)."""
+    total = 0.0
+    model.eval()
+    with torch.no_grad():
+        for b in range(0, len(ids), batch):
+            part = torch.from_numpy(ids[b : b + batch])
+            total += float(step(model, (part, part))) * len(part)
+    model.train()
+    return total / len(ids)
+
+
+def run(lm: str = "llama", world: int = 2, epochs: int = EPOCHS, seed: int = 0, rows: int = ROWS,
+        batch: int | None = None, system: str = "gradshare", options: dict[str, Any] | None = None,
+        scale: float | None = None) -> dict[str, Any]:
+    if lm != "tiny":
+        check_transformers()
+    torch.set_num_threads(1)
+    recipe = RECIPES[lm]
+    batch = batch or recipe.batch
+    ids, labels, v_ids, _ = lm_data(seed, rows)
+    n = len(ids)
+    shards = [(ids[r * n // world : (r + 1) * n // world], labels[r * n // world : (r + 1) * n // world])
+              for r in range(world)]
+    spe = tuple(math.ceil(len(s[0]) / batch) for s in shards)
+    torch.manual_seed(seed)
+    model = FACTORIES[lm]()
+    step = HookStep(lm_loss(lm))
+    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **(options or {}))
+    plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
+    flat = FlatParams(copy.deepcopy(model))
+    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share)
+    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
+                       loss=None, train_step=step, optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
+                       threshold_rule=plan.rule, residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs,
+                       batch_size=batch, staleness=0, seed=seed, label_dtype="int64",
+                       lr_scheduler=scheduler_factory(max(spe) * epochs), follow_lr=config.follow_lr,
+                       apply_scale=plan.apply_scale if scale is None else scale, local_view=config.local_view,
+                       lr_factor=plan.lr_factor, momentum_ceiling=plan.momentum_ceiling, step_cap=caps)
+    workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
+
+    def evaluate(m: nn.Module) -> float:
+        return val_loss(m, step, v_ids)
+
+    if system == "ddp":
+        curve, ratio, replicas, taus = run_ddp(model, workers, cfg, step, evaluate, lm), 1.0, None, list[str]()
+    else:
+        curve, taus, _, ratio, replicas = run_workers(workers, cfg, evaluate)
+    return {"lm": lm, "world": world, "system": system, "seed": seed, "val_loss": [round(v, 4) for v in curve],
+            "ratio": round(ratio), "taus": taus, "replicas": replicas, "apply_scale": cfg.apply_scale,
+            "momentum_ceiling": cfg.momentum_ceiling, "n_params": flat.n_params}
+
+
+def run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, step: HookStep,
+            evaluate: Any, lm: str) -> list[float]:
+    """DDP's arithmetic in one process: each step the mean loss of the ranks' batches (a rank whose shard
+    is done sits out), the gradient norm clipped, one AdamW step, the schedule stepped."""
+    ddp = copy.deepcopy(model)
+    params = list(ddp.parameters())
+    opt = optimizer_for(lm)(params)
+    assert cfg.lr_scheduler is not None
+    scheduler = cfg.lr_scheduler(opt)
+    curve = []
+    for t in range(cfg.final_step + 1):
+        epoch, b = divmod(t, max(cfg.steps_per_epoch))
+        opt.zero_grad(set_to_none=True)
+        ranks = [w for r, w in enumerate(workers) if b < cfg.steps_per_epoch[r]]
+        for w in ranks:
+            (step(ddp, w.batches.read(epoch, b)) / len(ranks)).backward()
+        torch.nn.utils.clip_grad_norm_(params, RECIPES[lm].clip)
+        opt.step()
+        scheduler.step()
+        if (t + 1) % max(cfg.steps_per_epoch) == 0:
+            curve.append(evaluate(ddp))
+    return curve
