@@ -1,12 +1,12 @@
-"""Lock-step N-worker training of the language models of `bench/hf.py` (the Hugging Face Llama and GPT-2,
-and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule from
+"""Lock-step N-worker training of the language models of `bench/lm_models.py` (the Hugging Face Llama and
+GPT-2, and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule from
 the planner `fit` runs (driver/plan.py), and the DDP equivalent beside it: one model, each step the mean
 loss of the N ranks' batches (the same shards and batch order as the workers), one clipped AdamW step.
 
     python benchmarks/lockstep.py '{"lm": "llama", "world": 4}'
     python benchmarks/lockstep.py '{"lm": "gpt2", "world": 2, "system": "ddp", "seed": 1}'
 
-Keys (all optional): lm (a model of bench/hf.py's MODELS), world, epochs, seed, rows (training windows),
+Keys (all optional): lm (a model of bench/lm_models.py's MODELS), world, epochs, seed, rows (training windows),
 batch (per worker; default the model's recipe), system ("gradshare" | "ddp"), options (SharedTrainer
 options as a dict, e.g. {"optimizer_momentum": "keep"}), scale (an apply scale to try instead of the
 planned one: an experiment, not an option). Prints one JSON line: validation loss (nats per token) after
@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradshare.bench.hf import FACTORIES, RECIPES, check_transformers, lm_loss, optimizer_for
-from gradshare.bench.lm import lm_data, scheduler_factory
+from gradshare.bench.lm_models import (
+    FACTORIES, RECIPES, check_transformers, lm_data, optimizer_for, scheduler_factory, train_step_for,
+)
 from gradshare.bench.lockstep import run_workers
 from gradshare.config import TrainConfig
 from gradshare.driver.plan import clipping, plan_steps
@@ -35,38 +36,36 @@ from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 
-ROWS, EPOCHS = 6000, 2  # the HF recipe's run: 6,000 windows, 2 epochs
 
 
-def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, batch: int = 128) -> float:
-    """Mean validation loss of `step` over `ids` (every window the same length: a mean of batch means
-    weighted by rows is the per-token mean)."""
+def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, labels: np.ndarray, batch: int = 128) -> float:
+    """Mean validation loss of `step` over the windows `ids` with their next tokens `labels` (every window
+    the same length: a mean of batch means weighted by rows is the per-token mean)."""
     total = 0.0
     model.eval()
     with torch.no_grad():
         for b in range(0, len(ids), batch):
-            part = torch.from_numpy(ids[b : b + batch])
-            total += float(step(model, (part, part))) * len(part)
+            part = (torch.from_numpy(ids[b : b + batch]), torch.from_numpy(labels[b : b + batch]))
+            total += float(step(model, part)) * len(part[0])
     model.train()
     return total / len(ids)
 
 
-def run(lm: str = "llama", world: int = 2, epochs: int = EPOCHS, seed: int = 0, rows: int = ROWS,
+def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int = 0, rows: int | None = None,
         batch: int | None = None, system: str = "gradshare", options: dict[str, Any] | None = None,
         scale: float | None = None) -> dict[str, Any]:
-    if lm != "tiny":
-        check_transformers()
+    check_transformers(lm)
     torch.set_num_threads(1)
-    recipe = RECIPES[lm]
-    batch = batch or recipe.batch
-    ids, labels, v_ids, _ = lm_data(seed, rows)
+    recipe = RECIPES[lm]  # what a key leaves out
+    batch, epochs = batch or recipe.batch, epochs or recipe.epochs
+    ids, labels, v_ids, v_labels = lm_data(seed, rows or recipe.rows)
     n = len(ids)
     shards = [(ids[r * n // world : (r + 1) * n // world], labels[r * n // world : (r + 1) * n // world])
               for r in range(world)]
     spe = tuple(math.ceil(len(s[0]) / batch) for s in shards)
     torch.manual_seed(seed)
     model = FACTORIES[lm]()
-    step = HookStep(lm_loss(lm))
+    step = HookStep(train_step_for(lm))
     config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **(options or {}))
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     flat = FlatParams(copy.deepcopy(model))
@@ -81,7 +80,7 @@ def run(lm: str = "llama", world: int = 2, epochs: int = EPOCHS, seed: int = 0, 
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
 
     def evaluate(m: nn.Module) -> float:
-        return val_loss(m, step, v_ids)
+        return val_loss(m, step, v_ids, v_labels)
 
     if system == "ddp":
         curve, ratio, replicas, taus = run_ddp(model, workers, cfg, step, evaluate, lm), 1.0, None, list[str]()

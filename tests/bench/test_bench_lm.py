@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradshare.bench import lm
+from gradshare.bench import lm, lm_models
 
 
 def test_text_windows_are_next_token_pairs_of_stdlib_source():
@@ -21,7 +21,7 @@ def test_text_windows_are_next_token_pairs_of_stdlib_source():
     assert v_ids.shape == (64, lm.SEQ)  # rows // 4, at least 64
     again = lm.lm_data(0, rows=100)
     assert np.array_equal(again[0], ids) and not np.array_equal(lm.lm_data(1, rows=100)[0], ids)
-    text = bytes(lm.text_windows(("textwrap",))[0, :40].astype(np.uint8))
+    text = bytes(lm_models.text_windows(("textwrap",))[0, :40].astype(np.uint8))
     assert text.startswith(b'"""Text wrapping')
 
 
@@ -35,8 +35,8 @@ def test_model_gives_class_last_logits_with_a_non_persistent_mask():
 
 def test_warmup_then_cosine():
     total = 200
-    factors = [lm.warmup_cosine(total, s) for s in range(total)]
-    warm = round(lm.WARMUP_SHARE * total)
+    factors = [lm_models.warmup_cosine(total, s) for s in range(total)]
+    warm = round(lm_models.WARMUP_SHARE * total)
     assert factors[0] == pytest.approx(1 / warm) and factors[warm - 1] == pytest.approx(1.0)
     assert factors[warm] == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * (total - 1 - warm) / (total - warm))))
@@ -54,6 +54,8 @@ def _args(**kw):
 def test_settings_name_the_bad_flag():
     assert lm.settings(_args(quick=True))["rows"] == lm.QUICK["rows"]
     assert lm.settings(_args())["workers"] == [2, 4]
+    tiny = lm.settings(_args())
+    assert (tiny["model"], tiny["epochs"], tiny["rows"], tiny["batch_size"]) == ("tiny", 4, 4096, 32)
     with pytest.raises(ValueError, match="--workers must be integers >= 2"):
         lm.settings(_args(workers="1,2"))
     with pytest.raises(ValueError, match="--seeds takes a comma list"):
@@ -88,3 +90,28 @@ def test_a_small_gradshare_fit_reports_validation_loss_and_traffic(spark):
     assert len(out["val_loss"]) == 2 and all(np.isfinite(out["val_loss"]))
     assert out["val_loss"][1] < out["val_loss"][0]
     assert out["traffic_ratio"] > 1 and out["n_params"] == sum(p.numel() for p in lm.causal_lm().parameters())
+
+
+def test_hugging_face_models_at_their_recipe_learn_in_ddp_arithmetic():
+    pytest.importorskip("transformers")
+    hf = lm.settings(_args(model="gpt2"))
+    assert (hf["epochs"], hf["rows"], hf["batch_size"]) == (2, 6000, 16)  # the HF recipe's run
+    data = lm.lm_data(0, rows=96)
+    out = lm.run_ddp(data, workers=2, epochs=2, batch=16, seed=0, model="gpt2")
+    assert out["val_loss"][1] < out["val_loss"][0] < math.log(lm.VOCAB) + 0.5
+
+
+def test_lock_step_lm_runs_the_planners_rule_and_ends_with_one_model():
+    pytest.importorskip("transformers")
+    from gradshare.bench import lockstep_lm
+    from gradshare.config import TrainConfig
+    from gradshare.driver.plan import plan_steps
+
+    out = lockstep_lm.run("llama", world=2, rows=96, epochs=1, batch=16)
+    plan = plan_steps(TrainConfig(epochs=1, batch_size=16), 2, 3)
+    assert out["replicas"] == 1 and np.isfinite(out["val_loss"][0]) and out["ratio"] > 1
+    assert (out["apply_scale"], out["momentum_ceiling"]) == (plan.apply_scale, plan.momentum_ceiling)
+    ddp = lockstep_lm.run("llama", world=2, rows=96, epochs=1, batch=16, system="ddp")
+    assert ddp["replicas"] is None and np.isfinite(ddp["val_loss"][0])
+    with pytest.raises(ValueError, match="aggregate must be 'sum' or 'mean'"):
+        lockstep_lm.run("tiny", world=2, rows=96, epochs=1, options={"aggregate": "median"})
