@@ -9,7 +9,7 @@ Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr
 recipe is stated at a global batch, gradshare and "local" run with lr_batch_size at it):
 - "gradshare":  the default, each worker's own Adam, ±τ of its update with error feedback, summed (from
                 32 workers with the run-long density decay, the step cap and the workers' momentum off,
-                encoding.threshold.default_decay, encoding/step_cap.py, replica/momentum.py);
+                driver/policy.py's table);
 - "gradshare-nodecay": the same without the run-long decay (decay_from=0), what it buys;
 - "gradshare-nocap": the same without the step cap (step_cap=None: the decay then lowers the lr), what
                 the cap buys (encoding/step_cap.py); "gradshare-cap": the cap (0.1) at any N;

@@ -21,9 +21,10 @@ from gradshare.config import (
     TrainConfig, is_calibrated,
 )
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
+from gradshare.driver.policy import auto_for
 from gradshare.encoding.step_cap import step_cap_for
 from gradshare.replica.momentum import check_optimizer_momentum, momentum_ceiling
-from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_WARMUP_DENSITY, DEFAULT_DECAY_LR_POWER, default_decay
+from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_DECAY_LR_POWER
 
 
 @dataclass(frozen=True)
@@ -50,18 +51,6 @@ def build_model(given: ModelSpec, seed: int) -> nn.Module:
     raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(spec).__name__}")
 
 
-# The warm-up's first density, shared by the workers: each starts at this ÷ N. Every replica applies all N
-# workers' messages, so at N = 4 four workers at 0.1 each moved the model as one at ~0.4 and the digits MLP
-# was slower in its first epochs than at 0.05 each (seeds 0-2 after epoch 3: 89.5 against 90.9 %, DDP's
-# 90.5 %); at N = 2 DEFAULT_WARMUP_DENSITY's 0.07 caps it (docs/benchmarks/convergence.md, lock step).
-DEFAULT_WARMUP_SHARED_DENSITY = 0.2
-
-
-def warmup_start(world: int) -> float:
-    """The default warm-up's first density per worker among ``world`` (never above the single worker's)."""
-    return min(DEFAULT_WARMUP_DENSITY, DEFAULT_WARMUP_SHARED_DENSITY / max(world, 1))
-
-
 def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
     """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
     algo = config.threshold_algorithm
@@ -72,15 +61,16 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> Thres
         steps = round(config.warmup_epochs * steps_per_epoch)
         if config.warmup is None and steps > 0:  # a warm-up the user gave is taken as given
             steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
-        decay_from, lr_power = default_decay(world)
+        auto = auto_for(world)
+        decay_from, lr_power = auto.decay_from, auto.decay_lr_power
         if config.decay_from is not None:  # the user's, with the default lr power wherever it is on
             decay_from, lr_power = config.decay_from, DEFAULT_DECAY_LR_POWER if config.decay_from else 0.0
-        if step_cap_for(config.step_cap, world) is not None:
+        if cap_share(config, world) is not None:
             lr_power = 0.0  # the cap takes the lower lr's place (measured better: encoding/step_cap.py)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
             density=DEFAULT_DENSITY if config.density is None else config.density, warmup_steps=steps,
-            warmup_density=warmup_start(world) if config.warmup_density is None else config.warmup_density,
+            warmup_density=auto.warmup_density if config.warmup_density is None else config.warmup_density,
             decay_from=decay_from, decay_lr_power=lr_power).for_run(run_steps)
     tau = float(config.threshold)  # not "auto" here: the number TrainConfig checked
     if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
@@ -103,10 +93,18 @@ class StepPlan:
 
 
 def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPlan:
-    """The step rule of a fit of `world` workers whose longest shard takes `steps_per_epoch` steps."""
-    return StepPlan(rule=rule_for(config, steps_per_epoch, world), cap_share=step_cap_for(config.step_cap, world),
-                    momentum_ceiling=momentum_ceiling(config.optimizer_momentum, world),
-                    apply_scale=1.0 / world if config.aggregate == "mean" else 1.0, lr_factor=config.lr_factor)
+    """The step rule of a fit of `world` workers whose longest shard takes `steps_per_epoch` steps: the
+    options as given, "auto" from the table of policy.py."""
+    option = config.optimizer_momentum
+    momentum = auto_for(world).momentum if option == "auto" else momentum_ceiling(option)
+    return StepPlan(rule=rule_for(config, steps_per_epoch, world), cap_share=cap_share(config, world),
+                    momentum_ceiling=momentum, apply_scale=1.0 / world if config.aggregate == "mean" else 1.0,
+                    lr_factor=config.lr_factor)
+
+
+def cap_share(config: TrainConfig, world: int) -> float | None:
+    """The step cap a fit of `world` workers runs with (None: none)."""
+    return auto_for(world).step_cap if config.step_cap == "auto" else step_cap_for(config.step_cap)
 
 
 def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module,
@@ -166,16 +164,9 @@ def clipping(config: TrainConfig) -> ResidualClipping | None:
     return ResidualClipping(clip=float(config.residual_clip))
 
 
-# forwarding="auto" aggregates from this many workers on: below it per-rank forwarding's N·(N−1) messages
-# cost the relay about as much as one re-encode of the whole model a step, and aggregation costs some
-# accuracy (measured at 10 M params: N = 8 per-rank 10.5 ms/step vs aggregate 8.9 ms; N = 16: 35 vs
-# 14 ms, per-rank retransmitting; docs/benchmarks/scale.md, docs/bench-scale*.json)
-AGGREGATE_FROM = 16
-
-
 def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False) -> str:
-    """The forwarding mode a fit of ``world_size`` workers runs: "auto" resolved by AGGREGATE_FROM, and
+    """The forwarding mode a fit of ``world_size`` workers runs: "auto" from the table of policy.py, and
     per-rank for a checkpointed fit (a checkpoint does not hold the relay's aggregation residual)."""
     if forwarding == "auto":
-        return "aggregate" if world_size >= AGGREGATE_FROM and not checkpointed else "per-rank"
+        return "per-rank" if checkpointed else auto_for(world_size).forwarding
     return forwarding

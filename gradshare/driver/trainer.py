@@ -116,9 +116,9 @@ class SharedTrainer:
         lr is not lowered (the cap measured better than the lower lr).
     step_cap: every replica (and the relay) scales each parameter tensor's share of a step's summed
         messages down to at most this share of the tensor's norm at the start of training: N workers'
-        updates summed overshoot as N grows (docs/guide/convergence.md, "Step cap"). "auto" (default):
-        0.1 from 32 workers on, none below, as measured in lock step; None: none at any N. A resumed fit
-        keeps its checkpoint's bounds.
+        updates summed overshoot, most on models initialised small (docs/guide/convergence.md, "Step
+        cap"). "auto" (default): 0.05 below 32 workers, 0.1 from 32 on, as measured in lock step
+        (gradshare/driver/policy.py); None: none at any N. A resumed fit keeps its checkpoint's bounds.
     lr_batch_size: the batch size the optimizer's lr was tuned at, when that is not ``batch_size``
         (e.g. a published recipe's batch, now split over N workers): each worker's lr is then scaled
         by (batch_size ÷ lr_batch_size) ** 0.5, or by the ratio itself with lr_scaling="linear"
@@ -131,9 +131,9 @@ class SharedTrainer:
         optimizers with β1 = 0, SGD and RMSprop with momentum 0): a worker's residual already averages
         its past updates (error feedback), and a second average on top makes learning lag
         (docs/guide/convergence.md, "The workers' momentum"); a number in [0, 1): the most momentum each
-        worker steps with; "keep": the optimizer as given. Default "auto": off from 32 workers on, kept
-        below, as measured in lock step. The optimizer, its scheduler and a checkpoint keep the values as
-        given. "off" or a number with an optimizer that has no momentum is refused.
+        worker steps with; "keep": the optimizer as given. Default "auto": at most 0.5 below 32 workers,
+        off from 32 on, as measured in lock step (gradshare/driver/policy.py). The optimizer, its
+        scheduler and a checkpoint keep the values as given. "off" or a number with an optimizer that has no momentum is refused.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would
@@ -158,7 +158,7 @@ class SharedTrainer:
         step), "aggregate" (the relay adds the step's N messages into a residual of its own and sends ONE
         re-encoded message of about one rank's size to every rank: N messages a step; two-level error
         feedback, gradshare/encoding/aggregate.py; it delays some update mass, ~2 points of digits
-        accuracy after 6 epochs at N = 4 and 8) or "auto" (default: "aggregate" from AGGREGATE_FROM = 16
+        accuracy after 6 epochs at N = 4 and 8) or "auto" (default: "aggregate" from 16
         workers on, where it measured faster, "per-rank" below and for a checkpointed fit).
         ``result.extra["forwarding"]`` says which ran.
     precision: "32" (default), "bf16-mixed" or "fp16-mixed" (Lightning's names): the forward and the loss

@@ -36,18 +36,15 @@ from gradshare.encoding.codec import apply
 from gradshare.encoding.update import StepUpdate, add_buffers
 from gradshare.vectors import Vector, to_host
 
-# From 32 workers on, SharedTrainer caps each step at 10 % of each tensor's initial norm (step_cap="auto"):
-# lock step, 3 seeds, N = 64 and 32 above; at N = 16 (3 seeds) it moved tabular64k by +0.25 pp and
-# MNIST-1D by -0.15 pp, within noise, so below 32 workers the default stays uncapped
-# (docs/benchmarks/scaling.md, "The step cap at 32 and 64 workers").
+# The step cap of gradshare bench scaling's "gradshare-cap" system; SharedTrainer's step_cap="auto" is the
+# planner's, by worker count (driver/policy.py)
 DEFAULT_STEP_CAP = 0.1
-STEP_CAP_FROM_WORKERS = 32
 
 
-def step_cap_for(option: float | str | None, world: int) -> float | None:
-    """The cap a fit of ``world`` workers runs with: the option, "auto" resolved (None: no cap)."""
+def step_cap_for(option: float | str | None) -> float | None:
+    """The cap of a step_cap option other than "auto" (the planner resolves that one): None is no cap."""
     if option == "auto":
-        return DEFAULT_STEP_CAP if world >= STEP_CAP_FROM_WORKERS else None
+        raise ValueError("step_cap='auto' depends on the worker count: the planner resolves it")
     return None if option is None else float(option)
 
 
@@ -175,4 +172,4 @@ def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate
     return None if cap is None else functools.partial(apply_step, scale=scale, cap=cap)
 
 
-__all__ = ["DEFAULT_STEP_CAP", "STEP_CAP_FROM_WORKERS", "StepCap", "apply_step", "step_applier", "step_cap_for"]
+__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "step_applier", "step_cap_for"]

@@ -57,23 +57,15 @@ FLOOR_MAX_DENSITY = 0.05
 # fewer bytes over 16 epochs (lock step: 590x -> 669x less than dense; 6 % already cost seeds 0 and 2 an
 # epoch), which brings `gradshare bench train`'s whole-run traffic above 300x (docs/benchmarks/train.md).
 DEFAULT_WARMUP_DENSITY = 0.07
-# From 32 workers on, the default rule decays the density over the run, from 2 % of the entries to the
-# density, and lowers each worker's lr by (density / target) ** 0.35 meanwhile (CalibratedThreshold's
-# run-long decay). Why: with N workers each worker's entry waits ~1/density steps in its residual while
-# a 64-worker run is only ~100 steps long. Lock step, 3 seeds, last-3 test accuracy (docs/design.md,
-# "What we tried: learning at 64 workers"): tabular64k N = 64 81.9 -> 82.7 %, MNIST-1D MLP N = 64
-# 70.5 -> 73.2 % (tuned DDP 85.8 / 73.0), N = 32 MNIST-1D 82.0 -> 83.2 %; at N = 16 it bought nothing
-# (tabular64k 87.7 -> 87.6 %), so below 32 workers the rule stays as it was.
-DECAY_FROM_WORKERS = 32
+# The run-long density decay of the default rule from 32 workers on (driver/policy.py): the density decays
+# from 2 % of the entries to the target, and each worker's lr is lowered by (density / target) ** 0.35
+# meanwhile (CalibratedThreshold's run-long decay). Why: with N workers each worker's entry waits
+# ~1/density steps in its residual while a 64-worker run is only ~100 steps long. Lock step, 3 seeds,
+# last-3 test accuracy (docs/design.md, "What we tried: learning at 64 workers"): tabular64k N = 64
+# 81.9 -> 82.7 %, MNIST-1D MLP N = 64 70.5 -> 73.2 % (tuned DDP 85.8 / 73.0), N = 32 MNIST-1D 82.0 -> 83.2 %;
+# at N = 16 it bought nothing (tabular64k 87.7 -> 87.6 %).
 DEFAULT_DECAY_FROM = 0.02
 DEFAULT_DECAY_LR_POWER = 0.35
-
-
-def default_decay(world: int) -> tuple[float, float]:
-    """(decay_from, decay_lr_power) of the default rule at ``world`` workers; (0, 0) is no decay."""
-    if world >= DECAY_FROM_WORKERS:
-        return DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER
-    return 0.0, 0.0
 
 
 # Under a decaying learning rate the density rises as (peak rate / rate) ** LR_EXPONENT, at most
@@ -279,7 +271,7 @@ class CalibratedThreshold(_HeldThreshold):
     steps in the residual; paying for that delay early took tabular64k from 81.8 to 83.9 % in lock step
     (docs/design.md, "What we tried: learning at 64 workers"). On MNIST-1D it costs unless each worker's
     lr is lowered while the density is high (``decay_lr_power``, `lr_factor`). SharedTrainer's default
-    rule turns both on from 32 workers (`default_decay`).
+    rule turns both on from 32 workers (the planner's table, driver/policy.py).
 
     Learning rate (``follow_lr``, called by SharingState with each step's rate): after the warm-up the
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate

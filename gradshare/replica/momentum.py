@@ -5,9 +5,12 @@ A worker's residual holds every part of its updates that it has not sent yet (er
 the worker's past updates, a momentum of its own. An optimizer's first moment (Adam's β1, SGD's
 momentum) adds a second, lagging average on top, and with many workers that lag is what held learning
 back: in lock step, with the momentum off from 32 workers on, tabular64k at 64 workers went from 84.41 to
-86.75 % (3 seeds; tuned DDP 85.63) and the MNIST-1D MLP at 32 workers from 83.26 to 88.87 % (DDP 85.30).
-With few workers the same momentum filters each worker's noise out of what crosses τ: the 10.5 M-parameter
-digits MLP at 4 workers lost 1.4 pp with it off (docs/benchmarks/scaling.md, "The workers' momentum").
+86.75 % (3 seeds; tuned DDP 85.63) and the MNIST-1D MLP at 32 workers from 83.26 to 88.87 % (DDP 85.30);
+below 32, at most 0.5 (with the step cap) brought Hugging Face language models to the DDP equivalent.
+The default by worker count is the planner's (driver/policy.py).
+With few workers some momentum filters each worker's noise out of what crosses τ: the 10.5 M-parameter
+digits MLP at 4 workers lost 1.4 pp with it off and kept its accuracy at 0.5 (docs/benchmarks/scaling.md,
+"The workers' momentum").
 
 The lowered value is set around each optimizer step and put back after it, as the lr factors are
 (task/worker.py): the optimizer's param groups, a scheduler that cycles momentum (OneCycleLR) and a
@@ -23,7 +26,6 @@ import torch
 # param-group keys that hold a first moment's decay: Adam, AdamW, Adamax, NAdam, RAdam (and any optimizer
 # that names its moments' decays the same) keep (β1, β2) in "betas"; SGD and RMSprop keep "momentum"
 BETAS, MOMENTUM = "betas", "momentum"
-AUTO_FROM_WORKERS = 32  # "auto": off from this many workers on, as given below (lock step, the docstring)
 
 Saved = list[tuple[dict[str, Any], str, Any]]
 # config.OptimizerMomentum, checked there ("auto", "off", "keep" or a number in [0, 1)); the replica
@@ -31,12 +33,14 @@ Saved = list[tuple[dict[str, Any], str, Any]]
 Option = str | float
 
 
-def momentum_ceiling(option: Option, world: int) -> float | None:
-    """The most momentum (Adam's β1, SGD's momentum) each of ``world`` workers steps with; None: the
-    optimizer's own. "auto": 0 from AUTO_FROM_WORKERS workers on, the optimizer's own below."""
-    if option == "keep" or (option == "auto" and world < AUTO_FROM_WORKERS):
+def momentum_ceiling(option: Option) -> float | None:
+    """The most momentum (Adam's β1, SGD's momentum) each worker steps with, for an option other than
+    "auto" (the planner's, driver/policy.py, by worker count); None: the optimizer's own."""
+    if option == "auto":
+        raise ValueError("optimizer_momentum='auto' depends on the worker count: the planner resolves it")
+    if option == "keep":
         return None
-    if option in ("auto", "off"):
+    if option == "off":
         return 0.0
     return float(option)
 
@@ -79,5 +83,5 @@ def put_back(saved: Saved) -> None:
         group[key] = value
 
 
-__all__ = ["AUTO_FROM_WORKERS", "momentum_ceiling", "holds_momentum",
+__all__ = ["momentum_ceiling", "holds_momentum",
            "check_optimizer_momentum", "lower_momentum", "put_back"]

@@ -12,7 +12,8 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.demo import evaluate_accuracy, mlp
-from gradshare.driver.plan import AGGREGATE_FROM, forwarding_for
+from gradshare.driver.plan import forwarding_for
+from gradshare.driver.policy import AGGREGATE_FROM
 from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

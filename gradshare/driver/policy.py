@@ -1,0 +1,68 @@
+"""What the "auto" options mean at N workers: every default that depends on the worker count, in one
+table. The planner (plan.py), which `fit` and the lock-step harness both call, reads it; nothing else
+derives a default from N.
+
+    N workers   momentum (β1)  step cap  density decay            warm-up start   forwarding
+    2 – 15      ≤ 0.5          0.05      off                      min(7 %, 20 %/N) per-rank
+    16 – 31     ≤ 0.5          0.05      off                      20 %/N          aggregate
+    32 +        off (0)        0.10      2 % → target, lr^0.35    20 %/N          aggregate
+
+Why each column (lock step unless said; docs/benchmarks/scaling.md, lm.md and convergence.md have the
+tables):
+- momentum: each worker's residual already averages its past updates (error feedback), and Adam's β1
+  on top is a second, lagging average. Lowered to 0.5 below 32 workers: Hugging Face Llama / GPT-2 at
+  2 and 4 workers moved from 0.2–0.45 nats above the DDP equivalent toward it (with the step cap), the
+  scaling workloads gained 0.3–2.5 pp at 4–16 workers, the digits MLP kept its accuracy. Off from 32:
+  tabular64k at 64 workers 84.41 → 86.75 %, MNIST-1D MLP at 32 83.26 → 88.87 % (3 seeds).
+- step cap (encoding/step_cap.py): each tensor's share of a step's summed messages at most this × its
+  initial norm. The summed steps of N workers' optimizers move a tensor up to N times as far as one
+  process's; relative to the tensor's own scale that overshoot is what hurts models initialised small
+  (Hugging Face's normal(0, 0.02)): 0.05 took Llama at 2 / 4 workers from 2.002 / 2.374 to 1.944 / 2.126
+  nats (DDP equivalent 1.947 / 2.099; seed 0, β1 0.5), GPT-2 to below DDP's, and left the digits MLP
+  where it was (0.02 cost it 1.4 pp). 0.1 from 32 workers, where it was measured (tabular64k at 64:
+  82.81 → 84.41 %).
+- density decay (encoding/threshold.py): from 32 workers a run is too short for an entry to wait ~1/density
+  steps in the residual; the density decays from 2 % over the run, the lr lowered meanwhile unless the
+  step cap takes its place (plan.rule_for).
+- warm-up start: every replica applies all N workers' warm-up messages, so they share one first density.
+- forwarding: from 16 workers the relay's one aggregate a step costs less than N·(N−1) forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradshare.encoding.threshold import DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, DEFAULT_WARMUP_DENSITY
+
+# the thresholds of the table's rows
+AGGREGATE_FROM = 16  # forwarding="auto": the relay aggregates (measured at 10 M params, docs/benchmarks/scale.md)
+MANY_WORKERS = 32  # momentum off, the 0.1 step cap and the density decay (the scaling study's large-N rows)
+
+MOMENTUM = 0.5  # the most β1 / momentum each worker steps with below MANY_WORKERS
+STEP_CAP = 0.05  # the step cap's share below MANY_WORKERS
+MANY_STEP_CAP = 0.1  # and from MANY_WORKERS on
+WARMUP_SHARED_DENSITY = 0.2  # the warm-up's first density shared by the N workers (each starts at this ÷ N)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """One row of the table: what each "auto" option is at a worker count."""
+
+    momentum: float  # optimizer_momentum="auto": the most β1 / momentum each worker steps with
+    step_cap: float  # step_cap="auto": each tensor's share of a step at most this × its initial norm
+    decay_from: float  # the default τ rule's run-long density decay (0: none)
+    decay_lr_power: float  # its lr lowering meanwhile (0 where the step cap takes its place)
+    warmup_density: float  # the default warm-up's first density per worker
+    forwarding: str  # forwarding="auto": "per-rank" or "aggregate"
+
+
+def auto_for(world: int) -> Auto:
+    """The row of the table for `world` workers."""
+    many = world >= MANY_WORKERS
+    return Auto(momentum=0.0 if many else MOMENTUM, step_cap=MANY_STEP_CAP if many else STEP_CAP,
+                decay_from=DEFAULT_DECAY_FROM if many else 0.0, decay_lr_power=DEFAULT_DECAY_LR_POWER if many else 0.0,
+                warmup_density=min(DEFAULT_WARMUP_DENSITY, WARMUP_SHARED_DENSITY / max(world, 1)),
+                forwarding="aggregate" if world >= AGGREGATE_FROM else "per-rank")
+
+
+__all__ = ["AGGREGATE_FROM", "MANY_WORKERS", "Auto", "auto_for"]
