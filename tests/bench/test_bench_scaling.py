@@ -80,11 +80,15 @@ def test_one_small_lock_step_run(system):
     assert row["lr_batch"] is None  # the MLP recipes are stated per worker
 
 
-def test_below_32_workers_the_default_keeps_the_workers_momentum_and_the_variants_say_what_off_does():
+def test_below_32_workers_the_default_steps_with_momentum_half_and_the_step_capped():
+    from gradshare.bench import lockstep
+
     data = load("tabular64k", 0, None, rows=512)
     rows = {system: scaling.run_one("tabular64k", 4, system, 0, {"epochs": 2}, data)
             for system in ("gradshare", "gradshare-keep", "gradshare-nomomentum")}
-    assert rows["gradshare"]["accuracy"] == rows["gradshare-keep"]["accuracy"]
+    explicit = lockstep.run("tabular64k", world=4, epochs=2, data=data, momentum=0.5, step_cap=0.05)
+    assert rows["gradshare"]["accuracy"] == [a / 100 for a in explicit["acc"]]  # the planner's row for N = 4
+    assert rows["gradshare"]["accuracy"] != rows["gradshare-keep"]["accuracy"]
     assert rows["gradshare"]["accuracy"] != rows["gradshare-nomomentum"]["accuracy"]
 
 
@@ -99,7 +103,7 @@ def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
     from gradshare.bench import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
-    plain = lockstep.run("tabular64k", world=4, epochs=2, data=data)
+    plain = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=None)
     loose = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e9)
     tight = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-3)
     assert loose["acc"] == plain["acc"] and loose["taus"] == plain["taus"]

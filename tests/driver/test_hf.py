@@ -111,3 +111,29 @@ def test_ragged_token_ids_name_the_column_and_the_lengths(spark):
                                          r"\(3,\): every row of an array column needs the same length"):
         SharedTrainer(lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)), num_workers=1,
                       **LOOPBACK).fit(df, features_col="input_ids", label_col="label")
+
+
+def test_spark_ml_estimator_with_an_hf_classifier_predicts_from_its_logits(spark):
+    pytest.importorskip("transformers")
+    from gradshare.ml import GradshareEstimator
+
+    def classifier():
+        from transformers import LlamaConfig, LlamaForSequenceClassification
+
+        return LlamaForSequenceClassification(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=SEQ, num_labels=3, pad_token_id=PAD,
+            bos_token_id=None, eos_token_id=None))
+
+    ids, _, _ = token_rows(96, seed=2)
+    labels = ids[:, 0] % 3
+    df = spark.createDataFrame([(a.tolist(), int(c)) for a, c in zip(ids, labels)], ["input_ids", "label"]).repartition(2)
+    model = GradshareEstimator(classifier, featuresCol="input_ids", labelCol="label", epochs=1, batchSize=16,
+                               numWorkers=2, trainerOptions=LOOPBACK).fit(df)
+    assert model.isClassifier  # the default loss read the ModelOutput's (B, 3) logits
+    rows = model.transform(df).select("input_ids", "prediction", "probability").collect()
+    xs = torch.tensor([r["input_ids"] for r in rows])
+    with torch.no_grad():
+        logits = model.torchModel.eval()(xs).logits
+    assert [r["prediction"] for r in rows] == logits.argmax(dim=1).double().tolist()
+    np.testing.assert_allclose([list(r["probability"]) for r in rows], torch.softmax(logits, 1).numpy(), rtol=1e-5)
