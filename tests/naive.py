@@ -1,4 +1,4 @@
-"""Naive NumPy/Python oracles for the encoding kernels (STYLE item 8).
+"""Naive NumPy/Python oracles for the encoding kernels (every kernel test compares to one exactly).
 
 Written for obviousness, not speed: element-wise definitions and plain loops, sharing no code with
 gradshare.encoding.kernels.

@@ -19,7 +19,7 @@ its own copy as in training. Per N it reports
 - exactly-once: every peer received every rank's every step (through that rank's last step) exactly once.
 
 Heartbeat traffic vs N (up to 256: STATUS pages) is measured on the protocol cores over an in-memory link
-with a simulated clock (STYLE 12), and a projected step-communication table at 1/10/25 Gbit/s for N up to
+with a simulated clock (the cores called directly), and a projected step-communication table at 1/10/25 Gbit/s for N up to
 256 is fitted from the measured costs (the model is printed and stored with the table).
 
 ``--forwarding per-rank`` (the relay forwards each rank's datagrams to every other rank) or

@@ -227,7 +227,7 @@ def _one_run(args: argparse.Namespace, messages: list[bytes], *, secure: bool, l
 
 def _core_rate(args: argparse.Namespace, messages: list[bytes], secure: bool, steps: int = 60) -> float:
     """Forwarded datagrams per CPU-second of the relay core alone on pre-sealed datagrams (no sockets):
-    the relay's own capacity, and a stable way to see what AEAD costs it (STYLE 12: call the core)."""
+    the relay's own capacity, and a stable way to see what AEAD costs it (the core called directly)."""
     W = args.peers
     relay, peers = joined_cores(W, args.params, b"\x01" * 32 if secure else None, 1, insecure=not secure,
                                 datagram_size=args.datagram_size, defer_apply=True)

@@ -1,5 +1,5 @@
 """The relay's aggregate of one step: every rank's message summed into the relay's own residual, then
-re-encoded as ONE message ("aggregated forwarding"; STYLE 10: state + function).
+re-encoded as ONE message ("aggregated forwarding"; a state object and a function).
 
     state = AggregateState(n_params, n_buffers, rule=CalibratedThreshold(density=1e-3))
     agg = aggregate_step(state, [update_rank0, update_rank1, ...], step)   # StepUpdate, rank order

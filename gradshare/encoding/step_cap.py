@@ -1,5 +1,5 @@
 """The step cap: every replica and the relay scale each parameter tensor's share of one step's summed
-messages down to at most ``cap × its norm at the start of training`` (STYLE 10: state + function).
+messages down to at most ``cap × its norm at the start of training`` (a state object and a function).
 
     cap = StepCap.of(sizes, initial_params, 0.1)
     apply_step([update_rank0, update_rank1, ...], state, scale=1.0, cap=cap)   # one whole step, rank order

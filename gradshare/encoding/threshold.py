@@ -1,4 +1,4 @@
-"""Threshold rules (how τ evolves) and residual clipping, as small state objects (STYLE item 10).
+"""Threshold rules (how τ evolves) and residual clipping, as small state objects with their tunables first.
 
 Each rule holds its tunables first, then its state; ``.threshold`` is the τ for the next step and
 ``.update(n_entries, n_params)`` advances it deterministically from what the last step sent, so every

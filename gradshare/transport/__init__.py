@@ -2,7 +2,7 @@
 
     from gradshare.transport import Relay, Peer, Update, new_job_key, param_hash
 
-The folders show what may touch a socket (STYLE 13): ``protocol/`` holds the sans-I/O cores and their
+The folders show what may touch a socket: ``protocol/`` holds the sans-I/O cores and their
 bookkeeping (bytes in, datagrams and events out, the time an argument), ``sockets/`` the threads and UDP
 sockets around them, ``testing/`` the in-memory link and the lossy proxy for tests and benchmarks.
 ``relay_main.py`` is the ``gradshare relay`` command; it stays at this level because the CLI finds a

@@ -1,4 +1,4 @@
-"""The small pure bookkeeping classes, each against a naive oracle (STYLE 3, 9)."""
+"""The small pure bookkeeping classes, each against a naive oracle, each small enough to test alone."""
 
 from __future__ import annotations
 

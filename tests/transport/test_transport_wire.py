@@ -1,4 +1,4 @@
-"""Wire codecs: symmetric round trips, and any bytes decode or raise DecodeError (STYLE 5, 9)."""
+"""Wire codecs: symmetric round trips, and any bytes decode or raise DecodeError (decoders are bounded and raise one error type)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The transport's protocol, sans I/O (STYLE 1, 3, 13): no ``socket``, ``threading`` or ``time`` here.
+"""The transport's protocol, sans I/O (testable without sockets or clocks): no ``socket``, ``threading`` or ``time`` here.
 
 The relay and peer state machines take bytes in and give datagrams and events out; the current time is
 an argument (``now=``). Their bookkeeping (range sets, reassembly, history, ranks, snapshots), the wire

@@ -1,6 +1,6 @@
 """A sender's outstanding updates: kept until acknowledged, re-sent on a retransmit timeout with
 exponential backoff, and the timeout itself from RFC 6298 round-trip estimates (a small
-bookkeeping class with its own tests, STYLE 3). No clock here: every call takes ``now``.
+bookkeeping class with its own tests). No clock here: every call takes ``now``.
 
 Karn's rule: a step whose datagrams were re-sent (timeout, or the relay's NAK) gives no RTT sample, else
 the estimate would include loss repair and inflate every later timeout.

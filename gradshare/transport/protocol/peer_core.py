@@ -1,4 +1,4 @@
-"""A peer's protocol state machine, sans I/O (STYLE 1). The shell in ``sockets/peer.py`` moves bytes and
+"""A peer's protocol state machine, sans I/O (bytes in, datagrams and events out). The shell in ``sockets/peer.py`` moves bytes and
 time, and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
 updates wait for their acknowledgement in ``outstanding.py``; forwarded updates come in and missing ones
 are NAKed in ``peer_inbound.py``; a snapshot download is ``peer_snapshot.py``'s. Its tunables are one

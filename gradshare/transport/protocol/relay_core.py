@@ -1,4 +1,5 @@
-"""The relay's protocol state machine, sans I/O (STYLE 1; aioquic ``quic/connection.py``, h11).
+"""The relay's protocol state machine, sans I/O (bytes in, datagrams and events out; as aioquic's
+``quic/connection.py`` and h11).
 
 ``receive_datagram(data, addr, now)`` consumes one datagram; ``datagrams_to_send()`` returns
 ``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.

@@ -1,4 +1,4 @@
-"""The cores' tunables, one frozen object each (STYLE 4, 10): ``RelayTuning`` for ``RelayCore``,
+"""The cores' tunables, one frozen object each, checked when made: ``RelayTuning`` for ``RelayCore``,
 ``PeerTuning`` for ``PeerCore``. Validated when built; a bad value raises ValueError naming the field.
 
 What is not here is not a tunable: the job (world size, key, job id, datagram size, insecure), the

@@ -1,4 +1,4 @@
-"""A peer (one Spark task) as a receiver thread around :class:`PeerCore` (STYLE 2: a thin I/O shell).
+"""A peer (one Spark task) as a receiver thread around :class:`PeerCore` (a thin I/O shell: the core decides).
 
 The receiver thread drains the socket into the core and runs its timer; the training thread calls
 ``send_update``/``receive``/``finish`` which take the same lock. Every wait has a timeout whose error names

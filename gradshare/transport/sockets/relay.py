@@ -1,4 +1,4 @@
-"""The relay (master) as a background thread around :class:`RelayCore` (STYLE 2: a thin I/O shell).
+"""The relay (master) as a background thread around :class:`RelayCore` (a thin I/O shell: the core decides).
 
 The thread only moves datagrams between the socket and the core, arms one timer, and hands events to
 waiters. Every public accessor takes the core's lock, so ``params``/``counters`` are consistent snapshots.
