@@ -213,10 +213,16 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
         raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
                          f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
+    if prep.resume is not None and config.step_cap == "auto":
+        # "auto" goes on with the cap its checkpoint's fit ran with (a default may have moved since)
+        config = replace(config, step_cap=prep.resume["job"].get("step_cap"))
     steps = plan_steps(config, world, max(steps_per_epoch))
     rule, share = steps.rule, steps.cap_share
+    # a resumed checkpoint's model and job are checked before its step bounds are read for this model
+    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share)
     step_cap = None if share is None else cap_of(share, flat, prep.resume)
-    saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share, step_cap)
+    if saving is not None and step_cap is not None:  # this fit's checkpoints keep the bounds it runs with
+        saving = replace(saving, job={**saving.job, "step_bounds": step_cap.to_json()})
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
@@ -246,17 +252,16 @@ def cap_of(share: float, flat: FlatParams, resume: Manifest | None) -> StepCap:
 
 
 def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
-                    resume: Manifest | None, share: float | None = None,
-                    step_cap: StepCap | None = None) -> tuple[CheckpointPlan | None, int, int]:
-    """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs)."""
+                    resume: Manifest | None, share: float | None = None) -> tuple[CheckpointPlan | None, int, int]:
+    """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs); a resumed checkpoint's
+    model and job checked against this fit's."""
     if config.checkpoint_root is None and resume is None:
         return None, 0, config.epochs
     if len(set(steps_per_epoch)) > 1:
         raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
                          f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
-    job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes,
-                 share, None if step_cap is None else step_cap.to_json())
+    job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes, share)
     return plan_for_fit(config.checkpoint_root, config.checkpoint_every, config.epochs, job, resume)
 
 

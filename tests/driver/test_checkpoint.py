@@ -87,7 +87,7 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     # step_cap=0.01 binds on this model at N = 2 (lock step: 2 epochs of the MLP end 20 pp lower)
     capped = trainer(4, step_cap=0.01).fit(rdd)
     assert capped.param_hash != whole.param_hash
-    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] is None   # "auto" at N = 2: none
+    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] == 0.05   # "auto" at N = 2: 0.05
     assert {r["param_hash"] for r in capped.worker_reports} == {capped.param_hash}
     root = str(tmp_path / "capped")
     trainer(2, step_cap=0.01, checkpoint_dir=root).fit(rdd)
@@ -103,11 +103,13 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     assert other.param_hash == capped.param_hash
     with pytest.raises(ValueError, match="its step_cap is 0.01, this fit's is None"):
         trainer(4, step_cap=None).fit(rdd, resume_from=root)
+    # "auto" goes on with the checkpoint's cap, whatever "auto" means now
+    assert trainer(4).fit(rdd, resume_from=root).param_hash == capped.param_hash
 
 
 def test_a_fit_with_the_workers_momentum_off_resumes_bit_identically(rdd, whole, tmp_path):
     off = trainer(4, optimizer_momentum="off").fit(rdd)
-    assert off.param_hash != whole.param_hash   # "auto" at N = 2 keeps Adam's β1: these differ
+    assert off.param_hash != whole.param_hash   # "auto" at N = 2 steps with β1 0.5: these differ
     root = str(tmp_path / "off")
     trainer(2, optimizer_momentum="off", checkpoint_dir=root).fit(rdd)
     assert trainer(4, optimizer_momentum="off").fit(rdd, resume_from=root).param_hash == off.param_hash
