@@ -147,7 +147,7 @@ class TrainConfig:
     warmup: float | None = None  # None: DEFAULT_WARMUP_EPOCHS, and at least DEFAULT_WARMUP_MIN_STEPS steps
     warmup_density: float | None = None
     decay_from: float | None = None  # None: the planner's (driver/policy.py), 2e-2 from 32 workers, 0 (off) below
-    step_cap: float | Literal["auto"] | None = "auto"  # "auto": 0.05 below 32 workers, 0.1 from 32 (driver/policy.py)
+    step_cap: float | Literal["auto"] | None = "auto"  # "auto": 0.06 below 32 workers, 0.1 from 32 (driver/policy.py)
     lr_batch_size: int | None = None  # the batch the optimizer's lr was tuned at; None: batch_size (lr as given)
     lr_scaling: LrScaling = "sqrt"  # how each worker's lr follows batch_size ÷ lr_batch_size
     optimizer_momentum: OptimizerMomentum = "auto"  # "auto": β1 / momentum ≤ 0.5 below 32 workers, 0 from 32 (driver/policy.py)

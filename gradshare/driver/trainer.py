@@ -117,7 +117,7 @@ class SharedTrainer:
     step_cap: every replica (and the relay) scales each parameter tensor's share of a step's summed
         messages down to at most this share of the tensor's norm at the start of training: N workers'
         updates summed overshoot, most on models initialised small (docs/guide/convergence.md, "Step
-        cap"). "auto" (default): 0.05 below 32 workers, 0.1 from 32 on, as measured in lock step
+        cap"). "auto" (default): 0.06 below 32 workers, 0.1 from 32 on, as measured in lock step
         (gradshare/driver/policy.py); None: none at any N. A resumed fit keeps its checkpoint's bounds.
     lr_batch_size: the batch size the optimizer's lr was tuned at, when that is not ``batch_size``
         (e.g. a published recipe's batch, now split over N workers): each worker's lr is then scaled

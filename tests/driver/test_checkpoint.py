@@ -87,7 +87,7 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     # step_cap=0.01 binds on this model at N = 2 (lock step: 2 epochs of the MLP end 20 pp lower)
     capped = trainer(4, step_cap=0.01).fit(rdd)
     assert capped.param_hash != whole.param_hash
-    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] == 0.05   # "auto" at N = 2: 0.05
+    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] == 0.06   # "auto" at N = 2: 0.06
     assert {r["param_hash"] for r in capped.worker_reports} == {capped.param_hash}
     root = str(tmp_path / "capped")
     trainer(2, step_cap=0.01, checkpoint_dir=root).fit(rdd)

@@ -12,7 +12,7 @@ from gradshare.encoding import CalibratedThreshold
 def test_the_table_row_by_row():
     rows = {n: auto_for(n) for n in (1, 2, 4, 15, 16, 31, 32, 64, 256)}
     assert [rows[n].momentum for n in rows] == [0.5] * 6 + [0.0] * 3
-    assert [rows[n].step_cap for n in rows] == [0.05] * 6 + [0.1] * 3
+    assert [rows[n].step_cap for n in rows] == [0.06] * 6 + [0.1] * 3
     assert [rows[n].decay_from for n in rows] == [0.0] * 6 + [0.02] * 3
     assert [rows[n].forwarding for n in rows] == ["per-rank"] * 4 + ["aggregate"] * 5
     assert [rows[n].warmup_density for n in (1, 2, 4, 64)] == [0.07, 0.07, 0.05, 0.2 / 64]
