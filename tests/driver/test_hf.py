@@ -71,15 +71,15 @@ def test_hf_llama_trains_from_a_dataframe_and_saves_with_save_pretrained(spark, 
         assert torch.equal(loaded(input_ids=batch[0]).logits, model(input_ids=batch[0]).logits)
 
 
-def test_the_default_loss_reads_a_model_outputs_logits(spark):
+def test_the_default_loss_reads_a_model_outputs_logits():
     pytest.importorskip("transformers")
     tiny_llama, _ = model_and_step()
-    ids, _, _ = token_rows(64, seed=1)
-    rows = [(a[:-1].tolist(), a[1:].tolist()) for a in ids]  # next-token labels (B, T) for logits (B, T, V)
-    df = spark.createDataFrame(rows, ["ids", "next"]).repartition(2)
-    result = SharedTrainer(tiny_llama, epochs=1, batch_size=8, **LOOPBACK).fit(df, features_col="ids", label_col="next")
-    assert result.extra.loss == "CrossEntropyLoss" and result.extra.probe == f"output (B, {SEQ - 1}, {VOCAB})"
-    assert np.isfinite(result.history[-1]["loss"])
+    ids, _, _ = token_rows(2, seed=1)
+    sample = ((ids[0, :-1],), ids[0, 1:])  # next-token labels (T,) for logits (B, T, V)
+    plan = plan_loss(tiny_llama(), sample, "int", True)
+    assert (plan.name, plan.label_dtype, plan.probe) == ("CrossEntropyLoss", "int64", f"output (B, {SEQ - 1}, {VOCAB})")
+    batch = tuple(torch.from_numpy(a[None]) for a in (ids[0, :-1], ids[0, 1:]))
+    assert torch.isfinite(plan.step(tiny_llama(), batch))  # the class-last logits of a ModelOutput
 
 
 class Outputs(nn.Module):

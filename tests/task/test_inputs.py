@@ -263,9 +263,9 @@ def test_train_step_hook_with_sample_weights_is_used(spark):
     xv = rng.normal(size=(256, 4)).astype(np.float32)
     yv = (xv[:, 0] > 0).astype(np.int64)
 
-    def fit(**kw):
+    def fit(**kw):  # a 10-weight model at a high lr: no step cap, which would slow it (convergence guide)
         return SharedTrainer(lambda: nn.Linear(4, 2), optimizer=_adam(2e-2), batch_size=32, epochs=4, seed=1,
-                             **LOOPBACK, **kw).fit(spark.sparkContext.parallelize(rows, 2))
+                             step_cap=None, **LOOPBACK, **kw).fit(spark.sparkContext.parallelize(rows, 2))
 
     hooked = fit(train_step=weighted)
     assert hooked.extra["loss"] == "train_step:weighted" and hooked.extra["probe"] == "train_step ran on one row"
@@ -326,7 +326,9 @@ def test_string_indexer_labels_train_a_classifier(spark):
     names = np.array(["bird", "cat", "dog"])[X[:, :3].argmax(axis=1)]
     df = spark.createDataFrame([(Vectors.dense(a.tolist()), str(s)) for a, s in zip(X, names)], ["features", "animal"])
     indexed = StringIndexer(inputCol="animal", outputCol="label").fit(df).transform(df).repartition(2)
-    r = SharedTrainer(lambda: nn.Linear(4, 3), optimizer=_adam(5e-2), batch_size=32, epochs=5, **LOOPBACK).fit(
+    # a 15-weight model at a high lr: no step cap, which would slow it (convergence guide)
+    r = SharedTrainer(lambda: nn.Linear(4, 3), optimizer=_adam(5e-2), batch_size=32, epochs=5, step_cap=None,
+                      **LOOPBACK).fit(
         indexed, features_col="features", label_col="label")
     assert (r.extra["loss"], r.extra["label_dtype"], r.extra["probe"]) == ("CrossEntropyLoss", "int64", "output (B, 3)")
     rows = indexed.select("features", "label").collect()  # one collect: repartition(2) orders rows anew each time
