@@ -94,11 +94,12 @@ N = 2000
 
 
 def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
-             world_size=None, make=random_update, apply=toy_apply_payload):
+             world_size=None, make=random_update, apply=toy_apply_payload, wait=20.0):
     """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
     `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
-    and ``apply(payload, params)``: the codec (default the toy one)."""
-    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=20, **(peer_kwargs or {})) for r in range(W)]
+    and ``apply(payload, params)``: the codec (default the toy one). ``wait``: how long a peer waits for a
+    step of the log (and a thread for its rank) before the exchange fails."""
+    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=wait, **(peer_kwargs or {})) for r in range(W)]
     params = [np.zeros(N, np.float32) for _ in range(W)]
     logs: list[list] = [[] for _ in range(W)]
     sent = {}
@@ -111,13 +112,13 @@ def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), stal
             p.join(10)
             for t in range(steps):
                 if t - 1 - staleness >= 0:
-                    for u in p.receive(until_step=t - 1 - staleness, timeout=20):
+                    for u in p.receive(until_step=t - 1 - staleness, timeout=wait):
                         logs[r].append((u.step, u.sender))
                         apply(u.payload, params[r])
                 p.send_update(t, payloads[(t, r)], StepMeta(loss=1.0 / (t + 1)))
                 sent[(t, r)] = payloads[(t, r)]
             p.finish(steps - 1)
-            for u in p.receive(until_step=steps - 1, timeout=20):
+            for u in p.receive(until_step=steps - 1, timeout=wait):
                 logs[r].append((u.step, u.sender))
                 apply(u.payload, params[r])
         except BaseException as exc:  # reported by the main thread
@@ -128,7 +129,7 @@ def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), stal
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(3 * wait)
         assert not errors, errors
         relay.wait_finished(20)
     finally:

@@ -47,7 +47,7 @@ def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
     with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay, \
             FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy:
         params, logs, expected, counters = exchange(relay, key, W, STEPS, np.random.default_rng(3),
-                                                    address=proxy.address, entries=(3, 100), **codec)
+                                                    address=proxy.address, entries=(3, 100), wait=60.0, **codec)
         check_replicas(relay, mode, STEPS, expected, logs, params)
         c = relay.counters()
         assert c["updates_in"] == W * STEPS and c["applied"] == W * STEPS
