@@ -54,7 +54,8 @@ def steps_per_epoch(rows: int, world: int, batch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ systems
-def run_ddp(data: LmData, *, workers: int, epochs: int, batch: int, seed: int, model: str = "tiny") -> dict[str, Any]:
+def run_ddp(data: LmData, *, workers: int, epochs: int, batch: int, seed: int,
+            model: str = "tiny") -> dict[str, Any]:
     """DDP's step in one process: the mean loss of the N ranks' batches, one clipped AdamW step."""
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -132,13 +133,14 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{key} takes a comma list of integers, got {text!r}") from None
     if not ints["workers"] or min(ints["workers"]) < 2:
         raise ValueError(f"--workers must be integers >= 2, got {ints['workers']}")
-    model = getattr(args, "model", "tiny")
+    model = args.model
     check_transformers(model)
     recipe = RECIPES[model]
     quick = QUICK if args.quick else {}
     cfg = {"model": model, "workers": ints["workers"], "seeds": ints["seeds"],
            "systems": comma_list(args.systems, ("gradshare", "ddp"), "systems"),
-           "epochs": args.epochs or quick.get("epochs", recipe.epochs), "rows": args.rows or quick.get("rows", recipe.rows),
+           "epochs": args.epochs or quick.get("epochs", recipe.epochs),
+           "rows": args.rows or quick.get("rows", recipe.rows),
            "batch_size": args.batch_size or quick.get("batch_size", recipe.batch), "quick": bool(args.quick)}
     for key in ("epochs", "rows", "batch_size"):
         if cfg[key] < 1:
@@ -229,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(rows)
     doc: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
            "command": report.command_line("lm"), "config": cfg,
-           "recipe": {"model": cfg["model"], "size": f"{LAYERS} layers, width {WIDTH}, {HEADS} heads, vocab {VOCAB}, T {SEQ}",
+           "recipe": {"model": cfg["model"],
+                      "size": f"{LAYERS} layers, width {WIDTH}, {HEADS} heads, vocab {VOCAB}, T {SEQ}",
                       "optimizer": f"AdamW {RECIPES[cfg['model']]}",
                       "schedule": f"linear warm-up {WARMUP_SHARE:.0%} of steps, cosine to 0",
                       "text": {"train": TRAIN_MODULES, "val": VAL_MODULES}},

@@ -26,12 +26,14 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gradshare.replica.losses import model_output
 
 LmData = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (ids, labels, validation ids, its labels)
 TrainStepFn = Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -86,7 +88,6 @@ def lm_data(seed: int, rows: int | None = None) -> LmData:
     train = train[np.random.default_rng(seed).permutation(len(train))][:rows]
     val = text_windows(VAL_MODULES, None if rows is None else max(rows // 4, 64))
     return train[:, :-1], train[:, 1:], val[:, :-1], val[:, 1:]
-
 
 
 # ------------------------------------------------------------------------------------ bench lm's own model
@@ -162,15 +163,14 @@ def next_token_step(model: Any, batch: tuple[torch.Tensor, ...]) -> torch.Tensor
     return F.cross_entropy(logits(model(batch[0])).flatten(0, -2), batch[-1].flatten())
 
 
+def logits(out: object) -> torch.Tensor:
+    """A model's logits: the output itself, or a `ModelOutput`'s (replica/losses.py's rule)."""
+    return cast(torch.Tensor, model_output(out))
+
+
 def train_step_for(model: str) -> TrainStepFn:
     """How model `model` computes its loss from a batch (ids, next-token labels)."""
     return hf_train_step if model in HF_MODELS else next_token_step
-
-
-def logits(out: Any) -> torch.Tensor:
-    """A model's logits: the output itself, or a `ModelOutput`'s."""
-    found: torch.Tensor = out.logits if hasattr(out, "logits") else out
-    return found
 
 
 def optimizer_for(model: str) -> Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]:

@@ -115,8 +115,8 @@ class CappedRule(encoding.CalibratedThreshold):
         return self.tau
 
 
-def trainer_options(rule: dict[str, Any] | None = None, *, scale: float = 1.0, step_cap: float | str | None = "auto",
-                    momentum: OptimizerMomentum = "auto", lr_batch: int | None = None,
+def trainer_options(rule: dict[str, Any] | None = None, *, scale: float = 1.0,
+                    step_cap: float | str | None = "auto", momentum: OptimizerMomentum = "auto", lr_batch: int | None = None,
                     follow_lr: bool = True, view: bool = True, clip: float = 5.0) -> dict[str, Any]:
     """The SharedTrainer options a lock-step run's keys stand for (`rule`: {"kind": "auto" | "adaptive" |
     "fixed", and SharedTrainer's density, warmup_density, decay_from or threshold}); ValueError naming a
@@ -126,7 +126,8 @@ def trainer_options(rule: dict[str, Any] | None = None, *, scale: float = 1.0, s
     options: dict[str, Any] = {"step_cap": step_cap, "optimizer_momentum": momentum, "lr_batch_size": lr_batch,
                                "follow_lr": follow_lr, "local_view": bool(view), "residual_clip": clip or None,
                                "aggregate": "mean" if scale < 0 else "sum"}
-    keys = {"auto": ("density", "warmup_density", "decay_from"), "fixed": ("threshold",), "adaptive": ("threshold",)}
+    keys = {"auto": ("density", "warmup_density", "decay_from"), "fixed": ("threshold",),
+            "adaptive": ("threshold",)}
     if kind not in keys or set(spec) - set(keys[kind]):
         raise ValueError(f"rule {rule!r}: the kind is one of {sorted(keys)}, with the SharedTrainer options "
                          f"{keys.get(kind, ())}")
@@ -156,13 +157,14 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     rule_obj = plan.rule if cap is None else CappedRule(cap, **{
         k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
     flat = FlatParams(copy.deepcopy(model))
-    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share)
+    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
+                                                          plan.cap_share)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
                        residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs, batch_size=batch,
                        staleness=0, seed=seed, label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
-                       apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale, local_view=bool(view), lr_factor=plan.lr_factor,
-                       momentum_ceiling=plan.momentum_ceiling, folded_view=bool(folded), device=device,
+                       apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale,  # else: an experiment
+                       local_view=bool(view), lr_factor=plan.lr_factor, momentum_ceiling=plan.momentum_ceiling, folded_view=bool(folded), device=device,
                        step_cap=caps, tensor_state=bool(tensor_state))
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []

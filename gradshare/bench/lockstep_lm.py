@@ -1,13 +1,13 @@
 """Lock-step N-worker training of the language models of `bench/lm_models.py` (the Hugging Face Llama and
-GPT-2, and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule from
-the planner `fit` runs (driver/plan.py), and the DDP equivalent beside it: one model, each step the mean
+GPT-2, and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule
+from the planner `fit` runs (driver/plan.py), and the DDP equivalent beside it: one model, each step the mean
 loss of the N ranks' batches (the same shards and batch order as the workers), one clipped AdamW step.
 
     python benchmarks/lockstep.py '{"lm": "llama", "world": 4}'
     python benchmarks/lockstep.py '{"lm": "gpt2", "world": 2, "system": "ddp", "seed": 1}'
 
-Keys (all optional): lm (a model of bench/lm_models.py's MODELS), world, epochs, seed, rows (training windows),
-batch (per worker; default the model's recipe), system ("gradshare" | "ddp"), options (SharedTrainer
+Keys (all optional): lm (a model of bench/lm_models.py's MODELS), world, epochs, seed, rows (training
+windows), batch (per worker; default the model's recipe), system ("gradshare" | "ddp"), options (SharedTrainer
 options as a dict, e.g. {"optimizer_momentum": "keep"}), scale (an apply scale to try instead of the
 planned one: an experiment, not an option). Prints one JSON line: validation loss (nats per token) after
 every epoch, the payload ratio, and how many distinct replicas the workers end with.
@@ -35,7 +35,6 @@ from gradshare.replica.losses import HookStep, clip_grad_norm
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
-
 
 
 def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, labels: np.ndarray, batch: int = 128) -> float:
@@ -69,7 +68,8 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
     config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **(options or {}))
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     flat = FlatParams(copy.deepcopy(model))
-    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share)
+    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
+                                                          plan.cap_share)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=None, train_step=step, optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
                        threshold_rule=plan.rule, residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs,

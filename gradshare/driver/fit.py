@@ -94,18 +94,6 @@ class RunPlan:
     aggregator: AggregateState | None
     step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
 
-    @property
-    def rule(self) -> ThresholdRule:
-        return self.steps.rule
-
-    @property
-    def scale(self) -> float:
-        return self.steps.apply_scale
-
-    @property
-    def cap_share(self) -> float | None:
-        return self.steps.cap_share
-
 
 @dataclass(frozen=True)
 class Started:
@@ -273,8 +261,8 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
     relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=config.bind,
                   datagram_size=config.datagram_size, insecure=config.insecure, tuning=tuning,
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
-                  apply_update=functools.partial(apply_update, scale=run.scale),
-                  apply_step=step_applier(run.scale, run.step_cap),
+                  apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
+                  apply_step=step_applier(run.steps.apply_scale, run.step_cap),
                   rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
                   aggregator=run.aggregator).start()
     return Started(relay, key, job_id, host)
@@ -318,7 +306,7 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         relay_address=relay_address, key=key, job_id=job_id, hosted=hosted,
         world_size=prep.job.world,
         model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
-        threshold_rule=run.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
+        threshold_rule=run.steps.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
         epochs=run.epochs, batch_size=config.batch_size, staleness=config.staleness, seed=config.seed,
         label_dtype=prep.plan.label_dtype, datagram_size=config.datagram_size, timeout=config.timeout,
         insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
@@ -326,7 +314,7 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
         lr_factor=run.steps.lr_factor, momentum_ceiling=run.steps.momentum_ceiling,
         follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
-        apply_scale=run.scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
+        apply_scale=run.steps.apply_scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
         train_step=prep.plan.step, device=config.device_name, n_state=int(run.initial.size),
         early_stopping=config.stopping, on_epoch_end=config.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
@@ -362,7 +350,7 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, r
         # a retried stage restarted at a checkpoint: the steps it went back from and to
         rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding,
         relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses,
-        step_cap=run.cap_share)
+        step_cap=run.steps.cap_share)
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,

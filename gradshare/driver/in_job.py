@@ -109,7 +109,7 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
     try:
         initial, initial_file = ship_state(prep.job, run.initial, job_id, folder)
         hosted = HostedRelay(initial=initial, initial_file=initial_file, n_params=run.flat.n_params, port=config.port, bind=config.bind,
-                             tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.scale,
+                             tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.steps.apply_scale,
                              step_cap=run.step_cap, aggregator=run.aggregator,
                              inbox=None if inbox is None else (str(host), inbox.address[1]),
                              resumed=None if prep.resume is None else int(prep.resume["epochs_done"]),

@@ -51,8 +51,9 @@ def build_model(given: ModelSpec, seed: int) -> nn.Module:
     raise TypeError(f"model must be a torch.nn.Module or a factory returning one, got {type(spec).__name__}")
 
 
-def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> ThresholdRule:
-    """The threshold rule each of ``world`` workers starts from (deep-copied per worker)."""
+def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2, capped: bool | None = None) -> ThresholdRule:
+    """The threshold rule each of ``world`` workers starts from (deep-copied per worker); `capped`: whether
+    the fit runs a step cap, which takes the run-long decay's lower lr's place (None: from the config)."""
     algo = config.threshold_algorithm
     run_steps = config.epochs * steps_per_epoch  # what a run-long density decay spans
     if is_calibrated(algo):
@@ -65,7 +66,7 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2) -> Thres
         decay_from, lr_power = auto.decay_from, auto.decay_lr_power
         if config.decay_from is not None:  # the user's, with the default lr power wherever it is on
             decay_from, lr_power = config.decay_from, DEFAULT_DECAY_LR_POWER if config.decay_from else 0.0
-        if cap_share(config, world) is not None:
+        if capped if capped is not None else cap_share(config, world) is not None:
             lr_power = 0.0  # the cap takes the lower lr's place (measured better: encoding/step_cap.py)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
@@ -97,7 +98,8 @@ def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPla
     options as given, "auto" from the table of policy.py."""
     option = config.optimizer_momentum
     momentum = auto_for(world).momentum if option == "auto" else momentum_ceiling(option)
-    return StepPlan(rule=rule_for(config, steps_per_epoch, world), cap_share=cap_share(config, world),
+    share = cap_share(config, world)
+    return StepPlan(rule=rule_for(config, steps_per_epoch, world, share is not None), cap_share=share,
                     momentum_ceiling=momentum, apply_scale=1.0 / world if config.aggregate == "mean" else 1.0,
                     lr_factor=config.lr_factor)
 

@@ -133,7 +133,8 @@ class SharedTrainer:
         (docs/guide/convergence.md, "The workers' momentum"); a number in [0, 1): the most momentum each
         worker steps with; "keep": the optimizer as given. Default "auto": at most 0.5 below 32 workers,
         off from 32 on, as measured in lock step (gradshare/driver/policy.py). The optimizer, its
-        scheduler and a checkpoint keep the values as given. "off" or a number with an optimizer that has no momentum is refused.
+        scheduler and a checkpoint keep the values as given. "off" or a number with an optimizer that has
+        no momentum is refused.
     lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``, built on every worker
         for its optimizer and stepped alike on all of them: after every step (scheduler_interval="step",
         default) or after every epoch ("epoch"). ReduceLROnPlateau is refused (its decisions would

@@ -4,8 +4,9 @@ and the building blocks the forms' kernels share (forms/*.py: each form's own ke
 Conventions shared by every kernel here:
 - An *entry* is one emitted ±τ at parameter index i, held as the int64 code ``(i << 1) | neg``
   (neg = 1 for −τ). Codes come out of the encoder sorted by index, one per index at most.
-- Kernels (``_name``) validate nothing and allocate nothing: callers pass preallocated outputs, so
-  a kernel call cannot fail halfway. The public functions at the end of this module allocate and resume them; the arguments are
+- Kernels (``_name``) validate nothing and allocate nothing: callers pass preallocated outputs, so a
+  kernel call cannot fail halfway. The public functions at the end of this module allocate and resume
+  them; the arguments are
   validated before, by the backend that calls them (numpy_codec.py). The forms' ``_check_*`` kernels
   are read-only validation passes that run on untrusted bytes BEFORE any kernel writes memory from them.
 - `cttz`, `prefetch_write`, `apply_batch` and the constants are public: other kernels inline them.

@@ -1,4 +1,5 @@
-"""A worker's update-sharing state and its one step function (a state object and a function, shaped like PyTorch's
+"""A worker's update-sharing state and its one step function (a state object and a function, shaped like
+PyTorch's
 `PowerSGDState` + `powerSGD_hook`).
 
     state = SharingState(n_params, rule=CalibratedThreshold(density=1e-3), clipping=ResidualClipping())

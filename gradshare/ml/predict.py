@@ -19,7 +19,7 @@ import pickle
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeAlias, TypedDict
+from typing import TypeAlias, TypedDict, cast
 
 import numpy as np
 import torch
@@ -152,7 +152,7 @@ class _MakePredict:
         def predict(*columns: np.ndarray) -> np.ndarray | dict[str, np.ndarray]:
             xs = tuple(torch.from_numpy(np.ascontiguousarray(c, dtype=d)) for c, d in zip(columns, dtypes))
             with torch.inference_mode():
-                out: torch.Tensor = model_output(module(*xs))  # type: ignore[assignment]  # output_spec checked it
+                out = cast(torch.Tensor, model_output(module(*xs)))  # one tensor: output_spec checked it
             if output["classification"]:
                 classes = out.argmax(dim=1).to(torch.float64).numpy()
                 if not probability:

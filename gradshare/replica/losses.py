@@ -61,9 +61,9 @@ def model_output(out: object) -> object:
         logits = out.get("logits")
         if not torch.is_tensor(logits):
             keys = ", ".join(map(repr, list(out)[:6]))
-            raise InputTypeError(f"the model returned a {type(out).__name__} with no 'logits' tensor (keys: {keys}); the "
-                            "default loss needs one output: pass train_step=lambda model, batch: ... returning the "
-                            "loss (e.g. model(input_ids=batch[0], labels=batch[0]).loss)")
+            raise InputTypeError(f"the model returned a {type(out).__name__} with no 'logits' tensor (keys: {keys}); "
+                                 "the default loss needs one output: pass train_step=lambda model, batch: ... "
+                                 "returning the loss (e.g. model(input_ids=batch[0], labels=batch[0]).loss)")
         return logits
     return out
 
