@@ -99,7 +99,8 @@ def read_manifest(store: Store, prefix: str, source: str) -> Manifest:
 
 
 def check_job(manifest: Manifest, job: dict[str, Any]) -> None:
-    """The resumed fit must be the checkpoint's job: the same shapes, workers, batches and seed."""
+    """The resumed fit must be the checkpoint's job: the same shapes and seed, and at the same world size the
+    same steps per epoch and batch size (a resume at another world size re-forms the job)."""
     have, want = manifest["job"], job
     where = manifest["directory"]
     if have["shapes"] != want["shapes"]:
@@ -110,7 +111,11 @@ def check_job(manifest: Manifest, job: dict[str, Any]) -> None:
         raise ValueError(f"resume_from={where!r} is a checkpoint of another model: {name} has shape "
                          f"{theirs.get(name, 'none')} there and {ours.get(name, 'none')} in this model "
                          f"(checkpoint shapes {theirs}; model shapes {ours})")
-    for key in ("world_size", "steps_per_epoch", "batch_size", "seed", "step_cap"):
+    # another world size is a re-formed job (task/checkpoint.sources maps the ranks): its steps per epoch
+    # follow, and its per-worker batch may have been rescaled to keep the global batch
+    regrouped = have.get("world_size") != want.get("world_size")
+    keys = ("seed", "step_cap") if regrouped else ("world_size", "steps_per_epoch", "batch_size", "seed", "step_cap")
+    for key in keys:
         if have.get(key) != want.get(key):
             raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have.get(key)!r}, "
                              f"this fit's is {want.get(key)!r}")
@@ -151,8 +156,8 @@ def _point(store: Store, manifest: Manifest, first_epoch: int, steps_per_epoch: 
 
 
 # ------------------------------------------------------------------------------------------ the driver
-def open_stores(checkpoint_dir: str | None, resume_from: str | None,
-                spark_context: SparkContext | None) -> tuple[Stores, Manifest | None]:
+def open_stores(checkpoint_dir: str | None, resume_from: str | None, spark_context: SparkContext | None,
+                epochs_done: int = 0) -> tuple[Stores, Manifest | None]:
     """The driver's stores by source ({"checkpoint": ..., "resume": ...}) and resume_from's manifest,
     every file of it checked; checkpoint_dir writable and holding no later checkpoints. All before any
     Spark job."""
@@ -171,7 +176,7 @@ def open_stores(checkpoint_dir: str | None, resume_from: str | None,
         except Exception as e:  # noqa: BLE001 - as above
             raise ValueError(f"checkpoint_dir={checkpoint_dir!r} is not writable: {error_line(e)}") from e
         check_writable(store)
-        check_fresh(store, 0 if resume is None else resume["epochs_done"])
+        check_fresh(store, epochs_done if resume is None else resume["epochs_done"])
     return stores, resume
 
 
@@ -183,13 +188,13 @@ def start_service(stores: Stores, key: bytes, bind: str, timeout: float) -> Chec
 
 
 # ------------------------------------------------------------------------------------------ a fit's
-def open_for_fit(checkpoint_dir: str | None, resume_from: str | None,
-                 sc: SparkContext | None) -> tuple[Stores, Manifest | None]:
+def open_for_fit(checkpoint_dir: str | None, resume_from: str | None, sc: SparkContext | None,
+                 epochs_done: int = 0) -> tuple[Stores, Manifest | None]:
     """The driver's checkpoint stores and resume_from's manifest, every file checked against it;
-    ({}, None) without checkpoints."""
+    ({}, None) without checkpoints. `epochs_done`: a re-formed elastic job's start (its epochs may be there)."""
     if resume_from is None and checkpoint_dir is None:
         return {}, None
-    return open_stores(checkpoint_dir, resume_from, sc)
+    return open_stores(checkpoint_dir, resume_from, sc, epochs_done)
 
 
 def plan_for_fit(checkpoint_dir: str | None, every: int, epochs: int, job: dict[str, Any],

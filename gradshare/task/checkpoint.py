@@ -382,24 +382,39 @@ def load_params(store: Store, manifest: Json) -> NDArray[Any]:
     return _read_checked(store, manifest, PARAMS, _array_of(manifest, PARAMS))
 
 
+def sources(rank: int, saved_world: int, world: int) -> tuple[int, list[int]]:
+    """Which of a checkpoint's `saved_world` ranks a rank of a fit at `world` workers starts from: (the rank whose
+    optimizer, schedule, τ rule and counters it takes, the ranks whose residuals it takes the sum of). The
+    same world: its own. Another: rank j takes rank j mod N's state and the residuals of the saved ranks
+    r ≡ j (mod N'), so that every saved rank's unsent update mass goes to exactly one new rank and none
+    is lost (a rank beyond the saved ones starts with an empty residual)."""
+    return rank % saved_world, [r for r in range(saved_world) if r % world == rank]
+
+
 def load_rank(manifest: Json, worker: Checkpointed) -> None:
     """Worker state from a checkpoint the driver verified; re-checked here (the files may have changed
-    since), all of it before any of it is loaded."""
+    since), all of it before any of it is loaded. A checkpoint of another world size maps its ranks
+    onto this fit's (`sources`)."""
     rank = worker.rank
     store = worker_store(worker.cfg, manifest["source"], rank)
     directory = manifest["directory"]
-    name = f"rank-{rank}/residual.npy"
-    residual = _read_checked(store, manifest, name, _array_of(manifest, name))
-    # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
-    local = _read_checked(store, manifest, f"rank-{rank}/local.pt",
-                          lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
-    meta: Json = _read_checked(store, manifest, f"rank-{rank}/state.json", lambda reader: json.loads(reader.read()))
+    saved_world = int(manifest["job"]["world_size"])
+    own, summed = sources(rank, saved_world, worker.cfg.world_size)
     state = worker.state
-    if residual.shape != (state.n_params,):
-        raise CheckpointError(f"checkpoint {directory}: rank {rank}'s residual has shape {residual.shape}, "
-                              f"the model ({state.n_params},)")
+    residual = np.zeros(state.n_params, np.float32)
+    for r in summed:  # in rank order: every rank of this fit adds them the same way
+        name = f"rank-{r}/residual.npy"
+        part = _read_checked(store, manifest, name, _array_of(manifest, name))
+        if part.shape != (state.n_params,):
+            raise CheckpointError(f"checkpoint {directory}: rank {r}'s residual has shape {part.shape}, "
+                                  f"the model ({state.n_params},)")
+        residual = part if len(summed) == 1 else residual + part
+    # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
+    local = _read_checked(store, manifest, f"rank-{own}/local.pt",
+                          lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
+    meta: Json = _read_checked(store, manifest, f"rank-{own}/state.json", lambda reader: json.loads(reader.read()))
     point = f"rank-{rank}/{POINT}"
-    if state.folded and point in manifest["files"]:
+    if state.folded and saved_world == worker.cfg.world_size and point in manifest["files"]:
         state.load_point(_read_checked(store, manifest, point, _array_of(manifest, point)))
     else:  # folded: onto the parameters the relay's snapshot just loaded
         state.load_residual(residual)
@@ -407,15 +422,15 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
     worker.optimizer.load_state_dict(local["optimizer"])
     if worker.scheduler is not None and local["scheduler"] is not None:
         worker.scheduler.load_state_dict(local["scheduler"])
-    torch.set_rng_state(local["rng"])
+    if own == rank:  # a rank beyond the saved ones keeps its own seed: no two ranks draw the same dropout
+        torch.set_rng_state(local["rng"])
     load_int_buffers(worker.model, local["int_buffers"])
     for name, value in meta["rule"].items():
         setattr(state.rule, name, value)
-    state.lr, state.lr_ref, state.tau, state.silent_steps = meta["lr"], meta["lr_ref"], meta["tau"], meta["silent_steps"]
-    worker.precision.skipped = meta["skipped_steps"]
+    state.lr, state.lr_ref, state.tau = meta["lr"], meta["lr_ref"], meta["tau"]
+    if own == rank:  # this rank's own counts; another rank's are not its history
+        state.silent_steps, worker.precision.skipped = meta["silent_steps"], meta["skipped_steps"]
     if worker.precision.scaler is not None and meta["scaler"] is not None:
         worker.precision.scaler.load_state_dict(meta["scaler"])
     _load_stopping(worker, meta.get("stopping"))
     worker.restored = True  # its lr schedule and batch counters are the checkpoint's (Worker.run)
-
-

@@ -150,8 +150,10 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
             data, shard = split_rows(rows, read, read, cfg.timeout)
         else:
             data = read(rows)
-        expected = steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last)
-        if expected != cfg.steps_per_epoch[rank]:
+        # rows the pre-pass counted (a checkpointed fit may run fewer steps than they fill: fit.even_steps)
+        moved = len(data) != cfg.rows[rank] if cfg.rows else (
+            steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last) != cfg.steps_per_epoch[rank])
+        if moved:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
