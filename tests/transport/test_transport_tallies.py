@@ -27,3 +27,18 @@ def test_epoch_tally_sums_a_ranks_steps():
     t.add(StepMeta(loss=1.0, sparsity=0.0, bytes=8.0, tau=0.2, lr=0.25), attempt=1)
     assert t.as_dict() == {"steps": 2, "loss": 3.0, "sparsity": 0.01, "payload": 108.0, "silent": 1, "tau": 0.2,
                            "lr": 0.5, "val_metric": None, "resumed": True}
+
+
+def test_notes_a_relay_inherits_reach_its_first_attempts_welcome():
+    """An elastic fit's next job: the relay starts with rank 0's early-stopping state of the job before it,
+    and every peer's WELCOME hands it on; the relay reads it back through a step."""
+    from harness import Sim, drive
+
+    sim = Sim(world_size=2, seed=1, staleness=0)
+    inherited = (("es_best", 0.25), ("es_waited", 2.0))
+    sim.relay.inherit_notes(inherited)
+    for r in range(2):
+        sim.add_peer(r)
+    drive(sim, lambda: all(p.welcome is not None for p in sim.peers.values()))
+    assert all(dict(p.welcome.notes) == dict(inherited) for p in sim.peers.values())
+    assert sim.relay.notes_at(-1) == inherited == sim.relay.notes_at(10)

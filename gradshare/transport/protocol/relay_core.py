@@ -254,6 +254,15 @@ class RelayCore:
     def copy_params(self) -> NDArray[np.float32]:
         return self.params.copy()
 
+    def notes_at(self, step: int) -> tuple[tuple[str, float], ...]:
+        """Rank 0's epoch-end state through `step` (AttemptNotes.at); () unless the default observer."""
+        return () if self.notes is None else self.notes.at(step)
+
+    def inherit_notes(self, notes: tuple[tuple[str, float], ...]) -> None:
+        """Before the first attempt: `notes` as if the log held them before its first step (WELCOME's)."""
+        if notes and self.notes is not None:
+            self.notes.entries.append((-1, dict(notes)))
+
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict); {} unless the observer
         is the default TrainingLog."""

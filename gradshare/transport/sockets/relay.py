@@ -267,6 +267,18 @@ class Relay:
         with self._lock:
             return list(self._incidents)
 
+    def inherit(self, notes: tuple[tuple[str, float], ...]) -> None:
+        """Before start: rank 0's epoch-end state (AttemptNotes) as if the log held it before its first step,
+        so the first attempt's WELCOME hands it on (a re-formed elastic job goes on with the rule's state)."""
+        with self._lock:
+            self._core.inherit_notes(notes)
+
+    def notes_at(self, step: int) -> tuple[tuple[str, float], ...]:
+        """Rank 0's epoch-end state as the log holds it through `step` (tallies.AttemptNotes): what a job
+        that starts after it inherits; () without the default observer."""
+        with self._lock:
+            return self._core.notes_at(step)
+
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         with self._lock:
