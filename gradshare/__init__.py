@@ -20,6 +20,7 @@ from gradshare.errors import (
 
 if TYPE_CHECKING:
     from gradshare.driver.result import FitResult
+    from gradshare.config import Elastic
     from gradshare.driver.trainer import SharedTrainer
     from gradshare.encoding import (
         AdaptiveThreshold,
@@ -47,9 +48,9 @@ _ENCODING_NAMES = (
     "ResidualClipping",
     "residual_stats",
 )
-_TRAINER_NAMES = ("SharedTrainer", "FitResult")
+_TRAINER_NAMES = ("SharedTrainer", "FitResult", "Elastic")
 _LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.driver.trainer"),
-         "FitResult": "gradshare.driver.result"}
+         "FitResult": "gradshare.driver.result", "Elastic": "gradshare.config"}
 
 
 def __getattr__(name: str) -> object:

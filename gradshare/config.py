@@ -107,6 +107,47 @@ def lr_factor(batch_size: int, lr_batch_size: int | None, scaling: str = "sqrt")
 
 
 @dataclass(frozen=True)
+class Elastic:
+    """An elastic fit (docs/guide/elastic.md): the job runs on between `min_workers` and `max_workers`
+    workers and re-forms when the cluster changes. A rank whose executor is lost re-forms the job without
+    it (once `slot_wait` s passed without its slot coming back); free slots at an epoch's end re-form it
+    larger. Each re-form starts from the relay's parameters (nothing of the log is lost but the lost
+    rank's step in flight) and runs the interrupted epoch again on the new partitioning, so no row of it
+    is skipped.
+
+    keep_global_batch: False (default) keeps `batch_size` per worker, so that a step is the step the lr
+    was tuned for and only the number of updates per step changes; True rescales it to
+    round(batch_size × start workers ÷ workers), the global batch of the first re-formed job.
+    max_reforms: re-forms in one fit; one more (an executor that keeps being lost and coming back) stops
+    the fit with an error naming the count."""
+
+    min_workers: int
+    max_workers: int
+    keep_global_batch: bool = False
+    slot_wait: float = 30.0
+    max_reforms: int = 8
+
+    def __post_init__(self) -> None:
+        low, high = self.min_workers, self.max_workers
+        for name, value in (("min_workers", low), ("max_workers", high), ("max_reforms", self.max_reforms)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_reforms" else 1):
+                raise ValueError(f"Elastic({name}=...) must be an int >= {0 if name == 'max_reforms' else 1}, "
+                                 f"got {value!r}")
+        if low > high:
+            raise ValueError(f"Elastic(min_workers={low}, max_workers={high}): min_workers is above max_workers")
+        if not (_is_number(self.slot_wait) and 0 <= self.slot_wait < math.inf):
+            raise ValueError(f"Elastic(slot_wait=...) must be a number of seconds >= 0, got {self.slot_wait!r}")
+        if not isinstance(self.keep_global_batch, bool):
+            raise ValueError(f"Elastic(keep_global_batch=...) must be True or False, got {self.keep_global_batch!r}")
+
+    def batch_size(self, batch_size: int, start_world: int, world: int) -> int:
+        """The per-worker batch at `world` workers of a fit that started at `start_world` with `batch_size`."""
+        if not self.keep_global_batch:
+            return batch_size
+        return max(1, round(batch_size * start_world / world))
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """SharedTrainer's options (its docstring says what each does), checked together.
 
@@ -163,6 +204,7 @@ class TrainConfig:
     mlflow: bool | dict[str, object] | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 1
+    elastic: Elastic | None = None
 
     # derived by __post_init__ from the fields above
     stopping: EarlyStopping | None = field(init=False, repr=False, compare=False)  # early_stopping's rule
@@ -279,6 +321,14 @@ class TrainConfig:
                              f"tuned at), got {lr_batch!r}")
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
             raise ValueError(f"num_workers must be None or an int >= 1, got {self.num_workers!r}")
+        elastic = self.elastic
+        if elastic is not None:
+            if not isinstance(elastic, Elastic):
+                raise TypeError(f"elastic must be gradshare.Elastic(min_workers=..., max_workers=...), got "
+                                f"{type(elastic).__name__}")
+            if self.num_workers is not None and not elastic.min_workers <= self.num_workers <= elastic.max_workers:
+                raise ValueError(f"num_workers={self.num_workers} is outside elastic's range "
+                                 f"[{elastic.min_workers}, {elastic.max_workers}]")
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ValueError(f"staleness must be an int >= 0, got {self.staleness!r}")
         if self.residual_clip is not None and not self.residual_clip > 0:

@@ -167,8 +167,9 @@ class EpochStats(_ReadAsMapping):
     resumed: bool | None = None  # the driver's: the epoch's steps span stage attempts
     skipped_steps: int | None = None  # the driver's: steps of data the log went on without
     loss_fn: str | None = None  # the driver's: the loss's name
+    workers: int | None = None  # the driver's, in an elastic fit: the workers that trained the epoch
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumed", "skipped_steps", "loss_fn"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumed", "skipped_steps", "loss_fn", "workers"})
 
     def scored(self, value: float | None) -> EpochStats:
         return dataclasses.replace(self, val_metric=value)

@@ -79,7 +79,7 @@ def test_fit_extras_read_by_attribute_and_by_key_like_the_dict_they_were():
     assert extra["loss"] == extra.loss == "MSELoss" and extra["stopped_epoch"] == 2 and "probe" in extra
     assert set(extra) == {"loss", "label_dtype", "inputs", "probe", "incidents", "stopped_epoch",
                           "stop_requested_epoch", "resumed_from", "rolled_back", "checkpoint_service_errors",
-                          "forwarding", "relay", "restarts", "relay_statuses", "step_cap"}  # SharedTrainer.fit's docstring lists these
+                          "forwarding", "relay", "restarts", "relay_statuses", "step_cap", "reforms"}  # SharedTrainer.fit's docstring lists these
     assert extra == dict(extra.items()) and extra.get("resumed_from") is None and extra["rolled_back"] == []
     with pytest.raises(KeyError):
         extra["nope"]

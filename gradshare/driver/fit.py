@@ -18,7 +18,9 @@ import copy
 import functools
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +42,7 @@ from gradshare.transport.sockets.snapshot_rate import snapshot_options
 from gradshare.driver.result import FitExtras, FitResult
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
+from gradshare.driver.reform import Left, Reform, Restart
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
 from gradshare.encoding import ResidualClipping, apply_update, decode_update
 from gradshare.encoding.step_cap import StepCap, step_applier
@@ -93,6 +96,7 @@ class RunPlan:
     forwarding: str
     aggregator: AggregateState | None
     step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
+    inherited: tuple[tuple[str, float], ...] = ()  # a re-formed job's: rank 0's early-stopping state
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def job_for(config: TrainConfig, data: object, features_col: str | list[str] | N
         if is_connect(data):
             check_connect(config.validation_data, config.checkpoint_root, resume_from)
             return FrameJob(data, features_col, label_col, config.num_workers)
-        if frame_path(config.validation_data):
+        if frame_path(config.validation_data) and config.elastic is None:  # an elastic fit watches its RDD job
             return FrameJob(data, features_col, label_col, config.num_workers)
         return RddJob(dataframe_to_rdd(data, features_col, label_col), config.num_workers)
     if features_col is not None or label_col is not None:
@@ -142,8 +146,9 @@ def job_for(config: TrainConfig, data: object, features_col: str | list[str] | N
 
 
 def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
-                 resume_from: str | None) -> Prepared:
-    """Everything checked before training: the data, its validation shards, checkpoints, model, loss."""
+                 resume_from: str | None, restart: Restart | None = None) -> Prepared:
+    """Everything checked before training: the data, its validation shards, checkpoints, model, loss.
+    `restart`: a re-formed elastic job's start (elastic.py)."""
     config = spec.config
     job = job_for(config, data, features_col, label_col, resume_from)
     shards: RDD[tuple[object, object]] | None = None
@@ -152,7 +157,8 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     if resume_from is not None:
         check_checkpoint_staleness("resume_from", config.staleness)
     # a corrupt checkpoint fails here, before any Spark job
-    stores, resume = open_for_fit(config.checkpoint_root, resume_from, job.spark_context)
+    stores, resume = open_for_fit(config.checkpoint_root, resume_from, job.spark_context,
+                                  0 if restart is None else restart.epochs_done)
     model = build_model(spec.model, config.seed)
     check_optimizer(spec.optimizer, config.lr_scheduler, model, config.optimizer_momentum)
     # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
@@ -185,8 +191,9 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
                     metric=config.metric or (default if classes else None), stores=stores, resume=resume)
 
 
-def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
-    """The shared state and how the fit runs it: steps per epoch, the rule, checkpoints, forwarding."""
+def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None) -> RunPlan:
+    """The shared state and how the fit runs it: steps per epoch, the rule, checkpoints, forwarding.
+    `restart`: a re-formed elastic job's start, from the relay's parameters after `epochs_done` epochs."""
     world, model = prep.job.world, prep.model
     flat = FlatParams(model)  # raises on a model with no trainable parameters
     initial = flat.host_state().copy()  # parameters, then float buffers (the state itself here: NumPy)
@@ -201,6 +208,7 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
         raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
                          f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
                          "data or lower batch_size")
+    steps_per_epoch = even_steps(steps_per_epoch, rows, config, prep.resume is not None)
     if prep.resume is not None and config.step_cap == "auto":
         # "auto" goes on with the cap its checkpoint's fit ran with (a default may have moved since)
         config = replace(config, step_cap=prep.resume["job"].get("step_cap"))
@@ -208,11 +216,17 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
     rule, share = steps.rule, steps.cap_share
     # a resumed checkpoint's model and job are checked before its step bounds are read for this model
     saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share)
-    step_cap = None if share is None else cap_of(share, flat, prep.resume)
+    if restart is not None:
+        initial, first_epoch, epochs = restart.params, restart.epochs_done, config.epochs - restart.epochs_done
+    step_cap = None if share is None else cap_of(share, flat, prep.resume, restart)
     if saving is not None and step_cap is not None:  # this fit's checkpoints keep the bounds it runs with
         saving = replace(saving, job={**saving.job, "step_bounds": step_cap.to_json()})
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
+        saved_world = prep.resume["job"]["world_size"]
+        if saved_world != world and config.verbose:
+            print(f"gradshare: resuming {prep.resume['directory']} (written by {saved_world} workers) at {world} "
+                  "workers: each rank's state is mapped (docs/guide/elastic.md)", flush=True)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
     # checkpointed fit per-rank, so that a resumed one stays bit-identical
     checkpointed = config.checkpoint_root is not None or prep.resume is not None
@@ -227,13 +241,31 @@ def plan_run(config: TrainConfig, prep: Prepared) -> RunPlan:
         aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
     return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
                    steps=steps, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
-                   forwarding=forwarding, aggregator=aggregator, step_cap=step_cap)
+                   forwarding=forwarding, aggregator=aggregator, step_cap=step_cap,
+                   inherited=() if restart is None else restart.notes)
 
 
-def cap_of(share: float, flat: FlatParams, resume: Manifest | None) -> StepCap:
+def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig, resumed: bool) -> tuple[int, ...]:
+    """A checkpointed or re-formed fit's steps per epoch: an epoch's end must be one step of the log, so where
+    an even split of the rows left some ranks one batch more than others (a repartition gives partitions
+    that differ by one row), every rank runs the fewest; a rank with one more drops its epoch order's last
+    batch, a different part of its rows each epoch. Skewed partitions (more than one batch apart) stay as
+    they are, and checkpoint_plan refuses them."""
+    if (config.checkpoint_root is None and not resumed) or max(steps) - min(steps) != 1:
+        return steps
+    fewest = min(steps)
+    if config.verbose:
+        dropped = sum(max(rows[r] - fewest * config.batch_size, 0) for r in range(len(steps)))
+        print(f"gradshare: every rank runs {fewest} steps an epoch (checkpoints need one epoch end for all): "
+              f"{dropped} row(s) an epoch beyond those, each rank's last in its epoch order, are not trained",
+              flush=True)
+    return (fewest,) * len(steps)
+
+
+def cap_of(share: float, flat: FlatParams, resume: Manifest | None, restart: Restart | None = None) -> StepCap:
     """The fit's step cap: ``share`` of each tensor's norm in the model as it starts, or the bounds a
-    resumed checkpoint's fit had (its start, not this fit's, is the training's start)."""
-    saved = None if resume is None else resume["job"].get("step_bounds")
+    resumed checkpoint's fit or the re-formed job's first had (the training's start, not this job's)."""
+    saved = restart.step_bounds if restart is not None else None if resume is None else resume["job"].get("step_bounds")
     if saved is not None:
         return StepCap.from_json(saved, flat.n_params)
     return StepCap.of([p.numel() for p in flat.params], flat.array, share)
@@ -264,13 +296,17 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
                   apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
                   apply_step=step_applier(run.steps.apply_scale, run.step_cap),
                   rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
-                  aggregator=run.aggregator).start()
+                  aggregator=run.aggregator)
+    relay.inherit(run.inherited)  # a re-formed elastic job's first attempt starts with them
+    relay.start()
     return Started(relay, key, job_id, host)
 
 
-def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Outcome:
+def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
+            watch: Callable[[], None] | None = None) -> Outcome:
     """The barrier stage against the started relay, then the relay's end state; closes the relay (and
-    the checkpoint service) whatever happens."""
+    the checkpoint service) whatever happens. `watch`: run_stage's; a `Reform` it raises leaves with the
+    relay's state as the cancelled job left it."""
     config = spec.config
     relay, service = started.relay, None
     try:
@@ -280,8 +316,13 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started) -> Ou
         cfg = worker_config(spec, prep, replace(run, saving=saving), resume, (started.host, relay.address[1]),
                             started.key, started.job_id)
         window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
-        reports = run_stage(prep.job, cfg, relay, window, config.verbose,
-                            lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch))
+        try:
+            reports = run_stage(prep.job, cfg, relay, window, config.verbose,
+                                lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch), watch)
+        except Reform as reform:  # the job is cancelled and settled: no task sends any more
+            reform.left = Left(relay.params, relay.complete_through, relay.epoch_tallies(),
+                               Counters.from_dict(relay.counters()), relay.notes_at(relay.complete_through))
+            raise
         relay.wait_finished(config.timeout)
         final = relay.params
         relay_hash = relay.param_hash()
@@ -307,6 +348,7 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         world_size=prep.job.world,
         model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
         threshold_rule=run.steps.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
+        rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
         epochs=run.epochs, batch_size=config.batch_size, staleness=config.staleness, seed=config.seed,
         label_dtype=prep.plan.label_dtype, datagram_size=config.datagram_size, timeout=config.timeout,
         insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
@@ -350,12 +392,21 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, r
         # a retried stage restarted at a checkpoint: the steps it went back from and to
         rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding,
         relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses,
-        step_cap=run.steps.cap_share)
+        step_cap=run.steps.cap_share, reforms=regrouped(prep.resume, prep.job.world))
     return FitResult(
         model=model, history=history, counters=out.counters, worker_reports=reports,
         param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,
         steps=max(r.last_step for r in reports) + 1, resumed_from=max(r.start_step for r in reports),
         seconds=time.monotonic() - t_start, extra=extra, skipped_steps=skipped)
+
+
+def regrouped(resume: Manifest | None, world: int) -> list[dict[str, Any]]:
+    """A resume at another world size, as the first of extra["reforms"] (task/checkpoint.sources maps the ranks)."""
+    if resume is None or resume["job"]["world_size"] == world:
+        return []
+    return [{"kind": "resume", "reason": f"resume_from={resume['directory']}", "epoch": resume["epochs_done"],
+             "from": resume["job"]["world_size"], "to": world, "at_step": None, "steps_redone": 0, "rows_skipped": 0,
+             "seconds": None}]
 
 
 def _offset(epoch: int | None, first_epoch: int) -> int | None:

@@ -39,6 +39,11 @@ class FitExtras(Mapping[str, Any]):
     # relay="in-job": the relay's statuses that reached this process (0: its pushes cannot reach it)
     relay_statuses: int | None = None
     step_cap: float | None = None  # the step cap that ran (step_cap="auto" resolved; None: none)
+    # an elastic fit's re-forms, in order: {"kind": "shrink" | "grow", "reason", "epoch" (the whole-training
+    # epoch the new job started at), "from", "to" (workers), "at_step" (the old job's log step), "steps_redone",
+    # "rows_skipped", "seconds" (from the detection to the new job's first step)}; a resume at another world
+    # size adds {"kind": "resume", ...} first
+    reforms: list[dict[str, Any]] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _EXTRAS:

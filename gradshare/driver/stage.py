@@ -18,9 +18,11 @@ from gradshare.task.config import WorkerConfig
 
 
 def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, window: float, verbose: int,
-              lines: Callable[[], list[EpochLine]] | None = None) -> list[WorkerReport]:
+              lines: Callable[[], list[EpochLine]] | None = None,
+              watch: Callable[[], None] | None = None) -> list[WorkerReport]:
     """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay, and
-    prints each finished epoch of `lines` (the applied log's)."""
+    prints each finished epoch of `lines` (the applied log's). `watch`: called as often, before the
+    failure checks; what it raises cancels the job (an elastic fit's re-form, elastic.py)."""
     # what the job's thread leaves: collect's list, or the error it raised
     collected: list[list[WorkerReport]] = []
     errors: list[BaseException] = []
@@ -40,6 +42,8 @@ def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, wind
         while thread.is_alive():
             thread.join(0.25)
             bar.update(relay.progress())
+            if watch is not None:
+                watch()
             failed = relay.failure()
             if failed is not None:  # a worker's deterministic error: retries would repeat it
                 raise reported_error(failed)  # the handler below cancels the job

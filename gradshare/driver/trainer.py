@@ -47,11 +47,12 @@ from pyspark.sql import DataFrame
 from torch import nn
 
 from gradshare.config import (
-    Aggregate, EpochCallback, Forwarding, LabelDtype, LossFn, LrScaling, Metric, ModelSpec, OnRankLoss,
+    Aggregate, Elastic, EpochCallback, Forwarding, LabelDtype, LossFn, LrScaling, Metric, ModelSpec, OnRankLoss,
     OptimizerFactory, OptimizerMomentum, Precision, RelayPlace, SchedulerFactory, SchedulerInterval,
     ThresholdAlgorithm, TrainConfig, TrainStep, ValidationData,
 )
 from gradshare.driver.fit import collect_result, plan_run, prepare_data, run_job, start_relay
+from gradshare.driver.elastic import fit_elastic
 from gradshare.driver.in_job import fit_in_job, in_job
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
@@ -185,6 +186,10 @@ class SharedTrainer:
         the last checkpoint, or from scratch without one (extra["restarts"]).
     batch_size: rows per step per worker; epochs: passes over each partition.
     num_workers: barrier tasks (default: the RDD's partitions; otherwise the RDD is re-partitioned).
+    elastic: ``Elastic(min_workers, max_workers)``: the job follows the cluster, shrinking when an
+        executor is lost for good and growing at an epoch's end when slots are free; it starts at
+        num_workers, or at the free slots up to max_workers (docs/guide/elastic.md). extra["reforms"]
+        lists each re-form; each history row's "workers" says how many trained that epoch.
     staleness: k ≥ 0; before step t a worker has applied the whole log through t-1-k. k ≥ 1 overlaps
         communication with compute but each step's gradient is taken at parameters missing the last k
         steps of every worker: stale updates. That is an optimisation effect, not a transport one (the
@@ -323,6 +328,7 @@ class SharedTrainer:
         mlflow: bool | dict[str, object] | None = TrainConfig.mlflow,
         checkpoint_dir: str | None = TrainConfig.checkpoint_dir,
         checkpoint_every: int = TrainConfig.checkpoint_every,
+        elastic: Elastic | None = TrainConfig.elastic,
     ) -> None:
         # Every default is TrainConfig's (the one place they are written; tests/test_config.py), and
         # TrainConfig checks every option: a bad one fails here, naming it, before any Spark job.
@@ -386,6 +392,8 @@ class SharedTrainer:
         extra["relay"]: "client" or "in-job", where the relay ran; with it in the job, extra["restarts"] (each
         run of the stage again: {"error", "from"}) and extra["relay_statuses"] (its statuses that reached
         this process; docs/guide/connect.md). extra["step_cap"]: the step cap that ran (None: none).
+        extra["reforms"]: each time the job re-formed at another size (an elastic fit's shrink or grow, a
+        resume at another world size; docs/guide/elastic.md).
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
         latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
@@ -401,6 +409,8 @@ class SharedTrainer:
         if in_job(self.config, data):  # the relay in rank 0's task (in_job.py)
             prep, run, outcome, restarts = fit_in_job(spec, data, features_col, label_col, resume_from)
             return collect_result(prep, run, outcome, t_start, relay="in-job", restarts=restarts)
+        if self.config.elastic is not None:  # the job re-forms as the cluster changes (elastic.py)
+            return fit_elastic(spec, data, features_col, label_col, resume_from, t_start)
         prep = prepare_data(spec, data, features_col, label_col, resume_from)  # every check before training
         run = plan_run(self.config, prep)
         started = start_relay(self.config, prep, run)

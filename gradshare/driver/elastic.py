@@ -1,0 +1,223 @@
+"""An elastic fit (`SharedTrainer(elastic=Elastic(min_workers, max_workers))`): the job follows the cluster.
+
+The fit runs as a sequence of jobs, each one barrier stage at a fixed number of workers. A job ends in
+one of three ways:
+
+    finished    the last epoch's step: the fit's result, with every job's history and re-form
+    shrink      a task of the stage failed (an executor lost: Spark then fails the whole barrier stage), or
+                a rank went silent past its bound. The driver cancels the job, waits at most `slot_wait`
+                s for the slots to come back, and starts the next job at the free slots (>= min_workers)
+    grow        more slots are free than the job uses, and the log reached an epoch's end: the driver
+                cancels the job there and starts the next one larger (<= max_workers)
+
+The next job starts from the relay's parameters as the cancelled job left them: every message the log
+applied, so what is lost is the lost rank's step in flight. It runs the interrupted epoch again from its
+start on the data partitioned for the new number of workers, so no row of it is skipped (the steps of it
+done before are counted as `steps_redone`: their updates are kept and their rows are seen again). Each
+rank's residual and optimizer state start fresh, as they do in a retried stage without a checkpoint:
+the processes that held them are gone (Spark kills a barrier stage's every task when one fails); the lr
+schedule and BatchNorm's batch counters are brought to the whole training's step (worker.py).
+
+Why not Spark's own retry: a barrier stage needs all its slots at once, and Spark waits for them (about
+10 minutes with the default barrier checks) before it fails the job, and never uses a slot that arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from gradshare.config import Elastic, TrainConfig
+from gradshare.driver.fit import (
+    RunPlan, collect_result, plan_run, prepare_data, regrouped, run_job, start_relay,
+)
+from gradshare.driver.history import merge_history
+from gradshare.driver.job import RddJob
+from gradshare.driver.plan import FitSpec
+from gradshare.driver.reform import Reform, Restart, shifted
+from gradshare.driver.result import FitResult
+from gradshare.driver.session import busy_slots, is_connect, total_slots
+from gradshare.errors import TrainingError
+from gradshare.checks import is_dataframe
+
+SLOTS_EVERY = 2.0  # s between counts of the cluster's free slots (a JVM call each)
+POLL = 0.5  # s between slot counts while a re-formed job waits for slots
+
+
+def check_elastic(config: TrainConfig, data: object) -> None:
+    """What an elastic fit needs, refused before any Spark job, naming the option."""
+    if is_dataframe(data) and is_connect(data):
+        raise ValueError("elastic= needs a classic Spark session: a Spark Connect client cannot count the cluster's "
+                         "free task slots or see a task fail; train without elastic= there")
+    if config.relay == "in-job":
+        raise ValueError("elastic= needs relay='client' (or 'auto' on a classic session): the relay's parameters "
+                         "are what a re-formed job starts from, and a relay in a task dies with the stage")
+    if config.staleness:
+        raise ValueError(f"elastic= needs staleness=0 (a re-formed job starts at an epoch's start with the whole "
+                         f"log applied); got staleness={config.staleness}")
+
+
+def free_slots(sc: Any) -> int:
+    return max(total_slots(sc) - busy_slots(sc), 0)
+
+
+def slots_for(sc: Any, elastic: Elastic, wanted: int, wait: float, timeout: float) -> int:
+    """The workers the next job gets: `wanted` (capped at max_workers) once that many slots are free within
+    `wait` s; otherwise as many as are free then, once at least min_workers are (within `timeout` s more);
+    else a clear error naming both numbers."""
+    wanted = min(wanted, elastic.max_workers)
+    start = time.monotonic()
+    while True:
+        free = free_slots(sc)
+        waited = time.monotonic() - start
+        if free >= wanted or (waited >= wait and free >= elastic.min_workers):
+            return min(free, wanted)
+        if waited >= wait + timeout:
+            raise ValueError(f"elastic fit: {free} free task slot(s) after {waited:.0f} s, below min_workers="
+                             f"{elastic.min_workers} (master {sc.master!r} has {total_slots(sc)} slots)")
+        time.sleep(POLL)
+
+
+class Watch:
+    """run_stage's watch for one job: raises `Reform` when a task failed, a rank is given up, or (every
+    SLOTS_EVERY s) slots are free for a larger job and the log just reached an epoch's end. Notes when the
+    job's first step completed, which is what a re-form cost in seconds ends at."""
+
+    def __init__(self, job: RddJob, relay: Any, run: RunPlan, elastic: Elastic, world: int,
+                 after: dict[str, Any] | None = None, verbose: int = 0) -> None:
+        """`after`: the re-form this job follows (its "seconds" are set at this job's first step)."""
+        self.job, self.relay, self.elastic, self.world = job, relay, elastic, world
+        self.after, self.verbose = after, verbose
+        self.epoch_steps = max(run.steps_per_epoch)
+        self.last_step = run.epochs * self.epoch_steps - 1
+        self.slots_at = 0.0
+        self.grow_after: int | None = None  # the log step whose epoch end a grow waits for
+        self.free_seen = 0  # slot counts in a row that found a free slot
+        self.first_step_at: float | None = None
+        self.ends = [time.monotonic()]  # when the log completed each epoch of this job (its start first)
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        done = int(self.relay.complete_through)
+        if self.first_step_at is None and done >= 0:
+            self.first_step_at = now
+            if self.after is not None:  # this job follows a re-form: say what it cost
+                self.after["seconds"] = round(now - float(self.after["detected_at"]), 2)
+                if self.verbose:
+                    print(f"gradshare: {self.world} workers took their first step {self.after['seconds']:.1f} s "
+                          f"after the {self.after['kind']} was detected", flush=True)
+        while (done + 1) // self.epoch_steps >= len(self.ends):  # an epoch of the log completed
+            self.ends.append(now)
+        failed = self._failed_tasks()
+        if failed:
+            raise Reform("shrink", f"{failed} task(s) of the stage failed (an executor lost?)", now)
+        given_up = self.relay.fatal_incident()
+        if given_up is not None:
+            raise Reform("shrink", given_up.describe(), now)
+        if self.world >= self.elastic.max_workers or done < 0:
+            return
+        if now - self.slots_at >= SLOTS_EVERY:
+            self.slots_at = now
+            # two counts in a row: an executor being removed or registered counts for a moment
+            free = free_slots(self.job.spark_context)
+            self.free_seen = self.free_seen + 1 if free > 0 else 0
+            end = (done // self.epoch_steps + 1) * self.epoch_steps - 1  # the end of the epoch the log is in
+            if self.grow_after is None and self.free_seen >= 2 and end < self.last_step:
+                self.grow_after = end
+        if self.grow_after is not None and done >= self.grow_after and self.free_seen >= 2:
+            raise Reform("grow", "free task slots at an epoch's end", now)
+
+    def seconds(self, epoch: int) -> float:
+        """How long the log took over this job's `epoch` (0.0: it ended after the watch last looked)."""
+        return round(self.ends[epoch + 1] - self.ends[epoch], 3) if epoch + 1 < len(self.ends) else 0.0
+
+    def _failed_tasks(self) -> int:
+        """Tasks of this job's stages that failed (Spark has not retried the stage yet, or is about to)."""
+        sc, group = self.job.spark_context, self.job.group
+        if not group:
+            return 0
+        tracker = sc.statusTracker()
+        failed = 0
+        for job_id in tracker.getJobIdsForGroup(group):
+            info = tracker.getJobInfo(job_id)
+            for stage in info.stageIds if info is not None else ():
+                stage_info = tracker.getStageInfo(stage)
+                if stage_info is not None:  # a later attempt of the stage: Spark retried it after a failure
+                    failed += max(stage_info.numFailedTasks, int(stage_info.currentAttemptId > 0))
+        return failed
+
+
+def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
+                resume_from: str | None, t_start: float) -> FitResult:
+    """SharedTrainer.fit with `elastic`: jobs at the cluster's size, each re-formed from the relay's state."""
+    config = spec.config
+    elastic = config.elastic
+    assert elastic is not None  # the trainer calls this for an elastic fit only
+    check_elastic(config, data)
+    sc = _spark_context(data)
+    # a cluster master's executors may still be registering; a local master's slots are all there
+    settle = 0.0 if str(sc.master).startswith("local") else config.timeout
+    start_world = config.num_workers or slots_for(sc, elastic, elastic.max_workers, 0.0, settle)
+    world, restart, resume = start_world, None, resume_from
+    rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
+    reforms: list[dict[str, Any]] = []
+    while True:
+        job_config = replace(config, num_workers=world,
+                             batch_size=elastic.batch_size(config.batch_size, start_world, world))
+        job_spec = replace(spec, config=job_config)
+        prep = prepare_data(job_spec, data, features_col, label_col, resume, restart)
+        if resume is not None:  # a resume_from at another world size is the first re-form
+            reforms += [{**r, "detected_at": None} for r in regrouped(prep.resume, world)]
+        run = plan_run(job_config, prep, restart)
+        started = start_relay(job_config, prep, run)
+        assert isinstance(prep.job, RddJob)  # check_elastic: a classic session (a DataFrame runs on its RDD)
+        after = reforms[-1] if reforms and reforms[-1]["detected_at"] is not None else None
+        watch = Watch(prep.job, started.relay, run, elastic, world, after, config.verbose)
+        try:
+            outcome = run_job(job_spec, prep, run, started, watch)
+        except Reform as reform:
+            if len(reforms) >= elastic.max_reforms:
+                raise TrainingError(f"elastic fit: {len(reforms) + 1} re-forms, more than max_reforms="
+                                    f"{elastic.max_reforms} (an executor that keeps being lost and coming back?); "
+                                    f"the last: {reform}") from reform
+            left = reform.left
+            assert left is not None  # run_job adds it
+            spe = watch.epoch_steps
+            # (a job lost after its last step runs its last epoch again: a job has at least one epoch)
+            local_done = min((left.complete_through + 1) // spe, run.epochs - 1)
+            epochs_done = run.first_epoch + local_done
+            finished, _ = merge_history([], left.tallies, run.steps_per_epoch, local_done)
+            # a cancelled job's rows come from the relay's tally; their seconds from the watch's clock
+            rows += [replace(row, epoch=row.epoch + run.first_epoch, loss_fn=prep.plan.name, workers=world,
+                             seconds=watch.seconds(row.epoch)).as_dict()
+                     for row in finished]
+            # a shrink waits for the lost slot to come back; a grow takes what is free
+            wanted = elastic.max_workers if reform.kind == "grow" else world
+            new_world = slots_for(sc, elastic, wanted, elastic.slot_wait if reform.kind == "shrink" else 0.0,
+                                  config.timeout)
+            reforms.append({"kind": reform.kind, "reason": reform.reason, "epoch": epochs_done,
+                            "from": world, "to": new_world, "at_step": left.complete_through,
+                            "steps_redone": left.complete_through + 1 - local_done * spe, "rows_skipped": 0,
+                            "detected_at": reform.detected_at, "seconds": None})
+            if config.verbose:
+                last = reforms[-1]
+                print(f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({reform.kind}: "
+                      f"{reform.reason}): {world} -> {new_world} workers, {last['steps_redone']} steps of the "
+                      "epoch run again, 0 rows skipped", flush=True)
+            restart = Restart(left.params, epochs_done, None if run.step_cap is None else run.step_cap.to_json(),
+                              shifted(left.notes, run.first_epoch - epochs_done))
+            world, resume = new_world, None
+            continue
+        result = collect_result(prep, run, outcome, t_start)
+        own = [{**row, "workers": world} for row in result.history]
+        result.history = rows + own
+        result.extra = replace(result.extra, reforms=[{k: v for k, v in r.items() if k != "detected_at"}
+                                                      for r in reforms])
+        return result
+
+
+def _spark_context(data: object) -> Any:
+    if is_dataframe(data):
+        return data.sparkSession.sparkContext
+    return data.context  # type: ignore[attr-defined]
