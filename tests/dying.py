@@ -30,3 +30,19 @@ class DiesOnce(nn.Module):
                 open(self.marker, "w").close()
                 os._exit(17)
         return self.net(x)
+
+
+class Slow(nn.Module):
+    """The demo MLP whose every training forward sleeps `pause` s: a fit that lasts long enough for the
+    driver to see a free slot (elastic tests)."""
+
+    def __init__(self, pause):
+        super().__init__()
+        self.net, self.pause = mlp(), pause
+
+    def forward(self, x):
+        import time
+
+        if self.training:
+            time.sleep(self.pause)
+        return self.net(x)
