@@ -43,6 +43,7 @@ from gradshare.checks import is_dataframe
 
 SLOTS_EVERY = 2.0  # s between counts of the cluster's free slots (a JVM call each)
 POLL = 0.5  # s between slot counts while a re-formed job waits for slots
+STEADY = 1.0  # s between the two equal slot counts a re-form takes as the cluster's size
 
 
 def check_elastic(config: TrainConfig, data: object) -> None:
@@ -62,12 +63,14 @@ def free_slots(sc: Any) -> int:
     return max(total_slots(sc) - busy_slots(sc), 0)
 
 
-def slots_for(sc: Any, elastic: Elastic, wanted: int, wait: float, timeout: float) -> int:
+def slots_for(sc: Any, elastic: Elastic, wanted: int, wait: float, timeout: float, reform: bool = True) -> int:
     """The workers the next job gets: `wanted` (capped at max_workers) once that many slots are free within
     `wait` s; otherwise as many as are free then, once at least min_workers are (within `timeout` s more);
-    else a clear error naming both numbers."""
+    else a clear error naming both numbers. `reform`: after a job was cancelled (the count settles first)."""
     wanted = min(wanted, elastic.max_workers)
     start = time.monotonic()
+    if reform:
+        steady(sc)
     while True:
         free = free_slots(sc)
         waited = time.monotonic() - start
@@ -77,6 +80,20 @@ def slots_for(sc: Any, elastic: Elastic, wanted: int, wait: float, timeout: floa
             raise ValueError(f"elastic fit: {free} free task slot(s) after {waited:.0f} s, below min_workers="
                              f"{elastic.min_workers} (master {sc.master!r} has {total_slots(sc)} slots)")
         time.sleep(POLL)
+
+
+def steady(sc: Any, bound: float = 10.0) -> None:
+    """Until the cluster's slot count is the same on two counts STEADY s apart (at most `bound` s): an
+    executor that was lost leaves Spark's count a moment after its task failed, and a job started on it
+    would fail again."""
+    deadline = time.monotonic() + bound
+    last = total_slots(sc)
+    while time.monotonic() < deadline:
+        time.sleep(STEADY)
+        now = total_slots(sc)
+        if now == last:
+            return
+        last = now
 
 
 class Watch:
@@ -126,7 +143,9 @@ class Watch:
             if self.grow_after is None and self.free_seen >= 2 and end < self.last_step:
                 self.grow_after = end
         if self.grow_after is not None and done >= self.grow_after and self.free_seen >= 2:
-            raise Reform("grow", "free task slots at an epoch's end", now)
+            if free_slots(self.job.spark_context) > 0:  # still there: a grow never re-forms at the same size
+                raise Reform("grow", "free task slots at an epoch's end", now)
+            self.grow_after, self.free_seen = None, 0
 
     def seconds(self, epoch: int) -> float:
         """How long the log took over this job's `epoch` (0.0: it ended after the watch last looked)."""
@@ -158,7 +177,7 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
     sc = _spark_context(data)
     # a cluster master's executors may still be registering; a local master's slots are all there
     settle = 0.0 if str(sc.master).startswith("local") else config.timeout
-    start_world = config.num_workers or slots_for(sc, elastic, elastic.max_workers, 0.0, settle)
+    start_world = config.num_workers or slots_for(sc, elastic, elastic.max_workers, 0.0, settle, reform=False)
     world, restart, resume = start_world, None, resume_from
     rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
     reforms: list[dict[str, Any]] = []
