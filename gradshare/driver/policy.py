@@ -67,4 +67,23 @@ def auto_for(world: int) -> Auto:
                 forwarding="aggregate" if world >= AGGREGATE_FROM else "per-rank")
 
 
-__all__ = ["AGGREGATE_FROM", "MANY_WORKERS", "Auto", "auto_for"]
+
+
+
+WORLDS = (1, 2, 4, 8, 16, 32, 64)  # the worker counts docs/guide/defaults.md shows
+
+
+def table(worlds: tuple[int, ...] = WORLDS) -> str:
+    """The table as markdown, one row per worker count: docs/guide/defaults.md holds it as printed here
+    (tests/docs checks that it does)."""
+    lines = ["| workers | momentum (β1) at most | step cap | density decay from | decay's lr power | "
+             "warm-up's first density | forwarding |", "|---|---|---|---|---|---|---|"]
+    for world in worlds:
+        row = auto_for(world)
+        momentum = "off (0)" if row.momentum == 0 else f"{row.momentum:g}"
+        decay = "off" if row.decay_from == 0 else f"{row.decay_from:g}"
+        power = "–" if row.decay_from == 0 else f"{row.decay_lr_power:g}"
+        lines.append(f"| {world} | {momentum} | {row.step_cap:g} | {decay} | {power} | "
+                     f"{row.warmup_density:.4g} | {row.forwarding} |")
+    return "\n".join(lines) + "\n"
+__all__ = ["AGGREGATE_FROM", "MANY_WORKERS", "WORLDS", "Auto", "auto_for", "table"]
