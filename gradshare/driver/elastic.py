@@ -137,19 +137,33 @@ class Watch:
         if now - self.slots_at >= SLOTS_EVERY:
             self.slots_at = now
             # two counts in a row: an executor being removed or registered counts for a moment
-            free = free_slots(self.job.spark_context)
+            free = self._spare()
             self.free_seen = self.free_seen + 1 if free > 0 else 0
             end = (done // self.epoch_steps + 1) * self.epoch_steps - 1  # the end of the epoch the log is in
             if self.grow_after is None and self.free_seen >= 2 and end < self.last_step:
                 self.grow_after = end
         if self.grow_after is not None and done >= self.grow_after and self.free_seen >= 2:
-            if free_slots(self.job.spark_context) > 0:  # still there: a grow never re-forms at the same size
+            if self._spare() > 0:  # still there: a grow never re-forms at the same size
                 raise Reform("grow", "free task slots at an epoch's end", now)
             self.grow_after, self.free_seen = None, 0
 
     def seconds(self, epoch: int) -> float:
         """How long the log took over this job's `epoch` (0.0: it ended after the watch last looked)."""
         return round(self.ends[epoch + 1] - self.ends[epoch], 3) if epoch + 1 < len(self.ends) else 0.0
+
+    def _spare(self) -> int:
+        """Slots neither this job (its `world` tasks, whatever Spark's status tracker says of them yet: it
+        counts a task active only once its start event was processed, seconds late under load) nor another
+        job's running tasks take."""
+        sc = self.job.spark_context
+        if not self.job.group:  # the job is not submitted yet
+            return 0
+        tracker = sc.statusTracker()
+        ours = {s for j in tracker.getJobIdsForGroup(self.job.group) if (info := tracker.getJobInfo(j)) is not None
+                for s in info.stageIds}
+        others = sum(info.numActiveTasks for s in tracker.getActiveStageIds()
+                     if s not in ours and (info := tracker.getStageInfo(s)) is not None)
+        return max(int(total_slots(sc)) - self.world - int(others), 0)
 
     def _failed_tasks(self) -> int:
         """Tasks of this job's stages that failed (Spark has not retried the stage yet, or is about to)."""
