@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
-SPARK_FIXTURES = frozenset({"spark", "digits_rdd", "connect"})
+SPARK_FIXTURES = frozenset({"spark", "digits_rdd", "connect", "on_a_cluster"})  # on_a_cluster: test_elastic.py
 SOCKET_FOLDERS = (os.path.join(TESTS, "transport", "sockets") + os.sep,)
 
 
