@@ -155,30 +155,27 @@ class Watch:
         """Slots neither this job (its `world` tasks, whatever Spark's status tracker says of them yet: it
         counts a task active only once its start event was processed, seconds late under load) nor another
         job's running tasks take."""
-        sc = self.job.spark_context
-        if not self.job.group:  # the job is not submitted yet
+        ours = self._stages()
+        if ours is None:
             return 0
-        tracker = sc.statusTracker()
-        ours = {s for j in tracker.getJobIdsForGroup(self.job.group) if (info := tracker.getJobInfo(j)) is not None
-                for s in info.stageIds}
+        tracker = self.job.spark_context.statusTracker()
         others = sum(info.numActiveTasks for s in tracker.getActiveStageIds()
                      if s not in ours and (info := tracker.getStageInfo(s)) is not None)
-        return max(int(total_slots(sc)) - self.world - int(others), 0)
+        return max(int(total_slots(self.job.spark_context)) - self.world - int(others), 0)
 
     def _failed_tasks(self) -> int:
-        """Tasks of this job's stages that failed (Spark has not retried the stage yet, or is about to)."""
-        sc, group = self.job.spark_context, self.job.group
-        if not group:
-            return 0
-        tracker = sc.statusTracker()
-        failed = 0
-        for job_id in tracker.getJobIdsForGroup(group):
-            info = tracker.getJobInfo(job_id)
-            for stage in info.stageIds if info is not None else ():
-                stage_info = tracker.getStageInfo(stage)
-                if stage_info is not None:  # a later attempt of the stage: Spark retried it after a failure
-                    failed += max(stage_info.numFailedTasks, int(stage_info.currentAttemptId > 0))
-        return failed
+        """Tasks of this job's stages that failed, or 1 for a stage Spark already runs again after a failure."""
+        tracker = self.job.spark_context.statusTracker()
+        infos = [tracker.getStageInfo(s) for s in self._stages() or ()]
+        return sum(max(info.numFailedTasks, int(info.currentAttemptId > 0)) for info in infos if info is not None)
+
+    def _stages(self) -> set[int] | None:
+        """The stage ids of this job's Spark jobs (its job group); None before the job is submitted."""
+        if not self.job.group:
+            return None
+        tracker = self.job.spark_context.statusTracker()
+        return {s for j in tracker.getJobIdsForGroup(self.job.group) if (info := tracker.getJobInfo(j)) is not None
+                for s in info.stageIds}
 
 
 def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
@@ -238,8 +235,7 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
                 print(f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({reform.kind}: "
                       f"{reform.reason}): {world} -> {new_world} workers, {last['steps_redone']} steps of the "
                       "epoch run again, 0 rows skipped", flush=True)
-            restart = Restart(left.params, epochs_done, None if run.step_cap is None else run.step_cap.to_json(),
-                              shifted(left.notes, run.first_epoch - epochs_done))
+            restart = Restart(left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done))
             world, resume = new_world, None
             continue
         result = collect_result(prep, run, outcome, t_start)

@@ -246,7 +246,7 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
 
 
 def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig, resumed: bool) -> tuple[int, ...]:
-    """A checkpointed or re-formed fit's steps per epoch: an epoch's end must be one step of the log, so where
+    """A checkpointed or resumed fit's steps per epoch: an epoch's end must be one step of the log, so where
     an even split of the rows left some ranks one batch more than others (a repartition gives partitions
     that differ by one row), every rank runs the fewest; a rank with one more drops its epoch order's last
     batch, a different part of its rows each epoch. Skewed partitions (more than one batch apart) stay as
@@ -265,7 +265,9 @@ def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig
 def cap_of(share: float, flat: FlatParams, resume: Manifest | None, restart: Restart | None = None) -> StepCap:
     """The fit's step cap: ``share`` of each tensor's norm in the model as it starts, or the bounds a
     resumed checkpoint's fit or the re-formed job's first had (the training's start, not this job's)."""
-    saved = restart.step_bounds if restart is not None else None if resume is None else resume["job"].get("step_bounds")
+    if restart is not None and restart.step_cap is not None:
+        return restart.step_cap
+    saved = None if resume is None else resume["job"].get("step_bounds")
     if saved is not None:
         return StepCap.from_json(saved, flat.n_params)
     return StepCap.of([p.numel() for p in flat.params], flat.array, share)
@@ -321,7 +323,7 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
                                 lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch), watch)
         except Reform as reform:  # the job is cancelled and settled: no task sends any more
             reform.left = Left(relay.params, relay.complete_through, relay.epoch_tallies(),
-                               Counters.from_dict(relay.counters()), relay.notes_at(relay.complete_through))
+                               relay.notes_at(relay.complete_through))
             raise
         relay.wait_finished(config.timeout)
         final = relay.params

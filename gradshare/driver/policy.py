@@ -86,4 +86,6 @@ def table(worlds: tuple[int, ...] = WORLDS) -> str:
         lines.append(f"| {world} | {momentum} | {row.step_cap:g} | {decay} | {power} | "
                      f"{row.warmup_density:.4g} | {row.forwarding} |")
     return "\n".join(lines) + "\n"
+
+
 __all__ = ["AGGREGATE_FROM", "MANY_WORKERS", "WORLDS", "Auto", "auto_for", "table"]

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
-from gradshare.reports import Counters
+from gradshare.encoding.step_cap import StepCap
 
 
 @dataclass(frozen=True)
 class Left:
     """The relay's state once the cancelled job's tasks are gone: its parameters (every message of the log
-    it applied: through `complete_through`, and of the next step those that came), its tallies and counters."""
+    it applied: through `complete_through`, and of the next step those that came) and its tallies."""
 
     params: np.ndarray
     complete_through: int
     tallies: Mapping[tuple[int, int], Mapping[str, float | None]]
-    counters: Counters
     notes: tuple[tuple[str, float], ...] = ()  # rank 0's epoch-end state through complete_through
 
 
@@ -43,7 +40,7 @@ class Restart:
 
     params: np.ndarray
     epochs_done: int
-    step_bounds: Any = None  # StepCap.to_json() of the first job; None: no cap
+    step_cap: StepCap | None = None  # the first job's (its bounds come from the training's start); None: none
     # rank 0's early-stopping state as the old job's log held it, its epochs counted from the new job's start
     notes: tuple[tuple[str, float], ...] = ()
 

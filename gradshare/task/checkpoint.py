@@ -401,14 +401,19 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
     saved_world = int(manifest["job"]["world_size"])
     own, summed = sources(rank, saved_world, worker.cfg.world_size)
     state = worker.state
-    residual = np.zeros(state.n_params, np.float32)
+    residual: NDArray[Any] | None = None
     for r in summed:  # in rank order: every rank of this fit adds them the same way
         name = f"rank-{r}/residual.npy"
         part = _read_checked(store, manifest, name, _array_of(manifest, name))
         if part.shape != (state.n_params,):
             raise CheckpointError(f"checkpoint {directory}: rank {r}'s residual has shape {part.shape}, "
                                   f"the model ({state.n_params},)")
-        residual = part if len(summed) == 1 else residual + part
+        if residual is None:
+            residual = part
+        else:
+            residual += part
+    if residual is None:  # a rank beyond the saved ones: nothing of theirs to carry
+        residual = np.zeros(state.n_params, np.float32)
     # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
     local = _read_checked(store, manifest, f"rank-{own}/local.pt",
                           lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))

@@ -85,7 +85,7 @@ class WorkerConfig:
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
     local_view: bool = TrainConfig.local_view  # forward/backward at P + own residual (local_view.py); False: at P
     hosted: HostedRelay | None = None  # relay="in-job": rank 0 hosts the relay (relay_host.py); relay_address is then its
-    rows: tuple[int, ...] = ()  # per rank: the driver's pre-pass count, which a task's must equal; (): unknown
+    rows: tuple[int, ...] = ()  # per rank: the driver's pre-pass count, which a task's must equal (fit sets it)
 
     def total_steps(self, rank: int) -> int:
         return self.steps_per_epoch[rank] * self.epochs

@@ -18,7 +18,7 @@ from gradshare.errors import GradshareError, ProtocolError, TrainingError
 from gradshare.replica.flat import FlatParams
 from gradshare.reports import Counters, WorkerFailure, WorkerReport
 from gradshare.task.checkpoint import load_rank, manifest_for
-from gradshare.task.config import WorkerConfig, steps_per_epoch
+from gradshare.task.config import WorkerConfig
 from gradshare.task.memory import proc_status_bytes, release_free_memory, reset_peak_rss
 from gradshare.task.partition import PartitionData
 from gradshare.task.relay_host import RelayHost, executor_host, gather_relay
@@ -150,10 +150,9 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
             data, shard = split_rows(rows, read, read, cfg.timeout)
         else:
             data = read(rows)
-        # rows the pre-pass counted (a checkpointed fit may run fewer steps than they fill: fit.even_steps)
-        moved = len(data) != cfg.rows[rank] if cfg.rows else (
-            steps_per_epoch(len(data), cfg.batch_size, cfg.drop_last) != cfg.steps_per_epoch[rank])
-        if moved:
+        # the rows the pre-pass counted (not the steps: a checkpointed fit may run fewer than they fill,
+        # fit.even_steps)
+        if len(data) != cfg.rows[rank]:
             raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
                              "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
