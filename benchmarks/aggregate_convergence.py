@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from gradshare.options import Network
 
 
 def main(argv=None) -> int:
@@ -42,8 +43,8 @@ def main(argv=None) -> int:
             rdd = spark.sparkContext.parallelize(rows, n).cache()
             for forwarding in ("per-rank", "aggregate"):
                 r = SharedTrainer(mlp, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
-                                  forwarding=forwarding, validation_data=(X_test, y_test), port=0,
-                                  bind="127.0.0.1", verbose=0).fit(rdd)
+                                  validation_data=(X_test, y_test), port=0, verbose=0,
+                                  network=Network(forwarding=forwarding, bind="127.0.0.1")).fit(rdd)
                 row = {"workers": n, "forwarding": forwarding, "steps": r.steps,
                        "val_accuracy": [h["val_metric"] for h in r.history],
                        "loss": [h["loss"] for h in r.history],

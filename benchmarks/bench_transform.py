@@ -88,7 +88,7 @@ def main(argv=None):
         train = spark.createDataFrame([(x.tolist(), int(t)) for x, t in zip(X, y)], ["features", "label"])
         model = GradshareEstimator(functools.partial(mlp), numWorkers=args.workers, learningRate=1e-2,
                                    predictBatchSize=args.batch_size,
-                                   trainerOptions={"port": 0, "bind": "127.0.0.1", "verbose": 0}).fit(train)
+                                   trainerOptions={"port": 0, "network": {"bind": "127.0.0.1"}, "verbose": 0}).fit(train)
         data = spark.range(args.rows, numPartitions=args.workers).select(
             F.array(*[F.rand(seed=i) for i in range(64)]).alias("features")).cache()
         data.count()

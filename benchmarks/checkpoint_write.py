@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from gradshare.options import FaultTolerance, Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,16 +51,17 @@ def main() -> int:
     rdd.count()
     root = tempfile.mkdtemp(prefix="gradshare-ckpt-bench-")
     try:
-        options = dict(epochs=args.epochs, batch_size=64, port=0, bind="127.0.0.1", verbose=0)
+        options = dict(epochs=args.epochs, batch_size=64, port=0, network=Network(bind="127.0.0.1"), verbose=0)
         SharedTrainer(mlp, **{**options, "epochs": 1}).fit(rdd)  # warm-up: Python workers, imports, kernels
         plain = SharedTrainer(mlp, **options).fit(rdd)
-        saved = SharedTrainer(mlp, checkpoint_dir=root, **options).fit(rdd)
+        saved = SharedTrainer(mlp, **options, fault_tolerance=FaultTolerance(checkpoint_dir=root)).fit(rdd)
         via_driver = None
         if args.hadoop:
             os.makedirs(os.path.join(root, "hadoop"))
             spark.sparkContext._jsc.hadoopConfiguration().set(
                 "fs.viewfs.mounttable.gradshare-bench.link./ckpt", f"file://{root}/hadoop")
-            via_driver = SharedTrainer(mlp, checkpoint_dir="viewfs://gradshare-bench/ckpt/run", **options).fit(rdd)
+            via_driver = SharedTrainer(mlp, **options,
+                                       fault_tolerance=FaultTolerance(checkpoint_dir="viewfs://gradshare-bench/ckpt/run")).fit(rdd)
         last = os.path.join(root, f"epoch-{args.epochs:05d}")
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(last) for f in files)
         param_bytes = 4 * saved.n_params

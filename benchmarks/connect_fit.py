@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from gradshare.options import Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # name: (session, relay)
@@ -53,8 +54,8 @@ def run_case(session: str, relay: str, epochs: int) -> dict:
     out: dict = {"startup": startup}
     for name in ("first", "fit"):
         t = time.monotonic()
-        r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, port=0, bind="127.0.0.1", relay=relay,
-                          verbose=0).fit(df, features_col="features", label_col="label")
+        r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, port=0, verbose=0,
+                          network=Network(bind="127.0.0.1", relay=relay)).fit(df, features_col="features", label_col="label")
         out[name] = time.monotonic() - t
         out["accuracy"] = evaluate_accuracy(r.model, X_test, y_test)
         out["relay"], out["steps"] = r.extra.relay, r.steps

@@ -27,6 +27,7 @@ from pyspark import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from standalone import Cluster  # noqa: E402 - this folder's helper
+from gradshare.options import Network, in_groups
 
 DEFAULTS = {"scenario": "whole", "world": 4, "seed": 0, "epochs": 8, "batch_size": 16, "kill_at": 0.4,
             "grow_after": 2.0}
@@ -91,7 +92,7 @@ def trainer(cfg: dict[str, Any], model: Any = None, **options: Any) -> Any:
     from gradshare.demo import mlp
 
     return SharedTrainer(model or mlp, epochs=cfg["epochs"], batch_size=cfg["batch_size"], seed=cfg["seed"], port=0,
-                         bind="127.0.0.1", verbose=0, **options)
+                         verbose=0, **in_groups({**options, "network": Network(bind="127.0.0.1")}))
 
 
 def summary(result: Any, X_test: Any, y_test: Any, seconds: float, batch: int) -> dict[str, Any]:

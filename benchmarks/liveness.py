@@ -93,6 +93,7 @@ def main():
     args = ap.parse_args()
 
     from gradshare import SharedTrainer
+    from gradshare.options import FaultTolerance, Network
     from gradshare.demo import digits_split
     from gradshare.driver.session import get_or_create_session
 
@@ -100,7 +101,8 @@ def main():
     spark.sparkContext.setLogLevel("OFF")
     X, _, y, _ = digits_split(0)
     rdd = spark.sparkContext.parallelize(list(zip(X, (int(v) for v in y))), 2).cache()
-    kw = dict(epochs=2, batch_size=32, seed=5, liveness_timeout=args.liveness, port=0, bind="127.0.0.1", verbose=0)
+    kw = dict(epochs=2, batch_size=32, seed=5, fault_tolerance=FaultTolerance(liveness_timeout=args.liveness), port=0,
+              network=Network(bind="127.0.0.1"), verbose=0)
     tmp = tempfile.mkdtemp()
     try:
         calm = SharedTrainer(lambda: Pauses(None), **kw).fit(rdd)

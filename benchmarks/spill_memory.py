@@ -78,6 +78,7 @@ def run_spark(spill_bytes, rows, width, epochs):
     from torch import nn
 
     from gradshare import SharedTrainer
+    from gradshare.options import Network
     from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]").getOrCreate()
@@ -87,9 +88,9 @@ def run_spark(spill_bytes, rows, width, epochs):
         rdd = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(
             lambda i, _: rows_of(i, rows if i == 1 else 64, width))
         for name, limit in (("spilled", spill_bytes), ("in memory", 1 << 40)):
-            r = SharedTrainer(lambda: nn.Linear(width, 4), batch_size=64, epochs=epochs, seed=0, spill_bytes=limit,
-                              optimizer=lambda p: torch.optim.SGD(p, lr=0.05), port=0, bind="127.0.0.1",
-                              verbose=0).fit(rdd)
+            r = SharedTrainer(lambda: nn.Linear(width, 4), batch_size=64, epochs=epochs, seed=0,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.05), port=0, verbose=0,
+                              network=Network(spill_bytes=limit, bind="127.0.0.1")).fit(rdd)
             small, large = sorted(r.worker_reports, key=lambda w: w["rank"])
             growth = [w["peak_rss_bytes"] - w["start_rss_bytes"] for w in (small, large)]
             results[name] = {"spilled": large["spilled"], "rank0_growth": growth[0], "rank1_growth": growth[1],

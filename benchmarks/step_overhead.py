@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from gradshare.options import Compression, Network, Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--general", action="store_true",
                         help="force the general update path (P_after - P_before against a twin) for an A/B")
     parser.add_argument("--no-local-view", action="store_true",
-                        help="SharedTrainer(local_view=False): the gradient at P, for an A/B of the local view's cost")
+                        help="Compression(local_view=False): the gradient at P, for an A/B of the local view's cost")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -142,10 +143,10 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.rounds):  # alternate, so a load change hits both sides alike
             base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
             trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
-                                    epochs=1, staleness=args.staleness, port=0, bind="127.0.0.1", verbose=0,
-                                    warmup=0,  # the steady state: threshold="auto" at its density from step 0
-                                    local_view=not args.no_local_view,
-                                    worker_options={"profile": True, "direct_update": not args.general})
+                                    epochs=1, port=0, verbose=0,
+                                    compression=Compression(staleness=args.staleness, warmup=0, local_view=not args.no_local_view),
+                                    network=Network(bind="127.0.0.1"),
+                                    runtime=Runtime(worker_options={"profile": True, "direct_update": not args.general}))
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             with RelayCpu() as relay_cpu:
                 result = trainer.fit(rdd)

@@ -83,6 +83,7 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
     from torch import nn
 
     from gradshare import SharedTrainer
+    from gradshare.options import Compression, FaultTolerance, Network
     from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
@@ -93,8 +94,9 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
                 for _ in range(2 * steps * batch)]
         rdd = spark.sparkContext.parallelize(rows, 2).cache()
         rdd.count()
-        common = dict(port=0, bind="127.0.0.1", verbose=0, batch_size=batch, timeout=300.0,
-                      optimizer=make_optimizer(optimizer), local_view=local_view)
+        common = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0, batch_size=batch,
+                      fault_tolerance=FaultTolerance(timeout=300.0), optimizer=make_optimizer(optimizer),
+                      compression=Compression(local_view=local_view))
         warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
         result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
         # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
@@ -147,7 +149,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", default=None)
     parser.add_argument("--local-view", action=argparse.BooleanOptionalAction, default=True,
-                        help="SharedTrainer(local_view=...): the default keeps a P + residual buffer (4 B/param)")
+                        help="Compression(local_view=...): the default keeps a P + residual buffer (4 B/param)")
     parser.add_argument("--child", choices=("single", "gradshare"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from gradshare.errors import (
 
 if TYPE_CHECKING:
     from gradshare.driver.result import FitResult
-    from gradshare.config import Elastic
+    from gradshare.options import Compression, Elastic, FaultTolerance, Network, Runtime
     from gradshare.driver.trainer import SharedTrainer
     from gradshare.encoding import (
         AdaptiveThreshold,
@@ -48,9 +48,11 @@ _ENCODING_NAMES = (
     "ResidualClipping",
     "residual_stats",
 )
-_TRAINER_NAMES = ("SharedTrainer", "FitResult", "Elastic")
-_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), **dict.fromkeys(_TRAINER_NAMES, "gradshare.driver.trainer"),
-         "FitResult": "gradshare.driver.result", "Elastic": "gradshare.config"}
+_TRAINER_NAMES = ("SharedTrainer", "FitResult")
+# SharedTrainer's option groups (gradshare/options.py): light, but loaded lazily like the rest
+_OPTION_NAMES = ("Compression", "Network", "FaultTolerance", "Runtime", "Elastic")
+_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), "SharedTrainer": "gradshare.driver.trainer",
+         "FitResult": "gradshare.driver.result", **dict.fromkeys(_OPTION_NAMES, "gradshare.options")}
 
 
 def __getattr__(name: str) -> object:
@@ -68,6 +70,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     *_TRAINER_NAMES,
+    *_OPTION_NAMES,
     *_ENCODING_NAMES,
     "GradshareError",
     "ProtocolError",

@@ -52,7 +52,7 @@ def import_mlflow() -> types.ModuleType:
     try:
         import mlflow
     except ImportError as e:
-        raise ImportError("SharedTrainer(mlflow=...) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
+        raise ImportError("SharedTrainer(runtime=Runtime(mlflow=...)) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
                           "(mlflow-skinny), or the full mlflow package") from e
     return mlflow
 

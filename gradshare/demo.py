@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from gradshare.cli import threshold_arg
-from gradshare.config import OptimizerFactory, ThresholdAlgorithm, TrainConfig
+from gradshare.config import OptimizerFactory, TrainConfig
+from gradshare.options import Compression, Network, ThresholdAlgorithm
 from gradshare.driver.session import get_or_create_session
 from gradshare.driver.trainer import SharedTrainer, default_optimizer
 
@@ -38,13 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per step per worker (default %(default)s)")
     parser.add_argument("--threshold", type=_threshold_type, default=TrainConfig.threshold,
                         help="'auto' (default: τ calibrated to a target density every step) or an initial τ")
-    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default=TrainConfig.threshold_algorithm,
+    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default=Compression.threshold_algorithm,
                         help="how a numeric τ moves (default %(default)s)")
-    parser.add_argument("--staleness", type=int, default=TrainConfig.staleness,
+    parser.add_argument("--staleness", type=int, default=Compression.staleness,
                         help="k: apply the log through t-1-k before step t")
     parser.add_argument("--port", type=int, default=TrainConfig.port,
                         help="relay UDP port on the driver (0: ephemeral; default %(default)s)")
-    parser.add_argument("--bind", default=TrainConfig.bind, help="relay bind address (127.0.0.1: loopback only)")
+    parser.add_argument("--bind", default=Network.bind, help="relay bind address (127.0.0.1: loopback only)")
     parser.add_argument("--master", default=None,
                         help="Spark master (default: an active session, else embedded local[workers]); "
                              "e.g. local-cluster[2,1,1024] or spark://host:7077")
@@ -103,16 +104,16 @@ def train_single_process(model_factory: Callable[[], nn.Module], X: ArrayLike, y
 
 def digits_experiment(spark: SparkSession, *, workers: int = 2, epochs: int = 30,
                       batch_size: int = TrainConfig.batch_size, threshold: float | Literal["auto"] = TrainConfig.threshold,
-                      threshold_algorithm: ThresholdAlgorithm = TrainConfig.threshold_algorithm,
-                      staleness: int = TrainConfig.staleness, port: int = 0, seed: int = TrainConfig.seed,
-                      verbose: int = 0, bind: str = TrainConfig.bind, single: bool = True) -> dict[str, Any]:
+                      threshold_algorithm: ThresholdAlgorithm = Compression.threshold_algorithm,
+                      staleness: int = Compression.staleness, port: int = 0, seed: int = TrainConfig.seed,
+                      verbose: int = 0, bind: str = Network.bind, single: bool = True) -> dict[str, Any]:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
     X_train, X_test, y_train, y_test = digits_split(seed)
     rows = list(zip(X_train, (int(v) for v in y_train)))
     rdd = spark.sparkContext.parallelize(rows, workers)
-    trainer = SharedTrainer(mlp, threshold=threshold, port=port, bind=bind, threshold_algorithm=threshold_algorithm,
-                            batch_size=batch_size, epochs=epochs, staleness=staleness, seed=seed,
-                            verbose=verbose, validation_data=(X_test, y_test))
+    trainer = SharedTrainer(mlp, threshold=threshold, port=port, batch_size=batch_size, epochs=epochs, seed=seed,
+                            verbose=verbose, validation_data=(X_test, y_test), network=Network(bind=bind),
+                            compression=Compression(threshold_algorithm=threshold_algorithm, staleness=staleness))
     result = trainer.fit(rdd)
     out: dict[str, Any] = {"result": result, "gp_accuracy": evaluate_accuracy(result.model, X_test, y_test)}
     if single:

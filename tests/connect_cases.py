@@ -13,11 +13,12 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, evaluate_accuracy, mlp
+from gradshare.options import Compression, FaultTolerance, Network, Runtime
 
 # the models and callbacks below travel by value (executors need not import this module)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network={"bind": "127.0.0.1"}, verbose=0)  # JSON: also the Estimator's trainerOptions
 
 
 def _digits_frame(spark):
@@ -65,8 +66,9 @@ def digits(spark, epochs: int, tmp: str) -> dict:
     out = {}
     for col in ("arr", "vec"):
         r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
-                          early_stopping=dict(patience=50, mode="max"), checkpoint_dir=os.path.join(tmp, col),
-                          **LOOPBACK).fit(df, features_col=col, label_col="label")
+                          early_stopping=dict(patience=50, mode="max"), **LOOPBACK,
+                          fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, col))).fit(
+            df, features_col=col, label_col="label")
         out[col] = {"accuracy": evaluate_accuracy(r.model, X_test, y_test), "hash": r.param_hash,
                     "worker_hashes": [w["param_hash"] for w in r.worker_reports], "world": r.world_size,
                     "val": [h["val_metric"] for h in r.history], "stopped": r.extra["stopped_epoch"],
@@ -75,8 +77,9 @@ def digits(spark, epochs: int, tmp: str) -> dict:
                     "relay": r.extra.relay, "statuses": r.extra.relay_statuses}
     # the same fit with the relay in this client instead of rank 0's task
     r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
-                      early_stopping=dict(patience=50, mode="max"), checkpoint_dir=os.path.join(tmp, "client"),
-                      relay="client", **LOOPBACK).fit(df, features_col="arr", label_col="label")
+                      early_stopping=dict(patience=50, mode="max"), port=0, verbose=0,
+                      fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "client")),
+                      network=Network(bind="127.0.0.1", relay="client")).fit(df, features_col="arr", label_col="label")
     out["client"] = {"hash": r.param_hash, "relay": r.extra.relay}
     # resume the array column's fit from its last checkpoint: one more epoch
     r = SharedTrainer(mlp, epochs=epochs + 1, batch_size=32, seed=3, **LOOPBACK).fit(
@@ -89,8 +92,8 @@ def digits(spark, epochs: int, tmp: str) -> dict:
 def early_stop(spark) -> dict:
     """A stop decided by a callback travels in the log on Connect as on classic."""
     df, X_test, y_test = _digits_frame(spark)
-    r = SharedTrainer(mlp, epochs=6, seed=3, validation_data=(X_test, y_test), on_epoch_end=lambda row: row["epoch"] >= 1,
-                      **LOOPBACK).fit(df, features_col="arr", label_col="label")
+    r = SharedTrainer(mlp, epochs=6, seed=3, validation_data=(X_test, y_test), **LOOPBACK,
+                      runtime=Runtime(on_epoch_end=lambda row: row["epoch"] >= 1)).fit(df, features_col="arr", label_col="label")
     return {"stopped": r.extra["stopped_epoch"], "epochs": [h["epoch"] for h in r.history],
             "hashes": sorted({w["param_hash"] for w in r.worker_reports} | {r.param_hash})}
 
@@ -141,7 +144,8 @@ def sharded_validation(spark) -> None:
 
 def hadoop_checkpoints(spark) -> None:
     df, _, _ = _digits_frame(spark)
-    SharedTrainer(mlp, checkpoint_dir="hdfs://namenode/ckpt", **LOOPBACK).fit(df, features_col="arr", label_col="label")
+    SharedTrainer(mlp, **LOOPBACK, fault_tolerance=FaultTolerance(checkpoint_dir="hdfs://namenode/ckpt")).fit(
+        df, features_col="arr", label_col="label")
 
 
 def too_many_workers(spark) -> None:
@@ -320,8 +324,9 @@ def killed_host(spark, tmp: str) -> dict:
 
     df, _, _ = _digits_frame(spark)
     marker = os.path.join(tmp, "died")
-    fit = dict(epochs=3, batch_size=64, seed=4, warmup=1.0, **LOOPBACK)
-    killed = SharedTrainer(lambda: DiesOnce(marker, 0, 20), checkpoint_dir=os.path.join(tmp, "ckpt"), **fit).fit(
+    fit = dict(epochs=3, batch_size=64, seed=4, compression=Compression(warmup=1.0), **LOOPBACK)
+    killed = SharedTrainer(lambda: DiesOnce(marker, 0, 20), **fit,
+                           fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "ckpt"))).fit(
         df, features_col="arr", label_col="label")
     whole = SharedTrainer(lambda: DiesOnce(marker, 0, 20), **fit).fit(df, features_col="arr", label_col="label")
     return {"died": os.path.exists(marker), "restarts": killed.extra.restarts, "hash": killed.param_hash,

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 import numpy as np
+from gradshare.options import Network, in_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -41,8 +42,9 @@ def trainer(epochs, optimizer, model=None, batch_size=40, **options):
     from gradshare import SharedTrainer
     from gradshare.demo import mlp
 
-    return SharedTrainer(model or mlp, epochs=epochs, batch_size=batch_size, seed=5, optimizer=optimizer, threshold=2e-3,
-                         port=0, bind="127.0.0.1", verbose=0, **options)
+    return SharedTrainer(model or mlp, epochs=epochs, batch_size=batch_size, seed=5, optimizer=optimizer,
+                         threshold=2e-3, port=0, verbose=0,
+                         **in_groups({**options, "network": Network(bind="127.0.0.1")}))  # grouped options named flat
 
 
 def residual_sum(directory, world):

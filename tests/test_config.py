@@ -10,13 +10,20 @@ import pathlib
 
 import pytest
 
-from gradshare.config import DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, TrainConfig, WorkerFlags
+from gradshare.config import TrainConfig
+
+from gradshare.options import (
+    DEFAULT_WARMUP_EPOCHS, GROUP_OF, GROUPS, WORKER_OPTIONS, Compression, FaultTolerance, Network, Runtime, WorkerFlags,
+    grouped,
+)
 from gradshare.driver.trainer import SharedTrainer
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.task.config import WorkerConfig
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
+FLAT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
+# every option's default by its name, the grouped ones' too (names are unique across the groups)
+DEFAULTS = {**FLAT, **{f.name: f.default for g in GROUPS.values() for f in dataclasses.fields(g) if f.init}}
 
 
 def _same(a, b) -> bool:
@@ -27,11 +34,15 @@ def _same(a, b) -> bool:
 def test_shared_trainer_takes_every_option_and_default_from_train_config():
     params = inspect.signature(SharedTrainer).parameters
     assert list(params)[0] == "model" and params["model"].default is inspect.Parameter.empty
-    options = {name: p.default for name, p in params.items() if name != "model"}
-    assert list(options) == list(DEFAULTS), "SharedTrainer's options and TrainConfig's fields differ (or their order)"
-    drift = {k: (v, DEFAULTS[k]) for k, v in options.items() if not _same(v, DEFAULTS[k])}
+    options = {name: p.default for name, p in params.items() if name not in ("model", "deprecated")}
+    assert params["deprecated"].kind is inspect.Parameter.VAR_KEYWORD  # the flat names, for one release
+    assert list(options) == list(FLAT), "SharedTrainer's options and TrainConfig's fields differ (or their order)"
+    drift = {k: (v, FLAT[k]) for k, v in options.items() if not _same(v, FLAT[k])}
     assert not drift, f"(signature, TrainConfig) defaults differ: {drift}"
     assert DEFAULTS["port"] == DEFAULT_PORT == 40123 and DEFAULTS["datagram_size"] == DEFAULT_DATAGRAM_SIZE == 1400
+    assert len(options) + 1 <= 20, f"{len(params)} top-level options: the rest belong in a group"
+    names = [f.name for g in GROUPS.values() for f in dataclasses.fields(g) if f.init]
+    assert len(names) == len(set(names)) and not set(names) & set(FLAT), "an option is written twice"
 
 
 def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
@@ -59,7 +70,7 @@ def test_the_estimator_params_default_to_the_trainer_options():
     pairs = {"epochs": "epochs", "batchSize": "batch_size", "seed": "seed", "numWorkers": "num_workers"}
     for param, option in pairs.items():
         assert _same(params.getOrDefault(param), DEFAULTS[option]), param
-    assert trainer_option_names() == set(DEFAULTS) - NOT_OPTIONS
+    assert trainer_option_names() == set(FLAT) - NOT_OPTIONS
 
 
 # CLI options that mean a SharedTrainer option but default otherwise on purpose: (command, dest) -> why
@@ -193,30 +204,66 @@ BAD = [
 ]
 
 
+def _in_groups(options):
+    """`options` with each grouped option in a dict under its group's keyword (as JSON would give them)."""
+    out = {k: v for k, v in options.items() if k not in GROUP_OF}
+    for name, value in options.items():
+        if name in GROUP_OF:
+            out.setdefault(GROUP_OF[name], {})[name] = value
+    return out
+
+
 @pytest.mark.parametrize("options, error, message", BAD, ids=[", ".join(o) for o, _, _ in BAD])
 def test_a_bad_option_fails_naming_it_in_train_config_and_in_shared_trainer(options, error, message):
     with pytest.raises(error, match=message):
-        TrainConfig(**options)
+        TrainConfig(**grouped(_in_groups(options)))
     with pytest.raises(error, match=message):  # the same class and message: the trainer's checks are these
-        SharedTrainer(lambda: None, **options)
+        SharedTrainer(lambda: None, **_in_groups(options))
+    if set(options) & set(GROUP_OF):
+        with pytest.raises(error, match=message), pytest.warns(DeprecationWarning):  # flat names, for one release
+            SharedTrainer(lambda: None, **options)
+
+
+def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it():
+    with pytest.warns(DeprecationWarning, match=r"SharedTrainer\(density=\) is deprecated .* "
+                                                r"pass compression=Compression\(density=0\.01\)"):
+        trainer = SharedTrainer(lambda: None, density=0.01)
+    assert trainer.config.compression == Compression(density=0.01)
+    with pytest.raises(ValueError, match=r"timeout given both flat and in fault_tolerance=\.\.\. with other"), \
+            pytest.warns(DeprecationWarning):
+        SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(timeout=9.0))
+    with pytest.warns(DeprecationWarning):  # flat names join the group given, keeping its other options
+        merged = SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(step_timeout=9.0))
+    assert merged.fault_tolerance == FaultTolerance(timeout=5.0, step_timeout=9.0)
+    with pytest.raises(ValueError, match=r"network has no option\(s\) \['prot'\]; Network's are"):
+        SharedTrainer(lambda: None, network={"prot": 1})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['epoch'\]"):
+        SharedTrainer(lambda: None, epoch=3)
+    with pytest.raises(TypeError, match=r"network must be gradshare\.Network\(\.\.\.\), got int"):
+        TrainConfig(network=3)
 
 
 def test_checkpoint_options_are_checked_against_staleness_and_forwarding(tmp_path):
+    saving = FaultTolerance(checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"checkpoint_dir needs staleness=0"):
-        TrainConfig(checkpoint_dir=str(tmp_path), staleness=1)
+        TrainConfig(fault_tolerance=saving, compression=Compression(staleness=1))
     with pytest.raises(ValueError, match=r"forwarding='aggregate' cannot be checkpointed"):
-        TrainConfig(checkpoint_dir=str(tmp_path), forwarding="aggregate")
-    assert TrainConfig(checkpoint_dir=str(tmp_path)).checkpoint_root == str(tmp_path)
+        TrainConfig(fault_tolerance=saving, network=Network(forwarding="aggregate"))
+    assert TrainConfig(fault_tolerance=saving).fault_tolerance.checkpoint_root == str(tmp_path)
 
 
 def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_forms():
     rule = {"patience": 2, "monitor": "loss"}
-    config = TrainConfig(early_stopping=rule, on_epoch_end=print, worker_options={"profile": True},
-                         device="CPU", threshold=1e-3)
+    config = TrainConfig(early_stopping=rule, threshold=1e-3,
+                         runtime=Runtime(on_epoch_end=print, worker_options={"profile": True}, device="CPU"))
     assert config.early_stopping is rule and config.stopping.patience == 2 and config.stopping.monitor == "loss"
-    assert config.on_epoch_end is print and config.callbacks == (print,)
-    assert config.worker_flags == {"profile": True} and config.device == "CPU" and config.device_name == "cpu"
-    assert not config.auto and config.warmup_epochs == DEFAULT_WARMUP_EPOCHS and TrainConfig(warmup=0).warmup_epochs == 0.0
+    run = config.runtime
+    assert run.on_epoch_end is print and run.callbacks == (print,)
+    assert run.worker_flags == {"profile": True} and run.device == "CPU" and run.device_name == "cpu"
+    assert not config.auto and config.compression.warmup_epochs == DEFAULT_WARMUP_EPOCHS
+    assert Compression(warmup=0).warmup_epochs == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.device = "cuda"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.epochs = 3
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):  # replace() checks again
@@ -225,13 +272,15 @@ def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_
 
 
 def test_the_trainer_keeps_its_attributes_and_the_options_as_given():
-    trainer = SharedTrainer(lambda: None, threshold=2e-3, threshold_algorithm="fixed", on_epoch_end=[print],
-                            worker_options={"direct_update": False}, epochs=3)
-    assert trainer.options["warmup"] is None and trainer.options["on_epoch_end"] == [print]
+    runtime = Runtime(on_epoch_end=[print], worker_options={"direct_update": False})
+    trainer = SharedTrainer(lambda: None, threshold=2e-3, compression=Compression(threshold_algorithm="fixed"),
+                            runtime=runtime, epochs=3)
+    assert trainer.options["runtime"] is runtime and trainer.runtime.on_epoch_end == [print]
     assert trainer.config.epochs == trainer.epochs == 3 and trainer.threshold == 2e-3 and not trainer.auto
-    assert trainer.on_epoch_end == (print,) and trainer.worker_options == {"direct_update": False}
-    assert trainer.warmup == DEFAULT_WARMUP_EPOCHS and trainer.device == "auto" and trainer.mlflow is None
-    assert trainer.port == DEFAULT_PORT and trainer.checkpoint_dir is None and trainer.early_stopping is None
+    assert trainer.runtime.callbacks == (print,) and trainer.runtime.worker_flags == {"direct_update": False}
+    assert trainer.compression.warmup is None and trainer.runtime.device_name == "auto"
+    assert trainer.port == DEFAULT_PORT and trainer.fault_tolerance.checkpoint_dir is None
+    assert trainer.early_stopping is None
 
 
 def test_every_option_reads_through_the_trainer_from_its_config_and_none_is_set_after_construction():

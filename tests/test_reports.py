@@ -25,11 +25,12 @@ from gradshare.transport import Peer, Relay, new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.options import Network
 from transport_util import TOY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 class UserError(RuntimeError):

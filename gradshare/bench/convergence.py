@@ -40,6 +40,7 @@ from gradshare.bench.train import comma_list
 from gradshare.bench.workloads import WORKLOADS, Workload, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
+from gradshare.options import Compression
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -68,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of single,gradshare,ddp (default all)")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"epochs for every workload (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--aggregate", choices=("sum", "mean"), default=TrainConfig.aggregate,
-                        help="gradshare's SharedTrainer(aggregate=): replicas add every message (sum, default) "
+    parser.add_argument("--aggregate", choices=("sum", "mean"), default=Compression.aggregate,
+                        help="gradshare's Compression(aggregate=): replicas add every message (sum, default) "
                              "or every message × 1/N (mean)")
     parser.add_argument("--threshold", default=TrainConfig.threshold,
                         help="gradshare's τ: 'auto' (default: calibrated per worker to a target density) or a "

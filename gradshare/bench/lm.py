@@ -37,6 +37,7 @@ from gradshare.bench.lm_models import (
     scheduler_factory, train_step_for, val_loss, val_loss_sums,
 )
 from gradshare.bench.train import comma_list
+from gradshare.options import FaultTolerance, Network, Runtime
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -99,10 +100,11 @@ def run_gradshare(spark: SparkSession, data: LmData, *, workers: int, epochs: in
     total = steps_per_epoch(n, workers, batch) * epochs
     trainer = SharedTrainer(FACTORIES[model], optimizer=clip_grad_norm(optimizer_for(model), RECIPES[model].clip),
                             train_step=hf_train_step if model in HF_MODELS else None,
-                            lr_scheduler=scheduler_factory(total), scheduler_interval="step", num_workers=workers,
-                            port=0, bind="127.0.0.1", advertise_host="127.0.0.1", batch_size=batch, epochs=epochs,
-                            seed=seed, verbose=0, validation_data=(v_ids, v_labels), metric=val_loss_sums,
-                            timeout=300.0)
+                            lr_scheduler=scheduler_factory(total), num_workers=workers, port=0, batch_size=batch,
+                            epochs=epochs, seed=seed, verbose=0, validation_data=(v_ids, v_labels),
+                            metric=val_loss_sums, runtime=Runtime(scheduler_interval="step"),
+                            network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"),
+                            fault_tolerance=FaultTolerance(timeout=300.0))
     result = trainer.fit(rdd)
     return {"val_loss": [h["val_metric"] for h in result.history], "traffic_ratio": result.traffic_ratio,
             "seconds": result.seconds, "n_params": result.n_params, "param_hash": result.param_hash}

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.config import OptimizerMomentum, SchedulerFactory, TrainConfig
+from gradshare.config import SchedulerFactory, TrainConfig
+from gradshare.options import OptimizerMomentum, in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash
@@ -150,9 +151,9 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     shards = [wl.shard(r, world) for r in range(world)]
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
-    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **trainer_options(
+    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **in_groups(trainer_options(
         rule, scale=scale, step_cap=step_cap, momentum=momentum, lr_batch=lr_batch, follow_lr=follow_lr,
-        view=view, clip=clip))
+        view=view, clip=clip)))
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     rule_obj = plan.rule if cap is None else CappedRule(cap, **{
         k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})

@@ -28,6 +28,7 @@ from gradshare.bench.lm_models import (
 )
 from gradshare.bench.lockstep import run_workers
 from gradshare.config import TrainConfig
+from gradshare.options import in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.replica.flat import FlatParams
@@ -65,7 +66,7 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
     torch.manual_seed(seed)
     model = FACTORIES[lm]()
     step = HookStep(train_step_for(lm))
-    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **(options or {}))
+    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **in_groups(options or {}))
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     flat = FlatParams(copy.deepcopy(model))
     caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
@@ -74,8 +75,8 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
                        loss=None, train_step=step, optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
                        threshold_rule=plan.rule, residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs,
                        batch_size=batch, staleness=0, seed=seed, label_dtype="int64",
-                       lr_scheduler=scheduler_factory(max(spe) * epochs), follow_lr=config.follow_lr,
-                       apply_scale=plan.apply_scale if scale is None else scale, local_view=config.local_view,
+                       lr_scheduler=scheduler_factory(max(spe) * epochs), follow_lr=config.compression.follow_lr,
+                       apply_scale=plan.apply_scale if scale is None else scale, local_view=config.compression.local_view,
                        lr_factor=plan.lr_factor, momentum_ceiling=plan.momentum_ceiling, step_cap=caps)
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
 

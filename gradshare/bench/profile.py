@@ -1,6 +1,6 @@
 """Where a gradshare step goes (a missed target is explained from such profiles, not guessed).
 
-The worker times its own phases when `SharedTrainer(worker_options={"profile": True})` is given
+The worker times its own phases when `SharedTrainer(runtime=Runtime(worker_options={"profile": True}))` is given
 (gradshare/task/profiling.py); each rank's report then holds a "profile" entry: per-step seconds of every
 phase, the step wall time (evaluation excluded), the accuracy curve on rank 0 against training
 wall-clock, and the `lo` transmit counter over the steps. This module only summarises it.

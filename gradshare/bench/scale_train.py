@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradshare.transport.protocol.crypto import TAG_BYTES
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
+from gradshare.options import Network
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -50,8 +51,8 @@ def train_run(spark: SparkSession, workers: int, epochs: int = 2, seed: int = 0)
 
     X_train, X_test, y_train, y_test = digits_split(seed)
     rdd = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), workers)
-    r = SharedTrainer(mlp, batch_size=32, epochs=epochs, seed=seed, port=0, bind="127.0.0.1",
-                      verbose=0).fit(rdd)
+    r = SharedTrainer(mlp, batch_size=32, epochs=epochs, seed=seed, port=0, verbose=0,
+                      network=Network(bind="127.0.0.1")).fit(rdd)
     c = r.counters
     updates = c["updates_in"]                       # the relay's own counter (Counters.other)
     steps = updates / workers                       # every rank sends one update per step

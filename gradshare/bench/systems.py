@@ -39,7 +39,8 @@ from numpy.typing import NDArray
 
 from gradshare.bench.profile import lo_tx_bytes
 from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
-from gradshare.config import Aggregate, OptimizerMomentum, TrainConfig
+from gradshare.config import TrainConfig
+from gradshare.options import Aggregate, Compression, FaultTolerance, Network, OptimizerMomentum, Runtime
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +103,7 @@ def lr_scheduler_factory(schedule: str,
     """`callable(optimizer) -> torch LambdaLR` for `schedule` over `total_steps` optimizer steps; the
     caller steps the scheduler once after every `optimizer.step()`. One factory for every system
     (single and DDP build the scheduler themselves, gradshare ships it to its workers as
-    `SharedTrainer(lr_scheduler=..., scheduler_interval="step")`), so all anneal by the same formula
+    `SharedTrainer(lr_scheduler=..., runtime=Runtime(scheduler_interval="step"))`), so all anneal by the same formula
     over their own steps (the single process over N× the steps of an N-worker system at equal
     epochs). A `functools.partial` of module functions: it pickles, as a Spark task closure must."""
     lr_factor(schedule, 0, total_steps)  # validates both arguments here, not on an executor
@@ -218,12 +219,12 @@ def run_single(wl: Workload, *, epochs: int, batch_size: int, seed: int, budget:
 # ---------------------------------------------------------------------------------------- gradshare
 def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float,
                   threshold: float | Literal["auto"] = TrainConfig.threshold, max_sparsity: float | None = None,
-                  staleness: int = TrainConfig.staleness, lr: float = LEARNING_RATE,
-                  residual_clip: float | None = TrainConfig.residual_clip,
+                  staleness: int = Compression.staleness, lr: float = LEARNING_RATE,
+                  residual_clip: float | None = Compression.residual_clip,
                   lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: Aggregate = TrainConfig.aggregate,
-                  step_cap: float | Literal["auto"] | None = TrainConfig.step_cap,
-                  optimizer_momentum: OptimizerMomentum = TrainConfig.optimizer_momentum) -> Measured:
+                  aggregate: Aggregate = Compression.aggregate,
+                  step_cap: float | Literal["auto"] | None = Compression.step_cap,
+                  optimizer_momentum: OptimizerMomentum = Compression.optimizer_momentum) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -244,13 +245,14 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
             raise ValueError("max_sparsity tunes the adaptive rule of a numeric threshold, not threshold='auto'")
         options["threshold_algorithm"] = AdaptiveThreshold(initial=threshold, max_sparsity=max_sparsity)
     trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(adam, lr=lr),
-                            lr_scheduler=lr_scheduler_factory(lr_schedule, total), scheduler_interval="step",
-                            threshold=threshold, num_workers=workers, port=0, staleness=staleness, aggregate=aggregate,
-                            residual_clip=residual_clip, optimizer_momentum=optimizer_momentum,
-                            bind="127.0.0.1", advertise_host="127.0.0.1",
-                            batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
-                            validation_data=(wl.X_test, wl.y_test), timeout=timeout,
-                            worker_options={"profile": True}, step_cap=step_cap, **options)
+                            lr_scheduler=lr_scheduler_factory(lr_schedule, total), threshold=threshold,
+                            num_workers=workers, port=0, batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
+                            validation_data=(wl.X_test, wl.y_test),
+                            runtime=Runtime(scheduler_interval="step", worker_options={"profile": True}),
+                            compression=Compression(staleness=staleness, aggregate=aggregate, residual_clip=residual_clip,
+                                                    optimizer_momentum=optimizer_momentum, step_cap=step_cap, **options),
+                            network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"),
+                            fault_tolerance=FaultTolerance(timeout=timeout))
     with _cancel_after(sc, budget) as fired:
         try:
             result = trainer.fit(rdd)

@@ -34,6 +34,7 @@ from gradshare.bench.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_sp
 from gradshare.bench.workloads import WORKLOADS, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
+from gradshare.options import Compression
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -73,10 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradshare-lr", type=float, default=None,
                         help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
                              "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)")
-    parser.add_argument("--residual-clip", type=float, default=TrainConfig.residual_clip,
+    parser.add_argument("--residual-clip", type=float, default=Compression.residual_clip,
                         help="gradshare residual clip in multiples of τ; 0 disables (default 5, SharedTrainer's; "
                              "on the MLP 0 and 5 end bit-identical: the residual stays under 5τ)")
-    parser.add_argument("--staleness", type=int, default=TrainConfig.staleness,
+    parser.add_argument("--staleness", type=int, default=Compression.staleness,
                         help="gradshare's staleness k (default %(default)s)")
     parser.add_argument("--target", type=float, default=None, help="test accuracy for time-to-target (default 0.90)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)

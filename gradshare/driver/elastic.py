@@ -28,7 +28,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from gradshare.config import Elastic, TrainConfig
+from gradshare.config import TrainConfig
+
+from gradshare.options import Elastic
 from gradshare.driver.fit import (
     RunPlan, collect_result, plan_run, prepare_data, regrouped, run_job, start_relay,
 )
@@ -51,12 +53,12 @@ def check_elastic(config: TrainConfig, data: object) -> None:
     if is_dataframe(data) and is_connect(data):
         raise ValueError("elastic= needs a classic Spark session: a Spark Connect client cannot count the cluster's "
                          "free task slots or see a task fail; train without elastic= there")
-    if config.relay == "in-job":
+    if config.network.relay == "in-job":
         raise ValueError("elastic= needs relay='client' (or 'auto' on a classic session): the relay's parameters "
                          "are what a re-formed job starts from, and a relay in a task dies with the stage")
-    if config.staleness:
+    if config.compression.staleness:
         raise ValueError(f"elastic= needs staleness=0 (a re-formed job starts at an epoch's start with the whole "
-                         f"log applied); got staleness={config.staleness}")
+                         f"log applied); got staleness={config.compression.staleness}")
 
 
 def free_slots(sc: Any) -> int:
@@ -187,7 +189,7 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
     check_elastic(config, data)
     sc = _spark_context(data)
     # a cluster master's executors may still be registering; a local master's slots are all there
-    settle = 0.0 if str(sc.master).startswith("local") else config.timeout
+    settle = 0.0 if str(sc.master).startswith("local") else config.fault_tolerance.timeout
     start_world = config.num_workers or slots_for(sc, elastic, elastic.max_workers, 0.0, settle, reform=False)
     world, restart, resume = start_world, None, resume_from
     rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
@@ -225,7 +227,7 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
             # a shrink waits for the lost slot to come back; a grow takes what is free
             wanted = elastic.max_workers if reform.kind == "grow" else world
             new_world = slots_for(sc, elastic, wanted, elastic.slot_wait if reform.kind == "shrink" else 0.0,
-                                  config.timeout)
+                                  config.fault_tolerance.timeout)
             reforms.append({"kind": reform.kind, "reason": reform.reason, "epoch": epochs_done,
                             "from": world, "to": new_world, "at_step": left.complete_through,
                             "steps_redone": left.complete_through + 1 - local_done * spe, "rows_skipped": 0,

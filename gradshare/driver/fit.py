@@ -28,7 +28,8 @@ from pyspark import RDD
 from torch import nn
 
 from gradshare.checks import is_dataframe, is_distributed
-from gradshare.config import Metric, ThresholdRule, TrainConfig, check_checkpoint_staleness, is_calibrated
+from gradshare.config import Metric, TrainConfig, check_checkpoint_staleness
+from gradshare.options import ThresholdRule, is_calibrated
 from gradshare.driver.checkpoint import (
     Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
 )
@@ -133,7 +134,7 @@ def job_for(config: TrainConfig, data: object, features_col: str | list[str] | N
         if features_col is None or label_col is None:
             raise ValueError("fit(df) needs features_col= and label_col= naming the DataFrame columns")
         if is_connect(data):
-            check_connect(config.validation_data, config.checkpoint_root, resume_from)
+            check_connect(config.validation_data, config.fault_tolerance.checkpoint_root, resume_from)
             return FrameJob(data, features_col, label_col, config.num_workers)
         if frame_path(config.validation_data) and config.elastic is None:  # an elastic fit watches its RDD job
             return FrameJob(data, features_col, label_col, config.num_workers)
@@ -155,12 +156,12 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     if is_distributed(config.validation_data):  # its columns are checked here, before any Spark job
         shards = validation_rows(config.validation_data, data, features_col, label_col)
     if resume_from is not None:
-        check_checkpoint_staleness("resume_from", config.staleness)
+        check_checkpoint_staleness("resume_from", config.compression.staleness)
     # a corrupt checkpoint fails here, before any Spark job
-    stores, resume = open_for_fit(config.checkpoint_root, resume_from, job.spark_context,
+    stores, resume = open_for_fit(config.fault_tolerance.checkpoint_root, resume_from, job.spark_context,
                                   0 if restart is None else restart.epochs_done)
     model = build_model(spec.model, config.seed)
-    check_optimizer(spec.optimizer, config.lr_scheduler, model, config.optimizer_momentum)
+    check_optimizer(spec.optimizer, config.lr_scheduler, model, config.compression.optimizer_momentum)
     # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
     # as data, so the driver names partition and row instead of Spark retrying a failing task).
     timed = job.prepass()
@@ -171,7 +172,7 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     assert features is not None and label_kind is not None and label_shape is not None
     names = input_names(features, (features_col,) if isinstance(features_col, str) else tuple(features_col or ()))
     plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=config.loss,
-                     train_step=config.train_step, label_dtype=config.label_dtype, input_names=names,
+                     train_step=config.train_step, label_dtype=config.runtime.label_dtype, input_names=names,
                      label_range=layout.label_range)
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
     if shards is not None:
@@ -206,12 +207,12 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
     empty = [r for r in range(world) if steps_per_epoch[r] == 0]
     if empty:
         raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
-                         f"{config.batch_size} is left with drop_last={config.drop_last!r}; repartition the "
+                         f"{config.batch_size} is left with drop_last={config.runtime.drop_last!r}; repartition the "
                          "data or lower batch_size")
     steps_per_epoch = even_steps(steps_per_epoch, rows, config, prep.resume is not None)
-    if prep.resume is not None and config.step_cap == "auto":
+    if prep.resume is not None and config.compression.step_cap == "auto":
         # "auto" goes on with the cap its checkpoint's fit ran with (a default may have moved since)
-        config = replace(config, step_cap=prep.resume["job"].get("step_cap"))
+        config = replace(config, compression=replace(config.compression, step_cap=prep.resume["job"].get("step_cap")))
     steps = plan_steps(config, world, max(steps_per_epoch))
     rule, share = steps.rule, steps.cap_share
     # a resumed checkpoint's model and job are checked before its step bounds are read for this model
@@ -229,8 +230,8 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
                   "workers: each rank's state is mapped (docs/guide/elastic.md)", flush=True)
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
     # checkpointed fit per-rank, so that a resumed one stays bit-identical
-    checkpointed = config.checkpoint_root is not None or prep.resume is not None
-    forwarding = forwarding_for(config.forwarding, world, checkpointed)
+    checkpointed = config.fault_tolerance.checkpoint_root is not None or prep.resume is not None
+    forwarding = forwarding_for(config.network.forwarding, world, checkpointed)
     if checkpointed and forwarding == "aggregate":
         raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
                          "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
@@ -251,7 +252,7 @@ def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig
     that differ by one row), every rank runs the fewest; a rank with one more drops its epoch order's last
     batch, a different part of its rows each epoch. Skewed partitions (more than one batch apart) stay as
     they are, and checkpoint_plan refuses them."""
-    if (config.checkpoint_root is None and not resumed) or max(steps) - min(steps) != 1:
+    if (config.fault_tolerance.checkpoint_root is None and not resumed) or max(steps) - min(steps) != 1:
         return steps
     fewest = min(steps)
     if config.verbose:
@@ -277,23 +278,25 @@ def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per
                     resume: Manifest | None, share: float | None = None) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs); a resumed checkpoint's
     model and job checked against this fit's."""
-    if config.checkpoint_root is None and resume is None:
+    if config.fault_tolerance.checkpoint_root is None and resume is None:
         return None, 0, config.epochs
     if len(set(steps_per_epoch)) > 1:
         raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
                          f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
     job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes, share)
-    return plan_for_fit(config.checkpoint_root, config.checkpoint_every, config.epochs, job, resume)
+    saving = config.fault_tolerance
+    return plan_for_fit(saving.checkpoint_root, saving.checkpoint_every, config.epochs, job, resume)
 
 
 def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
     """The relay (the master) with a fresh job key and id, and the host the workers reach it at."""
     key, job_id = new_job_key(), secrets.randbits(31)
-    host = prep.job.driver_host(config.advertise_host)
-    tuning = relay_tuning(config, prep.load_seconds, run.forwarding, **snapshot_options(host, config.datagram_size))
-    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=config.bind,
-                  datagram_size=config.datagram_size, insecure=config.insecure, tuning=tuning,
+    net = config.network
+    host = prep.job.driver_host(net.advertise_host)
+    tuning = relay_tuning(config, prep.load_seconds, run.forwarding, **snapshot_options(host, net.datagram_size))
+    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=net.bind,
+                  datagram_size=net.datagram_size, insecure=net.insecure, tuning=tuning,
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
                   apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
                   apply_step=step_applier(run.steps.apply_scale, run.step_cap),
@@ -309,15 +312,15 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
     """The barrier stage against the started relay, then the relay's end state; closes the relay (and
     the checkpoint service) whatever happens. `watch`: run_stage's; a `Reform` it raises leaves with the
     relay's state as the cancelled job left it."""
-    config = spec.config
+    config, limits = spec.config, spec.config.fault_tolerance
     relay, service = started.relay, None
     try:
-        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key, config.bind,
-                                                    started.host, config.timeout)
+        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key,
+                                                    config.network.bind, started.host, limits.timeout)
         assert relay.address is not None  # start() bound it
         cfg = worker_config(spec, prep, replace(run, saving=saving), resume, (started.host, relay.address[1]),
                             started.key, started.job_id)
-        window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
+        window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
         try:
             reports = run_stage(prep.job, cfg, relay, window, config.verbose,
                                 lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch), watch)
@@ -325,7 +328,7 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
             reform.left = Left(relay.params, relay.complete_through, relay.epoch_tallies(),
                                relay.notes_at(relay.complete_through))
             raise
-        relay.wait_finished(config.timeout)
+        relay.wait_finished(limits.timeout)
         final = relay.params
         relay_hash = relay.param_hash()
         counters = Counters.from_dict(relay.counters())
@@ -344,23 +347,23 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
                   key: bytes, job_id: int, hosted: HostedRelay | None = None) -> WorkerConfig:
     """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py). `hosted`:
     the relay runs in rank 0's task (relay="in-job"), which tells the others its address."""
-    config = spec.config
+    config, net, compression, runtime = spec.config, spec.config.network, spec.config.compression, spec.config.runtime
     return pack_user_objects(WorkerConfig(
         relay_address=relay_address, key=key, job_id=job_id, hosted=hosted,
         world_size=prep.job.world,
         model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
         threshold_rule=run.steps.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
         rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
-        epochs=run.epochs, batch_size=config.batch_size, staleness=config.staleness, seed=config.seed,
-        label_dtype=prep.plan.label_dtype, datagram_size=config.datagram_size, timeout=config.timeout,
-        insecure=config.insecure, spill_bytes=config.spill_bytes, validation=prep.validation,
-        metric=prep.metric, lookahead=bool(config.lookahead), **config.worker_flags,
-        lr_scheduler=config.lr_scheduler, scheduler_interval=config.scheduler_interval,
+        epochs=run.epochs, batch_size=config.batch_size, staleness=compression.staleness, seed=config.seed,
+        label_dtype=prep.plan.label_dtype, datagram_size=net.datagram_size, timeout=config.fault_tolerance.timeout,
+        insecure=net.insecure, spill_bytes=net.spill_bytes, validation=prep.validation,
+        metric=prep.metric, lookahead=bool(compression.lookahead), **runtime.worker_flags,
+        lr_scheduler=config.lr_scheduler, scheduler_interval=runtime.scheduler_interval,
         lr_factor=run.steps.lr_factor, momentum_ceiling=run.steps.momentum_ceiling,
-        follow_lr=bool(config.follow_lr), local_view=bool(config.local_view),
-        apply_scale=run.steps.apply_scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=config.precision,
-        train_step=prep.plan.step, device=config.device_name, n_state=int(run.initial.size),
-        early_stopping=config.stopping, on_epoch_end=config.callbacks,
+        follow_lr=bool(compression.follow_lr), local_view=bool(compression.local_view),
+        apply_scale=run.steps.apply_scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=runtime.precision,
+        train_step=prep.plan.step, device=runtime.device_name, n_state=int(run.initial.size),
+        early_stopping=config.stopping, on_epoch_end=runtime.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
     ))
 

@@ -48,13 +48,13 @@ USER_CLASSES = frozenset({"TrainingError", "ValueError", "TypeError", "InputType
 
 def in_job(config: TrainConfig, data: object) -> bool:
     """Where the relay runs: relay="in-job", or "auto" on a Spark Connect session."""
-    return config.relay == "in-job" or (config.relay == "auto" and is_connect(data))
+    return config.network.relay == "in-job" or (config.network.relay == "auto" and is_connect(data))
 
 
 def check_in_job(config: TrainConfig, resume_from: str | None) -> None:
     """What the in-job relay cannot do, refused before any Spark job, naming the option: a Hadoop-FS
     checkpoint store is written through the driver's checkpoint service, which the tasks may not reach."""
-    for name, path in (("checkpoint_dir", config.checkpoint_dir), ("resume_from", resume_from)):
+    for name, path in (("checkpoint_dir", config.fault_tolerance.checkpoint_dir), ("resume_from", resume_from)):
         if path is not None and not is_local(str(path)):
             raise ValueError(f"{name}={path!r} is a Hadoop-FS URI, written through this process, which the tasks "
                              "may not reach with relay='in-job'; give a directory the executors share, or "
@@ -100,22 +100,23 @@ class Restart(Exception):
 def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
     """The barrier stage with the relay in rank 0's task: its `Outcome` from rank 0's report. Raises
     `Restart` for a failure a new run of the stage may pass, any other error as it is."""
-    config = spec.config
+    config, net, limits = spec.config, spec.config.network, spec.config.fault_tolerance
     key, job_id = new_job_key(), secrets.randbits(31)
-    host = status_host(prep.job, config.advertise_host)
-    inbox = None if host is None else StatusInbox(key, job_id, bind=config.bind, insecure=config.insecure)
+    host = status_host(prep.job, net.advertise_host)
+    inbox = None if host is None else StatusInbox(key, job_id, bind=net.bind, insecure=net.insecure)
     relay = JobRelay(inbox, host)
     folder = tempfile.mkdtemp(prefix="gradshare-state-")
     try:
         initial, initial_file = ship_state(prep.job, run.initial, job_id, folder)
-        hosted = HostedRelay(initial=initial, initial_file=initial_file, n_params=run.flat.n_params, port=config.port, bind=config.bind,
-                             tuning=relay_tuning(config, prep.load_seconds, run.forwarding), scale=run.steps.apply_scale,
+        hosted = HostedRelay(initial=initial, initial_file=initial_file, n_params=run.flat.n_params, port=config.port,
+                             bind=net.bind, tuning=relay_tuning(config, prep.load_seconds, run.forwarding),
+                             scale=run.steps.apply_scale,
                              step_cap=run.step_cap, aggregator=run.aggregator,
                              inbox=None if inbox is None else (str(host), inbox.address[1]),
                              resumed=None if prep.resume is None else int(prep.resume["epochs_done"]),
                              steps_per_epoch=run.steps_per_epoch)
         cfg = worker_config(spec, prep, run, prep.resume, ("", 0), key, job_id, hosted)
-        window = join_window(config.timeout, config.liveness_timeout, prep.load_seconds)
+        window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
         reports = run_stage(prep.job, cfg, relay, window, config.verbose, relay.epoch_lines)
     except Exception as e:
         if relay.failure() is None and relay.fatal_incident() is None and restartable(e):
@@ -181,7 +182,7 @@ def fit_in_job(spec: FitSpec, data: object, features_col: str | list[str] | None
         except Restart as failed:
             if len(restarts) >= MAX_RESTARTS:
                 raise failed.error from failed.error.__cause__
-            start = restart_point(config.checkpoint_root, resume_from)
+            start = restart_point(config.fault_tolerance.checkpoint_root, resume_from)
             line = str(failed.error).splitlines()[0][:300] if str(failed.error) else type(failed.error).__name__
             restarts.append({"error": line, "from": start})
             warnings.warn(f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "

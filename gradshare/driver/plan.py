@@ -16,10 +16,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradshare.config import (
-    DEFAULT_WARMUP_MIN_STEPS, ModelSpec, OptimizerFactory, OptimizerMomentum, SchedulerFactory, ThresholdRule,
-    TrainConfig, is_calibrated,
-)
+from gradshare.config import ModelSpec, OptimizerFactory, SchedulerFactory, TrainConfig
+
+from gradshare.options import DEFAULT_WARMUP_MIN_STEPS, OptimizerMomentum, ThresholdRule, is_calibrated
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.driver.policy import auto_for
 from gradshare.encoding.step_cap import step_cap_for
@@ -54,24 +53,25 @@ def build_model(given: ModelSpec, seed: int) -> nn.Module:
 def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2, capped: bool | None = None) -> ThresholdRule:
     """The threshold rule each of ``world`` workers starts from (deep-copied per worker); `capped`: whether
     the fit runs a step cap, which takes the run-long decay's lower lr's place (None: from the config)."""
-    algo = config.threshold_algorithm
+    algo = config.compression.threshold_algorithm
     run_steps = config.epochs * steps_per_epoch  # what a run-long density decay spans
     if is_calibrated(algo):
         return algo.for_run(run_steps)
     if config.auto:
-        steps = round(config.warmup_epochs * steps_per_epoch)
-        if config.warmup is None and steps > 0:  # a warm-up the user gave is taken as given
+        given = config.compression
+        steps = round(given.warmup_epochs * steps_per_epoch)
+        if given.warmup is None and steps > 0:  # a warm-up the user gave is taken as given
             steps = max(steps, DEFAULT_WARMUP_MIN_STEPS)
         auto = auto_for(world)
         decay_from, lr_power = auto.decay_from, auto.decay_lr_power
-        if config.decay_from is not None:  # the user's, with the default lr power wherever it is on
-            decay_from, lr_power = config.decay_from, DEFAULT_DECAY_LR_POWER if config.decay_from else 0.0
+        if given.decay_from is not None:  # the user's, with the default lr power wherever it is on
+            decay_from, lr_power = given.decay_from, DEFAULT_DECAY_LR_POWER if given.decay_from else 0.0
         if capped if capped is not None else cap_share(config, world) is not None:
             lr_power = 0.0  # the cap takes the lower lr's place (measured better: encoding/step_cap.py)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
-            density=DEFAULT_DENSITY if config.density is None else config.density, warmup_steps=steps,
-            warmup_density=auto.warmup_density if config.warmup_density is None else config.warmup_density,
+            density=DEFAULT_DENSITY if given.density is None else given.density, warmup_steps=steps,
+            warmup_density=auto.warmup_density if given.warmup_density is None else given.warmup_density,
             decay_from=decay_from, decay_lr_power=lr_power).for_run(run_steps)
     tau = float(config.threshold)  # not "auto" here: the number TrainConfig checked
     if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
@@ -96,17 +96,19 @@ class StepPlan:
 def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPlan:
     """The step rule of a fit of `world` workers whose longest shard takes `steps_per_epoch` steps: the
     options as given, "auto" from the table of policy.py."""
-    option = config.optimizer_momentum
+    option = config.compression.optimizer_momentum
     momentum = auto_for(world).momentum if option == "auto" else momentum_ceiling(option)
     share = cap_share(config, world)
     return StepPlan(rule=rule_for(config, steps_per_epoch, world, share is not None), cap_share=share,
-                    momentum_ceiling=momentum, apply_scale=1.0 / world if config.aggregate == "mean" else 1.0,
+                    momentum_ceiling=momentum,
+                    apply_scale=1.0 / world if config.compression.aggregate == "mean" else 1.0,
                     lr_factor=config.lr_factor)
 
 
 def cap_share(config: TrainConfig, world: int) -> float | None:
     """The step cap a fit of `world` workers runs with (None: none)."""
-    return auto_for(world).step_cap if config.step_cap == "auto" else step_cap_for(config.step_cap)
+    given = config.compression.step_cap
+    return auto_for(world).step_cap if given == "auto" else step_cap_for(given)
 
 
 def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module,
@@ -155,15 +157,15 @@ def check_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer)
 
 def drop_rule(config: TrainConfig, model: nn.Module) -> str:
     """drop_last as the worker's rule ("never" | "single" | "partial", worker.steps_per_epoch)."""
-    if config.drop_last == "auto":
+    if config.runtime.drop_last == "auto":
         return "single" if any(isinstance(m, _BatchNorm) for m in model.modules()) else "never"
-    return "partial" if config.drop_last else "never"
+    return "partial" if config.runtime.drop_last else "never"
 
 
 def clipping(config: TrainConfig) -> ResidualClipping | None:
-    if config.residual_clip is None:
+    if config.compression.residual_clip is None:
         return None
-    return ResidualClipping(clip=float(config.residual_clip))
+    return ResidualClipping(clip=float(config.compression.residual_clip))
 
 
 def forwarding_for(forwarding: str, world_size: int, checkpointed: bool = False) -> str:

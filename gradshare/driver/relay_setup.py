@@ -21,7 +21,8 @@ def join_window(timeout: float, liveness_timeout: float, load_seconds: float) ->
 def relay_tuning(config: TrainConfig, load_seconds: float, forwarding: str, **snapshot: Any) -> RelayTuning:
     """The relay's tunables for this fit (liveness, give-up, join window, forwarding), and `snapshot`'s
     (snapshot_rate.snapshot_options, for the host the workers reach it at)."""
-    return RelayTuning(liveness_timeout=config.liveness_timeout, on_rank_loss=config.on_rank_loss,
-                       give_up_after=config.timeout, step_timeout=float(config.step_timeout),
-                       join_window=join_window(config.timeout, config.liveness_timeout, load_seconds),
+    limits = config.fault_tolerance
+    return RelayTuning(liveness_timeout=limits.liveness_timeout, on_rank_loss=limits.on_rank_loss,
+                       give_up_after=limits.timeout, step_timeout=float(limits.step_timeout),
+                       join_window=join_window(limits.timeout, limits.liveness_timeout, load_seconds),
                        forwarding=forwarding, **snapshot)

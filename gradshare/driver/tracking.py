@@ -1,11 +1,11 @@
 """MLflow run logging for SharedTrainer: one run per fit, logged from the driver.
 
-    SharedTrainer(model, mlflow=True).fit(rdd)                           # the active experiment
-    SharedTrainer(model, mlflow={"experiment": "digits", "run_name": "k0"}).fit(rdd)
+    SharedTrainer(model, runtime=Runtime(mlflow=True)).fit(rdd)                       # the active experiment
+    SharedTrainer(model, runtime=Runtime(mlflow={"experiment": "digits", "run_name": "k0"})).fit(rdd)
 
 Why a trainer option and not only a function called on the result: the run must exist before the
 Spark job starts, so that a fit that fails is still recorded (status FAILED, with its params), and an
-option is also reachable from `GradshareEstimator(trainerOptions={"mlflow": {...}})`, where the user
+option is also reachable from `GradshareEstimator(trainerOptions={"runtime": {"mlflow": {...}}})`, where the user
 never sees the FitResult (one run per fit under CrossValidator too). `log_result` is public for a
 result obtained without the option.
 
@@ -27,6 +27,7 @@ is RUNNING (params only) meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -73,7 +74,8 @@ def tracked(
     @functools.wraps(fit)
     def wrapper(trainer: _Trainer, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         # the decorator keeps fit's signature for type checkers (SharedTrainer.fit's is public)
-        config = getattr(trainer, "mlflow", None)
+        runtime = getattr(trainer, "runtime", None)  # the Runtime group holds the mlflow option, checked
+        config = None if runtime is None else runtime.mlflow_config
         if config is None:
             return fit(trainer, *args, **kwargs)
         mlflow = import_mlflow()
@@ -82,7 +84,7 @@ def tracked(
         client = mlflow.tracking.MlflowClient()
         run_id = _start_run(mlflow, client, config)
         try:
-            _log_params(mlflow, client, run_id, {**trainer.options, **call})
+            _log_params(mlflow, client, run_id, {**_flattened(trainer.options), **call})
             result = fit(trainer, *args, **kwargs)
         except BaseException:
             _end_run(client, run_id, "FAILED")
@@ -165,6 +167,17 @@ def _now_ms() -> int:
 
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) or hasattr(value, "dtype")
+
+
+def _flattened(options: Mapping[str, object]) -> dict[str, object]:
+    """The options with each group's fields as params of their own, named ``group.option``."""
+    out: dict[str, object] = {}
+    for name, value in options.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.update({f"{name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value) if f.init})
+        else:
+            out[name] = value
+    return out
 
 
 def _log_params(mlflow: Any, client: Any, run_id: str, options: Mapping[str, object]) -> None:

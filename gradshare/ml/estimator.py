@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import pickle
 from collections.abc import Sequence
@@ -14,7 +16,9 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
 
-from gradshare.config import EpochCallback, LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
+from gradshare.config import LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
+
+from gradshare.options import EpochCallback
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
@@ -85,12 +89,16 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
         lr = self.getOrDefault(self.learningRate)
         if lr is not None:
             optimizer = LearningRate(optimizer or default_optimizer, lr)
+        given: dict[str, object] = self.getOrDefault(self.trainerOptions)
+        options: dict[str, Any] = dict(given)  # JSON: a group's options come as a dict, SharedTrainer takes it
+        if self.on_epoch_end is not None:  # a Runtime option, given here as an object (not JSON)
+            runtime = options.get("runtime") or {}
+            options["runtime"] = {**(runtime if isinstance(runtime, dict) else {}), "on_epoch_end": self.on_epoch_end}
         return SharedTrainer(
             self.model, self.loss, optimizer, train_step=self.train_step, lr_scheduler=self.lr_scheduler,
-            metric=self.metric, on_epoch_end=self.on_epoch_end, validation_data=validation_data,
+            metric=self.metric, validation_data=validation_data,
             epochs=self.getOrDefault(self.epochs), batch_size=self.getOrDefault(self.batchSize),
-            seed=self.getOrDefault(self.seed), num_workers=self.getOrDefault(self.numWorkers),
-            **self.getOrDefault(self.trainerOptions))
+            seed=self.getOrDefault(self.seed), num_workers=self.getOrDefault(self.numWorkers), **options)
 
     def _fit(self, dataset: DataFrame) -> GradshareModel:
         # every check reads the schema or the options only: bad input fails here, before any Spark job

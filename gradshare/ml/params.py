@@ -21,6 +21,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
 
 from gradshare.config import TrainConfig
+from gradshare.options import GROUP_OF
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
 NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
@@ -60,6 +61,8 @@ def _task(value: object) -> str:
 
 
 def trainer_option_names() -> set[str]:
+    """SharedTrainer's keywords a trainerOptions dict may hold; a group's (compression, network, ...) takes
+    a dict of that group's options."""
     return {f.name for f in dataclasses.fields(TrainConfig) if f.init} - NOT_OPTIONS
 
 
@@ -67,7 +70,7 @@ def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTra
     """trainerOptions: SharedTrainer keyword options with JSON values (they are saved as JSON)."""
     if not isinstance(value, dict):
         raise TypeError(f"trainerOptions must be a dict of SharedTrainer options, got {type(value).__name__}")
-    known = trainer_option_names()
+    known = trainer_option_names() | set(GROUP_OF)  # a grouped option's flat name: deprecated, SharedTrainer warns
     for key, item in value.items():
         if key not in known:
             instead = _INSTEAD.get(key, "a constructor argument of GradshareEstimator")

@@ -49,9 +49,9 @@ def _check_dtype(kind: str, name: str, t: torch.Tensor, on_device: bool) -> None
         raise TypeError(f"{kind} {name!r} is {t.dtype}; gradshare trains float32 models (call model.float() first)")
     if t.device.type != "cpu" and not on_device:
         # The NumPy state is host memory; SharedTrainer ships a CPU model and each worker moves it to
-        # its device (SharedTrainer(device=...)).
+        # its device (SharedTrainer(runtime=Runtime(device=...))).
         raise TypeError(f"{kind} {name!r} is on {t.device}; pass the model on the CPU (model.cpu()) and "
-                        "choose where it trains with SharedTrainer(device=...)")
+                        "choose where it trains with SharedTrainer(runtime=Runtime(device=...))")
 
 
 class FlatParams:

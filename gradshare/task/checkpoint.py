@@ -1,4 +1,4 @@
-"""Checkpoints of a fit: `SharedTrainer(checkpoint_dir=, checkpoint_every=)` and
+"""Checkpoints of a fit: `SharedTrainer(fault_tolerance=FaultTolerance(checkpoint_dir=, checkpoint_every=))` and
 `fit(..., resume_from=)`.
 
 A checkpoint is the state after the last step of an epoch E-1 (E epochs done), in

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
+from gradshare.options import Compression, FaultTolerance, Network, Runtime
 from gradshare.encoding.step_cap import StepCap
 from gradshare.task.relay_host import HostedRelay
 
@@ -50,23 +51,23 @@ class WorkerConfig:
     staleness: int
     seed: int
     label_dtype: str
-    datagram_size: int = TrainConfig.datagram_size
-    timeout: float = TrainConfig.timeout
-    insecure: bool = TrainConfig.insecure
-    spill_bytes: int = TrainConfig.spill_bytes
+    datagram_size: int = Network.datagram_size
+    timeout: float = FaultTolerance.timeout
+    insecure: bool = Network.insecure
+    spill_bytes: int = Network.spill_bytes
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None  # (inputs, labels): batches.validation_arrays
     metric: Callable[..., Any] | None = None  # (outputs, labels) -> float; rank 0 evaluates it after each epoch
-    lookahead: bool = TrainConfig.lookahead  # k >= 1: step at P + own not-yet-applied messages (worker.py)
+    lookahead: bool = Compression.lookahead  # k >= 1: step at P + own not-yet-applied messages (worker.py)
     lr_scheduler: Callable[..., Any] | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
-    scheduler_interval: str = TrainConfig.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
+    scheduler_interval: str = Runtime.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
     lr_factor: float = 1.0  # every step's lr × this (TrainConfig.lr_factor: lr_batch_size's scaling)
     momentum_ceiling: float | None = None  # each step's β1 / momentum at most this (replica/momentum.py); None: as given
-    follow_lr: bool = TrainConfig.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
+    follow_lr: bool = Compression.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     step_cap: StepCap | None = None  # each tensor's share of a step capped (encoding/step_cap.py); None: none
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
-    precision: str = TrainConfig.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
-    device: Any = TrainConfig.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)
+    precision: str = Runtime.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
+    device: Any = Runtime.device  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)
     user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
     # worker_options (config.WORKER_OPTIONS: each key is the field of that name)
     profile: bool = False  # per-phase step timers in the report (profiling.py)
@@ -83,7 +84,7 @@ class WorkerConfig:
     resume: dict[str, Any] | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
-    local_view: bool = TrainConfig.local_view  # forward/backward at P + own residual (local_view.py); False: at P
+    local_view: bool = Compression.local_view  # forward/backward at P + own residual (local_view.py); False: at P
     hosted: HostedRelay | None = None  # relay="in-job": rank 0 hosts the relay (relay_host.py); relay_address is then its
     rows: tuple[int, ...] = ()  # per rank: the driver's pre-pass count, which a task's must equal (fit sets it)
 

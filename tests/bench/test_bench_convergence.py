@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gradshare.bench import convergence
+from gradshare.options import Network
 
 
 def _args(*argv):
@@ -221,9 +222,12 @@ def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
     from gradshare.driver.trainer import SharedTrainer
 
     wl = workloads.load("tabular", 0, rows=256)
-    trainer = SharedTrainer(workloads.tabular, optimizer=systems.adam, lr_scheduler=systems.lr_scheduler_factory(
-                                "cosine", 2), num_workers=2, port=0, bind="127.0.0.1", advertise_host="127.0.0.1",
-                            batch_size=64, epochs=2, verbose=0, validation_data=(wl.X_test, wl.y_test))
+    trainer = SharedTrainer(workloads.tabular, optimizer=systems.adam,
+                            lr_scheduler=systems.lr_scheduler_factory(
+                                "cosine", 2),
+                            num_workers=2, port=0, batch_size=64, epochs=2, verbose=0,
+                            validation_data=(wl.X_test, wl.y_test),
+                            network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"))
     result = trainer.fit(systems.sharded_rdd(spark.sparkContext, wl, 2))
     last = result.history[-1]
     assert last["lr"] == 0.0 and last["silent_steps"] == last["steps"] == 4 and last["sparsity"] == 0.0

@@ -14,18 +14,19 @@ from gradshare import SharedTrainer
 from gradshare.demo import evaluate_accuracy, mlp
 from gradshare.driver.plan import forwarding_for
 from gradshare.driver.policy import AGGREGATE_FROM
+from gradshare.options import FaultTolerance, Network, in_groups
 from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 def _fit(digits_rdd, model=mlp, **kw):
     rdd, (X_test, y_test) = digits_rdd
-    result = SharedTrainer(model, batch_size=32, epochs=kw.pop("epochs", 4), seed=3, forwarding="aggregate",
-                           **LOOPBACK, **kw).fit(rdd)
+    result = SharedTrainer(model, batch_size=32, epochs=kw.pop("epochs", 4), seed=3, port=0, verbose=0,
+                           **in_groups({"bind": "127.0.0.1", "forwarding": "aggregate", **kw})).fit(rdd)
     return result, evaluate_accuracy(result.model, X_test, y_test)
 
 
@@ -113,6 +114,7 @@ def test_auto_forwarding_aggregates_from_aggregate_from_workers():
     assert forwarding_for("auto", AGGREGATE_FROM) == "aggregate"
     assert forwarding_for("per-rank", 64) == "per-rank" and forwarding_for("aggregate", 2) == "aggregate"
     with pytest.raises(ValueError, match="forwarding must be one of"):
-        SharedTrainer(mlp, forwarding="tree")
+        SharedTrainer(mlp, network=Network(forwarding="tree"))
     with pytest.raises(ValueError, match="cannot be checkpointed"):
-        SharedTrainer(mlp, forwarding="aggregate", checkpoint_dir="/tmp/nowhere")
+        SharedTrainer(mlp, network=Network(forwarding="aggregate"),
+                      fault_tolerance=FaultTolerance(checkpoint_dir="/tmp/nowhere"))

@@ -17,10 +17,11 @@ from gradshare.demo import digits_split, mlp
 from gradshare.errors import CheckpointError
 from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
+from gradshare.options import Compression, FaultTolerance, Network, in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 ROWS = 640  # two partitions of 320 rows: 5 steps per epoch at batch 64 on both ranks
 
 
@@ -44,8 +45,8 @@ def trainer(epochs, **options):
     # threshold="auto" with a 2-epoch warm-up (given: the default's 24-step floor would cover the whole
     # 20-step fit) and a per-step schedule: τ's step count, the residual's lr and Adam's moments must
     # all carry over for the resumed run to match
-    return SharedTrainer(mlp, epochs=epochs, batch_size=64, seed=3, lr_scheduler=step_lr, warmup=2.0, **LOOPBACK,
-                         **options)
+    return SharedTrainer(mlp, epochs=epochs, batch_size=64, seed=3, lr_scheduler=step_lr,
+                         **in_groups({**LOOPBACK, "warmup": 2.0, **options}))  # grouped options named flat
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,8 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     assert resumed.param_hash == capped.param_hash
     # the bounds come from the checkpoint, not from the model given to the resumed fit (here twice as
     # large: its own bounds would be twice the checkpoint's)
-    other = SharedTrainer(doubled_mlp, epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, warmup=2.0,
-                          step_cap=0.01, **LOOPBACK).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
+    other = SharedTrainer(doubled_mlp, epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, **LOOPBACK,
+                          compression=Compression(warmup=2.0, step_cap=0.01)).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
     assert other.param_hash == capped.param_hash
     with pytest.raises(ValueError, match="its step_cap is 0.01, this fit's is None"):
         trainer(4, step_cap=None).fit(rdd, resume_from=root)
@@ -220,9 +221,9 @@ def test_a_resume_inside_the_warm_up_is_bit_identical_whatever_the_rounding(spar
     X_train, _, y_train, _ = digits_split(0)
     rows = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), 2).cache()
     assert rows.glom().map(len).collect() == [673, 674]
-    options = dict(epochs=3, batch_size=64, seed=4, warmup=2.0, **LOOPBACK)
+    options = dict(epochs=3, batch_size=64, seed=4, **LOOPBACK, compression=Compression(warmup=2.0))
     root = str(tmp_path / "ckpt")
-    whole = SharedTrainer(mlp, checkpoint_dir=root, **options).fit(rows)
+    whole = SharedTrainer(mlp, **options, fault_tolerance=FaultTolerance(checkpoint_dir=root)).fit(rows)
     assert all(os.path.exists(os.path.join(root, "epoch-00001", f"rank-{r}", "point.npy")) for r in (0, 1))
     resumed = SharedTrainer(mlp, **options).fit(rows, resume_from=os.path.join(root, "epoch-00001"))
     assert resumed.param_hash == whole.param_hash

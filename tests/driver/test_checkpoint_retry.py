@@ -15,13 +15,14 @@ from gradshare.demo import digits_split
 from gradshare.stopping import stop_epoch
 from gradshare.hashing import param_hash
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.options import FaultTolerance, Network
 from dying import DiesOnce
 from harness import Sim, drive
 from transport_util import random_update
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 # ------------------------------------------------------------------------------------ the relay, in memory
@@ -108,7 +109,8 @@ def test_a_killed_worker_rolls_the_fit_back_to_the_last_checkpoint_bit_identical
     marker = str(tmp_path / "died")
     # rank 1 dies on its 13th step (step 12, inside epoch 2), after the checkpoint of epochs 0-1 (step 9)
     fit = dict(epochs=4, batch_size=64, seed=3, validation_data=validation, **LOOPBACK)
-    killed = SharedTrainer(lambda: DiesOnce(marker, 1, 13), checkpoint_dir=str(tmp_path / "ckpt"), **fit).fit(rdd)
+    killed = SharedTrainer(lambda: DiesOnce(marker, 1, 13), **fit,
+                           fault_tolerance=FaultTolerance(checkpoint_dir=str(tmp_path / "ckpt"))).fit(rdd)
     assert os.path.exists(marker)  # the first attempt really died
     whole = SharedTrainer(lambda: DiesOnce(marker, 1, 13), **fit).fit(rdd)  # the marker is there: no death
     assert killed.param_hash == whole.param_hash

@@ -10,10 +10,11 @@ from pyspark import cloudpickle
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.stopping import EarlyStopping, early_stopping_from, should_stop, stop_epoch
+from gradshare.options import Network, Runtime, in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 SPE = (11, 5)  # steps per epoch of the two partitions below (673 and 300 rows, batch 64)
 
 
@@ -48,7 +49,7 @@ def test_trainer_checks_the_options_before_any_job():
     with pytest.raises(ValueError, match="validation_data"):
         SharedTrainer(mlp, early_stopping=dict(patience=1))
     with pytest.raises(ValueError, match=r"on_epoch_end\[1\]"):
-        SharedTrainer(mlp, on_epoch_end=[print, 3])
+        SharedTrainer(mlp, runtime=Runtime(on_epoch_end=[print, 3]))
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
@@ -82,8 +83,8 @@ def _decided_at(epoch: int, staleness: int) -> int:
 
 def _fit(uneven, epochs=8, **kw):
     rdd, validation = uneven
-    return SharedTrainer(mlp, batch_size=64, epochs=epochs, seed=5, validation_data=validation, **LOOPBACK,
-                         **kw).fit(rdd)
+    return SharedTrainer(mlp, batch_size=64, epochs=epochs, seed=5, validation_data=validation,
+                         **in_groups({**LOOPBACK, **kw})).fit(rdd)  # grouped options named flat
 
 
 def _assert_stopped_consistently(result, stopped):

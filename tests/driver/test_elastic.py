@@ -14,9 +14,10 @@ from gradshare import Elastic, SharedTrainer, TrainingError
 from gradshare.config import TrainConfig
 from gradshare.demo import evaluate_accuracy, mlp
 from gradshare.task.checkpoint import sources
+from gradshare.options import Compression, Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_elastic_options_are_checked_naming_the_argument():
     with pytest.raises(ValueError, match=r"num_workers=5 is outside elastic's range \[1, 4\]"):
         TrainConfig(elastic=Elastic(1, 4), num_workers=5)
     with pytest.raises(ValueError, match="elastic= needs staleness=0"):
-        SharedTrainer(mlp, elastic=Elastic(1, 2), staleness=1, verbose=0).fit(None)
+        SharedTrainer(mlp, elastic=Elastic(1, 2), verbose=0, compression=Compression(staleness=1)).fit(None)
     assert Elastic(2, 8, keep_global_batch=True).batch_size(64, 4, 2) == 128
     assert Elastic(2, 8).batch_size(64, 4, 2) == 64
 

@@ -15,12 +15,12 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import TrainingError
+from gradshare.options import Compression, FaultTolerance, Network
 from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
 pytestmark = pytest.mark.spark
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
 ROWS = 640  # 320 rows a partition: 5 steps an epoch at batch 64
 
 
@@ -31,18 +31,23 @@ def even(spark):
     return spark.sparkContext.parallelize(rows, 2).cache(), (X_test, y_test)
 
 
-FIT = dict(epochs=4, batch_size=64, seed=3, warmup=2.0, **LOOPBACK)
+FIT = dict(epochs=4, batch_size=64, seed=3, compression=Compression(warmup=2.0), port=0, verbose=0)
+
+
+def at(relay, **options):
+    """The relay's place, on loopback."""
+    return Network(bind="127.0.0.1", relay=relay, **options)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(even):
     rdd, validation = even
-    return SharedTrainer(mlp, relay="in-job", validation_data=validation, **FIT).fit(rdd)
+    return SharedTrainer(mlp, validation_data=validation, **FIT, network=at("in-job")).fit(rdd)
 
 
 def test_the_in_job_relay_gives_the_client_relays_parameters_and_its_status_reaches_the_driver(even, uninterrupted):
     rdd, validation = even
-    client = SharedTrainer(mlp, relay="client", validation_data=validation, **FIT).fit(rdd)
+    client = SharedTrainer(mlp, validation_data=validation, **FIT, network=at("client")).fit(rdd)
     job = uninterrupted
     assert job.extra.relay == "in-job" and client.extra.relay == "client" and job.extra.restarts == []
     assert job.param_hash == client.param_hash  # the same log, applied by a relay elsewhere
@@ -54,12 +59,13 @@ def test_the_in_job_relay_gives_the_client_relays_parameters_and_its_status_reac
     assert all(r.relay is None for r in job.worker_reports)  # the end state does not stay in the reports
 
 
-@pytest.mark.parametrize("options", [dict(forwarding="aggregate"), dict(staleness=2),
-                                     dict(step_cap=0.01, forwarding="aggregate")])
-def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in_the_driver(even, options):
+@pytest.mark.parametrize("network, compression", [(dict(forwarding="aggregate"), dict(warmup=2.0)),
+                                                  ({}, dict(warmup=2.0, staleness=2)),
+                                                  (dict(forwarding="aggregate"), dict(warmup=2.0, step_cap=0.01))])
+def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in_the_driver(even, network, compression):
     rdd, _ = even
-    fit = {**FIT, "epochs": 2, **options}
-    job, client = (SharedTrainer(mlp, relay=where, **fit).fit(rdd) for where in ("in-job", "client"))
+    fit = {**FIT, "epochs": 2, "compression": Compression(**compression)}
+    job, client = (SharedTrainer(mlp, **fit, network=at(where, **network)).fit(rdd) for where in ("in-job", "client"))
     assert job.param_hash == client.param_hash and job.extra.forwarding == client.extra.forwarding
     assert {r["param_hash"] for r in job.worker_reports} == {job.param_hash}
 
@@ -70,8 +76,8 @@ def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_bit_i
     marker, ckpt = str(tmp_path / "died"), str(tmp_path / "ckpt")
     # rank 0 (the relay's host) dies on its 13th step (inside epoch 2), after the checkpoint of epochs 0-1
     with pytest.warns(RuntimeWarning, match="running it again .* from " + ckpt):
-        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 13), relay="in-job", checkpoint_dir=ckpt,
-                               validation_data=validation, **FIT).fit(rdd)
+        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 13), validation_data=validation, **FIT,
+                               network=at("in-job"), fault_tolerance=FaultTolerance(checkpoint_dir=ckpt)).fit(rdd)
     assert os.path.exists(marker)  # the first run really died
     [restart] = killed.extra.restarts
     assert restart["from"] == ckpt and restart["error"]
@@ -87,8 +93,8 @@ def test_without_checkpoints_a_killed_relay_host_runs_the_stage_again_from_scrat
     rdd, validation = even
     marker = str(tmp_path / "died")
     with pytest.warns(RuntimeWarning, match="from scratch"):
-        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 7), relay="in-job", validation_data=validation,
-                               **FIT).fit(rdd)
+        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 7), validation_data=validation, **FIT,
+                               network=at("in-job")).fit(rdd)
     assert os.path.exists(marker)
     assert [r["from"] for r in killed.extra.restarts] == [None]
     assert killed.param_hash == uninterrupted.param_hash and len(killed.history) == 4
@@ -103,7 +109,7 @@ def test_a_first_state_above_the_inline_size_goes_to_the_relay_host_as_a_session
     real = in_job.ship_state
     monkeypatch.setattr(in_job, "INLINE_STATE_BYTES", 0)  # every state is "large"
     monkeypatch.setattr(in_job, "ship_state", lambda *a, **k: shipped.append(real(*a, **k)) or shipped[-1])
-    result = SharedTrainer(mlp, relay="in-job", validation_data=validation, **FIT).fit(rdd)
+    result = SharedTrainer(mlp, validation_data=validation, **FIT, network=at("in-job")).fit(rdd)
     [(inline, (name, digest))] = shipped
     assert inline is None and name.startswith("gradshare-initial-") and len(digest) == 64
     assert result.param_hash == uninterrupted.param_hash
@@ -127,12 +133,13 @@ def test_a_users_error_is_raised_at_once_and_never_run_again(even):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a restart would warn
         with pytest.raises(TrainingError, match="rank 1.*RuntimeError: user model exploded on purpose"):
-            SharedTrainer(Explodes, relay="in-job", **FIT).fit(rdd)
+            SharedTrainer(Explodes, **FIT, network=at("in-job")).fit(rdd)
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(relay="nowhere"), ["relay must be one of", "'nowhere'"]),
-    (dict(relay="in-job", checkpoint_dir="hdfs://namenode/ckpt"), ["checkpoint_dir='hdfs://namenode/ckpt'",
+    (dict(network={"relay": "nowhere"}), ["relay must be one of", "'nowhere'"]),
+    (dict(network={"relay": "in-job"}, fault_tolerance={"checkpoint_dir": "hdfs://namenode/ckpt"}),
+     ["checkpoint_dir='hdfs://namenode/ckpt'",
                                                                    "relay='in-job'", "relay='client'"]),
 ])
 def test_what_the_in_job_relay_cannot_do_is_refused_naming_the_option(even, options, words):

@@ -16,11 +16,12 @@ from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
 from gradshare.demo import mlp
+from gradshare.options import FaultTolerance, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def _continue_after(marker: str, pause: float) -> threading.Thread:
 
 def test_a_paused_worker_is_waited_for_and_the_fit_is_bit_identical(digits, tmp_path):
     marker, liveness = str(tmp_path / "paused"), 1.0
-    kw = dict(epochs=1, batch_size=32, seed=5, liveness_timeout=liveness, **LOOPBACK)
+    kw = dict(epochs=1, batch_size=32, seed=5, fault_tolerance=FaultTolerance(liveness_timeout=liveness), **LOOPBACK)
     thread = _continue_after(marker, 2 * liveness)
     paused = SharedTrainer(lambda: Pauses(marker), **kw).fit(digits)
     thread.join(5)
@@ -115,7 +116,7 @@ def test_a_stuck_training_thread_is_named_with_its_step_within_step_timeout(digi
     marker = str(tmp_path / "stuck")
     with pytest.raises(TrainingError, match=r"worker rank 1 \(attempt \d+, at step 4\) stuck in step 4: "
                                             r"no step finished for 2\.\d s \(step_timeout\)"):
-        SharedTrainer(lambda: Hangs(marker), epochs=1, step_timeout=2.0, **LOOPBACK).fit(digits)
+        SharedTrainer(lambda: Hangs(marker), epochs=1, **LOOPBACK, fault_tolerance=FaultTolerance(step_timeout=2.0)).fit(digits)
     assert time.time() - float(open(marker).read()) < 2.0 + 5.0
 
 
@@ -146,8 +147,8 @@ def test_a_partition_that_loads_40_s_slower_joins_under_the_default_settings(spa
 def test_continue_goes_on_without_the_paused_rank_and_counts_what_it_skipped(digits, tmp_path):
     marker = str(tmp_path / "paused")
     _continue_after(marker, 3.0)
-    result = SharedTrainer(lambda: Pauses(marker), epochs=2, batch_size=32, seed=5, liveness_timeout=1.0,
-                           on_rank_loss="continue", **LOOPBACK).fit(digits)
+    result = SharedTrainer(lambda: Pauses(marker), epochs=2, batch_size=32, seed=5, **LOOPBACK,
+                           fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="continue")).fit(digits)
     spe = [-(-len(p) // 32) for p in digits.glom().collect()]
     assert any("declared gone" in i and "rank 1" in i for i in result.extra["incidents"])
     assert result.skipped_steps > 0
@@ -158,8 +159,8 @@ def test_continue_goes_on_without_the_paused_rank_and_counts_what_it_skipped(dig
 def test_restart_retries_the_stage_at_once_and_skips_nothing(digits, tmp_path):
     marker = str(tmp_path / "paused")
     _continue_after(marker, 60.0)  # never, in practice: Spark kills the stopped worker for the retry
-    result = SharedTrainer(lambda: Pauses(marker), epochs=1, batch_size=32, seed=5, liveness_timeout=1.0,
-                           on_rank_loss="restart", **LOOPBACK).fit(digits)
+    result = SharedTrainer(lambda: Pauses(marker), epochs=1, batch_size=32, seed=5, **LOOPBACK,
+                           fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="restart")).fit(digits)
     spe = [-(-len(p) // 32) for p in digits.glom().collect()]
     assert result.resumed_from > 0 and result.skipped_steps == 0 and result.counters.get("gone", 0) == 0
     assert [h["steps"] for h in result.history] == [sum(spe)] and result.history[0]["resumed"]

@@ -1,4 +1,4 @@
-"""Run logging and plots: SharedTrainer(mlflow=...) records ONE MLflow run per fit
+"""Run logging and plots: SharedTrainer(runtime=Runtime(mlflow=...)) records ONE MLflow run per fit
 (params, per-epoch metrics, the model as an artifact) in a local file store, a failed fit is a FAILED
 run, and FitResult.plot writes a real PNG, with and without validation data."""
 
@@ -14,8 +14,9 @@ import torch
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.driver.result import FitResult
+from gradshare.options import Network, Runtime
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -42,9 +43,8 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
     X_train, X_test, y_train, y_test = digits_split(0)
     rows = list(zip(X_train[:400], (int(v) for v in y_train[:400])))
     rdd = spark.sparkContext.parallelize(rows, 2)
-    trainer = SharedTrainer(mlp, epochs=2, batch_size=32, validation_data=(X_test, y_test),
-                            mlflow={"experiment": "gradshare-test", "run_name": "digits", "tags": {"team": "ml"}},
-                            **LOOPBACK)
+    trainer = SharedTrainer(mlp, epochs=2, batch_size=32, validation_data=(X_test, y_test), **LOOPBACK,
+                            runtime=Runtime(mlflow={"experiment": "gradshare-test", "run_name": "digits", "tags": {"team": "ml"}}))
     result = trainer.fit(rdd)
 
     runs = _runs(store, "gradshare-test")
@@ -53,7 +53,7 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
     assert run.info.status == "FINISHED" and run.info.run_name == "digits" and run.data.tags["team"] == "ml"
     params = run.data.params
     assert params["threshold"] == "auto" and params["epochs"] == "2" and params["batch_size"] == "32"
-    assert params["model"] == "gradshare.demo.mlp" and params["staleness"] == "0"
+    assert params["model"] == "gradshare.demo.mlp" and params["compression.staleness"] == "0" and params["network.bind"] == "127.0.0.1"
     assert params["validation_data"] == "(float32[450, 64], int64[450])"
     assert params["world_size"] == "2" and params["n_params"] == str(result.n_params)
     assert params["fit.loss"] == result.extra["loss"]
@@ -80,7 +80,7 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
 
 
 def test_a_failed_fit_is_a_failed_run_nested_under_the_active_run(store):
-    trainer = SharedTrainer(mlp, mlflow={"experiment": "gradshare-fail"}, **LOOPBACK)
+    trainer = SharedTrainer(mlp, **LOOPBACK, runtime=Runtime(mlflow={"experiment": "gradshare-fail"}))
     experiment_id = store.create_experiment("gradshare-fail")
     with mlflow.start_run(experiment_id=experiment_id, run_name="parent") as parent:
         with pytest.raises(TypeError, match="RDD"):
@@ -95,12 +95,11 @@ def test_a_failed_fit_is_a_failed_run_nested_under_the_active_run(store):
 
 
 def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, monkeypatch):
-    from gradshare.checks import check_mlflow_option
     from gradshare.driver import tracking
 
-    class Trainer:  # what `tracked` needs of a SharedTrainer: its options and its mlflow config
+    class Trainer:  # what `tracked` needs of a SharedTrainer: its options and its Runtime group (mlflow)
         options = {"epochs": 3}
-        mlflow = check_mlflow_option({"experiment": "gradshare-late"})
+        runtime = Runtime(mlflow={"experiment": "gradshare-late"})
 
         @tracking.tracked
         def fit(self, data):
@@ -125,7 +124,7 @@ def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, mon
 ])
 def test_bad_mlflow_option_fails_at_construction(value, error, match):
     with pytest.raises(error, match=match):
-        SharedTrainer(mlp, mlflow=value)
+        SharedTrainer(mlp, runtime=Runtime(mlflow=value))
 
 
 def _result(history, n_params=1000, world_size=2) -> FitResult:

@@ -19,6 +19,7 @@ from torch import nn
 
 from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
 from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
+from gradshare.options import Network, Runtime, in_groups
 from dying import DiesOnce
 
 # Executors cannot import this test module: ship its model classes by value.
@@ -26,7 +27,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 def _threads():
@@ -70,7 +71,8 @@ def test_digits_two_workers_match_single_process_at_a_fraction_of_the_traffic(sp
 
 def _fit_digits(digits_rdd, **kw):
     rdd, (X_test, y_test) = digits_rdd
-    result = SharedTrainer(mlp, batch_size=32, epochs=kw.pop("epochs", 6), seed=3, **LOOPBACK, **kw).fit(rdd)
+    result = SharedTrainer(mlp, batch_size=32, epochs=kw.pop("epochs", 6), seed=3,
+                           **in_groups({**LOOPBACK, **kw})).fit(rdd)  # grouped options named flat
     return result, evaluate_accuracy(result.model, X_test, y_test)
 
 
@@ -136,9 +138,9 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
 
 def test_worker_options_are_checked_by_name():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['profil'\]"):
-        SharedTrainer(mlp, worker_options={"profil": True})
+        SharedTrainer(mlp, runtime=Runtime(worker_options={"profil": True}))
     with pytest.raises(ValueError, match=r"worker_options\['direct_update'\] must be True or False"):
-        SharedTrainer(mlp, worker_options={"direct_update": "no"})
+        SharedTrainer(mlp, runtime=Runtime(worker_options={"direct_update": "no"}))
 
 
 def test_dataframe_with_vector_and_array_columns(spark):
@@ -151,7 +153,7 @@ def test_dataframe_with_vector_and_array_columns(spark):
     arr = spark.createDataFrame([(x.tolist(), int(v)) for x, v in zip(X, y)], ["f", "y"])
     model = lambda: nn.Linear(4, 2)  # noqa: E731
     for df, cols, dtype in ((vec, ("features", "label"), "int64"), (arr, ("f", "y"), None)):
-        r = SharedTrainer(model, label_dtype=dtype, epochs=2, batch_size=8, **LOOPBACK).fit(
+        r = SharedTrainer(model, epochs=2, batch_size=8, **LOOPBACK, runtime=Runtime(label_dtype=dtype)).fit(
             df.repartition(2), features_col=cols[0], label_col=cols[1])
         assert r.world_size == 2 and r.steps == 2 * 4
     with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
@@ -224,7 +226,7 @@ def _bad_cases(spark):
 @pytest.mark.parametrize("case", ["slots", "empty", "shapes", "label", "frozen", "user", "unreachable"])
 def test_bad_input_and_failures_are_clear_driver_errors(spark, case):
     name, kw, rdd, exc, pattern = next(c for c in _bad_cases(spark) if c[0] == case)
-    kw = {**LOOPBACK, "batch_size": 2, **kw}
+    kw = in_groups({**LOOPBACK, "batch_size": 2, **kw})  # grouped options named flat
     model = kw.pop("model", tiny_model)
     before = _threads()
     with pytest.raises(exc, match=pattern):
@@ -239,7 +241,7 @@ def test_port_in_use_is_named_and_nothing_is_left(spark):
     before = _threads()
     try:
         with pytest.raises(OSError, match=str(port)):
-            SharedTrainer(tiny_model, port=port, bind="127.0.0.1", verbose=0).fit(small_rdd(spark))
+            SharedTrainer(tiny_model, port=port, verbose=0, network=Network(bind="127.0.0.1")).fit(small_rdd(spark))
     finally:
         busy.close()
     assert_nothing_left(spark, before)
@@ -363,16 +365,16 @@ class _NotAScheduler:
         self.opt = opt
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize("kwargs, error, match", [  # groups as dicts: made inside the raises block
     ({"lr_scheduler": "cosine"}, TypeError, "lr_scheduler must be a factory"),
-    ({"scheduler_interval": "batch"}, ValueError, "scheduler_interval"),
-    ({"threshold": "auto", "threshold_algorithm": "fixed"}, ValueError, "contradicts"),
-    ({"threshold": 1e-3, "density": 1e-2}, ValueError, "density tune threshold='auto'"),
-    ({"threshold": 1e-3, "warmup": 1}, ValueError, "warmup tune"),
+    ({"runtime": {"scheduler_interval": "batch"}}, ValueError, "scheduler_interval"),
+    ({"threshold": "auto", "compression": {"threshold_algorithm": "fixed"}}, ValueError, "contradicts"),
+    ({"threshold": 1e-3, "compression": {"density": 1e-2}}, ValueError, "density tune threshold='auto'"),
+    ({"threshold": 1e-3, "compression": {"warmup": 1}}, ValueError, "warmup tune"),
     ({"threshold": "fast"}, ValueError, "'auto' or a positive"),
-    ({"density": 0.0}, ValueError, "density"),
-    ({"warmup": -1}, ValueError, "warmup"),
-    ({"aggregate": "avg"}, ValueError, "aggregate must be 'sum' or 'mean'"),
+    ({"compression": {"density": 0.0}}, ValueError, "density"),
+    ({"compression": {"warmup": -1}}, ValueError, "warmup"),
+    ({"compression": {"aggregate": "avg"}}, ValueError, "aggregate must be 'sum' or 'mean'"),
 ])
 def test_bad_convergence_options_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):

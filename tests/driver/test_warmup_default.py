@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.config import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
+from gradshare.options import Compression, DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS, in_groups
 from gradshare.driver.plan import rule_for
 from gradshare.encoding import CalibratedThreshold
 
@@ -25,7 +25,7 @@ def model():
 
 def start_rule(steps_per_epoch: int, world: int = 2, **options):
     """The rule each of ``world`` workers of SharedTrainer(model, **options) starts from."""
-    return rule_for(SharedTrainer(model, **options).config, steps_per_epoch, world)
+    return rule_for(SharedTrainer(model, **in_groups(options)).config, steps_per_epoch, world)
 
 
 @pytest.mark.parametrize("steps_per_epoch", [6, 12, 50])
@@ -83,9 +83,9 @@ def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
     assert off.decay_from == 0.0 and off.lr_factor(0, N_PARAMS) == 1.0  # decay_from=0: off at any N
     assert (on.decay_from, on.decay_lr_power, on.decay_steps) == (0.05, DEFAULT_DECAY_LR_POWER, 20)
     with pytest.raises(ValueError, match="decay_from"):
-        SharedTrainer(nn.Linear(4, 2), decay_from=1.5)
+        SharedTrainer(nn.Linear(4, 2), compression=Compression(decay_from=1.5))
     with pytest.raises(ValueError, match="decay_from"):
-        SharedTrainer(nn.Linear(4, 2), threshold=1e-3, decay_from=0.02)  # it tunes threshold="auto"
+        SharedTrainer(nn.Linear(4, 2), threshold=1e-3, compression=Compression(decay_from=0.02))  # it tunes threshold="auto"
 
 
 def test_from_32_workers_the_default_caps_each_step_and_decays_the_density_at_the_full_lr():
@@ -101,4 +101,4 @@ def test_from_32_workers_the_default_caps_each_step_and_decays_the_density_at_th
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "on", True])
 def test_a_bad_step_cap_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="step_cap must be 'auto', None or a positive share"):
-        SharedTrainer(nn.Linear(4, 2), step_cap=bad)
+        SharedTrainer(nn.Linear(4, 2), compression=Compression(step_cap=bad))

@@ -28,7 +28,7 @@ from gradshare.ml.predict import output_spec, parse_inputs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 pytestmark = pytest.mark.spark
-LOOPBACK = {"port": 0, "bind": "127.0.0.1", "verbose": 0}
+LOOPBACK = {"port": 0, "network": {"bind": "127.0.0.1"}, "verbose": 0}
 PIXELS = [f"p{i}" for i in range(64)]
 
 
@@ -253,7 +253,7 @@ def test_bad_columns_are_named_before_any_spark_job(spark, fitted):
         (lambda: estimator(predictBatchSize=0), TypeError, "predictBatchSize"),
         (lambda: estimator(epoch=2), ValueError, "no Param(s) ['epoch']"),
         (lambda: GradshareEstimator(featuresCol="features").fit(df.drop("prediction")), ValueError, "needs a model"),
-        (lambda: estimator(trainerOptions={"staleness": -1}).fit(df.drop("prediction")), ValueError,
+        (lambda: estimator(trainerOptions={"compression": {"staleness": -1}}).fit(df.drop("prediction")), ValueError,
          "staleness must be"),
     ]
     stage = fitted[1].stages[-1]

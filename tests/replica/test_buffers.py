@@ -25,10 +25,11 @@ from gradshare.errors import DecodeError
 from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
 from gradshare.task.config import steps_per_epoch
+from gradshare.options import Network, Runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 def bn_mlp():
@@ -231,10 +232,10 @@ def test_a_one_row_final_batch_is_dropped_for_batchnorm(spark):
     rdd = spark.sparkContext.parallelize(rows, 2)
     r = SharedTrainer(bn_mlp, epochs=1, **LOOPBACK).fit(rdd)
     assert [rep["last_step"] for rep in r.worker_reports] == [1, 1]  # 2 steps each: the 1-row batch dropped
-    r = SharedTrainer(bn_mlp, epochs=1, drop_last=False, batch_size=64, **LOOPBACK).fit(
+    r = SharedTrainer(bn_mlp, epochs=1, batch_size=64, **LOOPBACK, runtime=Runtime(drop_last=False)).fit(
         spark.sparkContext.parallelize(rows[:128], 2))
     assert r.steps == 1
     with pytest.raises(ValueError, match=r"partition 0 has 65 row\(s\): no batch of batch_size=100"):
-        SharedTrainer(bn_mlp, epochs=1, drop_last=True, batch_size=100, **LOOPBACK).fit(rdd)
+        SharedTrainer(bn_mlp, epochs=1, batch_size=100, **LOOPBACK, runtime=Runtime(drop_last=True)).fit(rdd)
     with pytest.raises(ValueError, match="drop_last must be"):
-        SharedTrainer(bn_mlp, drop_last="sometimes")
+        SharedTrainer(bn_mlp, runtime=Runtime(drop_last="sometimes"))

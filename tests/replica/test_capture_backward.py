@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradshare.replica.losses import clip_grad_norm
+from gradshare.options import Network, Runtime
 from one_worker import STEPS, mlp, run_one_worker as _run
 
 
@@ -141,7 +142,8 @@ def test_a_two_worker_fit_steps_in_backward_to_the_same_model(spark):
     fits = {}
     for on in (True, False):
         model = lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))  # noqa: E731
-        fits[on] = SharedTrainer(model, batch_size=32, epochs=1, seed=5, port=0, bind="127.0.0.1", verbose=0,
-                                 worker_options={"step_in_backward": on}).fit(rdd)
+        fits[on] = SharedTrainer(model, batch_size=32, epochs=1, seed=5, port=0, verbose=0,
+                                 network=Network(bind="127.0.0.1"),
+                                 runtime=Runtime(worker_options={"step_in_backward": on})).fit(rdd)
         assert [r["step_in_backward"] for r in fits[on].worker_reports] == [on, on]
     assert fits[True].param_hash == fits[False].param_hash

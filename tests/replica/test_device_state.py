@@ -22,10 +22,11 @@ from gradshare.demo import digits_split, mlp
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, encode
 from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
+from gradshare.options import Compression, Network, Runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 CPU = torch.device("cpu")
 
 
@@ -83,7 +84,7 @@ def test_the_default_state_stays_numpy_and_a_device_model_is_refused_there():
     flat = FlatParams(mlp(16))
     assert isinstance(flat.state, np.ndarray) and flat.device is None and flat.host_state() is flat.state
     model = mlp(16).to("meta")  # any non-CPU device: the NumPy state needs host memory
-    with pytest.raises(TypeError, match=r"on meta.*SharedTrainer\(device=\.\.\.\)"):
+    with pytest.raises(TypeError, match=r"on meta.*SharedTrainer\(runtime=Runtime\(device=\.\.\.\)\)"):
         FlatParams(model)
 
 
@@ -128,8 +129,8 @@ def digits(spark):
 FITS = {
     "mlp": dict(model=lambda: mlp(32)),
     "batchnorm": dict(model=bn_mlp),
-    "staleness-1": dict(model=lambda: mlp(32), staleness=1),
-    "general-path": dict(model=bn_mlp, staleness=1, worker_options={"direct_update": False}),
+    "staleness-1": dict(model=lambda: mlp(32), compression=Compression(staleness=1)),
+    "general-path": dict(model=bn_mlp, compression=Compression(staleness=1), worker_options={"direct_update": False}),
 }
 
 
@@ -138,8 +139,8 @@ FITS = {
 def test_a_fit_on_the_tensor_path_is_bit_identical_to_the_numpy_path(digits, case):
     kw = dict(FITS[case])
     model, options = kw.pop("model"), kw.pop("worker_options", {})
-    fits = {tensor: SharedTrainer(model, epochs=2, device="cpu", worker_options={**options, "tensor_state": tensor},
-                                  **LOOPBACK, **kw).fit(digits)
+    runtime = {tensor: Runtime(device="cpu", worker_options={**options, "tensor_state": tensor}) for tensor in (False, True)}
+    fits = {tensor: SharedTrainer(model, epochs=2, **LOOPBACK, **kw, runtime=runtime[tensor]).fit(digits)
             for tensor in (False, True)}
     for tensor, r in fits.items():
         assert [rep["tensor_state"] for rep in r.worker_reports] == [tensor, tensor]
@@ -154,12 +155,13 @@ def test_a_fit_on_the_tensor_path_is_bit_identical_to_the_numpy_path(digits, cas
 def test_device_is_checked_on_the_driver():
     for bad in ("gpu", "cuda:x", "mps", 0, None):
         with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda', 'cuda:N', 'auto'"):
-            SharedTrainer(mlp, device=bad)
-    assert SharedTrainer(mlp).device == "auto"
-    assert SharedTrainer(mlp, device=" CUDA:1 ").device == "cuda:1"  # the driver needs no GPU to name one
-    assert SharedTrainer(mlp, device=torch.device("cpu")).device == "cpu"
+            SharedTrainer(mlp, runtime=Runtime(device=bad))
+    assert SharedTrainer(mlp).runtime.device_name == "auto"
+    # the driver needs no GPU to name one
+    assert SharedTrainer(mlp, runtime=Runtime(device=" CUDA:1 ")).runtime.device_name == "cuda:1"
+    assert SharedTrainer(mlp, runtime=Runtime(device=torch.device("cpu"))).runtime.device_name == "cpu"
     with pytest.raises(ValueError, match=r"worker_options\['tensor_state'\] must be True or False"):
-        SharedTrainer(mlp, worker_options={"tensor_state": "yes"})
+        SharedTrainer(mlp, runtime=Runtime(worker_options={"tensor_state": "yes"}))
 
 
 def _worker(device, **options):

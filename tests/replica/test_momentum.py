@@ -11,6 +11,7 @@ from gradshare.config import TrainConfig
 from gradshare.driver.plan import check_optimizer
 from gradshare.replica.momentum import (check_optimizer_momentum, lower_momentum,
                                        momentum_ceiling, put_back)
+from gradshare.options import Compression
 from one_worker import STEPS, run_one_worker
 
 # (with momentum, the ceiling, the same optimizer built with the momentum at the ceiling)
@@ -101,11 +102,11 @@ def test_an_optimizer_without_momentum_is_left_alone_and_refused_only_when_a_cei
 
 
 def test_the_option_is_checked_and_a_given_value_is_the_ceiling():
-    assert TrainConfig().optimizer_momentum == "auto"  # by worker count: tests/driver/test_policy.py
+    assert TrainConfig().compression.optimizer_momentum == "auto"  # by worker count: tests/driver/test_policy.py
     assert momentum_ceiling("off") == 0.0 and momentum_ceiling(0.5) == 0.5 and momentum_ceiling("keep") is None
     with pytest.raises(ValueError, match="the planner resolves it"):
         momentum_ceiling("auto")
-    TrainConfig(optimizer_momentum=0.0)
+    TrainConfig(compression=Compression(optimizer_momentum=0.0))
     for bad in ("none", 1.0, -0.1, float("nan"), True):
         with pytest.raises(ValueError, match=r"optimizer_momentum must be 'auto', 'off', 'keep' or a number in "):
-            TrainConfig(optimizer_momentum=bad)
+            TrainConfig(compression=Compression(optimizer_momentum=bad))

@@ -23,10 +23,11 @@ from gradshare.transport import Update, param_hash
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
+from gradshare.options import Network, Runtime, in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 class _Peer:
@@ -143,7 +144,7 @@ def test_the_scaler_step_says_whether_the_optimizer_ran(fused):
 def test_precision_is_checked_by_name():
     for bad in ("16", "bf16", "fp16", 32, None):
         with pytest.raises(ValueError, match=r"precision must be one of '32', 'bf16-mixed', 'fp16-mixed'"):
-            SharedTrainer(mlp, precision=bad)
+            SharedTrainer(mlp, runtime=Runtime(precision=bad))
     with pytest.raises(ValueError, match="precision"):
         Precision("64-true")
 
@@ -165,7 +166,7 @@ def digits(spark):
 
 def _fit(digits, **kw):
     rdd, (X_test, y_test) = digits
-    result = SharedTrainer(mlp, batch_size=32, epochs=4, seed=3, **LOOPBACK, **kw).fit(rdd)
+    result = SharedTrainer(mlp, batch_size=32, epochs=4, seed=3, **in_groups({**LOOPBACK, **kw})).fit(rdd)
     return result, evaluate_accuracy(result.model, X_test, y_test)
 
 
@@ -186,7 +187,7 @@ def test_bf16_and_fp16_mixed_fit_the_digits_as_well_as_float32(digits):
 def test_a_half_precision_model_is_refused_on_the_driver(digits):
     rdd, _ = digits
     with pytest.raises(TypeError, match=r"parameter '0.weight' is torch.bfloat16.*precision='bf16-mixed'"):
-        SharedTrainer(lambda: mlp().to(torch.bfloat16), precision="bf16-mixed", **LOOPBACK).fit(rdd)
+        SharedTrainer(lambda: mlp().to(torch.bfloat16), **LOOPBACK, runtime=Runtime(precision="bf16-mixed")).fit(rdd)
 
 
 @pytest.mark.parametrize("fused", [False, True])

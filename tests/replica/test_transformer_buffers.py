@@ -23,9 +23,10 @@ from gradshare.encoding.torch_codec import buffer_change as buffer_change_tensor
 from gradshare.replica.flat import FlatParams, int_buffers
 from gradshare.replica.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
 from gradshare.transport import param_hash
+from gradshare.options import Compression, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 VOCAB, T, D = 16, 8, 16
 DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))  # as in test_torch_codec.py
 
@@ -186,9 +187,9 @@ def test_a_causal_lm_with_mask_rotary_position_and_batchnorm_buffers_trains(spar
     rdd = spark.sparkContext.parallelize(list(zip(ids, labels)), 2)
     val_ids, val_labels = sequences(256, 1)
     torch.manual_seed(0)
-    r = SharedTrainer(TinyCausalLM, epochs=6, batch_size=32, staleness=1,
+    r = SharedTrainer(TinyCausalLM, epochs=6, batch_size=32,
                       optimizer=lambda p: torch.optim.AdamW(p, 1e-2, weight_decay=0.01),
-                      validation_data=(val_ids, val_labels), **LOOPBACK).fit(rdd)
+                      validation_data=(val_ids, val_labels), **LOOPBACK, compression=Compression(staleness=1)).fit(rdd)
     model = r.model.eval()
     assert r.extra["loss"] == "CrossEntropyLoss"
     with torch.no_grad():

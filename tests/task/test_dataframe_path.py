@@ -13,6 +13,7 @@ from gradshare import SharedTrainer
 from gradshare.task.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
 from gradshare.driver.session import dataframe_to_rdd
 from gradshare.task.partition import summarise_partition
+from gradshare.options import Network
 
 
 def _vectors(rows):
@@ -98,7 +99,8 @@ def test_a_classic_dataframe_fit_is_bit_identical_through_both_paths(spark, monk
         for frame in (False, True):
             monkeypatch.setattr(dataframe_job, "FRAME_PATH_CLASSIC", frame)
             torch.manual_seed(0)
-            r = SharedTrainer(fit["model"], epochs=2, batch_size=8, port=0, bind="127.0.0.1", verbose=0).fit(
+            r = SharedTrainer(fit["model"], epochs=2, batch_size=8, port=0, verbose=0,
+                              network=Network(bind="127.0.0.1")).fit(
                 df, features_col=fit["features_col"], label_col=fit["label_col"])
             hashes.append(r.param_hash)
             assert {w["param_hash"] for w in r.worker_reports} == {r.param_hash} and r.world_size == 2

@@ -23,12 +23,13 @@ from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.options import Network
 from harness import Sim, drive
 
 # Executors cannot import this test module: ship its model classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 
 # ------------------------------------------------------------------------------------ FAIL on the wire

@@ -15,10 +15,11 @@ from gradshare.task.batches import InputLayout, validation_arrays
 from gradshare.replica.losses import LossStep, clip_grad_norm, match_target, plan_loss
 from gradshare.driver.session import check_summaries
 from gradshare.task.partition import PartitionData, summarise_partition
+from gradshare.options import Compression, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 OFFSET = 2**31 + 7  # token ids far above 2**24: float32 would round them to multiples of 256
 VOCAB, LENGTH = 16, 5
 
@@ -265,7 +266,7 @@ def test_train_step_hook_with_sample_weights_is_used(spark):
 
     def fit(**kw):  # a 10-weight model at a high lr: no step cap, which would slow it (convergence guide)
         return SharedTrainer(lambda: nn.Linear(4, 2), optimizer=_adam(2e-2), batch_size=32, epochs=4, seed=1,
-                             step_cap=None, **LOOPBACK, **kw).fit(spark.sparkContext.parallelize(rows, 2))
+                             **LOOPBACK, **kw, compression=Compression(step_cap=None)).fit(spark.sparkContext.parallelize(rows, 2))
 
     hooked = fit(train_step=weighted)
     assert hooked.extra["loss"] == "train_step:weighted" and hooked.extra["probe"] == "train_step ran on one row"
@@ -306,8 +307,8 @@ def test_regression_with_a_column_output_matches_a_single_process(spark):
             return float(((model(torch.from_numpy(Xt))[:, 0] - torch.from_numpy(yt)) ** 2).mean())
 
     rows = [(a, float(b)) for a, b in zip(X[:512], y[:512])]
-    r = SharedTrainer(Regressor, optimizer=_adam(lr), batch_size=32, epochs=epochs, aggregate="mean",
-                      validation_data=(Xt, yt), **LOOPBACK).fit(spark.sparkContext.parallelize(rows, 2))
+    r = SharedTrainer(Regressor, optimizer=_adam(lr), batch_size=32, epochs=epochs, validation_data=(Xt, yt),
+                      **LOOPBACK, compression=Compression(aggregate="mean")).fit(spark.sparkContext.parallelize(rows, 2))
     assert r.extra["loss"] == "MSELoss" and r.extra["label_dtype"] == "float32"
     var, ours, theirs = float(yt.var()), mse(r.model), mse(single)
     assert r.history[-1]["val_metric"] < 0.1 * var  # validation shapes the target the same way
@@ -327,8 +328,8 @@ def test_string_indexer_labels_train_a_classifier(spark):
     df = spark.createDataFrame([(Vectors.dense(a.tolist()), str(s)) for a, s in zip(X, names)], ["features", "animal"])
     indexed = StringIndexer(inputCol="animal", outputCol="label").fit(df).transform(df).repartition(2)
     # a 15-weight model at a high lr: no step cap, which would slow it (convergence guide)
-    r = SharedTrainer(lambda: nn.Linear(4, 3), optimizer=_adam(5e-2), batch_size=32, epochs=5, step_cap=None,
-                      **LOOPBACK).fit(
+    r = SharedTrainer(lambda: nn.Linear(4, 3), optimizer=_adam(5e-2), batch_size=32, epochs=5, **LOOPBACK,
+                      compression=Compression(step_cap=None)).fit(
         indexed, features_col="features", label_col="label")
     assert (r.extra["loss"], r.extra["label_dtype"], r.extra["probe"]) == ("CrossEntropyLoss", "int64", "output (B, 3)")
     rows = indexed.select("features", "label").collect()  # one collect: repartition(2) orders rows anew each time

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradshare import SharedTrainer, encoding
 from gradshare.bench.lockstep import LogPeer, SharedLog
-from gradshare.config import lr_factor
+from gradshare.options import Compression
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
@@ -49,12 +49,12 @@ def test_a_worker_steps_at_the_scaled_lr_and_its_optimizer_keeps_the_lr_given():
 
 
 def test_the_factor_follows_the_rule_chosen():
-    assert lr_factor(2, 100) == pytest.approx(math.sqrt(0.02))
-    assert lr_factor(2, 100, "linear") == pytest.approx(0.02)
-    assert lr_factor(64, None) == 1.0 and lr_factor(64, 64) == 1.0
+    assert Compression(lr_batch_size=100).lr_factor(2) == pytest.approx(math.sqrt(0.02))
+    assert Compression(lr_batch_size=100, lr_scaling="linear").lr_factor(2) == pytest.approx(0.02)
+    assert Compression().lr_factor(64) == 1.0 and Compression(lr_batch_size=64).lr_factor(64) == 1.0
     model = nn.Linear(2, 2)
-    assert SharedTrainer(model, batch_size=25, lr_batch_size=100).config.lr_factor == 0.5
-    assert SharedTrainer(model, batch_size=8, lr_batch_size=32, lr_scaling="linear").config.lr_factor == 0.25
+    assert SharedTrainer(model, batch_size=25, compression=Compression(lr_batch_size=100)).config.lr_factor == 0.5
+    assert SharedTrainer(model, batch_size=8, compression=Compression(lr_batch_size=32, lr_scaling="linear")).config.lr_factor == 0.25
     assert SharedTrainer(model, batch_size=8).config.lr_factor == 1.0
 
 
@@ -66,4 +66,4 @@ def test_the_factor_follows_the_rule_chosen():
 ])
 def test_bad_lr_batch_options_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        SharedTrainer(nn.Linear(2, 2), **kwargs)
+        SharedTrainer(nn.Linear(2, 2), compression=Compression(**kwargs))

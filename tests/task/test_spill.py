@@ -213,13 +213,14 @@ def test_a_partition_of_12x_spill_bytes_trains_with_the_worker_peak_rss_bounded(
     from torch import nn
 
     from gradshare import SharedTrainer
+    from gradshare.options import Network
 
     mib, rows = 1 << 20, 3 * 1024  # 3 072 rows of 4 KiB = 12 MiB
     rdd = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(
         lambda index, _: generated_rows(index, rows if index == 1 else 64))
-    result = SharedTrainer(lambda: nn.Linear(WIDTH, 4), batch_size=64, epochs=2, seed=0, spill_bytes=mib,
-                           optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.05),
-                           port=0, bind="127.0.0.1", verbose=0).fit(rdd)
+    result = SharedTrainer(lambda: nn.Linear(WIDTH, 4), batch_size=64, epochs=2, seed=0,
+                           optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.05), port=0, verbose=0,
+                           network=Network(spill_bytes=mib, bind="127.0.0.1")).fit(rdd)
     small, large = sorted(result.worker_reports, key=lambda r: r["rank"])
     assert [h["epoch"] for h in result.history] == [0, 1] and large["steps_run"] == 2 * rows // 64
     assert result.history[1]["loss"] < result.history[0]["loss"]

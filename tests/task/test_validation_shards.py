@@ -19,10 +19,11 @@ from gradshare.task.partition import PartitionData
 from gradshare.stopping import stop_epoch
 from gradshare.replica.losses import accuracy_sums
 from gradshare.task.validation import pack, reduce_sums, shard_sums, split_rows
+from gradshare.options import FaultTolerance, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
-LOOPBACK = dict(port=0, bind="127.0.0.1", verbose=0)
+LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 SPE = (5, 4)  # steps per epoch of the two training partitions below (300 and 256 rows, batch 64)
 # The pair is scored in one forward pass of all rows with accuracy's float32 mean; the shards in
 # batches per rank, with exact counts summed in float64. The correct-row counts are the same (argmax
@@ -138,8 +139,8 @@ def test_a_sum_count_metric_is_reduced_exactly(spark, uneven):
         return float((outputs.argmax(1) != labels).sum()), float(len(labels))
 
     # spill_bytes of 16 kB: the shards (and the training partitions) stream from spill files
-    result = SharedTrainer(mlp, batch_size=64, epochs=1, seed=5, validation_data=shards, metric=errors,
-                           spill_bytes=16 << 10, **LOOPBACK).fit(rdd)
+    result = SharedTrainer(mlp, batch_size=64, epochs=1, seed=5, validation_data=shards, metric=errors, port=0, verbose=0,
+                           network=Network(bind="127.0.0.1", spill_bytes=16 << 10)).fit(rdd)
     assert [r["validation_spilled"] for r in result.worker_reports] == [True, True]
     assert sum(r["validation_rows"] for r in result.worker_reports) == len(y_test)
     with torch.no_grad():
@@ -177,7 +178,7 @@ def test_bad_validation_columns_are_named_before_any_spark_job(spark, uneven):
     jobs, error = jobs_started(spark, with_validation(train, data=rdd))
     assert isinstance(error, ValueError) and "training data is an RDD" in str(error) and jobs == []
     with pytest.raises(ValueError, match="on_rank_loss='continue'"):
-        SharedTrainer(mlp, validation_data=shards, on_rank_loss="continue")
+        SharedTrainer(mlp, validation_data=shards, fault_tolerance=FaultTolerance(on_rank_loss="continue"))
 
 
 def test_validation_rows_of_another_shape_or_type_name_the_shard(spark, uneven):
