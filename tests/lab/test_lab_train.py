@@ -180,7 +180,7 @@ def test_final_accuracy_is_the_mean_of_the_last_evaluations():
 def test_lr_schedule_flag_takes_every_shared_schedule(capsys):
     from lab import systems
 
-    # bench train and bench convergence build their schedulers with the one systems.lr_scheduler_factory
+    # the train and convergence studies build their schedulers with the one systems.lr_scheduler_factory
     # (its formulas: tests/lab/test_lab_convergence.py)
     for schedule in systems.LR_SCHEDULES:
         assert train.settings(_args("--lr-schedule", schedule))["lr_schedule"] == schedule
