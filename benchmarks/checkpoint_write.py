@@ -1,5 +1,5 @@
 """Checkpoint write time and size (the checkpoint target) for the 10.5 M-parameter benchmark MLP
-(1024-2048-2048-2048-10, gradshare/bench/workloads.py), with Adam (the default optimizer).
+(1024-2048-2048-2048-10, lab/workloads.py), with Adam (the default optimizer).
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/checkpoint_write.py [--epochs 2]
         [--steps 4] [--json out.json]
@@ -35,11 +35,13 @@ def main() -> int:
     parser.add_argument("--hadoop", action="store_true", help="also checkpoint through a viewfs:// URI")
     args = parser.parse_args()
 
-    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     import numpy as np
 
     from gradshare import SharedTrainer
-    from gradshare.bench.workloads import mlp
+    from lab.systems import local_spark_env
+    from lab.workloads import mlp
+
+    local_spark_env()  # this interpreter and the lab on the executors too: Spark pickles `mlp` by reference
     from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]", app_name="checkpoint-bench").getOrCreate()

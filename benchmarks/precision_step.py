@@ -34,22 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the figures to this file")
 
 
-class LocalLog:
-    """The transport's part for one rank: what it sends comes back to it in (step, sender) order."""
-
-    def __init__(self):
-        self.pending = []
-
-    def send_update(self, step, payload, meta=None):
-        self.pending.append((step, payload))
-
-    def receive(self, until_step=None, timeout=None):
-        from gradshare.transport import Update
-
-        out, self.pending = [Update(s, 0, p, None) for s, p in self.pending], []
-        return out
-
-
 def gradshare_worker(precision, widths, batch, total_steps, **options):
     """(step function, n_params, the Worker); `options` go to WorkerConfig (device_step.py: device, tensor_state)."""
     import numpy as np
@@ -60,6 +44,7 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
     from gradshare.task.worker import Worker
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(batch * 8, widths[0])).astype(np.float32)
@@ -73,7 +58,7 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
         label_dtype="int64", precision=precision, **options,
     )
     worker = Worker(cfg, 0, PartitionData(X, y))
-    peer = LocalLog()
+    peer = LogPeer(SharedLog(1), 0)  # the transport's part for one rank: its messages come back to it
     worker.log = ApplyLog(peer, worker.flat, 0, 10.0)
 
     def step(t):

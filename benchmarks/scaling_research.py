@@ -2,7 +2,7 @@
 
 Emulates gradshare's ±τ threshold encoding exactly in torch, per worker: r += x; τ = the calibrated
 (1 − density) quantile of a strided sample of |r| (encoding/threshold.py: same stride, same warm-up
-ramp from min(0.07, 0.2/N) to the density over max(3 epochs, 24 steps)); sent = sign(r)·τ where
+ramp to the density as the planner sets it at N workers, driver/plan.py's rule_for); sent = sign(r)·τ where
 |r| >= τ; r -= sent; every 5th step r is clipped to ±5τ (ResidualClipping). All N workers' models are
 one batched MLP (bmm over a leading worker axis), so N = 64 costs about what one process at batch 4096
 costs.
@@ -10,7 +10,7 @@ costs.
     python benchmarks/scaling_research.py '{"workload": "tab10", "world": 64, "system": "local"}'
 
 The record of what it measured is docs/design.md, "What we tried: learning at 64 workers". Workloads:
-"tab10" is `gradshare bench scaling`'s tabular64k, "mnist1d" its mnist1d-mlp (gradshare/bench/workloads.py).
+"tab10" is `benchmarks/scaling.py`'s tabular64k, "mnist1d" its mnist1d-mlp (lab/workloads.py).
 
 Systems:
   ddp      dense mean gradient, one Adam (lr)
@@ -33,17 +33,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gradshare.config import TrainConfig
+from gradshare.driver.plan import rule_for
+
 # ----------------------------------------------------------------------------------------------- data
-NAMES = {"tab10": "tabular64k", "mnist1d": "mnist1d-mlp"}  # the workloads of `gradshare bench scaling`
+NAMES = {"tab10": "tabular64k", "mnist1d": "mnist1d-mlp"}  # the workloads of `benchmarks/scaling.py`
 
 
 def load_workload(name: str, seed: int):
-    """(X_train, y_train, X_test, y_test) of gradshare/bench/workloads.py's workload for `name`."""
+    """(X_train, y_train, X_test, y_test) of lab/workloads.py's workload for `name`."""
     cache = os.environ.get("SR_DATA")  # a folder of <name>_<seed>.npz (machines without the data packages)
     if cache and os.path.exists(os.path.join(cache, f"{name}_{seed}.npz")):
         z = np.load(os.path.join(cache, f"{name}_{seed}.npz"))
         return z["Xtr"], z["ytr"], z["Xte"], z["yte"]
-    from gradshare.bench.workloads import load
+    from lab.workloads import load
 
     wl = load(NAMES[name], seed)
     return wl.X_train, wl.y_train, wl.X_test, wl.y_test
@@ -260,8 +263,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
     Xte_t, yte_t = torch.from_numpy(Xte), torch.from_numpy(yte)
     spe = math.ceil(shard / B)
     T = spe * epochs
-    wsteps = max(round(3 * spe), 24) if warmup is None else int(warmup)
-    wdens = min(0.07, 0.2 / N) if warmup_density is None else warmup_density
+    planned = rule_for(TrainConfig(epochs=epochs, batch_size=B, seed=seed), spe, N)  # what a fit of N workers runs
+    wsteps = planned.warmup_steps if warmup is None else int(warmup)
+    wdens = planned.warmup_density if warmup_density is None else warmup_density
     gen = torch.Generator(device="cpu")
     p = model.init.clone()
     enc = Encoder(N, P, dev, density, wsteps, wdens, clip=clip, exact=exact) if system in ("local", "global") else None

@@ -1,6 +1,6 @@
 """A real SharedTrainer fit on Spark beside the lock-step run of the same configuration.
 
-`gradshare bench scaling` measures in lock step (gradshare/bench/lockstep.py: the real Worker, ApplyLog
+`benchmarks/scaling.py` measures in lock step (lab/lockstep.py: the real Worker, ApplyLog
 and codec, one process). This script checks that a fit on Spark learns the same: the same workload,
 shards, seed, batch order, τ rule, staleness 0 and Adam lr, once through `SharedTrainer` on a Spark master
 (local[N], or local-cluster[N,1,1024] for separate executor JVMs) and once in lock step; it prints the two
@@ -30,9 +30,9 @@ def main() -> None:
     parser.add_argument("--momentum", default="auto", help="SharedTrainer's optimizer_momentum: auto, off, keep or a number")
     args = parser.parse_args()
 
-    from gradshare.bench import systems
-    from gradshare.bench.lockstep import run
-    from gradshare.bench.workloads import RECIPES, load
+    from lab import systems
+    from lab.lockstep import run
+    from lab.workloads import RECIPES, load
     from gradshare.driver.session import session_builder
 
     recipe = RECIPES[args.workload]

@@ -1,11 +1,12 @@
-"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | bench train | bench convergence | bench lm | bench scaling | relay`.
+"""`gradshare demo | bench encoding | bench device | bench transport | bench scale | relay`.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 This is the CLI's import seam: `main` imports only the module of the command it is given,
 so `gradshare --help` imports no command module (no NumPy, Numba, torch or pyspark), and
 `gradshare bench encoding` never imports torch or pyspark. A command module may import what its
-command needs at module level, except where it is imported without its command too (bench modules
-read each other's tables: gradshare/bench/__init__.py).
+command needs at module level, except where it is imported without its command too (gradshare/bench/__init__.py).
+The research studies (training, convergence, language models, scaling) are scripts of benchmarks/, not
+commands: they are not in the wheel.
 """
 
 from __future__ import annotations
@@ -26,13 +27,6 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "transport"), "gradshare.bench.transport", "relay throughput, latency, loss, crypto cost"),
     (("bench", "scale"), "gradshare.bench.scale",
      "relay egress, CPU, latency and exactly-once vs the number of peers; projected to 256"),
-    (("bench", "train"), "gradshare.bench.train", "gradshare vs DDP dense vs DDP+PowerSGD vs single process"),
-    (("bench", "convergence"), "gradshare.bench.convergence",
-     "accuracy per epoch: gradshare vs DDP dense vs single process, N workers, LR schedules, seeds"),
-    (("bench", "lm"), "gradshare.bench.lm",
-     "a causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds"),
-    (("bench", "scaling"), "gradshare.bench.scaling",
-     "accuracy as workers are added (N = 1 to 64), in lock step: gradshare vs its dense design vs DDP at 3 lrs"),
     (("relay",), "gradshare.transport.relay_main", "run a standalone relay (master)"),
 ]
 

@@ -28,11 +28,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def spark():
-    # Executors must run this interpreter (torch lives there) and import THIS tree's gradshare.
+    # Executors must run this interpreter (torch lives there) and import THIS tree's gradshare, and the lab
+    # (benchmarks/lab/), whose functions tests/lab/ fits ship by reference.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    paths = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    first = [ROOT, os.path.join(ROOT, "benchmarks")]
+    paths = first + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
     from gradshare.driver.session import session_builder

@@ -1,8 +1,5 @@
-"""One gradshare worker stepped by itself (world size 1, the benchmarks' one-rank log): what a test of the
+"""One gradshare worker stepped by itself (world size 1, a one-rank lock-step log): what a test of the
 replica's update path compares, bit for bit, between two ways of taking the same steps."""
-
-import os
-import sys
 
 import numpy as np
 import torch
@@ -14,9 +11,7 @@ from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport import param_hash
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from precision_step import LocalLog  # noqa: E402 - the one-rank transport the benchmarks use
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
 STEPS = 6
 
@@ -37,7 +32,7 @@ def run_one_worker(make_optimizer, model=mlp, precision="32", in_backward=True, 
                        epochs=2, batch_size=16, staleness=staleness, seed=0, label_dtype="int64", precision=precision,
                        direct_update=direct, tensor_state=tensor_state, step_in_backward=in_backward,
                        **options)
-    worker, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
+    worker, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     worker.log = ApplyLog(log, worker.flat, 0, 10.0)
     hashes = []
     for t in range(steps):

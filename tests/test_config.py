@@ -73,16 +73,16 @@ def test_the_estimator_params_default_to_the_trainer_options():
     assert trainer_option_names() == set(FLAT) - NOT_OPTIONS
 
 
-# CLI options that mean a SharedTrainer option but default otherwise on purpose: (command, dest) -> why
+# CLI and study options that mean a SharedTrainer option but default otherwise on purpose: (command, dest) -> why
 CLI_OWN_DEFAULTS = {
     ("demo", "epochs"): "the demo trains until the digits MLP converges",
-    ("bench train", "batch_size"): "the benchmark workloads' batch (DDP's baseline runs the same)",
-    ("bench convergence", "batch_size"): "the benchmark workloads' batch",
-    ("bench train", "epochs"): "None: each workload's own",
-    ("bench convergence", "epochs"): "None: each workload's own",
-    ("bench lm", "epochs"): "None: the benchmark's own (4; 1 with --quick)",
-    ("bench lm", "batch_size"): "None: the benchmark's own (32 windows per worker)",
-    ("bench scaling", "epochs"): "None: each workload's recipe",
+    ("benchmarks/train.py", "batch_size"): "the benchmark workloads' batch (DDP's baseline runs the same)",
+    ("benchmarks/convergence.py", "batch_size"): "the benchmark workloads' batch",
+    ("benchmarks/train.py", "epochs"): "None: each workload's own",
+    ("benchmarks/convergence.py", "epochs"): "None: each workload's own",
+    ("benchmarks/lm.py", "epochs"): "None: the benchmark's own (4; 1 with --quick)",
+    ("benchmarks/lm.py", "batch_size"): "None: the benchmark's own (32 windows per worker)",
+    ("benchmarks/scaling.py", "epochs"): "None: each workload's recipe",
     ("bench encoding", "density"): "synthetic updates: a share of entries, not threshold='auto'",
     ("bench device", "density"): "synthetic updates: a share of entries, not threshold='auto'",
     ("bench transport", "density"): "synthetic updates: a share of entries, not threshold='auto'",
@@ -101,11 +101,21 @@ def _subcommands(parser, prefix=()):
         yield " ".join(prefix), parser
 
 
+def _study_parsers():
+    """The parsers of the lab's studies (benchmarks/<name>.py), which take SharedTrainer's options too."""
+    from lab import convergence, lm, scaling, train
+
+    for module in (train, convergence, lm, scaling):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        yield f"benchmarks/{module.__name__.rpartition('.')[2]}.py", parser
+
+
 def test_cli_defaults_are_the_trainer_defaults():
     from gradshare.cli import build_parser
 
     seen, own = set(), set()
-    for command, parser in _subcommands(build_parser()):
+    for command, parser in [*_subcommands(build_parser()), *_study_parsers()]:
         for action in parser._actions:
             if action.dest not in DEFAULTS or action.default is argparse.SUPPRESS:
                 continue
@@ -117,12 +127,12 @@ def test_cli_defaults_are_the_trainer_defaults():
             assert _same(action.default, DEFAULTS[action.dest]), (
                 f"gradshare {command} --{action.dest} defaults to {action.default!r}, SharedTrainer to "
                 f"{DEFAULTS[action.dest]!r}: take it from TrainConfig, or list it in CLI_OWN_DEFAULTS with why")
-    assert {"demo", "relay", "bench train", "bench convergence", "bench transport", "bench scale"} <= seen
+    assert {"demo", "relay", "benchmarks/train.py", "benchmarks/convergence.py", "bench transport", "bench scale"} <= seen
     assert own == set(CLI_OWN_DEFAULTS), f"stale CLI_OWN_DEFAULTS entries: {set(CLI_OWN_DEFAULTS) - own}"
 
 
 def test_the_relay_and_the_benchmark_runner_default_like_the_trainer():
-    from gradshare.bench.systems import run_gradshare
+    from lab.systems import run_gradshare
     from gradshare.transport.protocol.tuning import RelayTuning
     from gradshare.transport.sockets.relay import Relay
 

@@ -36,8 +36,8 @@ from gradshare.encoding.codec import apply
 from gradshare.encoding.update import StepUpdate, add_buffers
 from gradshare.vectors import Vector, to_host
 
-# The step cap of gradshare bench scaling's "gradshare-cap" system; SharedTrainer's step_cap="auto" is the
-# planner's, by worker count (driver/policy.py)
+# The step cap of the scaling study's "gradshare-cap" system (benchmarks/scaling.py); SharedTrainer's
+# step_cap="auto" is the planner's, by worker count (driver/policy.py)
 DEFAULT_STEP_CAP = 0.1
 
 

@@ -55,7 +55,7 @@ FLOOR_MAX_DENSITY = 0.05
 # The warm-up starts at this density at most (DGC starts at 25 %). 10 % measured better than 25 % and 5 %; 7 %
 # (was 10 %) keeps the benchmark MLP's 2 workers reaching 90 % in the same epoch on each of seeds 0-4 with 13 %
 # fewer bytes over 16 epochs (lock step: 590x -> 669x less than dense; 6 % already cost seeds 0 and 2 an
-# epoch), which brings `gradshare bench train`'s whole-run traffic above 300x (docs/benchmarks/train.md).
+# epoch), which brings the train study's whole-run traffic above 300x (docs/benchmarks/train.md).
 DEFAULT_WARMUP_DENSITY = 0.07
 # The run-long density decay of the default rule from 32 workers on (driver/policy.py): the density decays
 # from 2 % of the entries to the target, and each worker's lr is lowered by (density / target) ** 0.35

@@ -17,7 +17,7 @@ from gradshare.transport.protocol.events import AGGREGATE_ORIGIN, Update
 
 
 class UpdateSource(Protocol):
-    """What the log reads of its peer (transport.Peer; an in-process list in bench/lockstep.py)."""
+    """What the log reads of its peer (transport.Peer; or a LogPeer, transport/testing/shared_log.py)."""
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]: ...
 

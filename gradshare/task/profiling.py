@@ -2,8 +2,8 @@
 
 A benchmark target that is missed is explained from a profile, not guessed. The worker stamps the end of
 each phase of a step (`lap`); the phases add up to the step's wall time except for the few statements
-between two stamps, which show up as "other" in `gradshare.bench.profile.summarise`. When profiling is
-off the worker holds `OFF`, whose methods do nothing (one call per phase, no clock read).
+between two stamps, which show up as "other" in the lab's summary (benchmarks/lab/profile.py). When
+profiling is off the worker holds `OFF`, whose methods do nothing (one call per phase, no clock read).
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ def train_step_of(cfg: WorkerConfig) -> TrainStep:
 
 
 class UpdateSink(Protocol):
-    """What a step needs of its peer: somewhere to send its message (transport.Peer; bench/lockstep.py's list)."""
+    """What a step needs of its peer: somewhere to send its message (transport.Peer; or a LogPeer,
+    transport/testing/shared_log.py)."""
 
     def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None: ...
 

@@ -86,7 +86,7 @@ def test_script_and_light_imports():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr  # the CLI parser must not load numpy/numba
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_encoding.py"), "--params", "1e5", "--repeat", "1",
+        [sys.executable, "-m", "gradshare.cli", "bench", "encoding", "--params", "1e5", "--repeat", "1",
          "--json", "--no-cold-start"],
         env=env, capture_output=True, text=True, timeout=300,
     )

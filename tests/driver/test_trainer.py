@@ -96,7 +96,7 @@ def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_id
 
 
 def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd):
-    from gradshare.bench.profile import summarise
+    from lab.profile import summarise
     from gradshare.task.profiling import PHASES
 
     _, (X_test, y_test) = digits_rdd

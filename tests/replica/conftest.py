@@ -1,6 +1,5 @@
-"""Some replica tests drive a worker against benchmarks/precision_step.LocalLog or run a benchmark's
-module; the benchmarks import each other as scripts do, from their own folder, so that folder is on
-sys.path here (appended: nothing of the tests' own is shadowed)."""
+"""Some replica tests run a benchmark's module; the benchmarks import each other as scripts do, from
+their own folder, so that folder is on sys.path here (appended: nothing of the tests' own is shadowed)."""
 
 import os
 import sys

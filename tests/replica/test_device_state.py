@@ -233,6 +233,7 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
     from gradshare.task.worker import Worker
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(96, 64)).astype(np.float32), rng.integers(0, 10, 96).astype(np.int64)
@@ -245,7 +246,7 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
                            steps_per_epoch=(3,), epochs=3, batch_size=32, staleness=staleness, seed=0,
                            label_dtype="int64", precision=precision, device="cpu",
                            tensor_state=tensor, direct_update=direct)
-        worker, log = Worker(cfg, 0, PartitionData(X, y)), _benchmark("precision_step").LocalLog()
+        worker, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
         worker.log = ApplyLog(log, worker.flat, 0, 10.0)
         trail = []
         for t in range(9):

@@ -129,15 +129,10 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
 
 
 def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12) -> Worker:
-    """One worker stepped against its own log (benchmarks/precision_step.LocalLog), with clipping and a
-    calibrated τ: every pass that reads the residual runs."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from precision_step import LocalLog
-
+    """One worker stepped against its own log (a one-rank SharedLog), with clipping and a calibrated τ:
+    every pass that reads the residual runs."""
     from gradshare.task.apply_log import ApplyLog
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
@@ -148,7 +143,7 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
                        batch_size=16, staleness=staleness, seed=0, label_dtype="int64", apply_scale=scale,
                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
                        folded_view=folded)
-    w, log = Worker(cfg, 0, PartitionData(X, y)), LocalLog()
+    w, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     w.log = ApplyLog(log, w.flat, 0, 10.0, scale=scale)
     for t in range(steps):
         w.log.apply_through(t - 1 - staleness)

@@ -228,7 +228,7 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
 
 # ------------------------------------------------------------------------------------ non-finite updates
 def _one_worker(X, y, lr=1e-3):
-    from gradshare.bench.lockstep import LogPeer, SharedLog
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
@@ -271,7 +271,7 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
 
 
 def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
-    from gradshare.bench.lockstep import LogPeer, SharedLog
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog

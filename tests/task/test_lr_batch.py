@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from gradshare import SharedTrainer, encoding
-from gradshare.bench.lockstep import LogPeer, SharedLog
 from gradshare.options import Compression
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData

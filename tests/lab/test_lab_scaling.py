@@ -1,4 +1,4 @@
-"""`gradshare bench scaling`: its workloads and recipes, arguments, the runs it plans, the tuned-DDP
+"""`benchmarks/scaling.py`: its workloads and recipes, arguments, the runs it plans, the tuned-DDP
 summary and gaps, and one small lock-step run of each kind of system."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradshare.bench import scaling
-from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, load, model_factory
+from lab import scaling
+from lab.workloads import RECIPES, SCALING_WORKLOADS, load, model_factory
 
 
 def _args(*argv):
@@ -81,7 +81,7 @@ def test_one_small_lock_step_run(system):
 
 
 def test_below_32_workers_the_default_steps_with_momentum_half_and_the_step_capped():
-    from gradshare.bench import lockstep
+    from lab import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
     rows = {system: scaling.run_one("tabular64k", 4, system, 0, {"epochs": 2}, data)
@@ -100,7 +100,7 @@ def test_a_recipe_at_a_global_batch_gives_the_designs_workers_its_lr_at_that_bat
 
 
 def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
-    from gradshare.bench import lockstep
+    from lab import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
     plain = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=None)
@@ -111,7 +111,7 @@ def test_the_step_cap_experiment_changes_nothing_when_it_never_binds():
 
 
 def test_lock_step_ends_with_one_model_on_the_numba_and_the_torch_path_under_a_binding_cap():
-    from gradshare.bench import lockstep
+    from lab import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
     numba = lockstep.run("tabular64k", world=4, epochs=2, data=data, step_cap=1e-2)
@@ -122,7 +122,7 @@ def test_lock_step_ends_with_one_model_on_the_numba_and_the_torch_path_under_a_b
 
 @pytest.mark.parametrize("system", ["gradshare", "local"])
 def test_lr_batch_in_lock_step_is_the_lr_scaled_by_the_square_root_rule(system):
-    from gradshare.bench import lockstep
+    from lab import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
     common = {"world": 4, "epochs": 2, "data": data, "system": system, "batch": 16}

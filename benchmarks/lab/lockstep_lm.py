@@ -1,12 +1,12 @@
-"""Lock-step N-worker training of the language models of `bench/lm_models.py` (the Hugging Face Llama and
-GPT-2, and bench lm's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule
+"""Lock-step N-worker training of the language models of `lab/lm_models.py` (the Hugging Face Llama and
+GPT-2, and the lm study's own "tiny"), with the real Worker, ApplyLog and codec in one process, the step rule
 from the planner `fit` runs (driver/plan.py), and the DDP equivalent beside it: one model, each step the mean
 loss of the N ranks' batches (the same shards and batch order as the workers), one clipped AdamW step.
 
     python benchmarks/lockstep.py '{"lm": "llama", "world": 4}'
     python benchmarks/lockstep.py '{"lm": "gpt2", "world": 2, "system": "ddp", "seed": 1}'
 
-Keys (all optional): lm (a model of bench/lm_models.py's MODELS), world, epochs, seed, rows (training
+Keys (all optional): lm (a model of lab/lm_models.py's MODELS), world, epochs, seed, rows (training
 windows), batch (per worker; default the model's recipe), system ("gradshare" | "ddp"), options (SharedTrainer
 options as a dict, e.g. {"optimizer_momentum": "keep"}), scale (an apply scale to try instead of the
 planned one: an experiment, not an option). Prints one JSON line: validation loss (nats per token) after
@@ -23,10 +23,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradshare.bench.lm_models import (
-    FACTORIES, RECIPES, check_transformers, lm_data, optimizer_for, scheduler_factory, train_step_for,
-)
-from gradshare.bench.lockstep import run_workers
 from gradshare.config import TrainConfig
 from gradshare.options import in_groups
 from gradshare.driver.plan import clipping, plan_steps
@@ -36,6 +32,10 @@ from gradshare.replica.losses import HookStep, clip_grad_norm
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from lab.lm_models import (
+    FACTORIES, RECIPES, check_transformers, lm_data, optimizer_for, scheduler_factory, train_step_for,
+)
+from lab.lockstep import run_workers
 
 
 def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, labels: np.ndarray, batch: int = 128) -> float:

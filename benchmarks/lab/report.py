@@ -1,4 +1,4 @@
-"""Results of `gradshare bench train`: one row per (workload, link, system), the target checks,
+"""Results of `python benchmarks/train.py`: one row per (workload, link, system), the target checks,
 a terminal table, a JSON file and a PNG plot (accuracy vs training wall-clock)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from importlib import metadata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gradshare.bench.profile import summarise
+from lab.profile import summarise
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from gradshare.bench.systems import Measured
+    from lab.systems import Measured
 
 Row = dict[str, Any]  # one result row, as the JSON report holds it
 
@@ -201,9 +201,9 @@ def targets_table(checks: list[dict[str, Any]]) -> str:
 
 
 def command_line(subcommand: str) -> str:
-    """How this process was started: `gradshare bench <subcommand> ...` when through the CLI, else argv."""
-    if sys.argv[1:3] == ["bench", subcommand]:
-        return f"gradshare bench {subcommand} " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    """How this process was started: `python benchmarks/<subcommand>.py ...` when through its script, else argv."""
+    if os.path.basename(sys.argv[0]) == f"{subcommand}.py":
+        return f"python benchmarks/{subcommand}.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     return " ".join(shlex.quote(a) for a in sys.argv)
 
 
@@ -265,7 +265,7 @@ def plot(path: str, rows: list[dict[str, Any]], title: str = "") -> None:
 
 
 def accuracy_panel(ax: Axes, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7) -> None:
-    """Labels, the target line and the legend of one test-accuracy panel (bench train and convergence)."""
+    """Labels, the target line and the legend of one test-accuracy panel (the train and convergence studies)."""
     if target:
         ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")
     ax.set_title(title, fontsize=9)

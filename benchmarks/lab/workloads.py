@@ -1,4 +1,4 @@
-"""The workloads of `gradshare bench train` and `bench convergence`: the same data,
+"""The workloads of `python benchmarks/train.py` and `benchmarks/convergence.py`: the same data,
 model and seed for every system. Nothing is downloaded.
 
 - "mlp": communication-heavy, 1024 → 2048 → 2048 → 2048 → 10 (10.5 M parameters, ~40 MB dense), and
@@ -9,7 +9,7 @@ model and seed for every system. Nothing is downloaded.
   features of which 20 informative, 5 classes, generated with random_state = seed), standardised with
   the training split's mean and std; MLP 100 → 1024 → 512 → 5 (631 k parameters).
 
-The scaling benchmark (`gradshare bench scaling`) adds three larger workloads, each with its own recipe
+The scaling benchmark (`python benchmarks/scaling.py`) adds three larger workloads, each with its own recipe
 (`RECIPES`: epochs, batch per worker, Adam's lr):
 - "tabular64k": `make_classification` at 80,000 rows (TABULAR64K: 100 features of which 20 informative,
   10 classes), 64 k training rows (an 80/20 split), MLP 100 → 1024 → 512 → 10 (633 k parameters);

@@ -1,4 +1,4 @@
-"""The lock-step harness's relay (gradshare/bench/lockstep.py, SharedLog): every rank gets every message
+"""The lock-step harness's relay (gradshare/transport/testing/shared_log.py): every rank gets every message
 exactly once in (step, rank) order, memory is let go once every rank has read a step, and a message that
 comes after its step was read is refused, not lost."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradshare.bench.lockstep import LogPeer, SharedLog
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""The language models of the LM benchmarks (`gradshare bench lm` on Spark, `bench/lockstep_lm.py` in
+"""The language models of the LM benchmarks (`python benchmarks/lm.py` on Spark, `lab/lockstep_lm.py` in
 lock step), each with its training recipe, and the text they learn. Nothing is downloaded.
 
 - "tiny": what people write by hand: token and position embeddings, `nn.TransformerEncoder` (pre-norm,
@@ -90,7 +90,7 @@ def lm_data(seed: int, rows: int | None = None) -> LmData:
     return train[:, :-1], train[:, 1:], val[:, :-1], val[:, 1:]
 
 
-# ------------------------------------------------------------------------------------ bench lm's own model
+# ------------------------------------------------------------------------------------ the lm study's own model
 class CausalLM(nn.Module):
     """The benchmark's model: token and position embeddings, pre-norm GELU encoder layers under a causal
     -inf mask kept as a non-persistent buffer, a linear head giving (B, T, VOCAB) logits."""
@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
 
 
 def causal_lm() -> CausalLM:
-    """bench lm's own model (module level: Spark pickles it by reference)."""
+    """the lm study's own model (module level: Spark pickles it by reference)."""
     return CausalLM()
 
 

@@ -1,4 +1,4 @@
-"""`gradshare bench train` pieces that are cheap and real: the namespace/shaping commands and their
+"""`benchmarks/train.py` pieces that are cheap and real: the namespace/shaping commands and their
 privilege fallback, and the result writer on a tiny real run of the single-process configuration."""
 
 import argparse
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gradshare.bench import netns, train
+from lab import netns, train
 
 
 def test_wrap_builds_namespace_and_tbf_commands():
@@ -74,11 +74,12 @@ def test_fresh_namespace_has_only_loopback_and_counts_its_bytes():
     assert ok or os.geteuid() != 0, f"root, yet no shaped namespace: {why}"
     if not ok:
         pytest.skip(f"unprivileged and no user namespaces: {why}")
-    code = ("from gradshare.bench.netns import interfaces; from gradshare.bench.profile import lo_tx_bytes;"
+    code = ("from lab.netns import interfaces; from lab.profile import lo_tx_bytes;"
             "import socket; a=lo_tx_bytes(); s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
             "s.sendto(b'x'*1000, ('127.0.0.1', 9)); print(interfaces(), lo_tx_bytes()-a)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks"),
+                                                       os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(netns.wrap([sys.executable, "-c", code], "100mbit"), capture_output=True, text=True,
                        timeout=30, env=env)
     assert p.returncode == 0, p.stderr
@@ -111,7 +112,7 @@ def test_settings_validate_arguments_and_quick_bounds_the_run():
 
 
 def test_single_process_run_writes_table_json_and_plot(tmp_path):
-    from gradshare.bench import report
+    from lab import report
 
     cfg = train.settings(_args("--workloads", "cnn,mlp", "--systems", "single", "--rows", "160",
                                "--epochs", "2", "--batch-size", "64", "--target", "0.3"))
@@ -136,7 +137,7 @@ def test_single_process_run_writes_table_json_and_plot(tmp_path):
 
 
 def test_target_checks_compare_the_right_rows():
-    from gradshare.bench import report
+    from lab import report
 
     def r(system, link, sps, bps, ttt, acc):
         return {"system": system, "workload": "mlp", "link": link, "status": "ok", "sec_per_step": sps,
@@ -161,8 +162,8 @@ def test_target_checks_compare_the_right_rows():
 
 
 def test_final_accuracy_is_the_mean_of_the_last_evaluations():
-    from gradshare.bench import report
-    from gradshare.bench.systems import Measured
+    from lab import report
+    from lab.systems import Measured
 
     curve = [(1.0, 0.5), (2.0, 0.9), (3.0, 0.96), (4.0, 0.92), (5.0, 0.97)]
     assert report.final_accuracy(curve) == pytest.approx((0.96 + 0.92 + 0.97) / 3)
@@ -177,10 +178,10 @@ def test_final_accuracy_is_the_mean_of_the_last_evaluations():
 
 
 def test_lr_schedule_flag_takes_every_shared_schedule(capsys):
-    from gradshare.bench import systems
+    from lab import systems
 
-    # bench train and bench convergence build their schedulers with the one systems.lr_scheduler_factory
-    # (its formulas: tests/bench/test_bench_convergence.py)
+    # the train and convergence studies build their schedulers with the one systems.lr_scheduler_factory
+    # (its formulas: tests/lab/test_lab_convergence.py)
     for schedule in systems.LR_SCHEDULES:
         assert train.settings(_args("--lr-schedule", schedule))["lr_schedule"] == schedule
     with pytest.raises(SystemExit):

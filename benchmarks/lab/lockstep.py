@@ -1,6 +1,6 @@
 """In-process lock-step N-worker training with the real Worker, ApplyLog and codec (no Spark, no UDP):
-the engine of `gradshare bench scaling`, and the cheap way to compare τ rules, densities and aggregation
-per epoch before the full `gradshare bench convergence`. Also a dense DDP reference in the same process:
+the engine of `python benchmarks/scaling.py`, and the cheap way to compare τ rules, densities and aggregation
+per epoch before the full `python benchmarks/convergence.py`. Also a dense DDP reference in the same process:
 one model, the mean loss of the N ranks' batches (the same shards and batch order as the workers), one
 Adam step.
 
@@ -46,60 +46,15 @@ from gradshare.options import OptimizerMomentum, in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash
-from gradshare.bench.systems import adam, lr_scheduler_factory
-from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.task.partition import PartitionData
-from gradshare.transport import Update
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.replica.flat import FlatParams
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
-from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.vectors import Vector
-
-
-class SharedLog:
-    """The relay of a lock-step run: every rank's message of a step, delivered to every rank in (step,
-    rank) order. A step is dropped once every rank has read it, so memory stays at about one step's
-    messages and a read costs what it returns (a scan of the whole history made a 64-worker run of
-    4,800 steps quadratic: over an hour, most of it in that scan)."""
-
-    def __init__(self, world: int) -> None:
-        self.steps: dict[int, list[tuple[int, bytes]]] = {}
-        self.read = [-1] * world  # per rank: the last step delivered to it
-        self.dropped = -1  # steps up to this one every rank has read
-
-    def send(self, step: int, rank: int, payload: bytes) -> None:
-        if step <= max(self.read):  # lock step: no rank reads a step before every rank has sent it
-            raise RuntimeError(f"rank {rank}'s message of step {step} came after a rank had read that step")
-        self.steps.setdefault(step, []).append((rank, payload))
-
-    def take(self, rank: int, until_step: int) -> list[Update]:
-        first = self.read[rank] + 1
-        out = [Update(s, r, p, None) for s in range(first, until_step + 1)
-               for r, p in sorted(self.steps.get(s, ()), key=lambda m: m[0])]
-        self.read[rank] = max(self.read[rank], until_step)
-        for s in range(self.dropped + 1, min(self.read) + 1):
-            self.steps.pop(s, None)
-        self.dropped = max(self.dropped, min(self.read))
-        return out
-
-
-class LogPeer:
-    """A peer whose relay is a `SharedLog`: every message sent is delivered to every rank in order."""
-
-    def __init__(self, log: SharedLog, rank: int) -> None:
-        self.log, self.rank = log, rank
-
-    def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None:
-        self.log.send(step, self.rank, payload)
-
-    def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
-        assert until_step is not None  # ApplyLog always names the step it needs
-        return self.log.take(self.rank, until_step)
-
-    def counters(self) -> dict[str, int]:
-        return {}
+from lab.systems import adam, lr_scheduler_factory
+from lab.workloads import Workload, load, model_factory, test_accuracy
 
 
 class CappedRule(encoding.CalibratedThreshold):
@@ -282,6 +237,3 @@ def main(runner: Callable[..., dict[str, Any]] = run) -> None:
     out = runner(**spec)
     print(json.dumps({"spec": spec, **out, "sec": round(time.time() - t0)}), flush=True)
 
-
-if __name__ == "__main__":
-    main()

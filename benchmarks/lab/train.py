@@ -1,7 +1,7 @@
-"""`gradshare bench train`: gradshare vs DDP dense vs DDP+PowerSGD vs a single process.
+"""`python benchmarks/train.py`: gradshare vs DDP dense vs DDP+PowerSGD vs a single process.
 
 For every link (unshaped, 1 Gbit/s, 100 Mbit/s) this command starts ONE child process inside a fresh
-network namespace whose loopback is shaped with tbf (gradshare/bench/netns.py); the child starts an
+network namespace whose loopback is shaped with tbf (lab/netns.py); the child starts an
 embedded `local[2]` Spark inside the namespace (SPARK_LOCAL_IP=127.0.0.1, Gloo on `lo`), runs every
 (workload, system) there, and writes its rows to a JSON file. The namespace has no interface but `lo`:
 no byte can leave the machine. The parent merges the rows and prints the table and the target
@@ -27,14 +27,14 @@ import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from gradshare.bench import netns, report
-from gradshare.bench import systems as sysmod
-from gradshare.bench.netns import LINKS, interfaces
-from gradshare.bench.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_spark_env
-from gradshare.bench.workloads import WORKLOADS, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 from gradshare.options import Compression
+from lab import BENCHMARKS, netns, report
+from lab import systems as sysmod
+from lab.netns import LINKS, interfaces
+from lab.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_spark_env
+from lab.workloads import WORKLOADS, load
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Adam lr of every system: constant 1e-3, cosine-annealed to 0, or step decay "
                              "(x0.1 at 50%% and 75%%) over each process's own steps (default constant; with "
                              "cosine and a fixed initial τ, gradshare's adaptive τ falls as the updates shrink "
-                             "and its accuracy dropped in the last epochs; `bench convergence` compares all)")
+                             "and its accuracy dropped in the last epochs; `benchmarks/convergence.py` compares all)")
     parser.add_argument("--gradshare-lr", type=float, default=None,
                         help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
                              "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)")
@@ -180,7 +180,7 @@ def _child(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ parent
 def _child_command(args: argparse.Namespace, link: str, systems: list[str], out: str) -> list[str]:
-    cmd = [sys.executable, "-m", "gradshare.cli", "bench", "train", "--child", link, "--child-out", out,
+    cmd = [sys.executable, os.path.join(BENCHMARKS, "train.py"), "--child", link, "--child-out", out,
            "--workloads", args.workloads, "--systems", ",".join(systems), "--batch-size", str(args.batch_size),
            "--budget", str(args.budget), "--threshold", str(args.threshold), "--seed", str(args.seed),
            "--lr-schedule", args.lr_schedule]

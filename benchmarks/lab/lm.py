@@ -1,6 +1,6 @@
-"""`gradshare bench lm`: a small causal language model, gradshare against DDP.
+"""`python benchmarks/lm.py`: a small causal language model, gradshare against DDP.
 
-Models (`--model`, bench/lm_models.py): "tiny", a hand-written `nn.TransformerEncoder` LM with PyTorch's
+Models (`--model`, lab/lm_models.py): "tiny", a hand-written `nn.TransformerEncoder` LM with PyTorch's
 init, and the Hugging Face "llama" and "gpt2" built from configs with the library's own init (the
 `[hf]` extra), each at its recipe (AdamW, a warm-up then a cosine, the gradient norm clipped to 1) on
 byte-level text of Python's own standard library sources. Systems, for each N of `--workers` and each seed:
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gradshare.bench import report
-from gradshare.bench.lm_models import (
+from lab import report
+from lab.lm_models import (
     FACTORIES, HF_MODELS, HEADS, LAYERS, MODELS, RECIPES, SEQ, TRAIN_MODULES, VAL_MODULES, VOCAB, WIDTH,
     WARMUP_SHARE, LmData, causal_lm, check_transformers, hf_train_step, lm_data, optimizer_for,
     scheduler_factory, train_step_for, val_loss, val_loss_sums,
 )
-from gradshare.bench.train import comma_list
 from gradshare.options import FaultTolerance, Network, Runtime
+from lab.train import comma_list
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -200,7 +200,7 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradshare.bench import systems
+    from lab import systems
 
     cfg = settings(args)
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-lm-") if cfg["quick"] else "docs")

@@ -1,4 +1,4 @@
-"""The systems of `gradshare bench train` and `gradshare bench convergence`, each run on the same
+"""The systems of `python benchmarks/train.py` and `python benchmarks/convergence.py`, each run on the same
 workload, seed, batch size (per worker), epochs and (for the distributed ones) the same N contiguous data
 shards and per-rank batch order (`gradshare.driver.session.epoch_order`):
 
@@ -16,7 +16,7 @@ of 1e-2 and the adaptive rule, cosine was measured on the MLP (seeds 0-2, 16 epo
 stable at 97.3-98.4 %, but gradshare drops by 1-7 pp in its last epochs (e.g. 95.6 → 88.9 %) while the
 adaptive rule lowers τ (final τ 1.0e-2 → 6.2e-3; mean sparsity 0.30 % → 0.42 %). Our reading (not
 isolated by a run): a lower τ releases residual mass accumulated under the old τ into a model that is
-otherwise barely moving. Hence `bench train`'s constant default; `bench convergence` measures all three.
+otherwise barely moving. Hence `benchmarks/train.py`'s constant default; `benchmarks/convergence.py` measures all three.
 Each returns a `Measured`: per-step wall seconds (evaluation excluded), the test-accuracy curve against
 training wall-clock (evaluated after every epoch, on rank 0), and the bytes transmitted on `lo` over the
 steps (the namespace's loopback counter: every byte of every process in the namespace, once).
@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from gradshare.bench.profile import lo_tx_bytes
-from gradshare.bench.workloads import Workload, load, model_factory, test_accuracy
 from gradshare.config import TrainConfig
 from gradshare.options import Aggregate, Compression, FaultTolerance, Network, OptimizerMomentum, Runtime
+from lab import BENCHMARKS, ROOT
+from lab.profile import lo_tx_bytes
+from lab.workloads import Workload, load, model_factory, test_accuracy
 
 if TYPE_CHECKING:
     import torch
@@ -134,13 +135,13 @@ def gradshare_steps_per_epoch(n_rows: int, world: int, batch_size: int) -> int:
 
 def local_spark_env() -> None:
     """Everything on loopback: Spark's driver, executors' Python workers (this interpreter, this tree's
-    gradshare first on PYTHONPATH), Gloo."""
+    gradshare and the lab first on PYTHONPATH), Gloo."""
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    first = [ROOT, BENCHMARKS]  # this tree's gradshare, and the lab, whose functions Spark pickles by reference
+    paths = first + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 

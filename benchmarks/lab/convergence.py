@@ -1,4 +1,4 @@
-"""`gradshare bench convergence`: test accuracy per epoch of gradshare vs DDP dense vs one process.
+"""`python benchmarks/convergence.py`: test accuracy per epoch of gradshare vs DDP dense vs one process.
 
 Users buy epochs and time to a target accuracy. For every workload × LR schedule × seed this command trains
 - "single":    one process on the whole training set (independent of N: run once),
@@ -32,15 +32,15 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from gradshare.bench import report, systems
-from gradshare.bench.report import accuracy_panel, final_accuracy, fmt, human_bytes, machine, save_figure
-from gradshare.bench.report import Row
-from gradshare.bench.systems import LR_SCHEDULES, STEP_DECAY_AT, STEP_DECAY_GAMMA, Measured
-from gradshare.bench.train import comma_list
-from gradshare.bench.workloads import WORKLOADS, Workload, load
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 from gradshare.options import Compression
+from lab import report, systems
+from lab.report import accuracy_panel, final_accuracy, fmt, human_bytes, machine, save_figure
+from lab.report import Row
+from lab.systems import LR_SCHEDULES, STEP_DECAY_AT, STEP_DECAY_GAMMA, Measured
+from lab.train import comma_list
+from lab.workloads import WORKLOADS, Workload, load
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

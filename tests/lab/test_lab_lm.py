@@ -1,4 +1,4 @@
-"""`gradshare bench lm`: the text and model it trains, its schedule, arguments and checks, and one small
+"""`benchmarks/lm.py`: the text and model it trains, its schedule, arguments and checks, and one small
 fit of each system (gradshare on the shared Spark session, DDP's arithmetic in process)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradshare.bench import lm, lm_models
+from lab import lm, lm_models
 
 
 def test_text_windows_are_next_token_pairs_of_stdlib_source():
@@ -103,7 +103,7 @@ def test_hugging_face_models_at_their_recipe_learn_in_ddp_arithmetic():
 
 def test_lock_step_lm_runs_the_planners_rule_and_ends_with_one_model():
     pytest.importorskip("transformers")
-    from gradshare.bench import lockstep_lm
+    from lab import lockstep_lm
     from gradshare.config import TrainConfig
     from gradshare.driver.plan import plan_steps
 

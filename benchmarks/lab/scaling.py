@@ -1,8 +1,8 @@
-"""`gradshare bench scaling`: what each step teaches the model as workers are added, in lock step.
+"""`python benchmarks/scaling.py`: what each step teaches the model as workers are added, in lock step.
 
 Users add Spark executors to reach a target accuracy sooner, so this benchmark asks, for N = 1 … 64
 workers: the test accuracy per epoch, the epochs to a target, the best and last-3 accuracy, and the
-traffic. Every run is in ONE process in lock step (gradshare/bench/lockstep.py: the real Worker, ApplyLog
+traffic. Every run is in ONE process in lock step (lab/lockstep.py: the real Worker, ApplyLog
 and codec, messages delivered through an in-memory log; no Spark, no UDP), so N = 64 fits on 2 cores.
 
 Systems (`SYSTEMS`), each at the workload's recipe (workloads.RECIPES: Adam's lr, epochs, batch; where the
@@ -37,10 +37,10 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from gradshare.bench import report
-from gradshare.bench.train import comma_list
-from gradshare.bench.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 from gradshare.encoding.step_cap import DEFAULT_STEP_CAP
+from lab import report
+from lab.train import comma_list
+from lab.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 
 SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "gradshare-cap", "gradshare-keep", "gradshare-nomomentum",
            "local", "ddp", "ddp-sqrt", "ddp-linear")
@@ -108,7 +108,7 @@ def runs(cfg: dict[str, Any]) -> list[tuple[str, int, str, int]]:
 
 
 def run_one(workload: str, world: int, system: str, seed: int, cfg: dict[str, Any], data: Workload) -> dict[str, Any]:
-    from gradshare.bench.lockstep import run
+    from lab.lockstep import run
 
     recipe = RECIPES[workload]
     lr = recipe.lr * (DDP_LR[system](world) if system in DDP_LR else 1.0)

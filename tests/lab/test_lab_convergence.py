@@ -1,4 +1,4 @@
-"""`gradshare bench convergence`: argument checks, the one LR schedule factory every system uses,
+"""`benchmarks/convergence.py`: argument checks, the one LR schedule factory every system uses,
 the summary and target checks on synthetic rows, the tabular workload, and one small real run of all three
 systems on the shared local[2] Spark session."""
 
@@ -10,8 +10,8 @@ import pickle
 import numpy as np
 import pytest
 
-from gradshare.bench import convergence
 from gradshare.options import Network
+from lab import convergence
 
 
 def _args(*argv):
@@ -62,7 +62,7 @@ def _lrs(schedule, total, steps, lr=1e-3):
     """lr of each optimizer step of a real Adam stepped with the factory's scheduler (pickled, as shipped)."""
     import torch
 
-    from gradshare.bench import systems
+    from lab import systems
 
     factory = pickle.loads(pickle.dumps(systems.lr_scheduler_factory(schedule, total)))
     p = torch.nn.Parameter(torch.zeros(3))
@@ -94,7 +94,7 @@ def test_schedule_factory_matches_the_formulas():
 
 
 def test_schedule_factory_rejects_bad_arguments_before_any_executor():
-    from gradshare.bench import systems
+    from lab import systems
 
     with pytest.raises(ValueError, match="lr schedule"):
         systems.lr_scheduler_factory("linear", 10)
@@ -103,7 +103,7 @@ def test_schedule_factory_rejects_bad_arguments_before_any_executor():
 
 
 def test_single_process_reaches_lr_zero_without_trouble():
-    from gradshare.bench import systems, workloads
+    from lab import systems, workloads
 
     wl = workloads.load("tabular", 0, rows=128)
     m = systems.run_single(wl, epochs=2, batch_size=64, seed=0, budget=60, lr_schedule="cosine")
@@ -124,7 +124,7 @@ def test_a_configuration_out_of_budget_is_a_failed_row_with_its_curve():
 
 # ------------------------------------------------------------------------------------------ summary and checks
 def _row(system, workers, seed, accuracy, *, workload="mlp", schedule="cosine", ratio=None, status="ok"):
-    from gradshare.bench.report import final_accuracy
+    from lab.report import final_accuracy
 
     return {"system": system, "workload": workload, "schedule": schedule, "seed": seed, "workers": workers,
             "status": status, "target": 0.9, "accuracy": accuracy,
@@ -198,7 +198,7 @@ def test_checks_when_a_side_is_missing_or_never_reaches_the_target():
 
 # ------------------------------------------------------------------------------------------ tabular workload
 def test_tabular_workload_shapes_parameters_and_split():
-    from gradshare.bench import workloads
+    from lab import workloads
 
     wl = workloads.load("tabular", 0)
     assert wl.X_train.shape == (6000, 100) and wl.X_test.shape == (2000, 100)
@@ -218,7 +218,7 @@ def test_tabular_workload_shapes_parameters_and_split():
 @pytest.mark.spark
 def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
     # A cosine factory over 2 steps on a 4-step run: the workers take their last 2 steps at lr exactly 0.
-    from gradshare.bench import systems, workloads
+    from lab import systems, workloads
     from gradshare.driver.trainer import SharedTrainer
 
     wl = workloads.load("tabular", 0, rows=256)
@@ -237,7 +237,7 @@ def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
 # ------------------------------------------------------------------------------------------ real run
 @pytest.mark.spark
 def test_sharded_rdd_partitions_are_the_ddp_shards(spark):
-    from gradshare.bench import systems, workloads
+    from lab import systems, workloads
 
     wl = workloads.load("tabular", 0, rows=3000)  # parallelize(rows, 2) would give 2048 / 952 rows
     parts = systems.sharded_rdd(spark.sparkContext, wl, 2).glom().collect()

@@ -1,0 +1,11 @@
+"""A causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds (the harness: lab/lm.py).
+
+    python benchmarks/lm.py --quick
+"""
+
+import sys
+
+from lab import lm, command
+
+if __name__ == "__main__":
+    sys.exit(command(lm))
