@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from gradshare.hashing import param_hash
+from gradshare.tallies import TrainingLog
 from gradshare.transport.protocol.peer_core import PeerCore
 from gradshare.transport.protocol.relay_core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
@@ -31,6 +32,9 @@ class Sim:
         self.p0 = self.rng.standard_normal(n_params).astype(np.float32)
         # relay_options: RelayTuning's fields and RelayCore's plug-ins (the toy codec unless given)
         tunables = {k: relay_options.pop(k) for k in list(relay_options) if k in TUNABLES}
+        # the trainer's bookkeeping, as the driver hands it to its relay (a test's `rollback` goes to it)
+        self.training = TrainingLog(relay_options.pop("rollback", None))
+        relay_options.setdefault("observer", self.training)
         self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
                                tuning=RelayTuning(liveness_timeout=liveness_timeout, **tunables),
                                **{**TOY, **relay_options})

@@ -20,7 +20,7 @@ from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
 from gradshare.task.stores import HadoopStore, LocalStore, Store, error_line
-from gradshare.transport.protocol.tallies import RollbackPoint
+from gradshare.tallies import RollbackPoint
 
 if TYPE_CHECKING:
     from pyspark import SparkContext

@@ -59,10 +59,10 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
         return out
 
     _send_steps(sim, range(6), meta)
-    tallies = {k: t.as_dict() for k, t in sim.relay.epochs.items()}
+    tallies = {k: t.as_dict() for k, t in sim.training.epochs.items()}
     assert tallies[(0, 0)]["val_metric"] == 0.5 and tallies[(0, 1)]["val_metric"] == 1.0
-    assert sim.relay.notes.at(3) == (("es_best", 0.5), ("es_waited", 0.0))
-    assert sim.relay.notes.at(5) == (("es_best", 0.5), ("es_waited", 1.0), ("stop_epoch", 3.0),
+    assert sim.training.notes.at(3) == (("es_best", 0.5), ("es_waited", 0.0))
+    assert sim.training.notes.at(5) == (("es_best", 0.5), ("es_waited", 1.0), ("stop_epoch", 3.0),
                                      ("stop_requested", 1.0))
     # a retried stage: the relay goes back to the checkpoint's step 3, whatever it held after it
     for r in range(2):
@@ -76,8 +76,8 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
     assert param_hash(sim.relay.params) == param_hash(saved)
     assert sim.relay.rolled_back == [{"attempt": 1, "from": 5, "to": 3}]
     # epoch 2 runs again, whole: its tallies are dropped; epochs 0 and 1 keep the killed attempt's rows
-    assert sorted(sim.relay.epochs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert sim.relay.epochs[(0, 1)].val_metric == 1.0
+    assert sorted(sim.training.epochs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sim.training.epochs[(0, 1)].val_metric == 1.0
 
 
 def test_without_a_rollback_a_new_attempt_inherits_the_state_at_the_cut():

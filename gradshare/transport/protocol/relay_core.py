@@ -16,8 +16,9 @@ in its own module:
 - liveness (``relay_liveness.Liveness``): suspicion, the ``on_rank_loss`` policy, the incidents;
 - the STATUS pages (``relay_status.StatusPages``);
 - snapshot serving (``snapshots.py``): parameters + step as a paced, NAK-repaired chunk stream;
-- the training bookkeeping (``observer.LogObserver``; by default ``tallies.TrainingLog``): per-(rank,
-  epoch) tallies, rank 0's stop notes, the rollback to checkpoints;
+- the training bookkeeping (``observer.LogObserver``, the trainer's; ``observer.NullObserver`` by
+  default, which keeps nothing): per-(rank, epoch) tallies, rank 0's stop notes, the rollback to
+  checkpoints;
 - records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
   job on it.
 
@@ -38,14 +39,13 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.observer import LogObserver
+from gradshare.transport.protocol.observer import LogObserver, Notes, NullObserver
 from gradshare.transport.protocol.ranks import RankState, RankTable
 from gradshare.transport.protocol.relay_attempt import Attempt, Decoded, on_join, on_loading
 from gradshare.transport.protocol.relay_liveness import Liveness
 from gradshare.transport.protocol.relay_log import Chunk, RelayLog
 from gradshare.transport.protocol.relay_status import StatusPages
 from gradshare.transport.protocol.snapshots import SnapshotServer, Transfer
-from gradshare.transport.protocol.tallies import AttemptNotes, EpochTally, RollbackPoint, TrainingLog
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import RELAY_ID, Kind
 
@@ -78,11 +78,10 @@ class RelayCore:
                  decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
                  apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
                  apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None = None,
-                 rollback: Callable[[int], RollbackPoint | None] | None = None,
                  observer: LogObserver | None = None, aggregator: AggregateState | None = None,
                  defer_apply: bool = False) -> None:
-        """rollback: the default observer's (tallies.TrainingLog): where a new attempt restarts the log.
-        observer: the training bookkeeping (observer.LogObserver); None: a TrainingLog with `rollback`.
+        """observer: the training bookkeeping (observer.LogObserver; None: a NullObserver, which keeps
+        nothing and restarts a new attempt's log right after complete_through).
         apply_step: applies one whole step's decoded messages (rank order) at once, in place of
         apply_update per message (a step cap scales by the step's sum: encoding/step_cap.py).
         aggregator: forwarding="aggregate"'s state (None: a default one). defer_apply: receive_datagram
@@ -107,7 +106,7 @@ class RelayCore:
             aggregator = AggregateState(int(params.size))
         self.aggregator = aggregator if tuning.forwarding == "aggregate" else None
         self.c: Counter[str] = Counter()                # counters (drops live in chan.drops)
-        self.observer: LogObserver = observer if observer is not None else TrainingLog(rollback, self.c)
+        self.observer: LogObserver = observer if observer is not None else NullObserver()
         self.rolled_back: list[dict[str, int]] = []      # one entry per rollback: the attempt and the step
         self.params: NDArray[np.float32] = np.array(params, dtype=np.float32, copy=True)
         self.n_params = int(params.size)
@@ -176,16 +175,6 @@ class RelayCore:
     def status_pages(self) -> int:
         return self.pages.n_pages
 
-    @property
-    def epochs(self) -> dict[tuple[int, int], EpochTally]:
-        """The default observer's per-(rank, epoch) tallies (tallies.TrainingLog.epochs); {} for another."""
-        return self.observer.epochs if isinstance(self.observer, TrainingLog) else {}
-
-    @property
-    def notes(self) -> AttemptNotes | None:
-        """The default observer's AttemptNotes (tallies.TrainingLog.notes); None for another."""
-        return self.observer.notes if isinstance(self.observer, TrainingLog) else None
-
     # --- public surface of the core ----------------------------------------------------------------
     @property
     def complete_through(self) -> int:
@@ -237,6 +226,7 @@ class RelayCore:
                           ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
                            "updates_in", "update_datagrams", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
+        d.update(self.observer.counters())
         d["drops"] = dict(self.chan.drops)
         d["peers"] = len(self.ranks.connected())
         d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
@@ -254,19 +244,17 @@ class RelayCore:
     def copy_params(self) -> NDArray[np.float32]:
         return self.params.copy()
 
-    def notes_at(self, step: int) -> tuple[tuple[str, float], ...]:
-        """Rank 0's epoch-end state through `step` (AttemptNotes.at); () unless the default observer."""
-        return () if self.notes is None else self.notes.at(step)
+    def notes_at(self, step: int) -> Notes:
+        """Rank 0's epoch-end state through `step`, as the observer keeps it (() by default)."""
+        return self.observer.notes_at(step)
 
-    def inherit_notes(self, notes: tuple[tuple[str, float], ...]) -> None:
+    def inherit_notes(self, notes: Notes) -> None:
         """Before the first attempt: `notes` as if the log held them before its first step (WELCOME's)."""
-        if notes and self.notes is not None:
-            self.notes.entries.append((-1, dict(notes)))
+        self.observer.inherit(notes)
 
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
-        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict); {} unless the observer
-        is the default TrainingLog."""
-        return self.observer.epoch_tallies() if isinstance(self.observer, TrainingLog) else {}
+        """(rank, epoch) -> what the applied log says about it, as the observer keeps it ({} by default)."""
+        return self.observer.epoch_tallies()
 
     def cap_snapshot_burst(self, nbytes: int) -> None:
         """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
@@ -491,4 +479,4 @@ class RelayCore:
         self.att.acks.clear()
 
 
-__all__ = ["RelayCore", "RelayTuning", "RollbackPoint", "default_apply_update", "default_decode_update"]
+__all__ = ["RelayCore", "RelayTuning", "default_apply_update", "default_decode_update"]
