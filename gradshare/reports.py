@@ -110,7 +110,7 @@ class Counters(_ReadAsMapping):
 
     @classmethod
     def from_dict(cls, counters: Mapping[str, Any]) -> Counters:
-        """From a core's counter dict (peer_core/relay_core `counters()`); unknown keys go to `other`."""
+        """From a core's counter dict (PeerCore/RelayCore `counters()`); unknown keys go to `other`."""
         typed = {k: int(counters[k]) for k in cls._TYPED if k in counters}
         drops = {str(k): int(v) for k, v in dict(counters.get("drops") or {}).items()}
         other = {str(k): int(v) for k, v in counters.items() if k not in cls._TYPED and k != "drops"}

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from numpy.typing import NDArray
 
-from gradshare.transport.protocol.observer import Cut, Notes
+from gradshare.transport.protocol.relay.observer import Cut, Notes
 from gradshare.transport.protocol.step_meta import StepMeta
 
 MAX_EPOCH_ROWS = 1 << 16

@@ -9,8 +9,8 @@ import numpy as np
 
 from gradshare.hashing import param_hash
 from gradshare.tallies import TrainingLog
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, Link, random_update, toy_apply_payload

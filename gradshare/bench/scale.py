@@ -50,7 +50,7 @@ from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.transport import Peer, Relay, RelayTuning, Update, new_job_key
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
-from gradshare.transport.protocol.relay_core import default_apply_update, default_decode_update
+from gradshare.transport.protocol.relay.core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 from gradshare.transport.sockets import udp
 from gradshare.transport.testing.memory import joined_cores

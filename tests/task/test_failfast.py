@@ -22,7 +22,7 @@ from gradshare.task.shipping import materialize, pack_user_objects, skeleton, un
 from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, drive
 
 # Executors cannot import this test module: ship its model classes by value.
@@ -84,7 +84,7 @@ def test_fail_names_are_bounded():
 
 
 def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_link():
-    from gradshare.transport.protocol.relay_core import RelayCore
+    from gradshare.transport.protocol.relay.core import RelayCore
     from gradshare.transport.protocol.tuning import RelayTuning
     from transport_util import TOY
 

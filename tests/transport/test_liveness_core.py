@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, check_consistent, drive
 
 

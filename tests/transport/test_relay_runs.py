@@ -13,8 +13,8 @@ from gradshare.encoding import encode
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.crypto import Sealer, new_job_key
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 
 WORLD, PARAMS, DGRAM = 3, 40_000, 256        # small datagrams: each update is several chunks

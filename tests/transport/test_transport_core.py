@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.hashing import param_hash
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, check_consistent, drive
 
 

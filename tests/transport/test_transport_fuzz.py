@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.events import Join
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.wire import RELAY_ID
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY

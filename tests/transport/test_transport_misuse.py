@@ -20,9 +20,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gradshare.errors import LocalProtocolError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
-from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
+from gradshare.transport.protocol.relay.liveness import MAX_INCIDENTS
 from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
 from gradshare.transport.protocol.states import PeerState
 from gradshare.transport.protocol.step_meta import StepMeta

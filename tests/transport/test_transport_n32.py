@@ -180,7 +180,7 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
     fast.run(steps=steps, entries=(3, 200))
 
     sim = sim32(mode, seed=3, loss=0.01, dup=0.01, max_delay=0.002, staleness=k)
-    # an inbox of 64 datagrams: per rank, before peer_core backed off its NAKs for steps the relay may not
+    # an inbox of 64 datagrams: per rank, before the peer core backed off its NAKs for steps the relay may not
     # have, this made the run collapse rather than slow down (39 simulated s for these 8 steps, not 1.7)
     inbox = throttle(sim, rate, inbox=64)
     # Bounds, from the staleness rule (a rank sends step t once its log is complete through t-1-k):

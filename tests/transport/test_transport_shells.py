@@ -12,7 +12,7 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.sockets import peer, relay
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, drive
 
 # the cores' read-only properties, the only attribute reads a shell makes that are not method calls

@@ -1,5 +1,5 @@
 """The relay's rank table: what it knows of each rank of the current attempt (out of
-relay_core, with its own tests). A rank's lifecycle is ``status`` (states.RANK_TRANSITIONS); the rest is
+the relay core, with its own tests). A rank's lifecycle is ``status`` (states.RANK_TRANSITIONS); the rest is
 bookkeeping the relay core updates as datagrams arrive: address, session, steps held, liveness, meta.
 """
 

@@ -21,17 +21,17 @@ from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
 from gradshare.transport.protocol.history import History, StepKeys
-from gradshare.transport.protocol.observer import LogObserver
-from gradshare.transport.protocol.ranks import RankState, RankTable
+from gradshare.transport.protocol.relay.observer import LogObserver
+from gradshare.transport.protocol.relay.ranks import RankState, RankTable
 from gradshare.transport.protocol.reassembly import Reassembler
-from gradshare.transport.protocol.relay_status import StatusPages
-from gradshare.transport.protocol.snapshots import SnapshotServer
+from gradshare.transport.protocol.relay.status import StatusPages
+from gradshare.transport.protocol.relay.snapshots import SnapshotServer
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import Kind
 
-# as in relay_core.py: importing the encoding package loads Numba, which the transport defers to first use
+# as in relay/core.py: importing the encoding package loads Numba, which the transport defers to first use
 if TYPE_CHECKING:
     from gradshare.encoding.aggregate import AggregateState
 
@@ -73,14 +73,14 @@ class Attempt:
 
 
 class _Liveness(Protocol):
-    """relay_liveness.Liveness, as admission uses it (that module reads ``Attempt``: it imports this one)."""
+    """relay/liveness.py Liveness, as admission uses it (that module reads ``Attempt``: it imports this one)."""
 
     def heard(self, rs: RankState, now: float) -> None: ...
 
 
 class RelayParts(Protocol):
     """What every part of the relay (admission, liveness, the update log) uses of the core:
-    relay_core.RelayCore, which passes itself (Protocols, so that no part need import the core that
+    relay/core.py RelayCore, which passes itself (Protocols, so that no part need import the core that
     imports it)."""
 
     att: Attempt                            # start_attempt replaces it
@@ -132,7 +132,7 @@ class AdmissionCore(RelayParts, Protocol):
 
 
 def on_loading(core: AdmissionCore, h: wire.Header, body: bytes, now: float) -> None:
-    """LOADING: a task still materialising its partition is alive (relay_liveness.py)."""
+    """LOADING: a task still materialising its partition is alive (relay/liveness.py)."""
     if core.chan.control(Kind.LOADING, body) is None:
         return
     if h.attempt > core.attempt:

@@ -7,14 +7,14 @@ No sockets, threads or clocks here: the shell in ``sockets/relay.py`` moves byte
 learns what happened from ``next_event()``. The core dispatches each datagram and owns its parts, each
 in its own module:
 
-- the attempt (``relay_attempt.Attempt``): the rank table and each rank's lifecycle (``ranks.py``,
+- the attempt (``relay/attempt.py Attempt``): the rank table and each rank's lifecycle (``ranks.py``,
   ``states.py``), the log cursor, the bounded history trimmed in step order (``history.py``), reassembly.
   The relay admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/
   start_step); a higher attempt cuts the log at ``complete_through`` (or where the training observer's
   rollback says) and restarts it after the cut, from a fresh Attempt;
-- the update log (``relay_log.RelayLog``): intake, forwarding, NAK repair, ends, apply, aggregation;
-- liveness (``relay_liveness.Liveness``): suspicion, the ``on_rank_loss`` policy, the incidents;
-- the STATUS pages (``relay_status.StatusPages``);
+- the update log (``relay/log.py RelayLog``): intake, forwarding, NAK repair, ends, apply, aggregation;
+- liveness (``relay/liveness.py Liveness``): suspicion, the ``on_rank_loss`` policy, the incidents;
+- the STATUS pages (``relay/status.py StatusPages``);
 - snapshot serving (``snapshots.py``): parameters + step as a paced, NAK-repaired chunk stream;
 - the training bookkeeping (``observer.LogObserver``, the trainer's; ``observer.NullObserver`` by
   default, which keeps nothing): per-(rank, epoch) tallies, rank 0's stop notes, the rollback to
@@ -39,13 +39,13 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.observer import LogObserver, Notes, NullObserver
-from gradshare.transport.protocol.ranks import RankState, RankTable
-from gradshare.transport.protocol.relay_attempt import Attempt, Decoded, on_join, on_loading
-from gradshare.transport.protocol.relay_liveness import Liveness
-from gradshare.transport.protocol.relay_log import Chunk, RelayLog
-from gradshare.transport.protocol.relay_status import StatusPages
-from gradshare.transport.protocol.snapshots import SnapshotServer, Transfer
+from gradshare.transport.protocol.relay.observer import LogObserver, Notes, NullObserver
+from gradshare.transport.protocol.relay.ranks import RankState, RankTable
+from gradshare.transport.protocol.relay.attempt import Attempt, Decoded, on_join, on_loading
+from gradshare.transport.protocol.relay.liveness import Liveness
+from gradshare.transport.protocol.relay.log import Chunk, RelayLog
+from gradshare.transport.protocol.relay.status import StatusPages
+from gradshare.transport.protocol.relay.snapshots import SnapshotServer, Transfer
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import RELAY_ID, Kind
 
@@ -163,7 +163,7 @@ class RelayCore:
 
     @property
     def incidents(self) -> list[ev.Incident]:
-        """The first MAX_INCIDENTS incidents, in order (relay_liveness.py)."""
+        """The first MAX_INCIDENTS incidents, in order (relay/liveness.py)."""
         return self.liveness.incidents
 
     @property
@@ -275,7 +275,7 @@ class RelayCore:
         }
 
     def status_page(self, page: int) -> ev.Status:
-        """STATUS page ``page`` as the relay would send it now (relay_status.py)."""
+        """STATUS page ``page`` as the relay would send it now (relay/status.py)."""
         return self.pages.page(page, self.attempt, self.cursor, self.ranks)
 
     def owed_step(self, rs: RankState) -> int:
@@ -293,7 +293,7 @@ class RelayCore:
         return ev.first_fatal(self.incidents)
 
     def trim_history(self) -> None:
-        """Forget the forwarded updates every peer still in the job has delivered (relay_log.RelayLog.trim);
+        """Forget the forwarded updates every peer still in the job has delivered (relay/log.py RelayLog.trim);
         the timer does it after heartbeats."""
         self.log.trim()
 
@@ -374,7 +374,7 @@ class RelayCore:
             rs.sent_through = max(rs.sent_through, msg.sent_through)
             if msg.computing != rs.computing:
                 rs.computing, rs.computing_since = msg.computing, now
-            # one STATUS page per heartbeat, the pages in turn (relay_status.py)
+            # one STATUS page per heartbeat, the pages in turn (relay/status.py)
             self.send(rs, self.status_page(self.pages.next_turn(rs.rank)))
             # trim on the next timer, not per heartbeat: a trim scans every rank, and N ranks each
             # heartbeating made that O(N²) per second

@@ -1,5 +1,5 @@
 """A peer's inbound log, sans I/O: forwarded chunks into reassembly and the inbox, and the NAKs of what
-is missing (peer_core.py owns the state; these are its receive and repair rules)."""
+is missing (peer/core.py owns the state; these are its receive and repair rules)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.outstanding import Outstanding
+from gradshare.transport.protocol.peer.outstanding import Outstanding
 from gradshare.transport.protocol.reassembly import Reassembler
 from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN
 
 
 class InboundCore(Protocol):
-    """What these rules use of the peer's state: peer_core.PeerCore, which passes itself (a Protocol, so
+    """What these rules use of the peer's state: peer/core.py PeerCore, which passes itself (a Protocol, so
     that this module need not import the core that imports it)."""
 
     rank: int

@@ -1,6 +1,6 @@
 """A peer's snapshot download, sans I/O: SNAP_REQUEST, the chunks of SNAP_INFO's transfer into a buffer
 (the caller's own, or a new one), NAKs of the gaps, the hash check and SNAP_DONE (relay side:
-snapshots.py)."""
+relay/snapshots.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gradshare.transport.protocol.tuning import PeerTuning
 
 
 class SnapshotCore(Protocol):
-    """What a download uses of its peer: peer_core.PeerCore, which passes itself (a Protocol, so that this
+    """What a download uses of its peer: peer/core.py PeerCore, which passes itself (a Protocol, so that this
     module need not import the core that imports it)."""
 
     n_params: int

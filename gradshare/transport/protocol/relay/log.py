@@ -26,11 +26,11 @@ from gradshare.errors import DecodeError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
-from gradshare.transport.protocol.observer import LogObserver
-from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import Decoded, RelayParts, total_len
-from gradshare.transport.protocol.relay_liveness import Liveness
-from gradshare.transport.protocol.relay_status import StatusPages
+from gradshare.transport.protocol.relay.observer import LogObserver
+from gradshare.transport.protocol.relay.ranks import RankState
+from gradshare.transport.protocol.relay.attempt import Decoded, RelayParts, total_len
+from gradshare.transport.protocol.relay.liveness import Liveness
+from gradshare.transport.protocol.relay.status import StatusPages
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind

@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from gradshare.transport.protocol import events as ev
-from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import RelayParts
+from gradshare.transport.protocol.relay.ranks import RankState
+from gradshare.transport.protocol.relay.attempt import RelayParts
 
 MAX_INCIDENTS = 256
 
 
 class _Log(Protocol):
-    """relay_log.RelayLog, as liveness uses it (that module reads ``Liveness``: it imports this one)."""
+    """relay/log.py RelayLog, as liveness uses it (that module reads ``Liveness``: it imports this one)."""
 
     def declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None: ...
 

@@ -1,7 +1,7 @@
 """A peer's protocol state machine, sans I/O (bytes in, datagrams and events out). The shell in ``sockets/peer.py`` moves bytes and
 time, and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``; its own
 updates wait for their acknowledgement in ``outstanding.py``; forwarded updates come in and missing ones
-are NAKed in ``peer_inbound.py``; a snapshot download is ``peer_snapshot.py``'s. Its tunables are one
+are NAKed in ``peer/inbound.py``; a snapshot download is ``peer/snapshot.py``'s. Its tunables are one
 frozen ``PeerTuning`` (tuning.py).
 
 A peer joins the relay, sends its own updates (kept until acknowledged, retransmitted after ``rto``, and
@@ -27,9 +27,9 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.outstanding import Outstanding
-from gradshare.transport.protocol.peer_inbound import nak_missing, receive_update_chunk
-from gradshare.transport.protocol.peer_snapshot import SnapshotDownload, SnapshotFetch
+from gradshare.transport.protocol.peer.outstanding import Outstanding
+from gradshare.transport.protocol.peer.inbound import nak_missing, receive_update_chunk
+from gradshare.transport.protocol.peer.snapshot import SnapshotDownload, SnapshotFetch
 from gradshare.transport.protocol.reassembly import Reassembler
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
@@ -90,7 +90,7 @@ class PeerCore:
         self._events: deque[ev.PeerEvent] = deque()
         self.c: Counter[str] = Counter()
 
-    # --- the snapshot download's state (peer_snapshot.py) -------------------------------------------
+    # --- the snapshot download's state (peer/snapshot.py) -------------------------------------------
     @property
     def snap(self) -> SnapshotDownload | None:
         """The download in progress (None before its SNAP_INFO)."""
