@@ -98,14 +98,14 @@ class Sim:
                 if p.state != "joined" or r in self.silent:
                     continue
                 end = last_step.get(r, p.welcome.start_step + steps - 1)
-                t = p.next_step
+                t = p.own.next_step
                 if t <= end and p.complete_through >= t - 1 - self.staleness:
                     payload = self.make_payload(int(self.rng.choice(entries)))
                     self.sent[(t, r)] = payload
                     p.send_update(t, payload, StepMeta(loss=float(t)), self.now)
-                elif t > end and p.finish_step is None:
+                elif t > end and p.own.finish_step is None:
                     p.finish(end, self.now)
-            if self.relay.finished() and all(p.cursor is not None and p.cursor.finished()
+            if self.relay.finished() and all(p.inbound.cursor is not None and p.inbound.cursor.finished()
                                              for r, p in self.peers.items() if r not in self.silent):
                 self.pump()
                 return _

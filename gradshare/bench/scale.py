@@ -349,7 +349,7 @@ def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
             counts["out_bytes"] += len(d)
             assert isinstance(to, int)  # joined_cores addresses each peer by its rank
             peers[to].receive_datagram(d, "relay", now)
-    errors = [p.error for p in peers if p.error]
+    errors = [p.io.error for p in peers if p.io.error]
     if errors:
         raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
     per_s = {k + "_per_s": v / seconds for k, v in counts.items()}

@@ -94,10 +94,10 @@ def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_li
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     into = np.zeros(sim.N, np.float32)
-    p.snap_into = into
+    p.snaps.into = into
     p.request_snapshot(sim.now)
-    drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
-    step, params = p.snapshot
+    drive(sim, lambda: p.snaps.result is not None, max_iters=200_000)
+    step, params = p.snaps.result
     assert step == -1 and params is into and np.array_equal(into, sim.p0)
     chunk = sim.relay.snap_chunk_bytes
     assert 3900 < chunk <= 4000 - 42 and chunk % 4 == 0  # ten times the update chunks' payload

@@ -178,15 +178,15 @@ def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through()
     for r in range(2):                       # Spark retries the stage
         sim.add_peer(r, attempt=1)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
-    assert all(p.welcome.start_step == 5 and p.aggregate for p in sim.peers.values())
+    assert all(p.welcome.start_step == 5 and p.inbound.aggregate for p in sim.peers.values())
     # the relay's residual belongs to the log through step 4: the new attempt keeps it
     assert np.array_equal(sim.relay.aggregator.residual, residual)
     for p in sim.peers.values():
         p.request_snapshot(sim.now)
-    drive(sim, lambda: all(p.snapshot is not None for p in sim.peers.values()))
+    drive(sim, lambda: all(p.snaps.result is not None for p in sim.peers.values()))
     for r, p in sim.peers.items():
-        assert p.snapshot[0] == 4
-        sim.params[r] = p.snapshot[1].copy()
+        assert p.snaps.result[0] == 4
+        sim.params[r] = p.snaps.result[1].copy()
     sim.run(steps=4)
     check_aggregated(sim, 5, 8)
     assert sim.relay.counters()["aggregates"] == 9
@@ -239,4 +239,4 @@ def test_an_aggregating_peer_takes_no_rank_sealed_update():
     p0.send_update(0, real_payload(sim.rng, sim.N, 20), None, sim.now)
     for d in p0.datagrams_to_send():     # as if the relay forwarded rank 0's own datagrams per rank
         p1.receive_datagram(d, "relay", sim.now)
-    assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbox and not p1.ready
+    assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbound.inbox and not p1.inbound.ready

@@ -83,7 +83,7 @@ def test_restart_rejects_every_live_rank_so_that_spark_retries_the_stage():
     sim.silent.add(2)
     drive(sim, lambda: all(sim.peers[r].state == "rejected" for r in (0, 1)))
     assert _kinds(sim) == ["suspected", "restart"] and sim.relay.ranks[2].ended is None
-    assert "stage restart: rank 2 silent" in sim.peers[0].error and "at step 2" in sim.peers[1].error
+    assert "stage restart: rank 2 silent" in sim.peers[0].io.error and "at step 2" in sim.peers[1].io.error
     assert sim.relay.c["gone"] == 0                   # nothing cut: the retry resumes after step 1
 
 

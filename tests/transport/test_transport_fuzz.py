@@ -72,9 +72,9 @@ def test_peer_core_survives_any_datagrams(datagrams):
         peer.datagrams_to_send()
         peer.pop_ready()
     assert peer.counters()["datagrams_in"] == len(datagrams)
-    assert peer.reasm.nbytes <= peer.reasm.max_bytes
-    if peer.cursor is not None:
-        assert peer.complete_through >= peer.cursor.start_step - 1
+    assert peer.inbound.reasm.nbytes <= peer.inbound.reasm.max_bytes
+    if peer.inbound.cursor is not None:
+        assert peer.complete_through >= peer.inbound.cursor.start_step - 1
 
 
 def test_forged_and_invalid_updates_are_never_applied():

@@ -201,12 +201,12 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
     def watched(max_dt: float = 0.01) -> None:
         step_time(max_dt)
         rel = sim.relay
-        live = [p for p in sim.peers.values() if p.next_step is not None]
-        worst["ahead"] = max([worst["ahead"]] + [p.next_step - 1 - rel.complete_through for p in live])
+        live = [p for p in sim.peers.values() if p.own.next_step is not None]
+        worst["ahead"] = max([worst["ahead"]] + [p.own.next_step - 1 - rel.complete_through for p in live])
         worst["relay_held"] = max(worst["relay_held"], len(rel.att.pending) + len(rel.att.reasm))
         worst["history"] = max(worst["history"], len(rel.att.history))
-        worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbox) + len(p.reasm) for p in live])
-        worst["unacked"] = max([worst["unacked"]] + [len(p.unacked.bodies) for p in live])
+        worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbound.inbox) + len(p.inbound.reasm) for p in live])
+        worst["unacked"] = max([worst["unacked"]] + [len(p.own.unacked.bodies) for p in live])
 
     sim.step_time = watched
     for r in range(W):
