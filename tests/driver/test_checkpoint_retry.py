@@ -48,7 +48,7 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
     for r in range(2):
         sim.add_peer(r)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
-    assert asked == [-1] and sim.relay.attempt_notes == ()  # the first attempt: nothing to inherit
+    assert asked == [-1] and sim.relay.att.notes == ()  # the first attempt: nothing to inherit
 
     def meta(t, r):
         out = StepMeta(epoch=t // 2, loss=1.0)
@@ -74,7 +74,7 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
         # what steps 4 and 5 said is gone with them; the checkpoint's epochs count is handed over
         assert p.welcome.notes == (("es_best", 0.5), ("es_waited", 0.0), ("checkpoint", 7.0))
     assert param_hash(sim.relay.params) == param_hash(saved)
-    assert sim.relay.rolled_back == [{"attempt": 1, "from": 5, "to": 3}]
+    assert sim.relay.admission.rolled_back == [{"attempt": 1, "from": 5, "to": 3}]
     # epoch 2 runs again, whole: its tallies are dropped; epochs 0 and 1 keep the killed attempt's rows
     assert sorted(sim.training.epochs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert sim.training.epochs[(0, 1)].val_metric == 1.0

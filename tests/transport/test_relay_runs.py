@@ -165,8 +165,8 @@ def test_a_clean_stream_completes_every_update_through_the_fast_path():
     fast_path = []
     next_chunk = runs.log.next_chunk
 
-    def counted(last, data, now):
-        took = next_chunk(last, data, now)
+    def counted(att, last, data, now):
+        took = next_chunk(att, last, data, now)
         if took:
             fast_path.append(data)
         return took

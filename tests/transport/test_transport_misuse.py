@@ -300,13 +300,13 @@ class CoreMisuse(RuleBasedStateMachine):
     def relay_holds_together(self):
         relay = self.relay
         assert all(step > relay.complete_through for step, _ in relay.att.pending)
-        assert relay.complete_through >= relay.cursor.start_step - 1
-        assert len(relay.incidents) <= MAX_INCIDENTS
+        assert relay.complete_through >= relay.att.cursor.start_step - 1
+        assert len(relay.liveness.incidents) <= MAX_INCIDENTS
         assert len(relay.att.history) <= relay.att.history.max_entries
         c = relay.counters()
-        assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.attempt
+        assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.att.number
         assert set(relay.progress()["ranks"]) == set(range(self.world))
-        relay.next_timer(), relay.finished(), relay.epoch_tallies(), relay.first_cause(), relay.fatal_incident()
+        relay.next_timer(), relay.finished(), relay.epoch_tallies(), relay.liveness.first_cause(), relay.liveness.fatal_incident()
 
     @invariant()
     def nothing_corrupted(self):
@@ -321,7 +321,7 @@ class CoreMisuse(RuleBasedStateMachine):
             for u in self.delivered[r]:
                 assert self.sent.get((p.attempt, u.step, u.sender)) == u.payload, (r, u.step, u.sender)
         relay = self.relay
-        if relay.attempt != 0:
+        if relay.att.number != 0:
             return                                   # a retried attempt starts from a cut, not from p0
         for r, p in self.peers.items():
             if p.attempt == 0 and p.complete_through >= relay.complete_through and p.welcome is not None:

@@ -77,8 +77,8 @@ def test_a_killed_peer_among_32_is_cut_and_the_log_goes_on(mode):
         drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
     sim.silent.add(17)                     # killed: no FINISHED, no LEAVE, never heard again
     sim.run(steps=5)
-    assert sim.relay.ranks[17].ended.gone and sim.relay.cursor.ends[17] == 1
-    assert [i.kind for i in sim.relay.incidents][-1] == "gone"
+    assert sim.relay.att.ranks[17].ended.gone and sim.relay.att.cursor.ends[17] == 1
+    assert [i.kind for i in sim.relay.liveness.incidents][-1] == "gone"
     # the killed rank's steps 0 and 1 stay in the log, nothing after them
     assert sorted(sim.sent) == sorted([(t, r) for t in range(5) for r in range(W) if r != 17] + [(0, 17), (1, 17)])
     check_log(sim, mode, 5)
