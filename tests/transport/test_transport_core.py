@@ -59,7 +59,7 @@ def test_silent_peer_is_declared_gone_and_the_log_goes_on():
             sim.peers[r].send_update(t, payload, None, sim.now)
     t0 = sim.now
     drive(sim, lambda: 2 in sim.relay.att.cursor.ends)
-    assert sim.now - t0 <= 0.7 and sim.now - sim.relay.att.ranks[2].last_heard > 0.5
+    assert sim.now - t0 <= 0.7 and sim.now - sim.relay.att.ranks[2].presence.last_heard > 0.5
     assert sim.relay.att.cursor.ends[2] == 3 and sim.relay.att.ranks[2].ended.gone
     for r in (0, 1):
         sim.peers[r].finish(7, sim.now)

@@ -303,8 +303,9 @@ class RelayCore:
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
             rs.sent_through = max(rs.sent_through, msg.sent_through)
-            if msg.computing != rs.computing:
-                rs.computing, rs.computing_since = msg.computing, now
+            presence = rs.presence
+            if msg.computing != presence.computing:
+                presence.computing, presence.computing_since = msg.computing, now
             # one STATUS page per heartbeat, the pages in turn (relay/status.py)
             self.io.send(rs, self.status_page(self.pages.next_turn(rs.rank)))
             # trim on the next timer, not per heartbeat: a trim scans every rank, and N ranks each

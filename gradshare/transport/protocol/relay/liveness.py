@@ -52,11 +52,12 @@ class Liveness:
         return ev.first_fatal(self.incidents)
 
     def heard(self, att: Attempt, rs: RankState, now: float) -> None:
-        if rs.suspected_since is not None:
-            self.incident(att, "back", rs, now - rs.suspected_since, now)
-            rs.suspected_since = None
-        rs.heard = True
-        rs.last_heard = now
+        p = rs.presence
+        if p.suspected_since is not None:
+            self.incident(att, "back", rs, now - p.suspected_since, now)
+            p.suspected_since = None
+        p.heard = True
+        p.last_heard = now
 
     def incident(self, att: Attempt, kind: str, rs: RankState, seconds: float, now: float, detail: str = "",
                  step: int | None = None) -> ev.Incident:
@@ -78,7 +79,7 @@ class Liveness:
             return
         if att.restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
             for r in att.ranks:
-                if r.connected and r.ended is None and r.suspected_since is None:
+                if r.connected and r.ended is None and r.presence.suspected_since is None:
                     self.io.send(r, ev.Reject(att.restart_reason))
         for rs in att.ranks:
             if rs.ended is None:
@@ -86,21 +87,22 @@ class Liveness:
 
     def _check_rank(self, att: Attempt, rs: RankState, now: float, started: float,
                     declare_gone: DeclareGone) -> None:
+        p = rs.presence
         # progress, not presence: a process that answers but whose training thread has been in the
         # same step for step_timeout (a paused process is the silence rule's, below)
-        if (self.step_timeout is not None and rs.computing >= 0 and not rs.given_up
-                and now - rs.computing_since > self.step_timeout and now - rs.last_heard < self.liveness_timeout):
-            rs.given_up = True
-            self.incident(att, "stuck", rs, now - rs.computing_since, now,
-                          f"step_timeout={self.step_timeout:g} s; its process still answers", rs.computing)
-        if rs.heard:
-            silent, bound, what = now - rs.last_heard, self.liveness_timeout, "liveness_timeout"
+        if (self.step_timeout is not None and p.computing >= 0 and not p.given_up
+                and now - p.computing_since > self.step_timeout and now - p.last_heard < self.liveness_timeout):
+            p.given_up = True
+            self.incident(att, "stuck", rs, now - p.computing_since, now,
+                          f"step_timeout={self.step_timeout:g} s; its process still answers", p.computing)
+        if p.heard:
+            silent, bound, what = now - p.last_heard, self.liveness_timeout, "liveness_timeout"
         else:   # never heard in this attempt: the join window runs from the attempt's start
             silent, bound, what = now - started, self.join_window, "join_window"
         if silent <= bound:
             return
-        if rs.suspected_since is None:
-            rs.suspected_since = rs.last_heard if rs.heard else started
+        if p.suspected_since is None:
+            p.suspected_since = p.last_heard if p.heard else started
             self.incident(att, "suspected", rs, silent, now, f"{what}={bound:g} s")
             if self.on_rank_loss == "continue":
                 declare_gone(att, rs, f"silent for more than {bound:g} s ({what}); on_rank_loss='continue'", now,
@@ -108,8 +110,8 @@ class Liveness:
                 return
             if self.on_rank_loss == "restart" and att.restart_reason is None:
                 self._restart(att, rs, silent, now)
-        if self.on_rank_loss == "wait" and silent > max(bound, self.give_up_after) and not rs.given_up:
-            rs.given_up = True        # one fatal incident per rank
+        if self.on_rank_loss == "wait" and silent > max(bound, self.give_up_after) and not p.given_up:
+            p.given_up = True        # one fatal incident per rank
             self.incident(att, "silent", rs, silent, now, f"on_rank_loss='wait' waits at most {self.give_up_after:g} s")
 
     def _restart(self, att: Attempt, rs: RankState, silent: float, now: float) -> None:

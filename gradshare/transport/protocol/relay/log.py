@@ -92,7 +92,8 @@ class RelayLog:
         self.aggregate_chunk_bytes = aggregate_chunk_bytes
 
     # --- intake --------------------------------------------------------------------------------------
-    def on_update_chunk(self, att: Attempt, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> bool:
+    def on_update_chunk(self, att: Attempt, rs: RankState, h: wire.Header, body: bytes, data: bytes,
+                        now: float) -> bool:
         """True if the chunk was stored and its update is not complete yet."""
         drops = self.io.chan.drops
         step = h.step
@@ -295,10 +296,11 @@ class RelayLog:
         rs.to(RankTrigger.LEAVE)
         self.trim(att)
 
-    def declare_gone(self, att: Attempt, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
+    def declare_gone(self, att: Attempt, rs: RankState, reason: str, now: float | None = None,
+                     silent: float = 0.0) -> None:
         if rs.ended is not None:
             return
-        self.liveness.incident(att, "gone", rs, silent, rs.last_heard if now is None else now, reason[:200])
+        self.liveness.incident(att, "gone", rs, silent, rs.presence.last_heard if now is None else now, reason[:200])
         cut = rs.received.contiguous_from(att.cursor.start_step) - 1
         self._end(att, rs, cut, gone=True, reason=reason)
 
