@@ -110,7 +110,7 @@ class Counters(_ReadAsMapping):
 
     @classmethod
     def from_dict(cls, counters: Mapping[str, Any]) -> Counters:
-        """From a core's counter dict (peer_core/relay_core `counters()`); unknown keys go to `other`."""
+        """From a core's counter dict (PeerCore/RelayCore `counters()`); unknown keys go to `other`."""
         typed = {k: int(counters[k]) for k in cls._TYPED if k in counters}
         drops = {str(k): int(v) for k, v in dict(counters.get("drops") or {}).items()}
         other = {str(k): int(v) for k, v in counters.items() if k not in cls._TYPED and k != "drops"}
@@ -237,7 +237,7 @@ class EpochLine:
 def epoch_lines(tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_epoch: tuple[int, ...],
                 last: int = 8) -> list[EpochLine]:
     """The last `last` epochs every rank has finished in the applied log (each rank's tally holds its
-    steps_per_epoch steps), from the relay's (rank, epoch) tallies (transport/protocol/tallies.py)."""
+    steps_per_epoch steps), from the relay's (rank, epoch) tallies (gradshare/tallies.py)."""
     lines = []
     for epoch in sorted({e for _, e in tallies}):
         rows = [tallies.get((rank, epoch)) for rank in range(len(steps_per_epoch))]

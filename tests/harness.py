@@ -8,8 +8,9 @@ import dataclasses
 import numpy as np
 
 from gradshare.hashing import param_hash
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.tallies import TrainingLog
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, Link, random_update, toy_apply_payload
@@ -31,6 +32,9 @@ class Sim:
         self.p0 = self.rng.standard_normal(n_params).astype(np.float32)
         # relay_options: RelayTuning's fields and RelayCore's plug-ins (the toy codec unless given)
         tunables = {k: relay_options.pop(k) for k in list(relay_options) if k in TUNABLES}
+        # the trainer's bookkeeping, as the driver hands it to its relay (a test's `rollback` goes to it)
+        self.training = TrainingLog(relay_options.pop("rollback", None))
+        relay_options.setdefault("observer", self.training)
         self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
                                tuning=RelayTuning(liveness_timeout=liveness_timeout, **tunables),
                                **{**TOY, **relay_options})
@@ -94,14 +98,14 @@ class Sim:
                 if p.state != "joined" or r in self.silent:
                     continue
                 end = last_step.get(r, p.welcome.start_step + steps - 1)
-                t = p.next_step
+                t = p.own.next_step
                 if t <= end and p.complete_through >= t - 1 - self.staleness:
                     payload = self.make_payload(int(self.rng.choice(entries)))
                     self.sent[(t, r)] = payload
                     p.send_update(t, payload, StepMeta(loss=float(t)), self.now)
-                elif t > end and p.finish_step is None:
+                elif t > end and p.own.finish_step is None:
                     p.finish(end, self.now)
-            if self.relay.finished() and all(p.cursor is not None and p.cursor.finished()
+            if self.relay.finished() and all(p.inbound.cursor is not None and p.inbound.cursor.finished()
                                              for r, p in self.peers.items() if r not in self.silent):
                 self.pump()
                 return _

@@ -50,7 +50,7 @@ from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.transport import Peer, Relay, RelayTuning, Update, new_job_key
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
-from gradshare.transport.protocol.relay_core import default_apply_update, default_decode_update
+from gradshare.transport.protocol.relay.core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 from gradshare.transport.sockets import udp
 from gradshare.transport.testing.memory import joined_cores
@@ -349,7 +349,7 @@ def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
             counts["out_bytes"] += len(d)
             assert isinstance(to, int)  # joined_cores addresses each peer by its rank
             peers[to].receive_datagram(d, "relay", now)
-    errors = [p.error for p in peers if p.error]
+    errors = [p.io.error for p in peers if p.io.error]
     if errors:
         raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
     per_s = {k + "_per_s": v / seconds for k, v in counts.items()}

@@ -32,7 +32,7 @@ from gradshare.encoding import Message, apply, encode
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
 from gradshare.transport.testing.fault_proxy import FaultProxy
 from gradshare.transport.testing.memory import joined_cores
-from gradshare.transport.protocol.relay_core import default_apply_update, default_decode_update
+from gradshare.transport.protocol.relay.core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 
 

@@ -34,6 +34,7 @@ from gradshare.driver.checkpoint import (
     Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
 )
 from gradshare.driver.history import Tallies, merge_history
+from gradshare.tallies import TrainingLog
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.driver.plan import (
     FitSpec, StepPlan, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,
@@ -300,7 +301,8 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
                   decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
                   apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
                   apply_step=step_applier(run.steps.apply_scale, run.step_cap),
-                  rollback=relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch),
+                  observer=TrainingLog(relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch,
+                                                      run.steps_per_epoch)),
                   aggregator=run.aggregator)
     relay.inherit(run.inherited)  # a re-formed elastic job's first attempt starts with them
     relay.start()

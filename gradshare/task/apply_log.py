@@ -56,7 +56,7 @@ class ApplyLog:
 
     def _note_stop(self, u: Update) -> None:
         """Rank 0's early-stop decision (stopping.py), taken in log order: the same step on every rank."""
-        # aggregated forwarding: the relay's aggregate carries rank 0's decision (transport/protocol/relay_log.py)
+        # aggregated forwarding: the relay's aggregate carries rank 0's decision (transport/protocol/relay/log.py)
         if u.sender in (0, AGGREGATE_ORIGIN) and u.meta is not None and self.stop_epoch is None:
             self.stop_epoch = u.meta.stop_epoch
 

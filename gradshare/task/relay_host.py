@@ -25,9 +25,9 @@ from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ProtocolError
 from gradshare.reports import Counters, RelayResult, epoch_lines
+from gradshare.tallies import RollbackPoint, TrainingLog
 from gradshare.transport import Relay, RelayTuning
 from gradshare.transport.protocol.status_wire import Status
-from gradshare.transport.protocol.tallies import RollbackPoint
 from gradshare.transport.sockets.snapshot_rate import snapshot_options
 from gradshare.transport.sockets.status import StatusSender
 
@@ -82,8 +82,8 @@ class RelayHost:
                            decode_update=functools.partial(decode_update, n_params=plan.n_params),
                            apply_update=functools.partial(apply_update, scale=plan.scale),
                            apply_step=step_applier(plan.scale, plan.step_cap),
-                           rollback=None if plan.resumed is None else functools.partial(resume_point, initial,
-                                                                                        plan.resumed),
+                           observer=TrainingLog(None if plan.resumed is None else
+                                                functools.partial(resume_point, initial, plan.resumed)),
                            aggregator=plan.aggregator).start()
         assert self.relay.address is not None  # start() bound it
         self.address = (host, int(self.relay.address[1]))

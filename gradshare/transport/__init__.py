@@ -13,8 +13,8 @@ loads NumPy.
 from gradshare.hashing import param_hash  # re-exported: the public name users import from here
 from gradshare.transport.protocol.crypto import new_job_key
 from gradshare.transport.protocol.events import Update, Welcome
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import PeerTuning, RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.sockets.peer import Peer

@@ -49,7 +49,7 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
     for r in range(2):
         sim.add_peer(r)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
-    assert asked == [-1] and sim.relay.attempt_notes == ()  # the first attempt: nothing to inherit
+    assert asked == [-1] and sim.relay.att.notes == ()  # the first attempt: nothing to inherit
 
     def meta(t, r):
         out = StepMeta(epoch=t // 2, loss=1.0)
@@ -60,10 +60,10 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
         return out
 
     _send_steps(sim, range(6), meta)
-    tallies = {k: t.as_dict() for k, t in sim.relay.epochs.items()}
+    tallies = {k: t.as_dict() for k, t in sim.training.epochs.items()}
     assert tallies[(0, 0)]["val_metric"] == 0.5 and tallies[(0, 1)]["val_metric"] == 1.0
-    assert sim.relay.notes.at(3) == (("es_best", 0.5), ("es_waited", 0.0))
-    assert sim.relay.notes.at(5) == (("es_best", 0.5), ("es_waited", 1.0), ("stop_epoch", 3.0),
+    assert sim.training.notes.at(3) == (("es_best", 0.5), ("es_waited", 0.0))
+    assert sim.training.notes.at(5) == (("es_best", 0.5), ("es_waited", 1.0), ("stop_epoch", 3.0),
                                      ("stop_requested", 1.0))
     # a retried stage: the relay goes back to the checkpoint's step 3, whatever it held after it
     for r in range(2):
@@ -75,10 +75,10 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
         # what steps 4 and 5 said is gone with them; the checkpoint's epochs count is handed over
         assert p.welcome.notes == (("es_best", 0.5), ("es_waited", 0.0), ("checkpoint", 7.0))
     assert param_hash(sim.relay.params) == param_hash(saved)
-    assert sim.relay.rolled_back == [{"attempt": 1, "from": 5, "to": 3}]
+    assert sim.relay.admission.rolled_back == [{"attempt": 1, "from": 5, "to": 3}]
     # epoch 2 runs again, whole: its tallies are dropped; epochs 0 and 1 keep the killed attempt's rows
-    assert sorted(sim.relay.epochs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert sim.relay.epochs[(0, 1)].val_metric == 1.0
+    assert sorted(sim.training.epochs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sim.training.epochs[(0, 1)].val_metric == 1.0
 
 
 def test_without_a_rollback_a_new_attempt_inherits_the_state_at_the_cut():

@@ -22,7 +22,7 @@ from gradshare.task.shipping import materialize, pack_user_objects, skeleton, un
 from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.options import Network
 from harness import Sim, drive
 
@@ -57,10 +57,10 @@ def test_fail_from_an_unjoined_rank_is_recorded_once_and_acknowledged_over_a_los
         sim.step_time()
     failed = [e for e in _relay_events(sim) if isinstance(e, ev.PeerFailed)]
     assert len(failed) == 1 and sim.relay.c["failures"] == 1
-    f = sim.relay.failures[1]
+    f = sim.relay.admission.failures[1]
     assert (f.rank, f.attempt, f.error_type) == (1, 0, "ModuleNotFoundError")
     assert f.message.startswith("No module named 'driver_only' xx") and len(f.message) < len(long)
-    assert sim.relay.drops["oversized"] == 0
+    assert sim.relay.chan.drops["oversized"] == 0
 
 
 def test_fail_with_a_body_naming_another_rank_or_a_wrong_key_is_dropped():
@@ -68,13 +68,13 @@ def test_fail_with_a_body_naming_another_rank_or_a_wrong_key_is_dropped():
     p0 = _unjoined_peer(sim, 0)
     body = wire.encode_control(ev.Fail(1, 0, "ValueError", "forged"))[1]
     sim.relay.receive_datagram(p0.chan.seal(wire.Kind.FAIL, body), "a", 0.0)  # rank 0 speaking for rank 1
-    assert sim.relay.drops["bad_fail"] == 1
+    assert sim.relay.chan.drops["bad_fail"] == 1
     stranger = PeerCore(1, 2, 0, b"z" * 32, 42, 1, now=0.0, datagram_size=sim.datagram_size)
     stranger.fail("ValueError", "not our job key", 0.0)
     for data in stranger.datagrams_to_send():
         sim.relay.receive_datagram(data, "b", 0.0)
-    assert sim.relay.drops["auth_failed"] == 1
-    assert sim.relay.failures == {} and sim.relay.datagrams_to_send() == []
+    assert sim.relay.chan.drops["auth_failed"] == 1
+    assert sim.relay.admission.failures == {} and sim.relay.datagrams_to_send() == []
 
 
 def test_fail_names_are_bounded():
@@ -85,7 +85,7 @@ def test_fail_names_are_bounded():
 
 
 def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_link():
-    from gradshare.transport.protocol.relay_core import RelayCore
+    from gradshare.transport.protocol.relay.core import RelayCore
     from gradshare.transport.protocol.tuning import RelayTuning
     from transport_util import TOY
 
@@ -95,12 +95,12 @@ def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_li
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     into = np.zeros(sim.N, np.float32)
-    p.snap_into = into
+    p.snaps.into = into
     p.request_snapshot(sim.now)
-    drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
-    step, params = p.snapshot
+    drive(sim, lambda: p.snaps.result is not None, max_iters=200_000)
+    step, params = p.snaps.result
     assert step == -1 and params is into and np.array_equal(into, sim.p0)
-    chunk = sim.relay.snap_chunk_bytes
+    chunk = sim.relay.snaps.chunk_bytes
     assert 3900 < chunk <= 4000 - 42 and chunk % 4 == 0  # ten times the update chunks' payload
     assert sim.relay.c["snapshot_chunks"] >= -(-4 * sim.N // chunk)
 

@@ -141,12 +141,12 @@ def test_the_aggregate_of_a_step_waits_for_a_paused_rank():
         sim.peers[r].send_update(0, real_payload(sim.rng, sim.N, 30), None, sim.now)
     t0 = sim.now
     drive(sim, lambda: sim.now - t0 > 1.0)
-    assert [i.kind for i in sim.relay.incidents] == ["suspected"] and sim.relay.complete_through == -1
+    assert [i.kind for i in sim.relay.liveness.incidents] == ["suspected"] and sim.relay.complete_through == -1
     assert sim.relay.counters()["aggregates"] == 0
     sim.silent.discard(2)
     sim.run(steps=5)
     check_aggregated(sim, 0, 4)
-    assert [i.kind for i in sim.relay.incidents] == ["suspected", "back"]
+    assert [i.kind for i in sim.relay.liveness.incidents] == ["suspected", "back"]
 
 
 def test_a_rank_declared_gone_leaves_the_aggregates_to_the_others():
@@ -159,7 +159,7 @@ def test_a_rank_declared_gone_leaves_the_aggregates_to_the_others():
     sim.silent.add(2)
     sim.run(steps=6)
     check_aggregated(sim, 0, 5)
-    assert sim.relay.ranks[2].ended.gone and sim.relay.counters()["updates_in"] == 12
+    assert sim.relay.att.ranks[2].ended.gone and sim.relay.counters()["updates_in"] == 12
     assert sim.relay.counters()["aggregates"] == 6
 
 
@@ -173,20 +173,20 @@ def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through()
             p.send_update(t, real_payload(sim.rng, sim.N, 60), None, sim.now)
         drive(sim, lambda: sim.relay.complete_through >= t)
     sim.peers[0].send_update(5, real_payload(sim.rng, sim.N, 60), None, sim.now)  # rank 1 dies before 5
-    drive(sim, lambda: sim.relay.ranks[0].received.contiguous_from(0) == 6)
-    residual = sim.relay.aggregator.residual.copy()
+    drive(sim, lambda: sim.relay.att.ranks[0].received.contiguous_from(0) == 6)
+    residual = sim.relay.log.aggregator.residual.copy()
     for r in range(2):                       # Spark retries the stage
         sim.add_peer(r, attempt=1)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
-    assert all(p.welcome.start_step == 5 and p.aggregate for p in sim.peers.values())
+    assert all(p.welcome.start_step == 5 and p.inbound.aggregate for p in sim.peers.values())
     # the relay's residual belongs to the log through step 4: the new attempt keeps it
-    assert np.array_equal(sim.relay.aggregator.residual, residual)
+    assert np.array_equal(sim.relay.log.aggregator.residual, residual)
     for p in sim.peers.values():
         p.request_snapshot(sim.now)
-    drive(sim, lambda: all(p.snapshot is not None for p in sim.peers.values()))
+    drive(sim, lambda: all(p.snaps.result is not None for p in sim.peers.values()))
     for r, p in sim.peers.items():
-        assert p.snapshot[0] == 4
-        sim.params[r] = p.snapshot[1].copy()
+        assert p.snaps.result[0] == 4
+        sim.params[r] = p.snaps.result[1].copy()
     sim.run(steps=4)
     check_aggregated(sim, 5, 8)
     assert sim.relay.counters()["aggregates"] == 9
@@ -239,4 +239,4 @@ def test_an_aggregating_peer_takes_no_rank_sealed_update():
     p0.send_update(0, real_payload(sim.rng, sim.N, 20), None, sim.now)
     for d in p0.datagrams_to_send():     # as if the relay forwarded rank 0's own datagrams per rank
         p1.receive_datagram(d, "relay", sim.now)
-    assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbox and not p1.ready
+    assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbound.inbox and not p1.inbound.ready

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, check_consistent, drive
 
 
@@ -27,7 +27,7 @@ def _joined(sim: Sim, world: int) -> None:
 
 
 def _kinds(sim: Sim) -> list[str]:
-    return [i.kind for i in sim.relay.incidents]
+    return [i.kind for i in sim.relay.liveness.incidents]
 
 
 def test_a_paused_rank_is_suspected_waited_for_and_carries_on_with_nothing_lost():
@@ -42,15 +42,15 @@ def test_a_paused_rank_is_suspected_waited_for_and_carries_on_with_nothing_lost(
         sim.peers[r].send_update(4, payload, None, sim.now)
     t0 = sim.now
     drive(sim, lambda: sim.now - t0 > 2.5)            # 5x liveness_timeout
-    assert _kinds(sim) == ["suspected"] and sim.relay.ranks[2].ended is None
+    assert _kinds(sim) == ["suspected"] and sim.relay.att.ranks[2].ended is None
     assert sim.relay.complete_through == 3            # the log waits for rank 2's step 4
-    inc = sim.relay.incidents[0]
+    inc = sim.relay.liveness.incidents[0]
     assert (inc.rank, inc.step) == (2, 4) and 0.5 < inc.seconds < 0.7
     sim.silent.discard(2)                             # SIGCONT
     sim.run(steps=8)
     check_consistent(sim)                             # every (step, rank) exactly once, in order, everywhere
     assert sim.relay.complete_through == 7 and sim.relay.c["gone"] == 0
-    assert _kinds(sim) == ["suspected", "back"] and sim.relay.first_cause() is None
+    assert _kinds(sim) == ["suspected", "back"] and sim.relay.liveness.first_cause() is None
 
 
 def test_wait_gives_up_after_its_bound_naming_rank_step_and_silence():
@@ -58,12 +58,12 @@ def test_wait_gives_up_after_its_bound_naming_rank_step_and_silence():
     _joined(sim, 2)
     _exchange(sim, range(2), (0, 1))
     sim.silent.add(1)
-    drive(sim, lambda: sim.relay.fatal_incident() is not None)
-    inc = sim.relay.fatal_incident()
+    drive(sim, lambda: sim.relay.liveness.fatal_incident() is not None)
+    inc = sim.relay.liveness.fatal_incident()
     assert (inc.kind, inc.rank, inc.step) == ("silent", 1, 2) and 1.0 < inc.seconds < 1.2
-    assert sim.relay.ranks[1].ended is None           # waited for, never cut
+    assert sim.relay.att.ranks[1].ended is None           # waited for, never cut
     assert re.match(r"rank 1 \(attempt 0, at step 2\) silent for 1\.\d s: the relay gave up", inc.describe())
-    assert sim.relay.first_cause().kind == "suspected" and sim.relay.first_cause().rank == 1
+    assert sim.relay.liveness.first_cause().kind == "suspected" and sim.relay.liveness.first_cause().rank == 1
 
 
 def test_continue_cuts_the_silent_rank_and_says_so():
@@ -71,9 +71,9 @@ def test_continue_cuts_the_silent_rank_and_says_so():
     _joined(sim, 2)
     _exchange(sim, range(2), (0, 1))
     sim.silent.add(1)
-    drive(sim, lambda: 1 in sim.relay.cursor.ends)
-    assert _kinds(sim) == ["suspected", "gone"] and sim.relay.ranks[1].ended.last_step == 1
-    assert "on_rank_loss='continue'" in sim.relay.incidents[1].detail
+    drive(sim, lambda: 1 in sim.relay.att.cursor.ends)
+    assert _kinds(sim) == ["suspected", "gone"] and sim.relay.att.ranks[1].ended.last_step == 1
+    assert "on_rank_loss='continue'" in sim.relay.liveness.incidents[1].detail
 
 
 def test_restart_rejects_every_live_rank_so_that_spark_retries_the_stage():
@@ -82,8 +82,8 @@ def test_restart_rejects_every_live_rank_so_that_spark_retries_the_stage():
     _exchange(sim, range(2), (0, 1, 2))
     sim.silent.add(2)
     drive(sim, lambda: all(sim.peers[r].state == "rejected" for r in (0, 1)))
-    assert _kinds(sim) == ["suspected", "restart"] and sim.relay.ranks[2].ended is None
-    assert "stage restart: rank 2 silent" in sim.peers[0].error and "at step 2" in sim.peers[1].error
+    assert _kinds(sim) == ["suspected", "restart"] and sim.relay.att.ranks[2].ended is None
+    assert "stage restart: rank 2 silent" in sim.peers[0].io.error and "at step 2" in sim.peers[1].io.error
     assert sim.relay.c["gone"] == 0                   # nothing cut: the retry resumes after step 1
 
 
@@ -94,15 +94,15 @@ def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():
     sim.peers[1], sim.params[1], sim.delivered[1] = slow, sim.p0.copy(), []
     slow.loading(sim.now)                             # reading its partition: LOADING every 50 ms
     drive(sim, lambda: sim.now > 3.0)                 # longer than liveness_timeout and the join window
-    assert sim.relay.incidents == []
+    assert sim.relay.liveness.incidents == []
     slow.join(sim.now)
     sim.run(steps=3)
     check_consistent(sim)
     # a rank the relay never heard from is measured from the attempt's start, with the join window
     sim = Sim(world_size=2, seed=7, liveness_timeout=0.3, join_window=2.0)
     sim.add_peer(0)
-    drive(sim, lambda: sim.relay.incidents != [])
-    assert _kinds(sim) == ["suspected"] and sim.relay.incidents[0].rank == 1
+    drive(sim, lambda: sim.relay.liveness.incidents != [])
+    assert _kinds(sim) == ["suspected"] and sim.relay.liveness.incidents[0].rank == 1
     assert 2.0 < sim.now - sim.relay.att.started < 2.2
 
 
@@ -115,8 +115,8 @@ def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
     payload = b"\x00\x00\x80\x3f" + np.int32(7).tobytes()
     sim.peers[0].send_update(3, payload, None, sim.now)   # rank 0 finishes its step 3 (computing -> -1)
     t0 = sim.now
-    drive(sim, lambda: sim.relay.fatal_incident() is not None)
-    inc = sim.relay.fatal_incident()
+    drive(sim, lambda: sim.relay.liveness.fatal_incident() is not None)
+    inc = sim.relay.liveness.fatal_incident()
     assert (inc.kind, inc.rank, inc.step) == ("stuck", 1, 3) and 1.0 < sim.now - t0 < 1.2
     assert "stuck in step 3" in inc.describe() and _kinds(sim) == ["stuck"]
 

@@ -13,8 +13,8 @@ from gradshare.encoding import encode
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.crypto import Sealer, new_job_key
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 
 WORLD, PARAMS, DGRAM = 3, 40_000, 256        # small datagrams: each update is several chunks
@@ -165,8 +165,8 @@ def test_a_clean_stream_completes_every_update_through_the_fast_path():
     fast_path = []
     next_chunk = runs.log.next_chunk
 
-    def counted(last, data, now):
-        took = next_chunk(last, data, now)
+    def counted(att, last, data, now):
+        took = next_chunk(att, last, data, now)
         if took:
             fast_path.append(data)
         return took

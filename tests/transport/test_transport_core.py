@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradshare.hashing import param_hash
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, check_consistent, drive
 
 
@@ -28,7 +28,7 @@ def test_ranks_finishing_at_different_steps():
     sim.run(steps=20, last_step={0: 4, 1: 19, 2: -1, 3: 11})
     check_consistent(sim)
     assert sim.relay.complete_through == 19
-    ends = {r: e for r, e in sim.relay.cursor.ends.items()}
+    ends = {r: e for r, e in sim.relay.att.cursor.ends.items()}
     assert ends == {0: 4, 1: 19, 2: -1, 3: 11}
 
 
@@ -58,12 +58,12 @@ def test_silent_peer_is_declared_gone_and_the_log_goes_on():
             sim.sent[(t, r)] = payload
             sim.peers[r].send_update(t, payload, None, sim.now)
     t0 = sim.now
-    drive(sim, lambda: 2 in sim.relay.cursor.ends)
-    assert sim.now - t0 <= 0.7 and sim.now - sim.relay.ranks[2].last_heard > 0.5
-    assert sim.relay.cursor.ends[2] == 3 and sim.relay.ranks[2].ended.gone
+    drive(sim, lambda: 2 in sim.relay.att.cursor.ends)
+    assert sim.now - t0 <= 0.7 and sim.now - sim.relay.att.ranks[2].presence.last_heard > 0.5
+    assert sim.relay.att.cursor.ends[2] == 3 and sim.relay.att.ranks[2].ended.gone
     for r in (0, 1):
         sim.peers[r].finish(7, sim.now)
-    drive(sim, lambda: sim.relay.finished() and all(sim.peers[r].cursor.finished() for r in (0, 1)))
+    drive(sim, lambda: sim.relay.finished() and all(sim.peers[r].inbound.cursor.finished() for r in (0, 1)))
     check_consistent(sim)
     assert sim.relay.complete_through == 7
 
@@ -84,7 +84,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
             sim.sent[(t, r)] = payload
             p.send_update(t, payload, None, sim.now)
         drive(sim, lambda: sim.relay.complete_through >= min(t, 4))
-    drive(sim, lambda: (5, 0) in sim.relay.att.pending or sim.relay.ranks[0].received.contiguous_from(0) == 6)
+    drive(sim, lambda: (5, 0) in sim.relay.att.pending or sim.relay.att.ranks[0].received.contiguous_from(0) == 6)
     assert sim.relay.complete_through == 4
     # Spark retries the stage: attempt 1 joins; the old attempt's datagrams are refused from now on
     old = dict(sim.peers)
@@ -99,10 +99,10 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
         sim.relay.receive_datagram(d, 0, sim.now)
     for p in sim.peers.values():
         p.request_snapshot(sim.now)
-    drive(sim, lambda: all(p.snapshot is not None for p in sim.peers.values()))
-    assert sim.relay.drops["old_attempt"] >= 1
+    drive(sim, lambda: all(p.snaps.result is not None for p in sim.peers.values()))
+    assert sim.relay.chan.drops["old_attempt"] >= 1
     for r, p in sim.peers.items():
-        step, snap = p.snapshot
+        step, snap = p.snaps.result
         assert step == 4 and param_hash(snap) == param_hash(sim.relay.params)
         sim.params[r] = snap.copy()
     sim.sent = {k: v for k, v in sim.sent.items() if k[0] < 5}   # (5, 0) of attempt 0 is cut
@@ -119,9 +119,9 @@ def test_snapshot_survives_loss_and_reordering():
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     p.request_snapshot(sim.now)
-    drive(sim, lambda: p.snapshot is not None, max_iters=200_000)
-    assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
-    drive(sim, lambda: not sim.relay.transfers)      # SNAP_DONE freed the transfer (or it will expire)
+    drive(sim, lambda: p.snaps.result is not None, max_iters=200_000)
+    assert p.snaps.result[0] == -1 and np.array_equal(p.snaps.result[1], sim.p0)
+    drive(sim, lambda: not sim.relay.snaps.transfers)      # SNAP_DONE freed the transfer (or it will expire)
 
 
 
@@ -132,7 +132,7 @@ def _second_snapshot(snap_done) -> PeerCore:
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     p.request_snapshot(sim.now)
-    drive(sim, lambda: p.snapshot is not None)
+    drive(sim, lambda: p.snaps.result is not None)
     held = p.datagrams_to_send()                     # the SNAP_DONE the completing chunk produced
     payload = sim.make_payload(5)
     sim.sent[(0, 0)] = payload
@@ -140,8 +140,8 @@ def _second_snapshot(snap_done) -> PeerCore:
     drive(sim, lambda: sim.relay.complete_through == 0 and p.complete_through == 0)
     p.request_snapshot(sim.now)
     snap_done(sim, held)
-    drive(sim, lambda: p.snapshot is not None)
-    step, params = p.snapshot
+    drive(sim, lambda: p.snaps.result is not None)
+    step, params = p.snaps.result
     assert step == 0 and param_hash(params) == param_hash(sim.relay.params)
     return p
 
@@ -171,11 +171,11 @@ def test_snapshot_download_survives_the_relay_dropping_its_transfer():
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     p.request_snapshot(sim.now)
-    drive(sim, lambda: p.snap is not None)
-    sim.relay.snaps.done(0, p.snap.info.snap_id)
-    drive(sim, lambda: p.snapshot is not None)
-    assert p.snapshot[0] == -1 and np.array_equal(p.snapshot[1], sim.p0)
-    assert sim.relay.drops["stale_snapshot"] >= 1     # it did NAK the forgotten transfer first
+    drive(sim, lambda: p.snaps.download is not None)
+    sim.relay.snaps.done(0, p.snaps.download.info.snap_id)
+    drive(sim, lambda: p.snaps.result is not None)
+    assert p.snaps.result[0] == -1 and np.array_equal(p.snaps.result[1], sim.p0)
+    assert sim.relay.chan.drops["stale_snapshot"] >= 1     # it did NAK the forgotten transfer first
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -270,5 +270,5 @@ def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one(
     while t < 0.05 and not naks:                         # well before any heartbeat or STATUS
         t += peers[1].tuning.tick
         peers[1].handle_timer(t)
-        naks = peers[1].c["naks_sent"]
+        naks = peers[1].io.c["naks_sent"]
     assert naks == 1 and t < 4 * peers[1].tuning.nak_delay

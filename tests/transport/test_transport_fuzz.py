@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.events import Join
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.wire import RELAY_ID
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY
@@ -43,7 +43,7 @@ def relay_invariants(relay: RelayCore, n_in: int) -> None:
     assert c.get("datagrams_in", 0) == n_in
     assert relay.att.reasm.nbytes <= relay.att.reasm.max_bytes and len(relay.att.reasm) <= relay.att.reasm.max_messages
     assert relay.params.shape == (N,) and relay.params.dtype == np.float32
-    assert relay.complete_through >= relay.cursor.start_step - 1
+    assert relay.complete_through >= relay.att.cursor.start_step - 1
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -72,9 +72,9 @@ def test_peer_core_survives_any_datagrams(datagrams):
         peer.datagrams_to_send()
         peer.pop_ready()
     assert peer.counters()["datagrams_in"] == len(datagrams)
-    assert peer.reasm.nbytes <= peer.reasm.max_bytes
-    if peer.cursor is not None:
-        assert peer.complete_through >= peer.cursor.start_step - 1
+    assert peer.inbound.reasm.nbytes <= peer.inbound.reasm.max_bytes
+    if peer.inbound.cursor is not None:
+        assert peer.complete_through >= peer.inbound.cursor.start_step - 1
 
 
 def test_forged_and_invalid_updates_are_never_applied():
@@ -86,5 +86,5 @@ def test_forged_and_invalid_updates_are_never_applied():
     relay.receive_datagram(join, "a", 0.0)
     bad = wire.encode_update_body(toy_encode(1.0, [N + 1]), None)
     relay.receive_datagram(forged(wire.Kind.UPDATE, 0, 0, 0, 0, 0, 1, bad, counter=1), "a", 0.1)
-    assert relay.c["applied"] == 0 and relay.drops["bad_update"] == 1
-    assert relay.ranks[0].ended.gone and np.all(relay.params == 0)
+    assert relay.c["applied"] == 0 and relay.chan.drops["bad_update"] == 1
+    assert relay.att.ranks[0].ended.gone and np.all(relay.params == 0)

@@ -20,9 +20,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gradshare.errors import LocalProtocolError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
-from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
+from gradshare.transport.protocol.relay.liveness import MAX_INCIDENTS
 from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
 from gradshare.transport.protocol.states import PeerState
 from gradshare.transport.protocol.step_meta import StepMeta
@@ -153,27 +153,27 @@ class CoreMisuse(RuleBasedStateMachine):
           meta=st.sampled_from([None, StepMeta(loss=1.0, epoch=0)]))
     def send_update(self, rank, offset, entries, meta):
         p = self._peer(rank)
-        step = (p.next_step if p.next_step is not None else 0) + offset
+        step = (p.own.next_step if p.own.next_step is not None else 0) + offset
         payload = random_update(self.rng, N, entries)        # 150 entries: several chunks
         try:
             p.send_update(step, payload, meta, self.now)
         except LocalProtocolError:
-            assert offset != 0 or p.state != PeerState.JOINED or p.error or p.finish_step is not None \
-                or len(p.unacked) >= p.tuning.max_unacked
+            assert offset != 0 or p.state != PeerState.JOINED or p.io.error or p.own.finish_step is not None \
+                or len(p.own.unacked) >= p.tuning.max_unacked
         else:
-            assert offset == 0 and p.next_step == step + 1
+            assert offset == 0 and p.own.next_step == step + 1
             self.sent[(p.attempt, step, p.rank)] = payload
 
     @rule(rank=ranks, offset=st.sampled_from([0, 0, 1, -1]))
     def finish(self, rank, offset):
         p = self._peer(rank)
-        last = (p.next_step if p.next_step is not None else 0) - 1 + offset
+        last = (p.own.next_step if p.own.next_step is not None else 0) - 1 + offset
         try:
             p.finish(last, self.now)
         except LocalProtocolError:
-            assert offset != 0 or p.state != PeerState.JOINED or p.error
+            assert offset != 0 or p.state != PeerState.JOINED or p.io.error
         else:
-            assert p.finish_step is not None and p.finish_step <= last
+            assert p.own.finish_step is not None and p.own.finish_step <= last
 
     @rule(rank=ranks)
     def leave(self, rank):
@@ -187,18 +187,18 @@ class CoreMisuse(RuleBasedStateMachine):
         buffers = {"new": None, "given": np.zeros(N, np.float32), "short": np.zeros(N - 1, np.float32),
                    "float64": np.zeros(N), "read-only": np.zeros(N, np.float32)}
         buffers["read-only"].flags.writeable = False
-        before = p.snap_into
+        before = p.snaps.into
         try:
             p.snapshot_destination(buffers[into])
         except ValueError as e:     # a wrong buffer is refused at once, not when the chunks arrive
             assert into in ("short", "float64", "read-only") and "into must be" in str(e)
-            assert p.snap_into is before
+            assert p.snaps.into is before
         else:
             assert into in ("new", "given")
         try:
             p.request_snapshot(self.now)
         except LocalProtocolError:
-            assert p.state != PeerState.JOINED or p.error
+            assert p.state != PeerState.JOINED or p.io.error
 
     @rule(rank=ranks, error_type=st.from_regex(r"[a-z][a-z.]{0,99}", fullmatch=True), message=st.text(max_size=400))
     def fail(self, rank, error_type, message):
@@ -221,10 +221,10 @@ class CoreMisuse(RuleBasedStateMachine):
         moves a little, the network delivers. Valid calls only, so nothing may raise here."""
         for _ in range(rounds):
             for p in self.peers.values():
-                if p.state == PeerState.JOINED and not p.error and p.finish_step is None and len(p.unacked) < 32:
+                if p.state == PeerState.JOINED and not p.io.error and p.own.finish_step is None and len(p.own.unacked) < 32:
                     payload = random_update(self.rng, N, entries)
-                    p.send_update(p.next_step, payload, StepMeta(loss=1.0, epoch=0), self.now)
-                    self.sent[(p.attempt, p.next_step - 1, p.rank)] = payload
+                    p.send_update(p.own.next_step, payload, StepMeta(loss=1.0, epoch=0), self.now)
+                    self.sent[(p.attempt, p.own.next_step - 1, p.rank)] = payload
             self.tick(0.003)
             self.pump(1, 0, dup_every)
 
@@ -278,18 +278,18 @@ class CoreMisuse(RuleBasedStateMachine):
     def peers_hold_together(self):
         for r, p in self.peers.items():
             assert p.state in set(PeerState)
-            assert p.inbox_nbytes == sum(len(u.payload) for u in (*p.inbox.values(), *p.ready))
-            assert len(p.unacked) <= p.tuning.max_unacked
-            assert (p.welcome is None) == (p.cursor is None) == (p.next_step is None)
+            assert p.inbound.inbox_nbytes == sum(len(u.payload) for u in (*p.inbound.inbox.values(), *p.inbound.ready))
+            assert len(p.own.unacked) <= p.tuning.max_unacked
+            assert (p.welcome is None) == (p.inbound.cursor is None) == (p.own.next_step is None)
             c = p.counters()
             assert all(type(v) is int for k, v in c.items() if k != "drops")
-            assert c["bytes_out"] >= 0 and c["unacked"] == len(p.unacked)
+            assert c["bytes_out"] >= 0 and c["unacked"] == len(p.own.unacked)
             assert isinstance(p.next_timer(), float) and p.next_timer() == p.next_timer()
             key = p.blocking_key()
             assert key is None or key[0] > p.complete_through
-            p.idle(), p.finished(), p.snapshot_progress(), p.heard_at(), p.has_ready()
+            p.idle(), p.finished(), p.snapshot_progress(), p.last_heard, p.has_ready()
             # nothing waits in the inbox that the log is already past (it would never leave: a leak)
-            assert p.cursor is None or not any(p.cursor.done_before(*k) for k in p.inbox)
+            assert p.inbound.cursor is None or not any(p.inbound.cursor.done_before(*k) for k in p.inbound.inbox)
             log = [(u.step, u.sender) for u in self.delivered[r]]
             assert log == sorted(set(log)), "delivered out of canonical order, or twice"
             if p.welcome is not None:
@@ -300,13 +300,13 @@ class CoreMisuse(RuleBasedStateMachine):
     def relay_holds_together(self):
         relay = self.relay
         assert all(step > relay.complete_through for step, _ in relay.att.pending)
-        assert relay.complete_through >= relay.cursor.start_step - 1
-        assert len(relay.incidents) <= MAX_INCIDENTS
+        assert relay.complete_through >= relay.att.cursor.start_step - 1
+        assert len(relay.liveness.incidents) <= MAX_INCIDENTS
         assert len(relay.att.history) <= relay.att.history.max_entries
         c = relay.counters()
-        assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.attempt
+        assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.att.number
         assert set(relay.progress()["ranks"]) == set(range(self.world))
-        relay.next_timer(), relay.finished(), relay.epoch_tallies(), relay.first_cause(), relay.fatal_incident()
+        relay.next_timer(), relay.finished(), relay.epoch_tallies(), relay.liveness.first_cause(), relay.liveness.fatal_incident()
 
     @invariant()
     def nothing_corrupted(self):
@@ -321,7 +321,7 @@ class CoreMisuse(RuleBasedStateMachine):
             for u in self.delivered[r]:
                 assert self.sent.get((p.attempt, u.step, u.sender)) == u.payload, (r, u.step, u.sender)
         relay = self.relay
-        if relay.attempt != 0:
+        if relay.att.number != 0:
             return                                   # a retried attempt starts from a cut, not from p0
         for r, p in self.peers.items():
             if p.attempt == 0 and p.complete_through >= relay.complete_through and p.welcome is not None:

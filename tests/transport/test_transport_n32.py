@@ -77,8 +77,8 @@ def test_a_killed_peer_among_32_is_cut_and_the_log_goes_on(mode):
         drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
     sim.silent.add(17)                     # killed: no FINISHED, no LEAVE, never heard again
     sim.run(steps=5)
-    assert sim.relay.ranks[17].ended.gone and sim.relay.cursor.ends[17] == 1
-    assert [i.kind for i in sim.relay.incidents][-1] == "gone"
+    assert sim.relay.att.ranks[17].ended.gone and sim.relay.att.cursor.ends[17] == 1
+    assert [i.kind for i in sim.relay.liveness.incidents][-1] == "gone"
     # the killed rank's steps 0 and 1 stay in the log, nothing after them
     assert sorted(sim.sent) == sorted([(t, r) for t in range(5) for r in range(W) if r != 17] + [(0, 17), (1, 17)])
     check_log(sim, mode, 5)
@@ -180,7 +180,7 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
     fast.run(steps=steps, entries=(3, 200))
 
     sim = sim32(mode, seed=3, loss=0.01, dup=0.01, max_delay=0.002, staleness=k)
-    # an inbox of 64 datagrams: per rank, before peer_core backed off its NAKs for steps the relay may not
+    # an inbox of 64 datagrams: per rank, before the peer core backed off its NAKs for steps the relay may not
     # have, this made the run collapse rather than slow down (39 simulated s for these 8 steps, not 1.7)
     inbox = throttle(sim, rate, inbox=64)
     # Bounds, from the staleness rule (a rank sends step t once its log is complete through t-1-k):
@@ -201,12 +201,12 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
     def watched(max_dt: float = 0.01) -> None:
         step_time(max_dt)
         rel = sim.relay
-        live = [p for p in sim.peers.values() if p.next_step is not None]
-        worst["ahead"] = max([worst["ahead"]] + [p.next_step - 1 - rel.complete_through for p in live])
+        live = [p for p in sim.peers.values() if p.own.next_step is not None]
+        worst["ahead"] = max([worst["ahead"]] + [p.own.next_step - 1 - rel.complete_through for p in live])
         worst["relay_held"] = max(worst["relay_held"], len(rel.att.pending) + len(rel.att.reasm))
         worst["history"] = max(worst["history"], len(rel.att.history))
-        worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbox) + len(p.reasm) for p in live])
-        worst["unacked"] = max([worst["unacked"]] + [len(p.unacked.bodies) for p in live])
+        worst["peer_held"] = max([worst["peer_held"]] + [len(p.inbound.inbox) + len(p.inbound.reasm) for p in live])
+        worst["unacked"] = max([worst["unacked"]] + [len(p.own.unacked.bodies) for p in live])
 
     sim.step_time = watched
     for r in range(W):

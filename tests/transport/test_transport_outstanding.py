@@ -1,11 +1,11 @@
 """Outstanding sends: kept until acknowledged, re-sent with exponential backoff, RTO from RFC 6298 with
-Karn's rule (transport/protocol/outstanding.py)."""
+Karn's rule (transport/protocol/peer/outstanding.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gradshare.transport.protocol.outstanding import MAX_RTO, Outstanding
+from gradshare.transport.protocol.peer.outstanding import MAX_RTO, Outstanding
 
 
 def test_rto_follows_rfc6298_and_stays_within_bounds():

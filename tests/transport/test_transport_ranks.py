@@ -1,10 +1,10 @@
-"""The relay's rank table alone (transport/protocol/ranks.py): who gets updates, who gets STATUS, and the floor
+"""The relay's rank table alone (transport/protocol/relay/ranks.py): who gets updates, who gets STATUS, and the floor
 below which no one needs the history."""
 
 from __future__ import annotations
 
 from gradshare.transport.protocol import events as ev
-from gradshare.transport.protocol.ranks import RankTable
+from gradshare.transport.protocol.relay.ranks import RankTable
 from gradshare.transport.protocol.states import RankTrigger
 
 

@@ -12,7 +12,7 @@ from gradshare.transport.protocol import events as ev
 from gradshare.transport.sockets import peer, relay
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
-from gradshare.transport.protocol.peer_core import PeerCore
+from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, drive
 
 # the cores' read-only properties, the only attribute reads a shell makes that are not method calls
@@ -45,7 +45,7 @@ def test_a_welcome_for_another_job_is_a_rejected_event():
                          attempt=0, datagram_size=wire.DEFAULT_DATAGRAM_SIZE, max_chunks=16, max_windows=4)
     p.receive_datagram(relay_chan.seal_control(ev.Welcome(101, 2, 0, -1)), "relay", 0.01)
     (e,) = _events(p)
-    assert isinstance(e, ev.Rejected) and "n_params=101" in e.reason and e.reason == p.error
+    assert isinstance(e, ev.Rejected) and "n_params=101" in e.reason and e.reason == p.io.error
     with pytest.raises(LocalProtocolError, match="n_params=101"):
         p.send_update(0, b"", None, 0.02)
 
@@ -60,7 +60,7 @@ def test_a_rank_declared_gone_hears_it_once_as_a_rejected_event():
     sim.silent.add(1)
     drive(sim, lambda: sim.relay.c["gone"] == 1)
     sim.silent.discard(1)                       # it comes back and hears STATUS pages saying it is gone
-    drive(sim, lambda: sim.peers[1].error is not None)
+    drive(sim, lambda: sim.peers[1].io.error is not None)
     for _ in range(50):
         sim.step_time()
     rejected = [e for e in _events(sim.peers[1]) if isinstance(e, ev.Rejected)]

@@ -1,4 +1,4 @@
-"""The relay's snapshot serving alone (transport/protocol/snapshots.py): shared copies, bounded memory, pacing,
+"""The relay's snapshot serving alone (transport/protocol/relay/snapshots.py): shared copies, bounded memory, pacing,
 NAK repair, abandoned and idle transfers."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradshare.hashing import param_hash
-from gradshare.transport.protocol.snapshots import SnapshotServer
+from gradshare.transport.protocol.relay.snapshots import SnapshotServer
 
 
 def _server(**kw) -> SnapshotServer:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gradshare.errors import LocalProtocolError
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.ranks import RankState
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.ranks import RankState
 from gradshare.transport.protocol.states import (PEER_TRANSITIONS, RANK_TRANSITIONS, PeerState, PeerTrigger, RankStatus,
                                         RankTrigger, transition)
 

@@ -30,7 +30,7 @@ def test_page_bounds_are_checked_in_the_constructor():
 def test_a_worst_case_page_fits_one_datagram(datagram_size):
     """The relay's page size for this datagram size, every rank ended at the largest step: still fits."""
     relay, _ = joined_cores(2, 10, b"k" * 32, 1, datagram_size=datagram_size)
-    n = relay.status_ranks
+    n = relay.pages.ranks_per_page
     big = ev.MAX_STEP
     page = ev.Status(big, big, ev.MAX_WORLD_SIZE, ev.MAX_WORLD_SIZE - n, (big,) * n,
                      tuple(ev.Ended(ev.MAX_WORLD_SIZE - n + i, big, True) for i in range(n)))
@@ -47,7 +47,7 @@ def test_ranks_in_several_pages_join_exchange_and_end_on_a_lossy_link():
     page that finishes early is cut at its last step by every peer (that page's STATUS tells them)."""
     W = 45
     sim = Sim(world_size=W, n_params=300, seed=3, loss=0.02, dup=0.01, max_delay=0.002, datagram_size=400)
-    assert sim.relay.status_pages == 3
+    assert sim.relay.pages.n_pages == 3
     for r in range(W):
         sim.add_peer(r)
     sim.run(2, entries=(1, 3), last_step={W - 1: 0})
@@ -63,8 +63,8 @@ def test_every_heartbeat_gets_one_page_and_the_pages_take_turns():
     W = 200
     relay, peers = joined_cores(W, 10, b"k" * 32, 1)
     relay.datagrams_to_send()
-    pages = relay.status_pages
-    assert pages == -(-W // relay.status_ranks) and pages > 1
+    pages = relay.pages.n_pages
+    assert pages == -(-W // relay.pages.ranks_per_page) and pages > 1
     seen = []
     for i in range(pages):
         p = peers[5]
@@ -80,7 +80,7 @@ def test_every_heartbeat_gets_one_page_and_the_pages_take_turns():
             p.receive_datagram(data, "relay", 1.0 + i)
         assert len(statuses) == 1 and all(a == 5 for _, a in out)
         seen.append(statuses[0].first_rank)
-    assert sorted(seen) == [k * relay.status_ranks for k in range(pages)]
+    assert sorted(seen) == [k * relay.pages.ranks_per_page for k in range(pages)]
 
 
 def test_heartbeat_traffic_per_peer_does_not_grow_with_n():
@@ -94,8 +94,8 @@ def test_heartbeat_traffic_per_peer_does_not_grow_with_n():
 
 
 def _page_by_hand(relay, page: int) -> ev.Status:
-    start, n = relay.cursor.start_step, relay.status_ranks
-    ranks = list(relay.ranks)[page * n:(page + 1) * n]
+    start, n = relay.att.cursor.start_step, relay.pages.ranks_per_page
+    ranks = list(relay.att.ranks)[page * n:(page + 1) * n]
     return ev.Status(start, relay.complete_through, relay.world_size, page * n,
                      tuple(r.received.contiguous_from(start) - 1 for r in ranks),
                      tuple(r.ended for r in ranks if r.ended is not None))
@@ -109,10 +109,10 @@ def test_a_kept_page_is_served_until_what_it_shows_changes():
     W = 200
     relay, peers = joined_cores(W, 10, b"k" * 32, 1)
     relay.datagrams_to_send()
-    n = relay.status_ranks
+    n = relay.pages.ranks_per_page
     empty = encode(np.zeros(10, np.float32), None, 1.0).to_bytes()
-    kept = [relay.status_page(p) for p in range(relay.status_pages)]
-    assert all(relay.status_page(p) is kept[p] for p in range(relay.status_pages))    # nothing changed
+    kept = [relay.status_page(p) for p in range(relay.pages.n_pages)]
+    assert all(relay.status_page(p) is kept[p] for p in range(relay.pages.n_pages))    # nothing changed
 
     def send(rank: int, step: int) -> None:
         peers[rank].send_update(step, empty, None, 0.1)
@@ -131,5 +131,5 @@ def test_a_kept_page_is_served_until_what_it_shows_changes():
             send(r, 0)
     relay.apply_pending()
     assert relay.complete_through == 0
-    assert all(relay.status_page(p) == _page_by_hand(relay, p) for p in range(relay.status_pages))
+    assert all(relay.status_page(p) == _page_by_hand(relay, p) for p in range(relay.pages.n_pages))
     assert relay.status_page(2).complete_through == 0

@@ -57,9 +57,9 @@ def test_relay_trims_once_per_rise_of_the_floor():
     assert relay.att.history.examined == kept and relay.c["history_evicted"] == 0
     # the last heartbeats may have raised the floor since the last timer: one trim catches up, at the same
     # cost of one look per dropped key
-    relay.trim_history()
+    relay.log.trim(relay.att)
     assert relay.att.history.examined == len(sim.sent) - len(relay.att.history)
     before = relay.att.history.examined
     for _ in range(1000):                            # heartbeats that move nothing trim nothing
-        relay.trim_history()
+        relay.log.trim(relay.att)
     assert relay.att.history.examined == before

@@ -29,7 +29,7 @@ def _not_negative(obj: object, *names: str) -> None:
 
 @dataclass(frozen=True)
 class RelayTuning:
-    """The relay core's tunables (their use: relay_core.py and the modules it names)."""
+    """The relay core's tunables (their use: relay/core.py and the modules it names)."""
 
     liveness_timeout: float = 30.0      # s of silence after which a rank is suspected
     history_entries: int = 1 << 16      # the forwarded updates kept for NAK repair (history.py)
@@ -39,11 +39,11 @@ class RelayTuning:
     max_ahead: int = 4096               # steps a rank may run ahead of its own contiguous prefix
     nak_delay: float = 0.004            # s a chunk may be late before it is NAKed (the reorder allowance)
     tick: float = 0.002                 # s between timer runs while a NAK or pacing may be due
-    snapshot_rate: float = 50e6         # bytes/s of snapshot chunks (snapshots.py)
+    snapshot_rate: float = 50e6         # bytes/s of snapshot chunks (relay/snapshots.py)
     snapshot_burst: int = 1 << 20       # bytes of snapshot one tick may send, however late it is
     snapshot_datagram_size: int | None = None   # None: the datagram size of updates
     max_snapshots: int = 2              # snapshot copies held at once
-    on_rank_loss: str = "wait"          # ON_RANK_LOSS: what a suspected rank leads to (relay_liveness.py)
+    on_rank_loss: str = "wait"          # ON_RANK_LOSS: what a suspected rank leads to (relay/liveness.py)
     give_up_after: float = 60.0         # "wait": s of silence before a fatal incident
     join_window: float | None = None    # s a rank not heard in an attempt has from its start (None: liveness_timeout)
     step_timeout: float | None = None   # s in the same computing step before a fatal "stuck" incident
@@ -73,10 +73,10 @@ class RelayTuning:
 
 @dataclass(frozen=True)
 class PeerTuning:
-    """A peer core's tunables (their use: peer_core.py)."""
+    """A peer core's tunables (their use: peer/core.py)."""
 
     heartbeat_interval: float = 0.05    # s between heartbeats (and LOADING, and FAIL resends)
-    rto: float = 0.2                    # the retransmit timeout's floor (outstanding.py: RFC 6298 above it)
+    rto: float = 0.2                    # the retransmit timeout's floor (peer/outstanding.py: RFC 6298 above it)
     nak_delay: float = 0.004            # s a forwarded chunk may be late before it is NAKed
     nak_interval: float = 0.05          # s between NAKs of one key before the first RTT sample
     tick: float = 0.002                 # s between timer runs while a NAK may be due

@@ -21,19 +21,18 @@ from numpy.typing import NDArray
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.sockets import quiet_gc, udp
-from gradshare.transport.protocol.relay_core import RelayCore
-from gradshare.transport.protocol.relay_liveness import MAX_INCIDENTS
+from gradshare.transport.protocol.relay.core import RelayCore
+from gradshare.transport.protocol.relay.liveness import MAX_INCIDENTS
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
 
-    # the encoding package loads Numba: the transport imports it where used (relay_core.py, its seam)
+    # the encoding package loads Numba: the transport imports it where used (relay/core.py, its seam)
     from gradshare.encoding.aggregate import AggregateState
-    from gradshare.transport.protocol.observer import LogObserver
-    from gradshare.transport.protocol.relay_attempt import Decoded
-    from gradshare.transport.protocol.tallies import RollbackPoint
+    from gradshare.transport.protocol.relay.observer import LogObserver
+    from gradshare.transport.protocol.relay.attempt import Decoded
 
 
 class RelayPlugins(TypedDict, total=False):
@@ -42,7 +41,6 @@ class RelayPlugins(TypedDict, total=False):
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
     apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None
-    rollback: Callable[[int], RollbackPoint | None] | None
     observer: LogObserver | None
     aggregator: AggregateState | None
 
@@ -59,7 +57,7 @@ class Relay:
                  insecure: bool = False, tuning: RelayTuning = RelayTuning(),
                  **plugins: Unpack[RelayPlugins]) -> None:
         """tuning: the core's tunables (tuning.RelayTuning); plugins: RelayCore's update codec, training
-        observer (or rollback) and aggregator, handed on unchanged. The shell applies after sending
+        observer and aggregator, handed on unchanged. The shell applies after sending
         (RelayCore's defer_apply)."""
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
@@ -274,19 +272,19 @@ class Relay:
             self._core.inherit_notes(notes)
 
     def notes_at(self, step: int) -> tuple[tuple[str, float], ...]:
-        """Rank 0's epoch-end state as the log holds it through `step` (tallies.AttemptNotes): what a job
-        that starts after it inherits; () without the default observer."""
+        """Rank 0's epoch-end state as the log holds it through `step` (the observer's): what a job
+        that starts after it inherits; () without a training observer."""
         with self._lock:
             return self._core.notes_at(step)
 
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
-        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
+        """(rank, epoch) -> what the applied log says about it (the observer's; {} without one)."""
         with self._lock:
             return self._core.epoch_tallies()
 
     def rolled_back(self) -> list[dict[str, int]]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
-        "to": the checkpoint's step} (the training observer's rollback, tallies.TrainingLog)."""
+        "to": the checkpoint's step} (the training observer's rollback, gradshare/tallies.py TrainingLog)."""
         with self._lock:
             return list(self._rolled_back)
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradshare.transport.protocol.events import Address
-from gradshare.transport.protocol.peer_core import PeerCore
-from gradshare.transport.protocol.relay_core import RelayCore
+from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.sockets.relay import RelayPlugins

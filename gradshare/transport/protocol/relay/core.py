@@ -4,29 +4,29 @@
 ``receive_datagram(data, addr, now)`` consumes one datagram; ``datagrams_to_send()`` returns
 ``[(bytes, addr)]``; ``next_event()`` returns events; ``next_timer()``/``handle_timer(now)`` drive time.
 No sockets, threads or clocks here: the shell in ``sockets/relay.py`` moves bytes and passes ``now``, and
-learns what happened from ``next_event()``. The core dispatches each datagram and owns its parts, each
-in its own module:
+learns what happened from ``next_event()``. The core dispatches each datagram and composes its parts,
+each owning its state in its own module; the current ``Attempt`` is handed to them in each call:
 
-- the attempt (``relay_attempt.Attempt``): the rank table and each rank's lifecycle (``ranks.py``,
-  ``states.py``), the log cursor, the bounded history trimmed in step order (``history.py``), reassembly.
-  The relay admits ranks 0..W-1 of the current attempt (JOIN → WELCOME with n_params/world_size/
-  start_step); a higher attempt cuts the log at ``complete_through`` (or where the training observer's
-  rollback says) and restarts it after the cut, from a fresh Attempt;
-- the update log (``relay_log.RelayLog``): intake, forwarding, NAK repair, ends, apply, aggregation;
-- liveness (``relay_liveness.Liveness``): suspicion, the ``on_rank_loss`` policy, the incidents;
-- the STATUS pages (``relay_status.StatusPages``);
+- the attempt (``attempt.py Attempt``): the rank table and each rank's lifecycle (``ranks.py``,
+  ``states.py``), the log cursor, the bounded history trimmed in step order (``history.py``), reassembly;
+- admission (``admission.py Admission``): JOIN → WELCOME with n_params/world_size/start_step for ranks
+  0..W-1 of the current attempt; a higher attempt cuts the log at ``complete_through`` (or where the
+  training observer's rollback says) and restarts it after the cut, from a fresh Attempt; FAIL;
+- the update log (``log.py RelayLog``): intake, forwarding, NAK repair, ends, apply, aggregation;
+- liveness (``liveness.py Liveness``): suspicion, the ``on_rank_loss`` policy, the incidents;
+- the STATUS pages (``status.py StatusPages``);
 - snapshot serving (``snapshots.py``): parameters + step as a paced, NAK-repaired chunk stream;
-- the training bookkeeping (``observer.LogObserver``; by default ``tallies.TrainingLog``): per-(rank,
-  epoch) tallies, rank 0's stop notes, the rollback to checkpoints;
-- records FAIL (a rank's deterministic error, joined or not) and acknowledges it: the driver stops the
-  job on it.
+- what they all hand the shell (``outbox.py RelayOutbox``): datagrams, events, counters;
+- the training bookkeeping (``observer.LogObserver``, the trainer's; ``observer.NullObserver`` by
+  default, which keeps nothing): per-(rank, epoch) tallies, rank 0's stop notes, the rollback to
+  checkpoints;
 
 Its tunables are one frozen ``RelayTuning`` (tuning.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -37,15 +37,15 @@ from gradshare.hashing import param_hash
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
-from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.observer import LogObserver
-from gradshare.transport.protocol.ranks import RankState, RankTable
-from gradshare.transport.protocol.relay_attempt import Attempt, Decoded, on_join, on_loading
-from gradshare.transport.protocol.relay_liveness import Liveness
-from gradshare.transport.protocol.relay_log import Chunk, RelayLog
-from gradshare.transport.protocol.relay_status import StatusPages
-from gradshare.transport.protocol.snapshots import SnapshotServer, Transfer
-from gradshare.transport.protocol.tallies import AttemptNotes, EpochTally, RollbackPoint, TrainingLog
+from gradshare.transport.protocol.relay.admission import Admission
+from gradshare.transport.protocol.relay.attempt import Attempt, Decoded
+from gradshare.transport.protocol.relay.liveness import Liveness
+from gradshare.transport.protocol.relay.log import Chunk, Codec, RelayLog
+from gradshare.transport.protocol.relay.observer import LogObserver, Notes, NullObserver
+from gradshare.transport.protocol.relay.outbox import RelayOutbox
+from gradshare.transport.protocol.relay.ranks import RankState
+from gradshare.transport.protocol.relay.snapshots import SnapshotServer
+from gradshare.transport.protocol.relay.status import StatusPages
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import RELAY_ID, Kind
 
@@ -78,11 +78,10 @@ class RelayCore:
                  decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
                  apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
                  apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None = None,
-                 rollback: Callable[[int], RollbackPoint | None] | None = None,
                  observer: LogObserver | None = None, aggregator: AggregateState | None = None,
                  defer_apply: bool = False) -> None:
-        """rollback: the default observer's (tallies.TrainingLog): where a new attempt restarts the log.
-        observer: the training bookkeeping (observer.LogObserver); None: a TrainingLog with `rollback`.
+        """observer: the training bookkeeping (observer.LogObserver; None: a NullObserver, which keeps
+        nothing and restarts a new attempt's log right after complete_through).
         apply_step: applies one whole step's decoded messages (rank order) at once, in place of
         apply_update per message (a step cap scales by the step's sum: encoding/step_cap.py).
         aggregator: forwarding="aggregate"'s state (None: a default one). defer_apply: receive_datagram
@@ -97,7 +96,6 @@ class RelayCore:
         if not isinstance(tuning, RelayTuning):
             raise ValueError(f"tuning must be a RelayTuning (got {type(tuning).__name__})")
         self.tuning = tuning
-        self.forwarding = tuning.forwarding
         # "aggregate": ranks' messages are not forwarded; once a step's row is complete the relay sends ONE
         # message re-encoded from its own residual (encoding/aggregate.py) to every peer, under origin
         # AGGREGATE_ORIGIN, and applies only that one itself
@@ -105,144 +103,80 @@ class RelayCore:
             from gradshare.encoding.aggregate import AggregateState
 
             aggregator = AggregateState(int(params.size))
-        self.aggregator = aggregator if tuning.forwarding == "aggregate" else None
-        self.c: Counter[str] = Counter()                # counters (drops live in chan.drops)
-        self.observer: LogObserver = observer if observer is not None else TrainingLog(rollback, self.c)
-        self.rolled_back: list[dict[str, int]] = []      # one entry per rollback: the attempt and the step
+        self.observer: LogObserver = observer if observer is not None else NullObserver()
         self.params: NDArray[np.float32] = np.array(params, dtype=np.float32, copy=True)
         self.n_params = int(params.size)
         self.world_size = world_size
-        self.decode_update = decode_update
-        self.apply_update = apply_update
-        self.apply_step = apply_step
-        self.defer_apply = defer_apply
         # the largest message an update can be: a dense float32 vector plus framing (encoder forms are smaller)
         self.max_message = 8 * self.n_params + 65536
         self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=RELAY_ID,
                             attempt=0, datagram_size=datagram_size,
                             max_chunks=max(16, -(-self.max_message // 64)), max_windows=4 * world_size + 8)
+        self.io = RelayOutbox(self.chan)
+        self.c: Counter[str] = self.io.c               # counters (drops live in chan.drops)
         self.pages = StatusPages(world_size, self.chan.chunk_bytes)
         # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
         # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
         # datagram from the relay up to wire.MAX_DATAGRAM_SIZE
         snap_size = wire.check_datagram_size(tuning.snapshot_datagram_size or datagram_size)
         snap_chunk = self.chan.chunk_bytes + snap_size - datagram_size
-        self.snap_chunk_bytes = snap_chunk - snap_chunk % 4
         # snapshot serving (snapshots.py): paced at snapshot_rate, at most snapshot_burst bytes a tick
         # however late the tick (a burst must fit the receivers' socket buffers: the shell caps it from its
         # own, sockets/relay.py); a transfer idle for max(10 s, liveness_timeout) is dropped
-        self.snaps = SnapshotServer(self.snap_chunk_bytes, tuning.snapshot_rate, tuning.snapshot_burst,
+        self.snaps = SnapshotServer(snap_chunk - snap_chunk % 4, tuning.snapshot_rate, tuning.snapshot_burst,
                                     tuning.max_snapshots, max(10.0, float(tuning.liveness_timeout)))
-        self.log = RelayLog(self, -(-self.max_message // self.chan.chunk_bytes), snap_chunk)
-        self.liveness = Liveness(self)
+        self.liveness = Liveness(tuning, self.io)
+        self.log = RelayLog(tuning, self.params, Codec(decode_update, apply_update, apply_step),
+                            aggregator if tuning.forwarding == "aggregate" else None, self.observer, self.io,
+                            self.pages, self.liveness, -(-self.max_message // self.chan.chunk_bytes), snap_chunk,
+                            defer_apply)
+        self.log.last_now = now
+        self.admission = Admission(world_size, self.n_params, self.log.aggregator is not None, self.max_message,
+                                   tuning, self.observer, self.io, self.pages, self.liveness)
         self.att = Attempt(-1, None, 0, (), world_size, tuning, self.max_message, now)   # no attempt yet
-        self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
-        self.out: list[tuple[bytes, ev.Address]] = []    # datagrams for the shell to send
-        self._events: deque[ev.RelayEvent] = deque()
-        self._apply_due = False
         self._trim_due = False
         self._last_tick = now
-        self.last_now = now                   # the latest datagram's time: aggregates are sent "now"
-
-    # --- the current attempt's parts, read-only ------------------------------------------------------
-    @property
-    def attempt(self) -> int:
-        return self.att.number
-
-    @property
-    def attempt_notes(self) -> tuple[tuple[str, float], ...]:
-        """What this attempt's WELCOME hands over."""
-        return self.att.notes
-
-    @property
-    def cursor(self) -> LogCursor:
-        return self.att.cursor
-
-    @property
-    def ranks(self) -> RankTable:
-        return self.att.ranks
-
-    @property
-    def incidents(self) -> list[ev.Incident]:
-        """The first MAX_INCIDENTS incidents, in order (relay_liveness.py)."""
-        return self.liveness.incidents
-
-    @property
-    def status_ranks(self) -> int:
-        """How many ranks one STATUS page holds."""
-        return self.pages.ranks_per_page
-
-    @property
-    def status_pages(self) -> int:
-        return self.pages.n_pages
-
-    @property
-    def epochs(self) -> dict[tuple[int, int], EpochTally]:
-        """The default observer's per-(rank, epoch) tallies (tallies.TrainingLog.epochs); {} for another."""
-        return self.observer.epochs if isinstance(self.observer, TrainingLog) else {}
-
-    @property
-    def notes(self) -> AttemptNotes | None:
-        """The default observer's AttemptNotes (tallies.TrainingLog.notes); None for another."""
-        return self.observer.notes if isinstance(self.observer, TrainingLog) else None
 
     # --- public surface of the core ----------------------------------------------------------------
     @property
     def complete_through(self) -> int:
         return self.att.cursor.complete_through
 
-    @property
-    def transfers(self) -> dict[int, Transfer]:
-        """rank -> its snapshot transfer in flight."""
-        return self.snaps.transfers
-
-    @property
-    def drops(self) -> Counter[str]:
-        return self.chan.drops
-
     def datagrams_to_send(self) -> list[tuple[bytes, ev.Address]]:
         if self.att.acks:
-            self._flush_acks()
-        if not self.out:
-            return []                  # the common case: the shell asks after every datagram it feeds in
-        out, self.out = self.out, []
-        self.c["datagrams_out"] += len(out)
-        self.c["bytes_out"] += sum(len(data) for data, _ in out)
-        return out
+            self.log.flush_acks(self.att)
+        return self.io.take()
 
     def next_event(self) -> ev.RelayEvent | None:
-        return self._events.popleft() if self._events else None
+        return self.io.events.popleft() if self.io.events else None
 
     def next_timer(self) -> float:
         # tick only while something may need a NAK or pacing; otherwise 10 Hz is enough for liveness and
         # housekeeping (a fixed 2 ms tick cost the driver ~4 % of a core for the whole fit)
-        busy = self.transfers or len(self.att.reasm)
+        busy = self.snaps.transfers or len(self.att.reasm)
         return self._last_tick + (self.tuning.tick if busy else 0.1)
 
     def finished(self) -> bool:
-        return self.att.cursor.finished() and not self._apply_due
-
-    @property
-    def has_work(self) -> bool:
-        """The last datagram left something for the shell: datagrams to send, an apply, an event."""
-        return bool(self.out or self.att.acks or self._apply_due or self._events)
+        return self.att.cursor.finished() and not self.log.apply_due
 
     @property
     def apply_due(self) -> bool:
         """An update completed since the last apply_pending() (with defer_apply: the shell's cue)."""
-        return self._apply_due
+        return self.log.apply_due
 
     def counters(self) -> ev.Counters:
         d: ev.Counters = dict.fromkeys(
                           ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
                            "updates_in", "update_datagrams", "applied", "naks_sent", "aggregates"), 0)
         d.update(self.c)
+        d.update(self.observer.counters())
         d["drops"] = dict(self.chan.drops)
-        d["peers"] = len(self.ranks.connected())
-        d["ended"] = sum(1 for r in self.ranks if r.ended is not None)
-        d["last_step"] = max(self.ranks.have(self.cursor.start_step), default=-1)
+        ranks = self.att.ranks
+        d["peers"] = len(ranks.connected())
+        d["ended"] = sum(1 for r in ranks if r.ended is not None)
+        d["last_step"] = max(ranks.have(self.att.cursor.start_step), default=-1)
         d["complete_through"] = self.complete_through
-        d["attempt"] = self.attempt
+        d["attempt"] = self.att.number
         d["history_entries"] = len(self.att.history)
         d["history_bytes"] = self.att.history.nbytes
         return d
@@ -254,60 +188,43 @@ class RelayCore:
     def copy_params(self) -> NDArray[np.float32]:
         return self.params.copy()
 
-    def notes_at(self, step: int) -> tuple[tuple[str, float], ...]:
-        """Rank 0's epoch-end state through `step` (AttemptNotes.at); () unless the default observer."""
-        return () if self.notes is None else self.notes.at(step)
+    def notes_at(self, step: int) -> Notes:
+        """Rank 0's epoch-end state through `step`, as the observer keeps it (() by default)."""
+        return self.observer.notes_at(step)
 
-    def inherit_notes(self, notes: tuple[tuple[str, float], ...]) -> None:
+    def inherit_notes(self, notes: Notes) -> None:
         """Before the first attempt: `notes` as if the log held them before its first step (WELCOME's)."""
-        if notes and self.notes is not None:
-            self.notes.entries.append((-1, dict(notes)))
+        self.observer.inherit(notes)
 
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
-        """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict); {} unless the observer
-        is the default TrainingLog."""
-        return self.observer.epoch_tallies() if isinstance(self.observer, TrainingLog) else {}
+        """(rank, epoch) -> what the applied log says about it, as the observer keeps it ({} by default)."""
+        return self.observer.epoch_tallies()
 
     def cap_snapshot_burst(self, nbytes: int) -> None:
         """A pacing tick sends at most ``nbytes`` of snapshot (the shell knows the socket buffers)."""
         self.snaps.cap_burst(nbytes)
 
     def progress(self) -> dict[str, object]:
-        start = self.cursor.start_step
+        start = self.att.cursor.start_step
         return {
             "complete_through": self.complete_through,
-            "attempt": self.attempt,
+            "attempt": self.att.number,
             "start_step": start,
             "ranks": {r.rank: {"joined": r.joined, "have": r.received.contiguous_from(start) - 1,
                                "ended": None if r.ended is None else
                                {"last_step": r.ended.last_step, "gone": r.ended.gone},
                                "updates_in": r.updates_in, "bytes_in": r.bytes_in,
                                "meta": None if r.meta is None else r.meta.to_wire()}
-                      for r in self.ranks},
+                      for r in self.att.ranks},
         }
 
     def status_page(self, page: int) -> ev.Status:
-        """STATUS page ``page`` as the relay would send it now (relay_status.py)."""
-        return self.pages.page(page, self.attempt, self.cursor, self.ranks)
-
-    def owed_step(self, rs: RankState) -> int:
-        """The step of this rank the log waits for next."""
-        return rs.received.contiguous_from(self.cursor.start_step)
+        """STATUS page ``page`` as the relay would send it now (relay/status.py)."""
+        return self.pages.page(page, self.att.number, self.att.cursor, self.att.ranks)
 
     def all_left(self) -> bool:
         """Every rank said LEAVE (after FINISHED, its last acknowledgements received)."""
-        return all(r.left for r in self.ranks)
-
-    def first_cause(self) -> ev.Incident | None:
-        return ev.first_cause(self.incidents)
-
-    def fatal_incident(self) -> ev.Incident | None:
-        return ev.first_fatal(self.incidents)
-
-    def trim_history(self) -> None:
-        """Forget the forwarded updates every peer still in the job has delivered (relay_log.RelayLog.trim);
-        the timer does it after heartbeats."""
-        self.log.trim()
+        return all(r.left for r in self.att.ranks)
 
     # --- input ---------------------------------------------------------------------------------------
     def receive_run(self, run: list[bytes], i: int, addr: ev.Address, now: float) -> int:
@@ -322,9 +239,10 @@ class RelayCore:
         while i < len(run):
             data = run[i]
             i += 1
-            if last is None or not self.log.next_chunk(last, data, now):
+            if last is None or not self.log.next_chunk(self.att, last, data, now):
                 last = self._receive(data, addr, now)
-            if self.has_work:
+            # the datagram left something for the shell: datagrams to send, an apply, an event
+            if self.io.datagrams or self.att.acks or self.log.apply_due or self.io.events:
                 break
         return i
 
@@ -342,26 +260,27 @@ class RelayCore:
         if h.sender >= self.world_size:
             self.chan.drops["bad_sender"] += 1
             return None
-        if h.attempt < self.attempt:
+        att = self.att
+        if h.attempt < att.number:
             self.chan.drops["old_attempt"] += 1
             return None
         if h.kind == Kind.FAIL:              # accepted unjoined: a rank may fail before it could join
             body = self.chan.open(h, data)
             if body is not None:
-                self._on_fail(h, body, addr)
+                self.admission.on_fail(h, body, addr)
             return None
-        if h.kind not in (Kind.JOIN, Kind.LOADING) and h.attempt != self.attempt:
+        if h.kind not in (Kind.JOIN, Kind.LOADING) and h.attempt != att.number:
             self.chan.drops["unknown_attempt"] += 1
             return None
         body = self.chan.open(h, data)
         if body is None:
             return None
-        rs = self.ranks[h.sender] if h.attempt == self.attempt else None
+        rs = att.ranks[h.sender] if h.attempt == att.number else None
         if h.kind == Kind.JOIN:
-            on_join(self, h, body, addr, now)
+            self.admission.on_join(att, h, body, addr, now, self._start_attempt)
             return None
         if h.kind == Kind.LOADING:
-            on_loading(self, h, body, now)
+            self.admission.on_loading(att, h, body, now, self._start_attempt)
             return None
         if rs is None or not rs.joined or rs.session != h.session:
             self.chan.drops["not_joined"] += 1
@@ -369,10 +288,10 @@ class RelayCore:
         if rs.left:
             self.chan.drops["after_leave"] += 1
             return None
-        self.liveness.heard(rs, now)
+        self.liveness.heard(att, rs, now)
         rs.addr = addr                         # authenticated: follow a NAT rebinding
         if h.kind == Kind.UPDATE:
-            if self.log.on_update_chunk(rs, h, body, data, now):
+            if self.log.on_update_chunk(att, rs, h, body, data, now):
                 return Chunk(wire.header_key(data), rs, h.session, h.step, h.count)
             return None
         msg = self.chan.control(h.kind, body)
@@ -384,21 +303,30 @@ class RelayCore:
         if isinstance(msg, ev.Heartbeat):
             rs.delivered_through = max(rs.delivered_through, msg.delivered_through)
             rs.sent_through = max(rs.sent_through, msg.sent_through)
-            if msg.computing != rs.computing:
-                rs.computing, rs.computing_since = msg.computing, now
-            # one STATUS page per heartbeat, the pages in turn (relay_status.py)
-            self.send(rs, self.status_page(self.pages.next_turn(rs.rank)))
+            presence = rs.presence
+            if msg.computing != presence.computing:
+                presence.computing, presence.computing_since = msg.computing, now
+            # one STATUS page per heartbeat, the pages in turn (relay/status.py)
+            self.io.send(rs, self.status_page(self.pages.next_turn(rs.rank)))
             # trim on the next timer, not per heartbeat: a trim scans every rank, and N ranks each
             # heartbeating made that O(N²) per second
             self._trim_due = True
         elif isinstance(msg, ev.Nak):
-            self.log.on_nak(rs, msg, now)
+            self.log.on_nak(self.att, rs, msg, now)
         elif isinstance(msg, ev.Finished):
-            self.log.on_finished(rs, msg.last_step)
+            self.log.on_finished(self.att, rs, msg.last_step)
         elif isinstance(msg, ev.Leave):
-            self.log.on_leave(rs)
+            self.log.on_leave(self.att, rs)
         elif isinstance(msg, ev.SnapRequest):
-            self._on_snap_request(rs, now)
+            self.apply_pending()               # a snapshot is the log applied through complete_through
+            new = rs.rank not in self.snaps.transfers
+            t = self.snaps.request(rs.rank, self.complete_through, self.params, now)
+            if t is None:
+                self.chan.drops["snapshot_busy"] += 1
+                return
+            if new:
+                self.c["snapshots"] += 1
+            self.io.send(rs, t.info())
         elif isinstance(msg, ev.SnapNak):
             if not self.snaps.nak(rs.rank, msg.snap_id, msg.ranges, now):
                 self.chan.drops["stale_snapshot"] += 1
@@ -407,88 +335,44 @@ class RelayCore:
         else:
             self.chan.drops["unexpected_kind"] += 1
 
-    def _on_fail(self, h: wire.Header, body: bytes, addr: ev.Address) -> None:
-        """Record a rank's failure, fatal or not (one per rank: ``failures`` stays bounded) and
-        acknowledge it; the FAIL is retransmitted until acknowledged, so duplicates are normal."""
-        msg = self.chan.control(Kind.FAIL, body)
-        if msg is None:
-            return
-        if msg.rank != h.sender or msg.attempt != h.attempt:
-            self.chan.drops["bad_fail"] += 1
-            return
-        known = self.failures.get(msg.rank)
-        if known is None or known.attempt != msg.attempt:
-            self.failures[msg.rank] = msg
-            self.c["failures"] += 1
-            self._events.append(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message, msg.step,
-                                              msg.fatal, msg.error_class, msg.cause))
-        self.send_to(addr, ev.FailAck(msg.rank, msg.attempt))
+    def _start_attempt(self, number: int, now: float) -> Attempt:
+        """A retried stage: cut the log at complete_through (admission.py) and start attempt ``number``."""
+        self.apply_pending()               # complete_through must be current before it becomes the cut
+        self.att = self.admission.new_attempt(number, now, self.complete_through, self.params)
+        self.chan.attempt = number
+        self.snaps.clear()
+        return self.att
 
-    # --- snapshots -----------------------------------------------------------------------------------
-    def _on_snap_request(self, rs: RankState, now: float) -> None:
-        self.apply_pending()
-        new = rs.rank not in self.snaps.transfers
-        t = self.snaps.request(rs.rank, self.complete_through, self.params, now)
-        if t is None:
-            self.chan.drops["snapshot_busy"] += 1
-            return
-        if new:
-            self.c["snapshots"] += 1
-        self.send(rs, t.info())
-
+    # --- snapshots and timers ------------------------------------------------------------------------
     def _pace(self, now: float) -> None:
+        ranks = self.att.ranks
+
         def abandoned(rank: int) -> bool:
-            return self.ranks[rank].left or self.ranks[rank].ended is not None
+            return ranks[rank].left or ranks[rank].ended is not None
 
         for rank, t, i in self.snaps.pace(now, self._last_tick, abandoned):
             sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
-            self.out.append((sealed, self.ranks[rank].addr))
+            self.io.datagrams.append((sealed, ranks[rank].addr))
             self.c["snapshot_chunks"] += 1
             self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
 
-    # --- apply and timers ----------------------------------------------------------------------------
-    def request_apply(self) -> None:
-        self._apply_due = True
-        if not self.defer_apply:
-            self.apply_pending()
-
     def apply_pending(self) -> None:
         """Apply every update whose turn has come (called inline unless ``defer_apply``)."""
-        if self._apply_due:
-            self._apply_due = False
-            self.log.advance()
+        self.log.apply_pending(self.att)
 
     def handle_timer(self, now: float) -> None:
-        self.last_now = now
+        att = self.att
+        self.log.last_now = now
         self.apply_pending()
         if self._trim_due:
             self._trim_due = False
-            self.log.trim()
+            self.log.trim(att)
         self._pace(now)
         self._last_tick = now
-        self.log.forget_recent(now)
-        self.log.nak_partials(now)
-        self.att.reasm.expire(now, max(30.0, self.liveness.liveness_timeout))
-        self.liveness.check(now)
-
-    # --- output --------------------------------------------------------------------------------------
-    def emit(self, event: ev.RelayEvent) -> None:
-        self._events.append(event)
-
-    def send(self, rs: RankState, msg: ev.ControlMessage) -> None:
-        if rs.addr is not None:
-            self.out.append((self.chan.seal_control(msg), rs.addr))
-
-    def send_to(self, addr: ev.Address, msg: ev.ControlMessage) -> None:
-        self.out.append((self.chan.seal_control(msg), addr))
-
-    def _flush_acks(self) -> None:
-        for rank, steps in self.att.acks.items():
-            rs = self.ranks[rank]
-            uniq = sorted(set(steps))
-            for i in range(0, len(uniq), ev.MAX_NAK_ITEMS):
-                self.send(rs, ev.Ack(tuple(uniq[i:i + ev.MAX_NAK_ITEMS])))
-        self.att.acks.clear()
+        self.log.forget_recent(att, now)
+        self.log.nak_partials(att, now)
+        att.reasm.expire(now, max(30.0, self.liveness.liveness_timeout))
+        self.liveness.check(att, now, self.log.declare_gone)
 
 
-__all__ = ["RelayCore", "RelayTuning", "RollbackPoint", "default_apply_update", "default_decode_update"]
+__all__ = ["RelayCore", "RelayTuning", "default_apply_update", "default_decode_update"]

@@ -1,5 +1,5 @@
 """The relay's snapshot serving: the authoritative parameters and their step as a paced, NAK-repaired
-chunk stream, one transfer per asking rank (out of relay_core, with its own tests).
+chunk stream, one transfer per asking rank (out of the relay core, with its own tests).
 
 Sans I/O like the cores: it says which chunks go to which rank; the relay seals and sends them. Memory
 is bounded by ``max_snapshots`` copies of the parameters: ranks asking at the same step share one, and a

@@ -1,11 +1,8 @@
 """A peer's snapshot download, sans I/O: SNAP_REQUEST, the chunks of SNAP_INFO's transfer into a buffer
 (the caller's own, or a new one), NAKs of the gaps, the hash check and SNAP_DONE (relay side:
-snapshots.py)."""
+relay/snapshots.py)."""
 
 from __future__ import annotations
-
-from collections import Counter
-from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -13,25 +10,9 @@ from numpy.typing import NDArray
 from gradshare.hashing import param_hash
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.channel import Channel
+from gradshare.transport.protocol.peer.outbox import PeerOutbox
 from gradshare.transport.protocol.rangeset import RangeSet
 from gradshare.transport.protocol.tuning import PeerTuning
-
-
-class SnapshotCore(Protocol):
-    """What a download uses of its peer: peer_core.PeerCore, which passes itself (a Protocol, so that this
-    module need not import the core that imports it)."""
-
-    n_params: int
-    tuning: PeerTuning
-    chan: Channel
-    c: Counter[str]
-
-    def send(self, msg: ev.ControlMessage) -> None: ...
-
-    def emit(self, event: ev.PeerEvent) -> None: ...
-
-    def fail_with(self, error: str, event: type[ev.Rejected | ev.SnapshotFailed] = ...) -> None: ...
 
 
 class SnapshotDownload:
@@ -50,10 +31,12 @@ class SnapshotDownload:
 
 
 class SnapshotFetch:
-    """Owned by a PeerCore: one download at a time; ``result`` is the last one completed."""
+    """A peer's downloads, one at a time; ``result`` is the last one completed."""
 
-    def __init__(self, core: SnapshotCore) -> None:
-        self.core = core
+    def __init__(self, n_params: int, tuning: PeerTuning, io: PeerOutbox) -> None:
+        self.n_params = n_params
+        self.rto, self.nak_interval = tuning.rto, tuning.nak_interval
+        self.io = io
         self.requested = False
         self.download: SnapshotDownload | None = None
         self.result: tuple[int, NDArray[np.float32]] | None = None
@@ -74,8 +57,8 @@ class SnapshotFetch:
         a fetch after it can overtake it), it removed the transfer the relay had just named to us."""
         self.last_request = now
         if self.done_id is not None:
-            self.core.send(ev.SnapDone(self.done_id))
-        self.core.send(ev.SnapRequest())
+            self.io.send(ev.SnapDone(self.done_id))
+        self.io.send(ev.SnapRequest())
 
     def progress(self) -> tuple[int, int] | None:
         s = self.download
@@ -84,16 +67,16 @@ class SnapshotFetch:
     def on_info(self, msg: ev.SnapInfo, now: float) -> None:
         if not self.requested or (self.download is not None and self.download.info.snap_id == msg.snap_id):
             return
-        n_params = self.core.n_params
+        n_params = self.n_params
         total = n_params * 4
         if (msg.n_params != n_params or msg.n_chunks * msg.chunk_bytes < total
                 or (msg.n_chunks - 1) * msg.chunk_bytes >= total):
-            self.core.chan.drops["bad_snapshot_info"] += 1
+            self.io.chan.drops["bad_snapshot_info"] += 1
             return
         self.download = SnapshotDownload(msg, now, self.into)
 
     def on_chunk(self, h: wire.Header, body: bytes, now: float) -> None:
-        drops = self.core.chan.drops
+        drops = self.io.chan.drops
         s = self.download
         if s is None or h.step != s.info.snap_id or h.count != s.info.n_chunks:
             drops["stale_snapshot"] += 1
@@ -112,11 +95,11 @@ class SnapshotFetch:
             self._complete(s)
 
     def _complete(self, s: SnapshotDownload) -> None:
-        core = self.core
+        io = self.io
         params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
-        core.send(ev.SnapDone(s.info.snap_id))
+        io.send(ev.SnapDone(s.info.snap_id))
         if param_hash(params) != s.info.digest:
-            core.fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
+            io.fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
                            ev.SnapshotFailed)
             return
         self.result = (s.info.step, params)
@@ -124,29 +107,29 @@ class SnapshotFetch:
         self.download = None
         self.requested = False
         self.into = None
-        core.emit(ev.SnapshotReady(s.info.step, params))
+        io.emit(ev.SnapshotReady(s.info.step, params))
 
     def on_timer(self, now: float) -> None:
         if not self.requested:
             return
-        core, tuning, s = self.core, self.core.tuning, self.download
+        io, s = self.io, self.download
         if s is None:
-            if now - self.last_request >= tuning.rto:
+            if now - self.last_request >= self.rto:
                 self.ask(now)
             return
-        if now - s.last_chunk < 2 * tuning.nak_interval:
+        if now - s.last_chunk < 2 * self.nak_interval:
             return
         s.last_chunk = now
-        if now - self.last_request >= tuning.rto:
+        if now - self.last_request >= self.rto:
             # no chunk came: the relay may have dropped the transfer (idle, or a late SNAP_DONE of
             # ours named its id), and it drops NAKs of a transfer it does not hold. A request gets
             # a new one, or the same SNAP_INFO again, which is ignored.
             self.last_request = now
-            core.send(ev.SnapRequest())
+            io.send(ev.SnapRequest())
         gaps = s.got.gaps(0, s.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
         for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
-            core.send(ev.SnapNak(s.info.snap_id, tuple(gaps[i:i + ev.MAX_NAK_ITEMS])))
-        core.c["snapshot_naks"] += 1
+            io.send(ev.SnapNak(s.info.snap_id, tuple(gaps[i:i + ev.MAX_NAK_ITEMS])))
+        io.c["snapshot_naks"] += 1
 
 
-__all__ = ["SnapshotCore", "SnapshotDownload", "SnapshotFetch"]
+__all__ = ["SnapshotDownload", "SnapshotFetch"]

@@ -1,5 +1,5 @@
 """The relay's rank table: what it knows of each rank of the current attempt (out of
-relay_core, with its own tests). A rank's lifecycle is ``status`` (states.RANK_TRANSITIONS); the rest is
+the relay core, with its own tests). A rank's lifecycle is ``status`` (states.RANK_TRANSITIONS); the rest is
 bookkeeping the relay core updates as datagrams arrive: address, session, steps held, liveness, meta.
 """
 
@@ -22,21 +22,36 @@ _FLAGS = {s: (s in JOINED_STATES, s in LEFT_STATES, s in JOINED_STATES and s not
               s in JOINED_STATES and s not in LEFT_STATES and s not in GONE_STATES) for s in RankStatus}
 
 
+class Presence:
+    """What liveness.py's rules know of one rank: when it was last heard, what its training thread computes,
+    and the verdicts they reached about it in this attempt."""
+
+    __slots__ = ("heard", "last_heard", "suspected_since", "computing", "computing_since", "given_up")
+
+    def __init__(self, now: float) -> None:
+        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
+        self.last_heard = now
+        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
+        self.computing = -1                    # the step its heartbeat says the training thread computes
+        self.computing_since = now
+        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
+
+
 class RankState:
     """joined: it joined this attempt (whatever followed); left: it said LEAVE; connected: joined and not
     left (it gets STATUS pages: a rank declared gone learns it from them); live: connected and not
     declared gone (it gets the log's updates). All four follow ``status``, which only ``to()`` changes."""
 
-    __slots__ = ("rank", "addr", "session", "status", "joined", "left", "connected", "live", "last_heard",
+    __slots__ = ("rank", "addr", "session", "status", "joined", "left", "connected", "live", "presence",
                  "received", "ended", "delivered_through", "sent_through", "meta", "bytes_in", "updates_in",
-                 "late", "heard", "suspected_since", "computing", "computing_since", "given_up")
+                 "late")
 
     def __init__(self, rank: int, now: float, nak_delay: float) -> None:
         self.rank = rank
         self.addr: ev.Address | None = None
         self.session: int | None = None
         self._set(RankStatus.WAITING)        # states.RANK_TRANSITIONS: changed only by to()
-        self.last_heard = now
+        self.presence = Presence(now)       # liveness.py's
         self.received = RangeSet()          # steps whose update the relay holds completely
         self.ended: ev.Ended | None = None
         self.delivered_through = -1
@@ -45,11 +60,6 @@ class RankState:
         self.bytes_in = 0
         self.updates_in = 0
         self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
-        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
-        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
-        self.computing = -1                    # the step its heartbeat says the training thread computes
-        self.computing_since = now
-        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
 
     def to(self, trigger: RankTrigger) -> None:
         self._set(transition(RANK_TRANSITIONS, self.status, trigger, f"relay rank {self.rank}"))

@@ -1,19 +1,20 @@
 """What the relay's applied log says beyond the parameters: per-(rank, epoch) sums of the steps' meta
 (``EpochTally``), rank 0's epoch-end state a new attempt inherits (``AttemptNotes``), and the two as the
-relay core's training observer (``TrainingLog``, observer.LogObserver) with the rollback to checkpoints.
-Pure bookkeeping, out of relay_core.
+relay core's training observer (``TrainingLog``, transport/protocol/observer.LogObserver) with the rollback
+to checkpoints. Training bookkeeping, outside the transport (which knows nothing of epochs): the driver and
+the in-job relay (task/relay_host.py) hand one to their relay.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from numpy.typing import NDArray
 
+from gradshare.transport.protocol.relay.observer import Cut, Notes
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.transport.protocol.observer import Cut
 
 MAX_EPOCH_ROWS = 1 << 16
 
@@ -98,12 +99,11 @@ class TrainingLog:
     (counted in the log's epochs) are dropped, and WELCOME's notes add ``("checkpoint", note)``.
     The trainer's reads the last checkpoint (checkpoint.py); it is called under the relay's lock."""
 
-    def __init__(self, rollback: Callable[[int], RollbackPoint | None] | None = None,
-                 counters: Counter[str] | None = None) -> None:
+    def __init__(self, rollback: Callable[[int], RollbackPoint | None] | None = None) -> None:
         self.rollback = rollback
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
-        self.c: Counter[str] = Counter() if counters is None else counters
+        self.c: Counter[str] = Counter()                 # reported with the relay's counters
 
     def applied(self, step: int, rank: int, meta: StepMeta, attempt: int) -> None:
         if meta.epoch is not None:
@@ -127,9 +127,21 @@ class TrainingLog:
             del self.epochs[key]
         return Cut(through, self.notes.at(through) + (("checkpoint", float(note)),), True)
 
+    def inherit(self, notes: Notes) -> None:
+        """Before the first attempt: `notes` as if the log held them before its first step (WELCOME's)."""
+        if notes:
+            self.notes.entries.append((-1, dict(notes)))
+
+    def notes_at(self, step: int) -> Notes:
+        """Rank 0's epoch-end state through `step` (AttemptNotes.at)."""
+        return self.notes.at(step)
+
     def epoch_tallies(self) -> dict[tuple[int, int], dict[str, float | None]]:
         """(rank, epoch) -> what the applied log says about it (EpochTally.as_dict)."""
         return {k: t.as_dict() for k, t in self.epochs.items()}
+
+    def counters(self) -> Mapping[str, int]:
+        return self.c
 
     def _tally(self, rank: int, epoch: int, meta: StepMeta, attempt: int) -> None:
         tally = self.epochs.get((rank, epoch))
@@ -145,3 +157,6 @@ class TrainingLog:
         tally = self.epochs.get((0, epoch))
         if tally is not None:
             tally.val_metric = value
+
+
+__all__ = ["MAX_EPOCH_ROWS", "AttemptNotes", "EpochTally", "RollbackPoint", "TrainingLog"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.ranks import RankTable
+from gradshare.transport.protocol.relay.ranks import RankTable
 
 
 class StatusPages:

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,12 +25,13 @@ from numpy.typing import NDArray
 from gradshare.errors import DecodeError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
-from gradshare.transport.protocol.channel import Channel
-from gradshare.transport.protocol.observer import LogObserver
-from gradshare.transport.protocol.ranks import RankState
-from gradshare.transport.protocol.relay_attempt import Decoded, RelayParts, total_len
-from gradshare.transport.protocol.relay_liveness import Liveness
-from gradshare.transport.protocol.relay_status import StatusPages
+from gradshare.transport.protocol.relay.attempt import Attempt, Decoded, total_len
+from gradshare.transport.protocol.relay.liveness import Liveness
+from gradshare.transport.protocol.relay.observer import LogObserver
+from gradshare.transport.protocol.relay.outbox import RelayOutbox
+from gradshare.transport.protocol.relay.ranks import RankState
+from gradshare.transport.protocol.relay.status import StatusPages
+from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
@@ -40,26 +41,13 @@ if TYPE_CHECKING:
     from gradshare.encoding.update import StepUpdate
 
 
-class LogCore(RelayParts, Protocol):
-    """What the update log uses of the relay besides `RelayParts`."""
+class Codec(NamedTuple):
+    """The update codec the relay applies its log with (relay/core.py: the encoding package's by default)."""
 
-    world_size: int
-    n_params: int
-    params: NDArray[np.float32]
-    chan: Channel
-    out: list[tuple[bytes, ev.Address]]
-    last_now: float                         # store_chunk sets it too
     decode_update: Callable[[bytes, int], Decoded]
     apply_update: Callable[[Decoded, NDArray[np.float32]], None]
+    # one whole step's decoded messages (rank order) at once, in place of apply_update per message
     apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None
-    aggregator: AggregateState | None
-    observer: LogObserver
-    pages: StatusPages
-    liveness: Liveness
-
-    def request_apply(self) -> None: ...
-
-    def status_page(self, page: int) -> ev.Status: ...
 
 
 class Chunk(NamedTuple):
@@ -74,12 +62,29 @@ class Chunk(NamedTuple):
 
 
 class RelayLog:
-    """Owned by a RelayCore: works on the core's current attempt (``core.att``) and parameters."""
+    """The relay's log over the current attempt (handed in each call): it applies it to ``params`` (the
+    authoritative copy, shared with the core, changed in place only) with ``codec``, tells ``observer``,
+    and sends through ``io``.
 
-    def __init__(self, core: LogCore, max_chunks_update: int, aggregate_chunk_bytes: int) -> None:
-        self.core = core
-        self.max_ahead = core.tuning.max_ahead
-        self.nak_delay = core.tuning.nak_delay
+    defer_apply: a completed update only marks the log due (``apply_due``); ``apply_pending`` applies (the
+    shell calls it after sending, so applying to the authoritative copy never delays a forward)."""
+
+    def __init__(self, tuning: RelayTuning, params: NDArray[np.float32], codec: Codec,
+                 aggregator: AggregateState | None, observer: LogObserver, io: RelayOutbox, pages: StatusPages,
+                 liveness: Liveness, max_chunks_update: int, aggregate_chunk_bytes: int, defer_apply: bool) -> None:
+        self.max_ahead = tuning.max_ahead
+        self.nak_delay = tuning.nak_delay
+        self.params = params
+        self.n_params = int(params.size)
+        self.codec = codec
+        self.aggregator = aggregator
+        self.observer = observer
+        self.io = io
+        self.pages = pages
+        self.liveness = liveness
+        self.defer_apply = defer_apply
+        self.apply_due = False
+        self.last_now = 0.0                   # the latest update's time: aggregates are sent "now"
         self.max_chunks_update = max_chunks_update
         # the relay's own aggregates (forwarding="aggregate") travel in datagrams as large as snapshot
         # chunks: the relay seals them, so unlike a rank's forwarded datagrams their size is its choice,
@@ -87,9 +92,10 @@ class RelayLog:
         self.aggregate_chunk_bytes = aggregate_chunk_bytes
 
     # --- intake --------------------------------------------------------------------------------------
-    def on_update_chunk(self, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float) -> bool:
+    def on_update_chunk(self, att: Attempt, rs: RankState, h: wire.Header, body: bytes, data: bytes,
+                        now: float) -> bool:
         """True if the chunk was stored and its update is not complete yet."""
-        att, drops = self.core.att, self.core.chan.drops
+        drops = self.io.chan.drops
         step = h.step
         if h.origin != rs.rank:
             drops["bad_origin"] += 1
@@ -112,36 +118,36 @@ class RelayLog:
         if h.count > self.max_chunks_update:
             drops["too_many_chunks"] += 1
             return False
-        return self.store_chunk(rs, step, h.index, h.count, body, data, now)
+        return self.store_chunk(att, rs, step, h.index, h.count, body, data, now)
 
-    def next_chunk(self, last: Chunk, data: bytes, now: float) -> bool:
+    def next_chunk(self, att: Attempt, last: Chunk, data: bytes, now: float) -> bool:
         """The fast path of `RelayCore.receive_run`: ``data`` if it is the next chunk of ``last``'s update
         (same header but for counter and index); False (nothing done) for any other datagram, which then
         takes the whole path. What this skips is what ``last`` passed and a stored chunk cannot change: the
         sender, attempt, job, kind and session, the rank's state, and the step's place in its log."""
-        core = self.core
-        if not wire.HEADER_BYTES <= len(data) <= core.chan.datagram_size or wire.header_key(data) != last.key:
+        io = self.io
+        if not wire.HEADER_BYTES <= len(data) <= io.chan.datagram_size or wire.header_key(data) != last.key:
             return False
         counter, index = wire.counter_and_index(data)
         if counter >= wire.MAX_COUNTER or index >= last.chunks:
             return False                       # the whole path counts it (malformed)
-        core.c["datagrams_in"] += 1
-        core.c["bytes_in"] += len(data)
+        io.c["datagrams_in"] += 1
+        io.c["bytes_in"] += len(data)
         rs = last.rank
-        body = core.chan.open_fields(rs.rank, core.attempt, last.session, counter, data)
+        body = io.chan.open_fields(rs.rank, att.number, last.session, counter, data)
         if body is not None:
-            core.liveness.heard(rs, now)
-            self.store_chunk(rs, last.step, index, last.chunks, body, data, now)
+            self.liveness.heard(att, rs, now)
+            self.store_chunk(att, rs, last.step, index, last.chunks, body, data, now)
         return True
 
-    def store_chunk(self, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes,
+    def store_chunk(self, att: Attempt, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes,
                     now: float) -> bool:
         """Into reassembly; a completed update is decoded and held for the log. True if the chunk was
         stored and its update is not complete yet."""
-        core, att = self.core, self.core.att
+        io = self.io
         whole, reason = att.reasm.add((rs.rank, step), index, count, body, now, raw=bytes(data))
         if reason is not None:
-            core.chan.drops[reason] += 1
+            io.chan.drops[reason] += 1
             if reason == "duplicate_chunk":
                 rs.late.arrived_twice(step)
             return False
@@ -151,44 +157,43 @@ class RelayLog:
         sealed = att.reasm.last_raw
         try:
             payload, meta = wire.decode_update_body(whole)
-            decoded = core.decode_update(payload, core.n_params)
+            decoded = self.codec.decode_update(payload, self.n_params)
         except DecodeError as exc:
-            self._refuse(rs, step, str(exc))
+            self._refuse(att, rs, step, str(exc))
             return False
         rs.received.add(step)
-        core.pages.changed(rs.rank)
+        self.pages.changed(rs.rank)
         rs.updates_in += 1
         rs.bytes_in += len(whole)
         if meta is not None:
             rs.meta = meta
             att.pending_meta[(step, rs.rank)] = meta
         att.pending[(step, rs.rank)] = decoded
-        core.c["updates_in"] += 1
+        io.c["updates_in"] += 1
         # the datagrams the accepted updates came in (a per-rank forward sends each of them once): the
         # exact forwarding model; one from the mean payload under-counts updates whose sizes straddle
         # a datagram boundary
-        core.c["update_datagrams"] += len(sealed)
+        io.c["update_datagrams"] += len(sealed)
         att.acks.setdefault(rs.rank, []).append(step)
-        if core.aggregator is None:
-            self.keep(step, rs.rank, sealed)
-            self.forward(rs.rank, step, sealed, now)
-        core.last_now = now
-        self.core.request_apply()
+        if self.aggregator is None:
+            self.keep(att, step, rs.rank, sealed)
+            self.forward(att, rs.rank, step, sealed, now)
+        self.last_now = now
+        self.request_apply(att)
         return False
 
-    def _refuse(self, rs: RankState, step: int, why: str) -> None:
+    def _refuse(self, att: Attempt, rs: RankState, step: int, why: str) -> None:
         """An authenticated peer sent an update that does not decode: it must never enter the log.
         The rank is declared gone at its contiguous prefix so that the log can go on (and told why)."""
-        self.core.chan.drops["bad_update"] += 1
-        self.core.send(rs, ev.Reject(f"update (step {step}, rank {rs.rank}) refused: {why[:200]}"))
-        self.declare_gone(rs, f"sent an invalid update at step {step}")
+        self.io.chan.drops["bad_update"] += 1
+        self.io.send(rs, ev.Reject(f"update (step {step}, rank {rs.rank}) refused: {why[:200]}"))
+        self.declare_gone(att, rs, f"sent an invalid update at step {step}")
 
-    def nak_partials(self, now: float) -> None:
+    def nak_partials(self, att: Attempt, now: float) -> None:
         """NAK our own partial inbound updates (the peer resends just the missing chunks)."""
-        core = self.core
         naks: dict[int, list[ev.NakItem]] = {}
-        for (rank, step), p in core.att.reasm.stale(now, self.nak_delay):
-            late = core.att.ranks[rank].late
+        for (rank, step), p in att.reasm.stale(now, self.nak_delay):
+            late = att.ranks[rank].late
             if now - p.last_seen < late.value * (1 << min(p.naks, 1)):
                 continue        # back off, at most 2x: a 5 % loss rate loses some NAKs and answers, and a
                                 # long backoff then stalls the whole staleness window behind one chunk
@@ -199,68 +204,74 @@ class RelayLog:
                 p.naks += 1
                 late.nakked(step)
         for rank, items in naks.items():
-            core.send(core.att.ranks[rank], ev.Nak(tuple(items)))
-            core.c["naks_sent"] += 1
+            self.io.send(att.ranks[rank], ev.Nak(tuple(items)))
+            self.io.c["naks_sent"] += 1
 
     # --- forward and repair --------------------------------------------------------------------------
-    def keep(self, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
+    def flush_acks(self, att: Attempt) -> None:
+        """Acknowledge the updates stored since the last flush, each rank's in as few ACKs as fit."""
+        for rank, steps in att.acks.items():
+            rs = att.ranks[rank]
+            uniq = sorted(set(steps))
+            for i in range(0, len(uniq), ev.MAX_NAK_ITEMS):
+                self.io.send(rs, ev.Ack(tuple(uniq[i:i + ev.MAX_NAK_ITEMS])))
+        att.acks.clear()
+
+    def keep(self, att: Attempt, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
         """Into the bounded history, for NAK repair (what the caps evict is remembered: NAK → error)."""
-        att = self.core.att
         for key in att.history.put((step, origin), sealed):
             att.evicted.add(key)
-            self.core.c["history_evicted"] += 1
+            self.io.c["history_evicted"] += 1
 
-    def forward(self, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
+    def forward(self, att: Attempt, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
         """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
-        core = self.core
-        targets = core.att.ranks.forward_targets(origin)
+        targets = att.ranks.forward_targets(origin)
         if not targets:
             return
-        core.att.recent[(step, origin)] = now
+        att.recent[(step, origin)] = now
         # a peer's datagrams one after another: the shell sends such a run as one GSO buffer (udp.py)
         for addr in targets:
-            core.out.extend((dgram, addr) for dgram in sealed)
-        core.c["forwarded"] += len(targets) * len(sealed)
+            self.io.datagrams.extend((dgram, addr) for dgram in sealed)
+        self.io.c["forwarded"] += len(targets) * len(sealed)
 
-    def on_nak(self, rs: RankState, msg: ev.Nak, now: float) -> None:
-        core, att = self.core, self.core.att
+    def on_nak(self, att: Attempt, rs: RankState, msg: ev.Nak, now: float) -> None:
+        io = self.io
         for item in msg.items:
             key = (item.step, item.origin)
             if not item.chunks and now - att.recent.get(key, -1e18) < self.nak_delay:
                 # the peer had none of it when it asked, and we forwarded all of it a moment ago: the NAK
                 # crossed the forward. Resending every chunk would double the traffic for nothing; if the
                 # forward was really lost the peer asks again after its re-NAK interval.
-                core.c["nak_crossed_forward"] += 1
+                io.c["nak_crossed_forward"] += 1
                 continue
             sealed = att.history.get(key)
             if sealed is None:
                 if key in att.evicted:
-                    core.send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
+                    io.send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
                                             f"from the relay's bounded history before this peer had it"))
-                    core.c["nak_evicted"] += 1
+                    io.c["nak_evicted"] += 1
                 continue
             n = len(sealed)
             dgrams = sealed if not item.chunks else [sealed[i] for i in item.chunks if i < n]
             for d in dgrams:
-                core.out.append((d, rs.addr))
-            core.c["retransmits"] += len(dgrams)
+                io.datagrams.append((d, rs.addr))
+            io.c["retransmits"] += len(dgrams)
 
-    def forget_recent(self, now: float) -> None:
+    def forget_recent(self, att: Attempt, now: float) -> None:
         """Drop the forwards older than nak_delay (a NAK after that is not one that crossed them)."""
-        recent = self.core.att.recent
+        recent = att.recent
         while recent:                        # insertion order is time order: drop from the front
             key = next(iter(recent))
             if now - recent[key] < self.nak_delay:
                 break
             del recent[key]
 
-    def trim(self) -> None:
+    def trim(self, att: Attempt) -> None:
         """Forget forwarded updates that every peer still in the job has delivered and the relay applied.
 
         Only when that floor rose, and only the entries at or below it, in step order: no entry at or
         below an earlier floor can arrive again (those steps are complete), so a trim costs what it drops
         and a heartbeat that moved nothing costs one pass over the ranks."""
-        att = self.core.att
         floor = att.ranks.delivered_floor(att.cursor.complete_through)
         if floor is None or floor <= att.trim_floor:
             return
@@ -269,34 +280,35 @@ class RelayLog:
         att.evicted.discard_through(floor)   # nobody can still NAK what every peer has delivered
 
     # --- ends ----------------------------------------------------------------------------------------
-    def on_finished(self, rs: RankState, last_step: int) -> None:
-        core = self.core
+    def on_finished(self, att: Attempt, rs: RankState, last_step: int) -> None:
         if rs.ended is None:
-            start = core.att.cursor.start_step
+            start = att.cursor.start_step
             if last_step < start - 1:
-                core.send(rs, ev.Reject(f"FINISHED({last_step}) is before this attempt's start step {start}"))
+                self.io.send(rs, ev.Reject(f"FINISHED({last_step}) is before this attempt's start step {start}"))
                 return
-            self._end(rs, last_step, gone=False, reason="finished")
-        core.send(rs, core.status_page(core.pages.page_of(rs.rank)))   # the page that confirms its end
+            self._end(att, rs, last_step, gone=False, reason="finished")
+        # the page that confirms its end
+        self.io.send(rs, self.pages.page(self.pages.page_of(rs.rank), att.number, att.cursor, att.ranks))
 
-    def on_leave(self, rs: RankState) -> None:
+    def on_leave(self, att: Attempt, rs: RankState) -> None:
         if rs.ended is None:
-            self.declare_gone(rs, "left before FINISHED")
+            self.declare_gone(att, rs, "left before FINISHED")
         rs.to(RankTrigger.LEAVE)
-        self.trim()
+        self.trim(att)
 
-    def declare_gone(self, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0) -> None:
+    def declare_gone(self, att: Attempt, rs: RankState, reason: str, now: float | None = None,
+                     silent: float = 0.0) -> None:
         if rs.ended is not None:
             return
-        self.core.liveness.incident("gone", rs, silent, rs.last_heard if now is None else now, reason[:200])
-        cut = rs.received.contiguous_from(self.core.att.cursor.start_step) - 1
-        self._end(rs, cut, gone=True, reason=reason)
+        self.liveness.incident(att, "gone", rs, silent, rs.presence.last_heard if now is None else now, reason[:200])
+        cut = rs.received.contiguous_from(att.cursor.start_step) - 1
+        self._end(att, rs, cut, gone=True, reason=reason)
 
-    def _end(self, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
-        core, att = self.core, self.core.att
+    def _end(self, att: Attempt, rs: RankState, last_step: int, gone: bool, reason: str) -> None:
+        io = self.io
         rs.to(RankTrigger.GONE if gone else RankTrigger.FINISH)
         rs.ended = ev.Ended(rs.rank, last_step, gone)
-        core.pages.changed(rs.rank)
+        self.pages.changed(rs.rank)
         att.cursor.end(rs.rank, last_step)
         # anything held beyond the end does not exist in the log (never applied: it is after the cut)
         for key in [k for k in att.pending if k[1] == rs.rank and k[0] > last_step]:
@@ -304,36 +316,47 @@ class RelayLog:
             att.pending_meta.pop(key, None)
         att.history.discard_where(lambda k: k[1] == rs.rank and k[0] > last_step)
         att.reasm.discard_where(lambda k: k[0] == rs.rank)
-        core.c["gone" if gone else "finished"] += 1
-        core.emit(ev.PeerEnded(rs.rank, last_step, gone, reason))
-        status = core.status_page(core.pages.page_of(rs.rank))     # only the ended rank's page changed
+        io.c["gone" if gone else "finished"] += 1
+        io.emit(ev.PeerEnded(rs.rank, last_step, gone, reason))
+        # only the ended rank's page changed
+        status = self.pages.page(self.pages.page_of(rs.rank), att.number, att.cursor, att.ranks)
         for r in att.ranks.connected():
-            core.send(r, status)
-        self.core.request_apply()
+            io.send(r, status)
+        self.request_apply(att)
 
     # --- apply ---------------------------------------------------------------------------------------
-    def advance(self) -> None:
+    def request_apply(self, att: Attempt) -> None:
+        self.apply_due = True
+        if not self.defer_apply:
+            self.apply_pending(att)
+
+    def apply_pending(self, att: Attempt) -> None:
+        """Apply every update whose turn has come (called inline unless ``defer_apply``)."""
+        if self.apply_due:
+            self.apply_due = False
+            self.advance(att)
+
+    def advance(self, att: Attempt) -> None:
         """Apply the log in canonical (step, rank) order, one whole step at a time.
 
         Whole steps only: the authoritative parameters then always equal "the log applied through
         complete_through", which is what a snapshot and a new attempt's cut promise."""
-        core, att = self.core, self.core.att
         cur, pending = att.cursor, att.pending
         while not cur.finished():
             t = cur.step
-            row = [(t, r) for r in range(cur.rank, core.world_size) if cur.exists(t, r) is not False]
+            row = [(t, r) for r in range(cur.rank, cur.world_size) if cur.exists(t, r) is not False]
             if any(k not in pending for k in row):
                 break
             decoded = [pending.pop(k) for k in row]
-            if core.aggregator is not None:
-                self._aggregate(t, decoded)
+            if self.aggregator is not None:
+                self._aggregate(att, t, decoded)
             else:
                 self._apply(decoded)
             for k in row:
-                core.c["applied"] += 1
+                self.io.c["applied"] += 1
                 meta = att.pending_meta.pop(k, None)
                 if meta is not None:
-                    core.observer.applied(t, k[1], meta, att.number)
+                    self.observer.applied(t, k[1], meta, att.number)
             while cur.step == t:
                 if cur.next_key() is None:
                     break
@@ -341,38 +364,37 @@ class RelayLog:
                     cur.advance()
         if cur.finished() and not att.log_complete_sent:
             att.log_complete_sent = True
-            core.emit(ev.LogComplete(cur.complete_through))
+            self.io.emit(ev.LogComplete(cur.complete_through))
 
     def _apply(self, decoded: list[Decoded]) -> None:
         """One whole step's messages to the authoritative parameters, as every replica applies them."""
-        core = self.core
-        if core.apply_step is not None:
-            core.apply_step(decoded, core.params)
+        if self.codec.apply_step is not None:
+            self.codec.apply_step(decoded, self.params)
             return
         for d in decoded:
-            core.apply_update(d, core.params)
+            self.codec.apply_update(d, self.params)
 
-    def _aggregate(self, step: int, decoded: list[StepUpdate]) -> None:
+    def _aggregate(self, att: Attempt, step: int, decoded: list[StepUpdate]) -> None:
         """Step ``step``'s row is complete: encode its one aggregated message (rank order), apply it to
         the authoritative parameters, send it to every live peer and keep it for NAK repair."""
         from gradshare.encoding.aggregate import aggregate_step
 
-        core = self.core
-        assert core.aggregator is not None      # advance calls this only with forwarding="aggregate"
-        agg = aggregate_step(core.aggregator, decoded, step)
+        io, aggregator = self.io, self.aggregator
+        assert aggregator is not None      # advance calls this only with forwarding="aggregate"
+        agg = aggregate_step(aggregator, decoded, step)
         self._apply([agg])
         meta = None
-        stop = core.att.pending_meta.get((step, 0))
+        stop = att.pending_meta.get((step, 0))
         if stop is not None and stop.stop_epoch is not None:     # rank 0's early-stop decision rides along
             meta = StepMeta(stop_epoch=stop.stop_epoch)
-        body = wire.encode_update_body(agg.to_bytes(core.aggregator.n_buffers), meta)
-        sealed = tuple(core.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
+        body = wire.encode_update_body(agg.to_bytes(aggregator.n_buffers), meta)
+        sealed = tuple(io.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
                                              chunk_bytes=self.aggregate_chunk_bytes))
-        self.keep(step, AGGREGATE_ORIGIN, sealed)
-        self.forward(AGGREGATE_ORIGIN, step, sealed, core.last_now)
-        core.c["aggregates"] += 1
-        core.c["aggregate_wire_bytes"] += total_len(sealed)      # one peer's copy
-        core.c["aggregate_entries"] += agg.message.n_entries
+        self.keep(att, step, AGGREGATE_ORIGIN, sealed)
+        self.forward(att, AGGREGATE_ORIGIN, step, sealed, self.last_now)
+        io.c["aggregates"] += 1
+        io.c["aggregate_wire_bytes"] += total_len(sealed)      # one peer's copy
+        io.c["aggregate_entries"] += agg.message.n_entries
 
 
-__all__ = ["Chunk", "Decoded", "LogCore", "RelayLog"]
+__all__ = ["Chunk", "Codec", "Decoded", "RelayLog"]

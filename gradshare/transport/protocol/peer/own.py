@@ -1,0 +1,78 @@
+"""A peer's own updates, sans I/O: the next step it must send, each update kept until the relay
+acknowledges it (``outstanding.py``: retransmitted after the RTO, re-sent chunk by chunk on a NAK), and
+its FINISHED until the relay's STATUS confirms its end."""
+
+from __future__ import annotations
+
+from gradshare.errors import LocalProtocolError
+from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol.peer.outbox import PeerOutbox
+from gradshare.transport.protocol.peer.outstanding import Outstanding
+from gradshare.transport.protocol.tuning import PeerTuning
+from gradshare.transport.protocol.wire import Kind
+
+
+class OwnLog:
+    def __init__(self, rank: int, tuning: PeerTuning, io: PeerOutbox) -> None:
+        self.rank = rank
+        self.io = io
+        self.unacked = Outstanding(tuning.max_unacked, tuning.max_unacked_bytes, tuning.rto)
+        self.max_unacked = tuning.max_unacked
+        self.next_step: int | None = None      # WELCOME's start step, then one past the last sent
+        self.finish_step: int | None = None
+        self.finish_acked = False
+
+    def check_next(self, step: int) -> None:
+        """``step`` may be sent now: every step produces exactly one message, in order."""
+        if self.finish_step is not None:
+            raise LocalProtocolError(f"rank {self.rank} already sent FINISHED({self.finish_step})")
+        if type(step) is not int or step != self.next_step:
+            raise LocalProtocolError(f"rank {self.rank} must send step {self.next_step} next (got {step!r}): "
+                                     f"every step produces exactly one message, in order")
+        if len(self.unacked) >= self.max_unacked:
+            raise LocalProtocolError(f"the relay has not acknowledged {len(self.unacked)} updates of rank "
+                                     f"{self.rank}; refusing to buffer more")
+
+    def send(self, step: int, body: bytes, now: float) -> None:
+        self.unacked.add(step, body, now)
+        self.io.datagrams.extend(self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
+        self.next_step = step + 1
+        self.io.c["updates_sent"] += 1
+
+    def on_nak(self, items: tuple[ev.NakItem, ...]) -> None:
+        """Re-send what the relay is missing of ours, only the chunks it names."""
+        for item in items:
+            body = self.unacked.get(item.step) if item.origin == self.rank else None
+            if body is None:
+                continue
+            ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
+            self.io.datagrams.extend(ds)
+            self.unacked.repaired(item.step)       # Karn: no RTT sample from a repaired step
+            self.io.c["retransmits"] += len(ds)
+
+    def on_end(self, ended: ev.Ended) -> None:
+        """Our own end, as STATUS says it: declared gone, or our FINISHED confirmed."""
+        if ended.gone:
+            self.io.fail_with(f"the relay declared rank {self.rank} gone at step {ended.last_step}")
+        elif self.finish_step == ended.last_step:
+            self.finish_acked = True
+
+    def retransmit_due(self, now: float) -> None:
+        for step in self.unacked.due(now):           # exponential backoff
+            body = self.unacked.get(step)
+            assert body is not None            # due() names only the steps it holds
+            ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step)
+            self.io.datagrams.extend(ds)
+            self.io.c["retransmits"] += len(ds)
+            self.io.c["timeouts"] += 1
+
+    def waiting(self) -> bool:
+        """Something of ours awaits the relay's acknowledgement (a retransmit timeout may come due)."""
+        return bool(len(self.unacked)) or (self.finish_step is not None and not self.finish_acked)
+
+    def idle(self) -> bool:
+        """Nothing of ours is still unacknowledged (safe to leave)."""
+        return not len(self.unacked) and (self.finish_step is None or self.finish_acked)
+
+
+__all__ = ["OwnLog"]
