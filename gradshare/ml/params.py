@@ -21,7 +21,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
 
 from gradshare.config import TrainConfig
-from gradshare.options import GROUP_OF
+from gradshare.options import GROUP_OF, Compression, FaultTolerance, Network, Runtime
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
 NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
@@ -67,12 +67,14 @@ def trainer_option_names() -> set[str]:
 
 
 def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTrainer keyword options
-    """trainerOptions: SharedTrainer keyword options with JSON values (they are saved as JSON)."""
+    """trainerOptions: SharedTrainer keyword options with JSON values (they are saved as JSON). A group
+    given as its dataclass (``{"network": Network(bind=...)}``) is kept as the dict of the options it sets."""
     if not isinstance(value, dict):
         raise TypeError(f"trainerOptions must be a dict of SharedTrainer options, got {type(value).__name__}")
     known = trainer_option_names() | set(GROUP_OF)  # a grouped option's flat name: deprecated, SharedTrainer warns
+    value = {key: _as_dict(item) for key, item in value.items()}
     for key, item in value.items():
-        if key not in known:
+        if key in NOT_OPTIONS or key not in known:
             instead = _INSTEAD.get(key, "a constructor argument of GradshareEstimator")
             hint = f"; use {instead}" if key in NOT_OPTIONS else f"; known: {sorted(known)}"
             raise ValueError(f"trainerOptions has unknown key {key!r}{hint}")
@@ -82,6 +84,14 @@ def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTra
             raise ValueError(f"trainerOptions[{key!r}] = {item!r} is not JSON (Params are saved as JSON); pass "
                              "objects as constructor arguments of GradshareEstimator") from None
     return dict(value)
+
+
+def _as_dict(item: object) -> object:
+    """A group's dataclass as the dict of the options it sets otherwise than its defaults; anything else as it is."""
+    if not isinstance(item, (Compression, Network, FaultTolerance, Runtime)):
+        return item
+    return {f.name: getattr(item, f.name) for f in dataclasses.fields(item)
+            if f.init and getattr(item, f.name) != f.default}
 
 
 class ColumnParams(Params):
