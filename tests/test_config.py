@@ -247,6 +247,8 @@ def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it()
     assert merged.fault_tolerance == FaultTolerance(timeout=5.0, step_timeout=9.0)
     with pytest.raises(ValueError, match=r"network has no option\(s\) \['prot'\]; Network's are"):
         SharedTrainer(lambda: None, network={"prot": 1})
+    with pytest.warns(DeprecationWarning, match=r"trainer\.density is deprecated .* read trainer\.compression\.density"):
+        assert trainer.density == 0.01
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['epoch'\]"):
         SharedTrainer(lambda: None, epoch=3)
     with pytest.raises(TypeError, match=r"network must be gradshare\.Network\(\.\.\.\), got int"):

@@ -37,6 +37,7 @@ too, the result model has the driver's (flat.shared_buffers).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any, Literal
@@ -143,10 +144,16 @@ class SharedTrainer:
         return self.config.optimizer or default_optimizer
 
     def __getattr__(self, name: str) -> Any:
-        """An option's name reads the config: ``trainer.epochs`` is ``trainer.config.epochs``, and where
-        TrainConfig derives a checked form (``trainer.device`` is ``config.device_name``) that form."""
+        """An option's name reads the config: ``trainer.epochs`` is ``trainer.config.epochs`` (and
+        ``trainer.early_stopping`` its checked rule), ``trainer.compression`` the group. A grouped option's
+        flat name (``trainer.density``) still reads it from its group for one release, with a warning."""
         if name in OPTIONS:
             return getattr(self.config, CHECKED.get(name, name))
+        if name in GROUP_OF:
+            group = GROUP_OF[name]
+            warnings.warn(f"trainer.{name} is deprecated and will be removed in the next release; read "
+                          f"trainer.{group}.{name}", DeprecationWarning, stacklevel=2)
+            return getattr(getattr(self.config, group), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: object) -> None:
