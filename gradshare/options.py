@@ -407,7 +407,7 @@ def grouped(options: Mapping[str, Any], caller: str = "SharedTrainer") -> dict[s
                       DeprecationWarning, stacklevel=3)
         current, default = options.get(keyword), GROUPS[keyword]()
         both = [k for k in names if isinstance(current, GROUPS[keyword])
-                and getattr(current, k) != getattr(default, k) != options[k]]
+                and getattr(current, k) != getattr(default, k) and getattr(current, k) != options[k]]
         if both:
             raise ValueError(f"{caller}: {', '.join(both)} given both flat and in {keyword}=... with other "
                              f"values; give them in {keyword}={GROUPS[keyword].__name__}(...) only")
@@ -444,7 +444,6 @@ def _group_from(group: type[Any], keyword: str, values: Mapping[str, Any], calle
     if unknown:
         raise ValueError(f"{caller}: {keyword} has no option(s) {unknown}; {group.__name__}'s are {sorted(names)}")
     return group(**values)
-
 
 
 def _callbacks(option: EpochCallback | Sequence[EpochCallback] | None) -> tuple[EpochCallback, ...]:

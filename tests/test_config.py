@@ -242,6 +242,8 @@ def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it()
     with pytest.raises(ValueError, match=r"timeout given both flat and in fault_tolerance=\.\.\. with other"), \
             pytest.warns(DeprecationWarning):
         SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(timeout=9.0))
+    with pytest.raises(ValueError, match=r"bind given both flat"), pytest.warns(DeprecationWarning):
+        SharedTrainer(lambda: None, bind="0.0.0.0", network=Network(bind="127.0.0.1"))  # the flat one is the default
     with pytest.warns(DeprecationWarning):  # flat names join the group given, keeping its other options
         merged = SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(step_timeout=9.0))
     assert merged.fault_tolerance == FaultTolerance(timeout=5.0, step_timeout=9.0)
