@@ -20,13 +20,14 @@ CLI imports this module to build its parser); checks that need torch or Numba im
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from gradshare.checks import is_distributed
 from gradshare.options import (
-    GROUPS, Compression, Elastic, FaultTolerance, Network, Runtime, is_calibrated, option,
+    GROUPS, Compression, Elastic, FaultTolerance, Network, Runtime, is_calibrated, is_number, option,
 )
 from gradshare.stopping import EarlyStopping, early_stopping_from
 from gradshare.transport.protocol.wire import DEFAULT_PORT
@@ -123,8 +124,7 @@ class TrainConfig:
 
     def _check_threshold(self) -> None:
         threshold, algorithm = self.threshold, self.compression.threshold_algorithm
-        if not self.auto and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
-                                  and threshold > 0 and threshold < float("inf")):
+        if not self.auto and not (is_number(threshold) and 0 < threshold < math.inf):
             raise ValueError(f"threshold must be 'auto' or a positive finite number, got {threshold!r}")
         tuning = self.compression.tuning
         if not self.auto and tuning:

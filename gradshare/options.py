@@ -9,7 +9,7 @@ groups, in the manner of Lightning's ``strategy=DDPStrategy(...)`` and aioquic's
 schedule, the step rule's corrections), `Network` (the relay's sockets and forwarding), `FaultTolerance`
 (timeouts, lost ranks, checkpoints) and `Runtime` (device, precision, data handling, callbacks,
 tracking). `Elastic` is one more group, given flat (``elastic=Elastic(2, 8)``). Each field's metadata
-holds its doc line; docs/guide/options.md is `table()` (tests/docs/test_readme_options.py), so the page,
+holds its doc line; docs/guide/options.md is `config.options_table()` (tests/docs/test_readme_options.py), so the page,
 the defaults and the checks cannot drift.
 
 The flat names of the options now in a group (``SharedTrainer(density=1e-3)``) still work for one release,
@@ -64,7 +64,7 @@ _T = TypeVar("_T")
 
 def option(default: _T, doc: str, shown: str | None = None) -> _T:
     """A group's field: its default, and the doc line (and, where the default is resolved later, how
-    the options page shows it) that `table()` prints."""
+    the options page shows it) that `config.options_table()` prints."""
     return field(default=default, metadata={"doc": doc, "shown": shown})
 
 
@@ -95,7 +95,7 @@ class WorkerFlags(TypedDict, total=False):
     folded_view: bool
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -104,11 +104,6 @@ def is_calibrated(rule: object) -> TypeGuard[CalibratedThreshold]:
     from gradshare.encoding import CalibratedThreshold
 
     return isinstance(rule, CalibratedThreshold)
-
-
-def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _derive(group: object, name: str, value: object) -> None:
@@ -183,7 +178,7 @@ class Compression:
                                 else self.warmup_density,
                                 decay_from=0.0 if self.decay_from is None else self.decay_from)
         cap: object = self.step_cap  # the user's: checked here, whatever the annotation promises
-        if cap not in ("auto", None) and not (is_number(cap) and 0 < cast(float, cap) < math.inf):
+        if cap not in ("auto", None) and not (is_number(cap) and 0 < cap < math.inf):
             raise ValueError(f"step_cap must be 'auto', None or a positive share of each tensor's initial norm "
                              f"(e.g. 0.1), got {cap!r}")
         if self.residual_clip is not None and not self.residual_clip > 0:
@@ -419,10 +414,9 @@ def in_groups(options: Mapping[str, Any], caller: str = "SharedTrainer") -> dict
     moved into its group, silently: the benchmarks' hook, whose sweeps name every knob flat."""
     out = dict(options)
     for keyword, names in _flat_names(options).items():
-        current = out.get(keyword)
-        given = {f.name: getattr(current, f.name) for f in dataclasses.fields(current) if f.init} \
-            if isinstance(current, GROUPS[keyword]) else dict(current or {})
-        out[keyword] = {**given, **{k: out.pop(k) for k in names}}
+        flat, current = {k: out.pop(k) for k in names}, out.get(keyword)
+        out[keyword] = (dataclasses.replace(current, **flat) if isinstance(current, GROUPS[keyword])
+                        else {**(current or {}), **flat})
     for keyword, group in GROUPS.items():
         if isinstance(out.get(keyword), Mapping):
             out[keyword] = _group_from(group, keyword, out[keyword], caller)

@@ -251,6 +251,8 @@ def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it()
         SharedTrainer(lambda: None, network={"prot": 1})
     with pytest.warns(DeprecationWarning, match=r"trainer\.density is deprecated .* read trainer\.compression\.density"):
         assert trainer.density == 0.01
+    with pytest.raises(AttributeError, match="fixed when it is made"):  # nor set as an attribute
+        trainer.density = 0.5
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['epoch'\]"):
         SharedTrainer(lambda: None, epoch=3)
     with pytest.raises(TypeError, match=r"network must be gradshare\.Network\(\.\.\.\), got int"):

@@ -158,13 +158,13 @@ class SharedTrainer:
 
     def __setattr__(self, name: str, value: object) -> None:
         # an option set here would not reach the config the fit reads: make a new trainer instead
-        if name in OPTIONS or name in ("config", "optimizer"):
+        if name in OPTIONS or name in GROUP_OF or name in ("config", "optimizer"):
             raise AttributeError(f"SharedTrainer's options are fixed when it is made (trainer.config is frozen); "
                                  f"make a new SharedTrainer to change {name!r}")
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------------------------ fit
-    @tracked  # with mlflow=..., the fit is one MLflow run (gradshare/driver/tracking.py)
+    @tracked  # with runtime=Runtime(mlflow=...), the fit is one MLflow run (gradshare/driver/tracking.py)
     def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
             label_col: str | None = None, resume_from: str | None = None) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`. A DataFrame is

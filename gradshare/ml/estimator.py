@@ -92,8 +92,7 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
         given: dict[str, object] = self.getOrDefault(self.trainerOptions)
         options: dict[str, Any] = dict(given)  # JSON: a group's options come as a dict, SharedTrainer takes it
         if self.on_epoch_end is not None:  # a Runtime option, given here as an object (not JSON)
-            runtime = options.get("runtime") or {}
-            options["runtime"] = {**(runtime if isinstance(runtime, dict) else {}), "on_epoch_end": self.on_epoch_end}
+            options["runtime"] = {**options.get("runtime", {}), "on_epoch_end": self.on_epoch_end}
         return SharedTrainer(
             self.model, self.loss, optimizer, train_step=self.train_step, lr_scheduler=self.lr_scheduler,
             metric=self.metric, validation_data=validation_data,
