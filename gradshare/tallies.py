@@ -1,7 +1,7 @@
 """What the relay's applied log says beyond the parameters: per-(rank, epoch) sums of the steps' meta
 (``EpochTally``), rank 0's epoch-end state a new attempt inherits (``AttemptNotes``), and the two as the
-relay core's training observer (``TrainingLog``, transport/protocol/observer.LogObserver) with the rollback
-to checkpoints. Training bookkeeping, outside the transport (which knows nothing of epochs): the driver and
+relay core's training observer (``TrainingLog``, transport/protocol/relay/observer.py LogObserver) with the
+rollback to checkpoints. Training bookkeeping, outside the transport (which knows nothing of epochs): the driver and
 the in-job relay (task/relay_host.py) hand one to their relay.
 """
 

@@ -13,7 +13,7 @@ K = TypeVar("K", bound=Hashable)
 
 
 class Partial:
-    __slots__ = ("count", "chunks", "raw", "nbytes", "held", "last_seen", "first_seen", "naks")
+    __slots__ = ("count", "chunks", "raw", "nbytes", "held", "last_seen", "naks")
 
     def __init__(self, count: int, now: float) -> None:
         self.count = count
@@ -21,7 +21,6 @@ class Partial:
         self.raw: dict[int, bytes] = {}     # the sealed datagrams, when the owner keeps them
         self.nbytes = 0                     # message bytes so far
         self.held = 0                       # what it holds against the reassembler's max_bytes
-        self.first_seen = now
         self.last_seen = now
         self.naks = 0              # NAKs sent for it so far (the receiver backs off between them)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradshare.errors import LocalProtocolError
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
@@ -93,13 +92,7 @@ class PeerCore:
 
     def finish(self, last_step: int, now: float) -> None:
         self.io.check_usable(self.state, "finish")
-        own = self.own
-        assert own.next_step is not None       # WELCOME set it: joined states come after it
-        if last_step != own.next_step - 1:
-            raise LocalProtocolError(f"FINISHED({last_step}) but rank {self.rank}'s last sent step is "
-                                     f"{own.next_step - 1}")
-        if own.finish_step is None:
-            own.finish_step = last_step
+        if self.own.finish(last_step):
             self.inbound.rank_end(self.rank, last_step)
             self.inbound.advance()
         self.io.send(ev.Finished(last_step))

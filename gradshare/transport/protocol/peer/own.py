@@ -33,6 +33,18 @@ class OwnLog:
             raise LocalProtocolError(f"the relay has not acknowledged {len(self.unacked)} updates of rank "
                                      f"{self.rank}; refusing to buffer more")
 
+    def finish(self, last_step: int) -> bool:
+        """FINISHED(``last_step``) may be sent: it names our last sent step. True the first time (our end
+        is new to the log)."""
+        assert self.next_step is not None       # WELCOME set it: joined states come after it
+        if last_step != self.next_step - 1:
+            raise LocalProtocolError(f"FINISHED({last_step}) but rank {self.rank}'s last sent step is "
+                                     f"{self.next_step - 1}")
+        if self.finish_step is not None:
+            return False
+        self.finish_step = last_step
+        return True
+
     def send(self, step: int, body: bytes, now: float) -> None:
         self.unacked.add(step, body, now)
         self.io.datagrams.extend(self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))

@@ -83,7 +83,7 @@ class Admission:
         self.io.send(rs, ev.Welcome(self.n_params, self.world_size, cur.start_step, cur.complete_through, att.notes,
                                     self.aggregate))
         for page in range(self.pages.n_pages):
-            self.io.send(rs, self.pages.page(page, att.number, cur, att.ranks))
+            self.io.send(rs, self.pages.page(page, att))
         if first:
             self.io.emit(ev.PeerJoined(rs.rank, h.attempt, addr))
 

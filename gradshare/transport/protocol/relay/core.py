@@ -220,7 +220,7 @@ class RelayCore:
 
     def status_page(self, page: int) -> ev.Status:
         """STATUS page ``page`` as the relay would send it now (relay/status.py)."""
-        return self.pages.page(page, self.att.number, self.att.cursor, self.att.ranks)
+        return self.pages.page(page, self.att)
 
     def all_left(self) -> bool:
         """Every rank said LEAVE (after FINISHED, its last acknowledgements received)."""

@@ -288,7 +288,7 @@ class RelayLog:
                 return
             self._end(att, rs, last_step, gone=False, reason="finished")
         # the page that confirms its end
-        self.io.send(rs, self.pages.page(self.pages.page_of(rs.rank), att.number, att.cursor, att.ranks))
+        self.io.send(rs, self.pages.page(self.pages.page_of(rs.rank), att))
 
     def on_leave(self, att: Attempt, rs: RankState) -> None:
         if rs.ended is None:
@@ -319,7 +319,7 @@ class RelayLog:
         io.c["gone" if gone else "finished"] += 1
         io.emit(ev.PeerEnded(rs.rank, last_step, gone, reason))
         # only the ended rank's page changed
-        status = self.pages.page(self.pages.page_of(rs.rank), att.number, att.cursor, att.ranks)
+        status = self.pages.page(self.pages.page_of(rs.rank), att)
         for r in att.ranks.connected():
             io.send(r, status)
         self.request_apply(att)

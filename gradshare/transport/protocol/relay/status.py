@@ -11,8 +11,7 @@ where one of its ranks gets an update or ends.
 from __future__ import annotations
 
 from gradshare.transport.protocol import events as ev
-from gradshare.transport.protocol.cursor import LogCursor
-from gradshare.transport.protocol.relay.ranks import RankTable
+from gradshare.transport.protocol.relay.attempt import Attempt
 
 
 class StatusPages:
@@ -38,14 +37,15 @@ class StatusPages:
         self._turn[rank] = turn + 1
         return turn % self.n_pages
 
-    def page(self, page: int, attempt: int, cursor: LogCursor, ranks: RankTable) -> ev.Status:
-        """STATUS page ``page``: ranks page·ranks_per_page onwards."""
-        key = (attempt, cursor.complete_through, self._changes[page])
+    def page(self, page: int, att: Attempt) -> ev.Status:
+        """STATUS page ``page`` of attempt ``att``: ranks page·ranks_per_page onwards."""
+        cursor = att.cursor
+        key = (att.number, cursor.complete_through, self._changes[page])
         built = self._built.get(page)
         if built is not None and built[0] == key:
             return built[1]
         start = cursor.start_step
-        rows = ranks[page * self.ranks_per_page:(page + 1) * self.ranks_per_page]
+        rows = att.ranks[page * self.ranks_per_page:(page + 1) * self.ranks_per_page]
         status = ev.Status(start, cursor.complete_through, self.world_size, rows[0].rank,
                            tuple(r.received.contiguous_from(start) - 1 for r in rows),
                            tuple(r.ended for r in rows if r.ended is not None))
