@@ -47,7 +47,8 @@ class LogPeer:
         self.log.send(step, self.rank, payload)
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]:
-        assert until_step is not None  # ApplyLog always names the step it needs
+        if until_step is None:  # a lock-step log has no "whatever came": ApplyLog always names the step
+            raise ValueError(f"rank {self.rank}: LogPeer.receive needs until_step (the last step to deliver)")
         return self.log.take(self.rank, until_step)
 
     def counters(self) -> dict[str, int]:

@@ -165,7 +165,7 @@ class PeerCore:
 
     def idle(self) -> bool:
         """Nothing of ours is still unacknowledged (safe to leave)."""
-        return self.own.idle()
+        return not self.own.waiting()
 
     def datagrams_to_send(self) -> list[bytes]:
         return self.io.take()

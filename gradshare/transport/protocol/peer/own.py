@@ -82,9 +82,5 @@ class OwnLog:
         """Something of ours awaits the relay's acknowledgement (a retransmit timeout may come due)."""
         return bool(len(self.unacked)) or (self.finish_step is not None and not self.finish_acked)
 
-    def idle(self) -> bool:
-        """Nothing of ours is still unacknowledged (safe to leave)."""
-        return not len(self.unacked) and (self.finish_step is None or self.finish_acked)
-
 
 __all__ = ["OwnLog"]
