@@ -69,6 +69,17 @@ class Form(Protocol):
         """params[i] += ±step for every entry of a validated payload (float32, in entry order)."""
         ...
 
+    @property
+    def start(self) -> tuple[int, int]:
+        """The cursor (position, last index) of a payload's first entry, for `decode_batch`."""
+        ...
+
+    def decode_batch(self, reader: np.ndarray, cursor: tuple[int, int], out: np.ndarray, cnt: int) -> tuple[int, int]:
+        """The next ``cnt`` entry codes of a validated payload from ``cursor`` into out[:cnt] (the caller
+        keeps cnt within the entries left); the cursor after them. A message is read in bounded batches
+        this way (code_stream.py) without an array of all its codes."""
+        ...
+
 
 CHECK_TEXT = {
     CHECK_TRUNCATED: "an entry runs past the end of the payload",

@@ -61,6 +61,24 @@ def _bitmap_decode(p, out):
 
 
 @njit(nogil=True, cache=True)
+def _bitmap_decode_from(p, i, out, cnt):
+    """The next ``cnt`` codes of a VALIDATED bitmap from parameter ``i`` on into out[:cnt] (the caller
+    keeps ``cnt`` within the entries left); returns the parameter after the last one decoded."""
+    k = 0
+    while k < cnt:
+        b = np.int64(p[i >> 2])
+        if b == 0:  # four untouched parameters: skip the byte
+            i = ((i >> 2) + 1) << 2
+            continue
+        c = (b >> ((i & 3) << 1)) & 3
+        if c:
+            out[k] = (i << 1) | (c >> 1)
+            k += 1
+        i += 1
+    return i
+
+
+@njit(nogil=True, cache=True)
 def _bitmap_apply(p, steps3, params):
     """params[i] += steps3[code_i] over a VALIDATED bitmap; steps3 = [0, +s, -s].
 
@@ -108,6 +126,14 @@ class BitmapForm:
 
     def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
         _bitmap_apply(reader, np.array([0, step, -step], np.float32), params)
+
+    @property
+    def start(self) -> tuple[int, int]:
+        return 0, -1  # parameter 0
+
+    def decode_batch(self, reader: np.ndarray, cursor: tuple[int, int], out: np.ndarray, cnt: int) -> tuple[int, int]:
+        after = int(_bitmap_decode_from(reader, cursor[0], out, cnt))
+        return after, after - 1
 
 
 BITMAP = BitmapForm()

@@ -42,5 +42,14 @@ class EmptyForm:
     def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
         pass
 
+    @property
+    def start(self) -> tuple[int, int]:
+        return 0, -1
+
+    def decode_batch(self, reader: np.ndarray, cursor: tuple[int, int], out: np.ndarray, cnt: int) -> tuple[int, int]:
+        if cnt:
+            raise ValueError(f"form 'empty' holds no entries, {cnt} asked for")
+        return cursor
+
 
 EMPTY = EmptyForm()

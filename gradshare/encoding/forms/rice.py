@@ -256,6 +256,12 @@ def _rice_apply(words, n_entries, steps, params, batch):
         done += cnt
 
 
+@njit(nogil=True, cache=True)
+def _rice_decode_from(words, bitpos, prev, out, cnt):
+    """``cnt`` codes of a VALIDATED rice stream from ``bitpos`` (after index ``prev``) into out[:cnt]."""
+    return rice_decode_batch(words, bitpos, prev, out, cnt, np.empty(0, np.float32))
+
+
 def measure(codes: np.ndarray, n_params: int) -> CodeSizes:
     """The sizes every form is chosen by, from one pass over sorted entry ``codes`` (`_form_sizes`)."""
     varint_bytes, rice_k, rice_bits = _form_sizes(codes, n_params)
@@ -295,6 +301,14 @@ class RiceForm:
     def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
         steps, batch = apply_buffers(step, n_entries)
         _rice_apply(reader, n_entries, steps, params, batch)
+
+    @property
+    def start(self) -> tuple[int, int]:
+        return 8, -1  # after the k byte, before index 0
+
+    def decode_batch(self, reader: np.ndarray, cursor: tuple[int, int], out: np.ndarray, cnt: int) -> tuple[int, int]:
+        bitpos, prev = _rice_decode_from(reader, cursor[0], cursor[1], out, cnt)
+        return int(bitpos), int(prev)
 
 
 RICE = RiceForm()

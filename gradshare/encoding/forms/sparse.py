@@ -110,6 +110,12 @@ def _sparse_apply(p, n_entries, steps, params, batch):
         done += cnt
 
 
+@njit(nogil=True, cache=True)
+def _sparse_decode_from(p, pos, prev, out, cnt):
+    """``cnt`` codes of a VALIDATED sparse payload from byte ``pos`` (after index ``prev``) into out[:cnt]."""
+    return sparse_decode_batch(p, pos, prev, out, cnt, np.empty(0, np.float32))
+
+
 @dataclass(frozen=True)
 class SparseForm:
     """LEB128 varint gaps (module docstring)."""
@@ -143,6 +149,14 @@ class SparseForm:
     def apply(self, reader: np.ndarray, n_entries: int, step: np.float32, params: np.ndarray) -> None:
         steps, batch = apply_buffers(step, n_entries)
         _sparse_apply(reader, n_entries, steps, params, batch)
+
+    @property
+    def start(self) -> tuple[int, int]:
+        return 0, -1  # byte 0, before index 0
+
+    def decode_batch(self, reader: np.ndarray, cursor: tuple[int, int], out: np.ndarray, cnt: int) -> tuple[int, int]:
+        pos, prev = _sparse_decode_from(reader, cursor[0], cursor[1], out, cnt)
+        return int(pos), int(prev)
 
 
 SPARSE = SparseForm()
