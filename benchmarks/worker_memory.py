@@ -78,13 +78,14 @@ def child_single(widths, optimizer, steps, batch):
     return {"start_rss_bytes": start, "peak_rss_bytes": _status("VmHWM"), "n_params": n, "largest": largest}
 
 
-def child_gradshare(widths, optimizer, steps, batch, local_view=True):
+def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto"):
     import numpy as np
     from torch import nn
 
     from gradshare import SharedTrainer
     from gradshare.options import Compression, FaultTolerance, Network
     from gradshare.driver.session import session_builder
+    from gradshare.task.memory import reset_peak_rss
 
     spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -96,9 +97,12 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
         rdd.count()
         common = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0, batch_size=batch,
                       fault_tolerance=FaultTolerance(timeout=300.0), optimizer=make_optimizer(optimizer),
-                      compression=Compression(local_view=local_view))
+                      compression=Compression(local_view=local_view, step_cap=step_cap),
+                      **({} if threshold is None else {"threshold": threshold}))
         warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
+        driver_start = reset_peak_rss()  # the driver's peak from here: the relay's copy and its applies
         result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
+        driver = {"start_rss_bytes": driver_start, "peak_rss_bytes": _status("VmHWM")}
         # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
         # before this job's closure (which once carried the model's weights) was unpickled; None if Spark
         # started a fresh Python worker for this job
@@ -108,7 +112,8 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True):
         workers = [dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"]))
                    for r in result.worker_reports]
         largest = max(p.numel() for p in result.model.parameters())
-        return {"workers": workers, "n_params": result.n_params, "largest": largest, "seconds": result.seconds}
+        return {"workers": workers, "driver": driver, "n_params": result.n_params, "largest": largest,
+                "seconds": result.seconds, "step_cap": result.extra.get("step_cap")}
     finally:
         spark.stop()
 
@@ -132,7 +137,8 @@ def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True
 def run_child(kind, args, optimizer):
     cmd = [sys.executable, __file__, "--child", kind, "--optimizer", optimizer, "--widths", args.widths,
            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-           "--local-view" if args.local_view else "--no-local-view"]
+           "--local-view" if args.local_view else "--no-local-view", "--step-cap", args.step_cap,
+           *(["--threshold", str(args.threshold)] if args.threshold is not None else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -150,6 +156,9 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--local-view", action=argparse.BooleanOptionalAction, default=True,
                         help="Compression(local_view=...): the default keeps a P + residual buffer (4 B/param)")
+    parser.add_argument("--threshold", type=float, default=None, help="SharedTrainer(threshold=...): a fixed "
+                        "first τ keeps the first steps dense (the capped apply's worst case)")
+    parser.add_argument("--step-cap", default="auto", help="Compression(step_cap=...): auto, none or a share")
     parser.add_argument("--child", choices=("single", "gradshare"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -158,7 +167,9 @@ def main(argv=None):
         if args.child == "single":
             out = child_single(widths, args.optimizer, args.steps, args.batch_size)
         else:
-            out = child_gradshare(widths, args.optimizer, args.steps, args.batch_size, args.local_view)
+            cap = None if args.step_cap == "none" else args.step_cap if args.step_cap == "auto" else float(args.step_cap)
+            out = child_gradshare(widths, args.optimizer, args.steps, args.batch_size, args.local_view,
+                                  args.threshold, cap)
         print(json.dumps(out), flush=True)
         return
 
@@ -182,6 +193,11 @@ def main(argv=None):
                   f"{w['update_path']} path{' (step in backward)' if w.get('step_in_backward') else ''}, "
                   f"task start {w['start_rss_bytes'] / mib:.0f}M"
                   + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
+        d_base, d_peak = shared["driver"]["start_rss_bytes"], shared["driver"]["peak_rss_bytes"]
+        print(f"{'driver (relay)':24}{d_base / mib:>9.0f}M{d_peak / mib:>9.0f}M{d_peak / pb:>8.2f}"
+              f"{(d_peak - d_base) / pb:>15.2f}   step cap {shared['step_cap']}; worker peak / single peak "
+              f"{max(w['peak_rss_bytes'] for w in shared['workers']) / s_peak:.2f}, driver peak / single peak "
+              f"{d_peak / s_peak:.2f}")
         rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share,
                          all(w.get("step_in_backward") for w in shared["workers"]), args.local_view)
         base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb

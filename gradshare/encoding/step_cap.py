@@ -14,8 +14,9 @@ tabular64k 85.35 → 87.34 %. A global cap (one bound for the whole model) measu
 "What we tried: learning at 64 workers").
 
 The part above the cap is dropped, not fed back: it is the overshoot. What a replica adds is a function
-of the step's messages and their order alone: the norm is summed on the host in float64 (entries merged
-by index in rank order), each tensor's step is ``float32(τ·scale·factor)`` and added with one float32
+of the step's messages and their order alone: the norm is summed on the host in float64 (window by
+window of indices, each message streamed in index order, so no array as large as a message is held),
+each tensor's step is ``float32(τ·scale·factor)`` and added with one float32
 addition per entry, on NumPy or on a torch device, so every replica and the relay stay bit-identical.
 A tensor whose initial norm is 0 (a zero-initialised bias) is not capped: a bound of 0 would freeze it.
 Float buffers (BatchNorm statistics) are not capped: they travel exactly (update.py).
@@ -32,7 +33,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.encoding.backend import backend_of
+from gradshare.encoding.code_stream import CodeStream
 from gradshare.encoding.codec import apply
+from gradshare.encoding.message import Message
 from gradshare.encoding.update import StepUpdate, add_buffers
 from gradshare.vectors import Vector, to_host
 
@@ -92,44 +95,73 @@ class StepCap:
     def from_json(cls, data: list[list[float]], n_params: int) -> StepCap:
         return cls(tuple(int(s) for s, _ in data), tuple(float(b) for _, b in data), n_params)
 
-    def factors(self, updates: Sequence[StepUpdate], scale: float) -> tuple[NDArray[np.float64], list[Entries]]:
-        """(per tensor, min(1, bound ÷ the norm of the step's summed messages); the messages' entries)."""
-        starts = np.asarray((*self.starts, self.n_params), np.int64)
+    def factors(self, updates: Sequence[StepUpdate], scale: float) -> NDArray[np.float64]:
+        """Per tensor, min(1, bound ÷ the norm of the step's summed messages)."""
+        starts = np.asarray(self.starts, np.int64)
         bounds = np.asarray(self.bounds)
-        parts = [entries(u, scale) for u in updates]
+        factors = np.ones(len(bounds))
         # the triangle inequality first: Σ_r step_r·√(entries of r in the tensor) bounds the norm, and
         # usually settles it without merging the N messages by index
         upper = np.zeros(len(bounds))
-        for p in parts:
-            upper += p.step * np.sqrt(np.diff(np.searchsorted(p.index, starts)))
-        factors = np.ones(len(bounds))
+        for u in updates:
+            if u.message.n_entries:
+                upper += float(u.message.step(scale)) * np.sqrt(entries_per_tensor(u.message, starts))
         if (upper <= bounds).all():
-            return factors, parts
-        values = [np.where(p.neg, -p.step, p.step) for p in parts]
-        if len(parts) == 1:   # one message (an aggregate): its indices are distinct already
-            where, total = parts[0].index, values[0]
-        else:
-            where, inverse = np.unique(np.concatenate([p.index for p in parts]), return_inverse=True)
-            total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
-        tensor = np.searchsorted(starts, where, side="right") - 1
-        norm = np.sqrt(np.bincount(tensor, weights=total * total, minlength=len(bounds)))
+            return factors
+        norm = np.sqrt(summed_norms2(updates, scale, starts, self.n_params))
         over = norm > bounds
         factors[over] = bounds[over] / norm[over]
-        return factors, parts
+        return factors
 
 
-@dataclass(frozen=True)
-class Entries:
-    """One message's entries: indices (ascending), signs, and its step float32(τ·scale) as a float."""
+def entries_per_tensor(message: Message, starts: NDArray[np.int64]) -> NDArray[np.float64]:
+    """How many of the message's entries fall in each tensor (``starts``: each one's first index)."""
+    counts = np.zeros(len(starts))
+    bounds = starts << 1  # a code is below a tensor's first code exactly when its index is
+    for codes in CodeStream(message).batches():
+        counts += np.diff(np.searchsorted(codes, bounds), append=codes.size)
+    return counts
 
-    index: NDArray[np.int64]
-    neg: NDArray[np.bool_]
-    step: float
+
+# Indices merged at a time over all of a step's messages: at most WINDOW entries (~25 bytes each while
+# merged) whatever the model's and the messages' size, where merging whole messages held every entry
+WINDOW = 1 << 21
 
 
-def entries(update: StepUpdate, scale: float) -> Entries:
-    codes = update.message.codes()
-    return Entries(codes >> 1, (codes & 1).astype(bool), float(update.message.step(scale)))
+def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[np.int64], n_params: int,
+                  window: int | None = None) -> NDArray[np.float64]:
+    """Per tensor (``starts``: each one's first index), the squared norm of the step's messages summed by
+    index, in float64. Read window by window of indices (``window``; by default one window when the step
+    has at most WINDOW entries, else windows that hold at most WINDOW), each message streamed in index order (code_stream.py), so memory stays
+    bounded whatever the model's and the messages' size. The sums are the same on every replica: each
+    index adds the messages' values in rank order, each window's squares are summed in index order,
+    and the windows in turn."""
+    norm2 = np.zeros(len(starts))
+    streams = [(CodeStream(u.message), float(u.message.step(scale))) for u in updates if u.message.n_entries]
+    if not streams:
+        return norm2
+    if window is None:  # one window when every entry fits in it; else a window of N messages' indices
+        entries = sum(u.message.n_entries for u in updates)
+        window = n_params if entries <= WINDOW else max(1, WINDOW // len(streams))
+    width = window
+    for lo in range(0, n_params, width):
+        hi = min(lo + width, n_params)
+        index, values = [], []
+        for stream, step in streams:
+            codes = stream.below(hi)
+            if codes.size:
+                index.append(codes >> 1)
+                values.append(np.where(codes & 1, -step, step))
+        if not index:
+            continue
+        if len(index) == 1:  # one message's indices are distinct already
+            where, total = index[0], values[0]
+        else:
+            where, inverse = np.unique(np.concatenate(index), return_inverse=True)
+            total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
+        tensor = np.searchsorted(starts, where, side="right") - 1
+        norm2 += np.bincount(tensor, weights=total * total, minlength=len(starts))
+    return norm2
 
 
 def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0, cap: StepCap | None = None,
@@ -142,9 +174,9 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
     n = updates[0].message.n_params
     targets = (state[:n], *followers)
     if cap is not None:
-        factors, parts = cap.factors(updates, scale)
+        factors = cap.factors(updates, scale)
         if (factors < 1.0).any():
-            _add_capped(updates, parts, factors, cap, targets, state)
+            _add_capped(updates, factors, cap, targets, state, scale)
             return
     for u in updates:
         for v in targets:
@@ -152,17 +184,21 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
         add_buffers(u, state)
 
 
-def _add_capped(updates: Sequence[StepUpdate], parts: list[Entries], factors: NDArray[np.float64], cap: StepCap,
-                targets: Sequence[Vector], state: Vector) -> None:
+def _add_capped(updates: Sequence[StepUpdate], factors: NDArray[np.float64], cap: StepCap,
+                targets: Sequence[Vector], state: Vector, scale: float) -> None:
+    """Each message in rank order, a batch of its entries at a time, each entry's tensor's step
+    float32(τ·scale·factor) (rounded once, on the host) added once to every target: the same float32
+    additions in the same order on every replica."""
     starts = np.asarray(cap.starts, np.int64)
-    for u, p in zip(updates, parts):
-        if p.index.size:
-            steps = (p.step * factors).astype(np.float32)  # each tensor's step, rounded once, on the host
-            values = steps[np.searchsorted(starts, p.index, side="right") - 1]
-            values[p.neg] = -values[p.neg]
-            index = p.index.astype(np.uint32)
+    for u in updates:
+        steps = (float(u.message.step(scale)) * factors).astype(np.float32)
+        for codes in CodeStream(u.message).batches():
+            index = codes >> 1
+            values = steps[np.searchsorted(starts, index, side="right") - 1]
+            np.negative(values, out=values, where=(codes & 1).astype(bool))
+            index32 = index.astype(np.uint32)
             for v in targets:
-                backend_of(v).add_at(v, index, values)
+                backend_of(v).add_at(v, index32, values)
         add_buffers(u, state)
 
 
@@ -172,4 +208,4 @@ def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate
     return None if cap is None else functools.partial(apply_step, scale=scale, cap=cap)
 
 
-__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "step_applier", "step_cap_for"]
+__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "step_applier", "entries_per_tensor", "step_cap_for", "summed_norms2"]
