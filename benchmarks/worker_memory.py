@@ -2,7 +2,12 @@
 model's parameter bytes (4 B x parameters), for SGD and Adam, measured side by side in one run.
 
     PYTHONPATH=$PWD SPARK_LOCAL_IP=127.0.0.1 python benchmarks/worker_memory.py [--widths 512,4950,4950,4950,10]
-        [--optimizers sgd,adam] [--steps 4] [--json out.json] [--no-local-view]
+        [--optimizers sgd,adam] [--steps 4] [--json out.json] [--no-local-view] [--model mlp|gpt2]
+        [--threshold 1e-3] [--step-cap auto|none|SHARE]
+
+--threshold 1e-3 holds τ fixed at first, so the first steps' messages are dense (the warm-up's density):
+the capped apply's worst case. The driver's row is the relay's process (its copy of the parameters and
+every step it applies), its peak counted from the big fit's start.
 
 Every measurement runs in a fresh process: each gradshare run in its own driver with its own local[2]
 session (2 workers, fresh Python workers), the single process as a plain `python` child. A worker
@@ -40,11 +45,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def make_optimizer(name):
     import torch
 
+    if name == "adamw":  # the Hugging Face recipes' optimizer
+        return lambda params: torch.optim.AdamW(params, lr=1e-4)
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=0.01)
     if name == "adam-fused":  # one kernel per parameter: no temporaries the size of a layer
         return lambda params: torch.optim.Adam(params, lr=1e-3, fused=True)
     return lambda params: torch.optim.Adam(params, lr=1e-3)
+
+
+SEQ = 128  # GPT-2 small's rows: 128 tokens each
+
+
+def make_model(name, widths, small=False):
+    """The benchmark's model: the MLP of ``widths``, or "gpt2": GPT-2 small as `GPT2Config()` builds it
+    (124 M parameters), a one-layer, 32-wide one when ``small`` (the warm-up fit)."""
+    if name != "gpt2":
+        from torch import nn
+
+        return nn.Linear(widths[0], widths[-1]) if small else make_mlp(widths)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2) if small else GPT2Config())
+
+
+def make_rows(name, widths, count):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if name == "gpt2":
+        return [(rng.integers(0, 50257, SEQ), 0) for _ in range(count)]
+    return [(rng.standard_normal(widths[0]).astype(np.float32), int(rng.integers(widths[-1]))) for _ in range(count)]
+
+
+def lm_step(model, batch):
+    """GPT-2's next-token loss on a batch of rows (the labels are the inputs: the model shifts them)."""
+    return model(input_ids=batch[0], labels=batch[0]).loss
 
 
 def _status(field):
@@ -55,7 +91,7 @@ def _status(field):
     return 0
 
 
-def child_single(widths, optimizer, steps, batch):
+def child_single(widths, optimizer, steps, batch, model_name="mlp"):
     """Plain torch in this process: the baseline a worker is compared with."""
     import torch
 
@@ -64,24 +100,26 @@ def child_single(widths, optimizer, steps, batch):
     torch.set_num_threads(1)
     start = reset_peak_rss()
     torch.manual_seed(0)
-    model = make_mlp(widths)
+    model = make_model(model_name, widths)
     opt = make_optimizer(optimizer)(list(model.parameters()))
     loss = torch.nn.CrossEntropyLoss()
-    x = torch.randn(batch, widths[0])
-    y = torch.randint(0, widths[-1], (batch,))
+    if model_name == "gpt2":
+        x = y = torch.randint(0, 50257, (batch, SEQ))
+        step = lambda: lm_step(model, (x,))  # noqa: E731
+    else:
+        x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
+        step = lambda: loss(model(x), y)  # noqa: E731
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss(model(x), y).backward()
+        step().backward()
         opt.step()
     largest = max(p.numel() for p in model.parameters())
     n = sum(p.numel() for p in model.parameters())
     return {"start_rss_bytes": start, "peak_rss_bytes": _status("VmHWM"), "n_params": n, "largest": largest}
 
 
-def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto"):
-    import numpy as np
-    from torch import nn
-
+def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto",
+                    model_name="mlp"):
     from gradshare import SharedTrainer
     from gradshare.options import Compression, FaultTolerance, Network
     from gradshare.driver.session import session_builder
@@ -90,18 +128,17 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=
     spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     try:
-        rng = np.random.default_rng(0)
-        rows = [(rng.standard_normal(widths[0]).astype(np.float32), int(rng.integers(widths[-1])))
-                for _ in range(2 * steps * batch)]
+        rows = make_rows(model_name, widths, 2 * steps * batch)
         rdd = spark.sparkContext.parallelize(rows, 2).cache()
         rdd.count()
         common = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0, batch_size=batch,
                       fault_tolerance=FaultTolerance(timeout=300.0), optimizer=make_optimizer(optimizer),
                       compression=Compression(local_view=local_view, step_cap=step_cap),
-                      **({} if threshold is None else {"threshold": threshold}))
-        warm = SharedTrainer(lambda: nn.Linear(widths[0], widths[-1]), **common).fit(rdd)  # imports, kernels
+                      **({} if threshold is None else {"threshold": threshold}),
+                      **({"train_step": lm_step} if model_name == "gpt2" else {}))
+        warm = SharedTrainer(lambda: make_model(model_name, widths, small=True), **common).fit(rdd)  # imports, kernels
         driver_start = reset_peak_rss()  # the driver's peak from here: the relay's copy and its applies
-        result = SharedTrainer(lambda: make_mlp(widths), **common).fit(rdd)
+        result = SharedTrainer(lambda: make_model(model_name, widths), **common).fit(rdd)
         driver = {"start_rss_bytes": driver_start, "peak_rss_bytes": _status("VmHWM")}
         # the process's baseline: the warm-up task's peak (imports and kernels loaded, a tiny model), taken
         # before this job's closure (which once carried the model's weights) was unpickled; None if Spark
@@ -121,9 +158,9 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=
 def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True):
     """Buffers a worker step holds, in multiples of parameter bytes."""
     rows = {"params": 1.0, "grads": largest_share if in_backward else 1.0}
-    if optimizer in ("adam", "adam-fused"):
+    if optimizer in ("adam", "adam-fused", "adamw"):
         rows["adam moments"] = 2.0
-    if optimizer == "adam":  # single-tensor Adam: temporaries over the parameter it steps
+    if optimizer in ("adam", "adamw"):  # single-tensor Adam: temporaries over the parameter it steps
         rows["adam temporaries"] = 2 * largest_share
     # the direct path folds the residual into the local view's point (local_view.py: one buffer, P + r);
     # the general path keeps r and the point apart
@@ -136,7 +173,7 @@ def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True
 
 def run_child(kind, args, optimizer):
     cmd = [sys.executable, __file__, "--child", kind, "--optimizer", optimizer, "--widths", args.widths,
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--model", args.model,
            "--local-view" if args.local_view else "--no-local-view", "--step-cap", args.step_cap,
            *(["--threshold", str(args.threshold)] if args.threshold is not None else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
@@ -156,6 +193,8 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--local-view", action=argparse.BooleanOptionalAction, default=True,
                         help="Compression(local_view=...): the default keeps a P + residual buffer (4 B/param)")
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
+                        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)")
     parser.add_argument("--threshold", type=float, default=None, help="SharedTrainer(threshold=...): a fixed "
                         "first τ keeps the first steps dense (the capped apply's worst case)")
     parser.add_argument("--step-cap", default="auto", help="Compression(step_cap=...): auto, none or a share")
@@ -165,11 +204,11 @@ def main(argv=None):
     widths = [int(w) for w in args.widths.split(",")]
     if args.child:
         if args.child == "single":
-            out = child_single(widths, args.optimizer, args.steps, args.batch_size)
+            out = child_single(widths, args.optimizer, args.steps, args.batch_size, args.model)
         else:
             cap = None if args.step_cap == "none" else args.step_cap if args.step_cap == "auto" else float(args.step_cap)
             out = child_gradshare(widths, args.optimizer, args.steps, args.batch_size, args.local_view,
-                                  args.threshold, cap)
+                                  args.threshold, cap, args.model)
         print(json.dumps(out), flush=True)
         return
 
