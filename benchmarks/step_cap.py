@@ -76,7 +76,7 @@ def main() -> None:
 
     loose, tight = StepCap.of(sizes, initial, 1e6), StepCap.of(sizes, initial, 1e-6)
     for cap in (loose, tight):   # check the two regimes are the ones named
-        factors = cap.factors(messages, 1.0)
+        factors = cap.factors(messages, 1.0, state)
         assert (factors < 1).any() == (cap is tight)
     base = timed(plain, args.repeat)
     free = timed(lambda: apply_step(messages, state, 1.0, loose), args.repeat)

@@ -132,7 +132,7 @@ class Compression:
         "the lr is not lowered", "`None` (by worker count: [defaults](defaults.md))")
     step_cap: float | Literal["auto"] | None = option(
         "auto", "each parameter tensor's share of a step's summed messages is scaled down to at most this share "
-        "of its norm at the start of training, on every replica alike ([convergence](convergence.md#step-cap)); "
+        "of its norm as the step starts, on every replica alike ([convergence](convergence.md#step-cap)); "
         "`None` disables", "`\"auto\"` (by worker count: [defaults](defaults.md))")
     residual_clip: float | None = option(5.0, "clip \\|residual\\| to this many τ every 5 steps; `None` disables")
     optimizer_momentum: OptimizerMomentum = option(
@@ -179,7 +179,7 @@ class Compression:
                                 decay_from=0.0 if self.decay_from is None else self.decay_from)
         cap: object = self.step_cap  # the user's: checked here, whatever the annotation promises
         if cap not in ("auto", None) and not (is_number(cap) and 0 < cap < math.inf):
-            raise ValueError(f"step_cap must be 'auto', None or a positive share of each tensor's initial norm "
+            raise ValueError(f"step_cap must be 'auto', None or a positive share of each tensor's norm "
                              f"(e.g. 0.1), got {cap!r}")
         if self.residual_clip is not None and not self.residual_clip > 0:
             raise ValueError(f"residual_clip must be None or > 0, got {self.residual_clip!r}")

@@ -66,12 +66,12 @@ def check_fresh(store: Store, epochs_done: int) -> None:
 
 def job_of(world_size: int, steps_per_epoch: tuple[int, ...], batch_size: int, seed: int,
            shapes: list[tuple[str, tuple[int, ...]]], step_cap: float | None = None,
-           step_bounds: list[list[float]] | None = None) -> dict[str, Any]:
-    """The facts a checkpoint must share with the fit that resumes from it, and the step cap's bounds,
-    which a resumed fit takes from it (they come from the training's first parameters)."""
+           step_shares: list[list[float]] | None = None) -> dict[str, Any]:
+    """The facts a checkpoint must share with the fit that resumes from it, and the step cap's shares,
+    which a resumed fit takes from it (which tensors are capped comes from the training's first parameters)."""
     return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
             "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes], "step_cap": step_cap,
-            "step_bounds": step_bounds}
+            "step_shares": step_shares}
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -221,8 +221,8 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
     if restart is not None:
         initial, first_epoch, epochs = restart.params, restart.epochs_done, config.epochs - restart.epochs_done
     step_cap = None if share is None else cap_of(share, flat, prep.resume, restart)
-    if saving is not None and step_cap is not None:  # this fit's checkpoints keep the bounds it runs with
-        saving = replace(saving, job={**saving.job, "step_bounds": step_cap.to_json()})
+    if saving is not None and step_cap is not None:  # this fit's checkpoints keep the cap it runs with
+        saving = replace(saving, job={**saving.job, "step_shares": step_cap.to_json()})
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
         initial = load_params(prep.stores["resume"], prep.resume)
         saved_world = prep.resume["job"]["world_size"]
@@ -265,11 +265,12 @@ def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig
 
 
 def cap_of(share: float, flat: FlatParams, resume: Manifest | None, restart: Restart | None = None) -> StepCap:
-    """The fit's step cap: ``share`` of each tensor's norm in the model as it starts, or the bounds a
-    resumed checkpoint's fit or the re-formed job's first had (the training's start, not this job's)."""
+    """The fit's step cap: ``share`` of each tensor's norm, for the tensors whose norm is not 0 in the model as
+    it starts, or the cap a resumed checkpoint's fit or the re-formed job's first had (which tensors are
+    capped comes from the training's start, not this job's)."""
     if restart is not None and restart.step_cap is not None:
         return restart.step_cap
-    saved = None if resume is None else resume["job"].get("step_bounds")
+    saved = None if resume is None else resume["job"].get("step_shares")
     if saved is not None:
         return StepCap.from_json(saved, flat.n_params)
     return StepCap.of([p.numel() for p in flat.params], flat.array, share)

@@ -87,7 +87,7 @@ class StepPlan:
     count, resolved once. `fit` and the lock-step harness both take it from `plan_steps`."""
 
     rule: ThresholdRule  # each worker's τ rule (deep-copied per worker)
-    cap_share: float | None  # the step cap's share of each tensor's initial norm (step_cap.py); None: no cap
+    cap_share: float | None  # the step cap's share of each tensor's norm (step_cap.py); None: no cap
     momentum_ceiling: float | None  # the most β1 / momentum each worker steps with; None: the optimizer's own
     apply_scale: float  # every replica and the relay apply each message × this
     lr_factor: float  # every worker's lr × this (lr_batch_size's scaling)

@@ -15,14 +15,12 @@ tables):
   scaling workloads gained 0.3–2.5 pp at 4–16 workers, the digits MLP kept its accuracy. Off from 32:
   tabular64k at 64 workers 84.41 → 86.75 %, MNIST-1D MLP at 32 83.26 → 88.87 % (3 seeds).
 - step cap (encoding/step_cap.py): each tensor's share of a step's summed messages at most this × its
-  initial norm. The summed steps of N workers' optimizers move a tensor up to N times as far as one
-  process's; relative to the tensor's own scale that overshoot is what hurts models initialised small
-  (Hugging Face's normal(0, 0.02)). Over 3 seeds with β1 0.5, 0.06 took Llama at 2 / 4 workers to
-  1.969 / 2.148 nats (DDP equivalent 1.960 / 2.206; β1 0.5 uncapped: 2.002 / 2.374 on seed 0) and GPT-2
-  below DDP's. The share is a balance: 0.05 left Llama further below DDP but cost the digits CNN at 4
-  workers 0.9 pp (its head layer capped on every step), 0.1 left Llama 0.05–0.11 nats above DDP; at 0.06
-  the CNN gains 0.3 pp and the MLP stays within its noise. 0.1 from 32 workers, where it was measured
-  (tabular64k at 64: 82.81 → 84.41 %).
+  norm as the step starts. The summed steps of N workers' optimizers move a tensor up to N times as far
+  as one process's; relative to the tensor's own scale that overshoot is what hurts models initialised
+  small (Hugging Face's normal(0, 0.02)). Read against the norm the tensor has now (LAMB's trust ratio)
+  rather than its initial one, it holds the LMs as before and no longer holds a tensor that has grown
+  (docs/benchmarks/scaling.md, "The step cap against the norm a tensor has now"). 0.1 from 32 workers,
+  where it was measured.
 - density decay (encoding/threshold.py): from 32 workers a run is too short for an entry to wait ~1/density
   steps in the residual; the density decays from 2 % over the run, the lr lowered meanwhile unless the
   step cap takes its place (plan.rule_for).
@@ -51,7 +49,7 @@ class Auto:
     """One row of the table: what each "auto" option is at a worker count."""
 
     momentum: float  # optimizer_momentum="auto": the most β1 / momentum each worker steps with
-    step_cap: float  # step_cap="auto": each tensor's share of a step at most this × its initial norm
+    step_cap: float  # step_cap="auto": each tensor's share of a step at most this × its norm
     decay_from: float  # the default τ rule's run-long density decay (0: none)
     decay_lr_power: float  # its lr lowering meanwhile (0 where the step cap takes its place)
     warmup_density: float  # the default warm-up's first density per worker
@@ -65,9 +63,6 @@ def auto_for(world: int) -> Auto:
                 decay_from=DEFAULT_DECAY_FROM if many else 0.0, decay_lr_power=DEFAULT_DECAY_LR_POWER if many else 0.0,
                 warmup_density=min(DEFAULT_WARMUP_DENSITY, WARMUP_SHARED_DENSITY / max(world, 1)),
                 forwarding="aggregate" if world >= AGGREGATE_FROM else "per-rank")
-
-
-
 
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)  # the worker counts docs/guide/defaults.md shows

@@ -1,25 +1,28 @@
 """The step cap: every replica and the relay scale each parameter tensor's share of one step's summed
-messages down to at most ``cap × its norm at the start of training`` (a state object and a function).
+messages down to at most ``cap × its norm now`` (the norm the tensor has as the step is applied; a
+state object and a function).
 
-    cap = StepCap.of(sizes, initial_params, 0.1)
+    cap = StepCap.of(sizes, initial_params, 0.06)
     apply_step([update_rank0, update_rank1, ...], state, scale=1.0, cap=cap)   # one whole step, rank order
 
 Why: with N workers each step adds N workers' messages, each a full local optimizer step, so a step
-moves a tensor ~N times as far as one process's would; at 64 workers that overshoot costs more than the
-compression does. Capping the summed step per tensor, relative to the tensor's own size (the trust
-ratio of LARS / LAMB, You et al. 2017 / 2020, taken against the initial norm, which every replica
-knows from the start), measured in lock step at N = 64 over 3 seeds (docs/benchmarks/scaling.md):
-tabular64k 82.81 → 84.41 %, MNIST-1D MLP 72.73 → 75.13 % (tuned DDP 85.63 / 70.99); at N = 32
-tabular64k 85.35 → 87.34 %. A global cap (one bound for the whole model) measured worse (docs/design.md,
-"What we tried: learning at 64 workers").
+moves a tensor ~N times as far as one process's would. Capping the summed step per tensor relative to
+the tensor's own size is the trust ratio of LARS / LAMB (You et al. 2017 / 2020), which also reads the
+weight norm as it is at each step. Read against the tensor's *current* norm, the cap follows the run: a
+tensor that grows (a CNN's filters under Adam at lr 1e-2) is held less than at its start, and a small
+one (Hugging Face's normal(0, 0.02) init) as tightly as it needs. In lock step over 3 seeds it is at or
+better than the same share of the *initial* norm (the rule before) on every row measured: Hugging Face
+Llama / GPT-2 at 2 and 4 workers, and MNIST-1D's CNN at lr 1e-2, which the initial norm held on every
+step (docs/benchmarks/scaling.md, "The step cap").
 
 The part above the cap is dropped, not fed back: it is the overshoot. What a replica adds is a function
-of the step's messages and their order alone: the norm is summed on the host in float64 (window by
-window of indices, each message streamed in index order, so no array as large as a message is held),
-each tensor's step is ``float32(τ·scale·factor)`` and added with one float32
-addition per entry, on NumPy or on a torch device, so every replica and the relay stay bit-identical.
-A tensor whose initial norm is 0 (a zero-initialised bias) is not capped: a bound of 0 would freeze it.
-Float buffers (BatchNorm statistics) are not capped: they travel exactly (update.py).
+of its state before the step and the step's messages and their order alone, all of which are the same
+on every replica: the norms are summed on the host in float64 in a fixed order (`tensor_norms2`; window
+by window of indices for the step, each message streamed in index order, so no array as large as a
+message is held), each tensor's step is ``float32(τ·scale·factor)`` and added with one float32 addition
+per entry, on NumPy or on a torch device, so every replica and the relay stay bit-identical. A tensor
+whose initial norm is 0 (a zero-initialised bias) is not capped: its norm starts at 0 and a share of it
+would freeze it. Float buffers (BatchNorm statistics) are not capped: they travel exactly (update.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -36,6 +39,7 @@ from gradshare.encoding.backend import backend_of
 from gradshare.encoding.code_stream import CodeStream
 from gradshare.encoding.codec import apply
 from gradshare.encoding.message import Message
+from gradshare.encoding.norms import tensor_norms2
 from gradshare.encoding.update import StepUpdate, add_buffers
 from gradshare.vectors import Vector, to_host
 
@@ -51,61 +55,98 @@ def step_cap_for(option: float | str | None) -> float | None:
     return None if option is None else float(option)
 
 
+@dataclass
+class _SeenNorms:
+    """The norms a replica last read (0: never) and the steps it applied since (`StepCap.bounds`)."""
+
+    norm: NDArray[np.float64]
+    since: NDArray[np.int64]
+
+
 @dataclass(frozen=True)
 class StepCap:
-    """Per parameter tensor of the flat parameters: where it starts and its bound (inf: not capped).
+    """Per parameter tensor of the flat parameters: where it starts and the share of its norm a step may
+    move it (inf: not capped).
 
-    starts: the first flat index of each tensor, ascending from 0. bounds: cap × the tensor's norm at
-    the start of training. n_params: the flat parameters' size (the last tensor ends there)."""
+    starts: the first flat index of each tensor, ascending from 0. shares: the cap, or inf for a tensor
+    whose norm was 0 at the start of training. n_params: the flat parameters' size (the last tensor ends
+    there). It remembers the norms it last read (`bounds`), which belong to one replica's parameters
+    as they move step by step: each replica applies with its own (``dataclasses.replace(cap)``)."""
 
     starts: tuple[int, ...]
-    bounds: tuple[float, ...]
+    shares: tuple[float, ...]
     n_params: int
+    _seen: _SeenNorms = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.starts or self.starts[0] != 0 or len(self.bounds) != len(self.starts):
+        if not self.starts or self.starts[0] != 0 or len(self.shares) != len(self.starts):
             raise ValueError(f"step cap: {len(self.starts)} tensor starts (the first must be 0) and "
-                             f"{len(self.bounds)} bounds")
+                             f"{len(self.shares)} shares")
         if any(b <= a for a, b in zip(self.starts, (*self.starts[1:], self.n_params))):
             raise ValueError(f"step cap: tensor starts must increase and stay below n_params={self.n_params}")
-        if not all(b > 0 for b in self.bounds):  # inf allowed: not capped
-            raise ValueError("step cap: every bound must be > 0 (inf: the tensor is not capped)")
+        if not all(b > 0 for b in self.shares):  # inf allowed: not capped
+            raise ValueError("step cap: every share must be > 0 (inf: the tensor is not capped)")
+        count = len(self.starts)
+        object.__setattr__(self, "_seen", _SeenNorms(np.zeros(count), np.zeros(count, np.int64)))
 
     @classmethod
     def of(cls, sizes: Sequence[int], params: Vector, cap: float) -> StepCap:
-        """The cap for tensors of ``sizes`` laid out one after another in ``params`` (their start values)."""
+        """The cap for tensors of ``sizes`` laid out one after another in ``params`` (their start values:
+        a tensor whose norm is 0 there is not capped)."""
         if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) and cap > 0):
-            raise ValueError(f"step_cap must be a positive finite number (a share of each tensor's initial "
-                             f"norm), got {cap!r}")
-        host = to_host(params)
-        starts, bounds, lo = [], [], 0
-        for size in sizes:
-            norm = float(np.linalg.norm(host[lo:lo + size].astype(np.float64)))
-            starts.append(lo)
-            bounds.append(cap * norm if norm > 0 else math.inf)
-            lo += size
-        return cls(tuple(starts), tuple(bounds), lo)
+            raise ValueError(f"step_cap must be a positive finite number (a share of each tensor's norm), "
+                             f"got {cap!r}")
+        starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+        norms2 = tensor_norms2(np.ascontiguousarray(to_host(params)[:sum(sizes)], np.float32), starts,
+                               np.ones(len(sizes), bool))
+        return cls(tuple(int(s) for s in starts), tuple(float(cap) if n > 0 else math.inf for n in norms2),
+                   int(sum(sizes)))
 
     def to_json(self) -> list[list[float]]:
-        """[[start, bound], ...] (a checkpoint's job: a resumed fit keeps the first fit's bounds; JSON
-        writes floats exactly, inf as Infinity)."""
-        return [[s, b] for s, b in zip(self.starts, self.bounds)]
+        """[[start, share], ...] (a checkpoint's job: a resumed fit caps the tensors the first fit did;
+        JSON writes floats exactly, inf as Infinity)."""
+        return [[s, b] for s, b in zip(self.starts, self.shares)]
 
     @classmethod
     def from_json(cls, data: list[list[float]], n_params: int) -> StepCap:
         return cls(tuple(int(s) for s, _ in data), tuple(float(b) for _, b in data), n_params)
 
-    def factors(self, updates: Sequence[StepUpdate], scale: float) -> NDArray[np.float64]:
-        """Per tensor, min(1, bound ÷ the norm of the step's summed messages)."""
+    def bounds(self, params: Vector, upper: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Per tensor, share × its norm in ``params`` (the parameters as the step starts), for the tensors
+        the step may take past it: ``upper`` bounds the step's norm in each; inf where it is not capped,
+        its norm is 0, or its norm cannot be below upper ÷ share (then the norm is not read).
+
+        The last norms read bound the norms now from below: a step moves a capped tensor by at most its
+        share of its norm, so after s steps its norm is at least (1 − share)^s of the one read. Most steps
+        are settled that way, without a pass over the parameters; the factors are the same either way
+        (a settled tensor's would be 1), so replicas that read their norms at different steps agree."""
+        shares = np.asarray(self.shares)
+        capped = np.isfinite(shares) & (upper > 0)
+        seen = self._seen
+        with np.errstate(invalid="ignore", over="ignore"):
+            lower = seen.norm * (1.0 - np.minimum(shares, 1.0)) ** seen.since * (1.0 - 1e-6)  # float32 rounding
+            need = capped & ~(upper <= shares * lower)
+        out = np.full(len(shares), math.inf)
+        if need.any():
+            host = np.ascontiguousarray(to_host(params)[:self.n_params], np.float32)  # a view on the host
+            norm = np.sqrt(tensor_norms2(host, np.asarray(self.starts, np.int64), need))
+            seen.norm[need], seen.since[need] = norm[need], 0
+            out[need] = np.where(norm[need] > 0, shares[need] * norm[need], math.inf)
+        seen.since += 1  # the step is applied next
+        return out
+
+    def factors(self, updates: Sequence[StepUpdate], scale: float, params: Vector) -> NDArray[np.float64]:
+        """Per tensor, min(1, bound ÷ the norm of the step's summed messages), the bounds read from
+        ``params`` as the step starts."""
         starts = np.asarray(self.starts, np.int64)
-        bounds = np.asarray(self.bounds)
-        factors = np.ones(len(bounds))
+        factors = np.ones(len(self.shares))
         # the triangle inequality first: Σ_r step_r·√(entries of r in the tensor) bounds the norm, and
         # usually settles it without merging the N messages by index
-        upper = np.zeros(len(bounds))
+        upper = np.zeros(len(self.shares))
         for u in updates:
             if u.message.n_entries:
                 upper += float(u.message.step(scale)) * np.sqrt(entries_per_tensor(u.message, starts))
+        bounds = self.bounds(params, upper)
         if (upper <= bounds).all():
             return factors
         norm = np.sqrt(summed_norms2(updates, scale, starts, self.n_params))
@@ -132,8 +173,8 @@ def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[n
                   window: int | None = None) -> NDArray[np.float64]:
     """Per tensor (``starts``: each one's first index), the squared norm of the step's messages summed by
     index, in float64. Read window by window of indices (``window``; by default one window when the step
-    has at most WINDOW entries, else windows that hold at most WINDOW), each message streamed in index order (code_stream.py), so memory stays
-    bounded whatever the model's and the messages' size. The sums are the same on every replica: each
+    has at most WINDOW entries, else windows that hold at most WINDOW), each message streamed in index
+    order (code_stream.py), so memory stays bounded whatever the model's and the messages' size. The sums are the same on every replica: each
     index adds the messages' values in rank order, each window's squares are summed in index order,
     and the windows in turn."""
     norm2 = np.zeros(len(starts))
@@ -174,7 +215,7 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
     n = updates[0].message.n_params
     targets = (state[:n], *followers)
     if cap is not None:
-        factors = cap.factors(updates, scale)
+        factors = cap.factors(updates, scale, state[:n])
         if (factors < 1.0).any():
             _add_capped(updates, factors, cap, targets, state, scale)
             return
@@ -205,7 +246,9 @@ def _add_capped(updates: Sequence[StepUpdate], factors: NDArray[np.float64], cap
 def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate], NDArray[np.float32]], None] | None:
     """The relay's `apply_step` for a fit with ``cap`` (None without one: the relay applies message by
     message, as `apply_update`)."""
-    return None if cap is None else functools.partial(apply_step, scale=scale, cap=cap)
+    # the relay's own copy: it remembers the norms it read of the relay's parameters
+    return None if cap is None else functools.partial(apply_step, scale=scale, cap=replace(cap))
 
 
-__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "step_applier", "entries_per_tensor", "step_cap_for", "summed_norms2"]
+__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "entries_per_tensor", "step_applier", "step_cap_for",
+           "summed_norms2"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol
 
 from gradshare.encoding import decode_update
@@ -32,7 +33,8 @@ class ApplyLog:
                  profile: StepProfile | Off | None = None, scale: float = 1.0, cap: StepCap | None = None) -> None:
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         # the same on every replica and the relay, so the replicas stay bit-identical
-        self.scale, self.cap = scale, cap  # cap: the step cap (encoding/step_cap.py), None: none
+        # cap: the step cap (encoding/step_cap.py; this replica's own: it remembers the norms it read), None: none
+        self.scale, self.cap = scale, None if cap is None else replace(cap)
         self.applied_through = start_step - 1  # the snapshot (or the initial params) covers the rest
         self.start_step = start_step
         self.pending: deque[Update] = deque()

@@ -94,11 +94,11 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     trainer(2, step_cap=0.01, checkpoint_dir=root).fit(rdd)
     with open(os.path.join(root, "epoch-00002", MANIFEST)) as f:
         job = json.load(f)["job"]
-    assert job["step_cap"] == 0.01 and len(job["step_bounds"]) == len(list(mlp().parameters()))
+    assert job["step_cap"] == 0.01 and len(job["step_shares"]) == len(list(mlp().parameters()))
     resumed = trainer(4, step_cap=0.01).fit(rdd, resume_from=root)
     assert resumed.param_hash == capped.param_hash
-    # the bounds come from the checkpoint, not from the model given to the resumed fit (here twice as
-    # large: its own bounds would be twice the checkpoint's)
+    # the cap reads the checkpoint's parameters, and which tensors it caps from the checkpoint's job, not
+    # from the model given to the resumed fit (here twice as large)
     other = SharedTrainer(doubled_mlp, epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, **LOOPBACK,
                           compression=Compression(warmup=2.0, step_cap=0.01)).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
     assert other.param_hash == capped.param_hash
