@@ -216,7 +216,7 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
         config = replace(config, compression=replace(config.compression, step_cap=prep.resume["job"].get("step_cap")))
     steps = plan_steps(config, world, max(steps_per_epoch))
     rule, share = steps.rule, steps.cap_share
-    # a resumed checkpoint's model and job are checked before its step bounds are read for this model
+    # a resumed checkpoint's model and job are checked before its step cap is read for this model
     saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share)
     if restart is not None:
         initial, first_epoch, epochs = restart.params, restart.epochs_done, config.epochs - restart.epochs_done

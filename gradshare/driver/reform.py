@@ -36,11 +36,11 @@ class Reform(Exception):
 @dataclass(frozen=True)
 class Restart:
     """Where a re-formed job starts: the relay's parameters, the whole-training epochs done (it runs the
-    interrupted epoch again from its start) and the step cap's bounds of the training's start."""
+    interrupted epoch again from its start) and the step cap of the training's start."""
 
     params: np.ndarray
     epochs_done: int
-    step_cap: StepCap | None = None  # the first job's (its bounds come from the training's start); None: none
+    step_cap: StepCap | None = None  # the first job's (which tensors it caps: the training's start); None: none
     # rank 0's early-stopping state as the old job's log held it, its epochs counted from the new job's start
     notes: tuple[tuple[str, float], ...] = ()
 
