@@ -114,7 +114,7 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
     flat = FlatParams(copy.deepcopy(model))
     caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
-                                                          plan.cap_share)
+                                                          plan.cap_share, plan.cap_norm)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
                        residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs, batch_size=batch,

@@ -70,7 +70,7 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     flat = FlatParams(copy.deepcopy(model))
     caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
-                                                          plan.cap_share)
+                                                          plan.cap_share, plan.cap_norm)
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
                        loss=None, train_step=step, optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
                        threshold_rule=plan.rule, residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs,

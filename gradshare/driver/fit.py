@@ -220,7 +220,7 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
     saving, first_epoch, epochs = checkpoint_plan(config, model, world, steps_per_epoch, prep.resume, share)
     if restart is not None:
         initial, first_epoch, epochs = restart.params, restart.epochs_done, config.epochs - restart.epochs_done
-    step_cap = None if share is None else cap_of(share, flat, prep.resume, restart)
+    step_cap = None if share is None else cap_of(share, steps.cap_norm, flat, prep.resume, restart)
     if saving is not None and step_cap is not None:  # this fit's checkpoints keep the cap it runs with
         saving = replace(saving, job={**saving.job, "step_shares": step_cap.to_json()})
     if prep.resume is not None:  # shapes checked by checkpoint_plan, contents by the manifest
@@ -264,7 +264,8 @@ def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig
     return (fewest,) * len(steps)
 
 
-def cap_of(share: float, flat: FlatParams, resume: Manifest | None, restart: Restart | None = None) -> StepCap:
+def cap_of(share: float, norm: str, flat: FlatParams, resume: Manifest | None,
+           restart: Restart | None = None) -> StepCap:
     """The fit's step cap: ``share`` of each tensor's norm, for the tensors whose norm is not 0 in the model as
     it starts, or the cap a resumed checkpoint's fit or the re-formed job's first had (which tensors are
     capped comes from the training's start, not this job's)."""
@@ -273,7 +274,7 @@ def cap_of(share: float, flat: FlatParams, resume: Manifest | None, restart: Res
     saved = None if resume is None else resume["job"].get("step_shares")
     if saved is not None:
         return StepCap.from_json(saved, flat.n_params)
-    return StepCap.of([p.numel() for p in flat.params], flat.array, share)
+    return StepCap.of([p.numel() for p in flat.params], flat.array, share, norm)
 
 
 def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],

@@ -88,6 +88,7 @@ class StepPlan:
 
     rule: ThresholdRule  # each worker's τ rule (deep-copied per worker)
     cap_share: float | None  # the step cap's share of each tensor's norm (step_cap.py); None: no cap
+    cap_norm: str  # which norm: "now" (as each step starts) or "initial" (policy.py's row)
     momentum_ceiling: float | None  # the most β1 / momentum each worker steps with; None: the optimizer's own
     apply_scale: float  # every replica and the relay apply each message × this
     lr_factor: float  # every worker's lr × this (lr_batch_size's scaling)
@@ -100,7 +101,7 @@ def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPla
     momentum = auto_for(world).momentum if option == "auto" else momentum_ceiling(option)
     share = cap_share(config, world)
     return StepPlan(rule=rule_for(config, steps_per_epoch, world, share is not None), cap_share=share,
-                    momentum_ceiling=momentum,
+                    cap_norm=auto_for(world).step_cap_norm, momentum_ceiling=momentum,
                     apply_scale=1.0 / world if config.compression.aggregate == "mean" else 1.0,
                     lr_factor=config.lr_factor)
 

@@ -70,12 +70,15 @@ class StepCap:
 
     starts: the first flat index of each tensor, ascending from 0. shares: the cap, or inf for a tensor
     whose norm was 0 at the start of training. n_params: the flat parameters' size (the last tensor ends
-    there). It remembers the norms it last read (`bounds`), which belong to one replica's parameters
-    as they move step by step: each replica applies with its own (``dataclasses.replace(cap)``)."""
+    there). initial: None, the cap is a share of each tensor's norm as the step starts; or each tensor's
+    norm at the start of training, the cap a share of that (the row from 32 workers, where it was measured
+    so: policy.py). It remembers the norms it last read (`bounds`), which belong to one replica's
+    parameters as they move step by step: each replica applies with its own (``dataclasses.replace(cap)``)."""
 
     starts: tuple[int, ...]
     shares: tuple[float, ...]
     n_params: int
+    initial: tuple[float, ...] | None = None  # each tensor's initial norm, when the cap is a share of it
     _seen: _SeenNorms = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,13 +89,18 @@ class StepCap:
             raise ValueError(f"step cap: tensor starts must increase and stay below n_params={self.n_params}")
         if not all(b > 0 for b in self.shares):  # inf allowed: not capped
             raise ValueError("step cap: every share must be > 0 (inf: the tensor is not capped)")
+        if self.initial is not None and len(self.initial) != len(self.starts):
+            raise ValueError(f"step cap: {len(self.initial)} initial norms for {len(self.starts)} tensors")
         count = len(self.starts)
         object.__setattr__(self, "_seen", _SeenNorms(np.zeros(count), np.zeros(count, np.int64)))
 
     @classmethod
-    def of(cls, sizes: Sequence[int], params: Vector, cap: float) -> StepCap:
+    def of(cls, sizes: Sequence[int], params: Vector, cap: float, norm: str = "now") -> StepCap:
         """The cap for tensors of ``sizes`` laid out one after another in ``params`` (their start values:
-        a tensor whose norm is 0 there is not capped)."""
+        a tensor whose norm is 0 there is not capped), a share of the norm each has ``norm``: "now" (as
+        each step starts) or "initial" (in ``params``)."""
+        if norm not in ("now", "initial"):
+            raise ValueError(f"norm must be 'now' or 'initial', got {norm!r}")
         if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) and cap > 0):
             raise ValueError(f"step_cap must be a positive finite number (a share of each tensor's norm), "
                              f"got {cap!r}")
@@ -100,16 +108,19 @@ class StepCap:
         norms2 = tensor_norms2(np.ascontiguousarray(to_host(params)[:sum(sizes)], np.float32), starts,
                                np.ones(len(sizes), bool))
         return cls(tuple(int(s) for s in starts), tuple(float(cap) if n > 0 else math.inf for n in norms2),
-                   int(sum(sizes)))
+                   int(sum(sizes)), tuple(math.sqrt(n) for n in norms2) if norm == "initial" else None)
 
     def to_json(self) -> list[list[float]]:
-        """[[start, share], ...] (a checkpoint's job: a resumed fit caps the tensors the first fit did;
-        JSON writes floats exactly, inf as Infinity)."""
-        return [[s, b] for s, b in zip(self.starts, self.shares)]
+        """[[start, share], ...], or [[start, share, initial norm], ...] (a checkpoint's job: a resumed fit
+        caps the tensors the first fit did, as it did; JSON writes floats exactly, inf as Infinity)."""
+        if self.initial is None:
+            return [[s, b] for s, b in zip(self.starts, self.shares)]
+        return [[s, b, n] for s, b, n in zip(self.starts, self.shares, self.initial)]
 
     @classmethod
     def from_json(cls, data: list[list[float]], n_params: int) -> StepCap:
-        return cls(tuple(int(s) for s, _ in data), tuple(float(b) for _, b in data), n_params)
+        initial = tuple(float(row[2]) for row in data) if data and len(data[0]) == 3 else None
+        return cls(tuple(int(row[0]) for row in data), tuple(float(row[1]) for row in data), n_params, initial)
 
     def bounds(self, params: Vector, upper: NDArray[np.float64]) -> NDArray[np.float64]:
         """Per tensor, share × its norm in ``params`` (the parameters as the step starts), for the tensors
@@ -121,6 +132,8 @@ class StepCap:
         are settled that way, without a pass over the parameters; the factors are the same either way
         (a settled tensor's would be 1), so replicas that read their norms at different steps agree."""
         shares = np.asarray(self.shares)
+        if self.initial is not None:  # a share of the initial norm: nothing to read
+            return np.where(np.isfinite(shares), shares * np.asarray(self.initial), math.inf)
         capped = np.isfinite(shares) & (upper > 0)
         seen = self._seen
         with np.errstate(invalid="ignore", over="ignore"):

@@ -15,4 +15,5 @@ def test_the_defaults_page_holds_the_planners_table():
 def test_the_table_changes_where_the_policy_says():
     assert auto_for(31).momentum == 0.5 and auto_for(32).momentum == 0.0
     assert auto_for(15).forwarding == "per-rank" and auto_for(16).forwarding == "aggregate"
-    assert "| 32 | off (0) | 0.1 | 0.02 | 0.35 |" in table()
+    assert "| 32 | off (0) | 0.1 × initial norm | 0.02 | 0.35 |" in table()
+    assert "| 16 | 0.5 | 0.06 × norm now | off |" in table()

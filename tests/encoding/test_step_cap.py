@@ -203,6 +203,18 @@ def test_tensor_norms_refuse_bad_layouts():
         tensor_norms2(np.ones(4, np.float32), np.array([1]), np.array([True]))
 
 
+def test_a_share_of_the_initial_norm_reads_no_norm_and_survives_json():
+    """The row from 32 workers: the bound stays the share of the tensor's norm at the start of training."""
+    start = np.array([3.0, 4.0, 0.0], np.float32)
+    cap = StepCap.of([2, 1], start, 0.1, norm="initial")
+    grown = np.array([6.0, 8.0, 0.0], np.float32)
+    assert cap.bounds(grown, np.ones(2)).tolist() == [0.5, math.inf]
+    back = StepCap.from_json(json.loads(json.dumps(cap.to_json())), 3)
+    assert back == cap and back.initial == (5.0, 0.0)
+    with pytest.raises(ValueError, match="norm"):
+        StepCap.of([2, 1], start, 0.1, norm="final")
+
+
 def test_the_bounds_survive_a_json_manifest_exactly():
     params = np.random.default_rng(0).standard_normal(50).astype(np.float32)
     params[40:] = 0
