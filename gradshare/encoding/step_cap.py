@@ -7,13 +7,12 @@ state object and a function).
 
 Why: with N workers each step adds N workers' messages, each a full local optimizer step, so a step
 moves a tensor ~N times as far as one process's would. Capping the summed step per tensor relative to
-the tensor's own size is the trust ratio of LARS / LAMB (You et al. 2017 / 2020), which also reads the
-weight norm as it is at each step. Read against the tensor's *current* norm, the cap follows the run: a
-tensor that grows (a CNN's filters under Adam at lr 1e-2) is held less than at its start, and a small
-one (Hugging Face's normal(0, 0.02) init) as tightly as it needs. In lock step over 3 seeds it is at or
-better than the same share of the *initial* norm (the rule before) on every row measured: Hugging Face
-Llama / GPT-2 at 2 and 4 workers, and MNIST-1D's CNN at lr 1e-2, which the initial norm held on every
-step (docs/benchmarks/scaling.md, "The step cap").
+the tensor's own size is the trust ratio of LARS / LAMB (You et al. 2017 / 2020), which reads the weight
+norm as it is at each step. Read against the tensor's norm now, the cap follows the run: a tensor that
+has grown (a CNN's filters under Adam at a high lr) gets room to move, and one initialised small (Hugging
+Face's normal(0, 0.02)) is held as tightly as before. From 32 workers the cap stays a share of each
+tensor's initial norm (``initial``), as it was measured there (driver/policy.py;
+docs/benchmarks/scaling.md, "The step cap against the norm a tensor has now").
 
 The part above the cap is dropped, not fed back: it is the overshoot. What a replica adds is a function
 of its state before the step and the step's messages and their order alone, all of which are the same
@@ -133,7 +132,10 @@ class StepCap:
         (a settled tensor's would be 1), so replicas that read their norms at different steps agree."""
         shares = np.asarray(self.shares)
         if self.initial is not None:  # a share of the initial norm: nothing to read
-            return np.where(np.isfinite(shares), shares * np.asarray(self.initial), math.inf)
+            fixed = np.full(len(shares), math.inf)
+            finite = np.isfinite(shares)
+            fixed[finite] = shares[finite] * np.asarray(self.initial)[finite]
+            return fixed
         capped = np.isfinite(shares) & (upper > 0)
         seen = self._seen
         with np.errstate(invalid="ignore", over="ignore"):
@@ -187,9 +189,9 @@ def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[n
     """Per tensor (``starts``: each one's first index), the squared norm of the step's messages summed by
     index, in float64. Read window by window of indices (``window``; by default one window when the step
     has at most WINDOW entries, else windows that hold at most WINDOW), each message streamed in index
-    order (code_stream.py), so memory stays bounded whatever the model's and the messages' size. The sums are the same on every replica: each
-    index adds the messages' values in rank order, each window's squares are summed in index order,
-    and the windows in turn."""
+    order (code_stream.py), so memory stays bounded whatever the model's and the messages' size. The sums
+    are the same on every replica: each index adds the messages' values in rank order, each window's
+    squares are summed in index order, and the windows in turn."""
     norm2 = np.zeros(len(starts))
     streams = [(CodeStream(u.message), float(u.message.step(scale))) for u in updates if u.message.n_entries]
     if not streams:
@@ -197,7 +199,7 @@ def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[n
     if window is None:  # one window when every entry fits in it; else a window of N messages' indices
         entries = sum(u.message.n_entries for u in updates)
         window = n_params if entries <= WINDOW else max(1, WINDOW // len(streams))
-    width = window
+    width = max(1, window)
     for lo in range(0, n_params, width):
         hi = min(lo + width, n_params)
         index, values = [], []
