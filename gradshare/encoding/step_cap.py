@@ -139,7 +139,8 @@ class StepCap:
         capped = np.isfinite(shares) & (upper > 0)
         seen = self._seen
         with np.errstate(invalid="ignore", over="ignore"):
-            lower = seen.norm * (1.0 - np.minimum(shares, 1.0)) ** seen.since * (1.0 - 1e-6)  # float32 rounding
+            # each step's float32 additions round by at most 2^-24 of each value: 1e-6 of the norm, per step
+            lower = seen.norm * np.maximum(1.0 - np.minimum(shares, 1.0) - 1e-6, 0.0) ** seen.since
             need = capped & ~(upper <= shares * lower)
         out = np.full(len(shares), math.inf)
         if need.any():
