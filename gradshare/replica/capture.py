@@ -8,8 +8,13 @@ ulp of its weight is lost in P_after before it can be measured).
 Most of torch's optimizers compute the amount they add to a parameter from its gradient and their
 own state alone. For those the step can write straight into the residual: while ``optimizer.step()``
 runs, each parameter's storage is pointed at its slice of the residual, so ``p.add_(delta)`` is
-``r += delta``. P is not touched, nothing is rewound, and no twin is kept. Any optimizer that reads
-the parameter's value (weight decay, or an unknown class) takes the general path.
+``r += delta``. P is not touched, nothing is rewound, and no twin is kept. Decoupled weight decay
+(AdamW, and Adam, NAdam or RAdam with ``decoupled_weight_decay=True``: P ← P(1 − lr·λ) + u, Loshchilov &
+Hutter 2019) reads P but only adds −lr·λ·P to the step's update: the optimizer runs with λ = 0 and the
+path adds that term itself, reading P (`DecoupledDecay`), so the Hugging Face recipes' AdamW keeps the
+direct path (GPT-2 small: the general path's twin and view cost 2 × 498 MB a worker). Any optimizer
+that reads the parameter's value otherwise (L2 decay in the gradient, or an unknown class) takes the
+general path.
 
 Stepping in backward (memory). On the direct path the optimizer may also step each parameter
 as soon as its gradient is ready, from a post-accumulate-grad hook, and drop that gradient at once
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -46,17 +51,59 @@ from gradshare.vectors import Vector, copy_into
 StepRunner = Callable[[torch.optim.Optimizer], bool]
 
 # Exact classes (a subclass may override step). All of them read the parameter's value only for
-# weight decay; AdamW's decoupled decay with weight_decay 0 multiplies by 1.0, which is exact.
+# weight decay: none (λ = 0), or decoupled, which DecoupledDecay takes out of the step.
 _UPDATE_ONLY = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam")
+
+
+def _decoupled(group: dict[str, Any]) -> bool:
+    """Whether the group's weight decay is decoupled: P(1 − lr·λ), not λ·P added to the gradient."""
+    return bool(group.get("decoupled_weight_decay", False))
 
 
 def writes_update_only(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` adds to each parameter an amount that does not depend on the
-    parameter's value, so it may run with the parameters aliased to the residual."""
+    parameter's value, once decoupled weight decay is taken out of it (`DecoupledDecay`), so it may run
+    with the parameters aliased to the residual."""
     known = tuple(getattr(torch.optim, name) for name in _UPDATE_ONLY)
     if type(optimizer) not in known:
         return False
-    return all(float(g.get("weight_decay", 0.0)) == 0.0 for g in optimizer.param_groups)
+    return all(float(g.get("weight_decay", 0.0)) == 0.0 or _decoupled(g) for g in optimizer.param_groups)
+
+
+class DecoupledDecay:
+    """Decoupled weight decay taken out of the optimizer's step: the step runs with λ = 0 (`off`) and
+    `add` puts −lr·λ·P into what the step wrote, P read from the replica's own parameters. The update
+    is the optimizer's (u − lr·λ·P), rounded once in float32 instead of through P's own rounding of
+    P(1 − lr·λ) (whose factor is itself rounded to float32: ulp(1) = 6e-8 against lr·λ = 1e-6)."""
+
+    def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer) -> None:
+        self.groups = [g for g in optimizer.param_groups if float(g.get("weight_decay", 0.0)) != 0.0]
+        # P, parameter by parameter (the flat buffer's slices, whatever the parameters alias meanwhile)
+        self.shared = flat.views(flat.array)
+        group_of = {id(p): g for g in self.groups for p in g["params"]}
+        self.group_of = [group_of.get(id(p)) for p in flat.params]
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        """The optimizer's step with no decay of its own (λ put back afterwards, also on error)."""
+        saved = [g["weight_decay"] for g in self.groups]
+        try:
+            for g in self.groups:
+                g["weight_decay"] = 0.0
+            yield
+        finally:
+            for g, wd in zip(self.groups, saved):
+                g["weight_decay"] = wd
+
+    def add(self, i: int, target: torch.Tensor) -> None:
+        """target += −lr·λ·P for parameter i, at its group's lr as the step took it."""
+        group = self.group_of[i]
+        if group is not None:
+            with torch.no_grad():
+                target.add_(self.shared[i], alpha=-float(group["lr"]) * float(group["weight_decay"]))
 
 
 @contextmanager
@@ -114,6 +161,7 @@ class DirectPath:
         `folded`: that array is also what forward/backward ran at (local_view.FoldedView)."""
         self.flat, self.optimizer = flat, optimizer
         self.views = flat.views(residual)
+        self.decay = DecoupledDecay(flat, optimizer)
         self.in_backward = bool(in_backward)
         self.folded = bool(folded)
         self._armed = False  # hooks step only inside `backward`, never in a backward the worker did not start
@@ -131,7 +179,9 @@ class DirectPath:
                 return
             version = p._version
             with aliased((p,), (view,)):
-                self.optimizer.step()  # only p has a gradient now: the others are skipped
+                with self.decay.off():
+                    self.optimizer.step()  # only p has a gradient now: the others are skipped
+                self.decay.add(i, view)
             if self.folded:
                 # The step did change the values forward ran at: torch's version check stays, so a node
                 # that saved p (or a detached alias) and runs later raises instead of reading new values;
@@ -164,8 +214,15 @@ class DirectPath:
     def optimizer_step(self, run: StepRunner = plain_step) -> bool:
         """`run(optimizer)` takes the step and says whether it did (precision.py: a loss scaler may
         skip it); it runs inside the aliasing, so a skipped step leaves the residual untouched."""
+        stepped = [p.grad is not None for p in self.flat.params]  # the optimizer skips the others
         with aliased(self.flat.params, self.views):
-            return run(self.optimizer)
+            with self.decay.off():
+                taken = run(self.optimizer)
+        if taken and self.decay:
+            for i, view in enumerate(self.views):
+                if stepped[i]:
+                    self.decay.add(i, view)
+        return taken
 
     def encode(self, state: SharingState, step: int) -> Message:
         return share_step(state, step)

@@ -27,8 +27,9 @@ update lands in q (local SGD); the encode reads r as q − P and moves q by what
 applies every message to q as to P (flat.py, `FlatParams.point`). What is learnt is the same up to
 float32 rounding: r is held at the precision of q (~ulp(P)), as a single process's parameters hold
 their updates. Where it does not apply, the two-buffer `LocalView` stays:
-- the general path: weight decay reads the parameter, at P there and at q here, which would change
-  what is learnt (and that path's twin is a P-sized buffer of its own anyway);
+- the general path: L2 weight decay reads the parameter, at P there and at q here, which would change
+  what is learnt (and that path's twin is a P-sized buffer of its own anyway); decoupled decay (AdamW)
+  is not read by the optimizer there: the direct path adds −lr·λ·P itself (capture.py);
 - a scale s != 1 (aggregate="mean"): the point must move by s·u when the optimizer's update u enters
   r, but the direct path lets the optimizer add u itself, unscaled (scaling it would take the pass
   over P that folding saves, or an lr scaled by s, which is not the same step for Adam's eps);

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gradshare.replica.capture import aliased, writes_update_only
+from gradshare.replica.capture import DirectPath, aliased, writes_update_only
 from gradshare.replica.flat import FlatParams
 
 
@@ -21,6 +21,8 @@ def _params():
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
     lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
     lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0),
+    lambda p: torch.optim.AdamW(p, lr=1e-3),  # default weight_decay 1e-2, decoupled: taken out of the step
+    lambda p: torch.optim.NAdam(p, lr=1e-3, weight_decay=1e-2, decoupled_weight_decay=True),
     lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
     lambda p: torch.optim.Adagrad(p, lr=1e-2),
 ])
@@ -33,8 +35,7 @@ class _MySGD(torch.optim.SGD):  # a subclass may read the parameter in its own s
 
 
 @pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-4),
-    lambda p: torch.optim.AdamW(p, lr=1e-3),  # default weight_decay 1e-2 reads p
+    lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-4),  # L2 decay: λ·p enters the gradient
     lambda p: torch.optim.Adam([{"params": p[:1]}, {"params": p[1:], "weight_decay": 1e-3}], lr=1e-3),
     lambda p: _MySGD(p, lr=0.1),
     lambda p: torch.optim.LBFGS(p),
@@ -99,6 +100,52 @@ def test_adam_writes_its_update_into_the_residual(shapes, seed, steps):
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
         expect -= lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
     np.testing.assert_allclose(residual, expect, rtol=1e-4, atol=1e-9)
+
+
+@settings(deadline=None, max_examples=30)
+@given(shapes, st.integers(0, 2**31), st.integers(1, 4), st.sampled_from([0.0, 1e-2, 0.3]),
+       st.sampled_from(["single", "fused", "foreach"]))
+def test_adamw_writes_its_update_and_its_decay_of_p_into_the_residual(shapes, seed, steps, decay, kind):
+    """Decoupled decay on the direct path: the optimizer steps with λ = 0 and the path adds −lr·λ·P,
+    P read from the replica (which the direct path never moves); the oracle is AdamW in float64."""
+    flat = _flat(seed, shapes)
+    lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+    opt = torch.optim.AdamW(flat.params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=decay,
+                            **({kind: True} if kind != "single" else {}))
+    residual = np.zeros(flat.n_params, np.float32)
+    path = DirectPath(flat, opt, residual)
+    before = flat.array.copy()
+    rng = np.random.default_rng(seed + 1)
+    grads = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(steps)]
+    for gs in grads:
+        for p, g in zip(flat.params, gs):
+            p.grad = torch.from_numpy(g.copy())
+        assert path.optimizer_step()
+        assert np.array_equal(flat.array, before)  # P never moves
+        assert all(g["weight_decay"] == decay for g in opt.param_groups)  # λ put back after the step
+    m = v = np.zeros(flat.n_params)
+    expect, p64 = np.zeros(flat.n_params), before.astype(np.float64)
+    for t, gs in enumerate(grads, start=1):
+        g = np.concatenate([x.ravel() for x in gs]).astype(np.float64)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        expect -= lr * decay * p64 + lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    np.testing.assert_allclose(residual, expect, rtol=1e-4, atol=1e-7)
+
+
+def test_decay_is_taken_per_group_and_only_for_parameters_the_step_took():
+    flat = _flat(0, [(3, 2), (4,), (2,)])
+    opt = torch.optim.AdamW([{"params": flat.params[:1], "weight_decay": 0.5},
+                             {"params": flat.params[1:], "weight_decay": 0.0}], lr=0.1)
+    residual = np.zeros(flat.n_params, np.float32)
+    path = DirectPath(flat, opt, residual)
+    for p in flat.params[:2]:  # the last parameter has no gradient: AdamW skips it, and so does its decay
+        p.grad = torch.zeros_like(p)
+    assert path.optimizer_step()
+    n0, n1 = flat.params[0].numel(), flat.params[1].numel()
+    # a zero gradient: Adam's update is 0, only the first group's decay moves the residual
+    np.testing.assert_allclose(residual[:n0], -0.1 * 0.5 * flat.array[:n0], rtol=1e-6)
+    assert not residual[n0:].any()
+    assert opt.param_groups[0]["weight_decay"] == 0.5 and n1 == 4
 
 
 def test_an_update_below_the_weights_precision_still_reaches_the_residual():

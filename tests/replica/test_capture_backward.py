@@ -36,6 +36,8 @@ OPTIMIZERS = {
     "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
     "adam-foreach-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True, amsgrad=True),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+    "adamw-decay": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw-decay-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
     "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
@@ -93,7 +95,7 @@ def test_it_falls_back_to_one_step_after_backward_when_every_gradient_is_needed(
         options["precision"] = "fp16-mixed"
     elif case == "clip_grad_norm":  # clips their total norm in a step pre-hook
         make = clip_grad_norm(make, 0.5)
-    elif case == "general path":  # weight decay reads P: the update is measured after the whole step
+    elif case == "general path":  # L2 decay reads P: the update is measured after the whole step
         make = lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-3)  # noqa: E731
     elif case == "asked":
         options["in_backward"] = False

@@ -128,7 +128,8 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         assert not np.allclose(seen[0], other, rtol=1e-3, atol=1e-6)
 
 
-def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12) -> Worker:
+def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12,
+              direct: bool = True) -> Worker:
     """One worker stepped against its own log (a one-rank SharedLog), with clipping and a calibrated τ:
     every pass that reads the residual runs."""
     from gradshare.task.apply_log import ApplyLog
@@ -142,7 +143,7 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
                        residual_clip=encoding.ResidualClipping(clip=2.0, every=3), steps_per_epoch=(8,), epochs=2,
                        batch_size=16, staleness=staleness, seed=0, label_dtype="int64", apply_scale=scale,
                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
-                       folded_view=folded)
+                       folded_view=folded, direct_update=direct)
     w, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     w.log = ApplyLog(log, w.flat, 0, 10.0, scale=scale)
     for t in range(steps):
@@ -168,11 +169,24 @@ def test_the_folded_view_learns_what_the_two_buffer_view_learns_up_to_rounding(s
     assert folded.state.tau == pytest.approx(two.state.tau, rel=1e-5)
 
 
+@pytest.mark.parametrize("decay", [1e-2, 0.5])
+def test_adamw_decay_on_the_folded_direct_path_learns_what_the_general_path_learns(decay):
+    # Decoupled decay reads P, not the folded point: the direct path adds −lr·λ·P itself (capture.py),
+    # so it keeps what the general path (the twin, the two-buffer view) learns, up to float32 rounding
+    adamw = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=decay)  # noqa: E731
+    folded, general = _lockstep(True, 0, adamw), _lockstep(True, 0, adamw, direct=False)
+    assert folded.state.folded and folded.path.name == "direct" and general.path.name == "general"
+    np.testing.assert_allclose(folded.flat.array, general.flat.array, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(folded.state.residual_values(), general.state.residual_values(), rtol=0, atol=1e-6)
+    no_decay = _lockstep(True, 0, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0)).flat.array
+    assert np.abs(folded.flat.array - no_decay).max() > 20 * decay * 1e-4  # the decay was applied, not dropped
+
+
 def test_the_two_buffer_view_stays_where_folding_would_change_what_is_learnt():
     adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     decay = lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-2)  # noqa: E731
     mean = _lockstep(True, 0, adam, scale=0.5, steps=1)  # aggregate="mean": the point must move by s·u
-    general = _lockstep(True, 0, decay, steps=1)  # weight decay reads the parameter: the general path
+    general = _lockstep(True, 0, decay, steps=1)  # L2 decay reads the parameter: the general path
     for w in (mean, general):
         assert not w.state.folded and w.flat.point is None and isinstance(w.view, LocalView)
     assert _lockstep(True, 0, adam, steps=1).state.folded
