@@ -198,7 +198,9 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
     `restart`: a re-formed elastic job's start, from the relay's parameters after `epochs_done` epochs."""
     world, model = prep.job.world, prep.model
     flat = FlatParams(model)  # raises on a model with no trainable parameters
-    initial = flat.host_state().copy()  # parameters, then float buffers (the state itself here: NumPy)
+    # parameters, then float buffers: the model's own flat state (NumPy), not a copy. The relay copies it,
+    # and nothing on the driver moves it before the fit's end loads the relay's parameters into it
+    initial = flat.host_state()
     drop_last = drop_rule(config, model)
     # The job ships a skeleton: the flat state's tensors are meta tensors; the workers take their
     # values from the relay's snapshot (shipping.py: the weights never sit twice in a worker).
@@ -333,10 +335,11 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
                                relay.notes_at(relay.complete_through))
             raise
         relay.wait_finished(limits.timeout)
-        final = relay.params
         relay_hash = relay.param_hash()
         counters = Counters.from_dict(relay.counters())
         tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
+        relay.close()
+        final = relay.take_params()  # the relay's own array, not a copy of it: one copy of P fewer at the end
     finally:
         relay.close()
         if service is not None:
@@ -381,10 +384,12 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, r
         raise ConsistencyError(f"replicas diverged from the relay (hash {out.relay_hash}): "
                                + ", ".join(f"rank {r} has {h}" for r, h in bad))
     model, flat, first_epoch = prep.model, run.flat, run.first_epoch
-    flat.load(out.final)
-    with torch.no_grad():  # give the result its own per-tensor storages (see `shipped`)
+    with torch.no_grad():  # the relay's parameters, each tensor in its own storage (see `shipped`)
+        offset = 0
         for t in flat.tensors:
-            t.data = t.data.clone()
+            n = t.numel()
+            t.data = torch.from_numpy(out.final[offset:offset + n]).reshape(t.shape).clone()
+            offset += n
     reports = sorted(out.reports, key=lambda r: r.rank)
     load_int_buffers(model, dict(reports[0].int_buffers))
     stopped = reports[0].stopped_epoch  # the log carried it: every rank has the same one

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 
-from gradshare.errors import LocalProtocolError, ProtocolError, TransportTimeout
+from gradshare.errors import GradshareError, LocalProtocolError, ProtocolError, TransportTimeout
 from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, N, exchange, random_update, toy_apply_payload, wait_until
@@ -175,6 +175,12 @@ def test_real_encoding_messages_make_bit_identical_replicas():
             assert relay.complete_through == steps - 1
             assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
             assert not np.array_equal(relay.params, p0)
+            with pytest.raises(GradshareError, match="closed relay"):
+                relay.take_params()  # still serving: it would pull the array from under the I/O thread
+            relay.close()
+            final = relay.take_params()  # the fit's end: the array itself, bit-identical, no copy kept
+            assert param_hash(final) == param_hash(params[0])
+            assert relay.take_params().size == 0
         finally:
             for p in peers:
                 p.close()

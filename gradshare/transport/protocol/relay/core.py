@@ -188,6 +188,11 @@ class RelayCore:
     def copy_params(self) -> NDArray[np.float32]:
         return self.params.copy()
 
+    def take_params(self) -> NDArray[np.float32]:
+        """The parameters themselves, handed over: the core keeps an empty array in their place."""
+        params, self.params = self.params, np.empty(0, np.float32)
+        return params
+
     def notes_at(self, step: int) -> Notes:
         """Rank 0's epoch-end state through `step`, as the observer keeps it (() by default)."""
         return self.observer.notes_at(step)

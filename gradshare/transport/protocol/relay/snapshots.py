@@ -26,7 +26,7 @@ class Snapshot:
         self.snap_id = snap_id
         self.step = step
         self.n_params = params.size
-        self.data = params.astype(np.float32, copy=True).tobytes()
+        self.data = np.ascontiguousarray(params, dtype=np.float32).tobytes()  # one copy of the parameters
         self.digest = param_hash(params)
 
 
