@@ -87,7 +87,7 @@ def main() -> None:
            "cap_binding_ms": round(1e3 * bound, 2), "not_binding_ratio": round(free / base, 2),
            "binding_ratio": round(bound / base, 2),
            # a window's merge holds each entry's index (int64), value (float64) and inverse (int64) at once
-           "binding_extra_mib": round(min(entries, WINDOW) * 24 / 2**20, 1)}
+           "binding_extra_mib": round(min(entries, WINDOW) * 80 / 2**20, 1)}
     print(json.dumps(out))
 
 

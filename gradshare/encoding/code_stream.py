@@ -4,6 +4,7 @@
     for codes in stream.batches():          # every code, BATCH at a time (a view, valid until the next)
         ...
     stream.below(hi)                        # or: the codes not yet taken whose index is < hi
+    stream.reach()                          # the index after the decoded batch's last code
 
 Why: `Message.codes()` returns all of a message's codes as one int64 array, 8 bytes an entry. A dense
 step of a large model (the warm-up's density, a fixed τ early on) holds tens of millions of entries,
@@ -51,6 +52,13 @@ class CodeStream:
         while self.head.size or self._refill():
             head, self.head = self.head, self.buffer[:0]
             yield head
+
+    def reach(self) -> int | None:
+        """The index after the last code of the decoded batch (decoding the next batch when this one is
+        taken), None when no code is left: `below` of any hi up to it takes codes of this batch only."""
+        if not self.head.size and not self._refill():
+            return None
+        return int(self.head[-1] >> 1) + 1
 
     def below(self, hi: int) -> np.ndarray:
         """The codes not taken yet whose index is < ``hi`` (a new array: at most ``hi`` − the last index

@@ -180,45 +180,57 @@ def entries_per_tensor(message: Message, starts: NDArray[np.int64]) -> NDArray[n
     return counts
 
 
-# Indices merged at a time over all of a step's messages: at most WINDOW entries (~25 bytes each while
-# merged) whatever the model's and the messages' size, where merging whole messages held every entry
-WINDOW = 1 << 21
+# Entries merged at a time over all of a step's messages, whatever the model's and the messages' size
+# (~80 bytes each while merged: 10 MiB measured with tracemalloc). Was a window of 2 M indices: ~170 MB on the relay and on each worker
+# at a dense step of the 51.6 M MLP (benchmarks/worker_memory.py --threshold 1e-3).
+WINDOW = 1 << 17
 
 
 def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[np.int64], n_params: int,
                   window: int | None = None) -> NDArray[np.float64]:
     """Per tensor (``starts``: each one's first index), the squared norm of the step's messages summed by
-    index, in float64. Read window by window of indices (``window``; by default one window when the step
-    has at most WINDOW entries, else windows that hold at most WINDOW), each message streamed in index
-    order (code_stream.py), so memory stays bounded whatever the model's and the messages' size. The sums
-    are the same on every replica: each index adds the messages' values in rank order, each window's
-    squares are summed in index order, and the windows in turn."""
+    index, in float64. Read a window of indices at a time, each message streamed in index order
+    (code_stream.py), so memory stays bounded whatever the model's and the messages' size: by default each
+    window ends where the first of the messages' decoded batches (WINDOW / N codes each) does, so it holds
+    at most WINDOW entries; ``window`` fixes its width in indices instead. The sums are the same on every
+    replica: each index adds the messages' values in rank order, each window's squares are summed in
+    index order, and the windows in turn."""
     norm2 = np.zeros(len(starts))
-    streams = [(CodeStream(u.message), float(u.message.step(scale))) for u in updates if u.message.n_entries]
-    if not streams:
-        return norm2
-    if window is None:  # one window when every entry fits in it; else a window of N messages' indices
-        entries = sum(u.message.n_entries for u in updates)
-        window = n_params if entries <= WINDOW else max(1, WINDOW // len(streams))
-    width = max(1, window)
-    for lo in range(0, n_params, width):
-        hi = min(lo + width, n_params)
-        index, values = [], []
-        for stream, step in streams:
-            codes = stream.below(hi)
-            if codes.size:
-                index.append(codes >> 1)
-                values.append(np.where(codes & 1, -step, step))
-        if not index:
-            continue
-        if len(index) == 1:  # one message's indices are distinct already
-            where, total = index[0], values[0]
+    live = [u for u in updates if u.message.n_entries]
+    per = max(1, WINDOW // max(1, len(live)))
+    streams = [(CodeStream(u.message, per), float(u.message.step(scale))) for u in live]
+    lo = 0
+    while streams and lo < n_params:
+        if window is not None:
+            hi = min(lo + max(1, window), n_params)
         else:
-            where, inverse = np.unique(np.concatenate(index), return_inverse=True)
-            total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
-        tensor = np.searchsorted(starts, where, side="right") - 1
-        norm2 += np.bincount(tensor, weights=total * total, minlength=len(starts))
+            reach = [r for r in (stream.reach() for stream, _ in streams) if r is not None]
+            if not reach:
+                break
+            hi = min(reach)
+        _add_window(norm2, streams, hi, starts)
+        lo = hi
     return norm2
+
+
+def _add_window(norm2: NDArray[np.float64], streams: Sequence[tuple[CodeStream, float]], hi: int,
+                starts: NDArray[np.int64]) -> None:
+    """`summed_norms2` of the codes below index ``hi`` not taken yet, added to ``norm2``."""
+    index, values = [], []
+    for stream, step in streams:
+        codes = stream.below(hi)
+        if codes.size:
+            index.append(codes >> 1)
+            values.append(np.where(codes & 1, -step, step))
+    if not index:
+        return
+    if len(index) == 1:  # one message's indices are distinct already
+        where, total = index[0], values[0]
+    else:
+        where, inverse = np.unique(np.concatenate(index), return_inverse=True)
+        total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
+    tensor = np.searchsorted(starts, where, side="right") - 1
+    norm2 += np.bincount(tensor, weights=total * total, minlength=len(starts))
 
 
 def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0, cap: StepCap | None = None,

@@ -5,6 +5,7 @@ the step cap's windowed sums (step_cap.summed_norms2) against a dense float64 or
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import naive
 from gradshare.encoding import Message, StepUpdate
 from gradshare.encoding.code_stream import CodeStream
 from gradshare.encoding.forms import BY_NAME
+from gradshare.encoding import step_cap
 from gradshare.encoding.step_cap import summed_norms2
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -104,8 +106,10 @@ def steps(draw):
 
 
 @SETTINGS
-@given(steps(), st.integers(1, 700))
-def test_windowed_sums_match_a_dense_oracle_at_any_window(case, window):
+@given(steps(), st.one_of(st.none(), st.integers(1, 700)), st.sampled_from([1, 5, 64, step_cap.WINDOW]))
+def test_windowed_sums_match_a_dense_oracle_at_any_window(case, window, entries):
+    """A window of fixed width, or (None) one that ends with the first of the messages' decoded batches of
+    `entries` / N codes each: the default, which holds at most `entries` entries at once."""
     starts, n, updates, scale = case
     total = np.zeros(n)
     for u in updates:
@@ -114,7 +118,19 @@ def test_windowed_sums_match_a_dense_oracle_at_any_window(case, window):
             total[code >> 1] += -step if code & 1 else step
     ends = [*starts[1:].tolist(), n]
     want = [math.fsum(total[lo:hi] ** 2) for lo, hi in zip(starts.tolist(), ends)]
-    got = summed_norms2(updates, scale, starts, n, window)
+    with mock.patch.object(step_cap, "WINDOW", entries):
+        got = summed_norms2(updates, scale, starts, n, window)
+        # the same sums again: every replica gets the same factors
+        assert np.array_equal(got, summed_norms2(updates, scale, starts, n, window))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
-    # the same sums at any window: every replica gets the same factors whatever it is
-    assert np.array_equal(got, summed_norms2(updates, scale, starts, n, window))
+
+
+def test_a_stream_reaches_to_the_end_of_its_decoded_batch():
+    codes = (np.array([3, 9, 10, 40, 41], np.int64) << 1) | 1
+    stream = CodeStream(Message.from_codes(codes, 0.5, 50, "rice"), batch=2)
+    assert stream.reach() == 10  # the batch 3, 9
+    assert stream.below(5).tolist() == [7] and stream.reach() == 10
+    assert stream.below(10).tolist() == [19]
+    assert stream.reach() == 41  # the next batch: 10, 40
+    assert stream.below(41).tolist() == [21, 81] and stream.reach() == 42
+    assert stream.below(42).tolist() == [83] and stream.reach() is None
