@@ -110,9 +110,10 @@ CHECK_COUNT = 7  # bitmap holds a different number of entries than the header sa
 
 
 @njit(nogil=True, cache=True)
-def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
+def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end, reduce=True):
     """Accumulate ``u`` into ``r`` (see ADD/DIFF/DIFF_REWIND) for blocks from ``added_end`` on, then emit
-    every |r[i]| >= tau into ``out`` from ``k`` on.
+    every |r[i]| >= tau into ``out`` from ``k`` on (and reduce it by τ, unless ``reduce`` is False: a
+    read-only pass over blocks accumulated already, encode_passes.py).
 
     Blocks start at ``start`` (a multiple of BLOCK). Blocks below ``added_end`` were accumulated by an
     earlier call that stopped with FULL, so they are only counted again. ``base`` is read only in the
@@ -128,7 +129,7 @@ def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
     while pos < n and pos < added_end:  # accumulated by the call that stopped with FULL: count only
         stop = min(pos + BLOCK, n)
         rb = r[pos:stop]
-        k, status = _emit_block(rb, pos, tau, out, k, _count_block(rb, tau))
+        k, status = _emit_block(rb, pos, tau, out, k, _count_block(rb, tau), reduce)
         if status != OK:
             return k, pos, status
         pos = stop
@@ -136,7 +137,7 @@ def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
         while pos < n:
             stop = min(pos + BLOCK, n)
             rb = r[pos:stop]
-            k, status = _emit_block(rb, pos, tau, out, k, _add_block(rb, u[pos:stop], tau))
+            k, status = _emit_block(rb, pos, tau, out, k, _add_block(rb, u[pos:stop], tau), True)
             if status != OK:
                 return k, pos, status
             pos = stop
@@ -145,7 +146,8 @@ def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end):
     while pos < n:
         stop = min(pos + BLOCK, n)
         rb = r[pos:stop]
-        k, status = _emit_block(rb, pos, tau, out, k, _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, rewind))
+        k, status = _emit_block(rb, pos, tau, out, k, _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, rewind),
+                                True)
         if status != OK:
             return k, pos, status
         pos = stop
@@ -200,9 +202,9 @@ def _bad_count(rb):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _emit_hits(m, sb, base, tau, out, k, cnt):
+def _emit_hits(m, sb, base, tau, out, k, cnt, reduce):
     """Emit the hits flagged in the uint64 mask ``m`` (bit j: |sb[j]| >= tau, finite) and reduce each by
-    τ. A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ) is x + τ, the
+    τ (when ``reduce``). A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ) is x + τ, the
     same bits. Returns (k, cnt) with cnt lowered by the hits emitted."""
     while m:
         j = np.int64(cttz(m))
@@ -210,7 +212,8 @@ def _emit_hits(m, sb, base, tau, out, k, cnt):
         x = sb[j]
         neg = np.int64(x < 0)
         out[k] = ((base + j) << 1) | neg
-        sb[j] = x - np.float32(1 - 2 * neg) * tau
+        if reduce:
+            sb[j] = x - np.float32(1 - 2 * neg) * tau
         k += 1
         cnt -= 1
     return k, cnt
@@ -235,9 +238,9 @@ def _hit_mask_full(sb, tau):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _emit_block(rb, pos, tau, out, k, flagged):
+def _emit_block(rb, pos, tau, out, k, flagged, reduce):
     """Emit the entries of the accumulated block ``rb`` (starting at parameter ``pos``) into ``out`` from
-    ``k`` on and reduce them by τ. ``flagged`` counts its values that are not below τ: its entries, and its
+    ``k`` on and reduce them by τ (when ``reduce``). ``flagged`` counts its values that are not below τ: its entries, and its
     non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
     # One compare a value in the streaming pass (not |x| < τ) flags both, so the non-finite check runs only
     # on blocks that hold an entry, while they are in L1 (10 M values, density 1e-3: the kernel 1.26-1.30 ->
@@ -258,7 +261,7 @@ def _emit_block(rb, pos, tau, out, k, flagged):
         sb = rb[s0 : s0 + SUB]
         m = _hit_mask_full(sb, tau) if s0 < full else _hit_mask(sb, tau)
         if m:
-            k, cnt = _emit_hits(m, sb, pos + s0, tau, out, k, cnt)
+            k, cnt = _emit_hits(m, sb, pos + s0, tau, out, k, cnt, reduce)
             if cnt == 0:
                 break
     return k, OK
@@ -344,9 +347,10 @@ def _folded_mask_full(sq, sp, inv, tau):
 
 
 @njit(nogil=True, cache=True)
-def _folded_encode(q, p, inv, tau, step, out, k, start):
+def _folded_encode(q, p, inv, tau, step, out, k, start, reduce=True):
     """Emit every |r_i| >= tau of r = (q − p)·inv into ``out`` from ``k`` on, and move q_i by ∓step (step =
-    float32(τ·s), what the log adds at i when it applies the entry), blocks from ``start`` on. Reads r, never
+    float32(τ·s), what the log adds at i when it applies the entry; not when ``reduce`` is False, a read-only
+    pass), blocks from ``start`` on. Reads r, never
     stores it. Returns (k, pos, status) as `_accumulate_encode` does (FULL: the block at pos is untouched)."""
     n = q.size
     pos = start
@@ -374,7 +378,8 @@ def _folded_encode(q, p, inv, tau, step, out, k, start):
                         # no branch on it (taken at random): q − (−step) is q + step, the same bits
                         neg = np.int64((sq[j] - sp[j]) * inv < 0)
                         out[k] = ((base + j) << 1) | neg
-                        sq[j] = sq[j] - np.float32(1 - 2 * neg) * step
+                        if reduce:
+                            sq[j] = sq[j] - np.float32(1 - 2 * neg) * step
                         k += 1
                         cnt -= 1
                     if cnt == 0:
@@ -417,6 +422,17 @@ class NonFiniteAt(Exception):
         self.index = index
 
 
+def plain_bad_at(r: np.ndarray, pos: int) -> int:
+    """The first non-finite index of r's block at ``pos`` (a pass stopped there with NONFINITE)."""
+    return pos + int(np.flatnonzero(~np.isfinite(r[pos : pos + BLOCK]))[0])
+
+
+def folded_bad_at(q: np.ndarray, p: np.ndarray, inv: np.float32, pos: int) -> int:
+    """The first index of the block at ``pos`` where r = (q − p)·inv is not finite."""
+    block = (q[pos : pos + BLOCK] - p[pos : pos + BLOCK]) * inv
+    return pos + int(np.flatnonzero(~(np.abs(block) <= FLT_MAX))[0])
+
+
 def _grown(out: np.ndarray, k: int) -> np.ndarray:
     """FULL: a block did not fit ``out``; a larger buffer holding its first ``k`` codes."""
     grown = np.empty(max(2 * out.size, k + BLOCK), np.int64)
@@ -438,8 +454,7 @@ def encode_codes(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.
         if status == OK:
             return out[:k]
         if status == NONFINITE:
-            block = r[pos : pos + BLOCK]
-            raise NonFiniteAt(pos + int(np.flatnonzero(~np.isfinite(block))[0]))
+            raise NonFiniteAt(plain_bad_at(r, pos))
         out = _grown(out, k)
         added_end = max(added_end, pos + BLOCK)  # that block is accumulated already
 
@@ -454,8 +469,7 @@ def folded_encode_codes(q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.f
         if status == OK:
             return out[:k]
         if status == NONFINITE:
-            block = (q[pos : pos + BLOCK] - p[pos : pos + BLOCK]) * inv
-            raise NonFiniteAt(pos + int(np.flatnonzero(~(np.abs(block) <= FLT_MAX))[0]))
+            raise NonFiniteAt(folded_bad_at(q, p, inv, pos))
         out = _grown(out, k)
 
 

@@ -124,11 +124,16 @@ class Message:
             raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
         sizes = forms.measure(codes, n_params)
         chosen = forms.smallest(sizes) if form is None else forms.BY_NAME[form]
-        payload = chosen.encode(codes, sizes)
+        return cls.built(threshold, n_params, int(codes.size), chosen, chosen.encode(codes, sizes))
+
+    @classmethod
+    def built(cls, threshold: float, n_params: int, n_entries: int, form: forms.Form, payload: bytes) -> Message:
+        """A Message of a payload this process wrote in ``form`` from the encoder's own codes (`from_codes`,
+        encode_passes.py): the validating constructor's pass is skipped."""
         m = object.__new__(cls)
         for name, value in (
-            ("threshold", threshold), ("n_params", n_params), ("n_entries", int(codes.size)), ("form", chosen.name),
-            ("payload", payload), ("reader", chosen.reader(payload)),
+            ("threshold", threshold), ("n_params", n_params), ("n_entries", n_entries), ("form", form.name),
+            ("payload", payload), ("reader", form.reader(payload)),
         ):
             object.__setattr__(m, name, value)
         return m

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from gradshare.encoding import kernels
+from gradshare.encoding import encode_passes, kernels
 from gradshare.encoding.message import FORMS, MAX_THRESHOLD, MIN_THRESHOLD, Message, threshold_value
 
 
@@ -118,6 +118,8 @@ def encode(residual: object, update: object, threshold: float, *, form: str | No
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
     threads = check_threads(threads)
     try:
+        if threads == 1:  # a dense step in passes, without an array of all its codes (encode_passes.py)
+            return encode_passes.plain_message(r, u, tau, b, rewind, form)
         codes = _codes_threaded(r, u, np.float32(tau), b, rewind, threads)
     except kernels.NonFiniteAt as exc:
         i = exc.index
@@ -209,13 +211,12 @@ def encode_folded(point: np.ndarray, params: np.ndarray, tau: float, inv: np.flo
                   form: str | None = None) -> Message:
     """`folded.encode_folded` on a checked pair."""
     try:
-        codes = kernels.folded_encode_codes(point, params, inv, np.float32(tau), step)
+        return encode_passes.folded_message(point, params, inv, tau, step, form)
     except kernels.NonFiniteAt as exc:
         i = exc.index
         raise ValueError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
                          f"{point[i]!r}, params[{i}] = {params[i]!r}); the point is partly reduced and must "
                          "be reset") from None
-    return Message.from_codes(codes, tau, point.size, form)
 
 
 def clip_folded(point: np.ndarray, params: np.ndarray, inv: np.float32, bound: np.float32,

@@ -25,6 +25,15 @@ def apply_buffers(step: np.float32, n_entries: int) -> tuple[np.ndarray, np.ndar
     return np.array([step, -step], np.float32), np.empty(min(n_entries, APPLY_BATCH), np.int64)
 
 
+class CodeWriter(Protocol):
+    """A payload written a batch of sorted codes at a time (`Form.writer`): `add` every batch in order,
+    then take `payload`. A dense step's message is built this way without an array of all its codes."""
+
+    def add(self, codes: np.ndarray) -> None: ...
+
+    def payload(self) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class CodeSizes:
     """One pass over a message's codes (forms/rice.py `measure`): what each form's size follows from."""
@@ -51,6 +60,10 @@ class Form(Protocol):
 
     def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
         """The payload of ``codes`` (sorted entry codes, as measured into ``sizes``)."""
+        ...
+
+    def writer(self, sizes: CodeSizes) -> CodeWriter:
+        """A writer of the payload of the codes measured into ``sizes``, given a batch at a time."""
         ...
 
     def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
@@ -96,6 +109,21 @@ def check(form: str, code: int) -> None:
     """Raise the ValueError of a validation kernel's CHECK_* result (nothing for CHECK_OK)."""
     if code != CHECK_OK:
         raise ValueError(f"invalid {form} payload: {CHECK_TEXT[code]}")
+
+
+def written(form: Form, codes: np.ndarray, sizes: CodeSizes) -> bytes:
+    """`Form.encode` as every form does it: its writer given all the codes at once."""
+    writer = form.writer(sizes)
+    writer.add(codes)
+    return writer.payload()
+
+
+def filled(buf: np.ndarray, end: int, n_entries: int, added: int, form: str) -> bytes:
+    """A writer's payload once every entry is in: ValueError if the codes added were not the ones measured."""
+    if added != n_entries or end != buf.size:
+        raise ValueError(f"{form} payload: {added} codes written to {end} of {buf.size} bytes, measured "
+                         f"{n_entries} entries")
+    return buf.tobytes()
 
 
 def byte_reader(payload: bytes) -> np.ndarray:

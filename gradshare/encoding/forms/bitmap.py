@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from gradshare.encoding.forms.base import CodeSizes, byte_reader, check
+from gradshare.encoding.forms.base import CodeSizes, CodeWriter, byte_reader, check, filled, written
 from gradshare.encoding.kernels import CHECK_COUNT, CHECK_OK, CHECK_PADDING, CHECK_RESERVED
 
 
@@ -18,9 +18,9 @@ def bitmap_size(n_params: int) -> int:
     return (n_params + 3) // 4
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, boundscheck=True)
 def _bitmap_write(codes, out):
-    """Set the 2-bit codes of ``codes`` into the ZEROED bitmap ``out``."""
+    """Set the 2-bit codes of ``codes`` into the ZEROED bitmap ``out`` (bounds-checked, as the other writers)."""
     for e in range(codes.size):
         c = codes[e]
         i = c >> 1
@@ -95,6 +95,20 @@ def _bitmap_apply(p, steps3, params):
                     params[base + s] += steps3[c]
 
 
+class _BitmapWriter:
+    """The bitmap a batch of codes at a time (base.CodeWriter): each code sets its own 2 bits."""
+
+    def __init__(self, sizes: CodeSizes) -> None:
+        self.buf, self.n_entries, self.added = np.zeros(bitmap_size(sizes.n_params), np.uint8), sizes.n_entries, 0
+
+    def add(self, codes: np.ndarray) -> None:
+        _bitmap_write(codes, self.buf)
+        self.added += codes.size
+
+    def payload(self) -> bytes:
+        return filled(self.buf, self.buf.size, self.n_entries, self.added, "bitmap")
+
+
 @dataclass(frozen=True)
 class BitmapForm:
     """2 bits per parameter (module docstring): the smallest form only for dense steps."""
@@ -106,9 +120,10 @@ class BitmapForm:
         return bitmap_size(sizes.n_params)
 
     def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
-        buf = np.zeros(bitmap_size(sizes.n_params), np.uint8)
-        _bitmap_write(codes, buf)
-        return buf.tobytes()
+        return written(self, codes, sizes)
+
+    def writer(self, sizes: CodeSizes) -> CodeWriter:
+        return _BitmapWriter(sizes)
 
     def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
         size = len(payload)

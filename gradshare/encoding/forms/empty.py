@@ -7,10 +7,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradshare.encoding.forms.base import CodeSizes
+from gradshare.encoding.forms.base import CodeSizes, CodeWriter, written
 
 _NOTHING = np.empty(0, np.uint8)
 _NOTHING.flags.writeable = False
+
+
+class _NoCodes:
+    """The empty payload (base.CodeWriter): any code is one too many."""
+
+    def add(self, codes: np.ndarray) -> None:
+        if codes.size:
+            raise ValueError(f"form 'empty' cannot hold {codes.size} entries")
+
+    def payload(self) -> bytes:
+        return b""
 
 
 @dataclass(frozen=True)
@@ -24,9 +35,10 @@ class EmptyForm:
         return 0 if sizes.n_entries == 0 else None
 
     def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
-        if codes.size:
-            raise ValueError(f"form 'empty' cannot hold {codes.size} entries")
-        return b""
+        return written(self, codes, sizes)
+
+    def writer(self, sizes: CodeSizes) -> CodeWriter:
+        return _NoCodes()
 
     def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
         if n_entries or payload:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from gradshare.encoding.forms.base import CodeSizes, apply_buffers, check
+from gradshare.encoding.forms.base import CodeSizes, CodeWriter, apply_buffers, check, filled, written
 from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING, CHECK_TRAILING,
                                         CHECK_TRUNCATED, apply_batch, cttz, prefetch_write)
 
@@ -53,25 +53,22 @@ def _window(words, bitpos):
 
 
 @njit(nogil=True, cache=True)
-def _form_sizes(codes, n_params):
-    """One pass over the codes: (sparse form bytes, best rice k, rice stream bits for that k).
-
-    Rice candidates are the four k around log2 of the mean gap (the optimum for geometric gaps is
-    near log2(mean · ln 2)); each costs sum(gap >> k) + n·(k + 2) bits.
-    """
-    n = codes.size
+def _rice_k0(n, n_params):
+    """The first of the four Rice candidates k0..k0+3 around log2 of the mean gap (the optimum for
+    geometric gaps is near log2(mean · ln 2)); each costs sum(gap >> k) + n·(k + 2) bits."""
     mean = (n_params - n) / max(n, 1)  # upper bound on the mean gap: entries can sit anywhere
     k0 = 0
     while k0 < RICE_MAX_K and (1 << (k0 + 1)) <= mean:
         k0 += 1
-    k0 = min(max(0, k0 - 2), RICE_MAX_K - 3)
-    q0 = 0
-    q1 = 0
-    q2 = 0
-    q3 = 0
-    varint_bytes = 0
-    prev = -1
-    for e in range(n):
+    return min(max(0, k0 - 2), RICE_MAX_K - 3)
+
+
+@njit(nogil=True, cache=True)
+def _tally(codes, k0, state):
+    """Add a batch of sorted codes to ``state`` = (sparse form bytes, sum(gap >> k0 + j) for j = 0..3,
+    last index): the sizes are measured a batch at a time, the same sums as one pass."""
+    varint_bytes, q0, q1, q2, q3, prev = state[0], state[1], state[2], state[3], state[4], state[5]
+    for e in range(codes.size):
         c = codes[e]
         i = c >> 1
         gap = i - prev - 1
@@ -85,25 +82,41 @@ def _form_sizes(codes, n_params):
         while v:
             varint_bytes += 1
             v >>= 7
-    best_k = k0
-    best = q0 + n * (k0 + 2)
-    for j, q in enumerate((q1, q2, q3)):
-        bits = q + n * (k0 + j + 3)
-        if bits < best:
-            best = bits
-            best_k = k0 + j + 1
-    return varint_bytes, best_k, best
+    state[0], state[1], state[2], state[3], state[4], state[5] = varint_bytes, q0, q1, q2, q3, prev
 
 
-@njit(nogil=True, cache=True)
-def _rice_write(codes, k, out):
-    """Write the rice payload of ``codes`` into the ZEROED ``out`` (1 + ceil(bits/8) bytes)."""
-    out[0] = k
-    pos = 1
-    acc = np.int64(0)
-    nb = 0
+class SizeTally:
+    """The sizes every form is chosen by (`CodeSizes`), measured a batch of sorted codes at a time; the
+    number of entries is known first (it sets the Rice candidates)."""
+
+    def __init__(self, n_params: int, n_entries: int) -> None:
+        self.n_params, self.n_entries, self.added = int(n_params), int(n_entries), 0
+        self.k0 = int(_rice_k0(self.n_entries, self.n_params))
+        self.state = np.array([0, 0, 0, 0, 0, -1], np.int64)
+
+    def add(self, codes: np.ndarray) -> None:
+        _tally(codes, self.k0, self.state)
+        self.added += codes.size
+
+    def sizes(self) -> CodeSizes:
+        if self.added != self.n_entries:
+            raise ValueError(f"measured {self.added} codes of the {self.n_entries} announced")
+        n, k0 = self.n_entries, self.k0
+        best_k, best = k0, int(self.state[1]) + n * (k0 + 2)
+        for j in range(1, 4):
+            bits = int(self.state[1 + j]) + n * (k0 + j + 2)
+            if bits < best:
+                best, best_k = bits, k0 + j
+        return CodeSizes(self.n_params, n, int(self.state[0]), best_k, best)
+
+
+@njit(nogil=True, cache=True, boundscheck=True)
+def _rice_write_from(codes, k, out, state):
+    """Write the rice stream of ``codes`` into the ZEROED ``out`` (1 + ceil(bits/8) bytes, byte 0 holds k) from
+    ``state`` = (byte position, pending bits, their count, last index), which it advances; `_rice_flush`
+    writes the last pending bits. Bounds-checked, as the other writers."""
+    pos, acc, nb, prev = state[0], state[1], state[2], state[3]
     mask = (np.int64(1) << k) - 1
-    prev = -1
     for e in range(codes.size):
         c = codes[e]
         i = c >> 1
@@ -132,8 +145,28 @@ def _rice_write(codes, k, out):
             acc >>= 8
             nb -= 8
             pos += 1
-    if nb > 0:
-        out[pos] = acc & 0xFF
+    state[0], state[1], state[2], state[3] = pos, acc, nb, prev
+
+
+class _RiceWriter:
+    """The rice payload a batch of codes at a time (base.CodeWriter)."""
+
+    def __init__(self, sizes: CodeSizes) -> None:
+        self.buf = np.zeros(1 + (sizes.rice_bits + 7) // 8, np.uint8)
+        self.buf[0] = self.k = sizes.rice_k
+        self.n_entries, self.added = sizes.n_entries, 0
+        self.state = np.array([1, 0, 0, -1], np.int64)  # byte position, pending bits, their count, last index
+
+    def add(self, codes: np.ndarray) -> None:
+        _rice_write_from(codes, self.k, self.buf, self.state)
+        self.added += codes.size
+
+    def payload(self) -> bytes:
+        pos, acc, nb = (int(v) for v in self.state[:3])
+        if nb > 0 and pos < self.buf.size:
+            self.buf[pos] = acc & 0xFF
+            pos += 1
+        return filled(self.buf, pos, self.n_entries, self.added, "rice")
 
 
 @njit(nogil=True, cache=True)
@@ -263,9 +296,10 @@ def _rice_decode_from(words, bitpos, prev, out, cnt):
 
 
 def measure(codes: np.ndarray, n_params: int) -> CodeSizes:
-    """The sizes every form is chosen by, from one pass over sorted entry ``codes`` (`_form_sizes`)."""
-    varint_bytes, rice_k, rice_bits = _form_sizes(codes, n_params)
-    return CodeSizes(n_params, int(codes.size), int(varint_bytes), int(rice_k), int(rice_bits))
+    """The sizes every form is chosen by, from one pass over sorted entry ``codes`` (`SizeTally`)."""
+    tally = SizeTally(n_params, codes.size)
+    tally.add(codes)
+    return tally.sizes()
 
 
 @dataclass(frozen=True)
@@ -279,9 +313,10 @@ class RiceForm:
         return 1 + (sizes.rice_bits + 7) // 8
 
     def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
-        buf = np.zeros(1 + (sizes.rice_bits + 7) // 8, np.uint8)
-        _rice_write(codes, sizes.rice_k, buf)
-        return buf.tobytes()
+        return written(self, codes, sizes)
+
+    def writer(self, sizes: CodeSizes) -> CodeWriter:
+        return _RiceWriter(sizes)
 
     def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
         size = len(payload)

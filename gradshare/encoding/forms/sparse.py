@@ -11,16 +11,18 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from gradshare.encoding.forms.base import CodeSizes, apply_buffers, byte_reader, check
+from gradshare.encoding.forms.base import CodeSizes, CodeWriter, apply_buffers, byte_reader, check, filled, written
 from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_TRAILING, CHECK_TRUNCATED,
                                         apply_batch, prefetch_write)
 
 
-@njit(nogil=True, cache=True)
-def _sparse_write(codes, out):
-    """Write the sparse form of ``codes`` into ``out`` (sized by forms.rice.measure) and return its size."""
-    pos = 0
-    prev = -1
+@njit(nogil=True, cache=True, boundscheck=True)
+def _sparse_write_from(codes, out, state):
+    """Write the sparse form of ``codes`` into ``out`` (sized by forms.rice.measure) from ``state`` = (byte
+    position, last index written), which it advances. Bounds-checked: codes that were not the ones measured
+    raise IndexError instead of writing past ``out``."""
+    pos = state[0]
+    prev = state[1]
     for e in range(codes.size):
         c = codes[e]
         i = c >> 1
@@ -32,7 +34,23 @@ def _sparse_write(codes, out):
             v >>= 7
         out[pos] = v
         pos += 1
-    return pos
+    state[0] = pos
+    state[1] = prev
+
+
+class _SparseWriter:
+    """The sparse payload a batch of codes at a time (base.CodeWriter)."""
+
+    def __init__(self, sizes: CodeSizes) -> None:
+        self.buf, self.n_entries, self.added = np.empty(sizes.varint_bytes, np.uint8), sizes.n_entries, 0
+        self.state = np.array([0, -1], np.int64)  # byte position, last index
+
+    def add(self, codes: np.ndarray) -> None:
+        _sparse_write_from(codes, self.buf, self.state)
+        self.added += codes.size
+
+    def payload(self) -> bytes:
+        return filled(self.buf, int(self.state[0]), self.n_entries, self.added, "sparse")
 
 
 @njit(nogil=True, cache=True)
@@ -127,9 +145,10 @@ class SparseForm:
         return sizes.varint_bytes
 
     def encode(self, codes: np.ndarray, sizes: CodeSizes) -> bytes:
-        buf = np.empty(sizes.varint_bytes, np.uint8)
-        _sparse_write(codes, buf)
-        return buf.tobytes()
+        return written(self, codes, sizes)
+
+    def writer(self, sizes: CodeSizes) -> CodeWriter:
+        return _SparseWriter(sizes)
 
     def validate(self, payload: bytes, n_params: int, n_entries: int) -> np.ndarray:
         size = len(payload)
