@@ -10,6 +10,10 @@ adaptive threshold's first steps are not the steady state). The target: ratio <=
 defaults to the 8.4 M-parameter MLP of docs/design.md's peer comparison (1024-2048-2048-1024-10, batch 64).
 The optimizer is SGD with momentum on both sides (Adam's even-sized first updates make every entry
 cross τ until the adaptive threshold has caught up, which a 60-step run would mostly measure).
+
+--model gpt2: GPT-2 small as `GPT2Config()` builds it (124.4 M parameters), 128-token rows, the next-token
+loss, AdamW (lr 1e-4, torch's default weight decay) on both sides, the size users fine-tune; a step takes
+seconds on one core, so e.g. `--model gpt2 --batch-size 2 --steps 12 --warmup 4 --rounds 1`.
 """
 
 import argparse
@@ -35,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-local-view", action="store_true",
                         help="Compression(local_view=False): the gradient at P, for an A/B of the local view's cost")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
+                        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)")
 
 
 def make_mlp(widths):
@@ -52,7 +58,40 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def local_steps(widths, batch, warmup, seed, rows):
+def adamw(params):  # the Hugging Face recipes' optimizer
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+SEQ = 128  # GPT-2's rows: 128 tokens each
+
+
+def lm_step(model, batch):
+    """GPT-2's next-token loss on a batch of rows (the labels are the inputs: the model shifts them)."""
+    return model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def make_model(name, widths, small=False):
+    """The benchmark's model: the MLP of ``widths``, or "gpt2": GPT-2 small as `GPT2Config()` builds it
+    (124 M parameters); with ``small`` a tiny one of the same kind (a warm-up fit)."""
+    if name != "gpt2":
+        from torch import nn
+
+        return nn.Linear(widths[0], widths[-1]) if small else make_mlp(widths)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2) if small else GPT2Config())
+
+
+def make_rows(name, widths, count, rng):
+    """``count`` rows for the model: (features, label), or for "gpt2" (SEQ token ids, 0)."""
+    if name == "gpt2":
+        return [(rng.integers(0, 50257, SEQ), 0) for _ in range(count)]
+    return [(rng.normal(size=widths[0]).astype("float32"), int(rng.integers(0, widths[-1]))) for _ in range(count)]
+
+
+def local_steps(name, widths, batch, warmup, seed, rows):
     """Baseline task body: the same model, optimizer and batches, trained locally without sharing."""
     import numpy as np
     import torch
@@ -60,17 +99,19 @@ def local_steps(widths, batch, warmup, seed, rows):
 
     torch.set_num_threads(max(1, int(TaskContext.get().cpus())))
     data = list(rows)
-    x_all = torch.from_numpy(np.stack([r[0] for r in data]).astype(np.float32))
+    x_all = torch.from_numpy(np.stack([r[0] for r in data]))
     y_all = torch.tensor([int(r[1]) for r in data])
     torch.manual_seed(seed)
-    model = make_mlp(widths)
-    opt = optimizer(list(model.parameters()))
+    model = make_model(name, widths)
+    opt = (adamw if name == "gpt2" else optimizer)(list(model.parameters()))
     loss_fn = torch.nn.CrossEntropyLoss()
     times, cpus = [], []
     for b in range(0, len(data), batch):
         t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x_all[b : b + batch]), y_all[b : b + batch]).backward()
+        x = x_all[b : b + batch]
+        loss = lm_step(model, (x,)) if name == "gpt2" else loss_fn(model(x), y_all[b : b + batch])
+        loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
@@ -135,14 +176,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         rng = np.random.default_rng(1)
         rows = args.steps * args.batch_size
-        data = [(rng.normal(size=widths[0]).astype(np.float32), int(rng.integers(0, widths[-1])))
-                for _ in range(2 * rows)]
+        data = make_rows(args.model, widths, 2 * rows, rng)
         rdd = spark.sparkContext.parallelize(data, 2).cache()
         rdd.count()
         rounds = []
         for _ in range(args.rounds):  # alternate, so a load change hits both sides alike
-            base = rdd.mapPartitions(lambda it: local_steps(widths, args.batch_size, args.warmup, 0, it)).collect()
-            trainer = SharedTrainer(lambda: make_mlp(widths), optimizer=optimizer, batch_size=args.batch_size,
+            base = rdd.mapPartitions(lambda it: local_steps(args.model, widths, args.batch_size, args.warmup, 0,
+                                                            it)).collect()
+            lm = args.model == "gpt2"
+            trainer = SharedTrainer(lambda: make_model(args.model, widths), optimizer=adamw if lm else optimizer,
+                                    **({"train_step": lm_step} if lm else {}), batch_size=args.batch_size,
                                     epochs=1, port=0, verbose=0,
                                     compression=Compression(staleness=args.staleness, warmup=0, local_view=not args.no_local_view),
                                     network=Network(bind="127.0.0.1"),
@@ -186,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         "relay_thread_cpu_ms_per_step": 1e3 * result.relay_cpu / max(r["steps_run"] for r in reps),
         "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
-    print(f"model: MLP {args.widths} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
+    what = "GPT-2 small" if args.model == "gpt2" else f"MLP {args.widths}"
+    print(f"model: {what} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
           f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}, "
           f"{out['update_path']} update path")
     print(f"single-process step (median)  {out['single_step_ms']:8.2f} ms")

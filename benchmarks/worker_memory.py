@@ -37,7 +37,7 @@ import os
 import subprocess
 import sys
 
-from step_overhead import make_mlp  # noqa: E402 - benchmarks/ is this script's directory
+from step_overhead import SEQ, lm_step, make_model, make_rows  # noqa: E402 - benchmarks/ is this script's directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,35 +52,6 @@ def make_optimizer(name):
     if name == "adam-fused":  # one kernel per parameter: no temporaries the size of a layer
         return lambda params: torch.optim.Adam(params, lr=1e-3, fused=True)
     return lambda params: torch.optim.Adam(params, lr=1e-3)
-
-
-SEQ = 128  # GPT-2 small's rows: 128 tokens each
-
-
-def make_model(name, widths, small=False):
-    """The benchmark's model: the MLP of ``widths``, or "gpt2": GPT-2 small as `GPT2Config()` builds it
-    (124 M parameters), a one-layer, 32-wide one when ``small`` (the warm-up fit)."""
-    if name != "gpt2":
-        from torch import nn
-
-        return nn.Linear(widths[0], widths[-1]) if small else make_mlp(widths)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2) if small else GPT2Config())
-
-
-def make_rows(name, widths, count):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    if name == "gpt2":
-        return [(rng.integers(0, 50257, SEQ), 0) for _ in range(count)]
-    return [(rng.standard_normal(widths[0]).astype(np.float32), int(rng.integers(widths[-1]))) for _ in range(count)]
-
-
-def lm_step(model, batch):
-    """GPT-2's next-token loss on a batch of rows (the labels are the inputs: the model shifts them)."""
-    return model(input_ids=batch[0], labels=batch[0]).loss
 
 
 def _status(field):
@@ -128,7 +99,9 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=
     spark = session_builder("local[2]", extra_conf={"spark.driver.memory": "1g"}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     try:
-        rows = make_rows(model_name, widths, 2 * steps * batch)
+        import numpy as np
+
+        rows = make_rows(model_name, widths, 2 * steps * batch, np.random.default_rng(0))
         rdd = spark.sparkContext.parallelize(rows, 2).cache()
         rdd.count()
         common = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0, batch_size=batch,
