@@ -339,7 +339,9 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
         counters = Counters.from_dict(relay.counters())
         tallies, incidents, rolled_back = relay.epoch_tallies(), relay.incidents(), relay.rolled_back()
         relay.close()
-        final = relay.take_params()  # the relay's own array, not a copy of it: one copy of P fewer at the end
+        # the relay's own array, not a copy of it: one copy of P fewer at the end (a copy if its thread
+        # outlived close's join)
+        final = relay.params if relay.running else relay.take_params()
     finally:
         relay.close()
         if service is not None:
@@ -388,7 +390,7 @@ def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, r
         offset = 0
         for t in flat.tensors:
             n = t.numel()
-            t.data = torch.from_numpy(out.final[offset:offset + n]).reshape(t.shape).clone()
+            t.data = torch.tensor(out.final[offset:offset + n]).reshape(t.shape)  # a copy: `final` may be read-only
             offset += n
     reports = sorted(out.reports, key=lambda r: r.rank)
     load_int_buffers(model, dict(reports[0].int_buffers))

@@ -215,10 +215,15 @@ class Relay:
         with self._lock:
             return self._core.copy_params()
 
+    @property
+    def running(self) -> bool:
+        """Whether the relay's I/O thread is alive (started, and not stopped by `close`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def take_params(self) -> NDArray[np.float32]:
         """The authoritative parameters handed over without a copy, once the relay is closed: the relay
         then holds none (its `params` and `param_hash` fail), so the fit's end holds P once less."""
-        if self._thread is not None and self._thread.is_alive():
+        if self.running:
             raise GradshareError("take_params needs a closed relay: close() it first")
         with self._lock:
             return self._core.take_params()

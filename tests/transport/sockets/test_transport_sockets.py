@@ -175,9 +175,11 @@ def test_real_encoding_messages_make_bit_identical_replicas():
             assert relay.complete_through == steps - 1
             assert param_hash(params[0]) == param_hash(params[1]) == relay.param_hash()
             assert not np.array_equal(relay.params, p0)
+            assert relay.running
             with pytest.raises(GradshareError, match="closed relay"):
                 relay.take_params()  # still serving: it would pull the array from under the I/O thread
             relay.close()
+            assert not relay.running
             final = relay.take_params()  # the fit's end: the array itself, bit-identical, no copy kept
             assert param_hash(final) == param_hash(params[0])
             assert relay.take_params().size == 0
