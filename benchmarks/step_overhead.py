@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-local-view", action="store_true",
                         help="Compression(local_view=False): the gradient at P, for an A/B of the local view's cost")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--tau-warmup", action="store_true",
+                        help="keep threshold='auto''s warm-up (the default: the first epochs at up to 7 %% density) "
+                             "instead of warmup=0, which times the steady state")
     parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
                         help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)")
 
@@ -187,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
             trainer = SharedTrainer(lambda: make_model(args.model, widths), optimizer=adamw if lm else optimizer,
                                     **({"train_step": lm_step} if lm else {}), batch_size=args.batch_size,
                                     epochs=1, port=0, verbose=0,
-                                    compression=Compression(staleness=args.staleness, warmup=0, local_view=not args.no_local_view),
+                                    compression=Compression(staleness=args.staleness, warmup=None if args.tau_warmup else 0,
+                                                            local_view=not args.no_local_view),
                                     network=Network(bind="127.0.0.1"),
                                     runtime=Runtime(worker_options={"profile": True, "direct_update": not args.general}))
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
