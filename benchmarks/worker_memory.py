@@ -149,7 +149,9 @@ def run_child(kind, args, optimizer):
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--model", args.model,
            "--local-view" if args.local_view else "--no-local-view", "--step-cap", args.step_cap,
            *(["--threshold", str(args.threshold)] if args.threshold is not None else [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    # benchmarks/ too: the executors unpickle lm_step (step_overhead.py) by reference
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:

@@ -8,15 +8,14 @@ import ctypes.util
 from collections.abc import Callable
 from typing import Literal
 
-TRIM_PAYLOAD_BYTES = 1 << 20  # a step whose message is this large trims the heap before the next backward
-
 
 def release_free_memory() -> None:
     """Hand the C heap's free pages back to the OS (glibc malloc_trim, every arena). Freed blocks below
     glibc's mmap threshold (which grows to 32 MB as large blocks are freed) stay in the process's RSS
-    until trimmed: a worker's big transients (the snapshot's datagrams, a dense message's codes and
-    payloads) would otherwise sit under the next step's peak (benchmarks/worker_memory.py: ~60 MB on the
-    51.6 M MLP). No-op where the C library is not glibc."""
+    until trimmed: a worker's big transients (the snapshot's datagrams, the model's first storage) would
+    otherwise sit under its steps' peak (benchmarks/worker_memory.py: ~60 MB on the 51.6 M MLP). Not every
+    step: a step's transients are bounded batches now, and the pages a trim hands back are faulted in again
+    by the next backward (docs/benchmarks/memory.md, "Heap trimming"). No-op where the C library is not glibc."""
     global _malloc_trim
     if _malloc_trim is None:
         try:

@@ -60,7 +60,6 @@ from gradshare.task.apply_log import ApplyLog
 from gradshare.task.checkpoint import worker_store, write_manifest, write_rank
 from gradshare.task.config import TrainStep, WorkerConfig
 from gradshare.task.epochs import EpochTally, current_lr
-from gradshare.task.memory import TRIM_PAYLOAD_BYTES, release_free_memory
 from gradshare.task.partition import PartitionData
 from gradshare.task.profiling import OFF, StepProfile
 from gradshare.task.reader import BatchReader
@@ -167,7 +166,6 @@ class Worker:
         self.train_step = train_step_of(cfg)
         self.batches = BatchReader(cfg, rank, data, self.device)
         self.scoring = Scorer(cfg, rank, self.model, self.train_step, self.device)  # validation (its shard)
-        self._trim_due = False  # release_free_memory before the next backward (after a large message)
 
     def _log(self) -> ApplyLog:
         """The apply log that `run` (or a driver stepping this worker itself) set."""
@@ -212,8 +210,6 @@ class Worker:
                             self.cfg.apply_scale)
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
-        if self._trim_due:  # before the step's peak (backward): the last step's big transients are garbage
-            release_free_memory()
         prof.lap("lookahead")
         lr = current_lr(self.optimizer)  # the schedule steps after the step: one lr for all of it
         state.set_lr(lr)  # rescales the residual if a schedule moved the lr
@@ -255,9 +251,6 @@ class Worker:
                         epoch=epoch - self.cfg.first_epoch, tau=msg.threshold if taken else None, lr=lr)
         meta = meta.with_(self.stops.take_meta(t, self.cfg))  # rank 0's epoch end and stop request, if any
         peer.send_update(t, payload, meta)
-        # a message this large (density ~1e-2 and up: a warm-up, Adam's first steps) left its codes and
-        # payloads freed but held, and the others' messages of the step will be as large
-        self._trim_due = len(payload) >= TRIM_PAYLOAD_BYTES
         prof.lap("send")
         return loss_value, msg.n_entries, len(payload)
 
