@@ -38,7 +38,7 @@ from gradshare.encoding.backend import backend_of
 from gradshare.encoding.code_stream import CodeStream
 from gradshare.encoding.codec import apply
 from gradshare.encoding.message import Message
-from gradshare.encoding.norms import tensor_norms2
+from gradshare.encoding.norms import add_capped, tensor_norms2, window_norms2
 from gradshare.encoding.update import StepUpdate, add_buffers
 from gradshare.vectors import Vector, to_host
 
@@ -215,22 +215,15 @@ def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[n
 
 def _add_window(norm2: NDArray[np.float64], streams: Sequence[tuple[CodeStream, float]], hi: int,
                 starts: NDArray[np.int64]) -> None:
-    """`summed_norms2` of the codes below index ``hi`` not taken yet, added to ``norm2``."""
-    index, values = [], []
+    """`summed_norms2` of the codes below index ``hi`` not taken yet, added to ``norm2`` (norms.py's kernel)."""
+    runs, steps = [], []
     for stream, step in streams:
         codes = stream.below(hi)
         if codes.size:
-            index.append(codes >> 1)
-            values.append(np.where(codes & 1, -step, step))
-    if not index:
-        return
-    if len(index) == 1:  # one message's indices are distinct already
-        where, total = index[0], values[0]
-    else:
-        where, inverse = np.unique(np.concatenate(index), return_inverse=True)
-        total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)  # in rank order
-    tensor = np.searchsorted(starts, where, side="right") - 1
-    norm2 += np.bincount(tensor, weights=total * total, minlength=len(starts))
+            runs.append(codes)
+            steps.append(step)
+    if runs:
+        window_norms2(runs, steps, starts, norm2)
 
 
 def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0, cap: StepCap | None = None,
@@ -262,13 +255,24 @@ def _add_capped(updates: Sequence[StepUpdate], factors: NDArray[np.float64], cap
     for u in updates:
         steps = (float(u.message.step(scale)) * factors).astype(np.float32)
         for codes in CodeStream(u.message).batches():
-            index = codes >> 1
-            values = steps[np.searchsorted(starts, index, side="right") - 1]
-            np.negative(values, out=values, where=(codes & 1).astype(bool))
-            index32 = index.astype(np.uint32)
+            indexed: tuple[NDArray[np.uint32], NDArray[np.float32]] | None = None  # a torch target's batch
             for v in targets:
-                backend_of(v).add_at(v, index32, values)
+                if isinstance(v, np.ndarray):
+                    add_capped(codes, starts, steps, v)
+                    continue
+                if indexed is None:
+                    indexed = _indexed(codes, starts, steps)
+                backend_of(v).add_at(v, *indexed)
         add_buffers(u, state)
+
+
+def _indexed(codes: NDArray[np.int64], starts: NDArray[np.int64],
+             steps: NDArray[np.float32]) -> tuple[NDArray[np.uint32], NDArray[np.float32]]:
+    """(indices, ±step of each one's tensor) of a batch of codes, for a torch target's add_at."""
+    index = codes >> 1
+    values = steps[np.searchsorted(starts, index, side="right") - 1]
+    np.negative(values, out=values, where=(codes & 1).astype(bool))
+    return index.astype(np.uint32), values
 
 
 def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate], NDArray[np.float32]], None] | None:

@@ -134,3 +134,34 @@ def test_a_stream_reaches_to_the_end_of_its_decoded_batch():
     assert stream.reach() == 41  # the next batch: 10, 40
     assert stream.below(41).tolist() == [21, 81] and stream.reach() == 42
     assert stream.below(42).tolist() == [83] and stream.reach() is None
+
+
+def bincount_window_norms2(runs, steps, starts, out):
+    """NumPy oracle of norms.window_norms2: the values of each index summed in run order by bincount, their
+    squares summed per tensor in index order by bincount, then added to ``out``."""
+    index = [c >> 1 for c in runs]
+    values = [np.where(c & 1, -s, s) for c, s in zip(runs, steps)]
+    where, inverse = np.unique(np.concatenate(index), return_inverse=True)
+    total = np.bincount(inverse, weights=np.concatenate(values), minlength=where.size)
+    tensor = np.searchsorted(starts, where, side="right") - 1
+    out += np.bincount(tensor, weights=total * total, minlength=len(starts))
+
+
+@SETTINGS
+@given(steps())
+def test_the_window_kernel_is_the_bincount_merge_bit_for_bit(case):
+    from gradshare.encoding.norms import window_norms2
+
+    starts, n, updates, scale = case
+    runs = [naive_codes_array(u.message) for u in updates if u.message.n_entries]
+    steps_ = [float(u.message.step(scale)) for u in updates if u.message.n_entries]
+    if not runs:
+        return
+    got, want = np.full(len(starts), 0.25), np.full(len(starts), 0.25)  # added to what is there
+    window_norms2(runs, steps_, starts, got)
+    bincount_window_norms2(runs, steps_, starts, want)
+    assert got.tobytes() == want.tobytes()
+
+
+def naive_codes_array(message: Message) -> np.ndarray:
+    return np.array(naive_codes(message), np.int64)
