@@ -22,8 +22,10 @@ if TYPE_CHECKING:
     from gradshare.driver.result import FitResult
     from gradshare.options import Compression, Elastic, FaultTolerance, Network, Runtime
     from gradshare.driver.trainer import SharedTrainer
+    from gradshare.replica.losses import clip_grad_norm
     from gradshare.encoding import (
         AdaptiveThreshold,
+        CalibratedThreshold,
         FixedThreshold,
         Message,
         ResidualClipping,
@@ -44,15 +46,17 @@ _ENCODING_NAMES = (
     "Message",
     "FixedThreshold",
     "AdaptiveThreshold",
+    "CalibratedThreshold",
     "TargetSparsityThreshold",
     "ResidualClipping",
     "residual_stats",
 )
-_TRAINER_NAMES = ("SharedTrainer", "FitResult")
+_TRAINER_NAMES = ("SharedTrainer", "FitResult", "clip_grad_norm")
 # SharedTrainer's option groups (gradshare/options.py): light, but loaded lazily like the rest
 _OPTION_NAMES = ("Compression", "Network", "FaultTolerance", "Runtime", "Elastic")
 _LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), "SharedTrainer": "gradshare.driver.trainer",
-         "FitResult": "gradshare.driver.result", **dict.fromkeys(_OPTION_NAMES, "gradshare.options")}
+         "FitResult": "gradshare.driver.result", "clip_grad_norm": "gradshare.replica.losses",
+         **dict.fromkeys(_OPTION_NAMES, "gradshare.options")}
 
 
 def __getattr__(name: str) -> object:

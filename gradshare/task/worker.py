@@ -81,9 +81,9 @@ def non_finite_cause(batch: tuple[torch.Tensor, ...], loss: torch.Tensor) -> str
     value = float(loss.detach())
     if not math.isfinite(value):
         return (f"the loss is {value} on finite inputs: the model diverged or the loss overflowed; lower the "
-                "learning rate or clip gradients (gradshare.replica.losses.clip_grad_norm)")
+                "learning rate or clip gradients (gradshare.clip_grad_norm)")
     return (f"the loss is finite ({value:.4g}) but the optimizer's update is not: a gradient overflowed or the "
-            "learning rate is too high; lower it or clip gradients (gradshare.replica.losses.clip_grad_norm)")
+            "learning rate is too high; lower it or clip gradients (gradshare.clip_grad_norm)")
 
 
 def capture(cfg: WorkerConfig, flat: FlatParams, optimizer: torch.optim.Optimizer,
