@@ -12,6 +12,7 @@ from gradshare.errors import (
     DecodeError,
     GradshareError,
     LocalProtocolError,
+    NonFiniteError,
     ProtocolError,
     RemoteProtocolError,
     TrainingError,
@@ -85,4 +86,5 @@ __all__ = [
     "ConsistencyError",
     "TrainingError",
     "CheckpointError",
+    "NonFiniteError",
 ]

@@ -56,6 +56,10 @@ class TrainingError(GradshareError):
     """The training job failed; the message names the task/worker and the cause."""
 
 
+class NonFiniteError(GradshareError, ValueError):
+    """A value the encoder reads (residual, update, point) is NaN or ±inf; the message names its index."""
+
+
 class CheckpointError(GradshareError, ValueError):
     """A checkpoint cannot be loaded whole: no manifest, or a file that does not match it (checkpoint.py)."""
 
@@ -70,4 +74,5 @@ __all__ = [
     "ConsistencyError",
     "TrainingError",
     "CheckpointError",
+    "NonFiniteError",
 ]

@@ -35,6 +35,7 @@ from gradshare.encoding.forms.base import apply_buffers
 from gradshare.encoding.message import Message, to_float32_threshold
 from gradshare.encoding.threshold import CalibratedThreshold, quantile_threshold
 from gradshare.encoding.update import StepUpdate
+from gradshare.errors import NonFiniteError
 
 # A calibrated τ that more than this many times the target share of the sample reaches is a value
 # many entries hold exactly (a tie), and Strom's rule would send every one of them. 2: the aggregate
@@ -127,7 +128,7 @@ def encode_residual(state: AggregateState, tau: float) -> Message:
         codes = _bm.encode_bounded(r, state.bound, np.float32(tau))
     except kernels.NonFiniteAt as exc:
         i = exc.index
-        raise ValueError(f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
+        raise NonFiniteError(f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
                          f"is partly updated and must be reset") from None
     return Message.from_codes(codes, tau, r.size, None)
 

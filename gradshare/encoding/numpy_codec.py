@@ -20,6 +20,7 @@ import numpy as np
 
 from gradshare.encoding import encode_passes, kernels
 from gradshare.encoding.message import FORMS, MAX_THRESHOLD, MIN_THRESHOLD, Message, threshold_value
+from gradshare.errors import NonFiniteError
 
 
 def check_vector(name: str, array: object, *, writable: bool, n: int | None = None) -> np.ndarray:
@@ -124,7 +125,7 @@ def encode(residual: object, update: object, threshold: float, *, form: str | No
     except kernels.NonFiniteAt as exc:
         i = exc.index
         what = "residual" if u is None else "residual + update" if b is None else "residual + update - base"
-        raise ValueError(
+        raise NonFiniteError(
             f"{what} is not finite at index {i} (residual[{i}] = {r[i]!r}"
             + (f", update[{i}] = {u[i]!r}" if u is not None else "")
             + (f", base[{i}] = {b[i]!r}" if b is not None else "")
@@ -214,7 +215,7 @@ def encode_folded(point: np.ndarray, params: np.ndarray, tau: float, inv: np.flo
         return encode_passes.folded_message(point, params, inv, tau, step, form)
     except kernels.NonFiniteAt as exc:
         i = exc.index
-        raise ValueError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
+        raise NonFiniteError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
                          f"{point[i]!r}, params[{i}] = {params[i]!r}); the point is partly reduced and must "
                          "be reset") from None
 

@@ -30,6 +30,7 @@ import torch
 from numpy.typing import NDArray
 
 from gradshare.encoding.message import FORMS, MAX_THRESHOLD, MIN_THRESHOLD, Message, threshold_value
+from gradshare.errors import NonFiniteError
 
 # Values per block of the two-level entry search (`_entries`): 128 measured fastest of 32..256 on a CPU
 # at density 1e-3 (smaller blocks make the per-block max/min slower, larger ones search more values).
@@ -110,7 +111,7 @@ def encode(
         if found is None:
             i = int(torch.nonzero(~torch.isfinite(residual))[0, 0])  # only on the error path
             what = "residual" if update is None else "residual + update" if base is None else "residual + update - base"
-            raise ValueError(
+            raise NonFiniteError(
                 f"{what} is not finite at index {i} (residual[{i}] = {residual[i].item()!r} after the "
                 "accumulation); the residual is updated and must be reset"
             )
@@ -238,7 +239,7 @@ def encode_folded(point: torch.Tensor, params: torch.Tensor, tau: float, inv: np
         found = _entries(r, tau_t)
         if found is None:
             i = int(torch.nonzero(~torch.isfinite(r))[0, 0])
-            raise ValueError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
+            raise NonFiniteError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
                              f"{point[i].item()!r}, params[{i}] = {params[i].item()!r}); nothing was changed")
         index, values = found
         del r

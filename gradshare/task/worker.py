@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.encoding import SharingState, StepUpdate, buffer_change, skipped_step
-from gradshare.errors import TrainingError
+from gradshare.errors import NonFiniteError, TrainingError
 from gradshare.replica.capture import (DirectPath, UpdatePath, frees_enough, needs_all_gradients, update_path,
                                        writes_update_only)
 from gradshare.replica.device import resolve_device, select
@@ -234,10 +234,8 @@ class Worker:
         prof.lap("optimizer")
         try:
             msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
-        except ValueError as e:
-            if "not finite" not in str(e):
-                raise
-            raise ValueError(f"rank {self.rank}, step {t} (epoch {epoch}, batch {b}): the update is not finite: "
+        except NonFiniteError as e:
+            raise NonFiniteError(f"rank {self.rank}, step {t} (epoch {epoch}, batch {b}): the update is not finite: "
                              f"{non_finite_cause(batch, loss)} ({e})") from e
         if looked is not None:
             look_back(flat, looked)
