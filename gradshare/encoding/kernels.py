@@ -204,8 +204,8 @@ def _bad_count(rb):
 @njit(nogil=True, cache=True, inline="always")
 def _emit_hits(m, sb, base, tau, out, k, cnt, reduce):
     """Emit the hits flagged in the uint64 mask ``m`` (bit j: |sb[j]| >= tau, finite) and reduce each by
-    τ (when ``reduce``). A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ) is x + τ, the
-    same bits. Returns (k, cnt) with cnt lowered by the hits emitted."""
+    τ (when ``reduce``). A hit's sign is x < 0, used without a branch (it is taken at random): x − (−τ)
+    is x + τ, the same bits. Returns (k, cnt) with cnt lowered by the hits emitted."""
     while m:
         j = np.int64(cttz(m))
         m &= m - np.uint64(1)
@@ -240,8 +240,8 @@ def _hit_mask_full(sb, tau):
 @njit(nogil=True, cache=True, inline="always")
 def _emit_block(rb, pos, tau, out, k, flagged, reduce):
     """Emit the entries of the accumulated block ``rb`` (starting at parameter ``pos``) into ``out`` from
-    ``k`` on and reduce them by τ (when ``reduce``). ``flagged`` counts its values that are not below τ: its entries, and its
-    non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
+    ``k`` on and reduce them by τ (when ``reduce``). ``flagged`` counts its values that are not below τ:
+    its entries, and its non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
     # One compare a value in the streaming pass (not |x| < τ) flags both, so the non-finite check runs only
     # on blocks that hold an entry, while they are in L1 (10 M values, density 1e-3: the kernel 1.26-1.30 ->
     # 1.16-1.20x in-place numpy.add; `gradshare bench encoding` 1.51-1.56 -> 1.43-1.48; the same codes).
@@ -350,8 +350,7 @@ def _folded_mask_full(sq, sp, inv, tau):
 def _folded_encode(q, p, inv, tau, step, out, k, start, reduce=True):
     """Emit every |r_i| >= tau of r = (q − p)·inv into ``out`` from ``k`` on, and move q_i by ∓step (step =
     float32(τ·s), what the log adds at i when it applies the entry; not when ``reduce`` is False, a read-only
-    pass), blocks from ``start`` on. Reads r, never
-    stores it. Returns (k, pos, status) as `_accumulate_encode` does (FULL: the block at pos is untouched)."""
+    pass), blocks from ``start`` on. Reads r, never stores it. Returns (k, pos, status) as `_accumulate_encode` does (FULL: the block at pos is untouched)."""
     n = q.size
     pos = start
     while pos < n:

@@ -180,9 +180,11 @@ def entries_per_tensor(message: Message, starts: NDArray[np.int64]) -> NDArray[n
     return counts
 
 
-# Entries merged at a time over all of a step's messages, whatever the model's and the messages' size
-# (~80 bytes each while merged: 10 MiB measured with tracemalloc). Was a window of 2 M indices: ~170 MB on the relay and on each worker
-# at a dense step of the 51.6 M MLP (benchmarks/worker_memory.py --threshold 1e-3).
+# Entries merged at a time over all of a step's messages, whatever the model's and the messages' size:
+# each window's codes are copied out of the streams and joined (16 bytes an entry; 3 MiB with the streams'
+# batches, measured with tracemalloc on two 60 %-dense 4 M messages), where a window
+# of 2 M indices held ~170 MB on the relay and on each worker at a dense step of the 51.6 M MLP
+# (benchmarks/worker_memory.py --threshold 1e-3).
 WINDOW = 1 << 17
 
 

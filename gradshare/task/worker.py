@@ -6,8 +6,8 @@ One step t on rank w (docs/design.md, "One training step"):
     u = P_after − P_before ; P = P_before          # DL4J's "post-updater" update
     m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
       (direct path, capture.py: when the optimizer's update does not depend on P (SGD, Adam, ... without
-       weight decay, or AdamW's decoupled decay added as −lr·λ·P) optimizer.step() runs with the parameters aliased to the residual, so it adds u to
-       r itself and P is never moved. General path: one fused pass; P_before is a twin copy of P that
+       weight decay, or AdamW's decoupled decay, added as −lr·λ·P) optimizer.step() runs with the
+       parameters aliased to the residual, so it adds u to r itself and P is never moved. General path: one fused pass; P_before is a twin copy of P that
        the apply log keeps equal to it, and the pass also writes P_before back over the live buffer,
        so no copy of P and no u vector per step)
     send m as (t, w)
