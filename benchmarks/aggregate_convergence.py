@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from gradshare.options import Network
+from gradshare.config.options import Network
 
 
 def main(argv=None) -> int:

@@ -93,7 +93,7 @@ def main():
     args = ap.parse_args()
 
     from gradshare import SharedTrainer
-    from gradshare.options import FaultTolerance, Network
+    from gradshare.config.options import FaultTolerance, Network
     from gradshare.demo import digits_split
     from gradshare.driver.session import get_or_create_session
 

@@ -78,7 +78,7 @@ def run_spark(spill_bytes, rows, width, epochs):
     from torch import nn
 
     from gradshare import SharedTrainer
-    from gradshare.options import Network
+    from gradshare.config.options import Network
     from gradshare.driver.session import session_builder
 
     spark = session_builder("local[2]").getOrCreate()

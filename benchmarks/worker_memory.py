@@ -92,7 +92,7 @@ def child_single(widths, optimizer, steps, batch, model_name="mlp"):
 def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto",
                     model_name="mlp"):
     from gradshare import SharedTrainer
-    from gradshare.options import Compression, FaultTolerance, Network
+    from gradshare.config.options import Compression, FaultTolerance, Network
     from gradshare.driver.session import session_builder
     from gradshare.task.memory import reset_peak_rss
 

@@ -21,7 +21,7 @@ from gradshare.errors import (
 
 if TYPE_CHECKING:
     from gradshare.driver.result import FitResult
-    from gradshare.options import Compression, Elastic, FaultTolerance, Network, Runtime
+    from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
     from gradshare.driver.trainer import SharedTrainer
     from gradshare.replica.losses import clip_grad_norm
     from gradshare.encoding import (
@@ -53,11 +53,11 @@ _ENCODING_NAMES = (
     "residual_stats",
 )
 _TRAINER_NAMES = ("SharedTrainer", "FitResult", "clip_grad_norm")
-# SharedTrainer's option groups (gradshare/options.py): light, but loaded lazily like the rest
+# SharedTrainer's option groups (gradshare/config/options.py): light, but loaded lazily like the rest
 _OPTION_NAMES = ("Compression", "Network", "FaultTolerance", "Runtime", "Elastic")
 _LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), "SharedTrainer": "gradshare.driver.trainer",
          "FitResult": "gradshare.driver.result", "clip_grad_norm": "gradshare.replica.losses",
-         **dict.fromkeys(_OPTION_NAMES, "gradshare.options")}
+         **dict.fromkeys(_OPTION_NAMES, "gradshare.config.options")}
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,6 @@
 """Small checks of SharedTrainer's arguments that TrainConfig runs and the driver reuses.
 
-They import nothing else of gradshare, so that config.py (imported by the CLI, the task and the driver
+They import nothing else of gradshare, so that gradshare.config (imported by the CLI, the task and the driver
 alike) reaches into neither driver/ nor task/: the mlflow option, where a checkpoint lives, and whether
 data is a Spark DataFrame or RDD.
 """

@@ -21,7 +21,7 @@ from torch import nn
 
 from gradshare.cli import threshold_arg
 from gradshare.config import OptimizerFactory, TrainConfig
-from gradshare.options import Compression, Network, ThresholdAlgorithm
+from gradshare.config.options import Compression, Network, ThresholdAlgorithm
 from gradshare.driver.session import get_or_create_session
 from gradshare.driver.trainer import SharedTrainer, default_optimizer
 

@@ -237,7 +237,7 @@ class EpochLine:
 def epoch_lines(tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_epoch: tuple[int, ...],
                 last: int = 8) -> list[EpochLine]:
     """The last `last` epochs every rank has finished in the applied log (each rank's tally holds its
-    steps_per_epoch steps), from the relay's (rank, epoch) tallies (gradshare/tallies.py)."""
+    steps_per_epoch steps), from the relay's (rank, epoch) tallies (gradshare/task/tallies.py)."""
     lines = []
     for epoch in sorted({e for _, e in tallies}):
         rows = [tallies.get((rank, epoch)) for rank in range(len(steps_per_epoch))]

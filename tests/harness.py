@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from gradshare.hashing import param_hash
-from gradshare.tallies import TrainingLog
+from gradshare.task.tallies import TrainingLog
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning

@@ -12,7 +12,7 @@ import pytest
 
 from gradshare.config import TrainConfig
 
-from gradshare.options import (
+from gradshare.config.options import (
     DEFAULT_WARMUP_EPOCHS, GROUP_OF, GROUPS, WORKER_OPTIONS, Compression, FaultTolerance, Network, Runtime, WorkerFlags,
     grouped,
 )

@@ -25,7 +25,7 @@ from gradshare.transport import Peer, Relay, new_job_key
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.options import Network
+from gradshare.config.options import Network
 from transport_util import TOY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
-from gradshare.options import Compression
+from gradshare.config.options import Compression
 from lab import report, systems
 from lab.report import accuracy_panel, final_accuracy, fmt, human_bytes, machine, save_figure
 from lab.report import Row

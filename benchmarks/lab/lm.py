@@ -36,7 +36,7 @@ from lab.lm_models import (
     WARMUP_SHARE, LmData, causal_lm, check_transformers, hf_train_step, lm_data, optimizer_for,
     scheduler_factory, train_step_for, val_loss, val_loss_sums,
 )
-from gradshare.options import FaultTolerance, Network, Runtime
+from gradshare.config.options import FaultTolerance, Network, Runtime
 from lab.train import comma_list
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.config import TrainConfig
-from gradshare.options import Aggregate, Compression, FaultTolerance, Network, OptimizerMomentum, Runtime
+from gradshare.config.options import Aggregate, Compression, FaultTolerance, Network, OptimizerMomentum, Runtime
 from lab import BENCHMARKS, ROOT
 from lab.profile import lo_tx_bytes
 from lab.workloads import Workload, load, model_factory, test_accuracy

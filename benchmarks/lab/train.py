@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
-from gradshare.options import Compression
+from gradshare.config.options import Compression
 from lab import BENCHMARKS, netns, report
 from lab import systems as sysmod
 from lab.netns import LINKS, interfaces

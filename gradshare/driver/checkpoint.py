@@ -20,7 +20,7 @@ from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
 from gradshare.task.stores import HadoopStore, LocalStore, Store, error_line
-from gradshare.tallies import RollbackPoint
+from gradshare.task.tallies import RollbackPoint
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -214,7 +214,7 @@ def plan_for_fit(checkpoint_dir: str | None, every: int, epochs: int, job: dict[
 
 def relay_rollback(saving: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
                    steps_per_epoch: tuple[int, ...]) -> Callable[[int], RollbackPoint | None] | None:
-    """The relay's `rollback` (the relay core's observer, gradshare/tallies.py): with checkpoints, a retried stage restarts at the last one."""
+    """The relay's `rollback` (the relay core's observer, gradshare/task/tallies.py): with checkpoints, a retried stage restarts at the last one."""
     if saving is None and resume is None:
         return None
     return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])

@@ -30,7 +30,7 @@ from typing import Any
 
 from gradshare.config import TrainConfig
 
-from gradshare.options import Elastic
+from gradshare.config.options import Elastic
 from gradshare.driver.fit import (
     RunPlan, collect_result, plan_run, prepare_data, regrouped, run_job, start_relay,
 )

@@ -29,12 +29,12 @@ from torch import nn
 
 from gradshare.checks import is_dataframe, is_distributed
 from gradshare.config import Metric, TrainConfig, check_checkpoint_staleness
-from gradshare.options import ThresholdRule, is_calibrated
+from gradshare.config.options import ThresholdRule, is_calibrated
 from gradshare.driver.checkpoint import (
     Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
 )
 from gradshare.driver.history import Tallies, merge_history
-from gradshare.tallies import TrainingLog
+from gradshare.task.tallies import TrainingLog
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
 from gradshare.driver.plan import (
     FitSpec, StepPlan, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.config import ModelSpec, OptimizerFactory, SchedulerFactory, TrainConfig
 
-from gradshare.options import DEFAULT_WARMUP_MIN_STEPS, OptimizerMomentum, ThresholdRule, is_calibrated
+from gradshare.config.options import DEFAULT_WARMUP_MIN_STEPS, OptimizerMomentum, ThresholdRule, is_calibrated
 from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.driver.policy import auto_for
 from gradshare.encoding.step_cap import step_cap_for

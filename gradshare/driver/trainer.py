@@ -56,7 +56,7 @@ from gradshare.driver.in_job import fit_in_job, in_job
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
-from gradshare.options import GROUP_OF, Compression, Elastic, FaultTolerance, Network, Runtime, grouped
+from gradshare.config.options import GROUP_OF, Compression, Elastic, FaultTolerance, Network, Runtime, grouped
 from gradshare.stopping import EarlyStopping
 
 
@@ -79,7 +79,7 @@ class SharedTrainer:
     """Data-parallel training of a PyTorch model on Spark with threshold-encoded shared updates.
 
     The everyday options are flat; the rest are in four groups, `Compression`, `Network`,
-    `FaultTolerance` and `Runtime` (gradshare/options.py), plus `Elastic`. docs/guide/options.md lists
+    `FaultTolerance` and `Runtime` (gradshare/config/options.py), plus `Elastic`. docs/guide/options.md lists
     every option with its default and meaning (generated from the dataclasses' fields); `trainer.config`
     is the checked `TrainConfig`, and ``trainer.epochs`` (any flat option's name, or a group's keyword)
     reads it. An option's flat name from before the groups (``density=1e-3``) still works for one

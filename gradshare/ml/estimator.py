@@ -18,7 +18,7 @@ from torch import nn
 
 from gradshare.config import LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
 
-from gradshare.options import EpochCallback
+from gradshare.config.options import EpochCallback
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes

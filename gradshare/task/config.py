@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
-from gradshare.options import Compression, FaultTolerance, Network, Runtime
+from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 from gradshare.encoding.step_cap import StepCap
 from gradshare.task.relay_host import HostedRelay
 

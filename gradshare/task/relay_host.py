@@ -25,7 +25,7 @@ from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.errors import ProtocolError
 from gradshare.reports import Counters, RelayResult, epoch_lines
-from gradshare.tallies import RollbackPoint, TrainingLog
+from gradshare.task.tallies import RollbackPoint, TrainingLog
 from gradshare.transport import Relay, RelayTuning
 from gradshare.transport.protocol.status_wire import Status
 from gradshare.transport.sockets.snapshot_rate import snapshot_options

@@ -40,7 +40,7 @@ class StopNotes:
 
     def inherit(self, notes: StepMeta, rank: int) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
-        gradshare/tallies.py AttemptNotes, read as StepMeta.from_notes): rank 0's rule state and
+        gradshare/task/tallies.py AttemptNotes, read as StepMeta.from_notes): rank 0's rule state and
         stop request, every rank's stop epoch."""
         if notes.stop_epoch is not None:
             self.inherited = notes.stop_epoch

@@ -184,7 +184,7 @@ class Worker:
 
     def inherit(self, notes: Mapping[str, Any]) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
-        gradshare/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
+        gradshare/task/tallies.py AttemptNotes): rank 0's rule state and stop request, every rank's stop epoch."""
         self.stops.inherit(StepMeta.from_notes(notes), self.rank)
 
     def _score(self, scores: deque[tuple[int, int]], upto: int, history: list[EpochStats]) -> None:

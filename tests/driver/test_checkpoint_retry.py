@@ -15,7 +15,7 @@ from gradshare.demo import digits_split
 from gradshare.stopping import stop_epoch
 from gradshare.hashing import param_hash
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.options import FaultTolerance, Network
+from gradshare.config.options import FaultTolerance, Network
 from dying import DiesOnce
 from harness import Sim, drive
 from transport_util import random_update

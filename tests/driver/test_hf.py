@@ -9,7 +9,7 @@ from torch import nn
 
 from gradshare import SharedTrainer
 from gradshare.replica.losses import InputTypeError, plan_loss
-from gradshare.options import Network
+from gradshare.config.options import Network
 
 LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"), verbose=0)
 VOCAB, SEQ, PAD = 48, 12, 0

@@ -15,7 +15,7 @@ from torch import nn
 from gradshare import SharedTrainer
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import TrainingError
-from gradshare.options import Compression, FaultTolerance, Network
+from gradshare.config.options import Compression, FaultTolerance, Network
 from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

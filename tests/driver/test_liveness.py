@@ -16,7 +16,7 @@ from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
 from gradshare.demo import mlp
-from gradshare.options import FaultTolerance, Network
+from gradshare.config.options import FaultTolerance, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

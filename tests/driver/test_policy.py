@@ -7,7 +7,7 @@ from gradshare.config import TrainConfig
 from gradshare.driver.plan import forwarding_for, plan_steps
 from gradshare.driver.policy import AGGREGATE_FROM, MANY_WORKERS, auto_for
 from gradshare.encoding import CalibratedThreshold
-from gradshare.options import Compression
+from gradshare.config.options import Compression
 
 
 def test_the_table_row_by_row():

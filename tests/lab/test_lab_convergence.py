@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 
-from gradshare.options import Network
+from gradshare.config.options import Network
 from lab import convergence
 
 

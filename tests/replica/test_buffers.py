@@ -25,7 +25,7 @@ from gradshare.errors import DecodeError
 from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
 from gradshare.task.config import steps_per_epoch
-from gradshare.options import Network, Runtime
+from gradshare.config.options import Network, Runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradshare.replica.losses import clip_grad_norm
-from gradshare.options import Network, Runtime
+from gradshare.config.options import Network, Runtime
 from one_worker import STEPS, mlp, run_one_worker as _run
 
 

@@ -22,7 +22,7 @@ from gradshare.demo import digits_split, mlp
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, encode
 from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
-from gradshare.options import Compression, Network, Runtime
+from gradshare.config.options import Compression, Network, Runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

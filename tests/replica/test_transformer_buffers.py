@@ -23,7 +23,7 @@ from gradshare.encoding.torch_codec import buffer_change as buffer_change_tensor
 from gradshare.replica.flat import FlatParams, int_buffers
 from gradshare.replica.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
 from gradshare.transport import param_hash
-from gradshare.options import Compression, Network
+from gradshare.config.options import Compression, Network
 from gradshare.errors import NonFiniteError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

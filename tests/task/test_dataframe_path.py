@@ -13,7 +13,7 @@ from gradshare import SharedTrainer
 from gradshare.task.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
 from gradshare.driver.session import dataframe_to_rdd
 from gradshare.task.partition import summarise_partition
-from gradshare.options import Network
+from gradshare.config.options import Network
 
 
 def _vectors(rows):

@@ -23,7 +23,7 @@ from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.peer.core import PeerCore
-from gradshare.options import Network
+from gradshare.config.options import Network
 from harness import Sim, drive
 
 # Executors cannot import this test module: ship its model classes by value.

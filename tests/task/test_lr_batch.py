@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradshare import SharedTrainer, encoding
-from gradshare.options import Compression
+from gradshare.config.options import Compression
 from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig

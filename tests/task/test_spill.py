@@ -213,7 +213,7 @@ def test_a_partition_of_12x_spill_bytes_trains_with_the_worker_peak_rss_bounded(
     from torch import nn
 
     from gradshare import SharedTrainer
-    from gradshare.options import Network
+    from gradshare.config.options import Network
 
     mib, rows = 1 << 20, 3 * 1024  # 3 072 rows of 4 KiB = 12 MiB
     rdd = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(

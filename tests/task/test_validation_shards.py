@@ -19,7 +19,7 @@ from gradshare.task.partition import PartitionData
 from gradshare.stopping import stop_epoch
 from gradshare.replica.losses import accuracy_sums
 from gradshare.task.validation import pack, reduce_sums, shard_sums, split_rows
-from gradshare.options import FaultTolerance, Network
+from gradshare.config.options import FaultTolerance, Network
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

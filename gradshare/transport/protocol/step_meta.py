@@ -3,7 +3,7 @@ optional, that crosses the wire inside the update's body (wire.py: ``u16 length 
 
 Producers: the worker (its step's progress), rank 0's early stopping (task/stops.py: its epoch end and
 stop request), the relay (its aggregate carries rank 0's stop epoch, relay/log.py). Consumers: the relay's
-tallies (gradshare/tallies.py), every rank's apply log (task/apply_log.py: the stop epoch), the driver's progress bar
+tallies (gradshare/task/tallies.py), every rank's apply log (task/apply_log.py: the stop epoch), the driver's progress bar
 (reports.Progress). Nothing outside this module names a field by string.
 
 On the wire the record is the msgpack map of float values it always was, one key per field that is set

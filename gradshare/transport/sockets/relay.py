@@ -297,7 +297,7 @@ class Relay:
 
     def rolled_back(self) -> list[dict[str, int]]:
         """Each time a retried stage restarted at a checkpoint: {"attempt", "from": complete_through then,
-        "to": the checkpoint's step} (the training observer's rollback, gradshare/tallies.py TrainingLog)."""
+        "to": the checkpoint's step} (the training observer's rollback, gradshare/task/tallies.py TrainingLog)."""
         with self._lock:
             return list(self._rolled_back)
 

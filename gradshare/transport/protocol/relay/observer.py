@@ -1,7 +1,7 @@
 """The relay core's one seam to the training bookkeeping (docs/design.md, Consistency): the core calls an
 observer when an update enters the applied log and when a new attempt cuts the log, and reads back what
 the log says about the training (rank 0's notes, the epoch tallies). What it keeps (epoch tallies, rank 0's
-stop notes, checkpoints to roll back to) is the trainer's (gradshare/tallies.py TrainingLog); the transport
+stop notes, checkpoints to roll back to) is the trainer's (gradshare/task/tallies.py TrainingLog); the transport
 knows nothing of epochs, so its default is ``NullObserver``: every method neutral.
 """
 

@@ -2,10 +2,10 @@
 
     config = TrainConfig(threshold=1e-3, epochs=5)     # raises ValueError / TypeError naming the option
     TrainConfig.batch_size                             # 32: the default, read by the CLI and gradshare.ml
-    config.compression.density                         # a grouped option (gradshare/options.py)
+    config.compression.density                         # a grouped option (gradshare/config/options.py)
 
 This is the one place the everyday options' defaults and doc lines are written (each field's metadata),
-and options.py the one place the grouped ones are: `SharedTrainer`'s signature takes each default from
+and config/options.py the one place the grouped ones are: `SharedTrainer`'s signature takes each default from
 here, docs/guide/options.md is `options_table()`, and the `gradshare.ml` Params and the CLI read them
 from here too (tests/test_config.py, tests/docs/test_readme_options.py).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from gradshare.checks import is_distributed
-from gradshare.options import (
+from gradshare.config.options import (
     GROUPS, Compression, Elastic, FaultTolerance, Network, Runtime, is_calibrated, is_number, option,
 )
 from gradshare.stopping import EarlyStopping, early_stopping_from

@@ -1,9 +1,9 @@
-"""The relay's log bookkeeping alone (gradshare/tallies.py): epoch sums and what an attempt inherits."""
+"""The relay's log bookkeeping alone (gradshare/task/tallies.py): epoch sums and what an attempt inherits."""
 
 from __future__ import annotations
 
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.tallies import AttemptNotes, EpochTally
+from gradshare.task.tallies import AttemptNotes, EpochTally
 
 
 def test_attempt_notes_are_the_state_as_of_a_step():
