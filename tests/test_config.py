@@ -13,9 +13,9 @@ import pytest
 from gradshare.config import TrainConfig
 
 from gradshare.config.options import (
-    DEFAULT_WARMUP_EPOCHS, GROUP_OF, GROUPS, WORKER_OPTIONS, Compression, FaultTolerance, Network, Runtime, WorkerFlags,
-    grouped,
+    DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, Compression, FaultTolerance, Network, Runtime, WorkerFlags,
 )
+from gradshare.config.grouping import GROUP_OF, GROUPS, grouped
 from gradshare.driver.trainer import SharedTrainer
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.task.config import WorkerConfig

@@ -42,7 +42,8 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.config import SchedulerFactory, TrainConfig
-from gradshare.config.options import OptimizerMomentum, in_groups
+from gradshare.config.options import OptimizerMomentum
+from gradshare.config.grouping import in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash

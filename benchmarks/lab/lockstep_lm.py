@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
-from gradshare.config.options import in_groups
+from gradshare.config.grouping import in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.replica.flat import FlatParams

@@ -19,7 +19,7 @@ its own copy as in training. Per N it reports
 - exactly-once: every peer received every rank's every step (through that rank's last step) exactly once.
 
 Heartbeat traffic vs N (up to 256: STATUS pages) is measured on the protocol cores over an in-memory link
-with a simulated clock (the cores called directly), and a projected step-communication table at 1/10/25 Gbit/s for N up to
+with a simulated clock (the cores called directly; heartbeat.py), and a projected step-communication table at 1/10/25 Gbit/s for N up to
 256 is fitted from the measured costs (the model is printed and stored with the table).
 
 ``--forwarding per-rank`` (the relay forwards each rank's datagrams to every other rank) or
@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from gradshare.bench.scale_model import LINKS_GBIT, project
+from gradshare.bench.heartbeat import heartbeat_traffic
+from gradshare.bench.scale_model import project
+from gradshare.bench.scale_report import plot, print_row, print_tail
 from gradshare.bench.scale_train import sealed_size
 from gradshare.encoding import CalibratedThreshold, encode
 from gradshare.encoding.aggregate import AggregateState
@@ -53,7 +55,6 @@ from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.protocol.relay.core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, encode_update_body
 from gradshare.transport.sockets import udp
-from gradshare.transport.testing.memory import joined_cores
 
 FORWARDING_MODES = ("per-rank", "aggregate")
 OFFLOAD_CHOICES = ("on", "off", "both")
@@ -318,46 +319,6 @@ def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload:
 
 # --- heartbeats (protocol cores, simulated clock) ------------------------------------------------------
 
-def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
-                      datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict[str, Any]:
-    """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.
-
-    Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the
-    protocol, not the machine): ``seconds`` of simulated time in steps of ``tick``."""
-    relay, peers = joined_cores(n_peers, 1000, b"\x02" * 32, 1, datagram_size=datagram_size)
-    relay.datagrams_to_send()
-    counts = {"in_datagrams": 0, "in_bytes": 0, "out_datagrams": 0, "out_bytes": 0}
-    cpu = 0.0
-    steps = int(round(seconds / tick))
-    for i in range(1, steps + 1):
-        now = i * tick
-        for r, p in enumerate(peers):
-            p.handle_timer(now)
-            for d in p.datagrams_to_send():
-                counts["in_datagrams"] += 1
-                counts["in_bytes"] += len(d)
-                c = time.thread_time()
-                relay.receive_datagram(d, r, now)
-                cpu += time.thread_time() - c
-        c = time.thread_time()
-        if now >= relay.next_timer():
-            relay.handle_timer(now)
-        out = relay.datagrams_to_send()
-        cpu += time.thread_time() - c
-        for d, to in out:
-            counts["out_datagrams"] += 1
-            counts["out_bytes"] += len(d)
-            assert isinstance(to, int)  # joined_cores addresses each peer by its rank
-            peers[to].receive_datagram(d, "relay", now)
-    errors = [p.io.error for p in peers if p.io.error]
-    if errors:
-        raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
-    per_s = {k + "_per_s": v / seconds for k, v in counts.items()}
-    return {"peers": n_peers, **per_s, "relay_cpu_per_s": cpu / seconds,
-            "out_bytes_per_peer_per_s": counts["out_bytes"] / seconds / n_peers,
-            "max_datagram": max(1, datagram_size)}
-
-
 # --- driver ---------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
@@ -374,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         for offload in modes:
             row = run_one(n, args, messages, offload)
             rows.append(row)
-            _print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
+            print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
                        message_bytes=row["rank_message_wire_bytes"])
     heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
     # the model and the plot from the last mode's rows (with "both": offload on); "baseline" holds the others
@@ -386,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
            "projection": projection}
     if len(modes) > 1:
         out["baseline"] = rows[0::len(modes)]
-    _print_tail(heartbeats, projection, args.forwarding)
+    print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(out, indent=2, default=str) + "\n")
@@ -413,76 +374,6 @@ def rank_messages(n_params: int, density: float, count: int, seed: int) -> list[
 def _wire_bytes(messages: list[bytes], datagram_size: int) -> float:
     """Mean bytes on the wire for one update (every chunk's header and AEAD tag included)."""
     return sum(sealed_size(len(encode_update_body(m, None)), datagram_size)[0] for m in messages) / len(messages)
-
-
-def _print_row(r: dict[str, Any], header: bool, params: int, density: float, message_bytes: float) -> None:
-    if header:
-        print(f"scale ({r['forwarding']} forwarding): {params:,} params, density {density:g}, "
-              f"{message_bytes:,.0f} B/update on the wire")
-        print(f"{'N':>4}{'steps':>7}{'egress MB/step':>16}{'model MB':>10}{'dgrams/step':>13}"
-              f"{'relay CPU ms/step':>19}{'p50 ms':>9}{'p99 ms':>9}{'retx':>7}{'exactly once':>14}"
-              f"{'offload':>9}")
-    p50 = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.1f}"
-    p99 = "-" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:.1f}"
-    print(f"{r['peers']:>4}{r['steps']:>7.0f}{r['egress_bytes_per_step'] / 1e6:>16.3f}"
-          f"{r['model_egress_bytes_per_step'] / 1e6:>10.3f}{r['egress_datagrams_per_step']:>13,.0f}"
-          f"{r['relay_cpu_per_step_s'] * 1e3:>19.2f}{p50:>9}{p99:>9}"
-          f"{r['relay_retransmits'] + r['peer_retransmits']:>7}{str(r['exactly_once']):>14}"
-          f"{'on' if r['offload'] else 'off':>9}", flush=True)
-
-
-def _print_tail(heartbeats: list[dict[str, Any]], projection: dict[str, Any], forwarding: str) -> None:
-    print("\nheartbeat traffic at the relay, idle job (protocol cores, simulated 1 s):")
-    print(f"{'N':>5}{'in dgrams/s':>13}{'out dgrams/s':>14}{'out kB/s':>10}{'out B/s per peer':>18}"
-          f"{'relay CPU ms/s':>16}")
-    for h in heartbeats:
-        print(f"{h['peers']:>5}{h['in_datagrams_per_s']:>13,.0f}{h['out_datagrams_per_s']:>14,.0f}"
-              f"{h['out_bytes_per_s'] / 1e3:>10.1f}{h['out_bytes_per_peer_per_s']:>18,.0f}"
-              f"{h['relay_cpu_per_s'] * 1e3:>16.2f}")
-    print(f"\nprojected step communication, {forwarding} forwarding:")
-    print("model: " + projection["model"])
-    heads = "".join(f"{f'{g} Gbit/s ms':>16}" for g in LINKS_GBIT)
-    print(f"{'N':>5}{'egress MB':>12}{'relay CPU ms':>14}{heads}")
-    for row in projection["table"]:
-        cells = "".join(f"{row[f'{g}gbit_s'] * 1e3:>11.1f} {'L' if row[f'{g}gbit_bound'] == 'link' else 'C':>4}"
-                        for g in LINKS_GBIT)
-        print(f"{row['peers']:>5}{row['egress_bytes'] / 1e6:>12.2f}{row['relay_cpu_s'] * 1e3:>14.1f}{cells}")
-    print("(L: the link bounds the step; C: the relay's CPU does)")
-
-
-def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, proj = out["runs"], out["projection"]["table"]
-    n = [r["peers"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax[0].loglog(n, [r["egress_bytes_per_step"] / 1e6 for r in rows], "o-", label="measured")
-    what = "N·w" if out["forwarding"] == "aggregate" else "N(N-1)·w"
-    ax[0].loglog([p["peers"] for p in proj], [p["egress_bytes"] / 1e6 for p in proj], "--",
-                 label=f"{what} (model)")
-    if out["forwarding"] == "aggregate":
-        ax[0].loglog(n, [r["target_egress_bytes_per_step"] / 1e6 for r in rows], ":", label="target 2·N·m")
-    ax[0].set(xlabel="peers N", ylabel="relay egress per step (MB)", title="egress per step")
-    ax[1].loglog(n, [r["relay_cpu_per_step_s"] * 1e3 for r in rows], "o-", label="measured")
-    ax[1].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "--", label="a·D + b·N + c")
-    ax[1].set(xlabel="peers N", ylabel="relay thread CPU per step (ms)", title="relay CPU per step")
-    ax[2].loglog([p["peers"] for p in proj], [p["relay_cpu_s"] * 1e3 for p in proj], "k-", lw=2,
-                 label="relay CPU C")
-    for g in LINKS_GBIT:        # the link alone, dashed: a step takes the larger of it and C
-        ax[2].loglog([p["peers"] for p in proj], [8 * p["egress_bytes"] / (g * 1e9) * 1e3 for p in proj], "--",
-                     label=f"link 8E/B, {g} Gbit/s")
-    ax[2].set(xlabel="peers N", ylabel="ms per step", title="projected: max(link, relay CPU)")
-    for a in ax:
-        a.legend()
-        a.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"gradshare bench scale: {out['params']:,} params, density {out['density']:g}, "
-                 f"{out['forwarding']} forwarding")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

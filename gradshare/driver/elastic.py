@@ -31,9 +31,9 @@ from typing import Any
 from gradshare.config import TrainConfig
 
 from gradshare.config.options import Elastic
-from gradshare.driver.fit import (
-    RunPlan, collect_result, plan_run, prepare_data, regrouped, run_job, start_relay,
-)
+from gradshare.driver.collect import collect_result, regrouped
+from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
+from gradshare.driver.records import RunPlan
 from gradshare.driver.history import merge_history
 from gradshare.driver.job import RddJob
 from gradshare.driver.plan import FitSpec

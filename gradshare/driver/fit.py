@@ -7,9 +7,10 @@ plan.FitSpec where the model or the optimizer factory is read too):
     start_relay     the relay (the master), with a fresh job key, on the host the workers reach
     run_job         the barrier stage with one worker per partition; the relay's end state
     collect_result  the replicas checked against the relay, the result model and the merged history
+                    (collect.py)
 
-The stages hand each other frozen records (Prepared, RunPlan, Outcome); the relay is closed by run_job
-whatever happens.
+The stages hand each other frozen records (records.py: Prepared, RunPlan, Started, Outcome); the relay is
+closed by run_job whatever happens.
 """
 
 from __future__ import annotations
@@ -17,114 +18,45 @@ from __future__ import annotations
 import copy
 import functools
 import secrets
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
-import torch
 from pyspark import RDD
 from torch import nn
 
 from gradshare.checks import is_dataframe, is_distributed
-from gradshare.config import Metric, TrainConfig, check_checkpoint_staleness
-from gradshare.config.options import ThresholdRule, is_calibrated
+from gradshare.config import TrainConfig, check_checkpoint_staleness
+from gradshare.config.options import is_calibrated
 from gradshare.driver.checkpoint import (
-    Manifest, Stores, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
+    Manifest, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
 )
-from gradshare.driver.history import Tallies, merge_history
 from gradshare.task.tallies import TrainingLog
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
+from gradshare.driver.records import Outcome, Prepared, RunPlan, Started
 from gradshare.driver.plan import (
-    FitSpec, StepPlan, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,
+    FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,
 )
 from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.transport.sockets.snapshot_rate import snapshot_options
-from gradshare.driver.result import FitExtras, FitResult
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.driver.reform import Left, Reform, Restart
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
-from gradshare.encoding import ResidualClipping, apply_update, decode_update
+from gradshare.encoding import apply_update, decode_update
 from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
-from gradshare.errors import ConsistencyError
-from gradshare.replica.flat import FlatParams, load_int_buffers
-from gradshare.replica.losses import LossPlan, accuracy, accuracy_sums, plan_loss
-from gradshare.reports import Counters, WorkerReport, epoch_lines
-from gradshare.task.batches import InputLayout, input_names, validation_arrays
+from gradshare.replica.flat import FlatParams
+from gradshare.replica.losses import accuracy, accuracy_sums, plan_loss
+from gradshare.reports import Counters, epoch_lines
+from gradshare.task.batches import input_names, validation_arrays
 from gradshare.task.checkpoint import CheckpointPlan, load_params
-from gradshare.task.partition import PartitionSummary, summarise_partition
+from gradshare.task.partition import summarise_partition
 from gradshare.task.shipping import pack_user_objects, skeleton
 from gradshare.task.config import WorkerConfig
 from gradshare.task.relay_host import HostedRelay
 from gradshare.task.config import steps_per_epoch as steps_in
 from gradshare.transport import Relay, new_job_key
-from gradshare.transport.protocol.events import Incident
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare_data` leaves: the job, the pre-pass's checked layout, the model and its loss plan."""
-
-    job: RddJob | FrameJob
-    summaries: list[PartitionSummary]
-    load_seconds: float  # the slowest partition's read in the pre-pass
-    features: InputLayout
-    model: nn.Module
-    plan: LossPlan
-    validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None  # the in-memory pair, as arrays
-    shards: bool  # validation shards are zipped into the training rows
-    metric: Metric | None
-    stores: Stores
-    resume: Manifest | None
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What `plan_run` decides: the shared state, the steps, the rule, checkpoints and forwarding."""
-
-    flat: FlatParams
-    initial: np.ndarray  # the relay's first state: the model's, or the resumed checkpoint's
-    shipped: nn.Module  # the model's skeleton (meta tensors) that the job ships
-    drop_last: str
-    steps_per_epoch: tuple[int, ...]
-    steps: StepPlan  # the step rule: τ, the cap's share, the momentum, the apply scale, the lr factor
-    clip: ResidualClipping | None
-    saving: CheckpointPlan | None
-    first_epoch: int
-    epochs: int
-    forwarding: str
-    aggregator: AggregateState | None
-    step_cap: StepCap | None = None  # the step cap (encoding/step_cap.py), None: none
-    inherited: tuple[tuple[str, float], ...] = ()  # a re-formed job's: rank 0's early-stopping state
-
-
-@dataclass(frozen=True)
-class Started:
-    """The running relay, the job's key and id, and the host the workers reach the driver at."""
-
-    relay: Relay
-    key: bytes
-    job_id: int
-    host: str
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What `run_job` brings back from the stage and the relay."""
-
-    reports: list[WorkerReport]
-    final: np.ndarray
-    relay_hash: str
-    counters: Counters
-    tallies: Tallies
-    incidents: list[Incident]
-    rolled_back: list[dict[str, int]]
-    service_errors: list[str]
-    resume: Manifest | None  # with the checkpoint service's address where there is one
-    statuses: int | None = None  # relay="in-job": the relay's statuses this process received
 
 
 def job_for(config: TrainConfig, data: object, features_col: str | list[str] | None, label_col: str | None,
@@ -375,55 +307,3 @@ def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest 
         early_stopping=config.stopping, on_epoch_end=runtime.callbacks,
         checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
     ))
-
-
-def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, relay: str = "client",
-                   restarts: list[dict[str, str | None]] | None = None) -> FitResult:
-    """The replicas checked against the relay (ConsistencyError on a mismatch), the model given the
-    relay's parameters and rank 0's integer buffers, and the history merged over the workers."""
-    bad = [(r.rank, r.param_hash) for r in out.reports if r.param_hash != out.relay_hash]
-    if bad:
-        raise ConsistencyError(f"replicas diverged from the relay (hash {out.relay_hash}): "
-                               + ", ".join(f"rank {r} has {h}" for r, h in bad))
-    model, flat, first_epoch = prep.model, run.flat, run.first_epoch
-    with torch.no_grad():  # the relay's parameters, each tensor in its own storage (see `shipped`)
-        offset = 0
-        for t in flat.tensors:
-            n = t.numel()
-            t.data = torch.tensor(out.final[offset:offset + n]).reshape(t.shape)  # a copy: `final` may be read-only
-            offset += n
-    reports = sorted(out.reports, key=lambda r: r.rank)
-    load_int_buffers(model, dict(reports[0].int_buffers))
-    stopped = reports[0].stopped_epoch  # the log carried it: every rank has the same one
-    epochs_run = run.epochs if stopped is None else stopped + 1
-    merged, skipped = merge_history(reports, out.tallies, run.steps_per_epoch, epochs_run)
-    # a resumed fit's log counts its own epochs from 0; its rows count from the training's start
-    history = [replace(row, epoch=row.epoch + first_epoch, loss_fn=prep.plan.name).as_dict() for row in merged]
-    extra = FitExtras(
-        loss=prep.plan.name, label_dtype=prep.plan.label_dtype, inputs=prep.features.describe(),
-        probe=prep.plan.probe, incidents=[i.describe() for i in out.incidents],
-        stopped_epoch=_offset(stopped, first_epoch),
-        stop_requested_epoch=_offset(reports[0].stop_requested_epoch, first_epoch),
-        resumed_from=None if out.resume is None else out.resume["directory"],
-        # a retried stage restarted at a checkpoint: the steps it went back from and to
-        rolled_back=out.rolled_back, checkpoint_service_errors=out.service_errors, forwarding=run.forwarding,
-        relay=relay, restarts=list(restarts or ()), relay_statuses=out.statuses,
-        step_cap=run.steps.cap_share, reforms=regrouped(prep.resume, prep.job.world))
-    return FitResult(
-        model=model, history=history, counters=out.counters, worker_reports=reports,
-        param_hash=out.relay_hash, world_size=prep.job.world, n_params=flat.n_params,
-        steps=max(r.last_step for r in reports) + 1, resumed_from=max(r.start_step for r in reports),
-        seconds=time.monotonic() - t_start, extra=extra, skipped_steps=skipped)
-
-
-def regrouped(resume: Manifest | None, world: int) -> list[dict[str, Any]]:
-    """A resume at another world size, as the first of extra["reforms"] (task/checkpoint.sources maps the ranks)."""
-    if resume is None or resume["job"]["world_size"] == world:
-        return []
-    return [{"kind": "resume", "reason": f"resume_from={resume['directory']}", "epoch": resume["epochs_done"],
-             "from": resume["job"]["world_size"], "to": world, "at_step": None, "steps_redone": 0, "rows_skipped": 0,
-             "seconds": None}]
-
-
-def _offset(epoch: int | None, first_epoch: int) -> int | None:
-    return None if epoch is None else epoch + first_epoch

@@ -22,7 +22,8 @@ import numpy as np
 from gradshare.checks import is_local
 from gradshare.config import TrainConfig
 from gradshare.driver.checkpoint import find
-from gradshare.driver.fit import Outcome, Prepared, RunPlan, plan_run, prepare_data, worker_config
+from gradshare.driver.fit import plan_run, prepare_data, worker_config
+from gradshare.driver.records import Outcome, Prepared, RunPlan
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.relay_setup import join_window, relay_tuning

@@ -7,7 +7,7 @@ import re
 
 from gradshare import SharedTrainer
 from gradshare.config import options_table
-from gradshare.config.options import GROUPS
+from gradshare.config.grouping import GROUPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the repo
 README = os.path.join(ROOT, "README.md")

@@ -17,7 +17,8 @@ from gradshare.demo import digits_split, mlp
 from gradshare.errors import CheckpointError
 from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
-from gradshare.config.options import Compression, FaultTolerance, Network, in_groups
+from gradshare.config.options import Compression, FaultTolerance, Network
+from gradshare.config.grouping import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
 from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
-from gradshare.config.options import Network, Runtime, in_groups
+from gradshare.config.options import Network, Runtime
+from gradshare.config.grouping import in_groups
 from dying import DiesOnce
 
 # Executors cannot import this test module: ship its model classes by value.

@@ -23,7 +23,8 @@ from gradshare.transport import Update, param_hash
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.worker import Worker
-from gradshare.config.options import Network, Runtime, in_groups
+from gradshare.config.options import Network, Runtime
+from gradshare.config.grouping import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

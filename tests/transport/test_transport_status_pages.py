@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradshare.bench.scale import heartbeat_traffic
+from gradshare.bench.heartbeat import heartbeat_traffic
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
