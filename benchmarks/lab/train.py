@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from gradshare.cli import threshold_arg
 from gradshare.config import TrainConfig
 from gradshare.config.options import Compression
-from lab import BENCHMARKS, netns, report
+from lab import BENCHMARKS, ddp, netns, report
 from lab import systems as sysmod
 from lab.netns import LINKS, interfaces
 from lab.systems import LR_SCHEDULES, SYSTEMS, local_spark, local_spark_env
@@ -150,8 +150,8 @@ def run_configs(cfg: dict[str, Any], link: str, systems: list[str], spark: Spark
                                              lr=cfg["gradshare_lr"] or sysmod.LEARNING_RATE,
                                              residual_clip=cfg["residual_clip"], **common)
                 else:
-                    m = sysmod.run_ddp(spark, wl, powersgd=system == "powersgd", budget=cfg["budget"],
-                                       rows=cfg["rows"], hard_timeout=3 * cfg["budget"] + 120, **common)
+                    m = ddp.run_ddp(spark, wl, powersgd=system == "powersgd", budget=cfg["budget"],
+                                    rows=cfg["rows"], hard_timeout=3 * cfg["budget"] + 120, **common)
                 r = report.row(system, name, link, m, wl.target)
             except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
                 r = report.failed_row(system, name, link, e)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradshare.config.options import Network
-from lab import convergence
+from lab import convergence, convergence_runs
 
 
 def _args(*argv):
@@ -113,7 +113,7 @@ def test_single_process_reaches_lr_zero_without_trouble():
 def test_a_configuration_out_of_budget_is_a_failed_row_with_its_curve():
     cfg = convergence.settings(_args("--workloads", "tabular", "--systems", "single", "--rows", "256", "--epochs", "2",
                                      "--seeds", "0", "--schedules", "step", "--budget", "1e-9"))
-    rows, parts = convergence.run_configs(cfg, spark=None)
+    rows, parts = convergence_runs.run_configs(cfg, spark=None)
     (row,) = rows
     assert row["status"] == "error" and "budget after 1 of 2 epochs" in row["error"]
     assert len(row["accuracy"]) == 1 and row["steps"] == 1 and parts[0]["failed"] == 1
@@ -129,15 +129,16 @@ def _row(system, workers, seed, accuracy, *, workload="mlp", schedule="cosine", 
     return {"system": system, "workload": workload, "schedule": schedule, "seed": seed, "workers": workers,
             "status": status, "target": 0.9, "accuracy": accuracy,
             "final_accuracy": final_accuracy([(0, a) for a in accuracy]),
-            "epochs_to_target": convergence.epochs_to_target(accuracy, 0.9),
+            "epochs_to_target": convergence_runs.epochs_to_target(accuracy, 0.9),
             "bytes_per_step": 1000.0 if system == "gradshare" else 4e7, "wall_seconds": 5.0, "elapsed": 7.0,
             "traffic_ratio": ratio if system == "gradshare" else (1.0 if system == "ddp" else None)}
 
 
 def test_epochs_to_target_is_the_first_crossing():
-    assert convergence.epochs_to_target([0.5, 0.91, 0.89, 0.95], 0.9) == 2
-    assert convergence.epochs_to_target([0.5, 0.9], 0.9) == 2  # ≥, not >
-    assert convergence.epochs_to_target([0.5, 0.8], 0.9) is None and convergence.epochs_to_target([], 0.9) is None
+    assert convergence_runs.epochs_to_target([0.5, 0.91, 0.89, 0.95], 0.9) == 2
+    assert convergence_runs.epochs_to_target([0.5, 0.9], 0.9) == 2  # ≥, not >
+    assert convergence_runs.epochs_to_target([0.5, 0.8], 0.9) is None
+    assert convergence_runs.epochs_to_target([], 0.9) is None
 
 
 def test_summary_and_target_checks_met_and_missed():
@@ -218,8 +219,8 @@ def test_tabular_workload_shapes_parameters_and_split():
 @pytest.mark.spark
 def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
     # A cosine factory over 2 steps on a 4-step run: the workers take their last 2 steps at lr exactly 0.
-    from lab import systems, workloads
     from gradshare.driver.trainer import SharedTrainer
+    from lab import systems, workloads
 
     wl = workloads.load("tabular", 0, rows=256)
     trainer = SharedTrainer(workloads.tabular, optimizer=systems.adam,
@@ -251,7 +252,7 @@ def test_sharded_rdd_partitions_are_the_ddp_shards(spark):
 def test_small_real_run_has_per_epoch_curves_for_every_system(spark, tmp_path):
     cfg = convergence.settings(_args("--workloads", "tabular", "--rows", "256", "--epochs", "2", "--seeds", "0,1",
                                      "--workers", "2", "--schedules", "cosine"))
-    rows, parts = convergence.run_configs(cfg, spark)
+    rows, parts = convergence_runs.run_configs(cfg, spark)
     assert [(p["system"], p["workers"], p["configs"]) for p in parts] == [("single", 1, 2), ("gradshare", 2, 2),
                                                                          ("ddp", 2, 2)]
     doc = convergence.write_json(str(tmp_path / "c.json"), rows, parts, command="test", config=cfg)
