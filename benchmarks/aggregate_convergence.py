@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+
 from gradshare.config.options import Network
 
 

@@ -77,8 +77,8 @@ def main(argv=None):
     from pyspark.sql import functions as F
 
     from gradshare.demo import digits_split, mlp
-    from gradshare.ml import GradshareEstimator
     from gradshare.driver.session import session_builder
+    from gradshare.ml import GradshareEstimator
 
     spark = session_builder(f"local[{args.workers}]", "gradshare-bench-transform",
                             {"spark.default.parallelism": str(args.workers)}).getOrCreate()

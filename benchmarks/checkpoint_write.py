@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+
 from gradshare.config.options import FaultTolerance, Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+
 from gradshare.config.options import Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@
 
 import sys
 
-from lab import convergence, command
+from lab import command, convergence
 
 if __name__ == "__main__":
     sys.exit(command(convergence))

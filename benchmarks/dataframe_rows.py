@@ -23,10 +23,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gradshare.task.arrow_rows import RESULT_SCHEMA, batch_rows, read_results, result_batches  # noqa: E402
 from gradshare.driver.session import dataframe_to_rdd, session_builder  # noqa: E402
-from gradshare.task.partition import summarise_partition  # noqa: E402
-from gradshare.task.partition import PartitionData
+from gradshare.task.arrow_rows import RESULT_SCHEMA, batch_rows, read_results, result_batches  # noqa: E402
+from gradshare.task.partition import PartitionData, summarise_partition  # noqa: E402
 
 
 def _materialise(rows):

@@ -26,9 +26,9 @@ import torch
 from pyspark import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from standalone import Cluster  # noqa: E402 - this folder's helper
-from gradshare.config.options import Network
 from gradshare.config.grouping import in_groups
+from gradshare.config.options import Network
+from standalone import Cluster  # noqa: E402 - this folder's helper
 
 DEFAULTS = {"scenario": "whole", "world": 4, "seed": 0, "epochs": 8, "batch_size": 16, "kill_at": 0.4,
             "grow_after": 2.0}

@@ -5,7 +5,7 @@
 
 import sys
 
-from lab import lm, command
+from lab import command, lm
 
 if __name__ == "__main__":
     sys.exit(command(lm))

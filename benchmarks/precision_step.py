@@ -40,9 +40,9 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
     import torch
 
     from gradshare import encoding
-    from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
+    from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 

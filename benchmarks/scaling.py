@@ -5,7 +5,7 @@
 
 import sys
 
-from lab import scaling, command
+from lab import command, scaling
 
 if __name__ == "__main__":
     sys.exit(command(scaling))

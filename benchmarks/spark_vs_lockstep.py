@@ -30,10 +30,10 @@ def main() -> None:
     parser.add_argument("--momentum", default="auto", help="SharedTrainer's optimizer_momentum: auto, off, keep or a number")
     args = parser.parse_args()
 
+    from gradshare.driver.session import session_builder
     from lab import systems
     from lab.lockstep import run
     from lab.workloads import RECIPES, load
-    from gradshare.driver.session import session_builder
 
     recipe = RECIPES[args.workload]
     epochs, batch, n = args.epochs or recipe.epochs, recipe.batch_for(args.workers), args.workers

@@ -54,7 +54,8 @@ def child_data(spill_bytes, rows, width, epochs):
             if data.spilled:
                 data.batch(epoch, b, 64, seed=0, rank=1)
             else:  # what Worker._batch does with an in-memory partition
-                order = epoch_order(rows, 0, 1, epoch) if b == 0 else order
+                if b == 0:
+                    order = epoch_order(rows, 0, 1, epoch)
                 idx = np.sort(order[b * 64 : (b + 1) * 64])
                 _ = [np.ascontiguousarray(a[idx]) for a in data.inputs], data.labels[idx]
     ms = (time.perf_counter() - t0) * 1e3 / (epochs * batches)

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+
 from gradshare.config.options import Compression, Network, Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@
 
 import sys
 
-from lab import train, command
+from lab import command, train
 
 if __name__ == "__main__":
     sys.exit(command(train))

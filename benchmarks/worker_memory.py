@@ -202,7 +202,8 @@ def main(argv=None):
               f"{(s_peak - s_base) / pb:>15.2f}")
         for w in shared["workers"]:
             base, peak = w["process_rss_bytes"] or w["start_rss_bytes"], w["peak_rss_bytes"]
-            print(f"{'worker rank %d' % w['rank']:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
+            label = f"worker rank {w['rank']}"
+            print(f"{label:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
                   f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
                   f"{w['update_path']} path{' (step in backward)' if w.get('step_in_backward') else ''}, "
                   f"task start {w['start_rss_bytes'] / mib:.0f}M"

@@ -19,22 +19,24 @@ from gradshare.errors import (
     TransportTimeout,
 )
 
-if TYPE_CHECKING:
-    from gradshare.driver.result import FitResult
-    from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
-    from gradshare.driver.trainer import SharedTrainer
-    from gradshare.replica.losses import clip_grad_norm
-    from gradshare.encoding import (
-        AdaptiveThreshold,
-        CalibratedThreshold,
-        FixedThreshold,
-        Message,
-        ResidualClipping,
-        TargetSparsityThreshold,
-        apply,
-        encode,
-        residual_stats,
-    )
+if TYPE_CHECKING:  # "X as X": the lazy names re-exported, for type checkers (PEP 484)
+    from gradshare.config.options import Compression as Compression
+    from gradshare.config.options import Elastic as Elastic
+    from gradshare.config.options import FaultTolerance as FaultTolerance
+    from gradshare.config.options import Network as Network
+    from gradshare.config.options import Runtime as Runtime
+    from gradshare.driver.result import FitResult as FitResult
+    from gradshare.driver.trainer import SharedTrainer as SharedTrainer
+    from gradshare.encoding import AdaptiveThreshold as AdaptiveThreshold
+    from gradshare.encoding import CalibratedThreshold as CalibratedThreshold
+    from gradshare.encoding import FixedThreshold as FixedThreshold
+    from gradshare.encoding import Message as Message
+    from gradshare.encoding import ResidualClipping as ResidualClipping
+    from gradshare.encoding import TargetSparsityThreshold as TargetSparsityThreshold
+    from gradshare.encoding import apply as apply
+    from gradshare.encoding import encode as encode
+    from gradshare.encoding import residual_stats as residual_stats
+    from gradshare.replica.losses import clip_grad_norm as clip_grad_norm
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
 import torch
+from numpy.typing import ArrayLike, NDArray
 from torch import nn
 
 from gradshare.cli import threshold_arg

@@ -12,8 +12,8 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.demo import digits_split, evaluate_accuracy, mlp
 from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
+from gradshare.demo import digits_split, evaluate_accuracy, mlp
 
 # the models and callbacks below travel by value (executors need not import this module)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -11,8 +11,9 @@ import sys
 import tempfile
 
 import numpy as np
-from gradshare.config.options import Network
+
 from gradshare.config.grouping import in_groups
+from gradshare.config.options import Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

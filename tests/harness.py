@@ -11,8 +11,8 @@ from gradshare.hashing import param_hash
 from gradshare.task.tallies import TrainingLog
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.core import RelayCore
-from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.transport.protocol.tuning import RelayTuning
 from transport_util import TOY, Link, random_update, toy_apply_payload
 
 RELAY = "relay"

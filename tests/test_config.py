@@ -11,14 +11,19 @@ import pathlib
 import pytest
 
 from gradshare.config import TrainConfig
-
-from gradshare.config.options import (
-    DEFAULT_WARMUP_EPOCHS, WORKER_OPTIONS, Compression, FaultTolerance, Network, Runtime, WorkerFlags,
-)
 from gradshare.config.grouping import GROUP_OF, GROUPS, grouped
+from gradshare.config.options import (
+    DEFAULT_WARMUP_EPOCHS,
+    WORKER_OPTIONS,
+    Compression,
+    FaultTolerance,
+    Network,
+    Runtime,
+    WorkerFlags,
+)
 from gradshare.driver.trainer import SharedTrainer
-from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 from gradshare.task.config import WorkerConfig
+from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
 FLAT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
@@ -132,9 +137,9 @@ def test_cli_defaults_are_the_trainer_defaults():
 
 
 def test_the_relay_and_the_benchmark_runner_default_like_the_trainer():
-    from lab.systems import run_gradshare
     from gradshare.transport.protocol.tuning import RelayTuning
     from gradshare.transport.sockets.relay import Relay
+    from lab.systems import run_gradshare
 
     relay = inspect.signature(Relay).parameters
     for name in ("port", "bind", "datagram_size", "insecure"):

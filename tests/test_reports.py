@@ -17,15 +17,15 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
-from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
+from gradshare.config.options import Network
 from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.driver.result import FitExtras, FitResult
+from gradshare.errors import ConsistencyError, DecodeError, TrainingError, TransportTimeout
+from gradshare.reports import FAILURE_JSON, Counters, EpochStats, Progress, WorkerFailure, WorkerReport
 from gradshare.transport import Peer, Relay, new_job_key
-from gradshare.transport.protocol import wire
 from gradshare.transport.protocol import events as ev
+from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.config.options import Network
 from transport_util import TOY
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module

@@ -27,7 +27,7 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from gradshare.cli import threshold_arg
@@ -287,7 +287,7 @@ NOTES = [
 def write_json(path: str, rows: list[dict[str, Any]], parts: list[dict[str, Any]], *, command: str, config: dict[str, Any]) -> dict[str, Any]:
     summary = summarise(rows)
     doc = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
         "command": command, "config": config, "notes": NOTES,
         "schedules": {"constant": "lr 1e-3", "cosine": "1e-3 x 0.5(1 + cos(pi t / T)), T = the process's steps",
                       "step": f"1e-3 x {STEP_DECAY_GAMMA} at each of {STEP_DECAY_AT} x T"},

@@ -24,19 +24,38 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from gradshare.config.options import FaultTolerance, Network, Runtime
 from lab import report
 from lab.lm_models import (
-    FACTORIES, HF_MODELS, HEADS, LAYERS, MODELS, RECIPES, SEQ, TRAIN_MODULES, VAL_MODULES, VOCAB, WIDTH,
-    WARMUP_SHARE, LmData, causal_lm, check_transformers, hf_train_step, lm_data, optimizer_for,
-    scheduler_factory, train_step_for, val_loss, val_loss_sums,
+    FACTORIES,
+    HEADS,
+    HF_MODELS,
+    LAYERS,
+    MODELS,
+    RECIPES,
+    SEQ,
+    TRAIN_MODULES,
+    VAL_MODULES,
+    VOCAB,
+    WARMUP_SHARE,
+    WIDTH,
+    LmData,
+    causal_lm,
+    check_transformers,
+    hf_train_step,
+    lm_data,
+    optimizer_for,
+    scheduler_factory,
+    train_step_for,
+    val_loss,
+    val_loss_sums,
 )
-from gradshare.config.options import FaultTolerance, Network, Runtime
 from lab.train import comma_list
 
 if TYPE_CHECKING:
@@ -89,8 +108,8 @@ def run_ddp(data: LmData, *, workers: int, epochs: int, batch: int, seed: int,
 
 def run_gradshare(spark: SparkSession, data: LmData, *, workers: int, epochs: int, batch: int, seed: int,
                   model: str = "tiny") -> dict[str, Any]:
-    from gradshare.replica.losses import clip_grad_norm
     from gradshare.driver.trainer import SharedTrainer
+    from gradshare.replica.losses import clip_grad_norm
 
     ids, labels, v_ids, v_labels = data
     n = len(ids)
@@ -231,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         if spark is not None:
             spark.stop()
     summary = summarise(rows)
-    doc: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
+    doc: dict[str, Any] = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
            "command": report.command_line("lm"), "config": cfg,
            "recipe": {"model": cfg["model"],
                       "size": f"{LAYERS} layers, width {WIDTH}, {HEADS} heads, vocab {VOCAB}, T {SEQ}",

@@ -32,7 +32,6 @@ import json
 import math
 import sys
 import time
-
 from collections.abc import Callable
 from typing import Any
 
@@ -42,17 +41,17 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.config import SchedulerFactory, TrainConfig
-from gradshare.config.options import OptimizerMomentum
 from gradshare.config.grouping import in_groups
+from gradshare.config.options import OptimizerMomentum
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash
-from gradshare.task.partition import PartitionData
-from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.replica.flat import FlatParams
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.vectors import Vector
 from lab.systems import adam, lr_scheduler_factory
 from lab.workloads import Workload, load, model_factory, test_accuracy

@@ -33,7 +33,13 @@ from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from lab.lm_models import (
-    FACTORIES, RECIPES, check_transformers, lm_data, optimizer_for, scheduler_factory, train_step_for,
+    FACTORIES,
+    RECIPES,
+    check_transformers,
+    lm_data,
+    optimizer_for,
+    scheduler_factory,
+    train_step_for,
 )
 from lab.lockstep import run_workers
 

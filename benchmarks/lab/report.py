@@ -9,9 +9,9 @@ import os
 import platform
 import shlex
 import sys
-from datetime import datetime, timezone
-from importlib import metadata
 from collections.abc import Callable
+from datetime import UTC, datetime
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from lab.profile import summarise
@@ -225,7 +225,7 @@ def machine() -> dict[str, Any]:
 
 def write_json(path: str, rows: list[dict[str, Any]], *, command: str, config: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     doc = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(), "command": command, "config": config, "notes": notes,
         "bytes_source": "lo transmit counter (/proc/net/dev) inside the benchmark's network namespace, "
                         "over the timed steps, all processes; relay_bytes_per_step: the relay's own counters",

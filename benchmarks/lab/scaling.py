@@ -34,7 +34,7 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from gradshare.encoding.step_cap import DEFAULT_STEP_CAP
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                                      f"{row['seconds']:.0f} s"), flush=True)
     ok = [r for r in rows if "error" not in r]
     summary = summarise(ok)
-    doc: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
+    doc: dict[str, Any] = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
            "command": report.command_line("scaling"), "config": cfg,
            "recipes": {w: vars(RECIPES[w]) for w in cfg["workloads"]},
            "summary": summary, "gaps": gaps(summary), "rows": rows, "total_seconds": time.monotonic() - t0}

@@ -31,8 +31,8 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -235,8 +235,8 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
     sends more than this share of entries), starting at `threshold`; None: SharedTrainer's default rule.
     The LR schedule reaches the workers as `lr_scheduler=` (stepped once per optimizer step) over the
     longest rank's steps."""
-    from gradshare.encoding import AdaptiveThreshold
     from gradshare.driver.trainer import SharedTrainer
+    from gradshare.encoding import AdaptiveThreshold
 
     sc = spark.sparkContext
     rdd = sharded_rdd(sc, wl, workers)

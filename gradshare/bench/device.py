@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from gradshare.bench.encoding import density_arg, positive_int
-from gradshare.replica.device import resolve_device
 from gradshare.encoding import apply, encode
 from gradshare.errors import ConsistencyError
+from gradshare.replica.device import resolve_device
 
 DEFAULT_SIZES = (1_000_000, 10_000_000, 50_000_000)
 DEFAULT_DENSITY = 1e-3

@@ -9,6 +9,7 @@ from typing import Any
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.testing.memory import joined_cores
 
+
 def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
                       datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict[str, Any]:
     """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.

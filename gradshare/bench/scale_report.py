@@ -7,6 +7,7 @@ from typing import Any
 
 from gradshare.bench.scale_model import LINKS_GBIT
 
+
 def print_row(r: dict[str, Any], header: bool, params: int, density: float, message_bytes: float) -> None:
     """One run's row of the table (with the table's head before the first)."""
     if header:

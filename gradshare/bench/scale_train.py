@@ -21,9 +21,9 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gradshare.config.options import Network
 from gradshare.transport.protocol.crypto import TAG_BYTES
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTES
-from gradshare.config.options import Network
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

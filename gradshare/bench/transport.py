@@ -30,10 +30,10 @@ import numpy as np
 
 from gradshare.encoding import Message, apply, encode
 from gradshare.transport import Peer, Relay, new_job_key, param_hash
-from gradshare.transport.testing.fault_proxy import FaultProxy
-from gradshare.transport.testing.memory import joined_cores
 from gradshare.transport.protocol.relay.core import default_apply_update, default_decode_update
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.testing.fault_proxy import FaultProxy
+from gradshare.transport.testing.memory import joined_cores
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,10 +26,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from gradshare.checks import is_distributed
-from gradshare.config.options import (
-    Compression, Elastic, FaultTolerance, Network, Runtime, is_calibrated, is_number, option,
-)
 from gradshare.config.grouping import GROUPS
+from gradshare.config.options import (
+    Compression,
+    Elastic,
+    FaultTolerance,
+    Network,
+    Runtime,
+    is_calibrated,
+    is_number,
+    option,
+)
 from gradshare.stopping import EarlyStopping, early_stopping_from
 from gradshare.transport.protocol.wire import DEFAULT_PORT
 

@@ -65,7 +65,7 @@ class CheckpointService:
         while not self._stop.is_set():
             try:
                 conn, _ = sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

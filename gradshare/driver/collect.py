@@ -17,6 +17,7 @@ from gradshare.driver.result import FitExtras, FitResult
 from gradshare.errors import ConsistencyError
 from gradshare.replica.flat import load_int_buffers
 
+
 def collect_result(prep: Prepared, run: RunPlan, out: Outcome, t_start: float, relay: str = "client",
                    restarts: list[dict[str, str | None]] | None = None) -> FitResult:
     """The replicas checked against the relay (ConsistencyError on a mismatch), the model given the

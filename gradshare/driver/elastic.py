@@ -28,20 +28,19 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from gradshare.checks import is_dataframe
 from gradshare.config import TrainConfig
-
 from gradshare.config.options import Elastic
 from gradshare.driver.collect import collect_result, regrouped
 from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
-from gradshare.driver.records import RunPlan
 from gradshare.driver.history import merge_history
 from gradshare.driver.job import RddJob
 from gradshare.driver.plan import FitSpec
+from gradshare.driver.records import RunPlan
 from gradshare.driver.reform import Reform, Restart, shifted
 from gradshare.driver.result import FitResult
 from gradshare.driver.session import busy_slots, is_connect, total_slots
 from gradshare.errors import TrainingError
-from gradshare.checks import is_dataframe
 
 SLOTS_EVERY = 2.0  # s between counts of the cluster's free slots (a JVM call each)
 POLL = 0.5  # s between slot counts while a re-formed job waits for slots

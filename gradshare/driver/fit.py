@@ -29,34 +29,45 @@ from gradshare.checks import is_dataframe, is_distributed
 from gradshare.config import TrainConfig, check_checkpoint_staleness
 from gradshare.config.options import is_calibrated
 from gradshare.driver.checkpoint import (
-    Manifest, job_of, open_for_fit, plan_for_fit, relay_rollback, serve_checkpoints,
+    Manifest,
+    job_of,
+    open_for_fit,
+    plan_for_fit,
+    relay_rollback,
+    serve_checkpoints,
 )
-from gradshare.task.tallies import TrainingLog
 from gradshare.driver.job import FrameJob, RddJob, check_connect, check_rdd, frame_path
-from gradshare.driver.records import Outcome, Prepared, RunPlan, Started
 from gradshare.driver.plan import (
-    FitSpec, build_model, check_optimizer, clipping, drop_rule, forwarding_for, plan_steps,
+    FitSpec,
+    build_model,
+    check_optimizer,
+    clipping,
+    drop_rule,
+    forwarding_for,
+    plan_steps,
 )
+from gradshare.driver.records import Outcome, Prepared, RunPlan, Started
+from gradshare.driver.reform import Left, Reform, Restart
 from gradshare.driver.relay_setup import join_window, relay_tuning
-from gradshare.transport.sockets.snapshot_rate import snapshot_options
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
-from gradshare.driver.reform import Left, Reform, Restart
 from gradshare.driver.validation import check_shards, shards_of, validation_rows, zip_shards
 from gradshare.encoding import apply_update, decode_update
-from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
+from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.losses import accuracy, accuracy_sums, plan_loss
 from gradshare.reports import Counters, epoch_lines
 from gradshare.task.batches import input_names, validation_arrays
 from gradshare.task.checkpoint import CheckpointPlan, load_params
-from gradshare.task.partition import summarise_partition
-from gradshare.task.shipping import pack_user_objects, skeleton
 from gradshare.task.config import WorkerConfig
-from gradshare.task.relay_host import HostedRelay
 from gradshare.task.config import steps_per_epoch as steps_in
+from gradshare.task.partition import summarise_partition
+from gradshare.task.relay_host import HostedRelay
+from gradshare.task.shipping import pack_user_objects, skeleton
+from gradshare.task.tallies import TrainingLog
 from gradshare.transport import Relay, new_job_key
+from gradshare.transport.sockets.snapshot_rate import snapshot_options
 
 
 def job_for(config: TrainConfig, data: object, features_col: str | list[str] | None, label_col: str | None,

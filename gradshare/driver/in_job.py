@@ -23,17 +23,17 @@ from gradshare.checks import is_local
 from gradshare.config import TrainConfig
 from gradshare.driver.checkpoint import find
 from gradshare.driver.fit import plan_run, prepare_data, worker_config
-from gradshare.driver.records import Outcome, Prepared, RunPlan
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.driver.plan import FitSpec
+from gradshare.driver.records import Outcome, Prepared, RunPlan
 from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.driver.session import is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.errors import CheckpointError, GradshareError
 from gradshare.reports import EpochLine
 from gradshare.task.checkpoint import MANIFEST
-from gradshare.task.stores import LocalStore
 from gradshare.task.relay_host import HostedRelay
+from gradshare.task.stores import LocalStore
 from gradshare.transport import new_job_key
 from gradshare.transport.protocol.status_wire import Status
 from gradshare.transport.sockets.status import StatusInbox, StatusReads

@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gradshare.task.arrow_rows import RESULT_SCHEMA, read_results, summarise_batches, train_batches
 from gradshare.checks import is_distributed, is_local
+from gradshare.driver.session import busy_slots, check_barrier_slots, feature_columns, is_connect
 from gradshare.errors import TransportTimeout
 from gradshare.reports import WorkerReport
-from gradshare.driver.session import busy_slots, check_barrier_slots, feature_columns, is_connect
-from gradshare.task.partition import PartitionSummary, summarise_partition
+from gradshare.task.arrow_rows import RESULT_SCHEMA, read_results, summarise_batches, train_batches
 from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionSummary, summarise_partition
 from gradshare.task.train import train_partition
 
 T = TypeVar("T")

@@ -17,13 +17,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.config import ModelSpec, OptimizerFactory, SchedulerFactory, TrainConfig
-
 from gradshare.config.options import DEFAULT_WARMUP_MIN_STEPS, OptimizerMomentum, ThresholdRule, is_calibrated
-from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.driver.policy import auto_for
+from gradshare.encoding import AdaptiveThreshold, CalibratedThreshold, FixedThreshold, ResidualClipping
 from gradshare.encoding.step_cap import step_cap_for
+from gradshare.encoding.threshold import DEFAULT_DECAY_LR_POWER, DEFAULT_DENSITY
 from gradshare.replica.momentum import check_optimizer_momentum, momentum_ceiling
-from gradshare.encoding.threshold import DEFAULT_DENSITY, DEFAULT_DECAY_LR_POWER
 
 
 @dataclass(frozen=True)

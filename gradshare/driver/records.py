@@ -25,6 +25,7 @@ from gradshare.task.partition import PartitionSummary
 from gradshare.transport import Relay
 from gradshare.transport.protocol.events import Incident
 
+
 @dataclass(frozen=True)
 class Prepared:
     """What `prepare_data` leaves: the job, the pre-pass's checked layout, the model and its loss plan."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
 import numpy as np
 
 from gradshare.encoding.step_cap import StepCap

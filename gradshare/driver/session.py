@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-
 from collections.abc import Iterable
 from typing import Any
 

@@ -39,6 +39,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
+import torch
+
+from gradshare.checks import import_mlflow
+
 
 class _Options(Protocol):
     @property
@@ -48,10 +52,6 @@ class _Options(Protocol):
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 _Trainer = TypeVar("_Trainer", bound=_Options)
-
-import torch
-
-from gradshare.checks import import_mlflow
 
 if TYPE_CHECKING:
     from gradshare.driver.result import FitResult

@@ -48,17 +48,24 @@ from pyspark.sql import DataFrame
 from torch import nn
 
 from gradshare.config import (
-    LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainConfig, TrainStep, ValidationData,
+    LossFn,
+    Metric,
+    ModelSpec,
+    OptimizerFactory,
+    SchedulerFactory,
+    TrainConfig,
+    TrainStep,
+    ValidationData,
 )
+from gradshare.config.grouping import GROUP_OF, grouped
+from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
 from gradshare.driver.collect import collect_result
-from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
 from gradshare.driver.elastic import fit_elastic
+from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
 from gradshare.driver.in_job import fit_in_job, in_job
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
-from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
-from gradshare.config.grouping import GROUP_OF, grouped
 from gradshare.stopping import EarlyStopping
 
 

@@ -10,7 +10,6 @@ from gradshare.encoding.codec import apply, convert, decode, decode_entries, enc
 from gradshare.encoding.message import BITMAP, EMPTY, FORMS, RICE, SPARSE, Message
 from gradshare.encoding.sharing import SharingState, share_step, skipped_step
 from gradshare.encoding.stats import residual_stats
-from gradshare.encoding.update import StepUpdate, apply_update, buffer_change, decode_update
 from gradshare.encoding.threshold import (
     AdaptiveThreshold,
     CalibratedThreshold,
@@ -19,6 +18,7 @@ from gradshare.encoding.threshold import (
     TargetSparsityThreshold,
     encode_step,
 )
+from gradshare.encoding.update import StepUpdate, apply_update, buffer_change, decode_update
 
 __all__ = [
     "encode",

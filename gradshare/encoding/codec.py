@@ -19,6 +19,7 @@ import numpy as np
 
 from gradshare.encoding.backend import backend_of
 from gradshare.encoding.message import Message
+
 # "as Vector": re-exported, the encoding modules name it from here.
 from gradshare.vectors import Vector as Vector
 

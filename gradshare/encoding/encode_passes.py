@@ -31,9 +31,23 @@ from numba import njit
 
 from gradshare.encoding import forms
 from gradshare.encoding.forms.rice import SizeTally
-from gradshare.encoding.kernels import (ADD, BLOCK, DIFF, DIFF_REWIND, NONFINITE, OK, NonFiniteAt,
-                                        _accumulate_encode, _bad_count, _count_block, _count_folded_block,
-                                        _folded_bad_count, _folded_encode, folded_bad_at, plain_bad_at)
+from gradshare.encoding.kernels import (
+    ADD,
+    BLOCK,
+    DIFF,
+    DIFF_REWIND,
+    NONFINITE,
+    OK,
+    NonFiniteAt,
+    _accumulate_encode,
+    _bad_count,
+    _count_block,
+    _count_folded_block,
+    _folded_bad_count,
+    _folded_encode,
+    folded_bad_at,
+    plain_bad_at,
+)
 from gradshare.encoding.message import Message
 
 CHUNK = 1 << 16  # codes emitted at a time in the passes: 512 kB of int64

@@ -24,6 +24,7 @@ import numpy as np
 
 from gradshare.encoding.backend import backend_of
 from gradshare.encoding.codec import encode
+
 # MIN_THRESHOLD/MAX_THRESHOLD ("as"): re-exported, the τ bounds are named from here
 from gradshare.encoding.message import MAX_THRESHOLD as MAX_THRESHOLD
 from gradshare.encoding.message import MIN_THRESHOLD as MIN_THRESHOLD

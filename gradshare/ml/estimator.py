@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from pyspark import cloudpickle
@@ -17,15 +16,14 @@ from pyspark.sql import functions as F
 from torch import nn
 
 from gradshare.config import LossFn, Metric, ModelSpec, OptimizerFactory, SchedulerFactory, TrainStep
-
 from gradshare.config.options import EpochCallback
+from gradshare.driver.session import is_connect
+from gradshare.driver.trainer import SharedTrainer, default_optimizer
 from gradshare.ml.model import GradshareModel, ModuleCopy
 from gradshare.ml.params import EstimatorParams, check_features, check_indicator, check_label, check_new
 from gradshare.ml.persist import ParamsReader, ParamsWriter, load_params, read_bytes, write_bytes
 from gradshare.ml.predict import output_spec, parse_inputs
 from gradshare.stopping import early_stopping_from
-from gradshare.driver.session import is_connect
-from gradshare.driver.trainer import SharedTrainer, default_optimizer
 
 # GradshareEstimator's constructor arguments that are Python objects (saved cloudpickled, not as JSON Params)
 OBJECTS = ("model", "optimizer", "loss", "train_step", "lr_scheduler", "metric", "on_epoch_end")

@@ -21,8 +21,8 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
 
 from gradshare.config import TrainConfig
-from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 from gradshare.config.grouping import GROUP_OF
+from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
 NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -267,4 +267,4 @@ def update_path(flat: FlatParams, optimizer: torch.optim.Optimizer, residual: Ve
     return GeneralPath(flat, optimizer)
 
 
-UpdatePath = Union[DirectPath, GeneralPath]
+UpdatePath: TypeAlias = DirectPath | GeneralPath

@@ -16,7 +16,6 @@ from gradshare.task.profiling import OFF, Off, StepProfile
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN, Update
 
 
-
 class UpdateSource(Protocol):
     """What the log reads of its peer (transport.Peer; or a LogPeer, transport/testing/shared_log.py)."""
 

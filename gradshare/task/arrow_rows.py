@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

@@ -63,7 +63,7 @@ class InputLayout:
     multi: bool
 
     @classmethod
-    def of(cls, arrays: tuple[np.ndarray, ...], multi: bool) -> "InputLayout":
+    def of(cls, arrays: tuple[np.ndarray, ...], multi: bool) -> InputLayout:
         """The layout of one row's `row_inputs`."""
         return cls(tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays), multi)
 
@@ -71,7 +71,7 @@ class InputLayout:
         parts = [f"{d}{list(s)}" for d, s in zip(self.dtypes, self.shapes)]
         return f"({', '.join(parts)})" if self.multi else parts[0]
 
-    def difference(self, other: "InputLayout", columns: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
+    def difference(self, other: InputLayout, columns: tuple[str, ...] = ()) -> tuple[str, Any, Any] | None:
         """Where `other` differs from this layout, as (what, other's, this one's), e.g.
         ("features input 1 of dtype", "float32", "int64"), or ("column 'ids' of shape", ...) where the
         inputs are the DataFrame `columns`; None when they match."""

@@ -52,14 +52,13 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
-from gradshare.errors import CheckpointError, TransportTimeout
-from gradshare.replica.flat import int_buffers, load_int_buffers
-from gradshare.task.ckpt_client import ServiceStore
 from gradshare.checks import is_local
 from gradshare.encoding import SharingState
+from gradshare.errors import CheckpointError, TransportTimeout
+from gradshare.replica.flat import FlatParams, int_buffers, load_int_buffers
 from gradshare.replica.precision import Precision
-from gradshare.replica.flat import FlatParams
 from gradshare.task.apply_log import ApplyLog
+from gradshare.task.ckpt_client import ServiceStore
 from gradshare.task.config import WorkerConfig
 from gradshare.task.stops import StopNotes
 from gradshare.task.stores import CHUNK, Digest, LocalStore, Store, error_line, read_all

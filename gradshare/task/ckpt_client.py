@@ -129,7 +129,7 @@ class ServiceStore:
             yield
         except StreamAborted as e:
             raise CheckpointError(f"{what}: {e}") from e
-        except (TimeoutError, socket.timeout) as e:
+        except TimeoutError as e:
             raise TransportTimeout(f"{what}: no answer within {self.timeout:g} s") from e
         except ConnectionError as e:
             raise CheckpointError(f"{what}: the driver hung up without an answer ({e}; another job's key?)") from e

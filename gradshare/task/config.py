@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradshare.config import TrainConfig
 from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 from gradshare.encoding.step_cap import StepCap
 from gradshare.task.relay_host import HostedRelay

@@ -7,8 +7,9 @@ pyspark is not imported here: the task's rows arrive as plain Python objects.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

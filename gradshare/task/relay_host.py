@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from gradshare.encoding import apply_update, decode_update
-from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.encoding.aggregate import AggregateState
+from gradshare.encoding.step_cap import StepCap, step_applier
 from gradshare.errors import ProtocolError
 from gradshare.reports import Counters, RelayResult, epoch_lines
 from gradshare.task.tallies import RollbackPoint, TrainingLog

@@ -22,7 +22,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-from typing import Any, ClassVar, Iterable, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from pyspark import cloudpickle

@@ -28,8 +28,8 @@ import tempfile
 
 import numpy as np
 
-from gradshare.task.batches import InputLayout, spill_dtype
 from gradshare.errors import GradshareError
+from gradshare.task.batches import InputLayout, spill_dtype
 
 # Blocks of about 1 MiB: large enough that a disk reads them at sequential speed, small enough that a
 # window holds many of them from all over the file (that is what mixes the rows).
@@ -73,7 +73,7 @@ class SpillWriter:
         except OSError:
             pass
 
-    def finish(self, window_bytes: int) -> "SpilledPartition":
+    def finish(self, window_bytes: int) -> SpilledPartition:
         self.file.close()
         return SpilledPartition(self.path, self.dtype, self.layout, self.rows, window_bytes)
 

@@ -46,8 +46,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.encoding import SharingState, StepUpdate, buffer_change, skipped_step
 from gradshare.errors import NonFiniteError, TrainingError
-from gradshare.replica.capture import (DirectPath, UpdatePath, frees_enough, needs_all_gradients, update_path,
-                                       writes_update_only)
+from gradshare.replica.capture import (
+    DirectPath,
+    UpdatePath,
+    frees_enough,
+    needs_all_gradients,
+    update_path,
+    writes_update_only,
+)
 from gradshare.replica.device import resolve_device, select
 from gradshare.replica.flat import FlatParams, int_buffers
 from gradshare.replica.local_view import FoldedView, LocalView, NoView

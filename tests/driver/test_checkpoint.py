@@ -11,14 +11,14 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.driver.checkpoint import rollback_point
-from gradshare.task.checkpoint import MANIFEST, CheckpointPlan
+from gradshare.config.grouping import in_groups
+from gradshare.config.options import Compression, FaultTolerance, Network
 from gradshare.demo import digits_split, mlp
+from gradshare.driver.checkpoint import rollback_point
 from gradshare.errors import CheckpointError
+from gradshare.task.checkpoint import MANIFEST, CheckpointPlan
 from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
-from gradshare.config.options import Compression, FaultTolerance, Network
-from gradshare.config.grouping import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from pyspark import cloudpickle
 
-from gradshare import SharedTrainer
-from gradshare.demo import digits_split
-from gradshare.stopping import stop_epoch
-from gradshare.hashing import param_hash
-from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.config.options import FaultTolerance, Network
 from dying import DiesOnce
+from gradshare import SharedTrainer
+from gradshare.config.options import FaultTolerance, Network
+from gradshare.demo import digits_split
+from gradshare.hashing import param_hash
+from gradshare.stopping import stop_epoch
+from gradshare.transport.protocol.step_meta import StepMeta
 from harness import Sim, drive
 from transport_util import random_update
 

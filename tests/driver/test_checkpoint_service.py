@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from gradshare.task.checkpoint import npy_chunks
 from gradshare.driver.ckpt_service import CheckpointService
-from gradshare.task.ckpt_client import MAX_FRAME, ServiceStore, Sealed
 from gradshare.errors import CheckpointError, RemoteProtocolError, TransportTimeout
+from gradshare.task.checkpoint import npy_chunks
+from gradshare.task.ckpt_client import MAX_FRAME, Sealed, ServiceStore
 from gradshare.task.stores import CHUNK, Digest, LocalStore
 from gradshare.transport import new_job_key
 

@@ -12,9 +12,9 @@ import pytest
 from dying import DiesOnce, Slow
 from gradshare import Elastic, SharedTrainer, TrainingError
 from gradshare.config import TrainConfig
+from gradshare.config.options import Compression, Network
 from gradshare.demo import evaluate_accuracy, mlp
 from gradshare.task.checkpoint import sources
-from gradshare.config.options import Compression, Network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)

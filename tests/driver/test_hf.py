@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.replica.losses import InputTypeError, plan_loss
 from gradshare.config.options import Network
+from gradshare.replica.losses import InputTypeError, plan_loss
 
 LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"), verbose=0)
 VOCAB, SEQ, PAD = 48, 12, 0
@@ -51,7 +51,7 @@ def test_hf_llama_trains_from_a_dataframe_and_saves_with_save_pretrained(spark, 
     transformers = pytest.importorskip("transformers")
     tiny_llama, hf_step = model_and_step()
     ids, mask, labels = token_rows()
-    df = spark.createDataFrame([(a.tolist(), m.tolist(), l.tolist()) for a, m, l in zip(ids, mask, labels)],
+    df = spark.createDataFrame([(i.tolist(), m.tolist(), y.tolist()) for i, m, y in zip(ids, mask, labels)],
                                ["input_ids", "attention_mask", "labels"]).repartition(2)
     result = SharedTrainer(tiny_llama, train_step=hf_step, epochs=3, batch_size=8, seed=3,
                            optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), **LOOPBACK).fit(

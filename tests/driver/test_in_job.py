@@ -12,11 +12,11 @@ import pytest
 from pyspark import cloudpickle
 from torch import nn
 
+from dying import DiesOnce
 from gradshare import SharedTrainer
+from gradshare.config.options import Compression, FaultTolerance, Network
 from gradshare.demo import digits_split, mlp
 from gradshare.errors import TrainingError
-from gradshare.config.options import Compression, FaultTolerance, Network
-from dying import DiesOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -15,8 +15,8 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
-from gradshare.demo import mlp
 from gradshare.config.options import FaultTolerance, Network
+from gradshare.demo import mlp
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -4,10 +4,10 @@ the lock-step harness both get it from `plan_steps`."""
 import pytest
 
 from gradshare.config import TrainConfig
+from gradshare.config.options import Compression
 from gradshare.driver.plan import forwarding_for, plan_steps
 from gradshare.driver.policy import AGGREGATE_FROM, MANY_WORKERS, auto_for
 from gradshare.encoding import CalibratedThreshold
-from gradshare.config.options import Compression
 
 
 def test_the_table_row_by_row():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradshare.replica.flat import FlatParams
 from gradshare.driver.session import check_barrier_slots, check_summaries, total_slots
+from gradshare.replica.flat import FlatParams
 from gradshare.task.partition import PartitionData, epoch_order, summarise_partition
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gradshare import SharedTrainer
+from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_split, mlp
 from gradshare.driver.result import FitResult
-from gradshare.config.options import Network, Runtime
 
 LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

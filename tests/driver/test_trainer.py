@@ -17,11 +17,11 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
-from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
-from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
-from gradshare.config.options import Network, Runtime
-from gradshare.config.grouping import in_groups
 from dying import DiesOnce
+from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
+from gradshare.config.grouping import in_groups
+from gradshare.config.options import Network, Runtime
+from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
 
 # Executors cannot import this test module: ship its model classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -97,8 +97,8 @@ def test_same_seed_gives_identical_parameters_and_staleness_two_converges_bit_id
 
 
 def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd):
-    from lab.profile import summarise
     from gradshare.task.profiling import PHASES
+    from lab.profile import summarise
 
     _, (X_test, y_test) = digits_rdd
     plain, _ = _fit_digits(digits_rdd, epochs=2, staleness=1)

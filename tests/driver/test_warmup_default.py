@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.config.options import Compression, DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS
 from gradshare.config.grouping import in_groups
+from gradshare.config.options import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS, Compression
 from gradshare.driver.plan import rule_for
 from gradshare.encoding import CalibratedThreshold
 

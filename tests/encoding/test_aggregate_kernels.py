@@ -10,9 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import naive
-from gradshare.encoding import BITMAP, RICE, SPARSE, decode_entries, encode
+from gradshare.encoding import BITMAP, RICE, SPARSE, blockmax, decode_entries, encode
 from gradshare.encoding import aggregate as agg
-from gradshare.encoding import blockmax
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WIDTH = 1 << blockmax.SHIFT

@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import naive
-from gradshare.encoding import Message, StepUpdate
+from gradshare.encoding import Message, StepUpdate, step_cap
 from gradshare.encoding.code_stream import CodeStream
 from gradshare.encoding.forms import BY_NAME
-from gradshare.encoding import step_cap
 from gradshare.encoding.step_cap import summed_norms2
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 import naive
 from gradshare.encoding import Message, encode
-from gradshare.encoding.folded import encode_folded
-from gradshare.errors import NonFiniteError
 from gradshare.encoding.encode_passes import first_buffer
+from gradshare.encoding.folded import encode_folded
 from gradshare.encoding.forms import BY_NAME, measure
 from gradshare.encoding.forms.rice import SizeTally
+from gradshare.errors import NonFiniteError
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FORMS = [None, "sparse", "rice", "bitmap"]

@@ -189,7 +189,7 @@ def test_a_non_finite_value_is_named_wherever_it_is_and_whatever_else_crosses_ta
     at = data.draw(st.sampled_from(sorted({0, n - 1, n // 2, min(n - 1, 63), min(n - 1, 64), min(n - 1, 255)})))
     q = p + r
     q[at] = bad
-    first = int(np.flatnonzero(~np.isfinite((q - p)))[0])
+    first = int(np.flatnonzero(~np.isfinite(q - p))[0])
     before = q.copy()
     with pytest.raises(ValueError, match=f"not finite at index {first}"):
         encode_folded(q, p, 1.0)

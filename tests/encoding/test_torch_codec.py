@@ -36,7 +36,6 @@ from gradshare.encoding import (
 from gradshare.encoding import torch_codec as tc
 from gradshare.encoding.threshold import quantile_threshold
 
-
 DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))
 
 

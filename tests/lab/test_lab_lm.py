@@ -103,9 +103,9 @@ def test_hugging_face_models_at_their_recipe_learn_in_ddp_arithmetic():
 
 def test_lock_step_lm_runs_the_planners_rule_and_ends_with_one_model():
     pytest.importorskip("transformers")
-    from lab import lockstep_lm
     from gradshare.config import TrainConfig
     from gradshare.driver.plan import plan_steps
+    from lab import lockstep_lm
 
     out = lockstep_lm.run("llama", world=2, rows=96, epochs=1, batch=16)
     plan = plan_steps(TrainConfig(epochs=1, batch_size=16), 2, 3)

@@ -18,14 +18,14 @@ from torch import nn
 
 import naive
 from gradshare import SharedTrainer
+from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_split, evaluate_accuracy, train_single_process
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, decode_entries, decode_update, encode
 from gradshare.encoding.update import BUFFER_HEADER
 from gradshare.errors import DecodeError
 from gradshare.replica.flat import FlatParams
-from gradshare.transport import param_hash
 from gradshare.task.config import steps_per_epoch
-from gradshare.config.options import Network, Runtime
+from gradshare.transport import param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradshare.replica.losses import clip_grad_norm
 from gradshare.config.options import Network, Runtime
-from one_worker import STEPS, mlp, run_one_worker as _run
+from gradshare.replica.losses import clip_grad_norm
+from one_worker import STEPS, mlp
+from one_worker import run_one_worker as _run
 
 
 class DetachedReuse(nn.Module):

@@ -18,11 +18,11 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
+from gradshare.config.options import Compression, Network, Runtime
 from gradshare.demo import digits_split, mlp
 from gradshare.encoding import StepUpdate, apply_update, buffer_change, encode
 from gradshare.replica.flat import FlatParams
 from gradshare.transport import param_hash
-from gradshare.config.options import Compression, Network, Runtime
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,8 +166,8 @@ def test_device_is_checked_on_the_driver():
 
 def _worker(device, **options):
     from gradshare import encoding
-    from gradshare.task.partition import PartitionData
     from gradshare.task.config import WorkerConfig
+    from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
 
     X, y = np.zeros((8, 64), np.float32), np.zeros(8, np.int64)
@@ -229,9 +229,9 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
     """Autocast, the fp16 loss scaler and the lookahead (k >= 1, where one worker's own messages are all
     it waits for) on the torch state, step by step against the NumPy state, without Spark."""
     from gradshare import encoding
-    from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
+    from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 

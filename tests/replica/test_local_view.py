@@ -14,10 +14,10 @@ from torch import nn
 from gradshare import encoding
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.local_view import LocalView
-from gradshare.task.partition import PartitionData
-from gradshare.vectors import to_host
 from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from gradshare.vectors import to_host
 
 
 def _model(seed: int) -> nn.Module:

@@ -8,10 +8,9 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
-from gradshare.driver.plan import check_optimizer
-from gradshare.replica.momentum import (check_optimizer_momentum, lower_momentum,
-                                       momentum_ceiling, put_back)
 from gradshare.config.options import Compression
+from gradshare.driver.plan import check_optimizer
+from gradshare.replica.momentum import check_optimizer_momentum, lower_momentum, momentum_ceiling, put_back
 from one_worker import STEPS, run_one_worker
 
 # (with momentum, the ceiling, the same optimizer built with the momentum at the ceiling)

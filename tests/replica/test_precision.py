@@ -14,17 +14,17 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, encoding
+from gradshare.config.grouping import in_groups
+from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_split, evaluate_accuracy, mlp
 from gradshare.encoding import Message
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.precision import Precision
-from gradshare.task.partition import PartitionData
-from gradshare.transport import Update, param_hash
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
-from gradshare.config.options import Network, Runtime
-from gradshare.config.grouping import in_groups
+from gradshare.transport import Update, param_hash
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -18,13 +18,13 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
+from gradshare.config.options import Compression, Network
 from gradshare.encoding import buffer_change
 from gradshare.encoding.torch_codec import buffer_change as buffer_change_tensor
+from gradshare.errors import NonFiniteError
 from gradshare.replica.flat import FlatParams, int_buffers
 from gradshare.replica.losses import LossStep, accuracy, accuracy_sums, class_axis, plan_loss
 from gradshare.transport import param_hash
-from gradshare.config.options import Compression, Network
-from gradshare.errors import NonFiniteError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
@@ -229,12 +229,12 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
 
 # ------------------------------------------------------------------------------------ non-finite updates
 def _one_worker(X, y, lr=1e-3):
-    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
-    from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
+    from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
     cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
@@ -273,12 +273,12 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
 
 
 def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
-    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
     from gradshare.encoding import CalibratedThreshold
-    from gradshare.task.partition import PartitionData
     from gradshare.task.apply_log import ApplyLog
     from gradshare.task.config import WorkerConfig
+    from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
+    from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)

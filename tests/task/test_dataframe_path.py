@@ -10,10 +10,10 @@ from torch import nn
 
 import gradshare.driver.job as dataframe_job
 from gradshare import SharedTrainer
-from gradshare.task.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
-from gradshare.driver.session import dataframe_to_rdd
-from gradshare.task.partition import summarise_partition
 from gradshare.config.options import Network
+from gradshare.driver.session import dataframe_to_rdd
+from gradshare.task.arrow_rows import RESULT_CHUNK, batch_rows, read_results, result_batches
+from gradshare.task.partition import summarise_partition
 
 
 def _vectors(rows):
@@ -82,9 +82,10 @@ class _TwoInputs(nn.Module):
 
 @pytest.mark.spark
 def test_a_classic_dataframe_fit_is_bit_identical_through_both_paths(spark, monkeypatch):
-    from pyspark.ml.linalg import Vectors
-    from pyspark import cloudpickle
     import sys
+
+    from pyspark import cloudpickle
+    from pyspark.ml.linalg import Vectors
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     rng = np.random.default_rng(0)

@@ -17,13 +17,13 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, TrainingError
+from gradshare.config.options import Network
+from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.replica.flat import FlatParams
 from gradshare.task.shipping import materialize, pack_user_objects, skeleton, unpack_user_objects
-from gradshare.driver.failures import driver_error as _driver_error
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.peer.core import PeerCore
-from gradshare.config.options import Network
 from harness import Sim, drive
 
 # Executors cannot import this test module: ship its model classes by value.

@@ -11,11 +11,11 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.task.batches import InputLayout, validation_arrays
-from gradshare.replica.losses import LossStep, clip_grad_norm, match_target, plan_loss
-from gradshare.driver.session import check_summaries
-from gradshare.task.partition import PartitionData, summarise_partition
 from gradshare.config.options import Compression, Network
+from gradshare.driver.session import check_summaries
+from gradshare.replica.losses import LossStep, clip_grad_norm, match_target, plan_loss
+from gradshare.task.batches import InputLayout, validation_arrays
+from gradshare.task.partition import PartitionData, summarise_partition
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -12,11 +12,11 @@ from torch import nn
 
 from gradshare import SharedTrainer, encoding
 from gradshare.config.options import Compression
-from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
 
 def _trained(lr: float, factor: float, steps: int = 10) -> Worker:

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from gradshare import encoding
-from gradshare.task.partition import PartitionData
-from gradshare.transport import Update, param_hash
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.config import WorkerConfig
+from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from gradshare.transport import Update, param_hash
 
 
 class _Log:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.task.tallies import AttemptNotes, EpochTally
+from gradshare.transport.protocol.step_meta import StepMeta
 
 
 def test_attempt_notes_are_the_state_as_of_a_step():

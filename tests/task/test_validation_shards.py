@@ -13,13 +13,12 @@ from pyspark import cloudpickle
 from pyspark.sql import functions as F
 
 from gradshare import SharedTrainer
-from gradshare.demo import digits_split, mlp
-from gradshare.replica.losses import LossStep
-from gradshare.task.partition import PartitionData
-from gradshare.stopping import stop_epoch
-from gradshare.replica.losses import accuracy_sums
-from gradshare.task.validation import pack, reduce_sums, shard_sums, split_rows
 from gradshare.config.options import FaultTolerance, Network
+from gradshare.demo import digits_split, mlp
+from gradshare.replica.losses import LossStep, accuracy_sums
+from gradshare.stopping import stop_epoch
+from gradshare.task.partition import PartitionData
+from gradshare.task.validation import pack, reduce_sums, shard_sums, split_rows
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aggregate_util import aggregate_sim, real_apply, real_payload, real_update
 from gradshare.encoding import CalibratedThreshold, apply_update, decode_entries, decode_update
 from gradshare.encoding.aggregate import AggregateState, aggregate_step
 from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.fault_proxy import FaultProxy
-from aggregate_util import aggregate_sim, real_apply, real_payload, real_update
 from harness import Sim, drive
 from naive import accumulate_encode, naive_kth_largest_abs
 from naive import apply as naive_apply

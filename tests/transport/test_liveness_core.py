@@ -122,8 +122,8 @@ def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
 
 
 def test_the_driver_reports_the_first_cause_before_the_last_symptom():
-    from gradshare.errors import ProtocolError, TrainingError, TransportTimeout
     from gradshare.driver.failures import driver_error as _driver_error
+    from gradshare.errors import ProtocolError, TrainingError, TransportTimeout
     from gradshare.transport.protocol import events as ev
 
     class Relay:

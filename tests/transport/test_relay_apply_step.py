@@ -9,11 +9,11 @@ import itertools
 
 import pytest
 
+from aggregate_util import real_payload
 from gradshare.encoding import apply_update, decode_update
 from gradshare.encoding.step_cap import StepCap, apply_step
 from gradshare.transport import param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
-from aggregate_util import real_payload
 from harness import Sim
 
 

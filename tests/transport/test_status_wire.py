@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.crypto import new_job_key
 from gradshare.transport.protocol.status_wire import (
-    HEADER, MAX_STATUS_BYTES, Status, StatusOpener, StatusSealer, status_key,
+    HEADER,
+    MAX_STATUS_BYTES,
+    Status,
+    StatusOpener,
+    StatusSealer,
+    status_key,
 )
 
 KEY = new_job_key()

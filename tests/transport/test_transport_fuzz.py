@@ -11,8 +11,8 @@ from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.events import Join
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.core import RelayCore
-from gradshare.transport.protocol.wire import RELAY_ID
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.transport.protocol.wire import RELAY_ID
 from transport_util import TOY
 
 KEY = b"K" * 32

@@ -23,9 +23,9 @@ from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.relay.liveness import MAX_INCIDENTS
-from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
 from gradshare.transport.protocol.states import PeerState
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.transport.protocol.tuning import ON_RANK_LOSS, PeerTuning, RelayTuning
 from gradshare.transport.protocol.wire import Kind
 from transport_util import TOY, random_update, toy_apply_payload
 

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from gradshare.transport import param_hash
-from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from aggregate_util import aggregate_sim
 from flood import FLOOD, make_flood
+from gradshare.transport import param_hash
+from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from harness import RELAY, Sim, drive
 
 # The same checks at small N are in the fast subset (test_transport_core, test_liveness_core, test_aggregate);

@@ -9,10 +9,10 @@ import pytest
 
 from gradshare.errors import LocalProtocolError
 from gradshare.transport.protocol import events as ev
-from gradshare.transport.sockets import peer, relay
 from gradshare.transport.protocol import wire
 from gradshare.transport.protocol.channel import Channel
 from gradshare.transport.protocol.peer.core import PeerCore
+from gradshare.transport.sockets import peer, relay
 from harness import Sim, drive
 
 # the cores' read-only properties, the only attribute reads a shell makes that are not method calls

@@ -8,8 +8,15 @@ import pytest
 from gradshare.errors import LocalProtocolError
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.ranks import RankState
-from gradshare.transport.protocol.states import (PEER_TRANSITIONS, RANK_TRANSITIONS, PeerState, PeerTrigger, RankStatus,
-                                        RankTrigger, transition)
+from gradshare.transport.protocol.states import (
+    PEER_TRANSITIONS,
+    RANK_TRANSITIONS,
+    PeerState,
+    PeerTrigger,
+    RankStatus,
+    RankTrigger,
+    transition,
+)
 
 
 @pytest.mark.parametrize("table,states,triggers", [(PEER_TRANSITIONS, PeerState, PeerTrigger),

@@ -14,8 +14,16 @@ from typing import Protocol
 
 import numpy as np
 
-from gradshare.encoding.kernels import (CHECK_COUNT, CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING,
-                                        CHECK_RESERVED, CHECK_TRAILING, CHECK_TRUNCATED)
+from gradshare.encoding.kernels import (
+    CHECK_COUNT,
+    CHECK_INDEX,
+    CHECK_OK,
+    CHECK_OVERLONG,
+    CHECK_PADDING,
+    CHECK_RESERVED,
+    CHECK_TRAILING,
+    CHECK_TRUNCATED,
+)
 
 APPLY_BATCH = 1024  # codes decoded per batch before they are applied (see kernels.apply_batch)
 

@@ -25,8 +25,17 @@ import numpy as np
 from numba import njit
 
 from gradshare.encoding.forms.base import CodeSizes, CodeWriter, apply_buffers, check, filled, written
-from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_PADDING, CHECK_TRAILING,
-                                        CHECK_TRUNCATED, apply_batch, cttz, prefetch_write)
+from gradshare.encoding.kernels import (
+    CHECK_INDEX,
+    CHECK_OK,
+    CHECK_OVERLONG,
+    CHECK_PADDING,
+    CHECK_TRAILING,
+    CHECK_TRUNCATED,
+    apply_batch,
+    cttz,
+    prefetch_write,
+)
 
 RICE_MAX_K = 40
 PAD_WORDS = 1  # zero uint64 words readers need after the payload's words

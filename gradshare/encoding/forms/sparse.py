@@ -12,8 +12,15 @@ import numpy as np
 from numba import njit
 
 from gradshare.encoding.forms.base import CodeSizes, CodeWriter, apply_buffers, byte_reader, check, filled, written
-from gradshare.encoding.kernels import (CHECK_INDEX, CHECK_OK, CHECK_OVERLONG, CHECK_TRAILING, CHECK_TRUNCATED,
-                                        apply_batch, prefetch_write)
+from gradshare.encoding.kernels import (
+    CHECK_INDEX,
+    CHECK_OK,
+    CHECK_OVERLONG,
+    CHECK_TRAILING,
+    CHECK_TRUNCATED,
+    apply_batch,
+    prefetch_write,
+)
 
 
 @njit(nogil=True, cache=True, boundscheck=True)

@@ -20,13 +20,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, ProtocolError, TransportTimeout
-from gradshare.transport.sockets import quiet_gc, udp
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.events import Counters, Update, Welcome
 from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
+from gradshare.transport.sockets import quiet_gc, udp
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02

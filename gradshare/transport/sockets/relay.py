@@ -20,19 +20,19 @@ from numpy.typing import NDArray
 
 from gradshare.errors import GradshareError, TransportTimeout
 from gradshare.transport.protocol import events as ev
-from gradshare.transport.sockets import quiet_gc, udp
 from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.relay.liveness import MAX_INCIDENTS
 from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from gradshare.transport.sockets import quiet_gc, udp
 
 if TYPE_CHECKING:  # annotations only
-    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
+    from typing_extensions import Unpack  # in typing from Python 3.11 on; 3.10 is supported
 
     # the encoding package loads Numba: the transport imports it where used (relay/core.py, its seam)
     from gradshare.encoding.aggregate import AggregateState
-    from gradshare.transport.protocol.relay.observer import LogObserver
     from gradshare.transport.protocol.relay.attempt import Decoded
+    from gradshare.transport.protocol.relay.observer import LogObserver
 
 
 class RelayPlugins(TypedDict, total=False):

@@ -18,7 +18,7 @@ from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.sockets.relay import RelayPlugins
 
 if TYPE_CHECKING:  # annotations only
-    from typing_extensions import Unpack    # in typing from Python 3.11 on; 3.10 is supported
+    from typing_extensions import Unpack  # in typing from Python 3.11 on; 3.10 is supported
 
 
 def joined_cores(world_size: int, n_params: int, key: bytes | None, job_id: int | str, *,

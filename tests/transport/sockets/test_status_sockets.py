@@ -66,7 +66,7 @@ def test_the_relay_knows_when_every_rank_has_left_and_says_so_within_its_timeout
     import numpy as np
 
     from gradshare.transport import Peer, Relay
-    from transport_util import N, TOY, exchange
+    from transport_util import TOY, N, exchange
 
     key = new_job_key()
     with Relay(np.zeros(N, np.float32), 2, key, 9, port=0, bind="127.0.0.1", **TOY) as relay:

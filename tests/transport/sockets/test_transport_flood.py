@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradshare.transport import Peer, Relay, new_job_key, param_hash
 from flood import FLOOD, flooded
+from gradshare.transport import Peer, Relay, new_job_key, param_hash
 from transport_util import TOY, N, exchange, toy_encode, wait_until
 
 

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
+from aggregate_util import real_apply, real_payload
+from flood import FLOOD, flooded
 from gradshare.encoding import apply_update
 from gradshare.transport import Relay, RelayTuning, new_job_key, param_hash
 from gradshare.transport.protocol.events import AGGREGATE_ORIGIN
 from gradshare.transport.testing.fault_proxy import FaultProxy
-from aggregate_util import real_apply, real_payload
-from flood import FLOOD, flooded
 from transport_util import TOY, N, exchange, random_update, toy_apply_payload
 
 W = 32

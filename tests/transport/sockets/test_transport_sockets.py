@@ -15,6 +15,7 @@ from gradshare.transport import Peer, Relay, RelayTuning, new_job_key, param_has
 from gradshare.transport.protocol.step_meta import StepMeta
 from transport_util import TOY, N, exchange, random_update, toy_apply_payload, wait_until
 
+
 def test_exchange_is_exactly_once_and_bit_identical():
     key = new_job_key()
     with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1", **TOY) as relay:

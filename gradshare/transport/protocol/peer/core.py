@@ -23,8 +23,8 @@ from gradshare.transport.protocol.peer.inbound import Inbound
 from gradshare.transport.protocol.peer.outbox import PeerOutbox
 from gradshare.transport.protocol.peer.own import OwnLog
 from gradshare.transport.protocol.peer.snapshot import SnapshotFetch
-from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.states import PEER_TRANSITIONS, PeerState, PeerTrigger, transition
+from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import PeerTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from gradshare.transport.protocol.cursor import LogCursor
 from gradshare.transport.protocol.history import History, StepKeys
-from gradshare.transport.protocol.relay.ranks import RankTable
 from gradshare.transport.protocol.reassembly import Reassembler
+from gradshare.transport.protocol.relay.ranks import RankTable
 from gradshare.transport.protocol.step_meta import StepMeta
 from gradshare.transport.protocol.tuning import RelayTuning
 

@@ -31,9 +31,9 @@ from gradshare.transport.protocol.relay.observer import LogObserver
 from gradshare.transport.protocol.relay.outbox import RelayOutbox
 from gradshare.transport.protocol.relay.ranks import RankState
 from gradshare.transport.protocol.relay.status import StatusPages
-from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.states import RankTrigger
 from gradshare.transport.protocol.step_meta import StepMeta
+from gradshare.transport.protocol.tuning import RelayTuning
 from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, Kind
 
 if TYPE_CHECKING:

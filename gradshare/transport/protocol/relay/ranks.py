@@ -5,14 +5,19 @@ bookkeeping the relay core updates as datagrams arrive: address, session, steps 
 
 from __future__ import annotations
 
-
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.rangeset import RangeSet
 from gradshare.transport.protocol.reassembly import LateAllowance
+from gradshare.transport.protocol.states import (
+    GONE_STATES,
+    JOINED_STATES,
+    LEFT_STATES,
+    RANK_TRANSITIONS,
+    RankStatus,
+    RankTrigger,
+    transition,
+)
 from gradshare.transport.protocol.step_meta import StepMeta
-from gradshare.transport.protocol.states import (GONE_STATES, JOINED_STATES, LEFT_STATES, RANK_TRANSITIONS, RankStatus,
-                                        RankTrigger, transition)
-
 
 # per status: (joined, left, connected, live), derived once from the state sets. Every datagram asks
 # whether its rank is joined and not left, and every forward whether each rank is live: attributes set
