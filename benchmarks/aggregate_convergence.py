@@ -43,26 +43,50 @@ def main(argv=None) -> int:
         for n in workers:
             rdd = spark.sparkContext.parallelize(rows, n).cache()
             for forwarding in ("per-rank", "aggregate"):
-                r = SharedTrainer(mlp, batch_size=args.batch_size, epochs=args.epochs, seed=args.seed,
-                                  validation_data=(X_test, y_test), port=0, verbose=0,
-                                  network=Network(forwarding=forwarding, bind="127.0.0.1")).fit(rdd)
-                row = {"workers": n, "forwarding": forwarding, "steps": r.steps,
-                       "val_accuracy": [h["val_metric"] for h in r.history],
-                       "loss": [h["loss"] for h in r.history],
-                       "final_accuracy": evaluate_accuracy(r.model, X_test, y_test),
-                       "relay_bytes_out_per_step": r.counters["bytes_out"] / r.steps,
-                       "aggregates": r.counters.get("aggregates", 0), "param_hash": r.param_hash}
+                r = SharedTrainer(
+                    mlp,
+                    batch_size=args.batch_size,
+                    epochs=args.epochs,
+                    seed=args.seed,
+                    validation_data=(X_test, y_test),
+                    port=0,
+                    verbose=0,
+                    network=Network(forwarding=forwarding, bind="127.0.0.1"),
+                ).fit(rdd)
+                row = {
+                    "workers": n,
+                    "forwarding": forwarding,
+                    "steps": r.steps,
+                    "val_accuracy": [h["val_metric"] for h in r.history],
+                    "loss": [h["loss"] for h in r.history],
+                    "final_accuracy": evaluate_accuracy(r.model, X_test, y_test),
+                    "relay_bytes_out_per_step": r.counters["bytes_out"] / r.steps,
+                    "aggregates": r.counters.get("aggregates", 0),
+                    "param_hash": r.param_hash,
+                }
                 runs.append(row)
-                print(f"N={n} {forwarding:>9}: val acc per epoch "
-                      + " ".join(f"{a:.3f}" for a in row["val_accuracy"])
-                      + f" | relay egress {row['relay_bytes_out_per_step'] / 1e3:.1f} kB/step", flush=True)
+                print(
+                    f"N={n} {forwarding:>9}: val acc per epoch "
+                    + " ".join(f"{a:.3f}" for a in row["val_accuracy"])
+                    + f" | relay egress {row['relay_bytes_out_per_step'] / 1e3:.1f} kB/step",
+                    flush=True,
+                )
             rdd.unpersist()
     finally:
         spark.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": "digits MLP (gradshare.demo.mlp)", "epochs": args.epochs,
-                       "batch_size": args.batch_size, "seed": args.seed, "runs": runs}, f, indent=2)
+            json.dump(
+                {
+                    "workload": "digits MLP (gradshare.demo.mlp)",
+                    "epochs": args.epochs,
+                    "batch_size": args.batch_size,
+                    "seed": args.seed,
+                    "runs": runs,
+                },
+                f,
+                indent=2,
+            )
             f.write("\n")
     return 0
 

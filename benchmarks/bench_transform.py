@@ -67,8 +67,9 @@ def hand_written_udf(sc, module, batch_size, threads=None):
 
         return predict
 
-    return predict_batch_udf(make_predict_fn, return_type=DoubleType(), batch_size=batch_size,
-                             input_tensor_shapes=[[64]])
+    return predict_batch_udf(
+        make_predict_fn, return_type=DoubleType(), batch_size=batch_size, input_tensor_shapes=[[64]]
+    )
 
 
 def main(argv=None):
@@ -80,27 +81,37 @@ def main(argv=None):
     from gradshare.driver.session import session_builder
     from gradshare.ml import GradshareEstimator
 
-    spark = session_builder(f"local[{args.workers}]", "gradshare-bench-transform",
-                            {"spark.default.parallelism": str(args.workers)}).getOrCreate()
+    spark = session_builder(
+        f"local[{args.workers}]", "gradshare-bench-transform", {"spark.default.parallelism": str(args.workers)}
+    ).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     try:
         X, _, y, _ = digits_split(0)
         train = spark.createDataFrame([(x.tolist(), int(t)) for x, t in zip(X, y)], ["features", "label"])
-        model = GradshareEstimator(functools.partial(mlp), numWorkers=args.workers, learningRate=1e-2,
-                                   predictBatchSize=args.batch_size,
-                                   trainerOptions={"port": 0, "network": {"bind": "127.0.0.1"}, "verbose": 0}).fit(train)
-        data = spark.range(args.rows, numPartitions=args.workers).select(
-            F.array(*[F.rand(seed=i) for i in range(64)]).alias("features")).cache()
+        model = GradshareEstimator(
+            functools.partial(mlp),
+            numWorkers=args.workers,
+            learningRate=1e-2,
+            predictBatchSize=args.batch_size,
+            trainerOptions={"port": 0, "network": {"bind": "127.0.0.1"}, "verbose": 0},
+        ).fit(train)
+        data = (
+            spark.range(args.rows, numPartitions=args.workers)
+            .select(F.array(*[F.rand(seed=i) for i in range(64)]).alias("features"))
+            .cache()
+        )
         data.count()
         ways = {
             "gradshare": lambda: model.transform(data),
             "gradshare_pred": lambda: model.copy({model.probabilityCol: ""}).transform(data),
             "hand_written": functools.partial(
                 lambda udf: data.withColumn("prediction", udf("features")),
-                hand_written_udf(spark.sparkContext, model.torchModel, args.batch_size)),
+                hand_written_udf(spark.sparkContext, model.torchModel, args.batch_size),
+            ),
             "hand_written_1t": functools.partial(
                 lambda udf: data.withColumn("prediction", udf("features")),
-                hand_written_udf(spark.sparkContext, model.torchModel, args.batch_size, threads=1)),
+                hand_written_udf(spark.sparkContext, model.torchModel, args.batch_size, threads=1),
+            ),
         }
         for build in ways.values():  # warm-up: Python workers start, import torch, cache the model
             build().write.format("noop").mode("overwrite").save()
@@ -115,12 +126,15 @@ def main(argv=None):
         spark.stop()
 
     rate = {name: args.rows / statistics.median(s) for name, s in seconds.items()}
-    print(f"transform throughput, {args.rows} rows x 64 features, local[{args.workers}], batch {args.batch_size}, "
-          f"median of {args.rounds} rounds")
+    print(
+        f"transform throughput, {args.rows} rows x 64 features, local[{args.workers}], batch {args.batch_size}, "
+        f"median of {args.rounds} rounds"
+    )
     for name, r in rate.items():
         print(f"  {name:15s} {r:12,.0f} rows/s   ({', '.join(f'{s:.2f}' for s in seconds[name])} s)")
-    ratio = {f"gradshare_pred/{base}": rate["gradshare_pred"] / rate[base]
-             for base in ("hand_written", "hand_written_1t")}
+    ratio = {
+        f"gradshare_pred/{base}": rate["gradshare_pred"] / rate[base] for base in ("hand_written", "hand_written_1t")
+    }
     ratio["gradshare/gradshare_pred"] = rate["gradshare"] / rate["gradshare_pred"]
     print("  " + "   ".join(f"{k} = {v:.2f}" for k, v in ratio.items()))
     if args.json:

@@ -48,8 +48,7 @@ def main() -> int:
     spark = session_builder("local[2]", app_name="checkpoint-bench").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     rng = np.random.default_rng(0)
-    rows = [(rng.standard_normal(1024, dtype=np.float32), int(rng.integers(10)))
-            for _ in range(2 * 64 * args.steps)]
+    rows = [(rng.standard_normal(1024, dtype=np.float32), int(rng.integers(10))) for _ in range(2 * 64 * args.steps)]
     rdd = spark.sparkContext.parallelize(rows, 2).cache()
     rdd.count()
     root = tempfile.mkdtemp(prefix="gradshare-ckpt-bench-")
@@ -62,23 +61,31 @@ def main() -> int:
         if args.hadoop:
             os.makedirs(os.path.join(root, "hadoop"))
             spark.sparkContext._jsc.hadoopConfiguration().set(
-                "fs.viewfs.mounttable.gradshare-bench.link./ckpt", f"file://{root}/hadoop")
-            via_driver = SharedTrainer(mlp, **options,
-                                       fault_tolerance=FaultTolerance(checkpoint_dir="viewfs://gradshare-bench/ckpt/run")).fit(rdd)
+                "fs.viewfs.mounttable.gradshare-bench.link./ckpt", f"file://{root}/hadoop"
+            )
+            via_driver = SharedTrainer(
+                mlp, **options, fault_tolerance=FaultTolerance(checkpoint_dir="viewfs://gradshare-bench/ckpt/run")
+            ).fit(rdd)
         last = os.path.join(root, f"epoch-{args.epochs:05d}")
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(last) for f in files)
         param_bytes = 4 * saved.n_params
         per_rank = [r["checkpoint_seconds"] / args.epochs for r in saved.worker_reports]
         result = {
-            "n_params": saved.n_params, "workers": saved.world_size, "epochs": args.epochs,
-            "steps_per_epoch": args.steps, "checkpoint_bytes": size, "checkpoint_x_param_bytes": size / param_bytes,
+            "n_params": saved.n_params,
+            "workers": saved.world_size,
+            "epochs": args.epochs,
+            "steps_per_epoch": args.steps,
+            "checkpoint_bytes": size,
+            "checkpoint_x_param_bytes": size / param_bytes,
             "write_seconds_per_checkpoint_by_rank": per_rank,
-            "fit_seconds_plain": plain.seconds, "fit_seconds_checkpointed": saved.seconds,
+            "fit_seconds_plain": plain.seconds,
+            "fit_seconds_checkpointed": saved.seconds,
             "train_seconds_per_epoch_rank0": plain.worker_reports[0]["train_seconds"] / args.epochs,
         }
         if via_driver is not None:
             result["hadoop_write_seconds_per_checkpoint_by_rank"] = [
-                r["checkpoint_seconds"] / args.epochs for r in via_driver.worker_reports]
+                r["checkpoint_seconds"] / args.epochs for r in via_driver.worker_reports
+            ]
             result["fit_seconds_hadoop"] = via_driver.seconds
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -87,12 +94,16 @@ def main() -> int:
     print(f"checkpoint size: {size / 1e6:.1f} MB = {result['checkpoint_x_param_bytes']:.2f} x parameter bytes")
     print("write time per checkpoint by rank: " + ", ".join(f"{s:.3f} s" for s in per_rank))
     print(f"training time per epoch (rank 0, no checkpoints): {result['train_seconds_per_epoch_rank0']:.2f} s")
-    print(f"fit wall time: {plain.seconds:.2f} s without, {saved.seconds:.2f} s with a checkpoint per epoch "
-          f"({saved.seconds / plain.seconds:.2f}x)")
+    print(
+        f"fit wall time: {plain.seconds:.2f} s without, {saved.seconds:.2f} s with a checkpoint per epoch "
+        f"({saved.seconds / plain.seconds:.2f}x)"
+    )
     if via_driver is not None:
-        print("through the driver to viewfs://, write time per checkpoint by rank: "
-              + ", ".join(f"{s:.3f} s" for s in result["hadoop_write_seconds_per_checkpoint_by_rank"])
-              + f"; fit wall time {via_driver.seconds:.2f} s")
+        print(
+            "through the driver to viewfs://, write time per checkpoint by rank: "
+            + ", ".join(f"{s:.3f} s" for s in result["hadoop_write_seconds_per_checkpoint_by_rank"])
+            + f"; fit wall time {via_driver.seconds:.2f} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

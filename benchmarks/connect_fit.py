@@ -55,8 +55,9 @@ def run_case(session: str, relay: str, epochs: int) -> dict:
     out: dict = {"startup": startup}
     for name in ("first", "fit"):
         t = time.monotonic()
-        r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, port=0, verbose=0,
-                          network=Network(bind="127.0.0.1", relay=relay)).fit(df, features_col="features", label_col="label")
+        r = SharedTrainer(
+            mlp, epochs=epochs, batch_size=32, seed=3, port=0, verbose=0, network=Network(bind="127.0.0.1", relay=relay)
+        ).fit(df, features_col="features", label_col="label")
         out[name] = time.monotonic() - t
         out["accuracy"] = evaluate_accuracy(r.model, X_test, y_test)
         out["relay"], out["steps"] = r.extra.relay, r.steps
@@ -75,31 +76,50 @@ def main() -> None:
         session, relay = CASES[args.case]
         print("RESULT " + json.dumps(run_case(session, relay, args.epochs)), flush=True)
         return
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     runs: dict[str, list[dict]] = {name: [] for name in CASES}
     for _ in range(args.repeats):  # interleaved, so a drift of the machine hits every case alike
         for name in CASES:
-            proc = subprocess.run([sys.executable, __file__, "--epochs", str(args.epochs), "--case", name],
-                                  env=env, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--epochs", str(args.epochs), "--case", name],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 raise RuntimeError(f"{name}: no result (rc {proc.returncode}): {proc.stderr[-2000:]}")
-            runs[name].append(json.loads(line[len("RESULT "):]))
+            runs[name].append(json.loads(line[len("RESULT ") :]))
     base = "classic, relay in the driver"
     rows = []
     for name, got in runs.items():
         med = {k: statistics.median(r[k] for r in got) for k in ("startup", "first", "fit", "accuracy")}
         ratio = med["fit"] / statistics.median(r["fit"] for r in runs[base])
         rows.append({"case": name, **med, "fit_ratio": ratio, "runs": got})
-        print(f"{name:32s} startup {med['startup']:5.1f} s  first fit {med['first']:5.1f} s  fit {med['fit']:5.1f} s "
-              f"(x{ratio:.2f})  accuracy {med['accuracy']:.4f}")
+        print(
+            f"{name:32s} startup {med['startup']:5.1f} s  first fit {med['first']:5.1f} s  fit {med['fit']:5.1f} s "
+            f"(x{ratio:.2f})  accuracy {med['accuracy']:.4f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python", "benchmarks/connect_fit.py", *sys.argv[1:]]),
-                       "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-                       f"{os.cpu_count()} cores", "epochs": args.epochs, "repeats": args.repeats, "rows": rows},
-                      f, indent=1)
+            json.dump(
+                {
+                    "command": " ".join(["python", "benchmarks/connect_fit.py", *sys.argv[1:]]),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                    "epochs": args.epochs,
+                    "repeats": args.repeats,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

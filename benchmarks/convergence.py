@@ -1,6 +1,7 @@
-"""Test accuracy per epoch of gradshare vs DDP dense vs one process, N workers, LR schedules, seeds (the harness: lab/convergence.py).
+"""Test accuracy per epoch of gradshare vs DDP dense vs one process, N workers, LR schedules, seeds (the harness:
+lab/convergence.py).
 
-    SPARK_LOCAL_IP=127.0.0.1 python benchmarks/convergence.py --quick
+SPARK_LOCAL_IP=127.0.0.1 python benchmarks/convergence.py --quick
 """
 
 import sys

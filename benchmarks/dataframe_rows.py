@@ -6,7 +6,9 @@ Each job is what a fit's tasks do with their partition before training: the pre-
 worker keeps for its epochs), timed from submission to the collected result; rows/s = rows ÷ seconds.
 The DataFrame is cached and counted first, so both read the same in-memory blocks.
 
-    python benchmarks/dataframe_rows.py --rows 10000 --width 1024 --partitions 2 --repeats 3 --json docs/bench-dataframe.json
+    python benchmarks/dataframe_rows.py --rows 10000 --width 1024 --partitions 2 --repeats 3 --json out.json
+
+(docs/bench-dataframe.json is that run's output.)
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def rdd_job(df, col, work):
 
 
 def arrow_job(df, col, work):
-    rows = df.select(col, "label").mapInArrow(functools.partial(_arrow_task, work, (col, "label")), RESULT_SCHEMA).collect()
+    rows = (
+        df.select(col, "label")
+        .mapInArrow(functools.partial(_arrow_task, work, (col, "label")), RESULT_SCHEMA)
+        .collect()
+    )
     return sum(read_results(rows).values())
 
 
@@ -68,10 +74,17 @@ def main() -> int:
     from pyspark.sql import functions as F
 
     try:
-        df = (spark.range(args.rows, numPartitions=args.partitions)
-              .select(F.expr(f"transform(sequence(0, {args.width - 1}), i -> cast((i * id) % 97 as double) / 97)")
-                      .alias("arr"), (F.col("id") % 10).alias("label"))
-              .withColumn("vec", array_to_vector("arr")).cache())
+        df = (
+            spark.range(args.rows, numPartitions=args.partitions)
+            .select(
+                F.expr(f"transform(sequence(0, {args.width - 1}), i -> cast((i * id) % 97 as double) / 97)").alias(
+                    "arr"
+                ),
+                (F.col("id") % 10).alias("label"),
+            )
+            .withColumn("vec", array_to_vector("arr"))
+            .cache()
+        )
         df.count()
         results = []
         for col in ("arr", "vec"):
@@ -83,19 +96,33 @@ def main() -> int:
                         n = job(df, col, work)
                         times[name].append(time.monotonic() - t0)
                         assert n == args.rows, (name, n)
-                row = {"column": col, "work": work,
-                       **{f"{k}_rows_per_s": args.rows / statistics.median(v) for k, v in times.items()},
-                       **{f"{k}_seconds": v for k, v in times.items()}}
+                row = {
+                    "column": col,
+                    "work": work,
+                    **{f"{k}_rows_per_s": args.rows / statistics.median(v) for k, v in times.items()},
+                    **{f"{k}_seconds": v for k, v in times.items()},
+                }
                 row["arrow_over_rdd"] = row["arrow_rows_per_s"] / row["rdd_rows_per_s"]
                 results.append(row)
-                print(f"{col:>4} {work:>11}: rdd {row['rdd_rows_per_s']:9,.0f} rows/s, arrow "
-                      f"{row['arrow_rows_per_s']:9,.0f} rows/s ({row['arrow_over_rdd']:.1f}x)", flush=True)
+                print(
+                    f"{col:>4} {work:>11}: rdd {row['rdd_rows_per_s']:9,.0f} rows/s, arrow "
+                    f"{row['arrow_rows_per_s']:9,.0f} rows/s ({row['arrow_over_rdd']:.1f}x)",
+                    flush=True,
+                )
     finally:
         spark.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
-                       f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                    "date": time.strftime("%Y-%m-%d"),
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     total = per_round * args.rounds
     paths = {
         "numba": gradshare_worker("32", widths, args.batch_size, total, device="cpu"),
-        "torch": gradshare_worker("32", widths, args.batch_size, total, device=args.device,
-                                  tensor_state=True),
+        "torch": gradshare_worker("32", widths, args.batch_size, total, device=args.device, tensor_state=True),
     }
     device = str(paths["torch"][2].flat.buffer.device)
     times = {name: [] for name in paths}
@@ -54,20 +53,36 @@ def run(args: argparse.Namespace) -> int:
     hashes = {k: param_hash(w.flat.host_state()) for k, (_, _, w) in paths.items()}
     same = hashes["numba"] == hashes["torch"] if device == "cpu" else None
     out = {
-        "n_params": paths["numba"][1], "widths": widths, "batch_size": args.batch_size, "threads": args.threads,
-        "steps": args.steps * args.rounds, "device": device, "torch": torch.__version__,
-        "median_step_ms": wall, "median_step_cpu_ms": cpu,
+        "n_params": paths["numba"][1],
+        "widths": widths,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "steps": args.steps * args.rounds,
+        "device": device,
+        "torch": torch.__version__,
+        "median_step_ms": wall,
+        "median_step_cpu_ms": cpu,
         "wall_ratio_torch_over_numba": wall["torch"] / wall["numba"],
-        "cpu_ratio_torch_over_numba": cpu["torch"] / cpu["numba"], "bit_identical": same,
+        "cpu_ratio_torch_over_numba": cpu["torch"] / cpu["numba"],
+        "bit_identical": same,
     }
-    print(f"MLP {args.widths} ({out['n_params']:,} params), batch {args.batch_size}, {args.threads} torch "
-          f"thread(s), {args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}; medians")
+    print(
+        f"MLP {args.widths} ({out['n_params']:,} params), batch {args.batch_size}, {args.threads} torch "
+        f"thread(s), {args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}; medians"
+    )
     print(f"{'path':<22} {'wall ms':>9} {'CPU ms':>9}")
     print(f"{'numba (NumPy state)':<22} {wall['numba']:9.2f} {cpu['numba']:9.2f}")
     print(f"{'torch on ' + device:<22} {wall['torch']:9.2f} {cpu['torch']:9.2f}")
-    print(f"torch ÷ numba: wall {out['wall_ratio_torch_over_numba']:.3f}, CPU {out['cpu_ratio_torch_over_numba']:.3f}; "
-          + ("replicas bit-identical" if same else "REPLICAS DIFFER" if same is False
-             else f"no bit check on {device} (its kernels are not the CPU's)"))
+    print(
+        f"torch ÷ numba: wall {out['wall_ratio_torch_over_numba']:.3f}, CPU {out['cpu_ratio_torch_over_numba']:.3f}; "
+        + (
+            "replicas bit-identical"
+            if same
+            else "REPLICAS DIFFER"
+            if same is False
+            else f"no bit check on {device} (its kernels are not the CPU's)"
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

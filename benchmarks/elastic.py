@@ -30,8 +30,15 @@ from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network
 from standalone import Cluster  # noqa: E402 - this folder's helper
 
-DEFAULTS = {"scenario": "whole", "world": 4, "seed": 0, "epochs": 8, "batch_size": 16, "kill_at": 0.4,
-            "grow_after": 2.0}
+DEFAULTS = {
+    "scenario": "whole",
+    "world": 4,
+    "seed": 0,
+    "epochs": 8,
+    "batch_size": 16,
+    "kill_at": 0.4,
+    "grow_after": 2.0,
+}
 
 
 class KillsNode(torch.nn.Module):
@@ -92,8 +99,15 @@ def trainer(cfg: dict[str, Any], model: Any = None, **options: Any) -> Any:
     from gradshare import SharedTrainer
     from gradshare.demo import mlp
 
-    return SharedTrainer(model or mlp, epochs=cfg["epochs"], batch_size=cfg["batch_size"], seed=cfg["seed"], port=0,
-                         verbose=0, **in_groups({**options, "network": Network(bind="127.0.0.1")}))
+    return SharedTrainer(
+        model or mlp,
+        epochs=cfg["epochs"],
+        batch_size=cfg["batch_size"],
+        seed=cfg["seed"],
+        port=0,
+        verbose=0,
+        **in_groups({**options, "network": Network(bind="127.0.0.1")}),
+    )
 
 
 def summary(result: Any, X_test: Any, y_test: Any, seconds: float, batch: int) -> dict[str, Any]:
@@ -104,11 +118,16 @@ def summary(result: Any, X_test: Any, y_test: Any, seconds: float, batch: int) -
     for before, row in zip([None, *result.history], result.history):
         if before is not None and before.get("workers") == row.get("workers") and row["seconds"] > 0:
             rates.setdefault(row.get("workers") or 0, []).append(row["steps"] * batch / row["seconds"])
-    return {"rows_per_second": {k: round(sum(v) / len(v)) for k, v in rates.items()}, "accuracy": round(100 * evaluate_accuracy(result.model, X_test, y_test), 2),
-            "seconds": round(seconds, 1), "reforms": result.extra["reforms"],
-            "workers": [h.get("workers") for h in result.history], "rows": [h["epoch"] for h in result.history],
-            "steps": [h["steps"] for h in result.history], "seconds_per_epoch": [round(h["seconds"], 2)
-                                                                                  for h in result.history]}
+    return {
+        "rows_per_second": {k: round(sum(v) / len(v)) for k, v in rates.items()},
+        "accuracy": round(100 * evaluate_accuracy(result.model, X_test, y_test), 2),
+        "seconds": round(seconds, 1),
+        "reforms": result.extra["reforms"],
+        "workers": [h.get("workers") for h in result.history],
+        "rows": [h["epoch"] for h in result.history],
+        "steps": [h["steps"] for h in result.history],
+        "seconds_per_epoch": [round(h["seconds"], 2) for h in result.history],
+    }
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:

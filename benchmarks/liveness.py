@@ -60,7 +60,12 @@ class Dies(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if _rank() == 1 and self.calls == 1 and os.path.exists(self.marker) and not os.path.exists(self.marker + ".back"):
+        if (
+            _rank() == 1
+            and self.calls == 1
+            and os.path.exists(self.marker)
+            and not os.path.exists(self.marker + ".back")
+        ):
             with open(self.marker + ".back", "w") as f:
                 f.write(repr(time.time()))
         if _rank() == 1 and self.calls == 30 and not os.path.exists(self.marker):
@@ -101,8 +106,15 @@ def main():
     spark.sparkContext.setLogLevel("OFF")
     X, _, y, _ = digits_split(0)
     rdd = spark.sparkContext.parallelize(list(zip(X, (int(v) for v in y))), 2).cache()
-    kw = dict(epochs=2, batch_size=32, seed=5, fault_tolerance=FaultTolerance(liveness_timeout=args.liveness), port=0,
-              network=Network(bind="127.0.0.1"), verbose=0)
+    kw = dict(
+        epochs=2,
+        batch_size=32,
+        seed=5,
+        fault_tolerance=FaultTolerance(liveness_timeout=args.liveness),
+        port=0,
+        network=Network(bind="127.0.0.1"),
+        verbose=0,
+    )
     tmp = tempfile.mkdtemp()
     try:
         calm = SharedTrainer(lambda: Pauses(None), **kw).fit(rdd)
@@ -111,16 +123,20 @@ def main():
             marker = os.path.join(tmp, f"pause{factor}")
             _continue_after(marker, factor * args.liveness)
             r = SharedTrainer(lambda: Pauses(marker), **kw).fit(rdd)
-            print(f"{factor:g} x = {factor * args.liveness:g} s | yes | {r.param_hash == calm.param_hash} | "
-                  f"{r.counters.get('gone', 0)} | {r.skipped_steps}")
+            print(
+                f"{factor:g} x = {factor * args.liveness:g} s | yes | {r.param_hash == calm.param_hash} | "
+                f"{r.counters.get('gone', 0)} | {r.skipped_steps}"
+            )
         print("death -> resume (s): first forward of the retried stage's rank 1 minus the exit time")
         for i in range(args.deaths):
             marker = os.path.join(tmp, f"death{i}")
             t0 = time.monotonic()
             r = SharedTrainer(lambda: Dies(marker), **{**kw, "epochs": 3}).fit(rdd)
             died, back = float(open(marker).read()), float(open(marker + ".back").read())
-            print(f"run {i}: resume {back - died:.2f} s (fit {time.monotonic() - t0:.1f} s, resumed at step "
-                  f"{r.resumed_from}, epochs whole: {[h['steps'] for h in r.history]})")
+            print(
+                f"run {i}: resume {back - died:.2f} s (fit {time.monotonic() - t0:.1f} s, resumed at step "
+                f"{r.resumed_from}, epochs whole: {[h['steps'] for h in r.history]})"
+            )
     finally:
         spark.stop()
 

@@ -1,6 +1,7 @@
-"""A causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds (the harness: lab/lm.py).
+"""A causal transformer language model: validation loss per epoch, gradshare vs DDP, N workers, seeds (the harness:
+lab/lm.py).
 
-    python benchmarks/lm.py --quick
+python benchmarks/lm.py --quick
 """
 
 import sys

@@ -45,7 +45,7 @@ def build(widths: list[int], density: float, seed: int):
     q_t = torch.from_numpy(q)
     slices, offset = [], 0
     for p in params:
-        p.data = q_t[offset:offset + p.numel()].view_as(p)
+        p.data = q_t[offset : offset + p.numel()].view_as(p)
         slices.append((offset, p.numel()))
         offset += p.numel()
     tau = np.float32(np.quantile(np.abs(q - p_flat)[::97], 1.0 - density))
@@ -71,11 +71,16 @@ def probe(rounds: int, steps: int, density: float, widths: list[int], seed: int 
             optimizers[i].step()
             p.grad = None
             if order[0] == "inhook":
-                entries[0] += kernels.folded_encode_codes(q[start:start + n], p_flat[start:start + n], one, tau,
-                                                          tau).size
+                entries[0] += kernels.folded_encode_codes(
+                    q[start : start + n], p_flat[start : start + n], one, tau, tau
+                ).size
             elif order[0] == "thread":
-                pending.append(helper.submit(kernels.folded_encode_codes, q[start:start + n],
-                                             p_flat[start:start + n], one, tau, tau))
+                pending.append(
+                    helper.submit(
+                        kernels.folded_encode_codes, q[start : start + n], p_flat[start : start + n], one, tau, tau
+                    )
+                )
+
         return hook
 
     for i, p in enumerate(params):
@@ -103,8 +108,14 @@ def probe(rounds: int, steps: int, density: float, widths: list[int], seed: int 
                     tail_s[o].append(t2 - t1)
                     counts[o].append(entries[0])
     helper.shutdown()
-    out = {o: {"step_ms": 1e3 * float(np.median(step_s[o])), "after_backward_ms": 1e3 * float(np.median(tail_s[o])),
-               "entries": float(np.mean(counts[o]))} for o in ORDERS}
+    out = {
+        o: {
+            "step_ms": 1e3 * float(np.median(step_s[o])),
+            "after_backward_ms": 1e3 * float(np.median(tail_s[o])),
+            "entries": float(np.mean(counts[o])),
+        }
+        for o in ORDERS
+    }
     encode = out["after"]["after_backward_ms"]
     for o in ORDERS:
         out[o]["hidden_ms"] = out["after"]["step_ms"] - out[o]["step_ms"]
@@ -123,9 +134,11 @@ def main() -> None:
     result = probe(args.rounds, args.steps, args.density, [int(w) for w in args.widths.split(",")])
     print(f"MLP {args.widths} ({result['n_params']:,} params), one torch thread, τ {result['tau']:.2e}")
     for o, row in result["orders"].items():
-        print(f"{o:7s} step {row['step_ms']:6.2f} ms   after backward {row['after_backward_ms']:5.2f} ms   "
-              f"hidden {row['hidden_ms']:+5.2f} ms ({100 * row['hidden_share']:+.0f} % of the encode)   "
-              f"entries {row['entries']:.0f}")
+        print(
+            f"{o:7s} step {row['step_ms']:6.2f} ms   after backward {row['after_backward_ms']:5.2f} ms   "
+            f"hidden {row['hidden_ms']:+5.2f} ms ({100 * row['hidden_share']:+.0f} % of the encode)   "
+            f"entries {row['entries']:.0f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -51,11 +51,23 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
     y = rng.integers(0, widths[-1], size=len(X)).astype(np.int64)
     torch.manual_seed(0)
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=make_mlp(widths),
-        loss=torch.nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-        threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(clip=5.0),
-        steps_per_epoch=(8,), epochs=math.ceil(total_steps / 8), batch_size=batch, staleness=0, seed=0,
-        label_dtype="int64", precision=precision, **options,
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=make_mlp(widths),
+        loss=torch.nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+        threshold_rule=encoding.CalibratedThreshold(),
+        residual_clip=encoding.ResidualClipping(clip=5.0),
+        steps_per_epoch=(8,),
+        epochs=math.ceil(total_steps / 8),
+        batch_size=batch,
+        staleness=0,
+        seed=0,
+        label_dtype="int64",
+        precision=precision,
+        **options,
     )
     worker = Worker(cfg, 0, PartitionData(X, y))
     peer = LogPeer(SharedLog(1), 0)  # the transport's part for one rank: its messages come back to it
@@ -125,14 +137,21 @@ def run(args: argparse.Namespace) -> int:
     wall = {f"{k}/{p}": 1e3 * float(np.median([w for w, _ in v])) for (k, p), v in times.items()}
     cpu = {f"{k}/{p}": 1e3 * float(np.median([c for _, c in v])) for (k, p), v in times.items()}
     out = {
-        "n_params": n_params, "widths": widths, "batch_size": args.batch_size, "threads": args.threads,
-        "steps": args.steps * args.rounds, "torch": torch.__version__,
-        "median_step_ms": wall, "median_step_cpu_ms": cpu,
+        "n_params": n_params,
+        "widths": widths,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "steps": args.steps * args.rounds,
+        "torch": torch.__version__,
+        "median_step_ms": wall,
+        "median_step_cpu_ms": cpu,
         "ratio_vs_32": {k: wall[k] / wall[k.split("/")[0] + "/32"] for k in keys},
         "cpu_ratio_vs_32": {k: cpu[k] / cpu[k.split("/")[0] + "/32"] for k in keys},
     }
-    print(f"MLP {args.widths} ({n_params:,} params), batch {args.batch_size}, {args.threads} torch thread(s), "
-          f"{args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}; medians, ratio = ÷ '32'")
+    print(
+        f"MLP {args.widths} ({n_params:,} params), batch {args.batch_size}, {args.threads} torch thread(s), "
+        f"{args.rounds} rounds x {args.steps} timed steps, torch {torch.__version__}; medians, ratio = ÷ '32'"
+    )
     print(f"{'':<12} {'gradshare step (ms)':^34} {'plain torch step (ms)':^34}")
     print(f"{'precision':<12} " + 2 * f"{'wall':>8} {'ratio':>7} {'CPU':>8} {'ratio':>7}  ")
     for p in PRECISIONS:

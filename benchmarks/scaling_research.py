@@ -75,7 +75,9 @@ class MLP:
     def logits(self, theta, X, leaves=None):
         K, h = theta.shape[0], X
         for i, (a, b, o0, o1, o2) in enumerate(self.layout):
-            W, bias = leaves[2 * i:2 * i + 2] if leaves else (theta[:, o0:o1].view(K, a, b), theta[:, o1:o2].view(K, 1, b))
+            W, bias = (
+                leaves[2 * i : 2 * i + 2] if leaves else (theta[:, o0:o1].view(K, a, b), theta[:, o1:o2].view(K, 1, b))
+            )
             h = torch.baddbmm(bias, h, W)
             if i < len(self.layout) - 1:
                 h = torch.relu(h)
@@ -87,8 +89,10 @@ class MLP:
         K = theta.shape[0]
         leaves = []
         for a, b, o0, o1, o2 in self.layout:
-            leaves += [theta[:, o0:o1].view(K, a, b).detach().requires_grad_(True),
-                       theta[:, o1:o2].view(K, 1, b).detach().requires_grad_(True)]
+            leaves += [
+                theta[:, o0:o1].view(K, a, b).detach().requires_grad_(True),
+                theta[:, o1:o2].view(K, 1, b).detach().requires_grad_(True),
+            ]
         out = self.logits(theta, X, leaves)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum") / X.shape[1]
         gs = torch.autograd.grad(loss, leaves)
@@ -102,8 +106,8 @@ class MLP:
     def accuracy(self, p, X, y):
         correct = 0
         for b in range(0, len(y), 8192):
-            out = self.logits(p[None], X[None, b:b + 8192])[0]
-            correct += int((out.argmax(1) == y[b:b + 8192]).sum())
+            out = self.logits(p[None], X[None, b : b + 8192])[0]
+            correct += int((out.argmax(1) == y[b : b + 8192]).sum())
         return correct / len(y)
 
     def tensors(self):
@@ -112,17 +116,57 @@ class MLP:
 
 
 # ---------------------------------------------------------------------------------------------- run
-def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, epochs=None, density=2e-3,
-        scale=1.0, exact=False, clip=5.0, view=True, warmup=None, warmup_density=None,
-        # global-mode knobs
-        fold="g", vwarm=None, beta=0.9, nesterov=False, mom_mask=True, eps=1e-8, gclip=0.0, factor="rowcol",
-        outer_mom=0.0, outer_lr=1.0, b2=0.999, glr=None, gview=False, nden=0.0,
-        # round-2 knobs
-        vsrc="frozen", vs=None, owarm=0, dsched=None, dmin=None, lrcomp=0.0, lrcomp_until=None,
-        # round-3 knobs
-        dsteps=1.0, lrfade=False, lrlayers=None, rdecay=1.0, lrend=1.0,
-        # round-4 knobs
-        trust=0.0, trustinit=False, trustepoch=False, trustglobal=False, **extra):
+def run(
+    workload="tab10",
+    world=64,
+    system="local",
+    seed=0,
+    lr=1e-3,
+    batch=64,
+    epochs=None,
+    density=2e-3,
+    scale=1.0,
+    exact=False,
+    clip=5.0,
+    view=True,
+    warmup=None,
+    warmup_density=None,
+    # global-mode knobs
+    fold="g",
+    vwarm=None,
+    beta=0.9,
+    nesterov=False,
+    mom_mask=True,
+    eps=1e-8,
+    gclip=0.0,
+    factor="rowcol",
+    outer_mom=0.0,
+    outer_lr=1.0,
+    b2=0.999,
+    glr=None,
+    gview=False,
+    nden=0.0,
+    # round-2 knobs
+    vsrc="frozen",
+    vs=None,
+    owarm=0,
+    dsched=None,
+    dmin=None,
+    lrcomp=0.0,
+    lrcomp_until=None,
+    # round-3 knobs
+    dsteps=1.0,
+    lrfade=False,
+    lrlayers=None,
+    rdecay=1.0,
+    lrend=1.0,
+    # round-4 knobs
+    trust=0.0,
+    trustinit=False,
+    trustepoch=False,
+    trustglobal=False,
+    **extra,
+):
     torch.set_num_threads(int(os.environ.get("SR_THREADS", "1")))
     dev = torch.device("cpu")
     Xtr, ytr, Xte, yte = load_workload(workload, seed)
@@ -159,8 +203,11 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         elif kind_ == "T":  # flat c / T (steps per worker in the run)
             enc.sched = lambda t: c_ / T
         elif kind_ == "rampgeo":  # the warm-up's ramp up to c over the warm-up, then geometric to the density
-            enc.sched = lambda t: (wdens * (c_ / wdens) ** (t / wsteps) if t < wsteps
-                                   else density * (c_ / density) ** (1.0 - (t - wsteps) / max(1, T - wsteps)))
+            enc.sched = lambda t: (
+                wdens * (c_ / wdens) ** (t / wsteps)
+                if t < wsteps
+                else density * (c_ / density) ** (1.0 - (t - wsteps) / max(1, T - wsteps))
+            )
     om = torch.zeros(P) if outer_mom else None
 
     norms0 = {}  # trustinit: the norms of the initial parameters (known identically everywhere)
@@ -182,8 +229,13 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
                 if trustepoch and (sl.start, sl.stop, epoch) not in norms0:  # the norms at each epoch's start
                     norms0[(sl.start, sl.stop, epoch)] = float(p[sl].norm())
                 na = float(a[sl].norm())
-                np_ = (norms0[(sl.start, sl.stop)] if trustinit else norms0[(sl.start, sl.stop, epoch)] if trustepoch
-                       else float(p[sl].norm()))
+                np_ = (
+                    norms0[(sl.start, sl.stop)]
+                    if trustinit
+                    else norms0[(sl.start, sl.stop, epoch)]
+                    if trustepoch
+                    else float(p[sl].norm())
+                )
                 if na > trust * np_ > 0:
                     a[sl] *= trust * np_ / na
         return a
@@ -220,7 +272,7 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
         if b == 0:
             gen.manual_seed(seed * 100003 + epoch)
             perm = torch.argsort(torch.rand(N, shard, generator=gen), dim=1)
-        idx = perm[:, b * B:(b + 1) * B]
+        idx = perm[:, b * B : (b + 1) * B]
         X = torch.gather(Xs, 1, idx[..., None].expand(-1, -1, Xs.shape[2]))
         y = torch.gather(ys, 1, idx)
         if system == "ddp":
@@ -241,8 +293,8 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             a_.t += 1
             a_.m.lerp_(g, 1 - a_.b1)
             a_.v.mul_(a_.b2).addcmul_(g, g, value=1 - a_.b2)
-            mh = a_.m / (1 - a_.b1 ** a_.t)
-            den = (a_.v / (1 - a_.b2 ** a_.t)).addcmul_(mh, mh, value=nden * (N - 1)).sqrt_().add_(a_.eps)
+            mh = a_.m / (1 - a_.b1**a_.t)
+            den = (a_.v / (1 - a_.b2**a_.t)).addcmul_(mh, mh, value=nden * (N - 1)).sqrt_().add_(a_.eps)
             enc.r.addcdiv_(mh, den, value=-lr)
             del mh, den
             p += outer(enc.encode(t, S))
@@ -253,11 +305,15 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             base_lr = lr * (lrend ** (t / max(1, T - 1)))  # lrend: a geometric ramp of the own-Adam lr to lr·lrend
             opt.param_groups[0]["lr"] = base_lr
             f_ = 1.0
-            if lrcomp and (lrcomp_until is None or t < lrcomp_until):  # own-Adam lr × (base density / this step's scheduled density)^lrcomp
+            if lrcomp and (
+                lrcomp_until is None or t < lrcomp_until
+            ):  # own-Adam lr × (base density / this step's scheduled density)^lrcomp
                 dt = enc.target(t) if enc.sched is None else max(enc.target(t), enc.sched(t))
                 d_end = max(density, enc.floor)
                 a_ = lrcomp
-                if lrfade and enc.sched is not None:  # the power fades with the decay's progress: α·(d_t − d_end)/(d_0 − d_end)
+                if (
+                    lrfade and enc.sched is not None
+                ):  # the power fades with the decay's progress: α·(d_t − d_end)/(d_0 − d_end)
                     d0 = max(enc.target(0), enc.sched(0))
                     a_ = lrcomp * max(0.0, dt - d_end) / max(1e-30, d0 - d_end)
                 f_ = (d_end / dt) ** a_
@@ -301,7 +357,9 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
                         vh = factored(vh, model)
                         # each worker sends its gradient's row and column sums of squares (approximation
                         # of the factored mean-gradient v: cost counted at rows + cols + biases floats)
-                        enc.extra += 4 * sum(a_ + b_ for _, a_, b_ in model.tensors()) + 4 * (P - sum(a_ * b_ for _, a_, b_ in model.tensors()))
+                        enc.extra += 4 * sum(a_ + b_ for _, a_, b_ in model.tensors()) + 4 * (
+                            P - sum(a_ * b_ for _, a_, b_ in model.tensors())
+                        )
                     elif vsrc == "owarm":
                         enc.extra += 4 * P  # a dense mean-gradient exchange in the warm-up
                     den = 1.0 / (vh.sqrt() + eps)
@@ -348,8 +406,14 @@ def run(workload="tab10", world=64, system="local", seed=0, lr=1e-3, batch=64, e
             if not math.isfinite(float(p.abs().max())):
                 accs += [0.0] * (epochs - len(accs))
                 break
-    return {"acc": [round(100 * a, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
-            "ratio": round(enc.ratio()) if enc else 1, "P": P, "T": T, "sec": round(time.time() - t0, 1)}
+    return {
+        "acc": [round(100 * a, 2) for a in accs],
+        "final3": round(100 * float(np.mean(accs[-3:])), 2),
+        "ratio": round(enc.ratio()) if enc else 1,
+        "P": P,
+        "T": T,
+        "sec": round(time.time() - t0, 1),
+    }
 
 
 if __name__ == "__main__":

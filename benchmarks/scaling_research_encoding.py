@@ -50,8 +50,9 @@ def _encode_rows(r, tau, clipb, agg, scale, counts, mom, use_mom):
 class Encoder:
     """Per-worker residuals [N, P] and gradshare's calibrated ±τ encode (module docstring)."""
 
-    def __init__(self, N, P, device, density, warmup_steps, warmup_density, clip=5.0, every=5, exact=False,
-                 min_entries=768):
+    def __init__(
+        self, N, P, device, density, warmup_steps, warmup_density, clip=5.0, every=5, exact=False, min_entries=768
+    ):
         self.r = torch.zeros(N, P, device=device)
         self.P, self.density, self.ws, self.wd = P, density, warmup_steps, max(warmup_density, density)
         self.clip, self.every, self.exact = clip, every, exact
@@ -81,15 +82,23 @@ class Encoder:
             tau = r.abs().topk(k, dim=1, sorted=False).values.min(dim=1).values
         else:
             stride = max(1, P // max(16384, math.ceil(64 / d)))
-            s = r[:, (t % stride)::stride].abs()
+            s = r[:, (t % stride) :: stride].abs()
             m = s.shape[1]
             k = min(m, max(1, round(d * m)))
             tau = s.kthvalue(m - k + 1, dim=1).values
         tau = tau.clamp_min(1e-30).numpy().astype(np.float32)
         clipb = (self.clip * tau if self.clip and (t + 1) % self.every == 0 else np.zeros_like(tau)).astype(np.float32)
         agg = np.zeros(P, dtype=np.float32)
-        _encode_rows(r.numpy(), tau, clipb, agg, np.float32(scale), self.counts,
-                     self.dummy if mom is None else mom.numpy(), mom is not None)
+        _encode_rows(
+            r.numpy(),
+            tau,
+            clipb,
+            agg,
+            np.float32(scale),
+            self.counts,
+            self.dummy if mom is None else mom.numpy(),
+            mom is not None,
+        )
         self.entries += int(self.counts.sum())
         self.messages += r.shape[0]
         self.last_tau = tau
@@ -98,7 +107,14 @@ class Encoder:
     def ratio(self):
         if not self.messages:
             return 1.0
-        return 4 * self.P / ((1.56 * self.entries + 70 * self.messages + self.extra * self.messages / self.r.shape[0]) / self.messages)
+        return (
+            4
+            * self.P
+            / (
+                (1.56 * self.entries + 70 * self.messages + self.extra * self.messages / self.r.shape[0])
+                / self.messages
+            )
+        )
 
 
 def fused_adam(t, lr, b2=0.999, eps=1e-8):
@@ -119,8 +135,8 @@ class Adam:
         self.t += 1
         self.m.lerp_(g, 1 - self.b1)
         self.v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-        denom = (self.v.sqrt() / math.sqrt(1 - self.b2 ** self.t)).add_(self.eps)
-        return self.m / denom * (-self.lr / (1 - self.b1 ** self.t))
+        denom = (self.v.sqrt() / math.sqrt(1 - self.b2**self.t)).add_(self.eps)
+        return self.m / denom * (-self.lr / (1 - self.b1**self.t))
 
 
 def factored(v, model, rowcol=True):

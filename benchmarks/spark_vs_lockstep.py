@@ -27,7 +27,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--step-cap", default="auto", help="SharedTrainer's step_cap: auto, none or a share")
-    parser.add_argument("--momentum", default="auto", help="SharedTrainer's optimizer_momentum: auto, off, keep or a number")
+    parser.add_argument(
+        "--momentum", default="auto", help="SharedTrainer's optimizer_momentum: auto, off, keep or a number"
+    )
     args = parser.parse_args()
 
     from gradshare.driver.session import session_builder
@@ -42,8 +44,17 @@ def main() -> None:
     momentum = args.momentum if args.momentum in ("auto", "off", "keep") else float(args.momentum)
     wl = load(args.workload, args.seed, None, args.rows)
     t0 = time.monotonic()
-    lock = run(workload=args.workload, world=n, epochs=epochs, seed=args.seed, lr=recipe.lr, batch=batch, data=wl,
-               step_cap=step_cap, momentum=momentum)
+    lock = run(
+        workload=args.workload,
+        world=n,
+        epochs=epochs,
+        seed=args.seed,
+        lr=recipe.lr,
+        batch=batch,
+        data=wl,
+        step_cap=step_cap,
+        momentum=momentum,
+    )
     lock_seconds = time.monotonic() - t0
 
     systems.local_spark_env()
@@ -51,23 +62,54 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     try:
         t0 = time.monotonic()
-        fit = systems.run_gradshare(spark, wl, epochs=epochs, batch_size=batch, seed=args.seed, budget=3600.0,
-                                    lr=recipe.lr, workers=n, staleness=0, timeout=600.0,
-                                    step_cap=step_cap, optimizer_momentum=momentum)
+        fit = systems.run_gradshare(
+            spark,
+            wl,
+            epochs=epochs,
+            batch_size=batch,
+            seed=args.seed,
+            budget=3600.0,
+            lr=recipe.lr,
+            workers=n,
+            staleness=0,
+            timeout=600.0,
+            step_cap=step_cap,
+            optimizer_momentum=momentum,
+        )
         spark_seconds = time.monotonic() - t0
     finally:
         spark.stop()
     spark_acc = [round(100 * a, 2) for _, a in fit.curve]
-    print(json.dumps({
-        "workload": args.workload, "workers": n, "master": args.master or f"local[{n}]", "epochs": epochs,
-        "batch": batch, "lr": recipe.lr, "seed": args.seed, "step_cap": step_cap,
-        "momentum": momentum,
-        "lockstep": {"acc": lock["acc"], "final3": lock["final3"], "ratio": lock["ratio"], "seconds": round(lock_seconds)},
-        "spark": {"acc": spark_acc, "final3": round(float(np.mean(spark_acc[-3:])), 2),
-                  "ratio": round(fit.extra["traffic_ratio"]), "seconds": round(spark_seconds),
-                  "param_hash": fit.extra["param_hash"]},
-        "same_curve": spark_acc == lock["acc"],
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "workload": args.workload,
+                "workers": n,
+                "master": args.master or f"local[{n}]",
+                "epochs": epochs,
+                "batch": batch,
+                "lr": recipe.lr,
+                "seed": args.seed,
+                "step_cap": step_cap,
+                "momentum": momentum,
+                "lockstep": {
+                    "acc": lock["acc"],
+                    "final3": lock["final3"],
+                    "ratio": lock["ratio"],
+                    "seconds": round(lock_seconds),
+                },
+                "spark": {
+                    "acc": spark_acc,
+                    "final3": round(float(np.mean(spark_acc[-3:])), 2),
+                    "ratio": round(fit.extra["traffic_ratio"]),
+                    "seconds": round(spark_seconds),
+                    "param_hash": fit.extra["param_hash"],
+                },
+                "same_curve": spark_acc == lock["acc"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

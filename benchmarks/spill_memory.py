@@ -45,8 +45,9 @@ def child_data(spill_bytes, rows, width, epochs):
     from gradshare.task.partition import PartitionData, epoch_order
 
     start = reset_peak_rss()
-    data = PartitionData.from_rows(rows_of(1, rows, width), "int64", spill_bytes=spill_bytes,
-                                   spill_dir=tempfile.gettempdir())
+    data = PartitionData.from_rows(
+        rows_of(1, rows, width), "int64", spill_bytes=spill_bytes, spill_dir=tempfile.gettempdir()
+    )
     batches = -(-rows // 64)
     t0 = time.perf_counter()
     for epoch in range(epochs):
@@ -87,16 +88,29 @@ def run_spark(spill_bytes, rows, width, epochs):
     results = {}
     try:
         rdd = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(
-            lambda i, _: rows_of(i, rows if i == 1 else 64, width))
+            lambda i, _: rows_of(i, rows if i == 1 else 64, width)
+        )
         for name, limit in (("spilled", spill_bytes), ("in memory", 1 << 40)):
-            r = SharedTrainer(lambda: nn.Linear(width, 4), batch_size=64, epochs=epochs, seed=0,
-                              optimizer=lambda p: torch.optim.SGD(p, lr=0.05), port=0, verbose=0,
-                              network=Network(spill_bytes=limit, bind="127.0.0.1")).fit(rdd)
+            r = SharedTrainer(
+                lambda: nn.Linear(width, 4),
+                batch_size=64,
+                epochs=epochs,
+                seed=0,
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+                port=0,
+                verbose=0,
+                network=Network(spill_bytes=limit, bind="127.0.0.1"),
+            ).fit(rdd)
             small, large = sorted(r.worker_reports, key=lambda w: w["rank"])
             growth = [w["peak_rss_bytes"] - w["start_rss_bytes"] for w in (small, large)]
-            results[name] = {"spilled": large["spilled"], "rank0_growth": growth[0], "rank1_growth": growth[1],
-                             "added": growth[1] - growth[0], "rank1_train_seconds": large["train_seconds"],
-                             "final_loss": r.history[-1]["loss"]}
+            results[name] = {
+                "spilled": large["spilled"],
+                "rank0_growth": growth[0],
+                "rank1_growth": growth[1],
+                "added": growth[1] - growth[0],
+                "rank1_train_seconds": large["train_seconds"],
+                "final_loss": r.history[-1]["loss"],
+            }
     finally:
         spark.stop()
     return results
@@ -131,8 +145,10 @@ def main(argv=None):
     print(f"\nSharedTrainer, rank 1 with {rows * record / MIB:.1f} MiB, rank 0 with 64 rows, {args.epochs} epochs")
     out["spark"] = run_spark(spill_bytes, rows, args.width, args.epochs)
     for name, r in out["spark"].items():
-        print(f"{name:>10}: rank 1 peak growth {r['rank1_growth'] / MIB:.1f} MiB, rank 0 {r['rank0_growth'] / MIB:.1f} "
-              f"MiB, the partition adds {r['added'] / MIB:.1f} MiB; rank 1 trained {r['rank1_train_seconds']:.2f} s")
+        print(
+            f"{name:>10}: rank 1 peak growth {r['rank1_growth'] / MIB:.1f} MiB, rank 0 {r['rank0_growth'] / MIB:.1f} "
+            f"MiB, the partition adds {r['added'] / MIB:.1f} MiB; rank 1 trained {r['rank1_train_seconds']:.2f} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

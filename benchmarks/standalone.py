@@ -39,9 +39,14 @@ class Cluster:
         self.port, self.ui = free_port(), free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.worker_memory = worker_memory
-        self.env = {**os.environ, "SPARK_HOME": SPARK_HOME, "SPARK_LOCAL_IP": "127.0.0.1",
-                    "SPARK_MASTER_HOST": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-                    "SPARK_WORKER_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gradshare-sw-{self.port}")}
+        self.env = {
+            **os.environ,
+            "SPARK_HOME": SPARK_HOME,
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_MASTER_HOST": "127.0.0.1",
+            "PYSPARK_PYTHON": sys.executable,
+            "SPARK_WORKER_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gradshare-sw-{self.port}"),
+        }
         self.master: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.session_: Any = None
@@ -49,12 +54,20 @@ class Cluster:
     def _spawn(self, cls: str, *args: str) -> subprocess.Popen[bytes]:
         cmd = [os.path.join(SPARK_HOME, "bin", "spark-class"), cls, *args]
         # a new process group: killing a worker kills its executor too (the executor is its child)
-        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
 
     def __enter__(self) -> Cluster:
-        self.master = self._spawn("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                  "--port", str(self.port), "--webui-port", str(self.ui))
+        self.master = self._spawn(
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--webui-port",
+            str(self.ui),
+        )
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
@@ -68,18 +81,34 @@ class Cluster:
 
     def add_workers(self, n: int, cores: int = 1) -> None:
         for _ in range(n):
-            self.workers.append(self._spawn(
-                "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
-                "--memory", self.worker_memory, "--webui-port", "0", self.url))
+            self.workers.append(
+                self._spawn(
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    "127.0.0.1",
+                    "--cores",
+                    str(cores),
+                    "--memory",
+                    self.worker_memory,
+                    "--webui-port",
+                    "0",
+                    self.url,
+                )
+            )
 
     def session(self, executor_memory: str = "700m", **conf: str) -> Any:
         from pyspark.sql import SparkSession
 
-        builder = (SparkSession.builder.master(self.url).appName("gradshare-standalone")
-                   .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.executor.memory", executor_memory).config("spark.executor.cores", "1")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", "")))
+        builder = (
+            SparkSession.builder.master(self.url)
+            .appName("gradshare-standalone")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.executor.memory", executor_memory)
+            .config("spark.executor.cores", "1")
+            .config("spark.ui.enabled", "false")
+            .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        )
         for k, v in conf.items():
             builder = builder.config(k, v)
         self.session_ = builder.getOrCreate()

@@ -75,19 +75,26 @@ def main() -> None:
             apply_update(u, state)
 
     loose, tight = StepCap.of(sizes, initial, 1e6), StepCap.of(sizes, initial, 1e-6)
-    for cap in (loose, tight):   # check the two regimes are the ones named
+    for cap in (loose, tight):  # check the two regimes are the ones named
         factors = cap.factors(messages, 1.0, state)
         assert (factors < 1).any() == (cap is tight)
     base = timed(plain, args.repeat)
     free = timed(lambda: apply_step(messages, state, 1.0, loose), args.repeat)
     bound = timed(lambda: apply_step(messages, state, 1.0, tight), args.repeat)
     entries = sum(u.message.n_entries for u in messages)
-    out = {"params": n, "world": args.world, "density": args.density, "entries_per_step": entries,
-           "plain_ms": round(1e3 * base, 2), "cap_not_binding_ms": round(1e3 * free, 2),
-           "cap_binding_ms": round(1e3 * bound, 2), "not_binding_ratio": round(free / base, 2),
-           "binding_ratio": round(bound / base, 2),
-           # a window's codes, copied out of the streams and joined (int64 each, twice) at once
-           "binding_extra_mib": round(min(entries, WINDOW) * 16 / 2**20, 1)}
+    out = {
+        "params": n,
+        "world": args.world,
+        "density": args.density,
+        "entries_per_step": entries,
+        "plain_ms": round(1e3 * base, 2),
+        "cap_not_binding_ms": round(1e3 * free, 2),
+        "cap_binding_ms": round(1e3 * bound, 2),
+        "not_binding_ratio": round(free / base, 2),
+        "binding_ratio": round(bound / base, 2),
+        # a window's codes, copied out of the streams and joined (int64 each, twice) at once
+        "binding_extra_mib": round(min(entries, WINDOW) * 16 / 2**20, 1),
+    }
     print(json.dumps(out))
 
 

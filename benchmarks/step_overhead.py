@@ -33,18 +33,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--widths", default="1024,2048,2048,1024,10", help="MLP layer widths")
     parser.add_argument("--staleness", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternate baseline and gradshare this many times (the machine is shared)")
-    parser.add_argument("--general", action="store_true",
-                        help="force the general update path (P_after - P_before against a twin) for an A/B")
-    parser.add_argument("--no-local-view", action="store_true",
-                        help="Compression(local_view=False): the gradient at P, for an A/B of the local view's cost")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternate baseline and gradshare this many times (the machine is shared)"
+    )
+    parser.add_argument(
+        "--general",
+        action="store_true",
+        help="force the general update path (P_after - P_before against a twin) for an A/B",
+    )
+    parser.add_argument(
+        "--no-local-view",
+        action="store_true",
+        help="Compression(local_view=False): the gradient at P, for an A/B of the local view's cost",
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
-    parser.add_argument("--tau-warmup", action="store_true",
-                        help="keep threshold='auto''s warm-up (the default: the first epochs at up to 7 %% density) "
-                             "instead of warmup=0, which times the steady state")
-    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
-                        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)")
+    parser.add_argument(
+        "--tau-warmup",
+        action="store_true",
+        help="keep threshold='auto''s warm-up (the default: the first epochs at up to 7 %% density) "
+        "instead of warmup=0, which times the steady state",
+    )
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=("mlp", "gpt2"),
+        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)",
+    )
 
 
 def make_mlp(widths):
@@ -185,16 +199,24 @@ def run(args: argparse.Namespace) -> int:
         rdd.count()
         rounds = []
         for _ in range(args.rounds):  # alternate, so a load change hits both sides alike
-            base = rdd.mapPartitions(lambda it: local_steps(args.model, widths, args.batch_size, args.warmup, 0,
-                                                            it)).collect()
+            base = rdd.mapPartitions(
+                lambda it: local_steps(args.model, widths, args.batch_size, args.warmup, 0, it)
+            ).collect()
             lm = args.model == "gpt2"
-            trainer = SharedTrainer(lambda: make_model(args.model, widths), optimizer=adamw if lm else optimizer,
-                                    **({"train_step": lm_step} if lm else {}), batch_size=args.batch_size,
-                                    epochs=1, port=0, verbose=0,
-                                    compression=Compression(staleness=args.staleness, warmup=None if args.tau_warmup else 0,
-                                                            local_view=not args.no_local_view),
-                                    network=Network(bind="127.0.0.1"),
-                                    runtime=Runtime(worker_options={"profile": True, "direct_update": not args.general}))
+            trainer = SharedTrainer(
+                lambda: make_model(args.model, widths),
+                optimizer=adamw if lm else optimizer,
+                **({"train_step": lm_step} if lm else {}),
+                batch_size=args.batch_size,
+                epochs=1,
+                port=0,
+                verbose=0,
+                compression=Compression(
+                    staleness=args.staleness, warmup=None if args.tau_warmup else 0, local_view=not args.no_local_view
+                ),
+                network=Network(bind="127.0.0.1"),
+                runtime=Runtime(worker_options={"profile": True, "direct_update": not args.general}),
+            )
             cpu0 = time.process_time()  # the driver: the relay thread and Spark's py4j calls
             with RelayCpu() as relay_cpu:
                 result = trainer.fit(rdd)
@@ -203,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
             result.driver_threads = relay_cpu.threads
             single = float(np.median(np.concatenate([t for t, _ in base])))
             single_cpu = float(np.mean(np.concatenate([c for _, c in base])))
-            step = float(np.median(np.concatenate([r["profile"]["steps"]["wall"][args.warmup:]
-                                                   for r in result.worker_reports])))
+            step = float(
+                np.median(np.concatenate([r["profile"]["steps"]["wall"][args.warmup :] for r in result.worker_reports]))
+            )
             rounds.append((single, step, result, driver_cpu, single_cpu))
     finally:
         if created:
@@ -215,36 +238,54 @@ def run(args: argparse.Namespace) -> int:
     # CPU per step, mean over every round: far less sensitive than wall time to what else the shared
     # machine runs (it still feels cache and memory-bandwidth contention)
     single_cpu = float(np.mean([r[4] for r in rounds]))
-    worker_cpu = float(np.mean([np.mean(rep["profile"]["steps"]["cpu"][args.warmup:])
-                                for r in rounds for rep in r[2].worker_reports]))
+    worker_cpu = float(
+        np.mean([np.mean(rep["profile"]["steps"]["cpu"][args.warmup :]) for r in rounds for rep in r[2].worker_reports])
+    )
     reps = result.worker_reports
     prof = phase_means(reps, args.warmup)
     log, enc = (prof["wait"] + prof["apply"]) / 1e3, prof["encode"] / 1e3
     out = {
-        "n_params": result.n_params, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-        "staleness": args.staleness, "update_path": result.worker_reports[0]["update_path"],
-        "single_step_ms": 1e3 * single, "gradshare_step_ms": 1e3 * step,
-        "ratio": step / single, "ratios_all_rounds": ratios, "log_wait_ms_mean": 1e3 * log, "encode_ms_mean": 1e3 * enc,
+        "n_params": result.n_params,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "staleness": args.staleness,
+        "update_path": result.worker_reports[0]["update_path"],
+        "single_step_ms": 1e3 * single,
+        "gradshare_step_ms": 1e3 * step,
+        "ratio": step / single,
+        "ratios_all_rounds": ratios,
+        "log_wait_ms_mean": 1e3 * log,
+        "encode_ms_mean": 1e3 * enc,
         "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
         "traffic_ratio": result.traffic_ratio,
         "profile_ms_mean": prof,
-        "single_cpu_ms": 1e3 * single_cpu, "worker_thread_cpu_ms": 1e3 * worker_cpu,
+        "single_cpu_ms": 1e3 * single_cpu,
+        "worker_thread_cpu_ms": 1e3 * worker_cpu,
         "cpu_ratio": worker_cpu / single_cpu,
         "driver_cpu_ms_per_step": 1e3 * driver_cpu / max(r["steps_run"] for r in reps),
         "relay_thread_cpu_ms_per_step": 1e3 * result.relay_cpu / max(r["steps_run"] for r in reps),
         "profile_ms_median": phase_means(reps, args.warmup, np.median),
     }
     what = "GPT-2 small" if args.model == "gpt2" else f"MLP {args.widths}"
-    print(f"model: {what} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
-          f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}, "
-          f"{out['update_path']} update path")
+    print(
+        f"model: {what} ({result.n_params:,} params), batch {args.batch_size}, {args.steps} steps "
+        f"({args.warmup} warm-up), 2 tasks on local[2], 1 torch thread each, staleness {args.staleness}, "
+        f"{out['update_path']} update path"
+    )
     print(f"single-process step (median)  {out['single_step_ms']:8.2f} ms")
-    print(f"gradshare step (median)       {out['gradshare_step_ms']:8.2f} ms   (means over the timed steps: waiting "
-          f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)")
-    print(f"ratio                         {out['ratio']:8.3f}   (target <= 1.15; median of rounds "
-          f"{', '.join(f'{r:.3f}' for r in ratios)})")
-    print(f"CPU per step, training thread  single {out['single_cpu_ms']:.2f} ms, gradshare "
-          f"{out['worker_thread_cpu_ms']:.2f} ms: ratio {out['cpu_ratio']:.3f} (means over all rounds)")
+    print(
+        f"gradshare step (median)       {out['gradshare_step_ms']:8.2f} ms   (means over the timed steps: waiting "
+        f"for/applying the log {out['log_wait_ms_mean']:.2f} ms, encode {out['encode_ms_mean']:.2f} ms)"
+    )
+    print(
+        f"ratio                         {out['ratio']:8.3f}   (target <= 1.15; median of rounds "
+        f"{', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    print(
+        f"CPU per step, training thread  single {out['single_cpu_ms']:.2f} ms, gradshare "
+        f"{out['worker_thread_cpu_ms']:.2f} ms: ratio {out['cpu_ratio']:.3f} (means over all rounds)"
+    )
     print(f"traffic vs dense              {out['traffic_ratio']:8.1f}x less, mean sparsity {out['mean_sparsity']:.2e}")
     prof = out["profile_ms_mean"]
     print("gradshare step phases (ms, mean over both workers' timed steps; 'other' = wall - phases):")
@@ -253,11 +294,19 @@ def run(args: argparse.Namespace) -> int:
     steps_run = max(r["steps_run"] for r in reps)
     for r in reps:
         cpu = r["profile"]["threads_cpu"]
-        print(f"  rank {r['rank']} thread CPU ms/step (whole run): " + "  ".join(f"{k} {1e3 * v / steps_run:.2f}" for k, v in cpu.items()))
-    print(f"  driver process CPU ms/step: {out['driver_cpu_ms_per_step']:.2f}, of which the relay thread "
-          f"{out['relay_thread_cpu_ms_per_step']:.2f} (whole fit, start-up included); busiest driver threads "
-          "(ms/step): " + ", ".join(f"{k} {1e3 * v / max(r['steps_run'] for r in reps):.2f}" for k, v in
-                                    sorted(result.driver_threads.items(), key=lambda kv: -kv[1])[:4]))
+        print(
+            f"  rank {r['rank']} thread CPU ms/step (whole run): "
+            + "  ".join(f"{k} {1e3 * v / steps_run:.2f}" for k, v in cpu.items())
+        )
+    print(
+        f"  driver process CPU ms/step: {out['driver_cpu_ms_per_step']:.2f}, of which the relay thread "
+        f"{out['relay_thread_cpu_ms_per_step']:.2f} (whole fit, start-up included); busiest driver threads "
+        "(ms/step): "
+        + ", ".join(
+            f"{k} {1e3 * v / max(r['steps_run'] for r in reps):.2f}"
+            for k, v in sorted(result.driver_threads.items(), key=lambda kv: -kv[1])[:4]
+        )
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -1,6 +1,6 @@
 """gradshare vs DDP dense vs DDP+PowerSGD vs a single process, on shaped loopback links (the harness: lab/train.py).
 
-    python benchmarks/train.py --quick
+python benchmarks/train.py --quick
 """
 
 import sys

@@ -89,8 +89,9 @@ def child_single(widths, optimizer, steps, batch, model_name="mlp"):
     return {"start_rss_bytes": start, "peak_rss_bytes": _status("VmHWM"), "n_params": n, "largest": largest}
 
 
-def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto",
-                    model_name="mlp"):
+def child_gradshare(
+    widths, optimizer, steps, batch, local_view=True, threshold=None, step_cap="auto", model_name="mlp"
+):
     from gradshare import SharedTrainer
     from gradshare.config.options import Compression, FaultTolerance, Network
     from gradshare.driver.session import session_builder
@@ -104,11 +105,17 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=
         rows = make_rows(model_name, widths, 2 * steps * batch, np.random.default_rng(0))
         rdd = spark.sparkContext.parallelize(rows, 2).cache()
         rdd.count()
-        common = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0, batch_size=batch,
-                      fault_tolerance=FaultTolerance(timeout=300.0), optimizer=make_optimizer(optimizer),
-                      compression=Compression(local_view=local_view, step_cap=step_cap),
-                      **({} if threshold is None else {"threshold": threshold}),
-                      **({"train_step": lm_step} if model_name == "gpt2" else {}))
+        common = dict(
+            port=0,
+            network=Network(bind="127.0.0.1"),
+            verbose=0,
+            batch_size=batch,
+            fault_tolerance=FaultTolerance(timeout=300.0),
+            optimizer=make_optimizer(optimizer),
+            compression=Compression(local_view=local_view, step_cap=step_cap),
+            **({} if threshold is None else {"threshold": threshold}),
+            **({"train_step": lm_step} if model_name == "gpt2" else {}),
+        )
         warm = SharedTrainer(lambda: make_model(model_name, widths, small=True), **common).fit(rdd)  # imports, kernels
         driver_start = reset_peak_rss()  # the driver's peak from here: the relay's copy and its applies
         result = SharedTrainer(lambda: make_model(model_name, widths), **common).fit(rdd)
@@ -117,13 +124,27 @@ def child_gradshare(widths, optimizer, steps, batch, local_view=True, threshold=
         # before this job's closure (which once carried the model's weights) was unpickled; None if Spark
         # started a fresh Python worker for this job
         before = {r["pid"]: r["peak_rss_bytes"] for r in warm.worker_reports}
-        keep = ("rank", "pid", "start_rss_bytes", "peak_rss_bytes", "snapshot_seconds", "update_path",
-                "step_in_backward")
-        workers = [dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"]))
-                   for r in result.worker_reports]
+        keep = (
+            "rank",
+            "pid",
+            "start_rss_bytes",
+            "peak_rss_bytes",
+            "snapshot_seconds",
+            "update_path",
+            "step_in_backward",
+        )
+        workers = [
+            dict({k: r.get(k) for k in keep}, process_rss_bytes=before.get(r["pid"])) for r in result.worker_reports
+        ]
         largest = max(p.numel() for p in result.model.parameters())
-        return {"workers": workers, "driver": driver, "n_params": result.n_params, "largest": largest,
-                "seconds": result.seconds, "step_cap": result.extra.get("step_cap")}
+        return {
+            "workers": workers,
+            "driver": driver,
+            "n_params": result.n_params,
+            "largest": largest,
+            "seconds": result.seconds,
+            "step_cap": result.extra.get("step_cap"),
+        }
     finally:
         spark.stop()
 
@@ -145,13 +166,34 @@ def accounted(optimizer, twin, largest_share, in_backward=False, local_view=True
 
 
 def run_child(kind, args, optimizer):
-    cmd = [sys.executable, __file__, "--child", kind, "--optimizer", optimizer, "--widths", args.widths,
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--model", args.model,
-           "--local-view" if args.local_view else "--no-local-view", "--step-cap", args.step_cap,
-           *(["--threshold", str(args.threshold)] if args.threshold is not None else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--optimizer",
+        optimizer,
+        "--widths",
+        args.widths,
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--model",
+        args.model,
+        "--local-view" if args.local_view else "--no-local-view",
+        "--step-cap",
+        args.step_cap,
+        *(["--threshold", str(args.threshold)] if args.threshold is not None else []),
+    ]
     # benchmarks/ too: the executors unpickle lm_step (step_overhead.py) by reference
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [ROOT, here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    }
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
@@ -166,12 +208,25 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4, help="steps per worker (and for the single process)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--local-view", action=argparse.BooleanOptionalAction, default=True,
-                        help="Compression(local_view=...): the default keeps a P + residual buffer (4 B/param)")
-    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
-                        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)")
-    parser.add_argument("--threshold", type=float, default=None, help="SharedTrainer(threshold=...): a fixed "
-                        "first τ keeps the first steps dense (the capped apply's worst case)")
+    parser.add_argument(
+        "--local-view",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Compression(local_view=...): the default keeps a P + residual buffer (4 B/param)",
+    )
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=("mlp", "gpt2"),
+        help="the MLP of --widths, or GPT-2 small (124 M; needs transformers)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="SharedTrainer(threshold=...): a fixed "
+        "first τ keeps the first steps dense (the capped apply's worst case)",
+    )
     parser.add_argument("--step-cap", default="auto", help="Compression(step_cap=...): auto, none or a share")
     parser.add_argument("--child", choices=("single", "gradshare"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
@@ -181,9 +236,12 @@ def main(argv=None):
         if args.child == "single":
             out = child_single(widths, args.optimizer, args.steps, args.batch_size, args.model)
         else:
-            cap = None if args.step_cap == "none" else args.step_cap if args.step_cap == "auto" else float(args.step_cap)
-            out = child_gradshare(widths, args.optimizer, args.steps, args.batch_size, args.local_view,
-                                  args.threshold, cap, args.model)
+            cap = (
+                None if args.step_cap == "none" else args.step_cap if args.step_cap == "auto" else float(args.step_cap)
+            )
+            out = child_gradshare(
+                widths, args.optimizer, args.steps, args.batch_size, args.local_view, args.threshold, cap, args.model
+            )
         print(json.dumps(out), flush=True)
         return
 
@@ -194,31 +252,47 @@ def main(argv=None):
         shared = run_child("gradshare", args, optimizer)
         pb = 4 * shared["n_params"]
         share = shared["largest"] / shared["n_params"]
-        print(f"\n{optimizer}: {shared['n_params'] / 1e6:.1f} M parameters = {pb / mib:.0f} MiB; "
-              f"largest parameter {share:.0%} of them")
+        print(
+            f"\n{optimizer}: {shared['n_params'] / 1e6:.1f} M parameters = {pb / mib:.0f} MiB; "
+            f"largest parameter {share:.0%} of them"
+        )
         print(f"{'':24}{'baseline':>10}{'peak':>10}{'peak/P':>8}{'(peak-base)/P':>15}")
         s_base, s_peak = single["start_rss_bytes"], single["peak_rss_bytes"]
-        print(f"{'single process':24}{s_base / mib:>9.0f}M{s_peak / mib:>9.0f}M{s_peak / pb:>8.2f}"
-              f"{(s_peak - s_base) / pb:>15.2f}")
+        print(
+            f"{'single process':24}{s_base / mib:>9.0f}M{s_peak / mib:>9.0f}M{s_peak / pb:>8.2f}"
+            f"{(s_peak - s_base) / pb:>15.2f}"
+        )
         for w in shared["workers"]:
             base, peak = w["process_rss_bytes"] or w["start_rss_bytes"], w["peak_rss_bytes"]
             label = f"worker rank {w['rank']}"
-            print(f"{label:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
-                  f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
-                  f"{w['update_path']} path{' (step in backward)' if w.get('step_in_backward') else ''}, "
-                  f"task start {w['start_rss_bytes'] / mib:.0f}M"
-                  + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)"))
+            print(
+                f"{label:24}{base / mib:>9.0f}M{peak / mib:>9.0f}M{peak / pb:>8.2f}"
+                f"{(peak - base) / pb:>15.2f}   snapshot {w['snapshot_seconds'] or 0:.2f} s, "
+                f"{w['update_path']} path{' (step in backward)' if w.get('step_in_backward') else ''}, "
+                f"task start {w['start_rss_bytes'] / mib:.0f}M"
+                + ("" if w["process_rss_bytes"] else " (fresh worker: baseline = task start)")
+            )
         d_base, d_peak = shared["driver"]["start_rss_bytes"], shared["driver"]["peak_rss_bytes"]
-        print(f"{'driver (relay)':24}{d_base / mib:>9.0f}M{d_peak / mib:>9.0f}M{d_peak / pb:>8.2f}"
-              f"{(d_peak - d_base) / pb:>15.2f}   step cap {shared['step_cap']}; worker peak / single peak "
-              f"{max(w['peak_rss_bytes'] for w in shared['workers']) / s_peak:.2f}, driver peak / single peak "
-              f"{d_peak / s_peak:.2f}")
-        rows = accounted(optimizer, any(w["update_path"] != "direct" for w in shared["workers"]), share,
-                         all(w.get("step_in_backward") for w in shared["workers"]), args.local_view)
+        print(
+            f"{'driver (relay)':24}{d_base / mib:>9.0f}M{d_peak / mib:>9.0f}M{d_peak / pb:>8.2f}"
+            f"{(d_peak - d_base) / pb:>15.2f}   step cap {shared['step_cap']}; worker peak / single peak "
+            f"{max(w['peak_rss_bytes'] for w in shared['workers']) / s_peak:.2f}, driver peak / single peak "
+            f"{d_peak / s_peak:.2f}"
+        )
+        rows = accounted(
+            optimizer,
+            any(w["update_path"] != "direct" for w in shared["workers"]),
+            share,
+            all(w.get("step_in_backward") for w in shared["workers"]),
+            args.local_view,
+        )
         base = max(w["process_rss_bytes"] or w["start_rss_bytes"] for w in shared["workers"]) / pb
-        print("accounted: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
-              + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"
-              + f" = {sum(rows.values()) + base:.2f} x P")
+        print(
+            "accounted: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in rows.items())
+            + f" = {sum(rows.values()):.2f}; + interpreter/torch/pyspark/numba baseline {base:.2f}"
+            + f" = {sum(rows.values()) + base:.2f} x P"
+        )
         results[optimizer] = {"single": single, "gradshare": shared, "accounted": rows, "local_view": args.local_view}
     if args.json:
         with open(args.json, "w") as f:

@@ -57,9 +57,13 @@ _ENCODING_NAMES = (
 _TRAINER_NAMES = ("SharedTrainer", "FitResult", "clip_grad_norm")
 # SharedTrainer's option groups (gradshare/config/options.py): light, but loaded lazily like the rest
 _OPTION_NAMES = ("Compression", "Network", "FaultTolerance", "Runtime", "Elastic")
-_LAZY = {**dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"), "SharedTrainer": "gradshare.driver.trainer",
-         "FitResult": "gradshare.driver.result", "clip_grad_norm": "gradshare.replica.losses",
-         **dict.fromkeys(_OPTION_NAMES, "gradshare.config.options")}
+_LAZY = {
+    **dict.fromkeys(_ENCODING_NAMES, "gradshare.encoding"),
+    "SharedTrainer": "gradshare.driver.trainer",
+    "FitResult": "gradshare.driver.result",
+    "clip_grad_norm": "gradshare.replica.losses",
+    **dict.fromkeys(_OPTION_NAMES, "gradshare.config.options"),
+}
 
 
 def __getattr__(name: str) -> object:

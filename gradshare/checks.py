@@ -29,8 +29,9 @@ def check_mlflow_option(value: Any) -> dict[str, Any] | None:
     if value is True:
         value = {}
     if not isinstance(value, dict):
-        raise TypeError(f"mlflow must be None, True or a dict with keys {list(MLFLOW_OPTION_KEYS)}, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"mlflow must be None, True or a dict with keys {list(MLFLOW_OPTION_KEYS)}, got {type(value).__name__}"
+        )
     unknown = sorted(set(value) - set(MLFLOW_OPTION_KEYS))
     if unknown:
         raise ValueError(f"mlflow has unknown key(s) {unknown}; known: {list(MLFLOW_OPTION_KEYS)}")
@@ -43,8 +44,12 @@ def check_mlflow_option(value: Any) -> dict[str, Any] | None:
     if not isinstance(value.get("log_model", True), bool):
         raise ValueError(f"mlflow['log_model'] must be True or False, got {value['log_model']!r}")
     import_mlflow()
-    return {"experiment": value.get("experiment"), "run_name": value.get("run_name"),
-            "tags": {k: str(v) for k, v in tags.items()}, "log_model": value.get("log_model", True)}
+    return {
+        "experiment": value.get("experiment"),
+        "run_name": value.get("run_name"),
+        "tags": {k: str(v) for k, v in tags.items()},
+        "log_model": value.get("log_model", True),
+    }
 
 
 def import_mlflow() -> types.ModuleType:
@@ -52,8 +57,10 @@ def import_mlflow() -> types.ModuleType:
     try:
         import mlflow
     except ImportError as e:
-        raise ImportError("SharedTrainer(runtime=Runtime(mlflow=...)) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
-                          "(mlflow-skinny), or the full mlflow package") from e
+        raise ImportError(
+            "SharedTrainer(runtime=Runtime(mlflow=...)) needs MLflow on the driver: pip install 'gradshare[mlflow]' "
+            "(mlflow-skinny), or the full mlflow package"
+        ) from e
     return mlflow
 
 

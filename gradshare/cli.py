@@ -22,11 +22,17 @@ from collections.abc import Sequence
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "gradshare.demo", "train a small MLP on digits with 2 workers on an embedded Spark"),
     (("bench", "encoding"), "gradshare.bench.encoding", "encoding overhead vs numpy.add"),
-    (("bench", "device"), "gradshare.bench.device",
-     "device-generic (torch) encode vs torch add on cpu/cuda, beside the Numba path"),
+    (
+        ("bench", "device"),
+        "gradshare.bench.device",
+        "device-generic (torch) encode vs torch add on cpu/cuda, beside the Numba path",
+    ),
     (("bench", "transport"), "gradshare.bench.transport", "relay throughput, latency, loss, crypto cost"),
-    (("bench", "scale"), "gradshare.bench.scale",
-     "relay egress, CPU, latency and exactly-once vs the number of peers; projected to 256"),
+    (
+        ("bench", "scale"),
+        "gradshare.bench.scale",
+        "relay egress, CPU, latency and exactly-once vs the number of peers; projected to 256",
+    ),
     (("relay",), "gradshare.transport.relay_main", "run a standalone relay (master)"),
 ]
 
@@ -54,8 +60,10 @@ def _available(module: str) -> bool:
         return False
     if spec is None or spec.submodule_search_locations is None:
         return False
-    return any(os.path.isfile(os.path.join(d, leaf + ".py")) or os.path.isfile(os.path.join(d, leaf, "__init__.py"))
-               for d in spec.submodule_search_locations)
+    return any(
+        os.path.isfile(os.path.join(d, leaf + ".py")) or os.path.isfile(os.path.join(d, leaf, "__init__.py"))
+        for d in spec.submodule_search_locations
+    )
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -74,7 +82,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                 group = top.add_parser(path[0], help=f"{path[0]} commands")
                 groups[path[0]] = group.add_subparsers(dest="subcommand", required=True, metavar="WHAT")
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
-        if argv is not None and tuple(argv[:len(path)]) != path:
+        if argv is not None and tuple(argv[: len(path)]) != path:
             continue  # not the command being run: its help line is all the parser needs
         mod = importlib.import_module(module)
         mod.add_arguments(sub)

@@ -35,20 +35,37 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="barrier tasks / Spark partitions (default 2)")
     parser.add_argument("--epochs", type=int, default=30, help="passes over each partition (default 30)")
-    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
-                        help="rows per step per worker (default %(default)s)")
-    parser.add_argument("--threshold", type=_threshold_type, default=TrainConfig.threshold,
-                        help="'auto' (default: τ calibrated to a target density every step) or an initial τ")
-    parser.add_argument("--threshold-algorithm", choices=["adaptive", "fixed"], default=Compression.threshold_algorithm,
-                        help="how a numeric τ moves (default %(default)s)")
-    parser.add_argument("--staleness", type=int, default=Compression.staleness,
-                        help="k: apply the log through t-1-k before step t")
-    parser.add_argument("--port", type=int, default=TrainConfig.port,
-                        help="relay UDP port on the driver (0: ephemeral; default %(default)s)")
+    parser.add_argument(
+        "--batch-size", type=int, default=TrainConfig.batch_size, help="rows per step per worker (default %(default)s)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=_threshold_type,
+        default=TrainConfig.threshold,
+        help="'auto' (default: τ calibrated to a target density every step) or an initial τ",
+    )
+    parser.add_argument(
+        "--threshold-algorithm",
+        choices=["adaptive", "fixed"],
+        default=Compression.threshold_algorithm,
+        help="how a numeric τ moves (default %(default)s)",
+    )
+    parser.add_argument(
+        "--staleness", type=int, default=Compression.staleness, help="k: apply the log through t-1-k before step t"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=TrainConfig.port,
+        help="relay UDP port on the driver (0: ephemeral; default %(default)s)",
+    )
     parser.add_argument("--bind", default=Network.bind, help="relay bind address (127.0.0.1: loopback only)")
-    parser.add_argument("--master", default=None,
-                        help="Spark master (default: an active session, else embedded local[workers]); "
-                             "e.g. local-cluster[2,1,1024] or spark://host:7077")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="Spark master (default: an active session, else embedded local[workers]); "
+        "e.g. local-cluster[2,1,1024] or spark://host:7077",
+    )
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -60,15 +77,18 @@ def _threshold_type(text: str) -> float | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def digits_split(seed: int = 0) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64], NDArray[np.int64]]:
+def digits_split(
+    seed: int = 0,
+) -> tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64], NDArray[np.int64]]:
     """Digits scaled to [0, 1], split 75/25 stratified: (X_train, X_test, y_train, y_test)."""
     from sklearn.datasets import load_digits  # lazy: the module docstring says why
     from sklearn.model_selection import train_test_split
 
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
-    X_train, X_test, y_train, y_test = train_test_split(X, y.astype(np.int64), test_size=0.25, random_state=seed,
-                                                        stratify=y)
+    X_train, X_test, y_train, y_test = train_test_split(
+        X, y.astype(np.int64), test_size=0.25, random_state=seed, stratify=y
+    )
     return X_train, X_test, y_train, y_test
 
 
@@ -84,8 +104,16 @@ def evaluate_accuracy(model: nn.Module, X: ArrayLike, y: ArrayLike) -> float:
     return float((pred == np.asarray(y)).mean())
 
 
-def train_single_process(model_factory: Callable[[], nn.Module], X: ArrayLike, y: ArrayLike, *, epochs: int,
-                         batch_size: int, seed: int, optimizer: OptimizerFactory | None = None) -> nn.Module:
+def train_single_process(
+    model_factory: Callable[[], nn.Module],
+    X: ArrayLike,
+    y: ArrayLike,
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    optimizer: OptimizerFactory | None = None,
+) -> nn.Module:
     """The baseline: the same model, optimizer and batch size in one process, seeded shuffles."""
     torch.manual_seed(seed)
     model = model_factory()
@@ -102,18 +130,37 @@ def train_single_process(model_factory: Callable[[], nn.Module], X: ArrayLike, y
     return model
 
 
-def digits_experiment(spark: SparkSession, *, workers: int = 2, epochs: int = 30,
-                      batch_size: int = TrainConfig.batch_size, threshold: float | Literal["auto"] = TrainConfig.threshold,
-                      threshold_algorithm: ThresholdAlgorithm = Compression.threshold_algorithm,
-                      staleness: int = Compression.staleness, port: int = 0, seed: int = TrainConfig.seed,
-                      verbose: int = 0, bind: str = Network.bind, single: bool = True) -> dict[str, Any]:
+def digits_experiment(
+    spark: SparkSession,
+    *,
+    workers: int = 2,
+    epochs: int = 30,
+    batch_size: int = TrainConfig.batch_size,
+    threshold: float | Literal["auto"] = TrainConfig.threshold,
+    threshold_algorithm: ThresholdAlgorithm = Compression.threshold_algorithm,
+    staleness: int = Compression.staleness,
+    port: int = 0,
+    seed: int = TrainConfig.seed,
+    verbose: int = 0,
+    bind: str = Network.bind,
+    single: bool = True,
+) -> dict[str, Any]:
     """Train the demo MLP with gradshare (and, if `single`, in one process); return the figures."""
     X_train, X_test, y_train, y_test = digits_split(seed)
     rows = list(zip(X_train, (int(v) for v in y_train)))
     rdd = spark.sparkContext.parallelize(rows, workers)
-    trainer = SharedTrainer(mlp, threshold=threshold, port=port, batch_size=batch_size, epochs=epochs, seed=seed,
-                            verbose=verbose, validation_data=(X_test, y_test), network=Network(bind=bind),
-                            compression=Compression(threshold_algorithm=threshold_algorithm, staleness=staleness))
+    trainer = SharedTrainer(
+        mlp,
+        threshold=threshold,
+        port=port,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=seed,
+        verbose=verbose,
+        validation_data=(X_test, y_test),
+        network=Network(bind=bind),
+        compression=Compression(threshold_algorithm=threshold_algorithm, staleness=staleness),
+    )
     result = trainer.fit(rdd)
     out: dict[str, Any] = {"result": result, "gp_accuracy": evaluate_accuracy(result.model, X_test, y_test)}
     if single:
@@ -125,25 +172,42 @@ def digits_experiment(spark: SparkSession, *, workers: int = 2, epochs: int = 30
 def run(args: argparse.Namespace) -> int:
     spark, created = get_or_create_session(args.workers, args.master)
     try:
-        out = digits_experiment(spark, workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
-                                threshold=args.threshold, threshold_algorithm=args.threshold_algorithm,
-                                staleness=args.staleness, port=args.port, seed=args.seed, bind=args.bind,
-                                verbose=0 if args.quiet else 1)
+        out = digits_experiment(
+            spark,
+            workers=args.workers,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            threshold=args.threshold,
+            threshold_algorithm=args.threshold_algorithm,
+            staleness=args.staleness,
+            port=args.port,
+            seed=args.seed,
+            bind=args.bind,
+            verbose=0 if args.quiet else 1,
+        )
     finally:
         if created:
             spark.stop()
     r = out["result"]
-    print(f"\ngradshare: {r.world_size} workers, {r.n_params:,} parameters, {r.steps} steps, "
-          f"{r.seconds:.1f} s (Spark master {args.master or 'embedded local'})")
+    print(
+        f"\ngradshare: {r.world_size} workers, {r.n_params:,} parameters, {r.steps} steps, "
+        f"{r.seconds:.1f} s (Spark master {args.master or 'embedded local'})"
+    )
     print(f"{'epoch':>5} {'loss':>8} {'test acc':>9} {'density':>9} {'tau':>9} {'KB sent':>9} {'seconds':>8}")
     for h in r.history:
         acc = "" if h["val_metric"] is None else f"{100 * h['val_metric']:.2f}%"
-        print(f"{h['epoch'] + 1:>5} {h['loss']:>8.4f} {acc:>9} {h['sparsity']:>9.2e} {h['tau']:>9.2e} "
-              f"{h['bytes_sent'] / 1024:>9.1f} {h['seconds']:>8.2f}")
+        print(
+            f"{h['epoch'] + 1:>5} {h['loss']:>8.4f} {acc:>9} {h['sparsity']:>9.2e} {h['tau']:>9.2e} "
+            f"{h['bytes_sent'] / 1024:>9.1f} {h['seconds']:>8.2f}"
+        )
     moved = r.bytes_sent + r.bytes_received
-    print(f"\ntraffic: {moved / 1024:,.1f} KB sent+received by workers vs {r.dense_bytes / 1024:,.1f} KB "
-          f"dense float32 ({r.traffic_ratio:,.0f}x less)")
-    print(f"test accuracy: gradshare {100 * out['gp_accuracy']:.2f}%   "
-          f"single process (same model, epochs, batch) {100 * out['single_accuracy']:.2f}%")
+    print(
+        f"\ntraffic: {moved / 1024:,.1f} KB sent+received by workers vs {r.dense_bytes / 1024:,.1f} KB "
+        f"dense float32 ({r.traffic_ratio:,.0f}x less)"
+    )
+    print(
+        f"test accuracy: gradshare {100 * out['gp_accuracy']:.2f}%   "
+        f"single process (same model, epochs, batch) {100 * out['single_accuracy']:.2f}%"
+    )
     print(f"replicas verified bit-identical to the relay (param hash {r.param_hash[:16]}...)")
     return 0

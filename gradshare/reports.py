@@ -51,15 +51,21 @@ class _ReadAsMapping(Mapping[str, Any]):
     _extra: ClassVar[str | None] = None
 
     def _keys(self) -> list[str]:
-        names = [f.name for f in dataclasses.fields(self)  # type: ignore[arg-type]
-                 if f.name != self._extra and not (f.name in self.OPTIONAL and getattr(self, f.name) is None)]
+        names = [
+            f.name
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.name != self._extra and not (f.name in self.OPTIONAL and getattr(self, f.name) is None)
+        ]
         if self._extra is not None:
             names += [k for k in getattr(self, self._extra) if k not in names]
         return names
 
     def __getitem__(self, key: str) -> Any:
-        if key != self._extra and key in self._field_names() and not (
-                key in self.OPTIONAL and getattr(self, key) is None):
+        if (
+            key != self._extra
+            and key in self._field_names()
+            and not (key in self.OPTIONAL and getattr(self, key) is None)
+        ):
             return getattr(self, key)
         if self._extra is not None:
             extra: Mapping[str, Any] = getattr(self, self._extra)
@@ -105,8 +111,16 @@ class Counters(_ReadAsMapping):
     other: Mapping[str, int] = field(default_factory=dict)
 
     _extra: ClassVar[str | None] = "other"
-    _TYPED: ClassVar[tuple[str, ...]] = ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out",
-                                         "snapshot_bytes_in", "retransmits", "naks_sent", "complete_through")
+    _TYPED: ClassVar[tuple[str, ...]] = (
+        "datagrams_in",
+        "datagrams_out",
+        "bytes_in",
+        "bytes_out",
+        "snapshot_bytes_in",
+        "retransmits",
+        "naks_sent",
+        "complete_through",
+    )
 
     @classmethod
     def from_dict(cls, counters: Mapping[str, Any]) -> Counters:
@@ -234,8 +248,9 @@ class EpochLine:
     val_metric: float | None
 
 
-def epoch_lines(tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_epoch: tuple[int, ...],
-                last: int = 8) -> list[EpochLine]:
+def epoch_lines(
+    tallies: Mapping[tuple[int, int], Mapping[str, Any]], steps_per_epoch: tuple[int, ...], last: int = 8
+) -> list[EpochLine]:
     """The last `last` epochs every rank has finished in the applied log (each rank's tally holds its
     steps_per_epoch steps), from the relay's (rank, epoch) tallies (gradshare/task/tallies.py)."""
     lines = []
@@ -305,7 +320,7 @@ def resolve_error_class(name: str) -> type[Exception]:
 
 
 def first_cause(exc: BaseException) -> str:
-    """"Type: message" of the innermost exception of `exc`'s chain (explicit causes first), bounded."""
+    """ "Type: message" of the innermost exception of `exc`'s chain (explicit causes first), bounded."""
     seen = {id(exc)}
     while True:
         nxt = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
@@ -345,8 +360,9 @@ class WorkerFailure:
     def from_exception(cls, exc: BaseException, rank: int, step: int | None, attempt: int = 0) -> WorkerFailure:
         root = first_cause(exc)
         top = f"{type(exc).__name__}: {exc}"[:MAX_CAUSE_TEXT]
-        return cls(rank, step, type(exc).__name__, str(exc), error_class_name(exc),
-                   None if root == top else root, attempt)
+        return cls(
+            rank, step, type(exc).__name__, str(exc), error_class_name(exc), None if root == top else root, attempt
+        )
 
     def describe(self) -> str:
         """What the driver's error says: rank, the worker's type and message, and the first cause."""
@@ -359,8 +375,7 @@ class WorkerFailure:
         exc = (cls or resolve_error_class(self.error_class))(prefix + self.describe())
         # plain attributes: on a gradshare class they are declared (errors.GradshareError), on the
         # builtins the driver keeps (ValueError, TypeError) they are set the same way
-        for name, value in (("rank", self.rank), ("step", self.step), ("cause", self.cause),
-                            ("worker_failure", self)):
+        for name, value in (("rank", self.rank), ("step", self.step), ("cause", self.cause), ("worker_failure", self)):
             setattr(exc, name, value)
         return exc
 
@@ -369,7 +384,8 @@ class WorkerFailure:
         """One tagged line (the message of the TrainingError the task raises), then the record as JSON
         on the next, so the driver can rebuild it from Spark's text."""
         step = -1 if self.step is None else self.step
-        head = f"[gradshare rank {self.rank}, step {step}, {self.error_class}] {self.error_type}: {_one_line(self.message)}"
+        tag = f"[gradshare rank {self.rank}, step {step}, {self.error_class}]"
+        head = f"{tag} {self.error_type}: {_one_line(self.message)}"
         return f"{head}\n{FAILURE_JSON}{json.dumps(dataclasses.asdict(self), separators=(',', ':'))}"
 
     @classmethod
@@ -379,7 +395,7 @@ class WorkerFailure:
         the type's name). None when nothing is tagged."""
         at = text.rfind(FAILURE_JSON)
         if at >= 0:
-            line = text[at + len(FAILURE_JSON):].split("\n", 1)[0]
+            line = text[at + len(FAILURE_JSON) :].split("\n", 1)[0]
             found = _from_json(line)
             if found is not None:
                 return found
@@ -390,8 +406,13 @@ class WorkerFailure:
         if not klass:
             short = kind.rsplit(".", 1)[-1]
             klass = short if short in errors.__all__ else _KEPT_BY_NAME.get(short, short)
-        return cls(int(rank), None if not step or int(step) < 0 else int(step), kind.rsplit(".", 1)[-1], message,
-                   klass if klass in errors.__all__ or klass in _KEPT_BUILTINS else "TrainingError")
+        return cls(
+            int(rank),
+            None if not step or int(step) < 0 else int(step),
+            kind.rsplit(".", 1)[-1],
+            message,
+            klass if klass in errors.__all__ or klass in _KEPT_BUILTINS else "TrainingError",
+        )
 
 
 FAILURE_JSON = "gradshare-failure: "
@@ -422,5 +443,13 @@ def _from_json(line: str) -> WorkerFailure | None:
         return None
 
 
-__all__ = ["Counters", "EpochStats", "Progress", "WorkerFailure", "WorkerReport", "error_class_name",
-           "first_cause", "resolve_error_class"]
+__all__ = [
+    "Counters",
+    "EpochStats",
+    "Progress",
+    "WorkerFailure",
+    "WorkerReport",
+    "error_class_name",
+    "first_cause",
+    "resolve_error_class",
+]

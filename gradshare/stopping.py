@@ -57,8 +57,7 @@ def early_stopping_from(option: object) -> EarlyStopping | None:
         raise ValueError(f"early_stopping must be None, a dict or an EarlyStopping, got {type(option).__name__}")
     unknown = set(option) - {"patience", "min_delta", "mode", "monitor"}
     if unknown:
-        raise ValueError(f"early_stopping: unknown key(s) {sorted(unknown)}; "
-                         "known: patience, min_delta, mode, monitor")
+        raise ValueError(f"early_stopping: unknown key(s) {sorted(unknown)}; known: patience, min_delta, mode, monitor")
     return EarlyStopping(**option)
 
 
@@ -66,11 +65,15 @@ def should_stop(rule: EarlyStopping, row: Mapping[str, Any]) -> bool:
     """Feed one epoch's row (rank 0's) to the rule; True when patience is exhausted."""
     value = row.get(rule.monitor)
     if value is None:
-        raise ValueError(f"early_stopping monitors {rule.monitor!r} but epoch {row.get('epoch')} has no "
-                         "value for it (monitor 'val_metric' needs validation_data)")
+        raise ValueError(
+            f"early_stopping monitors {rule.monitor!r} but epoch {row.get('epoch')} has no "
+            "value for it (monitor 'val_metric' needs validation_data)"
+        )
     # a NaN/inf score (a diverged epoch) is no improvement, as in Keras: patience decides, the fit goes on
-    better = math.isfinite(value) and (rule.best is None or (
-        value < rule.best - rule.min_delta if rule.mode == "min" else value > rule.best + rule.min_delta))
+    better = math.isfinite(value) and (
+        rule.best is None
+        or (value < rule.best - rule.min_delta if rule.mode == "min" else value > rule.best + rule.min_delta)
+    )
     if better:
         rule.best, rule.waited = value, 0
         return False

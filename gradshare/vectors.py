@@ -52,7 +52,7 @@ def copy_of(x: Vector) -> Vector:
 def copy_into(dst: Vector, src: Vector) -> None:
     """dst[:] = src (same length, same kind)."""
     if is_tensor(dst):
-        if not is_tensor(src):   # what Tensor.copy_ raised for an array, named
+        if not is_tensor(src):  # what Tensor.copy_ raised for an array, named
             raise TypeError(f"src must be a torch.Tensor like dst, got {type(src).__name__}")
         dst.copy_(src)
     else:

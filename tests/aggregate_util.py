@@ -33,9 +33,14 @@ def real_apply(payload: bytes, params: np.ndarray) -> None:
 
 
 def aggregate_sim(world_size=4, n_params=3000, **kw) -> Sim:
-    sim = Sim(world_size=world_size, n_params=n_params, forwarding="aggregate",
-              decode_update=lambda p, n: decode_update(p, n, n_params=n),
-              apply_update=lambda u, params: apply_update(u, params), **kw)
+    sim = Sim(
+        world_size=world_size,
+        n_params=n_params,
+        forwarding="aggregate",
+        decode_update=lambda p, n: decode_update(p, n, n_params=n),
+        apply_update=lambda u, params: apply_update(u, params),
+        **kw,
+    )
     sim.make_payload = lambda n_entries: real_payload(sim.rng, sim.N, n_entries)
     sim.apply_payload = real_apply
     return sim

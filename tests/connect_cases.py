@@ -53,10 +53,13 @@ def epoch_lines(spark) -> dict:
     df, X_test, y_test = _digits_frame(spark)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        r = SharedTrainer(mlp, epochs=3, batch_size=64, seed=3, validation_data=(X_test, y_test),
-                          **{**LOOPBACK, "verbose": 1}).fit(df, features_col="arr", label_col="label")
-    return {"printed": [x for x in out.getvalue().splitlines() if x.startswith("epoch ")],
-            "history": [(h["epoch"], h["loss"], h["val_metric"]) for h in r.history]}
+        r = SharedTrainer(
+            mlp, epochs=3, batch_size=64, seed=3, validation_data=(X_test, y_test), **{**LOOPBACK, "verbose": 1}
+        ).fit(df, features_col="arr", label_col="label")
+    return {
+        "printed": [x for x in out.getvalue().splitlines() if x.startswith("epoch ")],
+        "history": [(h["epoch"], h["loss"], h["val_metric"]) for h in r.history],
+    }
 
 
 def digits(spark, epochs: int, tmp: str) -> dict:
@@ -65,41 +68,76 @@ def digits(spark, epochs: int, tmp: str) -> dict:
     df, X_test, y_test = _digits_frame(spark)
     out = {}
     for col in ("arr", "vec"):
-        r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
-                          early_stopping=dict(patience=50, mode="max"), **LOOPBACK,
-                          fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, col))).fit(
-            df, features_col=col, label_col="label")
-        out[col] = {"accuracy": evaluate_accuracy(r.model, X_test, y_test), "hash": r.param_hash,
-                    "worker_hashes": [w["param_hash"] for w in r.worker_reports], "world": r.world_size,
-                    "val": [h["val_metric"] for h in r.history], "stopped": r.extra["stopped_epoch"],
-                    "inputs": r.extra["inputs"], "loss": r.extra["loss"],
-                    "checkpoints": sorted(os.listdir(os.path.join(tmp, col))),
-                    "relay": r.extra.relay, "statuses": r.extra.relay_statuses}
+        r = SharedTrainer(
+            mlp,
+            epochs=epochs,
+            batch_size=32,
+            seed=3,
+            validation_data=(X_test, y_test),
+            early_stopping=dict(patience=50, mode="max"),
+            **LOOPBACK,
+            fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, col)),
+        ).fit(df, features_col=col, label_col="label")
+        out[col] = {
+            "accuracy": evaluate_accuracy(r.model, X_test, y_test),
+            "hash": r.param_hash,
+            "worker_hashes": [w["param_hash"] for w in r.worker_reports],
+            "world": r.world_size,
+            "val": [h["val_metric"] for h in r.history],
+            "stopped": r.extra["stopped_epoch"],
+            "inputs": r.extra["inputs"],
+            "loss": r.extra["loss"],
+            "checkpoints": sorted(os.listdir(os.path.join(tmp, col))),
+            "relay": r.extra.relay,
+            "statuses": r.extra.relay_statuses,
+        }
     # the same fit with the relay in this client instead of rank 0's task
-    r = SharedTrainer(mlp, epochs=epochs, batch_size=32, seed=3, validation_data=(X_test, y_test),
-                      early_stopping=dict(patience=50, mode="max"), port=0, verbose=0,
-                      fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "client")),
-                      network=Network(bind="127.0.0.1", relay="client")).fit(df, features_col="arr", label_col="label")
+    r = SharedTrainer(
+        mlp,
+        epochs=epochs,
+        batch_size=32,
+        seed=3,
+        validation_data=(X_test, y_test),
+        early_stopping=dict(patience=50, mode="max"),
+        port=0,
+        verbose=0,
+        fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "client")),
+        network=Network(bind="127.0.0.1", relay="client"),
+    ).fit(df, features_col="arr", label_col="label")
     out["client"] = {"hash": r.param_hash, "relay": r.extra.relay}
     # resume the array column's fit from its last checkpoint: one more epoch
     r = SharedTrainer(mlp, epochs=epochs + 1, batch_size=32, seed=3, **LOOPBACK).fit(
-        df, features_col="arr", label_col="label", resume_from=os.path.join(tmp, "arr"))
-    out["resumed"] = {"epochs": [h["epoch"] for h in r.history], "accuracy": evaluate_accuracy(r.model, X_test, y_test),
-                      "from": r.extra["resumed_from"]}
+        df, features_col="arr", label_col="label", resume_from=os.path.join(tmp, "arr")
+    )
+    out["resumed"] = {
+        "epochs": [h["epoch"] for h in r.history],
+        "accuracy": evaluate_accuracy(r.model, X_test, y_test),
+        "from": r.extra["resumed_from"],
+    }
     return out
 
 
 def early_stop(spark) -> dict:
     """A stop decided by a callback travels in the log on Connect as on classic."""
     df, X_test, y_test = _digits_frame(spark)
-    r = SharedTrainer(mlp, epochs=6, seed=3, validation_data=(X_test, y_test), **LOOPBACK,
-                      runtime=Runtime(on_epoch_end=lambda row: row["epoch"] >= 1)).fit(df, features_col="arr", label_col="label")
-    return {"stopped": r.extra["stopped_epoch"], "epochs": [h["epoch"] for h in r.history],
-            "hashes": sorted({w["param_hash"] for w in r.worker_reports} | {r.param_hash})}
+    r = SharedTrainer(
+        mlp,
+        epochs=6,
+        seed=3,
+        validation_data=(X_test, y_test),
+        **LOOPBACK,
+        runtime=Runtime(on_epoch_end=lambda row: row["epoch"] >= 1),
+    ).fit(df, features_col="arr", label_col="label")
+    return {
+        "stopped": r.extra["stopped_epoch"],
+        "epochs": [h["epoch"] for h in r.history],
+        "hashes": sorted({w["param_hash"] for w in r.worker_reports} | {r.param_hash}),
+    }
 
 
 def inputs(spark) -> dict:
     """Several feature columns (an array and a number) with float labels, and num_workers re-partitioning."""
+
     class TwoInputs(nn.Module):
         def __init__(self):
             super().__init__()
@@ -110,11 +148,16 @@ def inputs(spark) -> dict:
 
     df, _, _ = _digits_frame(spark)
     torch.manual_seed(0)
-    r = SharedTrainer(TwoInputs(), epochs=2, num_workers=2, **LOOPBACK).fit(df, features_col=["arr", "pixel"],
-                                                                             label_col="target")
-    return {"inputs": r.extra["inputs"], "loss": r.extra["loss"], "world": r.world_size,
-            "loss_fell": r.history[-1]["loss"] < r.history[0]["loss"],
-            "same": len({w["param_hash"] for w in r.worker_reports} | {r.param_hash}) == 1}
+    r = SharedTrainer(TwoInputs(), epochs=2, num_workers=2, **LOOPBACK).fit(
+        df, features_col=["arr", "pixel"], label_col="target"
+    )
+    return {
+        "inputs": r.extra["inputs"],
+        "loss": r.extra["loss"],
+        "world": r.world_size,
+        "loss_fell": r.history[-1]["loss"] < r.history[0]["loss"],
+        "same": len({w["param_hash"] for w in r.worker_reports} | {r.param_hash}) == 1,
+    }
 
 
 def missing_column(spark) -> None:
@@ -145,7 +188,8 @@ def sharded_validation(spark) -> None:
 def hadoop_checkpoints(spark) -> None:
     df, _, _ = _digits_frame(spark)
     SharedTrainer(mlp, **LOOPBACK, fault_tolerance=FaultTolerance(checkpoint_dir="hdfs://namenode/ckpt")).fit(
-        df, features_col="arr", label_col="label")
+        df, features_col="arr", label_col="label"
+    )
 
 
 def too_many_workers(spark) -> None:
@@ -206,10 +250,22 @@ def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
 
     X, X_test, y, y_test = digits_split(0)
     train, test = _pixels_frame(spark, X, y), _pixels_frame(spark, X_test, y_test)
-    est = GradshareEstimator(functools.partial(mlp, 32), featuresCol="scaled", epochs=epochs, batchSize=32,
-                             learningRate=1e-2, numWorkers=2, trainerOptions=LOOPBACK)
-    model = Pipeline(stages=[VectorAssembler(inputCols=PIXELS, outputCol="raw"),
-                             StandardScaler(inputCol="raw", outputCol="scaled"), est]).fit(train)
+    est = GradshareEstimator(
+        functools.partial(mlp, 32),
+        featuresCol="scaled",
+        epochs=epochs,
+        batchSize=32,
+        learningRate=1e-2,
+        numWorkers=2,
+        trainerOptions=LOOPBACK,
+    )
+    model = Pipeline(
+        stages=[
+            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"),
+            est,
+        ]
+    ).fit(train)
     stage = model.stages[-1]
     out = model.transform(test)
     scaled, pred, prob, label = _columns(out, "scaled", "prediction", "probability", "label")
@@ -241,7 +297,9 @@ def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
     by_pipeline = _columns(loaded_pipeline.transform(test), "prediction", "probability")
     by_model = _columns(loaded.transform(out.drop("prediction", "probability")), "prediction", "probability")
     return {
-        "schema": out.schema.simpleString(), "classifier": stage.isClassifier, "history": len(stage.history),
+        "schema": out.schema.simpleString(),
+        "classifier": stage.isClassifier,
+        "history": len(stage.history),
         "accuracy": float((pred == label).mean()),
         "forward_pred": bool(np.array_equal(pred, logits.argmax(dim=1).numpy().astype(np.float64))),
         "forward_prob": float(np.abs(prob - torch.softmax(logits, dim=1).numpy()).max()),
@@ -250,10 +308,12 @@ def ml_pipeline(spark, epochs: int, tmp: str) -> dict:
         "model_same": all(np.array_equal(a, b) for a, b in zip(by_model, (pred, prob))),
         "loaded_uid": loaded.uid == stage.uid and loaded.spec == stage.spec and loaded.history == stage.history,
         "stages": [type(s).__name__ for s in loaded_pipeline.stages],
-        "files": sorted(os.listdir(model_dir)), "second_save": again,
+        "files": sorted(os.listdir(model_dir)),
+        "second_save": again,
         "weights_keys": sorted(torch.load(os.path.join(model_dir, "weights.pt"), weights_only=True)),
-        "est_params": {p.name: v for p, v in loaded_est.extractParamMap().items()} ==
-                      {p.name: v for p, v in est.extractParamMap().items()} and loaded_est.uid == est.uid,
+        "est_params": {p.name: v for p, v in loaded_est.extractParamMap().items()}
+        == {p.name: v for p, v in est.extractParamMap().items()}
+        and loaded_est.uid == est.uid,
     }
 
 
@@ -261,8 +321,11 @@ def _unfitted_model(**params):
     """A GradshareModel of the digits MLP (untrained: the checks read only the schema and the spec)."""
     from gradshare.ml import GradshareModel
 
-    spec = {"inputs": [{"dtype": "float32", "shape": [64]}], "loss": "CrossEntropyLoss",
-            "output": {"classification": True, "width": 10, "scalar": False}}
+    spec = {
+        "inputs": [{"dtype": "float32", "shape": [64]}],
+        "loss": "CrossEntropyLoss",
+        "output": {"classification": True, "width": 10, "scalar": False},
+    }
     model = GradshareModel(mlp(32), lambda: mlp(32), spec)
     return model._set(**params) if params else model
 
@@ -325,10 +388,16 @@ def killed_host(spark, tmp: str) -> dict:
     df, _, _ = _digits_frame(spark)
     marker = os.path.join(tmp, "died")
     fit = dict(epochs=3, batch_size=64, seed=4, compression=Compression(warmup=1.0), **LOOPBACK)
-    killed = SharedTrainer(lambda: DiesOnce(marker, 0, 20), **fit,
-                           fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "ckpt"))).fit(
-        df, features_col="arr", label_col="label")
+    killed = SharedTrainer(
+        lambda: DiesOnce(marker, 0, 20), **fit, fault_tolerance=FaultTolerance(checkpoint_dir=os.path.join(tmp, "ckpt"))
+    ).fit(df, features_col="arr", label_col="label")
     whole = SharedTrainer(lambda: DiesOnce(marker, 0, 20), **fit).fit(df, features_col="arr", label_col="label")
-    return {"died": os.path.exists(marker), "restarts": killed.extra.restarts, "hash": killed.param_hash,
-            "workers": sorted({w["param_hash"] for w in killed.worker_reports}), "whole": whole.param_hash,
-            "relay": killed.extra.relay, "epochs": [h["epoch"] for h in killed.history]}
+    return {
+        "died": os.path.exists(marker),
+        "restarts": killed.extra.restarts,
+        "hash": killed.param_hash,
+        "workers": sorted({w["param_hash"] for w in killed.worker_reports}),
+        "whole": whole.param_hash,
+        "relay": killed.extra.relay,
+        "epochs": [h["epoch"] for h in killed.history],
+    }

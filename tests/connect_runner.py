@@ -33,13 +33,18 @@ class ConnectRunner:
     def __init__(self, log_path: str) -> None:
         self.log_path = log_path
         self.authkey = os.urandom(16)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-               "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
-               "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-               "GRADSHARE_CONNECT_AUTHKEY": self.authkey.hex()}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+            "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "GRADSHARE_CONNECT_AUTHKEY": self.authkey.hex(),
+        }
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log
+        )
         try:
             ready, _, _ = select.select([self.proc.stdout], [], [], START_SECONDS)
             line = self.proc.stdout.readline().decode() if ready else ""
@@ -102,10 +107,17 @@ def serve() -> None:
 
     port = _free_port()
     # what SparkSession.builder.remote("local[2]") does, on an ephemeral port
-    ConnectSession._start_connect_server("local[2]", {
-        "spark.connect.grpc.binding.port": str(port), "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.driver.memory": "768m",
-        "spark.stage.maxConsecutiveAttempts": "2"})
+    ConnectSession._start_connect_server(
+        "local[2]",
+        {
+            "spark.connect.grpc.binding.port": str(port),
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.driver.memory": "768m",
+            "spark.stage.maxConsecutiveAttempts": "2",
+        },
+    )
     os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
     spark = ConnectSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
     conn.send({"port": port, "session": type(spark).__module__})

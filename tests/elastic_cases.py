@@ -44,9 +44,17 @@ def trainer(epochs, optimizer, model=None, batch_size=40, **options):
     from gradshare import SharedTrainer
     from gradshare.demo import mlp
 
-    return SharedTrainer(model or mlp, epochs=epochs, batch_size=batch_size, seed=5, optimizer=optimizer,
-                         threshold=2e-3, port=0, verbose=0,
-                         **in_groups({**options, "network": Network(bind="127.0.0.1")}))  # grouped options named flat
+    return SharedTrainer(
+        model or mlp,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=5,
+        optimizer=optimizer,
+        threshold=2e-3,
+        port=0,
+        verbose=0,
+        **in_groups({**options, "network": Network(bind="127.0.0.1")}),
+    )  # grouped options named flat
 
 
 def residual_sum(directory, world):
@@ -66,20 +74,25 @@ def resume_cases(spark):
             before = os.path.join(first, "epoch-00001")
             still = os.path.join(root, "still")
             # no gradient: only residual mass moves
-            frozen = trainer(2, sgd(0.05), num_workers=resumed, checkpoint_dir=still,
-                             loss=no_loss).fit(rdd, resume_from=first)
+            frozen = trainer(2, sgd(0.05), num_workers=resumed, checkpoint_dir=still, loss=no_loss).fit(
+                rdd, resume_from=first
+            )
             after = os.path.join(still, "epoch-00002")
             p_before = np.load(os.path.join(before, "params.npy")).astype(np.float64)
             p_after = np.load(os.path.join(after, "params.npy")).astype(np.float64)
             n = residual_sum(before, saved).size
             out[f"{saved}->{resumed}"] = {
                 # P + the residuals' sum: what a message moves from a residual into P, so at lr 0 it stays
-                "mass_diff": float(np.abs((p_after[:n] + residual_sum(after, resumed))
-                                          - (p_before[:n] + residual_sum(before, saved))).max()),
+                "mass_diff": float(
+                    np.abs(
+                        (p_after[:n] + residual_sum(after, resumed)) - (p_before[:n] + residual_sum(before, saved))
+                    ).max()
+                ),
                 "moved": float(np.abs(p_after - p_before).max()),  # the residuals' mass above τ was sent
                 "model_equal_relay": bool(np.array_equal(p_after.astype(np.float32), _flat(frozen.model))),
                 "residual_sum_before": float(np.abs(residual_sum(before, saved)).sum()),
-                "reforms": frozen.extra["reforms"], "world": frozen.world_size,
+                "reforms": frozen.extra["reforms"],
+                "world": frozen.world_size,
                 "history_epochs": [h["epoch"] for h in frozen.history],
                 "hashes": sorted({r["param_hash"] for r in frozen.worker_reports} | {frozen.param_hash}),
                 "steps": [h["steps"] for h in frozen.history],
@@ -91,8 +104,9 @@ def _flat(model):
     import torch
 
     with torch.no_grad():
-        return np.concatenate([t.detach().reshape(-1).numpy() for t in model.state_dict().values()
-                               if t.is_floating_point()]).astype(np.float32)
+        return np.concatenate(
+            [t.detach().reshape(-1).numpy() for t in model.state_dict().values() if t.is_floating_point()]
+        ).astype(np.float32)
 
 
 def cluster_case(spark):
@@ -108,13 +122,23 @@ def cluster_case(spark):
         # rank 2 exists only once the fit has grown; 20 steps an epoch there: its 50th step is inside an epoch
         # 20 ms a step: 0.6 s an epoch at 2 workers, so the grow (about 3 s in) comes early in the fit
         model = KillsNode(os.path.join(scratch, "killed"), rank=2, at=50, pause=0.02)
-        result = trainer(20, sgd(0.05), model=lambda: model, batch_size=16, num_workers=2,
-                         elastic=Elastic(min_workers=2, max_workers=3, slot_wait=0.0)).fit(rdd)
-        return {"reforms": result.extra["reforms"], "workers": [h["workers"] for h in result.history],
-                "epochs": [h["epoch"] for h in result.history], "world": result.world_size,
-                "steps": [h["steps"] for h in result.history],
-                "hashes": sorted({r["param_hash"] for r in result.worker_reports} | {result.param_hash}),
-                "accuracy": evaluate_accuracy(result.model, X_test, y_test)}
+        result = trainer(
+            20,
+            sgd(0.05),
+            model=lambda: model,
+            batch_size=16,
+            num_workers=2,
+            elastic=Elastic(min_workers=2, max_workers=3, slot_wait=0.0),
+        ).fit(rdd)
+        return {
+            "reforms": result.extra["reforms"],
+            "workers": [h["workers"] for h in result.history],
+            "epochs": [h["epoch"] for h in result.history],
+            "world": result.world_size,
+            "steps": [h["steps"] for h in result.history],
+            "hashes": sorted({r["param_hash"] for r in result.worker_reports} | {result.param_hash}),
+            "accuracy": evaluate_accuracy(result.model, X_test, y_test),
+        }
 
 
 def main():

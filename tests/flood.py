@@ -16,22 +16,29 @@ from gradshare.transport.sockets import udp
 from transport_util import N, toy_encode
 
 FLOOD = 100_000
-RATE = 8_000           # datagrams/s: the whole flood takes ~12 s on the shared 2-core machine
+RATE = 8_000  # datagrams/s: the whole flood takes ~12 s on the shared 2-core machine
 
 
 def channel(key, sender, job=9, attempt=0, insecure=False):
-    return Channel(key=key, insecure=insecure, job=job, sender=sender, attempt=attempt, datagram_size=1400,
-                   max_chunks=1 << 20, max_windows=1)
+    return Channel(
+        key=key,
+        insecure=insecure,
+        job=job,
+        sender=sender,
+        attempt=attempt,
+        datagram_size=1400,
+        max_chunks=1 << 20,
+        max_windows=1,
+    )
 
 
 def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: int = N):
     """FLOOD forged datagrams for a job ``job`` of ``n`` parameters (``captured``: genuine ones to replay)."""
     wrong_key = channel(new_job_key(), 0, job=job)
     wrong_job = channel(key, 1, job=job + 1)
-    stranger = channel(key, 2, job=job)                # right key, a session that never joined
+    stranger = channel(key, 2, job=job)  # right key, a session that never joined
     body = wire.encode_update_body(toy_encode(1.0, [1, 2]), None)
-    kinds = ["random", "wrong_key", "wrong_job", "truncated", "oversized", "replayed", "stranger",
-             "bad_indices"]
+    kinds = ["random", "wrong_key", "wrong_job", "truncated", "oversized", "replayed", "stranger", "bad_indices"]
     for i in range(FLOOD):
         k = kinds[i % len(kinds)]
         if k == "random":
@@ -42,7 +49,7 @@ def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: 
             yield wrong_job.seal(wire.Kind.UPDATE, body, 1, rng.randrange(50), 0, 1)
         elif k == "truncated" and captured:
             d = rng.choice(captured)
-            yield d[:rng.randrange(len(d))]
+            yield d[: rng.randrange(len(d))]
         elif k == "oversized":
             yield wrong_key.seal(wire.Kind.UPDATE, os.urandom(1500), 0, 0, 0, 1)
         elif k == "replayed" and captured:
@@ -51,8 +58,9 @@ def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: 
             yield stranger.seal(wire.Kind.UPDATE, body, 2, rng.randrange(50), rng.randrange(3), 3)
         else:
             idx = [rng.randrange(-2 * n, 2 * n) or 1 for _ in range(5)]
-            yield stranger.seal(wire.Kind.UPDATE, wire.encode_update_body(toy_encode(1.0, idx), None),
-                                2, rng.randrange(50), 0, 1)
+            yield stranger.seal(
+                wire.Kind.UPDATE, wire.encode_update_body(toy_encode(1.0, idx), None), 2, rng.randrange(50), 0, 1
+            )
 
 
 def flooded(relay, key: bytes, run_exchange):

@@ -20,9 +20,20 @@ TUNABLES = {f.name for f in dataclasses.fields(RelayTuning)}
 
 
 class Sim:
-    def __init__(self, world_size: int = 3, n_params: int = 500, seed: int = 0, loss: float = 0.0,
-                 dup: float = 0.0, max_delay: float = 0.0, key: bytes = b"k" * 32, datagram_size: int = 400,
-                 staleness: int = 1, liveness_timeout: float = 5.0, **relay_options) -> None:
+    def __init__(
+        self,
+        world_size: int = 3,
+        n_params: int = 500,
+        seed: int = 0,
+        loss: float = 0.0,
+        dup: float = 0.0,
+        max_delay: float = 0.0,
+        key: bytes = b"k" * 32,
+        datagram_size: int = 400,
+        staleness: int = 1,
+        liveness_timeout: float = 5.0,
+        **relay_options,
+    ) -> None:
         self.now = 0.0
         self.W, self.N, self.staleness = world_size, n_params, staleness
         self.key = key
@@ -35,9 +46,16 @@ class Sim:
         # the trainer's bookkeeping, as the driver hands it to its relay (a test's `rollback` goes to it)
         self.training = TrainingLog(relay_options.pop("rollback", None))
         relay_options.setdefault("observer", self.training)
-        self.relay = RelayCore(self.p0, world_size, key, 42, now=0.0, datagram_size=datagram_size,
-                               tuning=RelayTuning(liveness_timeout=liveness_timeout, **tunables),
-                               **{**TOY, **relay_options})
+        self.relay = RelayCore(
+            self.p0,
+            world_size,
+            key,
+            42,
+            now=0.0,
+            datagram_size=datagram_size,
+            tuning=RelayTuning(liveness_timeout=liveness_timeout, **tunables),
+            **{**TOY, **relay_options},
+        )
         self.peers: dict[int, PeerCore] = {}
         self.params: dict[int, np.ndarray] = {}
         self.delivered: dict[int, list] = {}
@@ -49,8 +67,7 @@ class Sim:
         self.apply_payload = toy_apply_payload
 
     def add_peer(self, rank: int, attempt: int = 0) -> PeerCore:
-        p = PeerCore(rank, self.W, attempt, self.key, 42, self.N, now=self.now,
-                     datagram_size=self.datagram_size)
+        p = PeerCore(rank, self.W, attempt, self.key, 42, self.N, now=self.now, datagram_size=self.datagram_size)
         self.peers[rank] = p
         self.params[rank] = self.p0.copy()
         self.delivered[rank] = []
@@ -105,14 +122,19 @@ class Sim:
                     p.send_update(t, payload, StepMeta(loss=float(t)), self.now)
                 elif t > end and p.own.finish_step is None:
                     p.finish(end, self.now)
-            if self.relay.finished() and all(p.inbound.cursor is not None and p.inbound.cursor.finished()
-                                             for r, p in self.peers.items() if r not in self.silent):
+            if self.relay.finished() and all(
+                p.inbound.cursor is not None and p.inbound.cursor.finished()
+                for r, p in self.peers.items()
+                if r not in self.silent
+            ):
                 self.pump()
                 return _
             self.step_time()
-        raise AssertionError(f"simulation did not finish in {max_iters} iterations: relay through "
-                             f"{self.relay.complete_through}, peers "
-                             f"{[(r, p.complete_through, p.blocking_key()) for r, p in self.peers.items()]}")
+        raise AssertionError(
+            f"simulation did not finish in {max_iters} iterations: relay through "
+            f"{self.relay.complete_through}, peers "
+            f"{[(r, p.complete_through, p.blocking_key()) for r, p in self.peers.items()]}"
+        )
 
 
 def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
@@ -125,7 +147,7 @@ def drive(sim: Sim, until, max_iters: int = 50_000) -> None:
 
 
 def check_consistent(sim: Sim) -> None:
-    expected = sorted(sim.sent)                       # canonical (step, sender) order
+    expected = sorted(sim.sent)  # canonical (step, sender) order
     for r in sim.peers:
         if r in sim.silent:
             continue

@@ -177,8 +177,9 @@ def naive_kth_largest_abs(values, density):
     return min(nonzero) if nonzero else None
 
 
-def apply_step_update(codes: np.ndarray, tau: float, buffer_index, buffer_value, state: np.ndarray,
-                      n_params: int, scale: float = 1.0) -> np.ndarray:
+def apply_step_update(
+    codes: np.ndarray, tau: float, buffer_index, buffer_value, state: np.ndarray, n_params: int, scale: float = 1.0
+) -> np.ndarray:
     """A step update (encoding/update.py) applied to a copy of the whole state, one entry at a time:
     ±τ·scale on the parameters, the exact float32 values on the buffer part."""
     out = state.copy()
@@ -192,7 +193,7 @@ def block_max_abs(values: np.ndarray, width: int) -> np.ndarray:
     """Per block of ``width`` values: max |value| (0 for none; NaN when the block holds a NaN)."""
     out = np.zeros(-(-values.size // width), np.float32)
     for b in range(out.size):
-        block = np.abs(values[b * width:(b + 1) * width])
+        block = np.abs(values[b * width : (b + 1) * width])
         out[b] = np.nan if np.isnan(block).any() else block.max()
     return out
 

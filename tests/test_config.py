@@ -57,14 +57,31 @@ def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
         assert key in fields and fields[key].default in (True, False, None)
     # the checked flags' TypedDict (what mypy matches against WorkerConfig's fields) names the same keys
     assert set(WorkerFlags.__annotations__) == set(WORKER_OPTIONS)
-    shared = {k: (f.default, DEFAULTS[k]) for k, f in fields.items()
-              if k in DEFAULTS and f.default is not dataclasses.MISSING and k not in ("loss", "metric",
-                                                                                        "lr_scheduler", "train_step")}
+    shared = {
+        k: (f.default, DEFAULTS[k])
+        for k, f in fields.items()
+        if k in DEFAULTS
+        and f.default is not dataclasses.MISSING
+        and k not in ("loss", "metric", "lr_scheduler", "train_step")
+    }
     # drop_last, on_epoch_end, early_stopping and step_cap reach the task transformed (a rule, a tuple, objects)
-    drift = {k: v for k, v in shared.items() if k not in ("drop_last", "on_epoch_end", "early_stopping", "step_cap")
-             and not _same(*v)}
-    assert set(shared) >= {"datagram_size", "timeout", "insecure", "spill_bytes", "lookahead", "follow_lr",
-                           "scheduler_interval", "precision", "device", "local_view"}
+    drift = {
+        k: v
+        for k, v in shared.items()
+        if k not in ("drop_last", "on_epoch_end", "early_stopping", "step_cap") and not _same(*v)
+    }
+    assert set(shared) >= {
+        "datagram_size",
+        "timeout",
+        "insecure",
+        "spill_bytes",
+        "lookahead",
+        "follow_lr",
+        "scheduler_interval",
+        "precision",
+        "device",
+        "local_view",
+    }
     assert not drift, f"(WorkerConfig, TrainConfig) defaults differ: {drift}"
 
 
@@ -131,8 +148,16 @@ def test_cli_defaults_are_the_trainer_defaults():
                 continue
             assert _same(action.default, DEFAULTS[action.dest]), (
                 f"gradshare {command} --{action.dest} defaults to {action.default!r}, SharedTrainer to "
-                f"{DEFAULTS[action.dest]!r}: take it from TrainConfig, or list it in CLI_OWN_DEFAULTS with why")
-    assert {"demo", "relay", "benchmarks/train.py", "benchmarks/convergence.py", "bench transport", "bench scale"} <= seen
+                f"{DEFAULTS[action.dest]!r}: take it from TrainConfig, or list it in CLI_OWN_DEFAULTS with why"
+            )
+    assert {
+        "demo",
+        "relay",
+        "benchmarks/train.py",
+        "benchmarks/convergence.py",
+        "bench transport",
+        "bench scale",
+    } <= seen
     assert own == set(CLI_OWN_DEFAULTS), f"stale CLI_OWN_DEFAULTS entries: {set(CLI_OWN_DEFAULTS) - own}"
 
 
@@ -159,8 +184,10 @@ def test_the_port_and_the_datagram_size_are_written_once():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in (40123, 1400):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert found == ["transport/protocol/wire.py:" + str(_line_of("DEFAULT_DATAGRAM_SIZE = 1400")),
-                     "transport/protocol/wire.py:" + str(_line_of("DEFAULT_PORT = 40123"))], found
+    assert found == [
+        "transport/protocol/wire.py:" + str(_line_of("DEFAULT_DATAGRAM_SIZE = 1400")),
+        "transport/protocol/wire.py:" + str(_line_of("DEFAULT_PORT = 40123")),
+    ], found
 
 
 def _line_of(text: str) -> int:
@@ -196,8 +223,11 @@ BAD = [
     ({"density": 2.0}, ValueError, r"density must be a share of entries in \(0, 1\]"),
     ({"warmup_density": 0.0}, ValueError, r"warmup_density must be"),
     ({"threshold_algorithm": "fixed"}, ValueError, r"threshold='auto' calibrates τ itself"),
-    ({"threshold": 1e-3, "threshold_algorithm": "bogus"}, ValueError,
-     r"threshold_algorithm must be 'adaptive', 'fixed'"),
+    (
+        {"threshold": 1e-3, "threshold_algorithm": "bogus"},
+        ValueError,
+        r"threshold_algorithm must be 'adaptive', 'fixed'",
+    ),
     ({"threshold": 1e-3, "threshold_algorithm": _Rule()}, TypeError, r"threshold_algorithm object must have"),
     ({"drop_last": "yes"}, ValueError, r"drop_last must be 'auto', True or False"),
     ({"precision": "16"}, ValueError, r"precision must be one of"),
@@ -240,12 +270,17 @@ def test_a_bad_option_fails_naming_it_in_train_config_and_in_shared_trainer(opti
 
 
 def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it():
-    with pytest.warns(DeprecationWarning, match=r"SharedTrainer\(density=\) is deprecated .* "
-                                                r"pass compression=Compression\(density=0\.01\)"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"SharedTrainer\(density=\) is deprecated .* "
+        r"pass compression=Compression\(density=0\.01\)",
+    ):
         trainer = SharedTrainer(lambda: None, density=0.01)
     assert trainer.config.compression == Compression(density=0.01)
-    with pytest.raises(ValueError, match=r"timeout given both flat and in fault_tolerance=\.\.\. with other"), \
-            pytest.warns(DeprecationWarning):
+    with (
+        pytest.raises(ValueError, match=r"timeout given both flat and in fault_tolerance=\.\.\. with other"),
+        pytest.warns(DeprecationWarning),
+    ):
         SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(timeout=9.0))
     with pytest.raises(ValueError, match=r"bind given both flat"), pytest.warns(DeprecationWarning):
         SharedTrainer(lambda: None, bind="0.0.0.0", network=Network(bind="127.0.0.1"))  # the flat one is the default
@@ -254,7 +289,9 @@ def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it()
     assert merged.fault_tolerance == FaultTolerance(timeout=5.0, step_timeout=9.0)
     with pytest.raises(ValueError, match=r"network has no option\(s\) \['prot'\]; Network's are"):
         SharedTrainer(lambda: None, network={"prot": 1})
-    with pytest.warns(DeprecationWarning, match=r"trainer\.density is deprecated .* read trainer\.compression\.density"):
+    with pytest.warns(
+        DeprecationWarning, match=r"trainer\.density is deprecated .* read trainer\.compression\.density"
+    ):
         assert trainer.density == 0.01
     with pytest.raises(AttributeError, match="fixed when it is made"):  # nor set as an attribute
         trainer.density = 0.5
@@ -275,8 +312,11 @@ def test_checkpoint_options_are_checked_against_staleness_and_forwarding(tmp_pat
 
 def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_forms():
     rule = {"patience": 2, "monitor": "loss"}
-    config = TrainConfig(early_stopping=rule, threshold=1e-3,
-                         runtime=Runtime(on_epoch_end=print, worker_options={"profile": True}, device="CPU"))
+    config = TrainConfig(
+        early_stopping=rule,
+        threshold=1e-3,
+        runtime=Runtime(on_epoch_end=print, worker_options={"profile": True}, device="CPU"),
+    )
     assert config.early_stopping is rule and config.stopping.patience == 2 and config.stopping.monitor == "loss"
     run = config.runtime
     assert run.on_epoch_end is print and run.callbacks == (print,)
@@ -294,8 +334,9 @@ def test_a_config_is_frozen_and_keeps_the_options_as_given_beside_their_checked_
 
 def test_the_trainer_keeps_its_attributes_and_the_options_as_given():
     runtime = Runtime(on_epoch_end=[print], worker_options={"direct_update": False})
-    trainer = SharedTrainer(lambda: None, threshold=2e-3, compression=Compression(threshold_algorithm="fixed"),
-                            runtime=runtime, epochs=3)
+    trainer = SharedTrainer(
+        lambda: None, threshold=2e-3, compression=Compression(threshold_algorithm="fixed"), runtime=runtime, epochs=3
+    )
     assert trainer.options["runtime"] is runtime and trainer.runtime.on_epoch_end == [print]
     assert trainer.config.epochs == trainer.epochs == 3 and trainer.threshold == 2e-3 and not trainer.auto
     assert trainer.runtime.callbacks == (print,) and trainer.runtime.worker_flags == {"direct_update": False}

@@ -42,8 +42,10 @@ HEAVY = ("numpy", "numba", "torch", "pyspark", "sklearn")
 
 def test_cli_help_imports_no_command_module():
     # gradshare/cli.py's import seam: `gradshare --help` lists the commands without importing them
-    code = ("import sys\nfrom gradshare.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith('gradshare.')))")
+    code = (
+        "import sys\nfrom gradshare.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith('gradshare.')))"
+    )
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -14,8 +14,9 @@ import grimp
 def import_graph(package: str) -> grimp.ImportGraph:
     # exclude_type_checking_imports=False is grimp's default, named: a type-only cycle is a cycle here.
     # No cache folder left behind in the checkout.
-    return grimp.build_graph(package, include_external_packages=False, exclude_type_checking_imports=False,
-                             cache_dir=None)
+    return grimp.build_graph(
+        package, include_external_packages=False, exclude_type_checking_imports=False, cache_dir=None
+    )
 
 
 def module_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -36,8 +37,8 @@ def module_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
             elif t in stack:
                 low[m] = min(low[m], index[t])
         if low[m] == index[m]:
-            component = stack[stack.index(m):]
-            del stack[stack.index(m):]
+            component = stack[stack.index(m) :]
+            del stack[stack.index(m) :]
             if len(component) > 1:
                 cycles.append(sorted(component))
 
@@ -61,21 +62,23 @@ def test_gradshare_has_no_import_cycle():
     graph = import_graph("gradshare")
     cycles = module_cycles(graph)
     assert not cycles, "import cycles between gradshare's modules:\n" + "\n\n".join(
-        f"{', '.join(c)}\n{describe(graph, c)}" for c in cycles)
+        f"{', '.join(c)}\n{describe(graph, c)}" for c in cycles
+    )
 
 
 def test_the_graph_sees_lazy_type_checking_relative_and_root_imports(tmp_path, monkeypatch):
     pkg = tmp_path / "cycleprobe"
     (pkg / "sub").mkdir(parents=True)
     # through the package root: a type-only import of a module that imports the root lazily
-    (pkg / "__init__.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                     "    from cycleprobe.a import f\n")
+    (pkg / "__init__.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cycleprobe.a import f\n"
+    )
     (pkg / "a.py").write_text("def f():\n    import cycleprobe\n")
     # between submodules: a relative import one way, a lazy one the other
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "b.py").write_text("from ..c import C\n")
     (pkg / "c.py").write_text("class C: ...\n\ndef g():\n    from cycleprobe.sub import b\n")
-    (pkg / "d.py").write_text("import cycleprobe.c\n")   # into a cycle, not part of it
+    (pkg / "d.py").write_text("import cycleprobe.c\n")  # into a cycle, not part of it
     monkeypatch.syspath_prepend(str(tmp_path))
     graph = import_graph("cycleprobe")
     assert module_cycles(graph) == [["cycleprobe", "cycleprobe.a"], ["cycleprobe.c", "cycleprobe.sub.b"]]

@@ -38,23 +38,58 @@ class UserError(RuntimeError):
 
 
 def _row(epoch=0, **kw):
-    base = dict(epoch=epoch, steps=4, loss=0.5, sparsity=0.01, payload_bytes=100, bytes_sent=300,
-                bytes_received=200, tau=1e-3, lr=1e-3, silent_steps=0, seconds=0.1)
+    base = dict(
+        epoch=epoch,
+        steps=4,
+        loss=0.5,
+        sparsity=0.01,
+        payload_bytes=100,
+        bytes_sent=300,
+        bytes_received=200,
+        tau=1e-3,
+        lr=1e-3,
+        silent_steps=0,
+        seconds=0.1,
+    )
     return EpochStats(**{**base, **kw})
 
 
 def _report(rank, counters, **kw):
-    base = dict(rank=rank, start_step=0, last_step=3, stopped_epoch=None, stop_requested_epoch=None,
-                history=(_row(),), applied=8, train_seconds=1.0, steps_run=4, update_path="direct",
-                step_in_backward=False, device="cpu", tensor_state=False, silent_steps=0, int_buffers={},
-                skipped_steps=0, checkpoint_seconds=0.0, counters=Counters.from_dict(counters))
+    base = dict(
+        rank=rank,
+        start_step=0,
+        last_step=3,
+        stopped_epoch=None,
+        stop_requested_epoch=None,
+        history=(_row(),),
+        applied=8,
+        train_seconds=1.0,
+        steps_run=4,
+        update_path="direct",
+        step_in_backward=False,
+        device="cpu",
+        tensor_state=False,
+        silent_steps=0,
+        int_buffers={},
+        skipped_steps=0,
+        checkpoint_seconds=0.0,
+        counters=Counters.from_dict(counters),
+    )
     return WorkerReport(**{**base, **kw})
 
 
 # ------------------------------------------------------------------------------------ reports
 def test_counters_type_the_common_fields_and_read_the_rest_like_the_dict_they_came_from():
-    raw = {"datagrams_in": 5, "bytes_in": 1000, "bytes_out": 700, "snapshot_bytes_in": 400, "retransmits": 2,
-           "updates_sent": 4, "unacked": 0, "drops": {"auth_failed": 1}}
+    raw = {
+        "datagrams_in": 5,
+        "bytes_in": 1000,
+        "bytes_out": 700,
+        "snapshot_bytes_in": 400,
+        "retransmits": 2,
+        "updates_sent": 4,
+        "unacked": 0,
+        "drops": {"auth_failed": 1},
+    }
     c = Counters.from_dict(raw)
     assert (c.bytes_in, c.bytes_out, c.retransmits, c.drops) == (1000, 700, 2, {"auth_failed": 1})
     assert c.bytes_sent == 700 and c.training_bytes_in == 600
@@ -66,33 +101,92 @@ def test_counters_type_the_common_fields_and_read_the_rest_like_the_dict_they_ca
 
 
 def test_fit_result_traffic_comes_from_the_workers_counters():
-    reports = [_report(0, {"bytes_out": 100, "bytes_in": 900, "snapshot_bytes_in": 800}),
-               _report(1, {"bytes_out": 50, "bytes_in": 820, "snapshot_bytes_in": 800})]
-    r = FitResult(model=None, history=[], counters=Counters(), worker_reports=reports, param_hash="",
-                  world_size=2, n_params=10, steps=4, resumed_from=0, seconds=1.0)
+    reports = [
+        _report(0, {"bytes_out": 100, "bytes_in": 900, "snapshot_bytes_in": 800}),
+        _report(1, {"bytes_out": 50, "bytes_in": 820, "snapshot_bytes_in": 800}),
+    ]
+    r = FitResult(
+        model=None,
+        history=[],
+        counters=Counters(),
+        worker_reports=reports,
+        param_hash="",
+        world_size=2,
+        n_params=10,
+        steps=4,
+        resumed_from=0,
+        seconds=1.0,
+    )
     assert (r.bytes_sent, r.bytes_received, r.snapshot_bytes) == (150, 120, 1600)
     assert r.dense_bytes == 4 * 10 * (4 + 4) * 2 and r.traffic_ratio == r.dense_bytes / 270
 
 
 def test_fit_extras_read_by_attribute_and_by_key_like_the_dict_they_were():
-    extra = FitExtras(loss="MSELoss", label_dtype="float32", inputs="float32[4]", probe="output (B, 1)",
-                      incidents=["rank 1 suspected"], stopped_epoch=2, forwarding="per-rank")
+    extra = FitExtras(
+        loss="MSELoss",
+        label_dtype="float32",
+        inputs="float32[4]",
+        probe="output (B, 1)",
+        incidents=["rank 1 suspected"],
+        stopped_epoch=2,
+        forwarding="per-rank",
+    )
     assert extra["loss"] == extra.loss == "MSELoss" and extra["stopped_epoch"] == 2 and "probe" in extra
-    assert set(extra) == {"loss", "label_dtype", "inputs", "probe", "incidents", "stopped_epoch",
-                          "stop_requested_epoch", "resumed_from", "rolled_back", "checkpoint_service_errors",
-                          "forwarding", "relay", "restarts", "relay_statuses", "step_cap", "reforms"}  # SharedTrainer.fit's docstring lists these
+    assert set(extra) == {
+        "loss",
+        "label_dtype",
+        "inputs",
+        "probe",
+        "incidents",
+        "stopped_epoch",
+        "stop_requested_epoch",
+        "resumed_from",
+        "rolled_back",
+        "checkpoint_service_errors",
+        "forwarding",
+        "relay",
+        "restarts",
+        "relay_statuses",
+        "step_cap",
+        "reforms",
+    }  # SharedTrainer.fit's docstring lists these
     assert extra == dict(extra.items()) and extra.get("resumed_from") is None and extra["rolled_back"] == []
     with pytest.raises(KeyError):
         extra["nope"]
     assert pickle.loads(pickle.dumps(extra)) == extra
-    assert FitResult(model=None, history=[], counters=Counters(), worker_reports=[], param_hash="", world_size=1,
-                     n_params=1, steps=0, resumed_from=0, seconds=0.0).extra == FitExtras()
+    assert (
+        FitResult(
+            model=None,
+            history=[],
+            counters=Counters(),
+            worker_reports=[],
+            param_hash="",
+            world_size=1,
+            n_params=1,
+            steps=0,
+            resumed_from=0,
+            seconds=0.0,
+        ).extra
+        == FitExtras()
+    )
 
 
 def test_a_worker_row_reads_as_the_dict_it_was_and_the_driver_row_adds_its_fields():
     row = _row(val_metric=0.9)
-    assert set(row) == {"epoch", "steps", "loss", "sparsity", "payload_bytes", "bytes_sent", "bytes_received", "tau",
-                        "lr", "silent_steps", "seconds", "val_metric"}  # what on_epoch_end's dict(row) holds
+    assert set(row) == {
+        "epoch",
+        "steps",
+        "loss",
+        "sparsity",
+        "payload_bytes",
+        "bytes_sent",
+        "bytes_received",
+        "tau",
+        "lr",
+        "silent_steps",
+        "seconds",
+        "val_metric",
+    }  # what on_epoch_end's dict(row) holds
     assert dict(row)["val_metric"] == 0.9 and row.get("resumed") is None
     merged = _row(resumed=False, skipped_steps=0, loss_fn="CrossEntropyLoss").as_dict()
     assert merged["resumed"] is False and merged["loss_fn"] == "CrossEntropyLoss"
@@ -135,11 +229,16 @@ def _raised(exc, cause=None):
         return e
 
 
-@pytest.mark.parametrize("exc, cls", [(DecodeError("bad index 99"), "DecodeError"),
-                                      (ConsistencyError("hash differs"), "ConsistencyError"),
-                                      (TransportTimeout("relay silent"), "TransportTimeout"),
-                                      (ValueError("boom"), "ValueError"),
-                                      (UserError("exploded"), "TrainingError")])
+@pytest.mark.parametrize(
+    "exc, cls",
+    [
+        (DecodeError("bad index 99"), "DecodeError"),
+        (ConsistencyError("hash differs"), "ConsistencyError"),
+        (TransportTimeout("relay silent"), "TransportTimeout"),
+        (ValueError("boom"), "ValueError"),
+        (UserError("exploded"), "TrainingError"),
+    ],
+)
 def test_a_failure_names_the_class_the_driver_raises_and_unpickles_without_the_users_code(exc, cls):
     f = WorkerFailure.from_exception(_raised(exc), rank=1, step=3, attempt=7)
     assert (f.error_class, f.error_type, f.message, f.cause) == (cls, type(exc).__name__, str(exc), None)
@@ -160,9 +259,11 @@ def test_the_first_cause_of_a_chain_is_kept_and_named():
 
 def test_the_text_form_rebuilds_the_failure_from_sparks_job_error():
     f = WorkerFailure(2, 11, "DecodeError", "index 4097 out of bounds\nsecond line", "DecodeError", "OSError: x", 3)
-    spark = ("py4j.protocol.Py4JJavaError: An error occurred while calling o1.collectAndServe.\n"
-             "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
-             f"gradshare.errors.TrainingError: {f.to_text()}\n\tat org.apache.spark.api.python.BasePythonRunner\n")
+    spark = (
+        "py4j.protocol.Py4JJavaError: An error occurred while calling o1.collectAndServe.\n"
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        f"gradshare.errors.TrainingError: {f.to_text()}\n\tat org.apache.spark.api.python.BasePythonRunner\n"
+    )
     assert WorkerFailure.from_text(spark) == f
     # the JSON record mangled: the tag line alone (no cause), the class still exact
     tag_only = WorkerFailure.from_text(spark.replace('"rank":2', '"rank":'))
@@ -175,11 +276,25 @@ def test_the_text_form_rebuilds_the_failure_from_sparks_job_error():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["[gradshare rank 3, step -7, DecodeError] ", "[gradshare rank 0] ", "X: y",
-                                 FAILURE_JSON, '{"rank":1}', '{"rank":-1,"step":2}', "\n", "Error: ",
-                                 '{"rank":1,"step":null,"error_type":"E","message":"m","error_class":"NoSuch",'
-                                 '"cause":null,"attempt":0}']), max_size=6),
-       st.text(max_size=40))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "[gradshare rank 3, step -7, DecodeError] ",
+                "[gradshare rank 0] ",
+                "X: y",
+                FAILURE_JSON,
+                '{"rank":1}',
+                '{"rank":-1,"step":2}',
+                "\n",
+                "Error: ",
+                '{"rank":1,"step":null,"error_type":"E","message":"m","error_class":"NoSuch","cause":null,"attempt":0}',
+            ]
+        ),
+        max_size=6,
+    ),
+    st.text(max_size=40),
+)
 def test_any_spark_text_gives_a_failure_or_none_never_an_error(parts, noise):
     found = WorkerFailure.from_text("".join(parts) + noise)
     if found is not None:
@@ -226,8 +341,9 @@ def test_a_retryable_report_reaches_the_relay_without_stopping_the_job():
     with Relay(np.zeros(n, np.float32), world_size=2, key=key, job_id=5, port=0, bind="127.0.0.1", **TOY) as relay:
         peer = Peer(relay.address, rank=1, world_size=2, attempt=0, key=key, job_id=5, n_params=1, timeout=5)
         try:
-            assert peer.report_failure("DecodeError", "bad chunk", 5.0, fatal=False, step=4,
-                                       error_class="DecodeError", cause="")
+            assert peer.report_failure(
+                "DecodeError", "bad chunk", 5.0, fatal=False, step=4, error_class="DecodeError", cause=""
+            )
         finally:
             peer.close(linger=0.0, leave=False)
         assert relay.failure() is None  # not fatal: Spark's stage retry goes on
@@ -287,7 +403,10 @@ def test_a_user_value_error_keeps_its_class_and_names_its_first_cause(spark):
         except KeyError as e:
             return _raised(ValueError("bad batch"), e)
 
-    with pytest.raises(ValueError, match=r"^worker rank 1 failed: ValueError: bad batch "
-                                         r"\(first cause: KeyError: 'lr'\)$") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"^worker rank 1 failed: ValueError: bad batch "
+        r"\(first cause: KeyError: 'lr'\)$",
+    ) as info:
         _fit(spark, chained, at=2)
     assert (info.value.rank, info.value.step, info.value.cause) == (1, 2, "KeyError: 'lr'")

@@ -37,7 +37,7 @@ def toy_decode(payload: bytes, n_params: int):
 
 def toy_apply(decoded, params: np.ndarray) -> None:
     tau, idx = decoded
-    for i in idx:                       # sequential: repeated indices add up in order, like the real one
+    for i in idx:  # sequential: repeated indices add up in order, like the real one
         params[abs(int(i)) - 1] += tau if i > 0 else -tau
 
 
@@ -93,13 +93,29 @@ def wait_until(condition, timeout: float, what: str) -> None:
 N = 2000
 
 
-def exchange(relay, key, W, steps, rng, peer_kwargs=None, entries=(3, 900), staleness=1, address=None,
-             world_size=None, make=random_update, apply=toy_apply_payload, wait=20.0):
+def exchange(
+    relay,
+    key,
+    W,
+    steps,
+    rng,
+    peer_kwargs=None,
+    entries=(3, 900),
+    staleness=1,
+    address=None,
+    world_size=None,
+    make=random_update,
+    apply=toy_apply_payload,
+    wait=20.0,
+):
     """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
     `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
     and ``apply(payload, params)``: the codec (default the toy one). ``wait``: how long a peer waits for a
     step of the log (and a thread for its rank) before the exchange fails."""
-    peers = [Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=wait, **(peer_kwargs or {})) for r in range(W)]
+    peers = [
+        Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=wait, **(peer_kwargs or {}))
+        for r in range(W)
+    ]
     params = [np.zeros(N, np.float32) for _ in range(W)]
     logs: list[list] = [[] for _ in range(W)]
     sent = {}

@@ -54,31 +54,53 @@ TRAFFIC_TARGETS = {"mlp": 300.0, "cnn": 100.0}  # target: dense ÷ gradshare byt
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="mlp,cnn,tabular", help="comma list of mlp,cnn,tabular (default all)")
-    parser.add_argument("--schedules", default=None,
-                        help="comma list of constant,cosine,step (default all; cosine: to 0 over each process's "
-                             "steps; step: x0.1 at 50%% and 75%% of them)")
+    parser.add_argument(
+        "--schedules",
+        default=None,
+        help="comma list of constant,cosine,step (default all; cosine: to 0 over each process's "
+        "steps; step: x0.1 at 50%% and 75%% of them)",
+    )
     parser.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1,2)")
     parser.add_argument("--workers", default=None, help="comma list of worker counts N >= 2 (default 2,4)")
-    parser.add_argument("--systems", default="single,gradshare,ddp",
-                        help="comma list of single,gradshare,ddp (default all)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help=f"epochs for every workload (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--aggregate", choices=("sum", "mean"), default=Compression.aggregate,
-                        help="gradshare's Compression(aggregate=): replicas add every message (sum, default) "
-                             "or every message × 1/N (mean)")
-    parser.add_argument("--threshold", default=TrainConfig.threshold,
-                        help="gradshare's τ: 'auto' (default: calibrated per worker to a target density) or a "
-                             "number (the initial τ of the adaptive rule)")
+    parser.add_argument(
+        "--systems", default="single,gradshare,ddp", help="comma list of single,gradshare,ddp (default all)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=None, help=f"epochs for every workload (default {DEFAULT_EPOCHS})"
+    )
+    parser.add_argument(
+        "--aggregate",
+        choices=("sum", "mean"),
+        default=Compression.aggregate,
+        help="gradshare's Compression(aggregate=): replicas add every message (sum, default) "
+        "or every message × 1/N (mean)",
+    )
+    parser.add_argument(
+        "--threshold",
+        default=TrainConfig.threshold,
+        help="gradshare's τ: 'auto' (default: calibrated per worker to a target density) or a "
+        "number (the initial τ of the adaptive rule)",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="rows per step per worker (default 64)")
-    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
-                        help=f"seconds of training per configuration before it is stopped and reported as "
-                             f"failed (default {DEFAULT_BUDGET:g})")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        help=f"seconds of training per configuration before it is stopped and reported as "
+        f"failed (default {DEFAULT_BUDGET:g})",
+    )
     parser.add_argument("--rows", type=int, default=None, help="keep only this many training/test rows")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK['rows']} rows, {QUICK['epochs']} epochs, seed {QUICK['seeds']}, "
-                             f"N={QUICK['workers']}, {QUICK['schedules']} only (explicit flags win)")
-    parser.add_argument("--out-dir", default=None,
-                        help="where bench-convergence.json/.png go (default docs/, or a temp dir with --quick)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['rows']} rows, {QUICK['epochs']} epochs, seed {QUICK['seeds']}, "
+        f"N={QUICK['workers']}, {QUICK['schedules']} only (explicit flags win)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="where bench-convergence.json/.png go (default docs/, or a temp dir with --quick)",
+    )
 
 
 def _ints(text: str, flag: str, minimum: int) -> list[int]:
@@ -89,7 +111,6 @@ def _ints(text: str, flag: str, minimum: int) -> list[int]:
     if not values or any(v < minimum for v in values) or len(set(values)) != len(values):
         raise ValueError(f"--{flag} takes a comma list of distinct integers >= {minimum}; got {text!r}")
     return values
-
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,13 +129,19 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     epochs = {w: args.epochs or (QUICK["epochs"] if quick else DEFAULT_EPOCHS[w]) for w in workloads}
     return {
         "workloads": workloads,
-        "schedules": comma_list(given(args.schedules, ",".join(LR_SCHEDULES), QUICK["schedules"]),
-                                LR_SCHEDULES, "schedules"),
+        "schedules": comma_list(
+            given(args.schedules, ",".join(LR_SCHEDULES), QUICK["schedules"]), LR_SCHEDULES, "schedules"
+        ),
         "seeds": _ints(given(args.seeds, "0,1,2", QUICK["seeds"]), "seeds", 0),
         "workers": sorted(_ints(given(args.workers, "2,4", QUICK["workers"]), "workers", 2)),
         "systems": comma_list(args.systems, SYSTEMS, "systems"),
-        "epochs": epochs, "threshold": threshold_arg(args.threshold), "aggregate": args.aggregate, "batch_size": args.batch_size,
-        "budget": args.budget, "rows": args.rows or (QUICK["rows"] if quick else None), "quick": quick,
+        "epochs": epochs,
+        "threshold": threshold_arg(args.threshold),
+        "aggregate": args.aggregate,
+        "batch_size": args.batch_size,
+        "budget": args.budget,
+        "rows": args.rows or (QUICK["rows"] if quick else None),
+        "quick": quick,
     }
 
 
@@ -139,12 +166,17 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per workload × schedule × N × system over its seeds (ok rows only): accuracy mean ± std
     per epoch, epochs to target of the mean curve and of every seed, final accuracy mean ± std, bytes per
     worker-step, traffic ratio, seconds; gradshare also τ, sent share and silent-step share per epoch."""
-    keys = sorted({(r["workload"], r["schedule"], r["workers"], r["system"]) for r in rows},
-                  key=lambda k: (k[0], k[1], k[2], SYSTEMS.index(k[3])))
+    keys = sorted(
+        {(r["workload"], r["schedule"], r["workers"], r["system"]) for r in rows},
+        key=lambda k: (k[0], k[1], k[2], SYSTEMS.index(k[3])),
+    )
     out = []
     for workload, schedule, workers, system in keys:
-        group = [r for r in rows if (r["workload"], r["schedule"], r["workers"], r["system"])
-                 == (workload, schedule, workers, system)]
+        group = [
+            r
+            for r in rows
+            if (r["workload"], r["schedule"], r["workers"], r["system"]) == (workload, schedule, workers, system)
+        ]
         ok = [r for r in group if r["status"] == "ok"]
         n_epochs = min((len(r["accuracy"]) for r in ok), default=0)
         curves = [[r["accuracy"][e] for r in ok] for e in range(n_epochs)]
@@ -152,13 +184,19 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         target = ok[0]["target"] if ok else None
         final = _mean_std([r["final_accuracy"] for r in ok])
         s = {
-            "workload": workload, "schedule": schedule, "workers": workers, "system": system,
-            "seeds": [r["seed"] for r in ok], "failed": [{"seed": r["seed"], "error": r.get("error")}
-                                                         for r in group if r["status"] != "ok"],
-            "target": target, "mean": mean, "std": [_mean_std(c)[1] for c in curves],
+            "workload": workload,
+            "schedule": schedule,
+            "workers": workers,
+            "system": system,
+            "seeds": [r["seed"] for r in ok],
+            "failed": [{"seed": r["seed"], "error": r.get("error")} for r in group if r["status"] != "ok"],
+            "target": target,
+            "mean": mean,
+            "std": [_mean_std(c)[1] for c in curves],
             "epochs_to_target": epochs_to_target(mean, target) if target is not None else None,  # None: no ok seed
             "epochs_to_target_per_seed": [r["epochs_to_target"] for r in ok],
-            "final_mean": final[0], "final_std": final[1],
+            "final_mean": final[0],
+            "final_std": final[1],
             "bytes_per_step": _mean_std([r["bytes_per_step"] for r in ok])[0],
             "traffic_ratio": _mean_std([r["traffic_ratio"] for r in ok if r["traffic_ratio"] is not None])[0],
             "wall_seconds": _mean_std([r["wall_seconds"] for r in ok])[0],
@@ -170,9 +208,18 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _find(summary: list[dict[str, Any]], workload: str, schedule: str, workers: int, system: str) -> dict[str, Any] | None:
-    return next((s for s in summary if (s["workload"], s["schedule"], s["workers"], s["system"])
-                 == (workload, schedule, workers, system) and s["seeds"]), None)
+def _find(
+    summary: list[dict[str, Any]], workload: str, schedule: str, workers: int, system: str
+) -> dict[str, Any] | None:
+    return next(
+        (
+            s
+            for s in summary
+            if (s["workload"], s["schedule"], s["workers"], s["system"]) == (workload, schedule, workers, system)
+            and s["seeds"]
+        ),
+        None,
+    )
 
 
 def checks(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,25 +228,39 @@ def checks(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     dense on the MLP, ≥ 100× on the CNN (FitResult.traffic_ratio, mean over seeds). `met` is None where a
     side has no successful seed (not measured)."""
     out = []
-    combos = sorted({(s["workload"], s["schedule"], s["workers"]) for s in summary
-                     if s["system"] in ("gradshare", "ddp")})
+    combos = sorted(
+        {(s["workload"], s["schedule"], s["workers"]) for s in summary if s["system"] in ("gradshare", "ddp")}
+    )
     for workload, schedule, workers in combos:
         gs = _find(summary, workload, schedule, workers, "gradshare")
         dd = _find(summary, workload, schedule, workers, "ddp")
         where = {"workload": workload, "schedule": schedule, "workers": workers}
         both = gs is not None and dd is not None
         diff = 100 * (gs["final_mean"] - dd["final_mean"]) if gs is not None and dd is not None else None
-        out.append({**where, "check": "final acc. gradshare − DDP (pp)", "value": diff,
-                    "limit": -ACCURACY_SLACK_PP, "met": None if diff is None else diff >= -ACCURACY_SLACK_PP})
+        out.append(
+            {
+                **where,
+                "check": "final acc. gradshare − DDP (pp)",
+                "value": diff,
+                "limit": -ACCURACY_SLACK_PP,
+                "met": None if diff is None else diff >= -ACCURACY_SLACK_PP,
+            }
+        )
         g_ett, d_ett = (gs or {}).get("epochs_to_target"), (dd or {}).get("epochs_to_target")
         # gradshare never reaching the target misses; DDP never reaching it is beaten by any crossing
         met = None if not both else (g_ett is not None and (d_ett is None or g_ett <= d_ett))
-        out.append({**where, "check": "epochs to target: gradshare ≤ DDP", "value": g_ett, "limit": d_ett,
-                    "met": met})
+        out.append({**where, "check": "epochs to target: gradshare ≤ DDP", "value": g_ett, "limit": d_ett, "met": met})
         if workload in TRAFFIC_TARGETS:
             ratio, limit = (gs or {}).get("traffic_ratio"), TRAFFIC_TARGETS[workload]
-            out.append({**where, "check": "dense ÷ gradshare traffic", "value": ratio, "limit": limit,
-                        "met": None if ratio is None else ratio >= limit})
+            out.append(
+                {
+                    **where,
+                    "check": "dense ÷ gradshare traffic",
+                    "value": ratio,
+                    "limit": limit,
+                    "met": None if ratio is None else ratio >= limit,
+                }
+            )
     return out
 
 
@@ -211,8 +272,10 @@ def _pm(mean: float | None, std: float | None, scale: float = 100.0) -> str:
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    head = (f"{'workload':<8} {'schedule':<8} {'N':>2} {'system':<9} {'seeds':>5} {'final acc %':>15} "
-            f"{'→target':>7} {'per seed':<11} {'bytes/step':>10} {'dense÷this':>10} {'train s':>8} {'elapsed':>8}")
+    head = (
+        f"{'workload':<8} {'schedule':<8} {'N':>2} {'system':<9} {'seeds':>5} {'final acc %':>15} "
+        f"{'→target':>7} {'per seed':<11} {'bytes/step':>10} {'dense÷this':>10} {'train s':>8} {'elapsed':>8}"
+    )
     lines = [head, "-" * len(head)]
     for s in summary:
         per_seed = ",".join("—" if e is None else str(e) for e in s["epochs_to_target_per_seed"])
@@ -221,7 +284,8 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"{s['workload']:<8} {s['schedule']:<8} {s['workers']:>2} {s['system']:<9} {len(s['seeds']):>5} "
             f"{_pm(s['final_mean'], s['final_std']):>15} {fmt(s['epochs_to_target'], 'd'):>7} {per_seed:<11} "
             f"{human_bytes(s['bytes_per_step']):>10} {fmt(s['traffic_ratio'], ',.0f'):>10} "
-            f"{fmt(s['wall_seconds'], '.1f'):>8} {fmt(s['elapsed'], '.1f'):>8}{failed}")
+            f"{fmt(s['wall_seconds'], '.1f'):>8} {fmt(s['elapsed'], '.1f'):>8}{failed}"
+        )
     return "\n".join(lines)
 
 
@@ -231,8 +295,10 @@ def checks_table(found: list[dict[str, Any]]) -> str:
         met = {True: "met", False: "MISSED", None: "not measured"}[c["met"]]
         value = fmt(c["value"], "d" if isinstance(c["value"], int) else ",.2f")
         limit = fmt(c["limit"], "d" if isinstance(c["limit"], int) else ",.2f")
-        lines.append(f"  {c['workload']:<8} {c['schedule']:<8} N={c['workers']}  {c['check']:<34} "
-                     f"{value:>8}  (limit {limit:>6})  {met}")
+        lines.append(
+            f"  {c['workload']:<8} {c['schedule']:<8} N={c['workers']}  {c['check']:<34} "
+            f"{value:>8}  (limit {limit:>6})  {met}"
+        )
     return "\n".join(lines)
 
 
@@ -246,8 +312,9 @@ def plot(path: str, summary: list[dict[str, Any]], title: str = "") -> None:
 
     workloads = sorted({s["workload"] for s in summary})
     schedules = [x for x in ("constant", "cosine", "step") if any(s["schedule"] == x for s in summary)]
-    fig, axes = plt.subplots(len(workloads), len(schedules), figsize=(4.2 * len(schedules), 3.2 * len(workloads)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(workloads), len(schedules), figsize=(4.2 * len(schedules), 3.2 * len(workloads)), squeeze=False
+    )
     colors = {"gradshare": "tab:green", "ddp": "tab:red", "single": "tab:gray"}
     styles = {1: ":", 2: "-", 4: "--"}
     for i, w in enumerate(workloads):
@@ -259,11 +326,23 @@ def plot(path: str, summary: list[dict[str, Any]], title: str = "") -> None:
                 epochs = list(range(1, len(s["mean"]) + 1))
                 mean = [100 * a for a in s["mean"]]
                 label = s["system"] if s["system"] == "single" else f"{s['system']} N={s['workers']}"
-                ax.plot(epochs, mean, marker=".", label=label, color=colors[s["system"]],
-                        linestyle=styles.get(s["workers"], "-."))
+                ax.plot(
+                    epochs,
+                    mean,
+                    marker=".",
+                    label=label,
+                    color=colors[s["system"]],
+                    linestyle=styles.get(s["workers"], "-."),
+                )
                 std = [100 * (d or 0.0) for d in s["std"]]
-                ax.fill_between(epochs, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
-                                color=colors[s["system"]], alpha=0.12, linewidth=0)
+                ax.fill_between(
+                    epochs,
+                    [m - d for m, d in zip(mean, std)],
+                    [m + d for m, d in zip(mean, std)],
+                    color=colors[s["system"]],
+                    alpha=0.12,
+                    linewidth=0,
+                )
             target = next((s["target"] for s in summary if s["workload"] == w and s["target"]), None)
             accuracy_panel(ax, f"{w}, {sch}", "epoch", target, ylabel=j == 0, legend_size=6)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -284,15 +363,26 @@ NOTES = [
 ]
 
 
-def write_json(path: str, rows: list[dict[str, Any]], parts: list[dict[str, Any]], *, command: str, config: dict[str, Any]) -> dict[str, Any]:
+def write_json(
+    path: str, rows: list[dict[str, Any]], parts: list[dict[str, Any]], *, command: str, config: dict[str, Any]
+) -> dict[str, Any]:
     summary = summarise(rows)
     doc = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
-        "command": command, "config": config, "notes": NOTES,
-        "schedules": {"constant": "lr 1e-3", "cosine": "1e-3 x 0.5(1 + cos(pi t / T)), T = the process's steps",
-                      "step": f"1e-3 x {STEP_DECAY_GAMMA} at each of {STEP_DECAY_AT} x T"},
-        "parts": parts, "total_seconds": sum(p["seconds"] for p in parts),
-        "summary": summary, "checks": checks(summary), "rows": rows,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "command": command,
+        "config": config,
+        "notes": NOTES,
+        "schedules": {
+            "constant": "lr 1e-3",
+            "cosine": "1e-3 x 0.5(1 + cos(pi t / T)), T = the process's steps",
+            "step": f"1e-3 x {STEP_DECAY_GAMMA} at each of {STEP_DECAY_AT} x T",
+        },
+        "parts": parts,
+        "total_seconds": sum(p["seconds"] for p in parts),
+        "summary": summary,
+        "checks": checks(summary),
+        "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -311,14 +401,18 @@ def run(args: argparse.Namespace) -> int:
     spark = systems.local_spark(max(4, *cfg["workers"]), "gradshare-bench-convergence") if need_spark else None
     t0 = time.monotonic()
     try:
-        rows, parts = run_configs(cfg, spark, on_part=lambda r, p: write_json(json_path, r, p, command=command,
-                                                                                config=cfg))
+        rows, parts = run_configs(
+            cfg, spark, on_part=lambda r, p: write_json(json_path, r, p, command=command, config=cfg)
+        )
     finally:
         if spark is not None:
             spark.stop()
     doc = write_json(json_path, rows, parts, command=command, config=cfg)
-    plot(png_path, doc["summary"], title=f"{doc['date']}, {doc['machine'].get('cpu') or ''} "
-                                         f"({doc['machine']['cpus']} cpus)")
+    plot(
+        png_path,
+        doc["summary"],
+        title=f"{doc['date']}, {doc['machine'].get('cpu') or ''} ({doc['machine']['cpus']} cpus)",
+    )
     print()
     print(table(doc["summary"]))
     print("\nconvergence targets:")

@@ -21,12 +21,30 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def ddp_spec(workload: str, *, seed: int, epochs: int, batch_size: int, budget: float,
-             lr_schedule: str = "constant", rows: int | None = None, target: float | None = None,
-             powersgd: bool = False) -> dict[str, Any]:
+def ddp_spec(
+    workload: str,
+    *,
+    seed: int,
+    epochs: int,
+    batch_size: int,
+    budget: float,
+    lr_schedule: str = "constant",
+    rows: int | None = None,
+    target: float | None = None,
+    powersgd: bool = False,
+) -> dict[str, Any]:
     """One DDP run of a `ddp_train` batch (plain data: it travels to the torchrun processes)."""
-    return {"workload": workload, "seed": seed, "target": target, "rows": rows, "powersgd": powersgd,
-            "epochs": epochs, "batch_size": batch_size, "budget": budget, "lr_schedule": lr_schedule}
+    return {
+        "workload": workload,
+        "seed": seed,
+        "target": target,
+        "rows": rows,
+        "powersgd": powersgd,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "budget": budget,
+        "lr_schedule": lr_schedule,
+    }
 
 
 def ddp_train(specs: list[dict[str, Any]], gloo_ifname: str | None = None) -> list[dict[str, Any]] | None:
@@ -67,8 +85,9 @@ def _ddp_run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         # One bucket holding the whole model: PowerSGD on Gloo aborts with several (docs/design.md).
         bucket_mb = n_params * 4 / 2**20 + 1
         ddp = DDP(model, bucket_cap_mb=bucket_mb)
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                   start_powerSGD_iter=2, random_seed=spec["seed"])
+        state = psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=spec["seed"]
+        )
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     else:
         ddp = DDP(model)
@@ -84,16 +103,34 @@ def _ddp_run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     lo0 = lo_tx_bytes()
     walls, curve, stopped = _train_steps(
-        ddp, model, X, y, (wl.X_test, wl.y_test) if rank == 0 else None, rank=rank,
-        epochs=spec["epochs"], spe=steps_per_epoch(len(wl.y_train), world, spec["batch_size"]),
-        batch_size=spec["batch_size"], seed=spec["seed"], lr_schedule=spec["lr_schedule"], stop=stop)
+        ddp,
+        model,
+        X,
+        y,
+        (wl.X_test, wl.y_test) if rank == 0 else None,
+        rank=rank,
+        epochs=spec["epochs"],
+        spe=steps_per_epoch(len(wl.y_train), world, spec["batch_size"]),
+        batch_size=spec["batch_size"],
+        seed=spec["seed"],
+        lr_schedule=spec["lr_schedule"],
+        stop=stop,
+    )
     lo1 = lo_tx_bytes()
     dist.barrier()
-    return {"walls": walls, "curve": curve, "n_params": n_params, "stopped": stopped,
-            "lo_bytes": _lo_delta(lo0, lo1), "seconds": time.monotonic() - t0}
+    return {
+        "walls": walls,
+        "curve": curve,
+        "n_params": n_params,
+        "stopped": stopped,
+        "lo_bytes": _lo_delta(lo0, lo1),
+        "seconds": time.monotonic() - t0,
+    }
 
 
-def run_ddp_batch(spark: SparkSession, specs: list[dict[str, Any]], *, workers: int, hard_timeout: float) -> tuple[list[Measured], float]:
+def run_ddp_batch(
+    spark: SparkSession, specs: list[dict[str, Any]], *, workers: int, hard_timeout: float
+) -> tuple[list[Measured], float]:
     """DDP over Gloo in `workers` processes (pyspark `TorchDistributor(num_processes=workers,
     local_mode=False)`, one barrier task each) for every run of `specs` (`ddp_spec`), in order. Each run
     stops after its `budget` seconds of training (every rank at the same step); the Spark job is cancelled
@@ -113,14 +150,44 @@ def run_ddp_batch(spark: SparkSession, specs: list[dict[str, Any]], *, workers: 
             raise
     if out is None:  # TorchDistributor returns rank 0's value, which is never None (ddp_train)
         raise RuntimeError("DDP's rank 0 returned no results")
-    measured = [Measured(r["walls"], [tuple(p) for p in r["curve"]], r["lo_bytes"], r["n_params"], r["stopped"],
-                         extra={"seconds": r["seconds"]}) for r in out]
+    measured = [
+        Measured(
+            r["walls"],
+            [tuple(p) for p in r["curve"]],
+            r["lo_bytes"],
+            r["n_params"],
+            r["stopped"],
+            extra={"seconds": r["seconds"]},
+        )
+        for r in out
+    ]
     return measured, time.monotonic() - t0
 
 
-def run_ddp(spark: SparkSession, wl: Workload, *, powersgd: bool, epochs: int, batch_size: int, seed: int, budget: float,
-            rows: int | None, hard_timeout: float, lr_schedule: str = "constant", workers: int = 2) -> Measured:
+def run_ddp(
+    spark: SparkSession,
+    wl: Workload,
+    *,
+    powersgd: bool,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    budget: float,
+    rows: int | None,
+    hard_timeout: float,
+    lr_schedule: str = "constant",
+    workers: int = 2,
+) -> Measured:
     """One DDP run (`run_ddp_batch` of one)."""
-    spec = ddp_spec(wl.name, seed=seed, target=wl.target, rows=rows, powersgd=powersgd, epochs=epochs,
-                    batch_size=batch_size, budget=budget, lr_schedule=lr_schedule)
+    spec = ddp_spec(
+        wl.name,
+        seed=seed,
+        target=wl.target,
+        rows=rows,
+        powersgd=powersgd,
+        epochs=epochs,
+        batch_size=batch_size,
+        budget=budget,
+        lr_schedule=lr_schedule,
+    )
     return run_ddp_batch(spark, [spec], workers=workers, hard_timeout=hard_timeout)[0][0]

@@ -62,9 +62,13 @@ class LmRecipe:
 
 
 HF_RECIPE = LmRecipe(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.999), batch=16, rows=6000, epochs=2)
-RECIPES = {"tiny": LmRecipe(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), batch=32, rows=4096, epochs=4,
-                            decay_matrices_only=True),
-           "llama": HF_RECIPE, "gpt2": HF_RECIPE}
+RECIPES = {
+    "tiny": LmRecipe(
+        lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), batch=32, rows=4096, epochs=4, decay_matrices_only=True
+    ),
+    "llama": HF_RECIPE,
+    "gpt2": HF_RECIPE,
+}
 
 
 # ------------------------------------------------------------------------------------ text
@@ -98,8 +102,9 @@ class CausalLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
-        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            WIDTH, HEADS, 4 * WIDTH, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
         self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
@@ -122,9 +127,19 @@ def llama() -> nn.Module:
     """A small `LlamaForCausalLM` from a config, the library's init."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=256, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -132,9 +147,19 @@ def gpt2() -> nn.Module:
     """A small `GPT2LMHeadModel` from a config, the library's init, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                        bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=WIDTH,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -183,7 +208,8 @@ def optimizer_for(model: str) -> Callable[[Iterable[torch.Tensor]], torch.optim.
             return torch.optim.AdamW(params, lr=recipe.lr, betas=recipe.betas, weight_decay=recipe.weight_decay)
         groups: list[dict[str, Any]] = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": recipe.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas)
 
     return factory

@@ -12,8 +12,8 @@ Keys (all optional): workload, world, epochs, seed, lr, schedule, batch, system 
 averaged by scale), rule ({"kind": "auto" | "adaptive" | "fixed", ...the rule's arguments}), scale (-1:
 aggregate="mean"), view (local_view, default true), folded (the view folded into one buffer where it
 applies, default true; false: the two-buffer view, local_view.py), device (the workers' device, default
-"cpu"; gradshare only), follow_lr, clip, and three experiments: decay (multiply every residual by it after each step) and cap (after the
-warm-up τ may not exceed cap × its value at the warm-up's end), which the lock-step table of
+"cpu"; gradshare only), follow_lr, clip, and three experiments: decay (multiply every residual by it after each step)
+and cap (after the warm-up τ may not exceed cap × its value at the warm-up's end), which the lock-step table of
 docs/benchmarks/convergence.md measured; step_cap, SharedTrainer's option ("auto", None or a share:
 encoding/step_cap.py); lr_batch, SharedTrainer's lr_batch_size (the batch lr was tuned at: the workers'
 lr × √(batch ÷ lr_batch), gradshare and "local"); tensor_state (the torch state and codec on the CPU, the
@@ -71,33 +71,65 @@ class CappedRule(encoding.CalibratedThreshold):
         return self.tau
 
 
-def trainer_options(rule: dict[str, Any] | None = None, *, scale: float = 1.0,
-                    step_cap: float | str | None = "auto", momentum: OptimizerMomentum = "auto", lr_batch: int | None = None,
-                    follow_lr: bool = True, view: bool = True, clip: float = 5.0) -> dict[str, Any]:
+def trainer_options(
+    rule: dict[str, Any] | None = None,
+    *,
+    scale: float = 1.0,
+    step_cap: float | str | None = "auto",
+    momentum: OptimizerMomentum = "auto",
+    lr_batch: int | None = None,
+    follow_lr: bool = True,
+    view: bool = True,
+    clip: float = 5.0,
+) -> dict[str, Any]:
     """The SharedTrainer options a lock-step run's keys stand for (`rule`: {"kind": "auto" | "adaptive" |
     "fixed", and SharedTrainer's density, warmup_density, decay_from or threshold}); ValueError naming a
     rule key that is no SharedTrainer option."""
     spec = dict(rule or {"kind": "auto"})
     kind = spec.pop("kind", "auto")
-    options: dict[str, Any] = {"step_cap": step_cap, "optimizer_momentum": momentum, "lr_batch_size": lr_batch,
-                               "follow_lr": follow_lr, "local_view": bool(view), "residual_clip": clip or None,
-                               "aggregate": "mean" if scale < 0 else "sum"}
-    keys = {"auto": ("density", "warmup_density", "decay_from"), "fixed": ("threshold",),
-            "adaptive": ("threshold",)}
+    options: dict[str, Any] = {
+        "step_cap": step_cap,
+        "optimizer_momentum": momentum,
+        "lr_batch_size": lr_batch,
+        "follow_lr": follow_lr,
+        "local_view": bool(view),
+        "residual_clip": clip or None,
+        "aggregate": "mean" if scale < 0 else "sum",
+    }
+    keys = {"auto": ("density", "warmup_density", "decay_from"), "fixed": ("threshold",), "adaptive": ("threshold",)}
     if kind not in keys or set(spec) - set(keys[kind]):
-        raise ValueError(f"rule {rule!r}: the kind is one of {sorted(keys)}, with the SharedTrainer options "
-                         f"{keys.get(kind, ())}")
+        raise ValueError(
+            f"rule {rule!r}: the kind is one of {sorted(keys)}, with the SharedTrainer options {keys.get(kind, ())}"
+        )
     if kind != "auto":
         options["threshold_algorithm"] = kind
     return {**options, **spec}
 
 
-def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, rule: dict[str, Any] | None = None,
-        lr: float = 1e-3, schedule: str = "constant", batch: int = 64, system: str = "gradshare", scale: float = 1.0,
-        follow_lr: bool = True, clip: float = 5.0, decay: float = 1.0, cap: float | None = None, view: bool = True,
-        folded: bool = True, device: str = "cpu", data: Workload | None = None,
-        step_cap: float | str | None = "auto", lr_batch: int | None = None,
-        tensor_state: bool = False, momentum: OptimizerMomentum = "auto") -> dict[str, Any]:
+def run(
+    workload: str = "mlp",
+    world: int = 2,
+    epochs: int = 12,
+    seed: int = 0,
+    rule: dict[str, Any] | None = None,
+    lr: float = 1e-3,
+    schedule: str = "constant",
+    batch: int = 64,
+    system: str = "gradshare",
+    scale: float = 1.0,
+    follow_lr: bool = True,
+    clip: float = 5.0,
+    decay: float = 1.0,
+    cap: float | None = None,
+    view: bool = True,
+    folded: bool = True,
+    device: str = "cpu",
+    data: Workload | None = None,
+    step_cap: float | str | None = "auto",
+    lr_batch: int | None = None,
+    tensor_state: bool = False,
+    momentum: OptimizerMomentum = "auto",
+) -> dict[str, Any]:
     """One lock-step run; `data` (the loaded `workload`) saves loading it again for every run."""
     torch.set_num_threads(1)
     wl = data if data is not None else load(workload, seed)
@@ -106,22 +138,64 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
     shards = [wl.shard(r, world) for r in range(world)]
     spe = tuple(math.ceil(len(s[1]) / batch) for s in shards)
     sched = None if schedule == "constant" else lr_scheduler_factory(schedule, max(spe) * epochs)
-    config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **in_groups(trainer_options(
-        rule, scale=scale, step_cap=step_cap, momentum=momentum, lr_batch=lr_batch, follow_lr=follow_lr,
-        view=view, clip=clip)))
+    config = TrainConfig(
+        epochs=epochs,
+        batch_size=batch,
+        seed=seed,
+        **in_groups(
+            trainer_options(
+                rule,
+                scale=scale,
+                step_cap=step_cap,
+                momentum=momentum,
+                lr_batch=lr_batch,
+                follow_lr=follow_lr,
+                view=view,
+                clip=clip,
+            )
+        ),
+    )
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
-    rule_obj = plan.rule if cap is None else CappedRule(cap, **{
-        k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")})
+    rule_obj = (
+        plan.rule
+        if cap is None
+        else CappedRule(
+            cap, **{k: getattr(plan.rule, k) for k in ("density", "warmup_steps", "warmup_density", "min_entries")}
+        )
+    )
     flat = FlatParams(copy.deepcopy(model))
-    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
-                                                          plan.cap_share, plan.cap_norm)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
-                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: adam(p, lr), threshold_rule=rule_obj,
-                       residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs, batch_size=batch,
-                       staleness=0, seed=seed, label_dtype="int64", lr_scheduler=sched, follow_lr=follow_lr,
-                       apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale,  # else: an experiment
-                       local_view=bool(view), lr_factor=plan.lr_factor, momentum_ceiling=plan.momentum_ceiling, folded_view=bool(folded), device=device,
-                       step_cap=caps, tensor_state=bool(tensor_state))
+    caps = (
+        None
+        if plan.cap_share is None
+        else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share, plan.cap_norm)
+    )
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=world,
+        model=model,
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: adam(p, lr),
+        threshold_rule=rule_obj,
+        residual_clip=clipping(config),
+        steps_per_epoch=spe,
+        epochs=epochs,
+        batch_size=batch,
+        staleness=0,
+        seed=seed,
+        label_dtype="int64",
+        lr_scheduler=sched,
+        follow_lr=follow_lr,
+        apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale,  # else: an experiment
+        local_view=bool(view),
+        lr_factor=plan.lr_factor,
+        momentum_ceiling=plan.momentum_ceiling,
+        folded_view=bool(folded),
+        device=device,
+        step_cap=caps,
+        tensor_state=bool(tensor_state),
+    )
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
     silent, replicas = 0, None
@@ -131,14 +205,23 @@ def run(workload: str = "mlp", world: int = 2, epochs: int = 12, seed: int = 0, 
         accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.lr_factor, sched), 1.0
     else:
         accs, taus, silent, ratio, replicas = run_workers(
-            workers, cfg, lambda m: test_accuracy(m, wl.X_test, wl.y_test), decay)
-    return {"acc": [round(a * 100, 2) for a in accs], "final3": round(100 * float(np.mean(accs[-3:])), 2),
-            "ratio": round(ratio), "silent": silent, "taus": taus, "n_params": workers[0].flat.n_params,
-            "replicas": replicas, "device": str(workers[0].flat.buffer.device)}
+            workers, cfg, lambda m: test_accuracy(m, wl.X_test, wl.y_test), decay
+        )
+    return {
+        "acc": [round(a * 100, 2) for a in accs],
+        "final3": round(100 * float(np.mean(accs[-3:])), 2),
+        "ratio": round(ratio),
+        "silent": silent,
+        "taus": taus,
+        "n_params": workers[0].flat.n_params,
+        "replicas": replicas,
+        "device": str(workers[0].flat.buffer.device),
+    }
 
 
-def _run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float,
-             sched: SchedulerFactory | None) -> list[float]:
+def _run_ddp(
+    model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float, sched: SchedulerFactory | None
+) -> list[float]:
     """Dense DDP in one process: one model, the mean loss of the ranks' batches, one Adam step."""
     spe, world = cfg.steps_per_epoch, len(workers)
     accs = []
@@ -160,8 +243,9 @@ def _run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Wor
     return accs
 
 
-def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float,
-               sched: SchedulerFactory | None) -> list[float]:
+def _run_local(
+    model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float, sched: SchedulerFactory | None
+) -> list[float]:
     """The design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
     state, the post-updater update) from the shared parameters on its own batch, and the updates are
     combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all."""
@@ -196,8 +280,9 @@ def _run_local(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: W
     return accs
 
 
-def run_workers(workers: list[Worker], cfg: WorkerConfig, evaluate: Callable[[nn.Module], float],
-                decay: float = 1.0) -> tuple[list[float], list[str], int, float, int]:
+def run_workers(
+    workers: list[Worker], cfg: WorkerConfig, evaluate: Callable[[nn.Module], float], decay: float = 1.0
+) -> tuple[list[float], list[str], int, float, int]:
     """The real workers and apply logs over a shared list: (rank 0's model scored by `evaluate` after
     every epoch, τ per epoch, silent steps, ratio, distinct replicas at the end: 1 = every worker holds
     the same bits)."""
@@ -205,8 +290,7 @@ def run_workers(workers: list[Worker], cfg: WorkerConfig, evaluate: Callable[[nn
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     log = SharedLog(world)
     peers = [LogPeer(log, r) for r in range(world)]
-    logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale, cap=cfg.step_cap)
-            for r, w in enumerate(workers)]
+    logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale, cap=cfg.step_cap) for r, w in enumerate(workers)]
     for w, apply_log in zip(workers, logs):
         w.log = apply_log
     for t in range(cfg.final_step + 1):
@@ -236,4 +320,3 @@ def main(runner: Callable[..., dict[str, Any]] = run) -> None:
     t0 = time.time()
     out = runner(**spec)
     print(json.dumps({"spec": spec, **out, "sec": round(time.time() - t0)}), flush=True)
-

@@ -57,17 +57,27 @@ def val_loss(model: nn.Module, step: HookStep, ids: np.ndarray, labels: np.ndarr
     return total / len(ids)
 
 
-def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int = 0, rows: int | None = None,
-        batch: int | None = None, system: str = "gradshare", options: dict[str, Any] | None = None,
-        scale: float | None = None) -> dict[str, Any]:
+def run(
+    lm: str = "llama",
+    world: int = 2,
+    epochs: int | None = None,
+    seed: int = 0,
+    rows: int | None = None,
+    batch: int | None = None,
+    system: str = "gradshare",
+    options: dict[str, Any] | None = None,
+    scale: float | None = None,
+) -> dict[str, Any]:
     check_transformers(lm)
     torch.set_num_threads(1)
     recipe = RECIPES[lm]  # what a key leaves out
     batch, epochs = batch or recipe.batch, epochs or recipe.epochs
     ids, labels, v_ids, v_labels = lm_data(seed, rows or recipe.rows)
     n = len(ids)
-    shards = [(ids[r * n // world : (r + 1) * n // world], labels[r * n // world : (r + 1) * n // world])
-              for r in range(world)]
+    shards = [
+        (ids[r * n // world : (r + 1) * n // world], labels[r * n // world : (r + 1) * n // world])
+        for r in range(world)
+    ]
     spe = tuple(math.ceil(len(s[0]) / batch) for s in shards)
     torch.manual_seed(seed)
     model = FACTORIES[lm]()
@@ -75,15 +85,36 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
     config = TrainConfig(epochs=epochs, batch_size=batch, seed=seed, **in_groups(options or {}))
     plan = plan_steps(config, world, max(spe))  # what SharedTrainer.fit runs: the same planner
     flat = FlatParams(copy.deepcopy(model))
-    caps = None if plan.cap_share is None else StepCap.of([p.numel() for p in flat.params], flat.array,
-                                                          plan.cap_share, plan.cap_norm)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
-                       loss=None, train_step=step, optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
-                       threshold_rule=plan.rule, residual_clip=clipping(config), steps_per_epoch=spe, epochs=epochs,
-                       batch_size=batch, staleness=0, seed=seed, label_dtype="int64",
-                       lr_scheduler=scheduler_factory(max(spe) * epochs), follow_lr=config.compression.follow_lr,
-                       apply_scale=plan.apply_scale if scale is None else scale, local_view=config.compression.local_view,
-                       lr_factor=plan.lr_factor, momentum_ceiling=plan.momentum_ceiling, step_cap=caps)
+    caps = (
+        None
+        if plan.cap_share is None
+        else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share, plan.cap_norm)
+    )
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=world,
+        model=model,
+        loss=None,
+        train_step=step,
+        optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
+        threshold_rule=plan.rule,
+        residual_clip=clipping(config),
+        steps_per_epoch=spe,
+        epochs=epochs,
+        batch_size=batch,
+        staleness=0,
+        seed=seed,
+        label_dtype="int64",
+        lr_scheduler=scheduler_factory(max(spe) * epochs),
+        follow_lr=config.compression.follow_lr,
+        apply_scale=plan.apply_scale if scale is None else scale,
+        local_view=config.compression.local_view,
+        lr_factor=plan.lr_factor,
+        momentum_ceiling=plan.momentum_ceiling,
+        step_cap=caps,
+    )
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
 
     def evaluate(m: nn.Module) -> float:
@@ -93,13 +124,24 @@ def run(lm: str = "llama", world: int = 2, epochs: int | None = None, seed: int 
         curve, ratio, replicas, taus = run_ddp(model, workers, cfg, step, evaluate, lm), 1.0, None, list[str]()
     else:
         curve, taus, _, ratio, replicas = run_workers(workers, cfg, evaluate)
-    return {"lm": lm, "world": world, "system": system, "seed": seed, "val_loss": [round(v, 4) for v in curve],
-            "ratio": round(ratio), "taus": taus, "replicas": replicas, "apply_scale": cfg.apply_scale,
-            "momentum_ceiling": cfg.momentum_ceiling, "n_params": flat.n_params}
+    return {
+        "lm": lm,
+        "world": world,
+        "system": system,
+        "seed": seed,
+        "val_loss": [round(v, 4) for v in curve],
+        "ratio": round(ratio),
+        "taus": taus,
+        "replicas": replicas,
+        "apply_scale": cfg.apply_scale,
+        "momentum_ceiling": cfg.momentum_ceiling,
+        "n_params": flat.n_params,
+    }
 
 
-def run_ddp(model: nn.Module, workers: list[Worker], cfg: WorkerConfig, step: HookStep,
-            evaluate: Any, lm: str) -> list[float]:
+def run_ddp(
+    model: nn.Module, workers: list[Worker], cfg: WorkerConfig, step: HookStep, evaluate: Any, lm: str
+) -> list[float]:
     """DDP's arithmetic in one process: each step the mean loss of the ranks' batches (a rank whose shard
     is done sits out), the gradient norm clipped, one AdamW step, the schedule stepped."""
     ddp = copy.deepcopy(model)

@@ -60,10 +60,15 @@ def probe(timeout: float = 15.0) -> tuple[bool, str]:
         return False, f"{' '.join(cmd[:4])} did not finish within {timeout:g} s"
     if p.returncode != 0:
         why = (p.stderr or p.stdout).strip().splitlines()
-        hint = ("run as root, or enable unprivileged user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0)")
-        return False, f"`{' '.join(namespace_prefix(os.geteuid() == 0))}` + tc failed: " \
-                      f"{why[-1] if why else 'exit ' + str(p.returncode)}; {hint}"
+        hint = (
+            "run as root, or enable unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0)"
+        )
+        return (
+            False,
+            f"`{' '.join(namespace_prefix(os.geteuid() == 0))}` + tc failed: "
+            f"{why[-1] if why else 'exit ' + str(p.returncode)}; {hint}",
+        )
     return True, "ok"
 
 

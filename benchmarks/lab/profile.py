@@ -20,8 +20,13 @@ __all__ = ["PHASES", "WORKER_PHASES", "lo_tx_bytes", "summarise"]
 # The report's coarse phases, each a sum of worker phases: "compute" is everything local to the step
 # (batch, lookahead, forward/backward, snapshot, optimizer step).
 PHASES = ("compute", "encode", "send", "wait", "apply")
-_COARSE = {"compute": ("batch", "lookahead", "compute", "snapshot", "optimizer"),
-           "encode": ("encode",), "send": ("send",), "wait": ("wait",), "apply": ("apply",)}
+_COARSE = {
+    "compute": ("batch", "lookahead", "compute", "snapshot", "optimizer"),
+    "encode": ("encode",),
+    "send": ("send",),
+    "wait": ("wait",),
+    "apply": ("apply",),
+}
 
 
 def summarise(steps: dict[str, list[float]], warmup: int) -> dict[str, Any]:

@@ -28,8 +28,8 @@ WARMUP_STEPS = 3  # steps left out of s/step: JIT compilation, allocator and soc
 # "Final accuracy" is the mean test accuracy of the last FINAL_EVALS per-epoch evaluations. One
 # evaluation is too noisy to compare systems by: with Adam at a constant lr 1e-3 the single process's
 # test accuracy on the 450 MLP test rows swings by 2-13 pp from one epoch to the next after it has
-# converged (e.g. 95.1, 97.3, 94.7, 95.6, 95.1, 92.2 in epochs 11-16 of one run, 95.6, 84.9, 96.4 in another; after 16 epochs its
-# last-epoch accuracy over seeds 0-4 has a standard deviation of 3.1 pp, the mean of the last 3 one of
+# converged (e.g. 95.1, 97.3, 94.7, 95.6, 95.1, 92.2 in epochs 11-16 of one run, 95.6, 84.9, 96.4 in another; after 16
+# epochs its last-epoch accuracy over seeds 0-4 has a standard deviation of 3.1 pp, the mean of the last 3 one of
 # 1.3 pp), while a 0.5 pp target is 2 test rows. The last evaluation alone is kept as `last_accuracy`.
 FINAL_EVALS = 3
 
@@ -50,8 +50,12 @@ def row(system: str, workload: str, link: str, measured: Measured, target: float
     curve = [(float(t), float(a)) for t, a in measured.curve if a is not None]
     steps = len(walls)
     r = {
-        "system": system, "workload": workload, "link": link, "status": "ok",
-        "n_params": int(measured.n_params), "steps": steps,
+        "system": system,
+        "workload": workload,
+        "link": link,
+        "status": "ok",
+        "n_params": int(measured.n_params),
+        "steps": steps,
         "sec_per_step": sum(steady) / len(steady) if steady else None,
         "lo_bytes_per_step": measured.lo_bytes / steps if measured.lo_bytes is not None and steps else None,
         "time_to_target": next((t for t, a in curve if a >= target), None),
@@ -74,8 +78,14 @@ def row(system: str, workload: str, link: str, measured: Measured, target: float
 
 def failed_row(system: str, workload: str, link: str, error: BaseException | str) -> dict[str, Any]:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return {"system": system, "workload": workload, "link": link, "status": "error",
-            "error": text.strip().splitlines()[0][:300] if text.strip() else "error", "curve": []}
+    return {
+        "system": system,
+        "workload": workload,
+        "link": link,
+        "status": "error",
+        "error": text.strip().splitlines()[0][:300] if text.strip() else "error",
+        "curve": [],
+    }
 
 
 def _find(rows: list[Row], system: str, workload: str, link: str) -> Row | None:
@@ -87,8 +97,9 @@ def _find(rows: list[Row], system: str, workload: str, link: str) -> Row | None:
 
 def _baseline_single(rows: list[Row], workload: str) -> Row | None:
     """The single-process row (run once, unshaped: it sends nothing)."""
-    return next((r for r in rows if r["system"] == "single" and r["workload"] == workload
-                 and r["status"] == "ok"), None)
+    return next(
+        (r for r in rows if r["system"] == "single" and r["workload"] == workload and r["status"] == "ok"), None
+    )
 
 
 def _ratio(a: Any, b: Any) -> float | None:  # numbers from result rows (JSON), or None
@@ -102,19 +113,32 @@ def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str,
     single = _baseline_single(rows, workload)
 
     def add(name: str, value: float | None, limit: float, ok: Callable[[float, float], bool]) -> None:
-        out.append({"target": name, "value": value, "limit": limit,
-                    "met": None if value is None else bool(ok(value, limit))})
+        out.append(
+            {"target": name, "value": value, "limit": limit, "met": None if value is None else bool(ok(value, limit))}
+        )
 
     gs1, dd1 = _find(rows, "gradshare", workload, "1gbit"), _find(rows, "ddp", workload, "1gbit")
     gs100, dd100 = _find(rows, "gradshare", workload, "100mbit"), _find(rows, "ddp", workload, "100mbit")
     le = lambda v, lim: v <= lim  # noqa: E731
     # ≤ 1.15 (was 1.25): a step should cost about what one process's step costs (work hidden behind compute)
-    add("1gbit: gradshare s/step ÷ single s/step", _ratio(gs1 and gs1["sec_per_step"],
-                                                       single and single["sec_per_step"]), 1.15, le)
-    add("1gbit: gradshare s/step ÷ DDP dense s/step", _ratio(gs1 and gs1["sec_per_step"],
-                                                          dd1 and dd1["sec_per_step"]), 0.25, le)
-    add("100mbit: gradshare s/step ÷ DDP dense s/step", _ratio(gs100 and gs100["sec_per_step"],
-                                                            dd100 and dd100["sec_per_step"]), 0.05, le)
+    add(
+        "1gbit: gradshare s/step ÷ single s/step",
+        _ratio(gs1 and gs1["sec_per_step"], single and single["sec_per_step"]),
+        1.15,
+        le,
+    )
+    add(
+        "1gbit: gradshare s/step ÷ DDP dense s/step",
+        _ratio(gs1 and gs1["sec_per_step"], dd1 and dd1["sec_per_step"]),
+        0.25,
+        le,
+    )
+    add(
+        "100mbit: gradshare s/step ÷ DDP dense s/step",
+        _ratio(gs100 and gs100["sec_per_step"], dd100 and dd100["sec_per_step"]),
+        0.05,
+        le,
+    )
     for link in ("1gbit", "100mbit", "unshaped"):
         for peer, label in (("powersgd", "DDP+PowerSGD"), ("ddp", "DDP dense")):  # time to target: ahead of both
             gs, ps = _find(rows, "gradshare", workload, link), _find(rows, peer, workload, link)
@@ -127,8 +151,7 @@ def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str,
         # at most 0.7 of the single process's time (was 0.5): two workers on this benchmark's 2-core VM
         # cannot go below ~0.51 even with no warm-up cost at all (docs/benchmarks/train.md)
         g = gs1["time_to_target"]
-        add("1gbit: gradshare time-to-target ÷ single", None if g is None else g / single["time_to_target"],
-            0.7, le)
+        add("1gbit: gradshare time-to-target ÷ single", None if g is None else g / single["time_to_target"], 0.7, le)
     if single:
         for link in ("1gbit", "unshaped"):
             gs = _find(rows, "gradshare", workload, link)
@@ -138,9 +161,12 @@ def targets(rows: list[dict[str, Any]], workload: str = "mlp") -> list[dict[str,
     for link in ("1gbit", "unshaped", "100mbit"):
         gs, dd = _find(rows, "gradshare", workload, link), _find(rows, "ddp", workload, link)
         if gs and dd:
-            add(f"{link}: DDP dense ÷ gradshare bytes/step (lo)", _ratio(dd["lo_bytes_per_step"],
-                                                                     gs["lo_bytes_per_step"]), 300,
-                lambda v, lim: v >= lim)
+            add(
+                f"{link}: DDP dense ÷ gradshare bytes/step (lo)",
+                _ratio(dd["lo_bytes_per_step"], gs["lo_bytes_per_step"]),
+                300,
+                lambda v, lim: v >= lim,
+            )
     return out
 
 
@@ -162,8 +188,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     "final acc" is the mean of the last FINAL_EVALS epochs' test accuracy, "last acc" the last one."""
     lines = []
-    head = (f"{'workload':<8} {'link':<9} {'system':<10} {'steps':>5} {'s/step':>8} {'×single':>8} {'×DDP':>7} "
-            f"{'bytes/step':>11} {'dense÷this':>10} {'t→target':>9} {'final acc':>9} {'last acc':>8}  note")
+    head = (
+        f"{'workload':<8} {'link':<9} {'system':<10} {'steps':>5} {'s/step':>8} {'×single':>8} {'×DDP':>7} "
+        f"{'bytes/step':>11} {'dense÷this':>10} {'t→target':>9} {'final acc':>9} {'last acc':>8}  note"
+    )
     lines += [head, "-" * len(head)]
     for r in rows:
         if r["status"] != "ok":
@@ -181,12 +209,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{fmt(_ratio(ddp and ddp['lo_bytes_per_step'], r['lo_bytes_per_step']), ',.0f'):>10} "
             f"{fmt(r['time_to_target'], '.1f', ' s'):>9} "
             f"{fmt(r['final_accuracy'] and 100 * r['final_accuracy'], '.2f', '%'):>9} "
-            f"{fmt(r.get('last_accuracy') and 100 * r['last_accuracy'], '.2f', '%'):>8}  {note}")
+            f"{fmt(r.get('last_accuracy') and 100 * r['last_accuracy'], '.2f', '%'):>8}  {note}"
+        )
     for r in rows:
         if r.get("profile"):
             p = r["profile"]
             share = "  ".join(f"{k} {1000 * p[k]:.1f}" for k in ("compute", "encode", "send", "wait", "apply", "other"))
-            lines.append(f"profile gradshare {r['workload']}/{r['link']} (ms/step, wall {1000 * p['wall']:.1f}): {share}")
+            lines.append(
+                f"profile gradshare {r['workload']}/{r['link']} (ms/step, wall {1000 * p['wall']:.1f}): {share}"
+            )
             if p.get("detail"):
                 lines.append("  of which: " + "  ".join(f"{k} {1000 * v:.1f}" for k, v in p["detail"].items()))
     return "\n".join(lines)
@@ -208,14 +239,18 @@ def command_line(subcommand: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg()}  # the machine may be shared: say how busy it was
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }  # the machine may be shared: say how busy it was
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
         pass
-    for package in ("torch", "pyspark"):   # their versions, without importing them
+    for package in ("torch", "pyspark"):  # their versions, without importing them
         try:
             info[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -223,13 +258,19 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_json(path: str, rows: list[dict[str, Any]], *, command: str, config: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def write_json(
+    path: str, rows: list[dict[str, Any]], *, command: str, config: dict[str, Any], notes: list[str]
+) -> dict[str, Any]:
     doc = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(), "command": command, "config": config, "notes": notes,
+        "machine": machine(),
+        "command": command,
+        "config": config,
+        "notes": notes,
         "bytes_source": "lo transmit counter (/proc/net/dev) inside the benchmark's network namespace, "
-                        "over the timed steps, all processes; relay_bytes_per_step: the relay's own counters",
-        "results": rows, "targets": {w: targets(rows, w) for w in sorted({r["workload"] for r in rows})},
+        "over the timed steps, all processes; relay_bytes_per_step: the relay's own counters",
+        "results": rows,
+        "targets": {w: targets(rows, w) for w in sorted({r["workload"] for r in rows})},
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -246,8 +287,9 @@ def plot(path: str, rows: list[dict[str, Any]], title: str = "") -> None:
 
     workloads = sorted({r["workload"] for r in rows})
     links = [link for link in ("unshaped", "1gbit", "100mbit") if any(r["link"] == link for r in rows)]
-    fig, axes = plt.subplots(len(workloads), len(links), figsize=(4 * len(links), 3 * len(workloads)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(workloads), len(links), figsize=(4 * len(links), 3 * len(workloads)), squeeze=False, sharey=True
+    )
     colors = {"gradshare": "tab:green", "ddp": "tab:red", "powersgd": "tab:orange", "single": "tab:gray"}
     for i, w in enumerate(workloads):
         for j, link in enumerate(links):
@@ -257,14 +299,22 @@ def plot(path: str, rows: list[dict[str, Any]], title: str = "") -> None:
                     continue
                 if r["link"] == link or (r["system"] == "single" and r["link"] == "unshaped"):
                     t, a = zip(*r["curve"])
-                    ax.plot(t, [100 * v for v in a], marker=".", label=r["system"], color=colors.get(r["system"]),
-                            linestyle="--" if r["system"] == "single" else "-")
+                    ax.plot(
+                        t,
+                        [100 * v for v in a],
+                        marker=".",
+                        label=r["system"],
+                        color=colors.get(r["system"]),
+                        linestyle="--" if r["system"] == "single" else "-",
+                    )
             target = next((r["target"] for r in rows if r["workload"] == w and "target" in r), None)
             accuracy_panel(ax, f"{w}, {link}", "training wall-clock (s)", target, ylabel=j == 0)
     save_figure(fig, path, title)
 
 
-def accuracy_panel(ax: Axes, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7) -> None:
+def accuracy_panel(
+    ax: Axes, title: str, xlabel: str, target: float | None, *, ylabel: bool, legend_size: int = 7
+) -> None:
     """Labels, the target line and the legend of one test-accuracy panel (the train and convergence studies)."""
     if target:
         ax.axhline(100 * target, color="black", linewidth=0.5, linestyle=":")

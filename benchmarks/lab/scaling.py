@@ -42,16 +42,29 @@ from lab import report
 from lab.train import comma_list
 from lab.workloads import RECIPES, SCALING_WORKLOADS, Workload, load
 
-SYSTEMS = ("gradshare", "gradshare-nodecay", "gradshare-nocap", "gradshare-cap", "gradshare-keep", "gradshare-nomomentum",
-           "local", "ddp", "ddp-sqrt", "ddp-linear")
+SYSTEMS = (
+    "gradshare",
+    "gradshare-nodecay",
+    "gradshare-nocap",
+    "gradshare-cap",
+    "gradshare-keep",
+    "gradshare-nomomentum",
+    "local",
+    "ddp",
+    "ddp-sqrt",
+    "ddp-linear",
+)
 # what a plain run compares: the default, what it replaced (the workers' momentum kept), the design
 # without compression, and DDP at its three lrs; the other variants on request
 DEFAULT_SYSTEMS = ("gradshare", "gradshare-keep", "local", "ddp", "ddp-sqrt", "ddp-linear")
 # gradshare's variants: the lock-step run's arguments that make each (the default's otherwise)
-VARIANTS: dict[str, dict[str, Any]] = {"gradshare-nodecay": {"rule": {"kind": "auto", "decay_from": 0.0}},
-                                       "gradshare-nocap": {"step_cap": None},
-                                       "gradshare-cap": {"step_cap": DEFAULT_STEP_CAP},
-                                       "gradshare-keep": {"momentum": "keep"}, "gradshare-nomomentum": {"momentum": "off"}}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gradshare-nodecay": {"rule": {"kind": "auto", "decay_from": 0.0}},
+    "gradshare-nocap": {"step_cap": None},
+    "gradshare-cap": {"step_cap": DEFAULT_STEP_CAP},
+    "gradshare-keep": {"momentum": "keep"},
+    "gradshare-nomomentum": {"momentum": "off"},
+}
 DDP_LR = {"ddp": lambda n: 1.0, "ddp-sqrt": math.sqrt, "ddp-linear": float}  # lr multiplier at N workers
 DEFAULTS = {"workers": "1,2,4,8,16,32,64", "seeds": "0,1,2"}
 QUICK = {"workers": "1,4", "seeds": "0", "epochs": 2, "rows": 2048, "workloads": "tabular64k"}
@@ -61,13 +74,18 @@ GAP_SLACK_PP = 0.3  # the goal: the default's last-3 accuracy ≥ tuned DDP's �
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None, help=f"comma list of {','.join(SCALING_WORKLOADS)} (default all)")
     parser.add_argument("--workers", default=None, help=f"comma list of N >= 1 (default {DEFAULTS['workers']})")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma list of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma list of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})",
+    )
     parser.add_argument("--seeds", default=None, help=f"comma list (default {DEFAULTS['seeds']})")
     parser.add_argument("--epochs", type=int, default=None, help="epochs for every workload (default: its recipe)")
     parser.add_argument("--rows", type=int, default=None, help="keep only this many training/test rows")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} (explicit flags win)")
-    parser.add_argument("--out-dir", default=None, help="where bench-scaling.json/.png go (default docs/; --quick: a temp dir)")
+    parser.add_argument(
+        "--out-dir", default=None, help="where bench-scaling.json/.png go (default docs/; --quick: a temp dir)"
+    )
 
 
 def _ints(text: str, flag: str, minimum: int) -> list[int]:
@@ -89,12 +107,17 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     for flag, value in (("epochs", args.epochs), ("rows", args.rows)):
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
-    return {"workloads": comma_list(given(args.workloads, "workloads") or ",".join(SCALING_WORKLOADS),
-                                    SCALING_WORKLOADS, "workloads"),
-            "workers": _ints(given(args.workers, "workers"), "workers", 1),
-            "systems": comma_list(args.systems, SYSTEMS, "systems"),
-            "seeds": _ints(given(args.seeds, "seeds"), "seeds", 0),
-            "epochs": given(args.epochs, "epochs"), "rows": given(args.rows, "rows"), "quick": quick}
+    return {
+        "workloads": comma_list(
+            given(args.workloads, "workloads") or ",".join(SCALING_WORKLOADS), SCALING_WORKLOADS, "workloads"
+        ),
+        "workers": _ints(given(args.workers, "workers"), "workers", 1),
+        "systems": comma_list(args.systems, SYSTEMS, "systems"),
+        "seeds": _ints(given(args.seeds, "seeds"), "seeds", 0),
+        "epochs": given(args.epochs, "epochs"),
+        "rows": given(args.rows, "rows"),
+        "quick": quick,
+    }
 
 
 def runs(cfg: dict[str, Any]) -> list[tuple[str, int, str, int]]:
@@ -102,7 +125,7 @@ def runs(cfg: dict[str, Any]) -> list[tuple[str, int, str, int]]:
     out = []
     for w in cfg["workloads"]:
         for n in cfg["workers"]:
-            for system in (["ddp"] if n == 1 else cfg["systems"]):
+            for system in ["ddp"] if n == 1 else cfg["systems"]:
                 out += [(w, n, system, seed) for seed in cfg["seeds"]]
     return out
 
@@ -117,13 +140,34 @@ def run_one(workload: str, world: int, system: str, seed: int, cfg: dict[str, An
     # DDP's one optimizer sees the global batch itself
     lr_batch = None if mode == "ddp" else recipe.global_batch
     t0 = time.monotonic()
-    out = run(workload=workload, world=world, epochs=cfg["epochs"] or recipe.epochs, seed=seed, lr=lr,
-              batch=recipe.batch_for(world), system=mode, data=data, lr_batch=lr_batch, **VARIANTS.get(system, {}))
+    out = run(
+        workload=workload,
+        world=world,
+        epochs=cfg["epochs"] or recipe.epochs,
+        seed=seed,
+        lr=lr,
+        batch=recipe.batch_for(world),
+        system=mode,
+        data=data,
+        lr_batch=lr_batch,
+        **VARIANTS.get(system, {}),
+    )
     accuracy = [a / 100 for a in out["acc"]]
-    return {"workload": workload, "workers": world, "system": system, "seed": seed, "lr": lr, "lr_batch": lr_batch,
-            "batch": recipe.batch_for(world), "accuracy": accuracy, "last3": statistics.fmean(accuracy[-3:]),
-            "best": max(accuracy), "epochs_to_target": next((e + 1 for e, a in enumerate(accuracy) if a >= data.target), None),
-            "traffic_ratio": out["ratio"] if mode == "gradshare" else 1.0, "seconds": time.monotonic() - t0}
+    return {
+        "workload": workload,
+        "workers": world,
+        "system": system,
+        "seed": seed,
+        "lr": lr,
+        "lr_batch": lr_batch,
+        "batch": recipe.batch_for(world),
+        "accuracy": accuracy,
+        "last3": statistics.fmean(accuracy[-3:]),
+        "best": max(accuracy),
+        "epochs_to_target": next((e + 1 for e, a in enumerate(accuracy) if a >= data.target), None),
+        "traffic_ratio": out["ratio"] if mode == "gradshare" else 1.0,
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,13 +178,24 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         last3 = [r["last3"] for r in group]
         mean = [statistics.fmean(c) for c in zip(*(r["accuracy"] for r in group))]
         target = group[0].get("target")
-        out.append({"workload": w, "workers": n, "system": system, "seeds": [r["seed"] for r in group],
-                    "lr": group[0]["lr"], "mean": mean,
-                    "last3_mean": statistics.fmean(last3), "last3_std": statistics.stdev(last3) if len(last3) > 1 else None,
-                    "best_mean": statistics.fmean(r["best"] for r in group),
-                    "epochs_to_target": next((e + 1 for e, a in enumerate(mean) if target is not None and a >= target), None),
-                    "traffic_ratio": statistics.fmean(r["traffic_ratio"] for r in group),
-                    "seconds": statistics.fmean(r["seconds"] for r in group)})
+        out.append(
+            {
+                "workload": w,
+                "workers": n,
+                "system": system,
+                "seeds": [r["seed"] for r in group],
+                "lr": group[0]["lr"],
+                "mean": mean,
+                "last3_mean": statistics.fmean(last3),
+                "last3_std": statistics.stdev(last3) if len(last3) > 1 else None,
+                "best_mean": statistics.fmean(r["best"] for r in group),
+                "epochs_to_target": next(
+                    (e + 1 for e, a in enumerate(mean) if target is not None and a >= target), None
+                ),
+                "traffic_ratio": statistics.fmean(r["traffic_ratio"] for r in group),
+                "seconds": statistics.fmean(r["seconds"] for r in group),
+            }
+        )
     for w, n in sorted({(s["workload"], s["workers"]) for s in out}):
         ddps = [s for s in out if (s["workload"], s["workers"]) == (w, n) and s["system"] in DDP_LR]
         if ddps:
@@ -154,12 +209,26 @@ def gaps(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s in summary:
         if s["system"] not in ("gradshare", *VARIANTS, "local"):
             continue
-        tuned = next((t for t in summary if t["system"] == "ddp-tuned"
-                      and (t["workload"], t["workers"]) == (s["workload"], s["workers"])), None)
+        tuned = next(
+            (
+                t
+                for t in summary
+                if t["system"] == "ddp-tuned" and (t["workload"], t["workers"]) == (s["workload"], s["workers"])
+            ),
+            None,
+        )
         if tuned is not None:
             gap = 100 * (s["last3_mean"] - tuned["last3_mean"])
-            found.append({"workload": s["workload"], "workers": s["workers"], "system": s["system"],
-                          "gap_pp": gap, "tuned_lr": tuned["lr"], "met": gap >= -GAP_SLACK_PP})
+            found.append(
+                {
+                    "workload": s["workload"],
+                    "workers": s["workers"],
+                    "system": s["system"],
+                    "gap_pp": gap,
+                    "tuned_lr": tuned["lr"],
+                    "met": gap >= -GAP_SLACK_PP,
+                }
+            )
     return found
 
 
@@ -171,17 +240,32 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
 
     workloads = sorted({s["workload"] for s in summary})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.4), squeeze=False)
-    colors = {"gradshare": "tab:green", "gradshare-nodecay": "tab:cyan", "gradshare-nocap": "tab:blue",
-              "gradshare-cap": "tab:brown", "gradshare-keep": "tab:gray", "gradshare-nomomentum": "tab:pink",
-              "local": "tab:olive", "ddp": "tab:red", "ddp-sqrt": "tab:orange",
-              "ddp-linear": "tab:purple", "ddp-tuned": "black"}
+    colors = {
+        "gradshare": "tab:green",
+        "gradshare-nodecay": "tab:cyan",
+        "gradshare-nocap": "tab:blue",
+        "gradshare-cap": "tab:brown",
+        "gradshare-keep": "tab:gray",
+        "gradshare-nomomentum": "tab:pink",
+        "local": "tab:olive",
+        "ddp": "tab:red",
+        "ddp-sqrt": "tab:orange",
+        "ddp-linear": "tab:purple",
+        "ddp-tuned": "black",
+    }
     for ax, w in zip(axes[0], workloads):
         for system in colors:
-            pts = sorted((s["workers"], 100 * s["last3_mean"]) for s in summary
-                         if s["workload"] == w and s["system"] == system)
+            pts = sorted(
+                (s["workers"], 100 * s["last3_mean"]) for s in summary if s["workload"] == w and s["system"] == system
+            )
             if pts:
-                ax.plot(*zip(*pts), marker=".", label=system, color=colors[system],
-                        linestyle="--" if system == "ddp-tuned" else "-")
+                ax.plot(
+                    *zip(*pts),
+                    marker=".",
+                    label=system,
+                    color=colors[system],
+                    linestyle="--" if system == "ddp-tuned" else "-",
+                )
         ax.set_xscale("log", base=2)
         ax.set_title(w, fontsize=9)
         ax.set_xlabel("workers N")
@@ -204,19 +288,36 @@ def run(args: argparse.Namespace) -> int:
         try:
             row = run_one(workload, world, system, seed, cfg, data)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
-            row = {"workload": workload, "workers": world, "system": system, "seed": seed,
-                   "error": f"{type(e).__name__}: {e}"[:300]}
+            row = {
+                "workload": workload,
+                "workers": world,
+                "system": system,
+                "seed": seed,
+                "error": f"{type(e).__name__}: {e}"[:300],
+            }
         row["target"] = data.target
         rows.append(row)
-        print(f"[scaling] {workload} N={world} {system} seed {seed}: "
-              + (row.get("error") or f"last-3 {100 * row['last3']:.2f} %, traffic {row['traffic_ratio']:,.0f}x, "
-                                     f"{row['seconds']:.0f} s"), flush=True)
+        print(
+            f"[scaling] {workload} N={world} {system} seed {seed}: "
+            + (
+                row.get("error")
+                or f"last-3 {100 * row['last3']:.2f} %, traffic {row['traffic_ratio']:,.0f}x, {row['seconds']:.0f} s"
+            ),
+            flush=True,
+        )
     ok = [r for r in rows if "error" not in r]
     summary = summarise(ok)
-    doc: dict[str, Any] = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": report.machine(),
-           "command": report.command_line("scaling"), "config": cfg,
-           "recipes": {w: vars(RECIPES[w]) for w in cfg["workloads"]},
-           "summary": summary, "gaps": gaps(summary), "rows": rows, "total_seconds": time.monotonic() - t0}
+    doc: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": report.machine(),
+        "command": report.command_line("scaling"),
+        "config": cfg,
+        "recipes": {w: vars(RECIPES[w]) for w in cfg["workloads"]},
+        "summary": summary,
+        "gaps": gaps(summary),
+        "rows": rows,
+        "total_seconds": time.monotonic() - t0,
+    }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench-scaling.json"), "w") as f:
         json.dump(doc, f, indent=1, default=float)
@@ -224,8 +325,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'workload':<12} {'N':>3} {'system':<17} {'last-3 %':>14} {'best %':>7} {'→target':>7} {'traffic':>8}")
     for s in summary:
         std = f" ± {100 * s['last3_std']:.2f}" if s["last3_std"] is not None else ""
-        print(f"{s['workload']:<12} {s['workers']:>3} {s['system']:<17} {100 * s['last3_mean']:>7.2f}{std:<7} "
-              f"{100 * s['best_mean']:>7.2f} {s['epochs_to_target'] or '—':>7} {s['traffic_ratio']:>7,.0f}x")
+        print(
+            f"{s['workload']:<12} {s['workers']:>3} {s['system']:<17} {100 * s['last3_mean']:>7.2f}{std:<7} "
+            f"{100 * s['best_mean']:>7.2f} {s['epochs_to_target'] or '—':>7} {s['traffic_ratio']:>7,.0f}x"
+        )
     for g in doc["gaps"]:
         print(f"  {g['workload']} N={g['workers']} {g['system']} − DDP tuned: {g['gap_pp']:+.2f} pp")
     print(f"{len(rows)} runs in {doc['total_seconds']:.0f} s; wrote {out_dir}/bench-scaling.json and .png")

@@ -92,16 +92,16 @@ def lr_factor(schedule: str, step: int, total_steps: int) -> float:
 def _lambda_lr(schedule: str, total_steps: int, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     import torch
 
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(_factor_at, schedule, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_factor_at, schedule, total_steps))
 
 
 def _factor_at(schedule: str, total_steps: int, step: int) -> float:
     return lr_factor(schedule, step, total_steps)
 
 
-def lr_scheduler_factory(schedule: str,
-                         total_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
+def lr_scheduler_factory(
+    schedule: str, total_steps: int
+) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     """`callable(optimizer) -> torch LambdaLR` for `schedule` over `total_steps` optimizer steps; the
     caller steps the scheduler once after every `optimizer.step()`. One factory for every system
     (single and DDP build the scheduler themselves, gradshare ships it to its workers as
@@ -157,10 +157,21 @@ def local_spark(slots: int, app_name: str) -> SparkSession:
 
 
 # ---------------------------------------------------------------------------------------- local loop
-def _train_steps(module: nn.Module, evaluated: nn.Module, X: torch.Tensor, y: torch.Tensor,
-                 test: tuple[NDArray[Any], NDArray[Any]] | None, *, rank: int, epochs: int, spe: int, batch_size: int,
-                 seed: int, lr_schedule: str,
-                 stop: Callable[[float], bool]) -> tuple[list[float], list[tuple[float, float]], bool]:
+def _train_steps(
+    module: nn.Module,
+    evaluated: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    test: tuple[NDArray[Any], NDArray[Any]] | None,
+    *,
+    rank: int,
+    epochs: int,
+    spe: int,
+    batch_size: int,
+    seed: int,
+    lr_schedule: str,
+    stop: Callable[[float], bool],
+) -> tuple[list[float], list[tuple[float, float]], bool]:
     """The step loop of the single process and of every DDP rank: Adam + the shared LR scheduler
     (stepped once per optimizer step), rank `rank`'s seeded batch order (`epoch_order`), `spe` steps per
     epoch. After every step `stop(training seconds so far)` says whether to stop (DDP: agreed by every
@@ -202,8 +213,9 @@ def _lo_delta(lo0: int | None, lo1: int | None) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- single
-def run_single(wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float,
-               lr_schedule: str = "constant") -> Measured:
+def run_single(
+    wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float, lr_schedule: str = "constant"
+) -> Measured:
     import torch
 
     torch.set_num_threads(1)
@@ -211,22 +223,44 @@ def run_single(wl: Workload, *, epochs: int, batch_size: int, seed: int, budget:
     model = model_factory(wl.name)()
     lo0 = lo_tx_bytes()
     walls, curve, stopped = _train_steps(
-        model, model, torch.from_numpy(wl.X_train), torch.from_numpy(wl.y_train), (wl.X_test, wl.y_test),
-        rank=0, epochs=epochs, spe=steps_per_epoch(len(wl.y_train), 1, batch_size), batch_size=batch_size,
-        seed=seed, lr_schedule=lr_schedule, stop=lambda clock: clock > budget)
+        model,
+        model,
+        torch.from_numpy(wl.X_train),
+        torch.from_numpy(wl.y_train),
+        (wl.X_test, wl.y_test),
+        rank=0,
+        epochs=epochs,
+        spe=steps_per_epoch(len(wl.y_train), 1, batch_size),
+        batch_size=batch_size,
+        seed=seed,
+        lr_schedule=lr_schedule,
+        stop=lambda clock: clock > budget,
+    )
     n = sum(p.numel() for p in model.parameters())
     return Measured(walls, curve, _lo_delta(lo0, lo_tx_bytes()), n, stopped)
 
 
 # ---------------------------------------------------------------------------------------- gradshare
-def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size: int, seed: int, budget: float,
-                  threshold: float | Literal["auto"] = TrainConfig.threshold, max_sparsity: float | None = None,
-                  staleness: int = Compression.staleness, lr: float = LEARNING_RATE,
-                  residual_clip: float | None = Compression.residual_clip,
-                  lr_schedule: str = "constant", workers: int = 2, timeout: float = 120.0,
-                  aggregate: Aggregate = Compression.aggregate,
-                  step_cap: float | Literal["auto"] | None = Compression.step_cap,
-                  optimizer_momentum: OptimizerMomentum = Compression.optimizer_momentum) -> Measured:
+def run_gradshare(
+    spark: SparkSession,
+    wl: Workload,
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    budget: float,
+    threshold: float | Literal["auto"] = TrainConfig.threshold,
+    max_sparsity: float | None = None,
+    staleness: int = Compression.staleness,
+    lr: float = LEARNING_RATE,
+    residual_clip: float | None = Compression.residual_clip,
+    lr_schedule: str = "constant",
+    workers: int = 2,
+    timeout: float = 120.0,
+    aggregate: Aggregate = Compression.aggregate,
+    step_cap: float | Literal["auto"] | None = Compression.step_cap,
+    optimizer_momentum: OptimizerMomentum = Compression.optimizer_momentum,
+) -> Measured:
     """SharedTrainer with `workers` barrier tasks on `spark`; the job is cancelled (and reported as such)
     after `budget` seconds.
 
@@ -246,15 +280,30 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
         if threshold == "auto":
             raise ValueError("max_sparsity tunes the adaptive rule of a numeric threshold, not threshold='auto'")
         options["threshold_algorithm"] = AdaptiveThreshold(initial=threshold, max_sparsity=max_sparsity)
-    trainer = SharedTrainer(model_factory(wl.name), optimizer=functools.partial(adam, lr=lr),
-                            lr_scheduler=lr_scheduler_factory(lr_schedule, total), threshold=threshold,
-                            num_workers=workers, port=0, batch_size=batch_size, epochs=epochs, seed=seed, verbose=0,
-                            validation_data=(wl.X_test, wl.y_test),
-                            runtime=Runtime(scheduler_interval="step", worker_options={"profile": True}),
-                            compression=Compression(staleness=staleness, aggregate=aggregate, residual_clip=residual_clip,
-                                                    optimizer_momentum=optimizer_momentum, step_cap=step_cap, **options),
-                            network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"),
-                            fault_tolerance=FaultTolerance(timeout=timeout))
+    trainer = SharedTrainer(
+        model_factory(wl.name),
+        optimizer=functools.partial(adam, lr=lr),
+        lr_scheduler=lr_scheduler_factory(lr_schedule, total),
+        threshold=threshold,
+        num_workers=workers,
+        port=0,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=seed,
+        verbose=0,
+        validation_data=(wl.X_test, wl.y_test),
+        runtime=Runtime(scheduler_interval="step", worker_options={"profile": True}),
+        compression=Compression(
+            staleness=staleness,
+            aggregate=aggregate,
+            residual_clip=residual_clip,
+            optimizer_momentum=optimizer_momentum,
+            step_cap=step_cap,
+            **options,
+        ),
+        network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"),
+        fault_tolerance=FaultTolerance(timeout=timeout),
+    )
     with _cancel_after(sc, budget) as fired:
         try:
             result = trainer.fit(rdd)
@@ -269,7 +318,9 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
     c = result.counters
     worker_steps = sum(r.last_step + 1 for r in result.worker_reports)
     return Measured(
-        walls=prof["steps"]["wall"], curve=[(t, a) for t, a in prof["curve"]], lo_bytes=prof["lo_tx_bytes"],
+        walls=prof["steps"]["wall"],
+        curve=[(t, a) for t, a in prof["curve"]],
+        lo_bytes=prof["lo_tx_bytes"],
         n_params=result.n_params,
         extra={
             "profile_steps": {k: v for k, v in prof["steps"].items()},
@@ -283,9 +334,24 @@ def run_gradshare(spark: SparkSession, wl: Workload, *, epochs: int, batch_size:
             "fit_seconds": result.seconds,
             "mean_sparsity": float(np.mean([h["sparsity"] for h in result.history])),
             "final_tau": result.history[-1]["tau"],
-            "epochs_history": [{k: h[k] for k in ("epoch", "steps", "silent_steps", "sparsity", "tau", "lr",
-                                                   "bytes_sent", "bytes_received", "seconds", "val_metric")}
-                               for h in result.history],
+            "epochs_history": [
+                {
+                    k: h[k]
+                    for k in (
+                        "epoch",
+                        "steps",
+                        "silent_steps",
+                        "sparsity",
+                        "tau",
+                        "lr",
+                        "bytes_sent",
+                        "bytes_received",
+                        "seconds",
+                        "val_metric",
+                    )
+                }
+                for h in result.history
+            ],
             "param_hash": result.param_hash,
             "drops": dict(c.drops),
         },

@@ -52,40 +52,70 @@ QUICK = {"rows": 256, "epochs": 2, "budget": 15.0}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="mlp,cnn", help="comma list of mlp,cnn,tabular (default mlp,cnn)")
-    parser.add_argument("--systems", default="gradshare,ddp,powersgd,single",
-                        help="comma list of gradshare,ddp,powersgd,single (default all)")
-    parser.add_argument("--links", default="unshaped,1gbit,100mbit",
-                        help="comma list of unshaped,1gbit,100mbit (default all)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help=f"epochs for every workload (default {DEFAULT_EPOCHS})")
+    parser.add_argument(
+        "--systems",
+        default="gradshare,ddp,powersgd,single",
+        help="comma list of gradshare,ddp,powersgd,single (default all)",
+    )
+    parser.add_argument(
+        "--links", default="unshaped,1gbit,100mbit", help="comma list of unshaped,1gbit,100mbit (default all)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=None, help=f"epochs for every workload (default {DEFAULT_EPOCHS})"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="rows per step per worker (default 64)")
-    parser.add_argument("--budget", type=float, default=60.0,
-                        help="seconds of training after which a configuration stops (default 60)")
-    parser.add_argument("--threshold", default=TrainConfig.threshold,
-                        help="gradshare's τ: 'auto' (default, SharedTrainer's calibrated τ) or the initial τ "
-                             "of the adaptive rule (the runs before 'auto' used 1e-2)")
-    parser.add_argument("--max-sparsity", type=float, default=None,
-                        help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)")
-    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                        help="Adam lr of every system: constant 1e-3, cosine-annealed to 0, or step decay "
-                             "(x0.1 at 50%% and 75%%) over each process's own steps (default constant; with "
-                             "cosine and a fixed initial τ, gradshare's adaptive τ falls as the updates shrink "
-                             "and its accuracy dropped in the last epochs; `benchmarks/convergence.py` compares all)")
-    parser.add_argument("--gradshare-lr", type=float, default=None,
-                        help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
-                             "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)")
-    parser.add_argument("--residual-clip", type=float, default=Compression.residual_clip,
-                        help="gradshare residual clip in multiples of τ; 0 disables (default 5, SharedTrainer's; "
-                             "on the MLP 0 and 5 end bit-identical: the residual stays under 5τ)")
-    parser.add_argument("--staleness", type=int, default=Compression.staleness,
-                        help="gradshare's staleness k (default %(default)s)")
+    parser.add_argument(
+        "--budget", type=float, default=60.0, help="seconds of training after which a configuration stops (default 60)"
+    )
+    parser.add_argument(
+        "--threshold",
+        default=TrainConfig.threshold,
+        help="gradshare's τ: 'auto' (default, SharedTrainer's calibrated τ) or the initial τ "
+        "of the adaptive rule (the runs before 'auto' used 1e-2)",
+    )
+    parser.add_argument(
+        "--max-sparsity",
+        type=float,
+        default=None,
+        help="upper end of the adaptive τ rule's band (default: SharedTrainer's, 1e-2)",
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="constant",
+        help="Adam lr of every system: constant 1e-3, cosine-annealed to 0, or step decay "
+        "(x0.1 at 50%% and 75%%) over each process's own steps (default constant; with "
+        "cosine and a fixed initial τ, gradshare's adaptive τ falls as the updates shrink "
+        "and its accuracy dropped in the last epochs; `benchmarks/convergence.py` compares all)",
+    )
+    parser.add_argument(
+        "--gradshare-lr",
+        type=float,
+        default=None,
+        help="gradshare workers' Adam lr (default: the shared 1e-3; the relay sums both "
+        "workers' updates, yet 5e-4 was worse on the MLP: a slower first epoch under τ 1e-2)",
+    )
+    parser.add_argument(
+        "--residual-clip",
+        type=float,
+        default=Compression.residual_clip,
+        help="gradshare residual clip in multiples of τ; 0 disables (default 5, SharedTrainer's; "
+        "on the MLP 0 and 5 end bit-identical: the residual stays under 5τ)",
+    )
+    parser.add_argument(
+        "--staleness", type=int, default=Compression.staleness, help="gradshare's staleness k (default %(default)s)"
+    )
     parser.add_argument("--target", type=float, default=None, help="test accuracy for time-to-target (default 0.90)")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--rows", type=int, default=None, help="keep only this many training/test rows")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK['rows']} rows, {QUICK['epochs']} epochs, {QUICK['budget']:g} s budget")
-    parser.add_argument("--out-dir", default=None,
-                        help="where bench-train.json/.png go (default docs/, or a temp dir with --quick)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['rows']} rows, {QUICK['epochs']} epochs, {QUICK['budget']:g} s budget",
+    )
+    parser.add_argument(
+        "--out-dir", default=None, help="where bench-train.json/.png go (default docs/, or a temp dir with --quick)"
+    )
     parser.add_argument("--no-netns", action="store_true", help="do not create namespaces: run unshaped only")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # link name, inside the namespace
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -121,21 +151,36 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": comma_list(args.workloads, WORKLOADS, "workloads"),
         "systems": comma_list(args.systems, SYSTEMS, "systems"),
         "links": comma_list(args.links, LINKS, "links"),
-        "epochs": epochs, "batch_size": args.batch_size, "budget": budget, "threshold": threshold_arg(args.threshold),
-        "max_sparsity": args.max_sparsity, "gradshare_lr": args.gradshare_lr, "lr_schedule": args.lr_schedule,
-        "residual_clip": args.residual_clip or None, "staleness": args.staleness, "target": args.target,
-        "seed": args.seed, "rows": rows, "quick": bool(args.quick),
+        "epochs": epochs,
+        "batch_size": args.batch_size,
+        "budget": budget,
+        "threshold": threshold_arg(args.threshold),
+        "max_sparsity": args.max_sparsity,
+        "gradshare_lr": args.gradshare_lr,
+        "lr_schedule": args.lr_schedule,
+        "residual_clip": args.residual_clip or None,
+        "staleness": args.staleness,
+        "target": args.target,
+        "seed": args.seed,
+        "rows": rows,
+        "quick": bool(args.quick),
     }
 
 
 # ------------------------------------------------------------------------------------------ child
-def run_configs(cfg: dict[str, Any], link: str, systems: list[str], spark: SparkSession | None = None) -> list[dict[str, Any]]:
+def run_configs(
+    cfg: dict[str, Any], link: str, systems: list[str], spark: SparkSession | None = None
+) -> list[dict[str, Any]]:
     """Run `systems` × cfg's workloads in this process (on `link`, already set up); one row each."""
     rows = []
     for name in cfg["workloads"]:
         wl = load(name, cfg["seed"], cfg["target"], cfg["rows"])
-        common = {"epochs": cfg["epochs"][name], "batch_size": cfg["batch_size"], "seed": cfg["seed"],
-                  "lr_schedule": cfg["lr_schedule"]}
+        common = {
+            "epochs": cfg["epochs"][name],
+            "batch_size": cfg["batch_size"],
+            "seed": cfg["seed"],
+            "lr_schedule": cfg["lr_schedule"],
+        }
         for system in systems:
             print(f"[bench] {name} / {link} / {system} ...", flush=True)
             t0 = time.monotonic()
@@ -145,19 +190,36 @@ def run_configs(cfg: dict[str, Any], link: str, systems: list[str], spark: Spark
                 elif spark is None:
                     raise ValueError(f"{system} runs on Spark, and no session was given")
                 elif system == "gradshare":
-                    m = sysmod.run_gradshare(spark, wl, budget=3 * cfg["budget"], threshold=cfg["threshold"],
-                                             max_sparsity=cfg["max_sparsity"], staleness=cfg["staleness"],
-                                             lr=cfg["gradshare_lr"] or sysmod.LEARNING_RATE,
-                                             residual_clip=cfg["residual_clip"], **common)
+                    m = sysmod.run_gradshare(
+                        spark,
+                        wl,
+                        budget=3 * cfg["budget"],
+                        threshold=cfg["threshold"],
+                        max_sparsity=cfg["max_sparsity"],
+                        staleness=cfg["staleness"],
+                        lr=cfg["gradshare_lr"] or sysmod.LEARNING_RATE,
+                        residual_clip=cfg["residual_clip"],
+                        **common,
+                    )
                 else:
-                    m = ddp.run_ddp(spark, wl, powersgd=system == "powersgd", budget=cfg["budget"],
-                                    rows=cfg["rows"], hard_timeout=3 * cfg["budget"] + 120, **common)
+                    m = ddp.run_ddp(
+                        spark,
+                        wl,
+                        powersgd=system == "powersgd",
+                        budget=cfg["budget"],
+                        rows=cfg["rows"],
+                        hard_timeout=3 * cfg["budget"] + 120,
+                        **common,
+                    )
                 r = report.row(system, name, link, m, wl.target)
             except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
                 r = report.failed_row(system, name, link, e)
             r["elapsed"] = time.monotonic() - t0
-            print(f"[bench] {name} / {link} / {system}: {r['status']} in {r['elapsed']:.0f} s "
-                  f"({r.get('sec_per_step') or 0:.3f} s/step)", flush=True)
+            print(
+                f"[bench] {name} / {link} / {system}: {r['status']} in {r['elapsed']:.0f} s "
+                f"({r.get('sec_per_step') or 0:.3f} s/step)",
+                flush=True,
+            )
             rows.append(r)
     return rows
 
@@ -180,13 +242,37 @@ def _child(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ parent
 def _child_command(args: argparse.Namespace, link: str, systems: list[str], out: str) -> list[str]:
-    cmd = [sys.executable, os.path.join(BENCHMARKS, "train.py"), "--child", link, "--child-out", out,
-           "--workloads", args.workloads, "--systems", ",".join(systems), "--batch-size", str(args.batch_size),
-           "--budget", str(args.budget), "--threshold", str(args.threshold), "--seed", str(args.seed),
-           "--lr-schedule", args.lr_schedule]
-    for flag, value in (("--epochs", args.epochs), ("--target", args.target), ("--rows", args.rows),
-                        ("--max-sparsity", args.max_sparsity), ("--staleness", args.staleness),
-                        ("--gradshare-lr", args.gradshare_lr), ("--residual-clip", args.residual_clip)):
+    cmd = [
+        sys.executable,
+        os.path.join(BENCHMARKS, "train.py"),
+        "--child",
+        link,
+        "--child-out",
+        out,
+        "--workloads",
+        args.workloads,
+        "--systems",
+        ",".join(systems),
+        "--batch-size",
+        str(args.batch_size),
+        "--budget",
+        str(args.budget),
+        "--threshold",
+        str(args.threshold),
+        "--seed",
+        str(args.seed),
+        "--lr-schedule",
+        args.lr_schedule,
+    ]
+    for flag, value in (
+        ("--epochs", args.epochs),
+        ("--target", args.target),
+        ("--rows", args.rows),
+        ("--max-sparsity", args.max_sparsity),
+        ("--staleness", args.staleness),
+        ("--gradshare-lr", args.gradshare_lr),
+        ("--residual-clip", args.residual_clip),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     if args.quick:
@@ -227,9 +313,12 @@ def run(args: argparse.Namespace) -> int:
     if use_ns:
         ok, why = netns.probe()
         if not ok:
-            print(f"[bench] cannot create a shaped network namespace: {why}\n"
-                  "[bench] running unshaped on the host loopback only (lo counters then include other "
-                  "processes' loopback traffic)", file=sys.stderr)
+            print(
+                f"[bench] cannot create a shaped network namespace: {why}\n"
+                "[bench] running unshaped on the host loopback only (lo counters then include other "
+                "processes' loopback traffic)",
+                file=sys.stderr,
+            )
             notes.append(f"no namespace: {why}; unshaped only")
             use_ns, links = False, ["unshaped"]
     else:
@@ -258,16 +347,20 @@ def run(args: argparse.Namespace) -> int:
                     notes.append(f"link {link}: namespace had interfaces {child['interfaces']}")
                 rows += child["rows"]
             else:
-                rows += [report.failed_row(s, w, link, why or f"child exited with {rc}")
-                         for w in cfg["workloads"] for s in systems]
+                rows += [
+                    report.failed_row(s, w, link, why or f"child exited with {rc}")
+                    for w in cfg["workloads"]
+                    for s in systems
+                ]
     order = {s: i for i, s in enumerate(("single", "gradshare", "ddp", "powersgd"))}
     link_order = {name: i for i, name in enumerate(netns.LINKS)}
     rows.sort(key=lambda r: (r["workload"], link_order[r["link"]], order[r["system"]]))
     command = report.command_line("train")
     json_path, png_path = os.path.join(out_dir, "bench-train.json"), os.path.join(out_dir, "bench-train.png")
     doc = report.write_json(json_path, rows, command=command, config=cfg, notes=notes)
-    report.plot(png_path, rows, title=f"{doc['date']}, {doc['machine'].get('cpu') or ''} "
-                                      f"({doc['machine']['cpus']} cpus)")
+    report.plot(
+        png_path, rows, title=f"{doc['date']}, {doc['machine'].get('cpu') or ''} ({doc['machine']['cpus']} cpus)"
+    )
     print()
     print(report.table(rows))
     for w, checks in doc["targets"].items():

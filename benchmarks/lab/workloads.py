@@ -19,8 +19,8 @@ The scaling benchmark (`python benchmarks/scaling.py`) adds three larger workloa
   paper's data set (5,000 samples, data seed 42) at its recipe: Adam lr 1e-2, batch 100 (N workers ×
   100/N), 6,000 steps (150 epochs); the paper's table gives it 94 %.
 
-Every split of digits and tabular is 75/25 stratified with random_state = seed; the training rows are cut into contiguous
-shards, one per worker, exactly as `sc.parallelize(rows, N)` does.
+Every split of digits and tabular is 75/25 stratified with random_state = seed; the training rows are cut into
+contiguous shards, one per worker, exactly as `sc.parallelize(rows, N)` does.
 """
 
 from __future__ import annotations
@@ -60,15 +60,24 @@ class Recipe:
         return self.batch if self.global_batch is None else max(1, round(self.global_batch / world))
 
 
-RECIPES = {"tabular64k": Recipe(epochs=8, lr=1e-3, batch=64), "mnist1d-mlp": Recipe(epochs=10, lr=1e-3, batch=64),
-           "mnist1d-cnn": Recipe(epochs=150, lr=1e-2, batch=100, global_batch=100)}
+RECIPES = {
+    "tabular64k": Recipe(epochs=8, lr=1e-3, batch=64),
+    "mnist1d-mlp": Recipe(epochs=10, lr=1e-3, batch=64),
+    "mnist1d-cnn": Recipe(epochs=150, lr=1e-2, batch=100, global_batch=100),
+}
 # Test accuracy whose first crossing is "time/epochs to target". Tabular, from a dense run (seed 0,
 # cosine, 10 epochs, 2026-11-23): the single process plateaus at 0.81, DDP at 0.80 (N=2) / 0.78 (N=4);
 # 0.75 is about 95 % of DDP's plateau, crossed by DDP at epoch 4 (N=2) and 5 (N=4).
-TARGETS = {"mlp": 0.90, "cnn": 0.90, "tabular": 0.75,
-           # about 97 % of tuned DDP's plateau at N = 64 in lock step (tabular64k 88 %, MNIST-1D MLP 70 %)
-           # and the paper's CNN figure less 2 pp
-           "tabular64k": 0.85, "mnist1d-mlp": 0.68, "mnist1d-cnn": 0.92}
+TARGETS = {
+    "mlp": 0.90,
+    "cnn": 0.90,
+    "tabular": 0.75,
+    # about 97 % of tuned DDP's plateau at N = 64 in lock step (tabular64k 88 %, MNIST-1D MLP 70 %)
+    # and the paper's CNN figure less 2 pp
+    "tabular64k": 0.85,
+    "mnist1d-mlp": 0.68,
+    "mnist1d-cnn": 0.92,
+}
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,9 @@ def upsampled_digits(seed: int = 0, size: int = 32) -> Split:
     X, y = load_digits(return_X_y=True)
     images = (X / 16.0).reshape(-1, 8, 8)
     big = zoom(images, (1, size / 8, size / 8), order=1).astype(np.float32)
-    X_train, X_test, y_train, y_test = train_test_split(big, y.astype(np.int64), test_size=0.25, random_state=seed,
-                                                        stratify=y)
+    X_train, X_test, y_train, y_test = train_test_split(
+        big, y.astype(np.int64), test_size=0.25, random_state=seed, stratify=y
+    )
     return X_train, X_test, y_train, y_test
 
 
@@ -107,8 +117,9 @@ def tabular_data(seed: int = 0) -> Split:
     from sklearn.model_selection import train_test_split
 
     X, y = make_classification(**TABULAR, random_state=seed)
-    X_train, X_test, y_train, y_test = train_test_split(X, y.astype(np.int64), test_size=0.25,
-                                                        random_state=seed, stratify=y)
+    X_train, X_test, y_train, y_test = train_test_split(
+        X, y.astype(np.int64), test_size=0.25, random_state=seed, stratify=y
+    )
     mean, std = X_train.mean(axis=0), X_train.std(axis=0)
     return ((X_train - mean) / std).astype(np.float32), ((X_test - mean) / std).astype(np.float32), y_train, y_test
 
@@ -120,8 +131,12 @@ def mnist1d_data(samples: int, seed: int) -> Split:
     args = get_dataset_args()
     args.num_samples, args.seed = samples, seed
     d = make_dataset(args)
-    return (d["x"].astype(np.float32), d["x_test"].astype(np.float32), d["y"].astype(np.int64),
-            d["y_test"].astype(np.int64))
+    return (
+        d["x"].astype(np.float32),
+        d["x_test"].astype(np.float32),
+        d["y"].astype(np.int64),
+        d["y_test"].astype(np.int64),
+    )
 
 
 def _scaling_data(name: str, seed: int) -> Split:
@@ -130,8 +145,9 @@ def _scaling_data(name: str, seed: int) -> Split:
         from sklearn.model_selection import train_test_split
 
         X, y = make_classification(**TABULAR64K, random_state=seed)
-        X_train, X_test, y_train, y_test = train_test_split(X, y.astype(np.int64), test_size=0.2,
-                                                            random_state=seed, stratify=y)
+        X_train, X_test, y_train, y_test = train_test_split(
+            X, y.astype(np.int64), test_size=0.2, random_state=seed, stratify=y
+        )
         mean, std = X_train.mean(axis=0), X_train.std(axis=0)
         return ((X_train - mean) / std).astype(np.float32), ((X_test - mean) / std).astype(np.float32), y_train, y_test
     if name == "mnist1d-mlp":
@@ -156,14 +172,26 @@ def load(name: str, seed: int = 0, target: float | None = None, rows: int | None
         X_train, X_test = X_train.reshape(len(X_train), -1), X_test.reshape(len(X_test), -1)
     elif name == "cnn":
         X_train, X_test = X_train[:, None], X_test[:, None]
-    return Workload(name, np.ascontiguousarray(X_train), y_train, np.ascontiguousarray(X_test), y_test,
-                    TARGETS[name] if target is None else float(target))
+    return Workload(
+        name,
+        np.ascontiguousarray(X_train),
+        y_train,
+        np.ascontiguousarray(X_test),
+        y_test,
+        TARGETS[name] if target is None else float(target),
+    )
 
 
 def model_factory(name: str) -> Callable[[], nn.Module]:
     """A zero-argument factory for the workload's model (module-level, so Spark pickles it by reference)."""
-    return {"mlp": mlp, "cnn": cnn, "tabular": tabular, "tabular64k": tabular64k, "mnist1d-mlp": mnist1d_mlp,
-            "mnist1d-cnn": mnist1d_cnn}[name]
+    return {
+        "mlp": mlp,
+        "cnn": cnn,
+        "tabular": tabular,
+        "tabular64k": tabular64k,
+        "mnist1d-mlp": mnist1d_mlp,
+        "mnist1d-cnn": mnist1d_cnn,
+    }[name]
 
 
 def _mlp(*widths: int) -> nn.Sequential:
@@ -187,34 +215,60 @@ def mnist1d_cnn() -> nn.Sequential:
     """Greydanus (2020)'s ConvBase: 1 → 25 → 25 → 25 channels, kernels 5/3/3, stride 2, then 125 → 10."""
     from torch import nn
 
-    return nn.Sequential(nn.Unflatten(1, (1, 40)), nn.Conv1d(1, 25, 5, stride=2, padding=1), nn.ReLU(),
-                         nn.Conv1d(25, 25, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Conv1d(25, 25, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(125, 10))
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 40)),
+        nn.Conv1d(1, 25, 5, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(125, 10),
+    )
 
 
 def mlp() -> nn.Sequential:
     from torch import nn
 
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    return nn.Sequential(
+        nn.Linear(1024, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 10),
+    )
 
 
 def cnn() -> nn.Sequential:
     from torch import nn
 
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 10),
     )
 
 
 def tabular() -> nn.Sequential:
     from torch import nn
 
-    return nn.Sequential(nn.Linear(TABULAR["n_features"], 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(),
-                         nn.Linear(512, TABULAR["n_classes"]))
+    return nn.Sequential(
+        nn.Linear(TABULAR["n_features"], 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 512),
+        nn.ReLU(),
+        nn.Linear(512, TABULAR["n_classes"]),
+    )
 
 
 def test_accuracy(model: nn.Module, X: NDArray[Any], y: NDArray[Any], batch: int = 512) -> float:
@@ -224,7 +278,7 @@ def test_accuracy(model: nn.Module, X: NDArray[Any], y: NDArray[Any], batch: int
     was_training = model.training
     model.eval()
     correct = 0
-    device = next(model.parameters()).device     # a model trained on a GPU is scored there
+    device = next(model.parameters()).device  # a model trained on a GPU is scored there
     with torch.no_grad():
         for b in range(0, len(y), batch):
             out = model(torch.from_numpy(X[b : b + batch]).to(device))

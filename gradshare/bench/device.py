@@ -36,27 +36,40 @@ DEFAULT_REPEAT = 7
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--sizes", type=positive_int, nargs="+", default=list(DEFAULT_SIZES), metavar="N",
+        "--sizes",
+        type=positive_int,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        metavar="N",
         help="float32 parameters per vector, one row each (default 1e6 1e7 5e7; 5e7 takes ~1 GB of RAM)",
     )
     parser.add_argument(
-        "--device", default="auto",
+        "--device",
+        default="auto",
         help="cpu, cuda, cuda:N or auto (the GPU when torch has CUDA, else the CPU; default auto)",
     )
     parser.add_argument(
-        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
+        "--density",
+        type=density_arg,
+        default=DEFAULT_DENSITY,
+        metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat",
+        type=positive_int,
+        default=DEFAULT_REPEAT,
+        metavar="R",
         help=f"timed repeats; medians are reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=positive_int, default=1, metavar="T",
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="T",
         help="torch intra-op threads on the CPU (default 1, as the Numba path's single thread)",
     )
-    parser.add_argument("--no-numba", dest="numba", action="store_false",
-                        help="skip the Numba/numpy.add columns")
+    parser.add_argument("--no-numba", dest="numba", action="store_false", help="skip the Numba/numpy.add columns")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the update vector (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -64,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _timer(device: torch.device) -> Callable[[], float]:
     """A perf_counter reading that waits for the device's queued work first (CUDA runs asynchronously)."""
     if device.type == "cuda":
+
         def now() -> float:
             torch.cuda.synchronize(device)
             return time.perf_counter()
@@ -124,13 +138,23 @@ def _row(params: int, density: float, repeat: int, device: torch.device, numba: 
             n_add.append(time.perf_counter() - t0)
         if hm.to_bytes() != m.to_bytes():  # the benchmark doubles as an end-to-end check of the contract
             raise ConsistencyError(f"the torch and Numba encodes built different messages at {params} params")
-        row.update(numba_encode_s=statistics.median(n_enc), numpy_add_s=statistics.median(n_add),
-                   numba_encode_over_numpy_add=statistics.median(e / a for e, a in zip(n_enc, n_add)))
+        row.update(
+            numba_encode_s=statistics.median(n_enc),
+            numpy_add_s=statistics.median(n_add),
+            numba_encode_over_numpy_add=statistics.median(e / a for e, a in zip(n_enc, n_add)),
+        )
     return row
 
 
-def measure(sizes: Iterable[int], density: float = DEFAULT_DENSITY, repeat: int = DEFAULT_REPEAT, device: object = "auto",
-            threads: int = 1, numba: bool = True, seed: int = 0) -> dict[str, Any]:
+def measure(
+    sizes: Iterable[int],
+    density: float = DEFAULT_DENSITY,
+    repeat: int = DEFAULT_REPEAT,
+    device: object = "auto",
+    threads: int = 1,
+    numba: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Run the benchmark and return the result dict (the --json object)."""
     dev = resolve_device(device)
     saved = torch.get_num_threads()

@@ -69,24 +69,38 @@ def density_arg(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", type=positive_int, default=DEFAULT_PARAMS, metavar="N",
+        "--params",
+        type=positive_int,
+        default=DEFAULT_PARAMS,
+        metavar="N",
         help=f"float32 parameters per vector (default {DEFAULT_PARAMS:,}; 1e8 takes ~1.2 GB of RAM)",
     )
     parser.add_argument(
-        "--density", type=density_arg, default=DEFAULT_DENSITY, metavar="D",
+        "--density",
+        type=density_arg,
+        default=DEFAULT_DENSITY,
+        metavar="D",
         help=f"fraction of parameters crossing τ per step (default {DEFAULT_DENSITY:g})",
     )
     parser.add_argument(
-        "--repeat", type=positive_int, default=DEFAULT_REPEAT, metavar="R",
+        "--repeat",
+        type=positive_int,
+        default=DEFAULT_REPEAT,
+        metavar="R",
         help=f"timed repeats; the median is reported (default {DEFAULT_REPEAT})",
     )
     parser.add_argument(
-        "--threads", type=positive_int, default=1, metavar="T",
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="T",
         help="threads for encode and for the numpy.add baseline alike (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the update vector (default 0)")
     parser.add_argument(
-        "--no-cold-start", dest="cold_start", action="store_false",
+        "--no-cold-start",
+        dest="cold_start",
+        action="store_false",
         help="skip timing a fresh process's import + first encode (two extra interpreter starts)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -150,7 +164,9 @@ def measure(
     return result
 
 
-def _time_codec(params: int, tau: float, repeat: int, threads: int, seed: int) -> tuple[Message, dict[str, list[float]]]:
+def _time_codec(
+    params: int, tau: float, repeat: int, threads: int, seed: int
+) -> tuple[Message, dict[str, list[float]]]:
     """The last message encoded and the seconds of each repeat by phase: encode, add (numpy.add of the
     same arrays), apply (cold), warm (apply with the touched lines cached), decode."""
     import numpy as np
@@ -201,12 +217,14 @@ def _time_codec(params: int, tau: float, repeat: int, threads: int, seed: int) -
     return m, t
 
 
-def _numpy_add(r: NDArray[np.float32], u: NDArray[np.float32], pool: ThreadPoolExecutor | None,
-               threads: int) -> Callable[[], None]:
+def _numpy_add(
+    r: NDArray[np.float32], u: NDArray[np.float32], pool: ThreadPoolExecutor | None, threads: int
+) -> Callable[[], None]:
     """r += u in place, the baseline pass: split over `pool`'s `threads` like the threaded encode."""
     import numpy as np
 
     if pool is None:
+
         def numpy_add() -> None:
             np.add(r, u, out=r)
 
@@ -223,9 +241,7 @@ def _numpy_add(r: NDArray[np.float32], u: NDArray[np.float32], pool: ThreadPoolE
 
 def _cold_start() -> float:
     """Seconds for import + first encode/decode/apply in a fresh interpreter (JIT cache as it is)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _COLD_START], capture_output=True, text=True, timeout=300, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", _COLD_START], capture_output=True, text=True, timeout=300, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 

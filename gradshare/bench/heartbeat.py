@@ -10,8 +10,9 @@ from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE
 from gradshare.transport.testing.memory import joined_cores
 
 
-def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
-                      datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> dict[str, Any]:
+def heartbeat_traffic(
+    n_peers: int, seconds: float = 1.0, tick: float = 0.005, datagram_size: int = DEFAULT_DATAGRAM_SIZE
+) -> dict[str, Any]:
     """Idle-job control traffic at the relay: every peer's heartbeats in, STATUS pages out, per second.
 
     Runs the cores over a perfect in-memory link with a simulated clock (no sockets, so it measures the
@@ -45,9 +46,13 @@ def heartbeat_traffic(n_peers: int, seconds: float = 1.0, tick: float = 0.005,
     if errors:
         raise RuntimeError(f"heartbeat run with {n_peers} peers: {errors[0]}")
     per_s = {k + "_per_s": v / seconds for k, v in counts.items()}
-    return {"peers": n_peers, **per_s, "relay_cpu_per_s": cpu / seconds,
-            "out_bytes_per_peer_per_s": counts["out_bytes"] / seconds / n_peers,
-            "max_datagram": max(1, datagram_size)}
+    return {
+        "peers": n_peers,
+        **per_s,
+        "relay_cpu_per_s": cpu / seconds,
+        "out_bytes_per_peer_per_s": counts["out_bytes"] / seconds / n_peers,
+        "max_datagram": max(1, datagram_size),
+    }
 
 
 __all__ = ["heartbeat_traffic"]

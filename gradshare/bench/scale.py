@@ -19,8 +19,8 @@ its own copy as in training. Per N it reports
 - exactly-once: every peer received every rank's every step (through that rank's last step) exactly once.
 
 Heartbeat traffic vs N (up to 256: STATUS pages) is measured on the protocol cores over an in-memory link
-with a simulated clock (the cores called directly; heartbeat.py), and a projected step-communication table at 1/10/25 Gbit/s for N up to
-256 is fitted from the measured costs (the model is printed and stored with the table).
+with a simulated clock (the cores called directly; heartbeat.py), and a projected step-communication table at 1/10/25
+Gbit/s for N up to 256 is fitted from the measured costs (the model is printed and stored with the table).
 
 ``--forwarding per-rank`` (the relay forwards each rank's datagrams to every other rank) or
 ``aggregate`` (the relay adds a step's N messages into its own residual and sends one
@@ -81,32 +81,60 @@ def default_procs() -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=peer_counts, default=[2, 4, 8, 16, 32, 64],
-                        help="comma-separated peer counts (default 2,4,8,16,32,64)")
+    parser.add_argument(
+        "--peers",
+        type=peer_counts,
+        default=[2, 4, 8, 16, 32, 64],
+        help="comma-separated peer counts (default 2,4,8,16,32,64)",
+    )
     parser.add_argument("--params", type=int, default=10_000_000, help="parameter count")
     parser.add_argument("--density", type=float, default=1e-3, help="fraction of entries per update")
-    parser.add_argument("--forwarding", choices=FORWARDING_MODES, default="per-rank",
-                        help="relay forwarding mode: per-rank, or aggregate")
+    parser.add_argument(
+        "--forwarding",
+        choices=FORWARDING_MODES,
+        default="per-rank",
+        help="relay forwarding mode: per-rank, or aggregate",
+    )
     parser.add_argument("--steps", type=int, default=30, help="at most this many steps per peer count")
-    parser.add_argument("--seconds", type=float, default=12.0,
-                        help="at most this long sending steps per peer count (at least 2 steps are run)")
-    parser.add_argument("--procs", type=int, default=default_procs(),
-                        help="peer processes (peers are spread over them; default: one per CPU but one, "
-                             "%(default)s here)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=12.0,
+        help="at most this long sending steps per peer count (at least 2 steps are run)",
+    )
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=default_procs(),
+        help="peer processes (peers are spread over them; default: one per CPU but one, %(default)s here)",
+    )
     parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
-    parser.add_argument("--aggregate-datagram-size", type=int, default=None,
-                        help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
-                             "--datagram-size; 65000 is what SharedTrainer uses on loopback)")
-    parser.add_argument("--offload", choices=OFFLOAD_CHOICES, default="on",
-                        help="UDP segmentation offload (GSO sends, GRO reads; udp.py) in the relay and the "
-                             "peers: on, off, or both (each N runs off, then on: the baseline in the same run)")
-    parser.add_argument("--heartbeat-peers", type=peer_counts, default=list(HEARTBEAT_PEERS),
-                        help="peer counts for the heartbeat-traffic measurement (protocol cores)")
+    parser.add_argument(
+        "--aggregate-datagram-size",
+        type=int,
+        default=None,
+        help="datagram size of the relay's aggregates (its snapshot_datagram_size; default "
+        "--datagram-size; 65000 is what SharedTrainer uses on loopback)",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=OFFLOAD_CHOICES,
+        default="on",
+        help="UDP segmentation offload (GSO sends, GRO reads; udp.py) in the relay and the "
+        "peers: on, off, or both (each N runs off, then on: the baseline in the same run)",
+    )
+    parser.add_argument(
+        "--heartbeat-peers",
+        type=peer_counts,
+        default=list(HEARTBEAT_PEERS),
+        help="peer counts for the heartbeat-traffic measurement (protocol cores)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON to PATH")
     parser.add_argument("--png", metavar="PATH", help="write a plot to PATH")
 
 
 # --- peers (child process) ---------------------------------------------------------------------------
+
 
 def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results: mp.Queue[dict[str, Any]]) -> None:
     """Several ranks in one process: join, then synchronous steps; records deliveries for the parent."""
@@ -118,12 +146,23 @@ def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results:
     udp.OFFLOAD = udp.OFFLOAD and cfg["offload"]
     try:
         for r in ranks:
-            peers.append(Peer(tuple(cfg["address"]), r, W, 0, cfg["key"], 1, cfg["params"],
-                              datagram_size=cfg["datagram_size"], timeout=timeout))
+            peers.append(
+                Peer(
+                    tuple(cfg["address"]),
+                    r,
+                    W,
+                    0,
+                    cfg["key"],
+                    1,
+                    cfg["params"],
+                    datagram_size=cfg["datagram_size"],
+                    timeout=timeout,
+                )
+            )
         for p in peers:
             p.join(timeout)
         send_t: dict[tuple[int, int], float] = {}
-        delivered: dict[tuple[int, int], float] = {}     # (step, sender) -> when the last local receiver got it
+        delivered: dict[tuple[int, int], float] = {}  # (step, sender) -> when the last local receiver got it
         counts: dict[int, Counter[tuple[int, int]]] = {p.rank: Counter() for p in peers}
 
         def record(p: Peer, updates: list[Update]) -> bool:
@@ -136,8 +175,8 @@ def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results:
                     delivered[key] = max(delivered.get(key, 0.0), u.arrived)
             return bool(updates)
 
-        barrier.wait(timeout)                  # every rank joined ...
-        barrier.wait(timeout)                  # ... and the parent took its "before" counters
+        barrier.wait(timeout)  # every rank joined ...
+        barrier.wait(timeout)  # ... and the parent took its "before" counters
         deadline = time.monotonic() + cfg["seconds"]
         t = 0
         while t < cfg["steps"] and (t < 2 or time.monotonic() < deadline):
@@ -154,8 +193,9 @@ def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results:
                 waiting = [p for p in waiting if p.complete_through < t]
                 if waiting and not moved:
                     if time.monotonic() > give_up:
-                        raise TimeoutError(f"ranks {[p.rank for p in waiting]}: step {t} incomplete "
-                                           f"after {timeout:g} s")
+                        raise TimeoutError(
+                            f"ranks {[p.rank for p in waiting]}: step {t} incomplete after {timeout:g} s"
+                        )
                     waiting[0].wait(0.002)
             t += 1
         for p in peers:
@@ -176,8 +216,15 @@ def _host_main(cfg: dict[str, Any], ranks: list[int], barrier: Barrier, results:
             duplicates += sum(v - 1 for v in c.values())
             received_through[r] = through
         counters: list[dict[str, Any]] = [p.counters() for p in peers]
-        out.update(send_t=send_t, delivered=delivered, last_step=t - 1, received_through=received_through,
-                   duplicates=duplicates, gaps=gaps, retransmits=sum(c.get("retransmits", 0) for c in counters))
+        out.update(
+            send_t=send_t,
+            delivered=delivered,
+            last_step=t - 1,
+            received_through=received_through,
+            duplicates=duplicates,
+            gaps=gaps,
+            retransmits=sum(c.get("retransmits", 0) for c in counters),
+        )
     except BaseException as exc:  # reported to the parent
         out["error"] = f"ranks {ranks[0]}..{ranks[-1]}: {exc!r}"
         barrier.abort()
@@ -197,11 +244,12 @@ def _thread_cpu(name: str) -> float:
 
 # --- one peer count -----------------------------------------------------------------------------------
 
+
 def run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool = True) -> dict[str, Any]:
     """Run ``n_peers`` ranks through the relay; the measured figures of one row of the table. ``offload``:
     whether the relay's and the peers' sockets use UDP segmentation offload where the system has it."""
     saved = udp.OFFLOAD
-    udp.OFFLOAD = saved and offload      # for the relay's socket, opened below
+    udp.OFFLOAD = saved and offload  # for the relay's socket, opened below
     try:
         return _run_one(n_peers, args, messages, offload=udp.OFFLOAD)
     finally:
@@ -214,29 +262,50 @@ def _run_one(n_peers: int, args: argparse.Namespace, messages: list[bytes], offl
     return _row(n_peers, args, messages, offload, aggregate, outs, c0, c1, relay_cpu)
 
 
-def _exchange(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool,
-              aggregate: bool) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], float]:
+def _exchange(
+    n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool, aggregate: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], float]:
     """The relay here, the ranks in child processes, synchronous steps: (each process's report, the
     relay's counters once every rank joined and at the end, the relay thread's CPU seconds between)."""
     ctx = mp.get_context("spawn")
     key = new_job_key()
     # the aggregate is encoded at the ranks' density: one message of about one rank's size per step
-    aggregator = (AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
-                  if aggregate else None)
-    relay = Relay(np.zeros(args.params, np.float32), n_peers, key, 1, port=0, bind="127.0.0.1",
-                  datagram_size=args.datagram_size, aggregator=aggregator,
-                  tuning=RelayTuning(forwarding=args.forwarding,
-                                     snapshot_datagram_size=args.aggregate_datagram_size)).start()
+    aggregator = (
+        AggregateState(args.params, rule=CalibratedThreshold(density=args.density, min_entries=0))
+        if aggregate
+        else None
+    )
+    relay = Relay(
+        np.zeros(args.params, np.float32),
+        n_peers,
+        key,
+        1,
+        port=0,
+        bind="127.0.0.1",
+        datagram_size=args.datagram_size,
+        aggregator=aggregator,
+        tuning=RelayTuning(forwarding=args.forwarding, snapshot_datagram_size=args.aggregate_datagram_size),
+    ).start()
     procs = []
     try:
         n_procs = max(1, min(args.procs, n_peers))
         groups = [list(range(n_peers))[i::n_procs] for i in range(n_procs)]
         timeout = 120.0
         assert relay.address is not None  # started above
-        cfg = dict(address=relay.address, peers=n_peers, params=args.params, key=key, messages=messages,
-                   forwarding=args.forwarding, offload=offload,
-                   steps=args.steps, seconds=args.seconds, datagram_size=args.datagram_size, timeout=timeout)
-        barrier = ctx.Barrier(n_procs + 1)       # + this process: counters start once every rank joined
+        cfg = dict(
+            address=relay.address,
+            peers=n_peers,
+            params=args.params,
+            key=key,
+            messages=messages,
+            forwarding=args.forwarding,
+            offload=offload,
+            steps=args.steps,
+            seconds=args.seconds,
+            datagram_size=args.datagram_size,
+            timeout=timeout,
+        )
+        barrier = ctx.Barrier(n_procs + 1)  # + this process: counters start once every rank joined
         results: mp.Queue[dict[str, Any]] = ctx.Queue()
         procs = [ctx.Process(target=_host_main, args=(cfg, g, barrier, results), daemon=True) for g in groups]
         for p in procs:
@@ -248,7 +317,7 @@ def _exchange(n_peers: int, args: argparse.Namespace, messages: list[bytes], off
             c0, cpu0 = relay.counters(), _thread_cpu(thread)
             barrier.wait(timeout)
         except threading.BrokenBarrierError:
-            c0, cpu0 = relay.counters(), 0.0     # a child failed: its error comes through results
+            c0, cpu0 = relay.counters(), 0.0  # a child failed: its error comes through results
         outs = [results.get(timeout=timeout + 10 * args.seconds + 60) for _ in procs]
         errors = [o["error"] for o in outs if o["error"]]
         if errors:
@@ -265,8 +334,17 @@ def _exchange(n_peers: int, args: argparse.Namespace, messages: list[bytes], off
     return outs, c0, c1, cpu1 - cpu0
 
 
-def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload: bool, aggregate: bool,
-         outs: list[dict[str, Any]], c0: dict[str, Any], c1: dict[str, Any], relay_cpu: float) -> dict[str, Any]:
+def _row(
+    n_peers: int,
+    args: argparse.Namespace,
+    messages: list[bytes],
+    offload: bool,
+    aggregate: bool,
+    outs: list[dict[str, Any]],
+    c0: dict[str, Any],
+    c1: dict[str, Any],
+    relay_cpu: float,
+) -> dict[str, Any]:
     """One row of the table from the processes' reports and the relay's counters (`_exchange`)."""
     last: dict[int, int] = {}
     send_t: dict[tuple[int, int], float] = {}
@@ -277,13 +355,15 @@ def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload:
         for k, v in o["delivered"].items():
             delivered[k] = max(delivered.get(k, 0.0), v)
     expected = [max(last.values())] if aggregate else [last[s] for s in range(n_peers)]
-    exactly_once = all(o["duplicates"] == 0 and o["gaps"] == 0
-                       and all(th == expected for th in o["received_through"].values()) for o in outs)
+    exactly_once = all(
+        o["duplicates"] == 0 and o["gaps"] == 0 and all(th == expected for th in o["received_through"].values())
+        for o in outs
+    )
     # step 0 pays for first-touch costs (buffers, caches) in every process: latency from step 1 on
     # aggregated: a rank's update reaches the others inside its step's aggregate
     got = {k: delivered.get((k[0], AGGREGATE_ORIGIN) if aggregate else k) for k in send_t}
     lat = np.array([arrived - ts for k, ts in send_t.items() if k[0] >= 1 and (arrived := got[k]) is not None]) * 1e3
-    if len(lat) + n_peers < len(send_t):   # an update nobody else received (exactly_once is False then)
+    if len(lat) + n_peers < len(send_t):  # an update nobody else received (exactly_once is False then)
         exactly_once = False
     updates = c1["updates_in"] - c0["updates_in"]
     steps = updates / n_peers
@@ -299,13 +379,18 @@ def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload:
         per_update_bytes = message_wire
         model_egress = n_peers * (n_peers - 1) * message_wire
     return {
-        "peers": n_peers, "forwarding": args.forwarding, "offload": offload, "steps": steps, "updates": updates,
+        "peers": n_peers,
+        "forwarding": args.forwarding,
+        "offload": offload,
+        "steps": steps,
+        "updates": updates,
         "egress_bytes_per_step": (c1["bytes_out"] - c0["bytes_out"]) / steps,
         "egress_datagrams_per_step": (c1["datagrams_out"] - c0["datagrams_out"]) / steps,
         "forwarded_datagrams_per_step": forwarded / steps,
-        "datagrams_per_update": per_update_dgrams, "forwarded_bytes_per_update": per_update_bytes,
+        "datagrams_per_update": per_update_dgrams,
+        "forwarded_bytes_per_update": per_update_bytes,
         "rank_message_wire_bytes": message_wire,
-        "target_egress_bytes_per_step": 2 * n_peers * message_wire,     # target: <= 2·N·m
+        "target_egress_bytes_per_step": 2 * n_peers * message_wire,  # target: <= 2·N·m
         "model_egress_bytes_per_step": model_egress,
         "relay_cpu_per_step_s": relay_cpu / steps,
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
@@ -321,6 +406,7 @@ def _row(n_peers: int, args: argparse.Namespace, messages: list[bytes], offload:
 
 # --- driver ---------------------------------------------------------------------------------------------
 
+
 def run(args: argparse.Namespace) -> int:
     if args.params < 1 or not 0 < args.density <= 1:
         raise ValueError(f"--params must be >= 1 and --density in (0, 1] (got {args.params}, {args.density})")
@@ -335,18 +421,31 @@ def run(args: argparse.Namespace) -> int:
         for offload in modes:
             row = run_one(n, args, messages, offload)
             rows.append(row)
-            print_row(row, header=len(rows) == 1, params=args.params, density=args.density,
-                       message_bytes=row["rank_message_wire_bytes"])
+            print_row(
+                row,
+                header=len(rows) == 1,
+                params=args.params,
+                density=args.density,
+                message_bytes=row["rank_message_wire_bytes"],
+            )
     heartbeats = [heartbeat_traffic(n, datagram_size=args.datagram_size) for n in args.heartbeat_peers]
     # the model and the plot from the last mode's rows (with "both": offload on); "baseline" holds the others
-    last = rows[len(modes) - 1::len(modes)]
+    last = rows[len(modes) - 1 :: len(modes)]
     projection = project(last)
-    out = {"params": args.params, "density": args.density, "forwarding": args.forwarding,
-           "datagram_size": args.datagram_size, "aggregate_datagram_size": args.aggregate_datagram_size,
-           "procs": args.procs, "offload": args.offload, "runs": last, "heartbeats": heartbeats,
-           "projection": projection}
+    out = {
+        "params": args.params,
+        "density": args.density,
+        "forwarding": args.forwarding,
+        "datagram_size": args.datagram_size,
+        "aggregate_datagram_size": args.aggregate_datagram_size,
+        "procs": args.procs,
+        "offload": args.offload,
+        "runs": last,
+        "heartbeats": heartbeats,
+        "projection": projection,
+    }
     if len(modes) > 1:
-        out["baseline"] = rows[0::len(modes)]
+        out["baseline"] = rows[0 :: len(modes)]
     print_tail(heartbeats, projection, args.forwarding)
     if args.json:
         with open(args.json, "w") as f:

@@ -24,7 +24,7 @@ def fit_costs(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if rows[0].get("forwarding") == "aggregate":
         A = np.array([[r["forwarded_datagrams_per_step"], r["peers"], 1.0] for r in rows], float)
         coef = np.linalg.lstsq(A, y, rcond=None)[0] if len(rows) >= 3 else np.array([0.0, 0.0, y.mean()])
-        if (coef < 0).any():                   # noise: keep the non-negative terms, refit them
+        if (coef < 0).any():  # noise: keep the non-negative terms, refit them
             keep = coef >= 0
             coef = np.zeros(3)
             coef[keep] = np.linalg.lstsq(A[:, keep], y, rcond=None)[0].clip(0)
@@ -32,15 +32,16 @@ def fit_costs(rows: list[dict[str, Any]]) -> dict[str, Any]:
     A = np.array([[r["forwarded_datagrams_per_step"], r["peers"]] for r in rows], float)
     if len(rows) >= 2:
         (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
-        if a < 0 or b < 0:                      # one term is noise: keep the other alone
+        if a < 0 or b < 0:  # one term is noise: keep the other alone
             a, b = max(float(np.dot(A[:, 0], y) / np.dot(A[:, 0], A[:, 0])), 0.0), 0.0
     else:
         a, b = y[0] / max(A[0, 0], 1.0), 0.0
     return {"per_datagram_s": float(a), "per_update_s": float(b), "per_step_s": 0.0}
 
 
-def project(rows: list[dict[str, Any]], sizes: Sequence[int] = PROJECT_TO,
-            links: Sequence[float] = LINKS_GBIT) -> dict[str, Any]:
+def project(
+    rows: list[dict[str, Any]], sizes: Sequence[int] = PROJECT_TO, links: Sequence[float] = LINKS_GBIT
+) -> dict[str, Any]:
     """Projected step-communication time, from the measured rows.
 
     Model (stated in the output): per step the relay sends E(N) = P(N)·w bytes in D(N) = P(N)·d
@@ -66,12 +67,13 @@ def project(rows: list[dict[str, Any]], sizes: Sequence[int] = PROJECT_TO,
             row[f"{g}gbit_bound"] = "link" if wire_s >= cpu else "relay cpu"
         table.append(row)
     what = "N" if aggregate else "N(N-1)"
-    model = (f"per step: E(N) = {what}*w bytes in D(N) = {what}*d datagrams leave the relay; "
-             f"w = {w:,.0f} B and d = {d:.2f} datagrams per forwarded {'aggregate' if aggregate else 'update'} "
-             f"(measured); relay CPU C(N) = a*D + b*N + c with a = {costs['per_datagram_s'] * 1e6:.2f} "
-             f"us/datagram, b = {costs['per_update_s'] * 1e6:.1f} us/update and c = "
-             f"{costs['per_step_s'] * 1e3:.2f} ms/step (least squares over the measured N); "
-             "step communication = max(8*E/B, C) at link rate B (link and CPU overlap); peers' receive "
-             "cost, propagation and loss repair excluded")
-    return {"model": model, "costs": costs, "bytes_per_update": w, "datagrams_per_update": d,
-            "table": table}
+    model = (
+        f"per step: E(N) = {what}*w bytes in D(N) = {what}*d datagrams leave the relay; "
+        f"w = {w:,.0f} B and d = {d:.2f} datagrams per forwarded {'aggregate' if aggregate else 'update'} "
+        f"(measured); relay CPU C(N) = a*D + b*N + c with a = {costs['per_datagram_s'] * 1e6:.2f} "
+        f"us/datagram, b = {costs['per_update_s'] * 1e6:.1f} us/update and c = "
+        f"{costs['per_step_s'] * 1e3:.2f} ms/step (least squares over the measured N); "
+        "step communication = max(8*E/B, C) at link rate B (link and CPU overlap); peers' receive "
+        "cost, propagation and loss repair excluded"
+    )
+    return {"model": model, "costs": costs, "bytes_per_update": w, "datagrams_per_update": d, "table": table}

@@ -28,7 +28,7 @@ from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, HEADER_BYTE
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-META_BYTES = 40           # a worker's per-update meta (loss, τ, …) packs to about this many bytes
+META_BYTES = 40  # a worker's per-update meta (loss, τ, …) packs to about this many bytes
 
 
 def sealed_size(body: float, datagram_size: int = DEFAULT_DATAGRAM_SIZE) -> tuple[float, int]:
@@ -51,17 +51,21 @@ def train_run(spark: SparkSession, workers: int, epochs: int = 2, seed: int = 0)
 
     X_train, X_test, y_train, y_test = digits_split(seed)
     rdd = spark.sparkContext.parallelize(list(zip(X_train, (int(v) for v in y_train))), workers)
-    r = SharedTrainer(mlp, batch_size=32, epochs=epochs, seed=seed, port=0, verbose=0,
-                      network=Network(bind="127.0.0.1")).fit(rdd)
+    r = SharedTrainer(
+        mlp, batch_size=32, epochs=epochs, seed=seed, port=0, verbose=0, network=Network(bind="127.0.0.1")
+    ).fit(rdd)
     c = r.counters
-    updates = c["updates_in"]                       # the relay's own counter (Counters.other)
-    steps = updates / workers                       # every rank sends one update per step
+    updates = c["updates_in"]  # the relay's own counter (Counters.other)
+    steps = updates / workers  # every rank sends one update per step
     payload = sum(h["payload_bytes"] for h in r.history) / max(updates, 1)
     w, _ = wire_bytes(payload)
     model = (workers - 1) * workers * w
     egress = c.bytes_out / steps
     return {
-        "workers": workers, "master": spark.sparkContext.master, "steps": steps, "n_params": r.n_params,
+        "workers": workers,
+        "master": spark.sparkContext.master,
+        "steps": steps,
+        "n_params": r.n_params,
         "bit_identical": len({w.param_hash for w in r.worker_reports} | {r.param_hash}) == 1,
         "distinct_executors": len({w.pid for w in r.worker_reports}),
         "accuracy": evaluate_accuracy(r.model, X_test, y_test),
@@ -76,7 +80,8 @@ def train_run(spark: SparkSession, workers: int, epochs: int = 2, seed: int = 0)
         # each accepted update's own datagrams, once to every other rank (the relay's count: warm-up
         # messages are larger, so the datagram count of a mean-size update under-counts)
         "model_forwarded_datagrams_per_update": (workers - 1) * c["update_datagrams"] / max(updates, 1),
-        "relay_retransmits": c.retransmits, "seconds": r.seconds,
+        "relay_retransmits": c.retransmits,
+        "seconds": r.seconds,
     }
 
 

@@ -47,11 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="secure/insecure pairs (best of each)")
     parser.add_argument("--rate", type=float, default=50.0, help="steps/s in the paced latency run")
     parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                        help="write results as JSON to PATH (or stdout with no PATH)")
+    parser.add_argument(
+        "--json", nargs="?", const="-", metavar="PATH", help="write results as JSON to PATH (or stdout with no PATH)"
+    )
 
 
 # --- peers (child process) ---------------------------------------------------------------------------
+
 
 def _make_messages(n_params: int, density: float, count: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
@@ -65,8 +67,9 @@ def _make_messages(n_params: int, density: float, count: int, seed: int) -> list
     return out
 
 
-def _peer_main(cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchronized[float],
-               results: mp.Queue[dict[str, Any]]) -> None:
+def _peer_main(
+    cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchronized[float], results: mp.Queue[dict[str, Any]]
+) -> None:
     """One rank in its own process, as in a Spark task: join, send, receive + apply, report times.
 
     Modes: ``throughput`` sends as fast as a staleness window allows; ``paced`` runs ``rate`` steps/s, rank
@@ -81,16 +84,27 @@ def _peer_main(cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchron
     # np.full, not np.zeros: calloc'd pages would fault in during the first applies and count as latency
     params = np.full(n, 0.0, np.float32)
     out: dict[str, Any] = {"rank": rank, "error": None}
-    peer = Peer(tuple(cfg["address"]), rank, W, 0, cfg["key"], 1, n, datagram_size=cfg["datagram_size"],
-                timeout=60, insecure=cfg["insecure"])
+    peer = Peer(
+        tuple(cfg["address"]),
+        rank,
+        W,
+        0,
+        cfg["key"],
+        1,
+        n,
+        datagram_size=cfg["datagram_size"],
+        timeout=60,
+        insecure=cfg["insecure"],
+    )
     try:
+
         def consume(until: int | None, timeout: float = 60.0) -> None:
             for u in peer.receive(until_step=until, timeout=timeout):
                 apply(Message.from_bytes(u.payload, max_params=n), params)
                 if u.sender != rank:
                     deliver_t[(u.step, u.sender)] = time.monotonic()
 
-        scratch = np.zeros(n, np.float32)             # compile/warm the decode+apply kernels before timing
+        scratch = np.zeros(n, np.float32)  # compile/warm the decode+apply kernels before timing
         apply(Message.from_bytes(messages[0], max_params=n), scratch)
         del scratch
         peer.join(30)
@@ -121,10 +135,16 @@ def _peer_main(cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchron
             peer.send_update(t, messages[(t * W + rank) % len(messages)])
             t += 1
         peer.finish(t - 1)
-        consume(1 << 31)                         # until every rank ended and the whole log is here
-        out.update(t0=t0, t1=time.monotonic(), send_t=send_t, deliver_t=deliver_t, last_step=t - 1,
-                   hash=param_hash(params), **{k: peer.counters().get(k, 0)
-                                               for k in ("retransmits", "timeouts", "naks_sent")})
+        consume(1 << 31)  # until every rank ended and the whole log is here
+        out.update(
+            t0=t0,
+            t1=time.monotonic(),
+            send_t=send_t,
+            deliver_t=deliver_t,
+            last_step=t - 1,
+            hash=param_hash(params),
+            **{k: peer.counters().get(k, 0) for k in ("retransmits", "timeouts", "naks_sent")},
+        )
         out["naks"] = out.pop("naks_sent")
     except BaseException as exc:  # reported to the parent
         out["error"] = f"rank {rank}: {exc!r}"
@@ -135,20 +155,32 @@ def _peer_main(cfg: dict[str, Any], rank: int, barrier: Barrier, start: Synchron
 
 
 def _proxy_main(target: tuple[str, int], loss: float, seed: int, conn: Connection) -> None:
-    with FaultProxy((target[0], target[1]), loss=loss, duplicate=loss / 5, reorder=loss / 2, delay=0.0005,
-                    seed=seed) as proxy:
+    with FaultProxy(
+        (target[0], target[1]), loss=loss, duplicate=loss / 5, reorder=loss / 2, delay=0.0005, seed=seed
+    ) as proxy:
         conn.send(proxy.address)
-        conn.recv()                          # parent says stop
+        conn.recv()  # parent says stop
         conn.send(dict(proxy.stats))
 
 
 # --- one measured run ---------------------------------------------------------------------------------
 
-def _one_run(args: argparse.Namespace, messages: list[bytes], *, secure: bool, loss: float | None, mode: str) -> dict[str, Any]:
+
+def _one_run(
+    args: argparse.Namespace, messages: list[bytes], *, secure: bool, loss: float | None, mode: str
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     key = new_job_key() if secure else None
-    relay = Relay(np.zeros(args.params, np.float32), args.peers, key, 1, port=0, bind="127.0.0.1",
-                  datagram_size=args.datagram_size, insecure=not secure).start()
+    relay = Relay(
+        np.zeros(args.params, np.float32),
+        args.peers,
+        key,
+        1,
+        port=0,
+        bind="127.0.0.1",
+        datagram_size=args.datagram_size,
+        insecure=not secure,
+    ).start()
     proxy = conn = None
     try:
         address = relay.address
@@ -160,14 +192,27 @@ def _one_run(args: argparse.Namespace, messages: list[bytes], *, secure: bool, l
                 raise TimeoutError("fault proxy did not start within 60 s")
             address = conn.recv()
         results: mp.Queue[dict[str, Any]] = ctx.Queue()
-        cfg = dict(address=address, peers=args.peers, params=args.params, key=key, insecure=not secure,
-                   messages=messages, seconds=args.seconds, steps=args.latency_steps, window=args.window,
-                   mode=mode, datagram_size=args.datagram_size, rate=args.rate)
+        cfg = dict(
+            address=address,
+            peers=args.peers,
+            params=args.params,
+            key=key,
+            insecure=not secure,
+            messages=messages,
+            seconds=args.seconds,
+            steps=args.latency_steps,
+            window=args.window,
+            mode=mode,
+            datagram_size=args.datagram_size,
+            rate=args.rate,
+        )
         barrier = ctx.Barrier(args.peers)
-        start = ctx.Value("d", 0.0)            # paced runs: the clock time of step 0, the same for all
-        workers = [ctx.Process(target=_peer_main, args=(cfg, r, barrier, start, results), daemon=True)
-                   for r in range(args.peers)]
-        cpu0 = time.process_time()      # this process is the relay (its main thread only waits)
+        start = ctx.Value("d", 0.0)  # paced runs: the clock time of step 0, the same for all
+        workers = [
+            ctx.Process(target=_peer_main, args=(cfg, r, barrier, start, results), daemon=True)
+            for r in range(args.peers)
+        ]
+        cpu0 = time.process_time()  # this process is the relay (its main thread only waits)
         for w in workers:
             w.start()
         try:
@@ -197,25 +242,42 @@ def _one_run(args: argparse.Namespace, messages: list[bytes], *, secure: bool, l
                     complete = False
                 elif got:
                     lat.append(max(got) - ts)
-        res = {"t0": min(o["t0"] for o in outs), "t1": max(o["t1"] for o in outs), "sent": sent,
-               "latencies": lat, "complete": complete, "hashes": [o["hash"] for o in outs],
-               "retransmits": sum(o["retransmits"] for o in outs),
-               "timeouts": sum(o["timeouts"] for o in outs), "naks": sum(o["naks"] for o in outs)}
+        res = {
+            "t0": min(o["t0"] for o in outs),
+            "t1": max(o["t1"] for o in outs),
+            "sent": sent,
+            "latencies": lat,
+            "complete": complete,
+            "hashes": [o["hash"] for o in outs],
+            "retransmits": sum(o["retransmits"] for o in outs),
+            "timeouts": sum(o["timeouts"] for o in outs),
+            "naks": sum(o["naks"] for o in outs),
+        }
         elapsed = max(res["t1"] - res["t0"], 1e-9)
         lat_ms = np.array(res["latencies"]) * 1e3
         hashes_equal = len(set(res["hashes"])) == 1 and res["hashes"][0] == relay.param_hash()
         return {
-            "secure": secure, "loss": loss, "mode": mode, "seconds": elapsed, "updates": res["sent"],
-            "forwarded_datagrams": c["forwarded"], "forwarded_per_s": c["forwarded"] / elapsed,
-            "mb_per_s": c["bytes_out"] / elapsed / 1e6, "updates_per_s": res["sent"] / elapsed,
-            "relay_cpu_s": relay_cpu, "forwarded_per_relay_cpu_s": c["forwarded"] / max(relay_cpu, 1e-9),
+            "secure": secure,
+            "loss": loss,
+            "mode": mode,
+            "seconds": elapsed,
+            "updates": res["sent"],
+            "forwarded_datagrams": c["forwarded"],
+            "forwarded_per_s": c["forwarded"] / elapsed,
+            "mb_per_s": c["bytes_out"] / elapsed / 1e6,
+            "updates_per_s": res["sent"] / elapsed,
+            "relay_cpu_s": relay_cpu,
+            "forwarded_per_relay_cpu_s": c["forwarded"] / max(relay_cpu, 1e-9),
             "latency_p50_ms": float(np.percentile(lat_ms, 50)) if lat_ms.size else None,
             "latency_p99_ms": float(np.percentile(lat_ms, 99)) if lat_ms.size else None,
             "retransmits": c["retransmits"] + res["retransmits"],
             "exactly_once": bool(res["complete"] and c["applied"] == res["sent"] and hashes_equal),
-            "relay_retransmits": c["retransmits"], "relay_naks": c["naks_sent"],
-            "peer_timeouts": res["timeouts"], "peer_naks": res["naks"],
-            "relay_drops": c["drops"], "proxy": stats,
+            "relay_retransmits": c["retransmits"],
+            "relay_naks": c["naks_sent"],
+            "peer_timeouts": res["timeouts"],
+            "peer_naks": res["naks"],
+            "relay_drops": c["drops"],
+            "proxy": stats,
         }
     finally:
         if proxy is not None:
@@ -229,14 +291,21 @@ def _core_rate(args: argparse.Namespace, messages: list[bytes], secure: bool, st
     """Forwarded datagrams per CPU-second of the relay core alone on pre-sealed datagrams (no sockets):
     the relay's own capacity, and a stable way to see what AEAD costs it (the core called directly)."""
     W = args.peers
-    relay, peers = joined_cores(W, args.params, b"\x01" * 32 if secure else None, 1, insecure=not secure,
-                                datagram_size=args.datagram_size, defer_apply=True)
+    relay, peers = joined_cores(
+        W,
+        args.params,
+        b"\x01" * 32 if secure else None,
+        1,
+        insecure=not secure,
+        datagram_size=args.datagram_size,
+        defer_apply=True,
+    )
     inbound = []
     for t in range(steps):
         for r, p in enumerate(peers):
             p.send_update(t, messages[(t * W + r) % len(messages)], None, 0.0)
             inbound += [(d, r) for d in p.datagrams_to_send()]
-    t0 = time.thread_time()          # CPU time of this thread: other load on the machine does not count
+    t0 = time.thread_time()  # CPU time of this thread: other load on the machine does not count
     for d, r in inbound:
         relay.receive_datagram(d, r, 0.0)
         relay.datagrams_to_send()
@@ -253,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     # secure and insecure alternate (best of --rounds each): the machine is shared, so a single pair
     # of runs mostly measures who else was busy at the time
     core = {"secure": 0.0, "insecure": 0.0}
-    for _ in range(3):                                   # alternate, best of 3 each: the machine is shared
+    for _ in range(3):  # alternate, best of 3 each: the machine is shared
         for secure, name in ((True, "secure"), (False, "insecure")):
             core[name] = max(core[name], _core_rate(args, messages, secure))
     runs: dict[str, dict[str, Any]] = {}
@@ -262,21 +331,27 @@ def run(args: argparse.Namespace) -> int:
             r = _one_run(args, messages, secure=secure, loss=None, mode="throughput")
             if name not in runs or r["forwarded_per_s"] > runs[name]["forwarded_per_s"]:
                 runs[name] = r
-    runs.update({
-        "paced": _one_run(args, messages, secure=True, loss=None, mode="paced"),
-        "sync": _one_run(args, messages, secure=True, loss=None, mode="sync"),
-    })
+    runs.update(
+        {
+            "paced": _one_run(args, messages, secure=True, loss=None, mode="paced"),
+            "sync": _one_run(args, messages, secure=True, loss=None, mode="sync"),
+        }
+    )
     if args.loss > 0:
         runs["proxy_0"] = _one_run(args, messages, secure=True, loss=0.0, mode="throughput")
         runs["proxy_loss"] = _one_run(args, messages, secure=True, loss=args.loss, mode="throughput")
     s, i = runs["secure"], runs["insecure"]
     summary = {
-        "peers": args.peers, "params": args.params, "density": args.density, "rate": args.rate,
+        "peers": args.peers,
+        "params": args.params,
+        "density": args.density,
+        "rate": args.rate,
         "message_bytes": sum(map(len, messages)) // len(messages),
         "forwarded_per_s": s["forwarded_per_s"],
         "crypto_overhead": 1 - s["forwarded_per_s"] / i["forwarded_per_s"],
         "crypto_overhead_relay_cpu": 1 - s["forwarded_per_relay_cpu_s"] / i["forwarded_per_relay_cpu_s"],
-        "core_forwarded_per_s": core["secure"], "core_forwarded_per_s_insecure": core["insecure"],
+        "core_forwarded_per_s": core["secure"],
+        "core_forwarded_per_s_insecure": core["insecure"],
         "core_crypto_overhead": 1 - core["secure"] / core["insecure"],
         "latency_p50_ms": runs["paced"]["latency_p50_ms"],
         "latency_p99_ms": runs["paced"]["latency_p99_ms"],
@@ -301,28 +376,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(summary: dict[str, Any], runs: dict[str, Any]) -> None:
-    print(f"transport: {summary['peers']} peers, {summary['params']:,} params, density {summary['density']:g} "
-          f"({summary['message_bytes']:,} B/update)")
-    print(f"{'run':<12}{'fwd dgram/s':>13}{'per relay CPU-s':>17}{'MB/s':>8}{'updates/s':>11}{'p50 ms':>8}"
-          f"{'p99 ms':>8}{'retx':>7}{'exactly once':>14}")
+    print(
+        f"transport: {summary['peers']} peers, {summary['params']:,} params, density {summary['density']:g} "
+        f"({summary['message_bytes']:,} B/update)"
+    )
+    print(
+        f"{'run':<12}{'fwd dgram/s':>13}{'per relay CPU-s':>17}{'MB/s':>8}{'updates/s':>11}{'p50 ms':>8}"
+        f"{'p99 ms':>8}{'retx':>7}{'exactly once':>14}"
+    )
     for name, r in runs.items():
         p50 = "-" if r["latency_p50_ms"] is None else f"{r['latency_p50_ms']:.2f}"
         p99 = "-" if r["latency_p99_ms"] is None else f"{r['latency_p99_ms']:.2f}"
-        print(f"{name:<12}{r['forwarded_per_s']:>13,.0f}{r['forwarded_per_relay_cpu_s']:>17,.0f}"
-              f"{r['mb_per_s']:>8.1f}{r['updates_per_s']:>11,.0f}"
-              f"{p50:>8}{p99:>8}{r['retransmits']:>7}{str(r['exactly_once']):>14}")
-    print(f"relay core alone (no sockets): {summary['core_forwarded_per_s']:,.0f} forwarded datagrams per "
-          f"CPU-second secure, {summary['core_forwarded_per_s_insecure']:,.0f} insecure")
-    print(f"crypto overhead vs insecure (target <= 15%): relay core {summary['core_crypto_overhead']:.1%}; "
-          f"relay process CPU per forwarded datagram {summary['crypto_overhead_relay_cpu']:.1%}; "
-          f"end-to-end wall-clock rate {summary['crypto_overhead']:.1%}")
+        print(
+            f"{name:<12}{r['forwarded_per_s']:>13,.0f}{r['forwarded_per_relay_cpu_s']:>17,.0f}"
+            f"{r['mb_per_s']:>8.1f}{r['updates_per_s']:>11,.0f}"
+            f"{p50:>8}{p99:>8}{r['retransmits']:>7}{str(r['exactly_once']):>14}"
+        )
+    print(
+        f"relay core alone (no sockets): {summary['core_forwarded_per_s']:,.0f} forwarded datagrams per "
+        f"CPU-second secure, {summary['core_forwarded_per_s_insecure']:,.0f} insecure"
+    )
+    print(
+        f"crypto overhead vs insecure (target <= 15%): relay core {summary['core_crypto_overhead']:.1%}; "
+        f"relay process CPU per forwarded datagram {summary['crypto_overhead_relay_cpu']:.1%}; "
+        f"end-to-end wall-clock rate {summary['crypto_overhead']:.1%}"
+    )
     print(f"forwarded datagrams/s (secure): {summary['forwarded_per_s']:,.0f} (target >= 20,000)")
-    print(f"update latency p99 at {summary['rate']:g} steps/s: {summary['latency_p99_ms']:.2f} ms "
-          f"(target < 5 ms); synchronous steps (all ranks send at once): p99 {summary['sync_step_p99_ms']:.2f} ms")
+    print(
+        f"update latency p99 at {summary['rate']:g} steps/s: {summary['latency_p99_ms']:.2f} ms "
+        f"(target < 5 ms); synchronous steps (all ranks send at once): p99 {summary['sync_step_p99_ms']:.2f} ms"
+    )
     if "loss" in summary:
-        print(f"at {summary['loss']:.0%} loss: {summary['loss_vs_proxy_0']:.0%} of the loss-free rate through the "
-              f"same proxy ({summary['loss_vs_direct']:.0%} of direct), exactly once: "
-              f"{summary['exactly_once_at_loss']} (target >= 50%)")
+        print(
+            f"at {summary['loss']:.0%} loss: {summary['loss_vs_proxy_0']:.0%} of the loss-free rate through the "
+            f"same proxy ({summary['loss_vs_direct']:.0%} of direct), exactly once: "
+            f"{summary['exactly_once_at_loss']} (target >= 50%)"
+        )
 
 
 if __name__ == "__main__":

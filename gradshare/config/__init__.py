@@ -62,46 +62,66 @@ class TrainConfig:
     """The everyday options, given flat to SharedTrainer; the others are in the four groups below and
     `elastic`. A group may also be given as a dict of its options (JSON: the Estimator's trainerOptions).
 
-    TrainConfig checks them together. The fields are the options as given; the derived attributes below them are what the trainer uses.
+    TrainConfig checks them together. The fields are the options as given; the derived attributes below them are what
+    the trainer uses.
     """
 
     loss: LossFn | None = option(
-        None, "`(outputs, labels) -> tensor`; `None` chooses from the labels and one probe forward pass "
-        "([Inputs, labels and losses](data.md#inputs-labels-and-losses))")
+        None,
+        "`(outputs, labels) -> tensor`; `None` chooses from the labels and one probe forward pass "
+        "([Inputs, labels and losses](data.md#inputs-labels-and-losses))",
+    )
     optimizer: OptimizerFactory | None = option(
-        None, "a factory taking the parameter list; `None` is `Adam(lr=1e-3, fused=True)`. Its state stays on "
-        "each worker (DL4J's design)")
+        None,
+        "a factory taking the parameter list; `None` is `Adam(lr=1e-3, fused=True)`. Its state stays on "
+        "each worker (DL4J's design)",
+    )
     train_step: TrainStep | None = option(
-        None, "instead of `loss`, `fn(model, batch) -> loss tensor` for anything else "
-        "([Inputs, labels and losses](data.md#inputs-labels-and-losses))")
+        None,
+        "instead of `loss`, `fn(model, batch) -> loss tensor` for anything else "
+        "([Inputs, labels and losses](data.md#inputs-labels-and-losses))",
+    )
     threshold: float | Literal["auto"] = option(
-        "auto", "`\"auto\"`: each worker derives τ before every step from a sample of residual + update, so "
+        "auto",
+        '`"auto"`: each worker derives τ before every step from a sample of residual + update, so '
         "each step sends `density` of the entries (`CalibratedThreshold`). A number: τ itself, meant for the "
-        "optimizer's initial lr, moved by `compression.threshold_algorithm`")
+        "optimizer's initial lr, moved by `compression.threshold_algorithm`",
+    )
     port: int = option(DEFAULT_PORT, "UDP port of the relay on the driver (`0`: an ephemeral one)")
     batch_size: int = option(32, "rows per step per worker")
     epochs: int = option(1, "passes over each partition")
-    num_workers: int | None = option(None, "barrier tasks; `None`: one per partition of the data, otherwise it "
-                                     "is re-partitioned")
+    num_workers: int | None = option(
+        None, "barrier tasks; `None`: one per partition of the data, otherwise it is re-partitioned"
+    )
     lr_scheduler: SchedulerFactory | None = option(
-        None, "a factory `optimizer -> torch LR scheduler`, built and stepped alike on every worker "
+        None,
+        "a factory `optimizer -> torch LR scheduler`, built and stepped alike on every worker "
         "(`runtime.scheduler_interval`); `ReduceLROnPlateau` is refused (each worker would step it on its own "
-        "metric)")
+        "metric)",
+    )
     validation_data: ValidationData | None = option(
-        None, "`(X, y)` arrays: rank 0 scores `metric` after every epoch; or a DataFrame / RDD: one shard per "
+        None,
+        "`(X, y)` arrays: rank 0 scores `metric` after every epoch; or a DataFrame / RDD: one shard per "
         "worker, every worker scores its shard, the sums are reduced "
-        "([Validation](validation.md#validation-split-across-the-workers))")
+        "([Validation](validation.md#validation-split-across-the-workers))",
+    )
     metric: Metric | None = option(
-        None, "`(outputs, labels) -> float` (a mean over the rows) or `-> (sum, count)`; `None`: accuracy for "
-        "class labels, else the loss")
+        None,
+        "`(outputs, labels) -> float` (a mean over the rows) or `-> (sum, count)`; `None`: accuracy for "
+        "class labels, else the loss",
+    )
     early_stopping: dict[str, object] | EarlyStopping | None = option(
-        None, "`dict(patience=0, min_delta=0.0, mode=\"min\"\\|\"max\", monitor=\"val_metric\"\\|\"loss\")`: "
-        "rank 0 decides, every rank stops after the same epoch ([Early stopping](validation.md#early-stopping))")
+        None,
+        '`dict(patience=0, min_delta=0.0, mode="min"\\|"max", monitor="val_metric"\\|"loss")`: '
+        "rank 0 decides, every rank stops after the same epoch ([Early stopping](validation.md#early-stopping))",
+    )
     seed: int = option(0, "the model factory's initialisation, each worker's shuffle and its torch RNG, per rank")
     verbose: int = option(1, "`0` quiet, `1` a progress bar fed by the relay and a line per finished epoch")
     elastic: Elastic | None = option(
-        None, "`Elastic(min_workers, max_workers)`: the job shrinks when an executor is lost for good and "
-        "grows at an epoch's end when slots are free ([Elastic fits](elastic.md))")
+        None,
+        "`Elastic(min_workers, max_workers)`: the job shrinks when an executor is lost for good and "
+        "grows at an epoch's end when slots are free ([Elastic fits](elastic.md))",
+    )
     compression: Compression = option(Compression(), "how a step becomes shared messages: the groups below")
     network: Network = option(Network(), "the relay's sockets and forwarding")
     fault_tolerance: FaultTolerance = option(FaultTolerance(), "timeouts, lost workers, checkpoints")
@@ -123,8 +143,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for keyword, group in GROUPS.items():
             if not isinstance(getattr(self, keyword), group):
-                raise TypeError(f"{keyword} must be gradshare.{group.__name__}(...), got "
-                                f"{type(getattr(self, keyword)).__name__}")
+                raise TypeError(
+                    f"{keyword} must be gradshare.{group.__name__}(...), got {type(getattr(self, keyword)).__name__}"
+                )
         self._check_threshold()
         self._check_numbers()
         self._check_callables()
@@ -136,16 +157,22 @@ class TrainConfig:
             raise ValueError(f"threshold must be 'auto' or a positive finite number, got {threshold!r}")
         tuning = self.compression.tuning
         if not self.auto and tuning:
-            raise ValueError(f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
-                             "(drop them, or pass threshold='auto')")
+            raise ValueError(
+                f"{', '.join(tuning)} tune threshold='auto'; with threshold={threshold!r} τ is given "
+                "(drop them, or pass threshold='auto')"
+            )
         calibrated = is_calibrated(algorithm)
         if self.auto and not (algorithm == "adaptive" or calibrated):
-            raise ValueError(f"threshold='auto' calibrates τ itself; threshold_algorithm={algorithm!r} "
-                             "contradicts it (give a numeric threshold to use another rule, or pass a "
-                             "CalibratedThreshold)")
+            raise ValueError(
+                f"threshold='auto' calibrates τ itself; threshold_algorithm={algorithm!r} "
+                "contradicts it (give a numeric threshold to use another rule, or pass a "
+                "CalibratedThreshold)"
+            )
         if calibrated and tuning:
-            raise ValueError(f"{', '.join(tuning)} contradict the CalibratedThreshold given as threshold_algorithm "
-                             "(set them on that object)")
+            raise ValueError(
+                f"{', '.join(tuning)} contradict the CalibratedThreshold given as threshold_algorithm "
+                "(set them on that object)"
+            )
 
     def _check_numbers(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -158,49 +185,63 @@ class TrainConfig:
         elastic = self.elastic
         if elastic is not None:
             if not isinstance(elastic, Elastic):
-                raise TypeError(f"elastic must be gradshare.Elastic(min_workers=..., max_workers=...), got "
-                                f"{type(elastic).__name__}")
+                raise TypeError(
+                    f"elastic must be gradshare.Elastic(min_workers=..., max_workers=...), got {type(elastic).__name__}"
+                )
             if self.num_workers is not None and not elastic.min_workers <= self.num_workers <= elastic.max_workers:
-                raise ValueError(f"num_workers={self.num_workers} is outside elastic's range "
-                                 f"[{elastic.min_workers}, {elastic.max_workers}]")
+                raise ValueError(
+                    f"num_workers={self.num_workers} is outside elastic's range "
+                    f"[{elastic.min_workers}, {elastic.max_workers}]"
+                )
         if self.fault_tolerance.checkpoint_dir is not None:
             check_checkpoint_staleness("checkpoint_dir", self.compression.staleness)
             if self.network.forwarding == "aggregate":
-                raise ValueError("forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation "
-                                 "residual is not in the checkpoint); use forwarding='per-rank' or 'auto' with "
-                                 "checkpoint_dir")
+                raise ValueError(
+                    "forwarding='aggregate' cannot be checkpointed yet (the relay's aggregation "
+                    "residual is not in the checkpoint); use forwarding='per-rank' or 'auto' with "
+                    "checkpoint_dir"
+                )
 
     def _check_callables(self) -> None:
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
-            raise TypeError("lr_scheduler must be a factory taking the optimizer, e.g. "
-                            "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
-                            f"got {type(self.lr_scheduler).__name__}")
+            raise TypeError(
+                "lr_scheduler must be a factory taking the optimizer, e.g. "
+                "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); "
+                f"got {type(self.lr_scheduler).__name__}"
+            )
         if self.loss is not None and self.train_step is not None:
             raise ValueError("loss and train_step are exclusive: a train_step hook computes the loss itself")
         for name, value in (("loss", self.loss), ("train_step", self.train_step)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}")
         if self.optimizer is not None and not callable(self.optimizer):
-            raise TypeError("optimizer must be a factory taking the parameter list, e.g. "
-                            "lambda p: torch.optim.SGD(p, lr=0.1)")
+            raise TypeError(
+                "optimizer must be a factory taking the parameter list, e.g. lambda p: torch.optim.SGD(p, lr=0.1)"
+            )
 
     def _check_validation(self) -> None:
         stopping = early_stopping_from(self.early_stopping)
         object.__setattr__(self, "stopping", stopping)  # frozen: __post_init__ fills the derived field
         if is_distributed(self.validation_data) and self.fault_tolerance.on_rank_loss == "continue":
-            raise ValueError("validation_data as a DataFrame or RDD needs every worker's shard scored; "
-                             "on_rank_loss='continue' would go on without one (use 'wait' or 'restart', or an "
-                             "in-memory (X, y) pair)")
+            raise ValueError(
+                "validation_data as a DataFrame or RDD needs every worker's shard scored; "
+                "on_rank_loss='continue' would go on without one (use 'wait' or 'restart', or an "
+                "in-memory (X, y) pair)"
+            )
         if stopping is not None and stopping.monitor == "val_metric" and self.validation_data is None:
-            raise ValueError("early_stopping monitors 'val_metric' but no validation_data is given; "
-                             "pass validation_data or monitor='loss'")
+            raise ValueError(
+                "early_stopping monitors 'val_metric' but no validation_data is given; "
+                "pass validation_data or monitor='loss'"
+            )
 
 
 def check_checkpoint_staleness(argument: str, staleness: int) -> None:
     """Checkpoints (checkpoint_dir, or fit's resume_from) need staleness 0."""
     if staleness:
-        raise ValueError(f"{argument} needs staleness=0 (an epoch's end is then a point every replica reaches "
-                         f"with the whole log applied); got staleness={staleness}")
+        raise ValueError(
+            f"{argument} needs staleness=0 (an epoch's end is then a point every replica reaches "
+            f"with the whole log applied); got staleness={staleness}"
+        )
 
 
 def options_table() -> str:
@@ -216,14 +257,21 @@ def _table(title: str, owner: type, model: bool) -> str:
     doc = " ".join((owner.__doc__ or "").split("\n\n")[0].split())
     rows = [f"### `{title}`", "", doc, "", "| option | default | meaning |", "|---|---|---|"]
     if model:
-        rows.append("| `model` | required | an `nn.Module`, or a zero-argument factory returning one (called on the "
-                    "driver after `torch.manual_seed(seed)`); every replica starts from the same parameters |")
+        rows.append(
+            "| `model` | required | an `nn.Module`, or a zero-argument factory returning one (called on the "
+            "driver after `torch.manual_seed(seed)`); every replica starts from the same parameters |"
+        )
     for f in dataclasses.fields(owner):
         if not f.init:
             continue
-        shown = f.metadata.get("shown") or ("required" if f.default is dataclasses.MISSING else
-                                            f"`{type(f.default).__name__}()`" if dataclasses.is_dataclass(f.default)
-                                            else f'`"{f.default}"`' if isinstance(f.default, str)
-                                            else f"`{f.default!r}`")
+        shown = f.metadata.get("shown") or (
+            "required"
+            if f.default is dataclasses.MISSING
+            else f"`{type(f.default).__name__}()`"
+            if dataclasses.is_dataclass(f.default)
+            else f'`"{f.default}"`'
+            if isinstance(f.default, str)
+            else f"`{f.default!r}`"
+        )
         rows.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
     return "\n".join(rows)

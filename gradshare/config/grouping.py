@@ -14,7 +14,11 @@ from gradshare.config.options import Compression, FaultTolerance, Network, Runti
 
 # SharedTrainer's keyword for each group, in the signature's order
 GROUPS: dict[str, type[Compression | Network | FaultTolerance | Runtime]] = {
-    "compression": Compression, "network": Network, "fault_tolerance": FaultTolerance, "runtime": Runtime}
+    "compression": Compression,
+    "network": Network,
+    "fault_tolerance": FaultTolerance,
+    "runtime": Runtime,
+}
 # each grouped option's flat name (the deprecated SharedTrainer(density=...)) -> its group's keyword
 GROUP_OF = {f.name: keyword for keyword, group in GROUPS.items() for f in dataclasses.fields(group) if f.init}
 
@@ -25,15 +29,25 @@ def grouped(options: Mapping[str, Any], caller: str = "SharedTrainer") -> dict[s
     DeprecationWarning. An option given flat and set otherwise in its group as well is an error naming it."""
     for keyword, names in _flat_names(options).items():
         given = ", ".join(f"{k}={options[k]!r}" for k in names)
-        warnings.warn(f"{caller}({', '.join(f'{k}=' for k in names)}) is deprecated and will be removed in the "
-                      f"next release; pass {keyword}={GROUPS[keyword].__name__}({given})",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{caller}({', '.join(f'{k}=' for k in names)}) is deprecated and will be removed in the "
+            f"next release; pass {keyword}={GROUPS[keyword].__name__}({given})",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         current, default = options.get(keyword), GROUPS[keyword]()
-        both = [k for k in names if isinstance(current, GROUPS[keyword])
-                and getattr(current, k) != getattr(default, k) and getattr(current, k) != options[k]]
+        both = [
+            k
+            for k in names
+            if isinstance(current, GROUPS[keyword])
+            and getattr(current, k) != getattr(default, k)
+            and getattr(current, k) != options[k]
+        ]
         if both:
-            raise ValueError(f"{caller}: {', '.join(both)} given both flat and in {keyword}=... with other "
-                             f"values; give them in {keyword}={GROUPS[keyword].__name__}(...) only")
+            raise ValueError(
+                f"{caller}: {', '.join(both)} given both flat and in {keyword}=... with other "
+                f"values; give them in {keyword}={GROUPS[keyword].__name__}(...) only"
+            )
     return in_groups(options, caller)
 
 
@@ -43,8 +57,11 @@ def in_groups(options: Mapping[str, Any], caller: str = "SharedTrainer") -> dict
     out = dict(options)
     for keyword, names in _flat_names(options).items():
         flat, current = {k: out.pop(k) for k in names}, out.get(keyword)
-        out[keyword] = (dataclasses.replace(current, **flat) if isinstance(current, GROUPS[keyword])
-                        else {**(current or {}), **flat})
+        out[keyword] = (
+            dataclasses.replace(current, **flat)
+            if isinstance(current, GROUPS[keyword])
+            else {**(current or {}), **flat}
+        )
     for keyword, group in GROUPS.items():
         if isinstance(out.get(keyword), Mapping):
             out[keyword] = _group_from(group, keyword, out[keyword], caller)

@@ -114,54 +114,83 @@ class Compression:
     The defaults are measured (docs/guide/defaults.md); most of these exist for experiments."""
 
     threshold_algorithm: ThresholdAlgorithm = option(
-        "adaptive", "with a numeric `threshold`: `\"adaptive\"` (DL4J's sparsity band), `\"fixed\"`, or a rule "
-        "object; with `\"auto\"`, a `CalibratedThreshold` to tune")
+        "adaptive",
+        'with a numeric `threshold`: `"adaptive"` (DL4J\'s sparsity band), `"fixed"`, or a rule '
+        'object; with `"auto"`, a `CalibratedThreshold` to tune',
+    )
     density: float | None = option(
-        None, "`\"auto\"` only: share of entries a step sends after the warm-up; a small model sends at least 768 "
-        "entries a step (one datagram's worth)", "`None` (2e-3)")
+        None,
+        '`"auto"` only: share of entries a step sends after the warm-up; a small model sends at least 768 '
+        "entries a step (one datagram's worth)",
+        "`None` (2e-3)",
+    )
     warmup: float | None = option(
-        None, "`\"auto\"` only: epochs over which the density falls geometrically from `warmup_density` to "
-        "`density` (DGC's warm-up); `0` disables", "`None` (3 epochs, at least 24 steps)")
+        None,
+        '`"auto"` only: epochs over which the density falls geometrically from `warmup_density` to '
+        "`density` (DGC's warm-up); `0` disables",
+        "`None` (3 epochs, at least 24 steps)",
+    )
     warmup_density: float | None = option(
-        None, "`\"auto\"` only: the density at step 0 (the N workers share 0.2)", "`None` (0.2 ÷ N, at most 0.07)")
+        None, '`"auto"` only: the density at step 0 (the N workers share 0.2)', "`None` (0.2 ÷ N, at most 0.07)"
+    )
     decay_from: float | None = option(
-        None, "`\"auto\"` only: the density the run starts from, falling geometrically to `density` over the "
+        None,
+        '`"auto"` only: the density the run starts from, falling geometrically to `density` over the '
         "whole run while each worker's lr is × (density ÷ that density)^0.35; `0` disables; under a step cap "
-        "the lr is not lowered", "`None` (by worker count: [defaults](defaults.md))")
+        "the lr is not lowered",
+        "`None` (by worker count: [defaults](defaults.md))",
+    )
     step_cap: float | Literal["auto"] | None = option(
-        "auto", "each parameter tensor's share of a step's summed messages is scaled down to at most this share "
+        "auto",
+        "each parameter tensor's share of a step's summed messages is scaled down to at most this share "
         "of its norm as the step starts, on every replica alike ([convergence](convergence.md#step-cap)); "
-        "`None` disables", "`\"auto\"` (by worker count: [defaults](defaults.md))")
+        "`None` disables",
+        '`"auto"` (by worker count: [defaults](defaults.md))',
+    )
     residual_clip: float | None = option(5.0, "clip \\|residual\\| to this many τ every 5 steps; `None` disables")
     optimizer_momentum: OptimizerMomentum = option(
-        "auto", "`\"off\"`: each worker steps with its optimizer's momentum off (its residual already averages "
+        "auto",
+        '`"off"`: each worker steps with its optimizer\'s momentum off (its residual already averages '
         "its past updates; [convergence](convergence.md#the-workers-momentum)); a number in [0, 1): the most "
-        "momentum each worker steps with; `\"keep\"`: as given", "`\"auto\"` (by worker count: [defaults](defaults.md))")
+        'momentum each worker steps with; `"keep"`: as given',
+        '`"auto"` (by worker count: [defaults](defaults.md))',
+    )
     lr_batch_size: int | None = option(
-        None, "the batch size the optimizer's lr was tuned at, when not `batch_size`: each worker's lr is × "
-        "(batch_size ÷ lr_batch_size) ** 0.5 ([convergence](convergence.md#learning-rate-and-batch-size))")
+        None,
+        "the batch size the optimizer's lr was tuned at, when not `batch_size`: each worker's lr is × "
+        "(batch_size ÷ lr_batch_size) ** 0.5 ([convergence](convergence.md#learning-rate-and-batch-size))",
+    )
     lr_scaling: LrScaling = option(
-        "sqrt", "the rule `lr_batch_size` applies: `\"sqrt\"` (Adam, Malladi et al. 2022) or `\"linear\"` "
-        "(SGD, Goyal et al. 2017)")
+        "sqrt",
+        'the rule `lr_batch_size` applies: `"sqrt"` (Adam, Malladi et al. 2022) or `"linear"` (SGD, Goyal et al. 2017)',
+    )
     follow_lr: bool = option(
-        True, "when the lr changes from η to η′, each worker rescales its residual by η′/η and a numeric τ by "
-        "η′/η₀ (corrected error feedback)")
+        True,
+        "when the lr changes from η to η′, each worker rescales its residual by η′/η and a numeric τ by "
+        "η′/η₀ (corrected error feedback)",
+    )
     local_view: bool = option(
-        True, "each worker takes its gradient at the shared parameters plus its own unsent residual "
-        "([convergence](convergence.md))")
+        True,
+        "each worker takes its gradient at the shared parameters plus its own unsent residual "
+        "([convergence](convergence.md))",
+    )
     aggregate: Aggregate = option(
-        "sum", "`\"sum\"`: every replica adds every worker's ±τ (DL4J); `\"mean\"`: each message is applied × 1/N")
+        "sum", '`"sum"`: every replica adds every worker\'s ±τ (DL4J); `"mean"`: each message is applied × 1/N'
+    )
     staleness: int = option(
-        0, "k: before step t a worker has applied the log through t−1−k ([staleness](convergence.md#staleness))")
-    lookahead: bool = option(
-        True, "with k ≥ 1, run each step at P + this worker's own unapplied messages")
+        0, "k: before step t a worker has applied the log through t−1−k ([staleness](convergence.md#staleness))"
+    )
+    lookahead: bool = option(True, "with k ≥ 1, run each step at P + this worker's own unapplied messages")
 
     def __post_init__(self) -> None:
         algorithm = self.threshold_algorithm
         if isinstance(algorithm, str) and algorithm not in ("adaptive", "fixed"):
             raise ValueError(f"threshold_algorithm must be 'adaptive', 'fixed' or a rule object, got {algorithm!r}")
-        if not isinstance(algorithm, str) and not is_calibrated(algorithm) and not (
-                hasattr(algorithm, "threshold") and hasattr(algorithm, "update")):
+        if (
+            not isinstance(algorithm, str)
+            and not is_calibrated(algorithm)
+            and not (hasattr(algorithm, "threshold") and hasattr(algorithm, "update"))
+        ):
             raise TypeError("threshold_algorithm object must have .threshold and .update(n_entries, n_params)")
         warmup = self.warmup
         if warmup is not None and not (is_number(warmup) and 0 <= warmup < math.inf):
@@ -171,25 +200,34 @@ class Compression:
 
             # density / warmup_density checked now (CalibratedThreshold's own messages), not on the executors
             defaults = CalibratedThreshold()
-            CalibratedThreshold(density=defaults.density if self.density is None else self.density,
-                                warmup_density=defaults.warmup_density if self.warmup_density is None
-                                else self.warmup_density,
-                                decay_from=0.0 if self.decay_from is None else self.decay_from)
+            CalibratedThreshold(
+                density=defaults.density if self.density is None else self.density,
+                warmup_density=defaults.warmup_density if self.warmup_density is None else self.warmup_density,
+                decay_from=0.0 if self.decay_from is None else self.decay_from,
+            )
         cap: object = self.step_cap  # the user's: checked here, whatever the annotation promises
         if cap not in ("auto", None) and not (is_number(cap) and 0 < cap < math.inf):
-            raise ValueError(f"step_cap must be 'auto', None or a positive share of each tensor's norm "
-                             f"(e.g. 0.1), got {cap!r}")
+            raise ValueError(
+                f"step_cap must be 'auto', None or a positive share of each tensor's norm (e.g. 0.1), got {cap!r}"
+            )
         if self.residual_clip is not None and not self.residual_clip > 0:
             raise ValueError(f"residual_clip must be None or > 0, got {self.residual_clip!r}")
         momentum = self.optimizer_momentum
-        if not (momentum in ("auto", "off", "keep") if isinstance(momentum, str) else
-                is_number(momentum) and 0.0 <= momentum < 1.0):
-            raise ValueError(f"optimizer_momentum must be 'auto', 'off', 'keep' or a number in [0, 1) (the most "
-                             f"momentum each worker steps with), got {momentum!r}")
+        if not (
+            momentum in ("auto", "off", "keep")
+            if isinstance(momentum, str)
+            else is_number(momentum) and 0.0 <= momentum < 1.0
+        ):
+            raise ValueError(
+                f"optimizer_momentum must be 'auto', 'off', 'keep' or a number in [0, 1) (the most "
+                f"momentum each worker steps with), got {momentum!r}"
+            )
         lr_batch = self.lr_batch_size
         if lr_batch is not None and (not isinstance(lr_batch, int) or isinstance(lr_batch, bool) or lr_batch < 1):
-            raise ValueError(f"lr_batch_size must be None or an int >= 1 (the batch size the optimizer's lr was "
-                             f"tuned at), got {lr_batch!r}")
+            raise ValueError(
+                f"lr_batch_size must be None or an int >= 1 (the batch size the optimizer's lr was "
+                f"tuned at), got {lr_batch!r}"
+            )
         if self.lr_scaling not in get_args(LrScaling):
             raise ValueError(f"lr_scaling must be 'sqrt' or 'linear', got {self.lr_scaling!r}")
         if self.aggregate not in get_args(Aggregate):
@@ -200,9 +238,16 @@ class Compression:
     @property
     def tuning(self) -> dict[str, float]:
         """The options given that tune threshold="auto"'s calibration."""
-        return {k: v for k, v in (("density", self.density), ("warmup", self.warmup),
-                                  ("warmup_density", self.warmup_density), ("decay_from", self.decay_from))
-                if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("density", self.density),
+                ("warmup", self.warmup),
+                ("warmup_density", self.warmup_density),
+                ("decay_from", self.decay_from),
+            )
+            if v is not None
+        }
 
     @property
     def warmup_epochs(self) -> float:
@@ -224,20 +269,30 @@ class Network:
 
     bind: str = option(DEFAULT_BIND, "address the relay binds")
     advertise_host: str | None = option(
-        None, "address the executors reach this process at; `None` is `spark.driver.host` (on Spark Connect "
-        "`127.0.0.1` for a local master: [Spark Connect](connect.md))")
+        None,
+        "address the executors reach this process at; `None` is `spark.driver.host` (on Spark Connect "
+        "`127.0.0.1` for a local master: [Spark Connect](connect.md))",
+    )
     relay: RelayPlace = option(
-        "auto", "where the relay runs: `\"client\"` (this process), `\"in-job\"` (rank 0's task), `\"auto\"`: "
-        "in-job on Spark Connect ([Spark Connect](connect.md#where-the-relay-runs))")
+        "auto",
+        'where the relay runs: `"client"` (this process), `"in-job"` (rank 0\'s task), `"auto"`: '
+        "in-job on Spark Connect ([Spark Connect](connect.md#where-the-relay-runs))",
+    )
     forwarding: Forwarding = option(
-        "auto", "`\"per-rank\"` forwards each worker's message to every other (N·(N−1) a step), `\"aggregate\"` "
-        "one re-encoded sum to every worker (N a step), `\"auto\"` by worker count "
-        "([aggregated forwarding](cluster.md#many-workers-aggregated-forwarding))")
-    datagram_size: int = option(DEFAULT_DATAGRAM_SIZE, "UDP datagram size in bytes, header and tag included "
-                                "(fits a 1500-byte MTU)")
+        "auto",
+        '`"per-rank"` forwards each worker\'s message to every other (N·(N−1) a step), `"aggregate"` '
+        'one re-encoded sum to every worker (N a step), `"auto"` by worker count '
+        "([aggregated forwarding](cluster.md#many-workers-aggregated-forwarding))",
+    )
+    datagram_size: int = option(
+        DEFAULT_DATAGRAM_SIZE, "UDP datagram size in bytes, header and tag included (fits a 1500-byte MTU)"
+    )
     spill_bytes: int = option(
-        256 << 20, "a partition larger than this is kept in a local spill file and streamed in windows of this "
-        "size ([data larger than memory](data.md#data-larger-than-memory))", "`268435456` (256 MiB)")
+        256 << 20,
+        "a partition larger than this is kept in a local spill file and streamed in windows of this "
+        "size ([data larger than memory](data.md#data-larger-than-memory))",
+        "`268435456` (256 MiB)",
+    )
     insecure: bool = option(False, "turn authentication and encryption off; exists only to measure their cost")
 
     def __post_init__(self) -> None:
@@ -253,29 +308,39 @@ class FaultTolerance:
     ([Failures](failures.md), [Checkpoints](checkpoints.md))."""
 
     checkpoint_dir: str | None = option(
-        None, "a directory the executors share, or any Hadoop-FS URI: every worker's state after every "
+        None,
+        "a directory the executors share, or any Hadoop-FS URI: every worker's state after every "
         "`checkpoint_every` epochs and the last; a retried stage restarts at the last one; "
-        "`fit(resume_from=...)` continues from one ([Checkpoints](checkpoints.md))")
+        "`fit(resume_from=...)` continues from one ([Checkpoints](checkpoints.md))",
+    )
     checkpoint_every: int = option(1, "epochs between checkpoints")
-    timeout: float = option(60.0, "seconds any single wait (join, receive, snapshot) may take before an error "
-                            "naming what did not answer")
-    liveness_timeout: float = option(RelayTuning.liveness_timeout, "seconds of silence after which the relay "
-                                     "*suspects* a worker ([Liveness](failures.md#liveness))")
+    timeout: float = option(
+        60.0, "seconds any single wait (join, receive, snapshot) may take before an error naming what did not answer"
+    )
+    liveness_timeout: float = option(
+        RelayTuning.liveness_timeout,
+        "seconds of silence after which the relay *suspects* a worker ([Liveness](failures.md#liveness))",
+    )
     on_rank_loss: OnRankLoss = option(
-        "wait", "what a suspected worker costs: `\"wait\"` (the log waits, at most `timeout`), `\"restart\"` "
-        "(the stage is retried at once) or `\"continue\"` (the log goes on without it; "
-        "`result.skipped_steps` counts what was skipped)")
-    step_timeout: float = option(600.0, "seconds a worker may spend in one step before the fit stops with an "
-                                 "error naming the rank and step")
+        "wait",
+        'what a suspected worker costs: `"wait"` (the log waits, at most `timeout`), `"restart"` '
+        '(the stage is retried at once) or `"continue"` (the log goes on without it; '
+        "`result.skipped_steps` counts what was skipped)",
+    )
+    step_timeout: float = option(
+        600.0, "seconds a worker may spend in one step before the fit stops with an error naming the rank and step"
+    )
 
     # derived by __post_init__: checkpoint_dir as an absolute directory or URI
     checkpoint_root: str | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (is_number(self.timeout) and self.timeout > 0) or not (
-                is_number(self.liveness_timeout) and self.liveness_timeout > 0):
-            raise ValueError(f"timeout and liveness_timeout must be > 0, got {self.timeout!r}, "
-                             f"{self.liveness_timeout!r}")
+            is_number(self.liveness_timeout) and self.liveness_timeout > 0
+        ):
+            raise ValueError(
+                f"timeout and liveness_timeout must be > 0, got {self.timeout!r}, {self.liveness_timeout!r}"
+            )
         if not (is_number(self.step_timeout) and self.step_timeout > 0):
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {self.step_timeout!r}")
         if self.on_rank_loss not in get_args(OnRankLoss):
@@ -292,26 +357,39 @@ class Runtime:
     """Where and how each worker runs its steps, and what runs around them."""
 
     device: str | torch.device = option(
-        "auto", "`\"auto\"`: the GPU Spark assigned to the task, else CUDA's device when torch has one, else the "
-        "CPU; or `\"cpu\"`, `\"cuda\"`, `\"cuda:N\"` ([Devices](models.md#devices))")
-    precision: Precision = option("32", "`\"bf16-mixed\"` / `\"fp16-mixed\"`: forward and loss under autocast, "
-                                  "everything shared stays float32 ([Mixed precision](models.md#mixed-precision))")
-    scheduler_interval: SchedulerInterval = option("step", "`\"step\"`: `lr_scheduler.step()` after every step; "
-                                                   "`\"epoch\"`: after every epoch")
-    label_dtype: LabelDtype | None = option(None, "`\"int64\"` / `\"float32\"` force class indices / regression "
-                                            "targets; `None` infers them")
+        "auto",
+        '`"auto"`: the GPU Spark assigned to the task, else CUDA\'s device when torch has one, else the '
+        'CPU; or `"cpu"`, `"cuda"`, `"cuda:N"` ([Devices](models.md#devices))',
+    )
+    precision: Precision = option(
+        "32",
+        '`"bf16-mixed"` / `"fp16-mixed"`: forward and loss under autocast, '
+        "everything shared stays float32 ([Mixed precision](models.md#mixed-precision))",
+    )
+    scheduler_interval: SchedulerInterval = option(
+        "step", '`"step"`: `lr_scheduler.step()` after every step; `"epoch"`: after every epoch'
+    )
+    label_dtype: LabelDtype | None = option(
+        None, '`"int64"` / `"float32"` force class indices / regression targets; `None` infers them'
+    )
     drop_last: bool | Literal["auto"] = option(
-        "auto", "a partition's final short batch: dropped when it is one row and the model has BatchNorm "
-        "(`\"auto\"`), always (`True`) or never (`False`)")
+        "auto",
+        "a partition's final short batch: dropped when it is one row and the model has BatchNorm "
+        '(`"auto"`), always (`True`) or never (`False`)',
+    )
     on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = option(
-        None, "a callable or list, `fn(row) -> stop?`, run on rank 0 after each epoch is scored; truthy asks "
-        "for a stop")
+        None, "a callable or list, `fn(row) -> stop?`, run on rank 0 after each epoch is scored; truthy asks for a stop"
+    )
     mlflow: bool | dict[str, object] | None = option(
-        None, "`True` or `{\"experiment\", \"run_name\", \"tags\", \"log_model\"}`: each fit is one MLflow run "
-        "([Run logging](validation.md#run-logging-and-plots))")
+        None,
+        '`True` or `{"experiment", "run_name", "tags", "log_model"}`: each fit is one MLflow run '
+        "([Run logging](validation.md#run-logging-and-plots))",
+    )
     worker_options: Mapping[str, bool] | None = option(
-        None, "`{\"profile\": True}` per-phase step timers in worker reports; `{\"direct_update\": False}` the "
-        "general update path; `{\"tensor_state\": True}` the device code path on the CPU (tests, benchmarks)")
+        None,
+        '`{"profile": True}` per-phase step timers in worker reports; `{"direct_update": False}` the '
+        'general update path; `{"tensor_state": True}` the device code path on the CPU (tests, benchmarks)',
+    )
 
     # derived by __post_init__ from the fields above
     device_name: str = field(init=False, repr=False, compare=False)  # "auto" | "cpu" | "cuda" | "cuda:N"
@@ -351,23 +429,32 @@ class Elastic:
     rank's step in flight) and runs the interrupted epoch again on the new partitioning, so no row of it
     is skipped."""
 
-    min_workers: int = required("the fewest workers the fit runs on; below it, it waits `timeout` s for slots, "
-                                "then stops with an error naming both numbers")
+    min_workers: int = required(
+        "the fewest workers the fit runs on; below it, it waits `timeout` s for slots, "
+        "then stops with an error naming both numbers"
+    )
     max_workers: int = required("the most workers it grows to")
     keep_global_batch: bool = option(
-        False, "`False` keeps `batch_size` per worker (a step is the step the lr was tuned for); `True` rescales "
-        "it to round(batch_size × start workers ÷ workers)")
-    slot_wait: float = option(30.0, "seconds a lost executor's slot may take to come back before the job "
-                              "re-forms without it")
-    max_reforms: int = option(8, "re-forms in one fit; one more (an executor that keeps being lost and coming "
-                              "back) stops the fit with an error naming the count")
+        False,
+        "`False` keeps `batch_size` per worker (a step is the step the lr was tuned for); `True` rescales "
+        "it to round(batch_size × start workers ÷ workers)",
+    )
+    slot_wait: float = option(
+        30.0, "seconds a lost executor's slot may take to come back before the job re-forms without it"
+    )
+    max_reforms: int = option(
+        8,
+        "re-forms in one fit; one more (an executor that keeps being lost and coming "
+        "back) stops the fit with an error naming the count",
+    )
 
     def __post_init__(self) -> None:
         low, high = self.min_workers, self.max_workers
         for name, value in (("min_workers", low), ("max_workers", high), ("max_reforms", self.max_reforms)):
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "max_reforms" else 1):
-                raise ValueError(f"Elastic({name}=...) must be an int >= {0 if name == 'max_reforms' else 1}, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"Elastic({name}=...) must be an int >= {0 if name == 'max_reforms' else 1}, got {value!r}"
+                )
         if low > high:
             raise ValueError(f"Elastic(min_workers={low}, max_workers={high}): min_workers is above max_workers")
         if not (is_number(self.slot_wait) and 0 <= self.slot_wait < math.inf):

@@ -36,8 +36,10 @@ def driver_store(root: str, spark_context: SparkContext | None) -> DriverStore:
     if is_local(root):
         return LocalStore(root)
     if spark_context is None:  # a Connect session: no JVM of ours to reach Hadoop's FileSystem through
-        raise ValueError(f"{root!r} is not a local directory, and this Spark session has no SparkContext "
-                         "to reach it through Hadoop's FileSystem API")
+        raise ValueError(
+            f"{root!r} is not a local directory, and this Spark session has no SparkContext "
+            "to reach it through Hadoop's FileSystem API"
+        )
     return HadoopStore(spark_context, root)
 
 
@@ -60,18 +62,32 @@ def check_fresh(store: Store, epochs_done: int) -> None:
     """A fit writes epoch-<E> for E > epochs_done: refuse to mix its files with an earlier fit's there."""
     taken = [epoch_dir(e) for e in _epochs_in(store) if e > epochs_done]
     if taken:
-        raise ValueError(f"checkpoint_dir={store.where()!r} already holds {', '.join(taken)}, which this fit would "
-                         "overwrite; give an empty directory, or remove them")
+        raise ValueError(
+            f"checkpoint_dir={store.where()!r} already holds {', '.join(taken)}, which this fit would "
+            "overwrite; give an empty directory, or remove them"
+        )
 
 
-def job_of(world_size: int, steps_per_epoch: tuple[int, ...], batch_size: int, seed: int,
-           shapes: list[tuple[str, tuple[int, ...]]], step_cap: float | None = None,
-           step_shares: list[list[float]] | None = None) -> dict[str, Any]:
+def job_of(
+    world_size: int,
+    steps_per_epoch: tuple[int, ...],
+    batch_size: int,
+    seed: int,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    step_cap: float | None = None,
+    step_shares: list[list[float]] | None = None,
+) -> dict[str, Any]:
     """The facts a checkpoint must share with the fit that resumes from it, and the step cap's shares,
     which a resumed fit takes from it (which tensors are capped comes from the training's first parameters)."""
-    return {"world_size": world_size, "steps_per_epoch": list(steps_per_epoch), "batch_size": batch_size,
-            "seed": seed, "shapes": [[name, list(shape)] for name, shape in shapes], "step_cap": step_cap,
-            "step_shares": step_shares}
+    return {
+        "world_size": world_size,
+        "steps_per_epoch": list(steps_per_epoch),
+        "batch_size": batch_size,
+        "seed": seed,
+        "shapes": [[name, list(shape)] for name, shape in shapes],
+        "step_cap": step_cap,
+        "step_shares": step_shares,
+    }
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -84,8 +100,10 @@ def find(store: Store) -> str:
         raise FileNotFoundError(f"resume_from={store.where()!r} does not exist")
     done = [epoch_dir(e) for e in _epochs_in(store) if store.exists(f"{epoch_dir(e)}/{MANIFEST}")]
     if not done:
-        raise CheckpointError(f"resume_from={store.where()!r} holds no complete checkpoint (no {MANIFEST}; one is "
-                              "written last, so a checkpoint cut short has none)")
+        raise CheckpointError(
+            f"resume_from={store.where()!r} holds no complete checkpoint (no {MANIFEST}; one is "
+            "written last, so a checkpoint cut short has none)"
+        )
     return done[-1]
 
 
@@ -108,21 +126,31 @@ def check_job(manifest: Manifest, job: dict[str, Any]) -> None:
         ours = {n: tuple(s) for n, s in want["shapes"]}
         # the first entry, in the model's order, whose shape differs (or that only one side has)
         name = next((n for n in [*ours, *theirs] if theirs.get(n) != ours.get(n)), "?")
-        raise ValueError(f"resume_from={where!r} is a checkpoint of another model: {name} has shape "
-                         f"{theirs.get(name, 'none')} there and {ours.get(name, 'none')} in this model "
-                         f"(checkpoint shapes {theirs}; model shapes {ours})")
+        raise ValueError(
+            f"resume_from={where!r} is a checkpoint of another model: {name} has shape "
+            f"{theirs.get(name, 'none')} there and {ours.get(name, 'none')} in this model "
+            f"(checkpoint shapes {theirs}; model shapes {ours})"
+        )
     # another world size is a re-formed job (task/checkpoint.sources maps the ranks): its steps per epoch
     # follow, and its per-worker batch may have been rescaled to keep the global batch
     regrouped = have.get("world_size") != want.get("world_size")
     keys = ("seed", "step_cap") if regrouped else ("world_size", "steps_per_epoch", "batch_size", "seed", "step_cap")
     for key in keys:
         if have.get(key) != want.get(key):
-            raise ValueError(f"resume_from={where!r} is a checkpoint of another job: its {key} is {have.get(key)!r}, "
-                             f"this fit's is {want.get(key)!r}")
+            raise ValueError(
+                f"resume_from={where!r} is a checkpoint of another job: its {key} is {have.get(key)!r}, "
+                f"this fit's is {want.get(key)!r}"
+            )
 
 
-def rollback_point(plan: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
-                   steps_per_epoch: int, complete_through: int) -> RollbackPoint | None:
+def rollback_point(
+    plan: CheckpointPlan | None,
+    resume: Manifest | None,
+    stores: Stores,
+    first_epoch: int,
+    steps_per_epoch: int,
+    complete_through: int,
+) -> RollbackPoint | None:
     """RelayCore's `rollback` for a fit with checkpoints: the latest complete checkpoint of this fit whose
     step the relay's log has reached (or the fit's resume_from, at step -1), as (step the log holds it
     through, parameters, epochs done in this fit's log, whole-training epochs done); None without one.
@@ -156,8 +184,9 @@ def _point(store: Store, manifest: Manifest, first_epoch: int, steps_per_epoch: 
 
 
 # ------------------------------------------------------------------------------------------ the driver
-def open_stores(checkpoint_dir: str | None, resume_from: str | None, spark_context: SparkContext | None,
-                epochs_done: int = 0) -> tuple[Stores, Manifest | None]:
+def open_stores(
+    checkpoint_dir: str | None, resume_from: str | None, spark_context: SparkContext | None, epochs_done: int = 0
+) -> tuple[Stores, Manifest | None]:
     """The driver's stores by source ({"checkpoint": ..., "resume": ...}) and resume_from's manifest,
     every file of it checked; checkpoint_dir writable and holding no later checkpoints. All before any
     Spark job."""
@@ -188,8 +217,9 @@ def start_service(stores: Stores, key: bytes, bind: str, timeout: float) -> Chec
 
 
 # ------------------------------------------------------------------------------------------ a fit's
-def open_for_fit(checkpoint_dir: str | None, resume_from: str | None, sc: SparkContext | None,
-                 epochs_done: int = 0) -> tuple[Stores, Manifest | None]:
+def open_for_fit(
+    checkpoint_dir: str | None, resume_from: str | None, sc: SparkContext | None, epochs_done: int = 0
+) -> tuple[Stores, Manifest | None]:
     """The driver's checkpoint stores and resume_from's manifest, every file checked against it;
     ({}, None) without checkpoints. `epochs_done`: a re-formed elastic job's start (its epochs may be there)."""
     if resume_from is None and checkpoint_dir is None:
@@ -197,8 +227,9 @@ def open_for_fit(checkpoint_dir: str | None, resume_from: str | None, sc: SparkC
     return open_stores(checkpoint_dir, resume_from, sc, epochs_done)
 
 
-def plan_for_fit(checkpoint_dir: str | None, every: int, epochs: int, job: dict[str, Any],
-                 resume: Manifest | None) -> tuple[CheckpointPlan | None, int, int]:
+def plan_for_fit(
+    checkpoint_dir: str | None, every: int, epochs: int, job: dict[str, Any], resume: Manifest | None
+) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs) for a fit of `epochs`
     in all whose job (`job_of`) is `job`."""
     first = 0
@@ -206,22 +237,37 @@ def plan_for_fit(checkpoint_dir: str | None, every: int, epochs: int, job: dict[
         check_job(resume, job)
         first = resume["epochs_done"]
         if first >= epochs:
-            raise ValueError(f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={epochs} "
-                             "leaves none to train (epochs counts from the start of the training)")
+            raise ValueError(
+                f"resume_from={resume['directory']!r} has {first} epoch(s) done; epochs={epochs} "
+                "leaves none to train (epochs counts from the start of the training)"
+            )
     plan = None if checkpoint_dir is None else CheckpointPlan(checkpoint_dir, every, job)
     return plan, first, epochs - first
 
 
-def relay_rollback(saving: CheckpointPlan | None, resume: Manifest | None, stores: Stores, first_epoch: int,
-                   steps_per_epoch: tuple[int, ...]) -> Callable[[int], RollbackPoint | None] | None:
-    """The relay's `rollback` (the relay core's observer, gradshare/task/tallies.py): with checkpoints, a retried stage restarts at the last one."""
+def relay_rollback(
+    saving: CheckpointPlan | None,
+    resume: Manifest | None,
+    stores: Stores,
+    first_epoch: int,
+    steps_per_epoch: tuple[int, ...],
+) -> Callable[[int], RollbackPoint | None] | None:
+    """The relay's `rollback` (the relay core's observer, gradshare/task/tallies.py): with checkpoints, a retried stage
+    restarts at the last one."""
     if saving is None and resume is None:
         return None
     return functools.partial(rollback_point, saving, resume, stores, first_epoch, steps_per_epoch[0])
 
 
-def serve_checkpoints(stores: Stores, saving: CheckpointPlan | None, resume: Manifest | None, key: bytes, bind: str,
-                      host: str, timeout: float) -> tuple[CheckpointPlan | None, Manifest | None, CheckpointService | None]:
+def serve_checkpoints(
+    stores: Stores,
+    saving: CheckpointPlan | None,
+    resume: Manifest | None,
+    key: bytes,
+    bind: str,
+    host: str,
+    timeout: float,
+) -> tuple[CheckpointPlan | None, Manifest | None, CheckpointService | None]:
     """A Hadoop-FS checkpoint_dir or resume_from: start the driver's checkpoint service and tell the
     workers where it is; local ones need none. (plan, resume manifest, service or None)."""
     service: CheckpointService | None = start_service(stores, key, bind, timeout)

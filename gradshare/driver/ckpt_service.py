@@ -21,7 +21,7 @@ from gradshare.errors import RemoteProtocolError
 from gradshare.task.ckpt_client import Sealed, check_name
 from gradshare.task.stores import error_line
 
-MAX_CONNECTIONS = 64      # concurrent operations the driver serves; more wait in the listen backlog
+MAX_CONNECTIONS = 64  # concurrent operations the driver serves; more wait in the listen backlog
 OPS = ("write", "read", "list", "exists", "is_dir")
 
 
@@ -114,5 +114,3 @@ class CheckpointService:
         if op == "list":
             return {"ok": True, "names": store.list(name)}
         return {"ok": True, "value": bool(getattr(store, op)(name))}
-
-

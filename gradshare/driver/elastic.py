@@ -50,14 +50,20 @@ STEADY = 1.0  # s between the two equal slot counts a re-form takes as the clust
 def check_elastic(config: TrainConfig, data: object) -> None:
     """What an elastic fit needs, refused before any Spark job, naming the option."""
     if is_dataframe(data) and is_connect(data):
-        raise ValueError("elastic= needs a classic Spark session: a Spark Connect client cannot count the cluster's "
-                         "free task slots or see a task fail; train without elastic= there")
+        raise ValueError(
+            "elastic= needs a classic Spark session: a Spark Connect client cannot count the cluster's "
+            "free task slots or see a task fail; train without elastic= there"
+        )
     if config.network.relay == "in-job":
-        raise ValueError("elastic= needs relay='client' (or 'auto' on a classic session): the relay's parameters "
-                         "are what a re-formed job starts from, and a relay in a task dies with the stage")
+        raise ValueError(
+            "elastic= needs relay='client' (or 'auto' on a classic session): the relay's parameters "
+            "are what a re-formed job starts from, and a relay in a task dies with the stage"
+        )
     if config.compression.staleness:
-        raise ValueError(f"elastic= needs staleness=0 (a re-formed job starts at an epoch's start with the whole "
-                         f"log applied); got staleness={config.compression.staleness}")
+        raise ValueError(
+            f"elastic= needs staleness=0 (a re-formed job starts at an epoch's start with the whole "
+            f"log applied); got staleness={config.compression.staleness}"
+        )
 
 
 def free_slots(sc: Any) -> int:
@@ -78,8 +84,10 @@ def slots_for(sc: Any, elastic: Elastic, wanted: int, wait: float, timeout: floa
         if free >= wanted or (waited >= wait and free >= elastic.min_workers):
             return min(free, wanted)
         if waited >= wait + timeout:
-            raise ValueError(f"elastic fit: {free} free task slot(s) after {waited:.0f} s, below min_workers="
-                             f"{elastic.min_workers} (master {sc.master!r} has {total_slots(sc)} slots)")
+            raise ValueError(
+                f"elastic fit: {free} free task slot(s) after {waited:.0f} s, below min_workers="
+                f"{elastic.min_workers} (master {sc.master!r} has {total_slots(sc)} slots)"
+            )
         time.sleep(POLL)
 
 
@@ -102,8 +110,16 @@ class Watch:
     SLOTS_EVERY s) slots are free for a larger job and the log just reached an epoch's end. Notes when the
     job's first step completed, which is what a re-form cost in seconds ends at."""
 
-    def __init__(self, job: RddJob, relay: Any, run: RunPlan, elastic: Elastic, world: int,
-                 after: dict[str, Any] | None = None, verbose: int = 0) -> None:
+    def __init__(
+        self,
+        job: RddJob,
+        relay: Any,
+        run: RunPlan,
+        elastic: Elastic,
+        world: int,
+        after: dict[str, Any] | None = None,
+        verbose: int = 0,
+    ) -> None:
         """`after`: the re-form this job follows (its "seconds" are set at this job's first step)."""
         self.job, self.relay, self.elastic, self.world = job, relay, elastic, world
         self.after, self.verbose = after, verbose
@@ -123,8 +139,11 @@ class Watch:
             if self.after is not None:  # this job follows a re-form: say what it cost
                 self.after["seconds"] = round(now - float(self.after["detected_at"]), 2)
                 if self.verbose:
-                    print(f"gradshare: {self.world} workers took their first step {self.after['seconds']:.1f} s "
-                          f"after the {self.after['kind']} was detected", flush=True)
+                    print(
+                        f"gradshare: {self.world} workers took their first step {self.after['seconds']:.1f} s "
+                        f"after the {self.after['kind']} was detected",
+                        flush=True,
+                    )
         while (done + 1) // self.epoch_steps >= len(self.ends):  # an epoch of the log completed
             self.ends.append(now)
         failed = self._failed_tasks()
@@ -160,8 +179,11 @@ class Watch:
         if ours is None:
             return 0
         tracker = self.job.spark_context.statusTracker()
-        others = sum(info.numActiveTasks for s in tracker.getActiveStageIds()
-                     if s not in ours and (info := tracker.getStageInfo(s)) is not None)
+        others = sum(
+            info.numActiveTasks
+            for s in tracker.getActiveStageIds()
+            if s not in ours and (info := tracker.getStageInfo(s)) is not None
+        )
         return max(int(total_slots(self.job.spark_context)) - self.world - int(others), 0)
 
     def _failed_tasks(self) -> int:
@@ -175,12 +197,22 @@ class Watch:
         if not self.job.group:
             return None
         tracker = self.job.spark_context.statusTracker()
-        return {s for j in tracker.getJobIdsForGroup(self.job.group) if (info := tracker.getJobInfo(j)) is not None
-                for s in info.stageIds}
+        return {
+            s
+            for j in tracker.getJobIdsForGroup(self.job.group)
+            if (info := tracker.getJobInfo(j)) is not None
+            for s in info.stageIds
+        }
 
 
-def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
-                resume_from: str | None, t_start: float) -> FitResult:
+def fit_elastic(
+    spec: FitSpec,
+    data: object,
+    features_col: str | list[str] | None,
+    label_col: str | None,
+    resume_from: str | None,
+    t_start: float,
+) -> FitResult:
     """SharedTrainer.fit with `elastic`: jobs at the cluster's size, each re-formed from the relay's state."""
     config = spec.config
     elastic = config.elastic
@@ -194,8 +226,9 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
     rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
     reforms: list[dict[str, Any]] = []
     while True:
-        job_config = replace(config, num_workers=world,
-                             batch_size=elastic.batch_size(config.batch_size, start_world, world))
+        job_config = replace(
+            config, num_workers=world, batch_size=elastic.batch_size(config.batch_size, start_world, world)
+        )
         job_spec = replace(spec, config=job_config)
         prep = prepare_data(job_spec, data, features_col, label_col, resume, restart)
         if resume is not None:  # a resume_from at another world size is the first re-form
@@ -209,9 +242,11 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
             outcome = run_job(job_spec, prep, run, started, watch)
         except Reform as reform:
             if len(reforms) >= elastic.max_reforms:
-                raise TrainingError(f"elastic fit: {len(reforms) + 1} re-forms, more than max_reforms="
-                                    f"{elastic.max_reforms} (an executor that keeps being lost and coming back?); "
-                                    f"the last: {reform}") from reform
+                raise TrainingError(
+                    f"elastic fit: {len(reforms) + 1} re-forms, more than max_reforms="
+                    f"{elastic.max_reforms} (an executor that keeps being lost and coming back?); "
+                    f"the last: {reform}"
+                ) from reform
             left = reform.left
             assert left is not None  # run_job adds it
             spe = watch.epoch_steps
@@ -220,30 +255,58 @@ def fit_elastic(spec: FitSpec, data: object, features_col: str | list[str] | Non
             epochs_done = run.first_epoch + local_done
             finished, _ = merge_history([], left.tallies, run.steps_per_epoch, local_done)
             # a cancelled job's rows come from the relay's tally; their seconds from the watch's clock
-            rows += [replace(row, epoch=row.epoch + run.first_epoch, loss_fn=prep.plan.name, workers=world,
-                             seconds=watch.seconds(row.epoch)).as_dict()
-                     for row in finished]
+            rows += [
+                replace(
+                    row,
+                    epoch=row.epoch + run.first_epoch,
+                    loss_fn=prep.plan.name,
+                    workers=world,
+                    seconds=watch.seconds(row.epoch),
+                ).as_dict()
+                for row in finished
+            ]
             # a shrink waits for the lost slot to come back; a grow takes what is free
             wanted = elastic.max_workers if reform.kind == "grow" else world
-            new_world = slots_for(sc, elastic, wanted, elastic.slot_wait if reform.kind == "shrink" else 0.0,
-                                  config.fault_tolerance.timeout)
-            reforms.append({"kind": reform.kind, "reason": reform.reason, "epoch": epochs_done,
-                            "from": world, "to": new_world, "at_step": left.complete_through,
-                            "steps_redone": left.complete_through + 1 - local_done * spe, "rows_skipped": 0,
-                            "detected_at": reform.detected_at, "seconds": None})
+            new_world = slots_for(
+                sc,
+                elastic,
+                wanted,
+                elastic.slot_wait if reform.kind == "shrink" else 0.0,
+                config.fault_tolerance.timeout,
+            )
+            reforms.append(
+                {
+                    "kind": reform.kind,
+                    "reason": reform.reason,
+                    "epoch": epochs_done,
+                    "from": world,
+                    "to": new_world,
+                    "at_step": left.complete_through,
+                    "steps_redone": left.complete_through + 1 - local_done * spe,
+                    "rows_skipped": 0,
+                    "detected_at": reform.detected_at,
+                    "seconds": None,
+                }
+            )
             if config.verbose:
                 last = reforms[-1]
-                print(f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({reform.kind}: "
-                      f"{reform.reason}): {world} -> {new_world} workers, {last['steps_redone']} steps of the "
-                      "epoch run again, 0 rows skipped", flush=True)
-            restart = Restart(left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done))
+                print(
+                    f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({reform.kind}: "
+                    f"{reform.reason}): {world} -> {new_world} workers, {last['steps_redone']} steps of the "
+                    "epoch run again, 0 rows skipped",
+                    flush=True,
+                )
+            restart = Restart(
+                left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done)
+            )
             world, resume = new_world, None
             continue
         result = collect_result(prep, run, outcome, t_start)
         own = [{**row, "workers": world} for row in result.history]
         result.history = rows + own
-        result.extra = replace(result.extra, reforms=[{k: v for k, v in r.items() if k != "detected_at"}
-                                                      for r in reforms])
+        result.extra = replace(
+            result.extra, reforms=[{k: v for k, v in r.items() if k != "detected_at"} for r in reforms]
+        )
         return result
 
 

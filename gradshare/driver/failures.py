@@ -34,8 +34,15 @@ _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warn
 
 def failure_of(fail: Fail) -> WorkerFailure:
     """The WorkerFailure a FAIL carried (transport.events.Fail: its msgpack fields)."""
-    return WorkerFailure(fail.rank, None if fail.step < 0 else fail.step, fail.error_type, fail.message,
-                         fail.error_class, fail.cause or None, fail.attempt)
+    return WorkerFailure(
+        fail.rank,
+        None if fail.step < 0 else fail.step,
+        fail.error_type,
+        fail.message,
+        fail.error_class,
+        fail.cause or None,
+        fail.attempt,
+    )
 
 
 def reported_error(failed: Fail) -> Exception:
@@ -59,9 +66,9 @@ def driver_error(exc: BaseException, relay: RelayReads | None, reported: Fail | 
     tasks' errors, which are often symptoms of it (a rank rejected because another was cut).
 
     The worker's error (reports.WorkerFailure) comes from the relay, which the failing task reported it
-    to (FAIL, retryable or not: `reported`, Relay.reported_failure); only when none arrived (the relay unreachable, the report lost) from
-    its text form in Spark's error. It is raised as the class the worker raised, or, after an incident,
-    as the incident's class (the worker's error is then a symptom; it stays in the message and in
+    to (FAIL, retryable or not: `reported`, Relay.reported_failure); only when none arrived (the relay unreachable, the
+    report lost) from its text form in Spark's error. It is raised as the class the worker raised, or, after an
+    incident, as the incident's class (the worker's error is then a symptom; it stays in the message and in
     the error's `worker_failure`)."""
     text = str(exc)
     failure = failure_of(reported) if reported is not None else WorkerFailure.from_text(text)
@@ -75,7 +82,7 @@ def driver_error(exc: BaseException, relay: RelayReads | None, reported: Fail | 
         return exc
     # Spark failed the task before our code ran (e.g. unpickling the closure): the root cause is the
     # LAST line of the Python traceback in its text; the first lines are Spark's own wrappers.
-    tail = text[text.rfind("Traceback (most recent call last)"):]
+    tail = text[text.rfind("Traceback (most recent call last)") :]
     causes = _PY_ERROR.findall(tail)
     if causes:
         kind, message = causes[-1]
@@ -84,5 +91,6 @@ def driver_error(exc: BaseException, relay: RelayReads | None, reported: Fail | 
 
 
 def _first_line(text: str) -> str:
-    return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[:500]
-
+    return next((line for line in text.splitlines() if "Exception" in line or "Error" in line), text[:300]).strip()[
+        :500
+    ]

@@ -70,8 +70,13 @@ from gradshare.transport import Relay, new_job_key
 from gradshare.transport.sockets.snapshot_rate import snapshot_options
 
 
-def job_for(config: TrainConfig, data: object, features_col: str | list[str] | None, label_col: str | None,
-            resume_from: str | None) -> RddJob | FrameJob:
+def job_for(
+    config: TrainConfig,
+    data: object,
+    features_col: str | list[str] | None,
+    label_col: str | None,
+    resume_from: str | None,
+) -> RddJob | FrameJob:
     """The Spark side of the fit (job.py): a DataFrame on Spark Connect, or on a classic session
     where it measured faster (job.frame_path), goes through mapInArrow; an RDD as it is."""
     if is_dataframe(data):
@@ -84,14 +89,22 @@ def job_for(config: TrainConfig, data: object, features_col: str | list[str] | N
             return FrameJob(data, features_col, label_col, config.num_workers)
         return RddJob(dataframe_to_rdd(data, features_col, label_col), config.num_workers)
     if features_col is not None or label_col is not None:
-        raise ValueError("features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
-                         "(features: one array, or a tuple of arrays for several inputs)")
+        raise ValueError(
+            "features_col/label_col apply to a DataFrame; an RDD holds (features, label) rows "
+            "(features: one array, or a tuple of arrays for several inputs)"
+        )
     check_rdd(data)
     return RddJob(data, config.num_workers)
 
 
-def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
-                 resume_from: str | None, restart: Restart | None = None) -> Prepared:
+def prepare_data(
+    spec: FitSpec,
+    data: object,
+    features_col: str | list[str] | None,
+    label_col: str | None,
+    resume_from: str | None,
+    restart: Restart | None = None,
+) -> Prepared:
     """Everything checked before training: the data, its validation shards, checkpoints, model, loss.
     `restart`: a re-formed elastic job's start (elastic.py)."""
     config = spec.config
@@ -102,8 +115,12 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     if resume_from is not None:
         check_checkpoint_staleness("resume_from", config.compression.staleness)
     # a corrupt checkpoint fails here, before any Spark job
-    stores, resume = open_for_fit(config.fault_tolerance.checkpoint_root, resume_from, job.spark_context,
-                                  0 if restart is None else restart.epochs_done)
+    stores, resume = open_for_fit(
+        config.fault_tolerance.checkpoint_root,
+        resume_from,
+        job.spark_context,
+        0 if restart is None else restart.epochs_done,
+    )
     model = build_model(spec.model, config.seed)
     check_optimizer(spec.optimizer, config.lr_scheduler, model, config.compression.optimizer_momentum)
     # Pre-pass: barrier slots, then every partition validated and its rows counted (errors come back
@@ -115,25 +132,45 @@ def prepare_data(spec: FitSpec, data: object, features_col: str | list[str] | No
     # check_summaries raised for any partition with an error, and an empty one is an error
     assert features is not None and label_kind is not None and label_shape is not None
     names = input_names(features, (features_col,) if isinstance(features_col, str) else tuple(features_col or ()))
-    plan = plan_loss(model, layout.sample, label_kind, layout.labels_whole, loss=config.loss,
-                     train_step=config.train_step, label_dtype=config.runtime.label_dtype, input_names=names,
-                     label_range=layout.label_range)
+    plan = plan_loss(
+        model,
+        layout.sample,
+        label_kind,
+        layout.labels_whole,
+        loss=config.loss,
+        train_step=config.train_step,
+        label_dtype=config.runtime.label_dtype,
+        input_names=names,
+        label_range=layout.label_range,
+    )
     validation: tuple[tuple[np.ndarray, ...], np.ndarray] | None = None
     if shards is not None:
         assert isinstance(job, RddJob)  # job_for keeps a fit with validation shards on the RDD path
         shards = shards_of(shards, job.world)
-        shard_rows = check_shards(shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)])
-                                  .collect(), layout, names)
-        job.training = zip_shards(job.rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)],
-                                  shard_rows)
+        shard_rows = check_shards(
+            shards.mapPartitionsWithIndex(lambda i, it: [summarise_partition(i, it)]).collect(), layout, names
+        )
+        job.training = zip_shards(
+            job.rdd, shards, [s.rows for s in sorted(summaries, key=lambda s: s.index)], shard_rows
+        )
     elif config.validation_data is not None:
         validation = validation_arrays(config.validation_data, features, plan.label_dtype, label_shape)
     # a train_step hook may call the model its own way: no default metric that calls model(*inputs)
     classes = plan.label_dtype == "int64" and config.train_step is None
     default = accuracy if validation is not None else accuracy_sums if shards is not None else None
-    return Prepared(job=job, summaries=summaries, load_seconds=max(seconds for _, seconds in timed),
-                    features=features, model=model, plan=plan, validation=validation, shards=shards is not None,
-                    metric=config.metric or (default if classes else None), stores=stores, resume=resume)
+    return Prepared(
+        job=job,
+        summaries=summaries,
+        load_seconds=max(seconds for _, seconds in timed),
+        features=features,
+        model=model,
+        plan=plan,
+        validation=validation,
+        shards=shards is not None,
+        metric=config.metric or (default if classes else None),
+        stores=stores,
+        resume=resume,
+    )
 
 
 def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None) -> RunPlan:
@@ -152,9 +189,11 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
     steps_per_epoch = tuple(steps_in(rows[r], config.batch_size, drop_last) for r in range(world))
     empty = [r for r in range(world) if steps_per_epoch[r] == 0]
     if empty:
-        raise ValueError(f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
-                         f"{config.batch_size} is left with drop_last={config.runtime.drop_last!r}; repartition the "
-                         "data or lower batch_size")
+        raise ValueError(
+            f"partition {empty[0]} has {rows[empty[0]]} row(s): no batch of batch_size="
+            f"{config.batch_size} is left with drop_last={config.runtime.drop_last!r}; repartition the "
+            "data or lower batch_size"
+        )
     steps_per_epoch = even_steps(steps_per_epoch, rows, config, prep.resume is not None)
     if prep.resume is not None and config.compression.step_cap == "auto":
         # "auto" goes on with the cap its checkpoint's fit ran with (a default may have moved since)
@@ -172,24 +211,41 @@ def plan_run(config: TrainConfig, prep: Prepared, restart: Restart | None = None
         initial = load_params(prep.stores["resume"], prep.resume)
         saved_world = prep.resume["job"]["world_size"]
         if saved_world != world and config.verbose:
-            print(f"gradshare: resuming {prep.resume['directory']} (written by {saved_world} workers) at {world} "
-                  "workers: each rank's state is mapped (docs/guide/elastic.md)", flush=True)
+            print(
+                f"gradshare: resuming {prep.resume['directory']} (written by {saved_world} workers) at {world} "
+                "workers: each rank's state is mapped (docs/guide/elastic.md)",
+                flush=True,
+            )
     # checkpoints hold the replicas' state, not the relay's aggregation residual: "auto" keeps a
     # checkpointed fit per-rank, so that a resumed one stays bit-identical
     checkpointed = config.fault_tolerance.checkpoint_root is not None or prep.resume is not None
     forwarding = forwarding_for(config.network.forwarding, world, checkpointed)
     if checkpointed and forwarding == "aggregate":
-        raise ValueError("forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
-                         "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'")
+        raise ValueError(
+            "forwarding='aggregate' cannot be checkpointed or resumed yet (the relay's aggregation "
+            "residual is not in the checkpoint); use forwarding='per-rank' or 'auto'"
+        )
     aggregator = None
     if forwarding == "aggregate":
         # the relay's τ rule: the workers' calibrated one (same density and warm-up) or the default
         agg_rule = copy.deepcopy(rule) if is_calibrated(rule) else None
         aggregator = AggregateState(flat.n_params, flat.n_buffers, agg_rule)
-    return RunPlan(flat=flat, initial=initial, shipped=shipped, drop_last=drop_last, steps_per_epoch=steps_per_epoch,
-                   steps=steps, clip=clipping(config), saving=saving, first_epoch=first_epoch, epochs=epochs,
-                   forwarding=forwarding, aggregator=aggregator, step_cap=step_cap,
-                   inherited=() if restart is None else restart.notes)
+    return RunPlan(
+        flat=flat,
+        initial=initial,
+        shipped=shipped,
+        drop_last=drop_last,
+        steps_per_epoch=steps_per_epoch,
+        steps=steps,
+        clip=clipping(config),
+        saving=saving,
+        first_epoch=first_epoch,
+        epochs=epochs,
+        forwarding=forwarding,
+        aggregator=aggregator,
+        step_cap=step_cap,
+        inherited=() if restart is None else restart.notes,
+    )
 
 
 def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig, resumed: bool) -> tuple[int, ...]:
@@ -203,14 +259,17 @@ def even_steps(steps: tuple[int, ...], rows: dict[int, int], config: TrainConfig
     fewest = min(steps)
     if config.verbose:
         dropped = sum(max(rows[r] - fewest * config.batch_size, 0) for r in range(len(steps)))
-        print(f"gradshare: every rank runs {fewest} steps an epoch (checkpoints need one epoch end for all): "
-              f"{dropped} row(s) an epoch beyond those, each rank's last in its epoch order, are not trained",
-              flush=True)
+        print(
+            f"gradshare: every rank runs {fewest} steps an epoch (checkpoints need one epoch end for all): "
+            f"{dropped} row(s) an epoch beyond those, each rank's last in its epoch order, are not trained",
+            flush=True,
+        )
     return (fewest,) * len(steps)
 
 
-def cap_of(share: float, norm: str, flat: FlatParams, resume: Manifest | None,
-           restart: Restart | None = None) -> StepCap:
+def cap_of(
+    share: float, norm: str, flat: FlatParams, resume: Manifest | None, restart: Restart | None = None
+) -> StepCap:
     """The fit's step cap: ``share`` of each tensor's norm, for the tensors whose norm is not 0 in the model as
     it starts, or the cap a resumed checkpoint's fit or the re-formed job's first had (which tensors are
     capped comes from the training's start, not this job's)."""
@@ -222,15 +281,23 @@ def cap_of(share: float, norm: str, flat: FlatParams, resume: Manifest | None,
     return StepCap.of([p.numel() for p in flat.params], flat.array, share, norm)
 
 
-def checkpoint_plan(config: TrainConfig, model: nn.Module, world: int, steps_per_epoch: tuple[int, ...],
-                    resume: Manifest | None, share: float | None = None) -> tuple[CheckpointPlan | None, int, int]:
+def checkpoint_plan(
+    config: TrainConfig,
+    model: nn.Module,
+    world: int,
+    steps_per_epoch: tuple[int, ...],
+    resume: Manifest | None,
+    share: float | None = None,
+) -> tuple[CheckpointPlan | None, int, int]:
     """(CheckpointPlan or None, epochs done before this fit, epochs this fit runs); a resumed checkpoint's
     model and job checked against this fit's."""
     if config.fault_tolerance.checkpoint_root is None and resume is None:
         return None, 0, config.epochs
     if len(set(steps_per_epoch)) > 1:
-        raise ValueError(f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
-                         f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly")
+        raise ValueError(
+            f"checkpoints need the same steps per epoch on every partition (an epoch's end is then "
+            f"one step of the log); got {list(steps_per_epoch)}: repartition the data evenly"
+        )
     shapes = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
     job = job_of(world, steps_per_epoch, config.batch_size, config.seed, shapes, share)
     saving = config.fault_tolerance
@@ -243,39 +310,66 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
     net = config.network
     host = prep.job.driver_host(net.advertise_host)
     tuning = relay_tuning(config, prep.load_seconds, run.forwarding, **snapshot_options(host, net.datagram_size))
-    relay = Relay(run.initial, world_size=prep.job.world, key=key, job_id=job_id, port=config.port, bind=net.bind,
-                  datagram_size=net.datagram_size, insecure=net.insecure, tuning=tuning,
-                  decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
-                  apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
-                  apply_step=step_applier(run.steps.apply_scale, run.step_cap),
-                  observer=TrainingLog(relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch,
-                                                      run.steps_per_epoch)),
-                  aggregator=run.aggregator)
+    relay = Relay(
+        run.initial,
+        world_size=prep.job.world,
+        key=key,
+        job_id=job_id,
+        port=config.port,
+        bind=net.bind,
+        datagram_size=net.datagram_size,
+        insecure=net.insecure,
+        tuning=tuning,
+        decode_update=functools.partial(decode_update, n_params=run.flat.n_params),
+        apply_update=functools.partial(apply_update, scale=run.steps.apply_scale),
+        apply_step=step_applier(run.steps.apply_scale, run.step_cap),
+        observer=TrainingLog(
+            relay_rollback(run.saving, prep.resume, prep.stores, run.first_epoch, run.steps_per_epoch)
+        ),
+        aggregator=run.aggregator,
+    )
     relay.inherit(run.inherited)  # a re-formed elastic job's first attempt starts with them
     relay.start()
     return Started(relay, key, job_id, host)
 
 
-def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
-            watch: Callable[[], None] | None = None) -> Outcome:
+def run_job(
+    spec: FitSpec, prep: Prepared, run: RunPlan, started: Started, watch: Callable[[], None] | None = None
+) -> Outcome:
     """The barrier stage against the started relay, then the relay's end state; closes the relay (and
     the checkpoint service) whatever happens. `watch`: run_stage's; a `Reform` it raises leaves with the
     relay's state as the cancelled job left it."""
     config, limits = spec.config, spec.config.fault_tolerance
     relay, service = started.relay, None
     try:
-        saving, resume, service = serve_checkpoints(prep.stores, run.saving, prep.resume, started.key,
-                                                    config.network.bind, started.host, limits.timeout)
+        saving, resume, service = serve_checkpoints(
+            prep.stores, run.saving, prep.resume, started.key, config.network.bind, started.host, limits.timeout
+        )
         assert relay.address is not None  # start() bound it
-        cfg = worker_config(spec, prep, replace(run, saving=saving), resume, (started.host, relay.address[1]),
-                            started.key, started.job_id)
+        cfg = worker_config(
+            spec,
+            prep,
+            replace(run, saving=saving),
+            resume,
+            (started.host, relay.address[1]),
+            started.key,
+            started.job_id,
+        )
         window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
         try:
-            reports = run_stage(prep.job, cfg, relay, window, config.verbose,
-                                lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch), watch)
+            reports = run_stage(
+                prep.job,
+                cfg,
+                relay,
+                window,
+                config.verbose,
+                lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch),
+                watch,
+            )
         except Reform as reform:  # the job is cancelled and settled: no task sends any more
-            reform.left = Left(relay.params, relay.complete_through, relay.epoch_tallies(),
-                               relay.notes_at(relay.complete_through))
+            reform.left = Left(
+                relay.params, relay.complete_through, relay.epoch_tallies(), relay.notes_at(relay.complete_through)
+            )
             raise
         relay.wait_finished(limits.timeout)
         relay_hash = relay.param_hash()
@@ -291,30 +385,77 @@ def run_job(spec: FitSpec, prep: Prepared, run: RunPlan, started: Started,
             service.close()
     # connections the checkpoint service refused or lost (a worker's own failed call raises in it)
     service_errors = [] if service is None else list(service.errors)
-    return Outcome(reports=reports, final=final, relay_hash=relay_hash, counters=counters, tallies=tallies,
-                   incidents=incidents, rolled_back=rolled_back, service_errors=service_errors, resume=resume)
+    return Outcome(
+        reports=reports,
+        final=final,
+        relay_hash=relay_hash,
+        counters=counters,
+        tallies=tallies,
+        incidents=incidents,
+        rolled_back=rolled_back,
+        service_errors=service_errors,
+        resume=resume,
+    )
 
 
-def worker_config(spec: FitSpec, prep: Prepared, run: RunPlan, resume: Manifest | None, relay_address: tuple[str, int],
-                  key: bytes, job_id: int, hosted: HostedRelay | None = None) -> WorkerConfig:
+def worker_config(
+    spec: FitSpec,
+    prep: Prepared,
+    run: RunPlan,
+    resume: Manifest | None,
+    relay_address: tuple[str, int],
+    key: bytes,
+    job_id: int,
+    hosted: HostedRelay | None = None,
+) -> WorkerConfig:
     """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py). `hosted`:
     the relay runs in rank 0's task (relay="in-job"), which tells the others its address."""
     config, net, compression, runtime = spec.config, spec.config.network, spec.config.compression, spec.config.runtime
-    return pack_user_objects(WorkerConfig(
-        relay_address=relay_address, key=key, job_id=job_id, hosted=hosted,
-        world_size=prep.job.world,
-        model=run.shipped, loss=getattr(prep.plan.step, "loss", None), optimizer=spec.optimizer,
-        threshold_rule=run.steps.rule, residual_clip=run.clip, steps_per_epoch=run.steps_per_epoch,
-        rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
-        epochs=run.epochs, batch_size=config.batch_size, staleness=compression.staleness, seed=config.seed,
-        label_dtype=prep.plan.label_dtype, datagram_size=net.datagram_size, timeout=config.fault_tolerance.timeout,
-        insecure=net.insecure, spill_bytes=net.spill_bytes, validation=prep.validation,
-        metric=prep.metric, lookahead=bool(compression.lookahead), **runtime.worker_flags,
-        lr_scheduler=config.lr_scheduler, scheduler_interval=runtime.scheduler_interval,
-        lr_factor=run.steps.lr_factor, momentum_ceiling=run.steps.momentum_ceiling,
-        follow_lr=bool(compression.follow_lr), local_view=bool(compression.local_view),
-        apply_scale=run.steps.apply_scale, step_cap=run.step_cap, drop_last=run.drop_last, precision=runtime.precision,
-        train_step=prep.plan.step, device=runtime.device_name, n_state=int(run.initial.size),
-        early_stopping=config.stopping, on_epoch_end=runtime.callbacks,
-        checkpoint=run.saving, resume=resume, first_epoch=run.first_epoch, shards=prep.shards,
-    ))
+    return pack_user_objects(
+        WorkerConfig(
+            relay_address=relay_address,
+            key=key,
+            job_id=job_id,
+            hosted=hosted,
+            world_size=prep.job.world,
+            model=run.shipped,
+            loss=getattr(prep.plan.step, "loss", None),
+            optimizer=spec.optimizer,
+            threshold_rule=run.steps.rule,
+            residual_clip=run.clip,
+            steps_per_epoch=run.steps_per_epoch,
+            rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
+            epochs=run.epochs,
+            batch_size=config.batch_size,
+            staleness=compression.staleness,
+            seed=config.seed,
+            label_dtype=prep.plan.label_dtype,
+            datagram_size=net.datagram_size,
+            timeout=config.fault_tolerance.timeout,
+            insecure=net.insecure,
+            spill_bytes=net.spill_bytes,
+            validation=prep.validation,
+            metric=prep.metric,
+            lookahead=bool(compression.lookahead),
+            **runtime.worker_flags,
+            lr_scheduler=config.lr_scheduler,
+            scheduler_interval=runtime.scheduler_interval,
+            lr_factor=run.steps.lr_factor,
+            momentum_ceiling=run.steps.momentum_ceiling,
+            follow_lr=bool(compression.follow_lr),
+            local_view=bool(compression.local_view),
+            apply_scale=run.steps.apply_scale,
+            step_cap=run.step_cap,
+            drop_last=run.drop_last,
+            precision=runtime.precision,
+            train_step=prep.plan.step,
+            device=runtime.device_name,
+            n_state=int(run.initial.size),
+            early_stopping=config.stopping,
+            on_epoch_end=runtime.callbacks,
+            checkpoint=run.saving,
+            resume=resume,
+            first_epoch=run.first_epoch,
+            shards=prep.shards,
+        )
+    )

@@ -16,8 +16,9 @@ from gradshare.reports import EpochStats, WorkerReport
 Tallies: TypeAlias = Mapping[tuple[int, int], Mapping[str, float | None]]
 
 
-def rank_rows(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...],
-               epochs: int) -> dict[tuple[int, int], EpochStats]:
+def rank_rows(
+    reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...], epochs: int
+) -> dict[tuple[int, int], EpochStats]:
     """(rank, epoch) -> that rank's history row. The last attempt's own row where it trained the whole
     epoch; otherwise (a retried stage resumed inside it, or after it) a row made from the relay's tally
     of the applied log, which holds the killed attempts' steps too. "resumed" says which."""
@@ -27,9 +28,22 @@ def rank_rows(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tu
         for e in range(epochs):
             row, tally = own.get((rank, e)), tallies.get((rank, e))
             if tally is None and row is None:  # the log went on without this rank (on_rank_loss="continue")
-                rows[(rank, e)] = EpochStats(epoch=e, steps=0, loss=0.0, sparsity=0.0, payload_bytes=0,
-                                             bytes_sent=0, bytes_received=0, tau=None, lr=None, silent_steps=0,
-                                             seconds=0.0, val_metric=None, resumed=False, skipped_steps=spe)
+                rows[(rank, e)] = EpochStats(
+                    epoch=e,
+                    steps=0,
+                    loss=0.0,
+                    sparsity=0.0,
+                    payload_bytes=0,
+                    bytes_sent=0,
+                    bytes_received=0,
+                    tau=None,
+                    lr=None,
+                    silent_steps=0,
+                    seconds=0.0,
+                    val_metric=None,
+                    resumed=False,
+                    skipped_steps=spe,
+                )
                 continue
             if row is not None and (tally is None or (not tally["resumed"] and row.steps == tally["steps"])):
                 rows[(rank, e)] = replace(row, resumed=False, skipped_steps=spe - row.steps)
@@ -38,11 +52,17 @@ def rank_rows(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tu
             steps = int(_tallied(tally, "steps"))
             n = max(steps, 1)
             rows[(rank, e)] = EpochStats(
-                epoch=e, steps=steps, loss=_tallied(tally, "loss") / n, sparsity=_tallied(tally, "sparsity") / n,
-                payload_bytes=int(_tallied(tally, "payload")), tau=tally["tau"], lr=tally["lr"],
+                epoch=e,
+                steps=steps,
+                loss=_tallied(tally, "loss") / n,
+                sparsity=_tallied(tally, "sparsity") / n,
+                payload_bytes=int(_tallied(tally, "payload")),
+                tau=tally["tau"],
+                lr=tally["lr"],
                 silent_steps=int(_tallied(tally, "silent")),
                 # the workers' own counters and clocks: only the attempt that finished the epoch reported them
-                bytes_sent=row.bytes_sent if row else 0, bytes_received=row.bytes_received if row else 0,
+                bytes_sent=row.bytes_sent if row else 0,
+                bytes_received=row.bytes_received if row else 0,
                 seconds=row.seconds if row else 0.0,
                 # rank 0's score: its own row's, or the one its next message carried (a killed attempt's)
                 val_metric=row.val_metric if row and row.val_metric is not None else tally.get("val_metric"),
@@ -59,8 +79,9 @@ def _tallied(tally: Mapping[str, float | None], key: str) -> float:
     return value
 
 
-def merge_history(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...],
-                   epochs: int) -> tuple[list[EpochStats], int]:
+def merge_history(
+    reports: list[WorkerReport], tallies: Tallies, steps_per_epoch: tuple[int, ...], epochs: int
+) -> tuple[list[EpochStats], int]:
     """One row per epoch across workers: sums for bytes, means for loss/sparsity/τ, max for time; and
     the steps of data skipped in all (on_rank_loss="continue")."""
     by_rank = rank_rows(reports, tallies, steps_per_epoch, epochs)
@@ -70,20 +91,22 @@ def merge_history(reports: list[WorkerReport], tallies: Tallies, steps_per_epoch
         steps = sum(h.steps for h in rows)
         val = [h.val_metric for h in rows if h.val_metric is not None]
         taus = [h.tau for h in rows if h.tau is not None]
-        merged.append(EpochStats(
-            epoch=e,
-            steps=steps,
-            loss=sum(h.loss * h.steps for h in rows) / max(steps, 1),
-            sparsity=sum(h.sparsity * h.steps for h in rows) / max(steps, 1),
-            payload_bytes=sum(h.payload_bytes for h in rows),
-            bytes_sent=sum(h.bytes_sent for h in rows),
-            bytes_received=sum(h.bytes_received for h in rows),
-            tau=float(np.mean(taus)) if taus else float("nan"),
-            lr=next((h.lr for h in rows if h.lr is not None), None),  # rank 0's unless it had none
-            silent_steps=sum(h.silent_steps for h in rows),
-            seconds=max(h.seconds for h in rows),
-            val_metric=val[0] if val else None,
-            resumed=any(h.resumed for h in rows),
-            skipped_steps=sum(h.skipped_steps or 0 for h in rows),
-        ))
+        merged.append(
+            EpochStats(
+                epoch=e,
+                steps=steps,
+                loss=sum(h.loss * h.steps for h in rows) / max(steps, 1),
+                sparsity=sum(h.sparsity * h.steps for h in rows) / max(steps, 1),
+                payload_bytes=sum(h.payload_bytes for h in rows),
+                bytes_sent=sum(h.bytes_sent for h in rows),
+                bytes_received=sum(h.bytes_received for h in rows),
+                tau=float(np.mean(taus)) if taus else float("nan"),
+                lr=next((h.lr for h in rows if h.lr is not None), None),  # rank 0's unless it had none
+                silent_steps=sum(h.silent_steps for h in rows),
+                seconds=max(h.seconds for h in rows),
+                val_metric=val[0] if val else None,
+                resumed=any(h.resumed for h in rows),
+                skipped_steps=sum(h.skipped_steps or 0 for h in rows),
+            )
+        )
     return merged, sum(h.skipped_steps or 0 for h in merged)

@@ -41,8 +41,19 @@ from gradshare.transport.sockets.status import StatusInbox, StatusReads
 INLINE_STATE_BYTES = 16 << 20  # a larger first state is shipped as a file (ship_state)
 MAX_RESTARTS = 3  # runs of the stage after the first, as Spark's default stage attempts (4 in all)
 # the worker's error types a run of the stage again may pass (task/train.py, is_deterministic)
-PASSING_TYPES = frozenset({"ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError",
-                           "MemoryError", "KeyboardInterrupt", "SystemExit", "OSError", "TimeoutError"})
+PASSING_TYPES = frozenset(
+    {
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+        "MemoryError",
+        "KeyboardInterrupt",
+        "SystemExit",
+        "OSError",
+        "TimeoutError",
+    }
+)
 # the classes the driver raises for an error of the user's code or data (reports.error_class_name)
 USER_CLASSES = frozenset({"TrainingError", "ValueError", "TypeError", "InputTypeError"})
 
@@ -57,9 +68,11 @@ def check_in_job(config: TrainConfig, resume_from: str | None) -> None:
     checkpoint store is written through the driver's checkpoint service, which the tasks may not reach."""
     for name, path in (("checkpoint_dir", config.fault_tolerance.checkpoint_dir), ("resume_from", resume_from)):
         if path is not None and not is_local(str(path)):
-            raise ValueError(f"{name}={path!r} is a Hadoop-FS URI, written through this process, which the tasks "
-                             "may not reach with relay='in-job'; give a directory the executors share, or "
-                             "relay='client'")
+            raise ValueError(
+                f"{name}={path!r} is a Hadoop-FS URI, written through this process, which the tasks "
+                "may not reach with relay='in-job'; give a directory the executors share, or "
+                "relay='client'"
+            )
 
 
 class JobRelay(StatusReads):
@@ -69,8 +82,11 @@ class JobRelay(StatusReads):
     def __init__(self, inbox: StatusInbox | None, host: str | None) -> None:
         self.inbox = inbox
         self.watched = inbox is not None  # FrameJob.check_started: no status, no verdict on slots
-        self.address = ("the relay in rank 0's task" if inbox is None else
-                        f"the relay in rank 0's task (its status to this client at {host}:{inbox.address[1]})")
+        self.address = (
+            "the relay in rank 0's task"
+            if inbox is None
+            else f"the relay in rank 0's task (its status to this client at {host}:{inbox.address[1]})"
+        )
 
     def status(self) -> Status | None:
         return None if self.inbox is None else self.inbox.status()
@@ -109,13 +125,20 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
     folder = tempfile.mkdtemp(prefix="gradshare-state-")
     try:
         initial, initial_file = ship_state(prep.job, run.initial, job_id, folder)
-        hosted = HostedRelay(initial=initial, initial_file=initial_file, n_params=run.flat.n_params, port=config.port,
-                             bind=net.bind, tuning=relay_tuning(config, prep.load_seconds, run.forwarding),
-                             scale=run.steps.apply_scale,
-                             step_cap=run.step_cap, aggregator=run.aggregator,
-                             inbox=None if inbox is None else (str(host), inbox.address[1]),
-                             resumed=None if prep.resume is None else int(prep.resume["epochs_done"]),
-                             steps_per_epoch=run.steps_per_epoch)
+        hosted = HostedRelay(
+            initial=initial,
+            initial_file=initial_file,
+            n_params=run.flat.n_params,
+            port=config.port,
+            bind=net.bind,
+            tuning=relay_tuning(config, prep.load_seconds, run.forwarding),
+            scale=run.steps.apply_scale,
+            step_cap=run.step_cap,
+            aggregator=run.aggregator,
+            inbox=None if inbox is None else (str(host), inbox.address[1]),
+            resumed=None if prep.resume is None else int(prep.resume["epochs_done"]),
+            steps_per_epoch=run.steps_per_epoch,
+        )
         cfg = worker_config(spec, prep, run, prep.resume, ("", 0), key, job_id, hosted)
         window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
         reports = run_stage(prep.job, cfg, relay, window, config.verbose, relay.epoch_lines)
@@ -131,14 +154,23 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
     if len(hosts) != 1:
         raise GradshareError(f"the job's reports hold {len(hosts)} relay results (rank 0's task hosts the relay)")
     end = hosts[0]
-    return Outcome(reports=[r.with_(relay=None) for r in reports], final=end.params, relay_hash=end.param_hash,
-                   counters=end.counters, tallies=end.tallies, incidents=list(end.incidents),
-                   rolled_back=[dict(r) for r in end.rolled_back], service_errors=[], resume=prep.resume,
-                   statuses=None if inbox is None else inbox.received)
+    return Outcome(
+        reports=[r.with_(relay=None) for r in reports],
+        final=end.params,
+        relay_hash=end.param_hash,
+        counters=end.counters,
+        tallies=end.tallies,
+        incidents=list(end.incidents),
+        rolled_back=[dict(r) for r in end.rolled_back],
+        service_errors=[],
+        resume=prep.resume,
+        statuses=None if inbox is None else inbox.received,
+    )
 
 
-def ship_state(job: RddJob | FrameJob, initial: np.ndarray, job_id: int, folder: str,
-               inline: int | None = None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+def ship_state(
+    job: RddJob | FrameJob, initial: np.ndarray, job_id: int, folder: str, inline: int | None = None
+) -> tuple[np.ndarray | None, tuple[str, str] | None]:
     """How the relay's first state reaches rank 0's task: in the job's closure up to INLINE_STATE_BYTES
     (`inline`), else as a .npy file shipped with the session's files, named by the job and checked by its
     sha256 there, so that a large model does not swell the job itself (a Spark Connect plan is one gRPC
@@ -165,8 +197,9 @@ def restartable(error: BaseException) -> bool:
     return failure.error_type in PASSING_TYPES or failure.error_class not in USER_CLASSES
 
 
-def fit_in_job(spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None,
-               resume_from: str | None) -> tuple[Prepared, RunPlan, Outcome, list[dict[str, str | None]]]:
+def fit_in_job(
+    spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None, resume_from: str | None
+) -> tuple[Prepared, RunPlan, Outcome, list[dict[str, str | None]]]:
     """The fit's stages with the relay in the job, the stage run again after a `Restart` (at most
     MAX_RESTARTS times) from this fit's last checkpoint, else from where the fit began (resume_from, or
     scratch), each restart said in a warning and in the list returned (extra["restarts"])."""
@@ -186,9 +219,12 @@ def fit_in_job(spec: FitSpec, data: object, features_col: str | list[str] | None
             start = restart_point(config.fault_tolerance.checkpoint_root, resume_from)
             line = str(failed.error).splitlines()[0][:300] if str(failed.error) else type(failed.error).__name__
             restarts.append({"error": line, "from": start})
-            warnings.warn(f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "
-                          f"relay survives its task) from {start or 'scratch (no checkpoint_dir)'}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "
+                f"relay survives its task) from {start or 'scratch (no checkpoint_dir)'}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def restart_point(checkpoint_root: str | None, resume_from: str | None) -> str | None:

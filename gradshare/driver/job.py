@@ -102,8 +102,12 @@ class RddJob:
         tracker = self.spark_context.statusTracker()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            stages = {s for j in tracker.getJobIdsForGroup(self.group) if (info := tracker.getJobInfo(j)) is not None
-                      for s in info.stageIds}
+            stages = {
+                s
+                for j in tracker.getJobIdsForGroup(self.group)
+                if (info := tracker.getJobInfo(j)) is not None
+                for s in info.stageIds
+            }
             running = [tracker.getStageInfo(s) for s in stages & set(tracker.getActiveStageIds())]
             if not any(info is not None and info.numActiveTasks for info in running):
                 return
@@ -113,9 +117,9 @@ class RddJob:
 class FrameJob:
     """The pre-pass and the barrier stage over a DataFrame's columns, through mapInArrow (no RDD)."""
 
-
-    def __init__(self, df: Any, features_col: str | list[str] | tuple[str, ...], label_col: str,
-                 num_workers: int | None) -> None:
+    def __init__(
+        self, df: Any, features_col: str | list[str] | tuple[str, ...], label_col: str, num_workers: int | None
+    ) -> None:
         cols = feature_columns(df, features_col, label_col)
         self.names = (*cols, label_col)  # the columns the tasks read, in order
         self.multi = not isinstance(features_col, str)
@@ -132,8 +136,9 @@ class FrameJob:
         self.tag = ""
 
     def prepass(self) -> Timed:
-        rows = self.frame.mapInArrow(functools.partial(summarise_batches, self.names, self.multi),
-                                     RESULT_SCHEMA).collect()
+        rows = self.frame.mapInArrow(
+            functools.partial(summarise_batches, self.names, self.multi), RESULT_SCHEMA
+        ).collect()
         timed: Timed = [read_results(rows)[p] for p in sorted(read_results(rows))]
         self.world = len(timed)
         self._check_local_slots()
@@ -147,14 +152,16 @@ class FrameJob:
             check_barrier_slots(self.spark_context, self.world)
             return
         master = _conf(self.session, "spark.master") or ""
-        cores = master[len("local["):-1] if master.startswith("local[") and master.endswith("]") else ""
+        cores = master[len("local[") : -1] if master.startswith("local[") and master.endswith("]") else ""
         if not cores.isdigit() and master != "local":
             return
         slots = (int(cores) if cores.isdigit() else 1) // max(int(_conf(self.session, "spark.task.cpus") or 1), 1)
         if slots < self.world:
-            raise ValueError(f"not enough task slots for the barrier stage: {self.world} workers (the DataFrame's "
-                             f"partitions) need {self.world} slots, but master {master!r} has {slots}; "
-                             "use fewer partitions (num_workers) or more cores")
+            raise ValueError(
+                f"not enough task slots for the barrier stage: {self.world} workers (the DataFrame's "
+                f"partitions) need {self.world} slots, but master {master!r} has {slots}; "
+                "use fewer partitions (num_workers) or more cores"
+            )
 
     def driver_host(self, advertise_host: str | None) -> str:
         if advertise_host:
@@ -167,10 +174,12 @@ class FrameJob:
         master = _conf(self.session, "spark.master") or ""
         if server is not None and _loopback(str(server).strip("[]")) and master.startswith("local"):
             return "127.0.0.1"
-        raise ValueError(f"advertise_host= is needed on this Spark Connect session (server {server!r}, master "
-                         f"{master!r}): the relay runs in this client, and only a local master on a server on this "
-                         "machine is known to reach it; pass an address of this machine that the executors can "
-                         "send UDP to")
+        raise ValueError(
+            f"advertise_host= is needed on this Spark Connect session (server {server!r}, master "
+            f"{master!r}): the relay runs in this client, and only a local master on a server on this "
+            "machine is known to reach it; pass an address of this machine that the executors can "
+            "send UDP to"
+        )
 
     def thread(self, target: Callable[[], None]) -> threading.Thread:
         return threading.Thread(target=target, name="gradshare-fit", daemon=True)
@@ -179,8 +188,9 @@ class FrameJob:
         self.tag = f"gradshare-{cfg.job_id}"
         self.session.addTag(self.tag)  # tags are per thread: this one's operations carry it
         try:
-            stage = self.frame.mapInArrow(functools.partial(train_batches, cfg, self.names, self.multi),
-                                          RESULT_SCHEMA, barrier=True)
+            stage = self.frame.mapInArrow(
+                functools.partial(train_batches, cfg, self.names, self.multi), RESULT_SCHEMA, barrier=True
+            )
             rows = retried(stage, cfg).collect()
         finally:
             self.session.removeTag(self.tag)
@@ -196,7 +206,8 @@ class FrameJob:
             raise TransportTimeout(
                 f"no worker of the barrier stage reached the relay within {window:.0f} s (the join window): the "
                 f"cluster may have fewer than {self.world} free task slots (a Spark Connect client cannot count "
-                f"them), or the executors cannot reach the relay at {relay.address} (advertise_host, port)")
+                f"them), or the executors cannot reach the relay at {relay.address} (advertise_host, port)"
+            )
 
     def cancel(self) -> None:
         self.session.interruptTag(self.tag)
@@ -248,21 +259,29 @@ def frame_path(validation_data: object) -> bool:
     validation shards must zip into its RDD (validation.py) or pandas/pyarrow (mapInArrow's) are missing."""
     from importlib.util import find_spec
 
-    return (FRAME_PATH_CLASSIC and not is_distributed(validation_data)
-            and find_spec("pyarrow") is not None and find_spec("pandas") is not None)
+    return (
+        FRAME_PATH_CLASSIC
+        and not is_distributed(validation_data)
+        and find_spec("pyarrow") is not None
+        and find_spec("pandas") is not None
+    )
 
 
 def check_connect(validation_data: object, checkpoint_dir: str | None, resume_from: str | None) -> None:
     """What a fit on a Spark Connect session cannot do yet, refused before any Spark job, naming the option."""
     if is_distributed(validation_data):
-        raise ValueError("validation_data as a DataFrame or RDD (scored in shards on every worker) does not work on a "
-                         "Spark Connect session yet: its shards ride in the training RDD, and Connect has no RDDs; "
-                         "pass an in-memory (X, y) pair (e.g. from val_df.toPandas()), scored by rank 0")
+        raise ValueError(
+            "validation_data as a DataFrame or RDD (scored in shards on every worker) does not work on a "
+            "Spark Connect session yet: its shards ride in the training RDD, and Connect has no RDDs; "
+            "pass an in-memory (X, y) pair (e.g. from val_df.toPandas()), scored by rank 0"
+        )
     for name, path in (("checkpoint_dir", checkpoint_dir), ("resume_from", resume_from)):
         if path is not None and not is_local(str(path)):
-            raise ValueError(f"{name}={path!r} is a Hadoop-FS URI, written through the driver's SparkContext, which a "
-                             f"Spark Connect client does not have; on Connect give {name} a local directory the "
-                             "executors share")
+            raise ValueError(
+                f"{name}={path!r} is a Hadoop-FS URI, written through the driver's SparkContext, which a "
+                f"Spark Connect client does not have; on Connect give {name} a local directory the "
+                "executors share"
+            )
 
 
 def check_rdd(data: object) -> None:
@@ -270,12 +289,18 @@ def check_rdd(data: object) -> None:
     from pyspark import RDD
     from pyspark.sql.utils import is_remote
 
-    alternative = ("pass a DataFrame instead: fit(df, features_col=..., label_col=...) trains over mapInArrow, "
-                   "without RDDs (docs/guide/connect.md)")
+    alternative = (
+        "pass a DataFrame instead: fit(df, features_col=..., label_col=...) trains over mapInArrow, "
+        "without RDDs (docs/guide/connect.md)"
+    )
     if not isinstance(data, RDD):
-        raise TypeError(f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, got "
-                        f"{type(data).__name__}; on Spark Connect, which has no RDDs, {alternative}")
+        raise TypeError(
+            f"fit() takes a pyspark RDD of (features, label) rows or a DataFrame, got "
+            f"{type(data).__name__}; on Spark Connect, which has no RDDs, {alternative}"
+        )
     if is_remote():
-        raise ValueError(f"fit(rdd) with a Spark Connect session active: Connect has no RDDs or SparkContext; {alternative}")
+        raise ValueError(
+            f"fit(rdd) with a Spark Connect session active: Connect has no RDDs or SparkContext; {alternative}"
+        )
     if getattr(data.context, "_jsc", None) is None:
         raise ValueError(f"fit(rdd): the RDD's SparkContext is stopped; {alternative}")

@@ -69,9 +69,12 @@ def rule_for(config: TrainConfig, steps_per_epoch: int, world: int = 2, capped: 
             lr_power = 0.0  # the cap takes the lower lr's place (measured better: encoding/step_cap.py)
         # None: CalibratedThreshold's own defaults
         return CalibratedThreshold(
-            density=DEFAULT_DENSITY if given.density is None else given.density, warmup_steps=steps,
+            density=DEFAULT_DENSITY if given.density is None else given.density,
+            warmup_steps=steps,
             warmup_density=auto.warmup_density if given.warmup_density is None else given.warmup_density,
-            decay_from=decay_from, decay_lr_power=lr_power).for_run(run_steps)
+            decay_from=decay_from,
+            decay_lr_power=lr_power,
+        ).for_run(run_steps)
     tau = float(config.threshold)  # not "auto" here: the number TrainConfig checked
     if isinstance(algo, str):  # TrainConfig checked it: "fixed" or "adaptive"
         return FixedThreshold(tau) if algo == "fixed" else AdaptiveThreshold(initial=tau)
@@ -99,10 +102,14 @@ def plan_steps(config: TrainConfig, world: int, steps_per_epoch: int) -> StepPla
     option = config.compression.optimizer_momentum
     momentum = auto_for(world).momentum if option == "auto" else momentum_ceiling(option)
     share = cap_share(config, world)
-    return StepPlan(rule=rule_for(config, steps_per_epoch, world, share is not None), cap_share=share,
-                    cap_norm=auto_for(world).step_cap_norm, momentum_ceiling=momentum,
-                    apply_scale=1.0 / world if config.compression.aggregate == "mean" else 1.0,
-                    lr_factor=config.lr_factor)
+    return StepPlan(
+        rule=rule_for(config, steps_per_epoch, world, share is not None),
+        cap_share=share,
+        cap_norm=auto_for(world).step_cap_norm,
+        momentum_ceiling=momentum,
+        apply_scale=1.0 / world if config.compression.aggregate == "mean" else 1.0,
+        lr_factor=config.lr_factor,
+    )
 
 
 def cap_share(config: TrainConfig, world: int) -> float | None:
@@ -111,17 +118,22 @@ def cap_share(config: TrainConfig, world: int) -> float | None:
     return auto_for(world).step_cap if given == "auto" else step_cap_for(given)
 
 
-def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None, model: nn.Module,
-                    momentum: OptimizerMomentum = "auto") -> None:
+def check_optimizer(
+    factory: OptimizerFactory,
+    lr_scheduler: SchedulerFactory | None,
+    model: nn.Module,
+    momentum: OptimizerMomentum = "auto",
+) -> None:
     """Build the optimizer and the scheduler once on the driver: a bad factory (or an optimizer_momentum
     of "off" for an optimizer that has none) fails here, before any Spark job, not on every executor after
     the data is loaded."""
-    sparse = [name for name, m in model.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    sparse = [name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
-        raise ValueError(f"module {sparse[0]!r} is an embedding with sparse=True: gradshare needs dense gradients "
-                         "(its updates are sparse on the wire already); build it with sparse=False and use a "
-                         "dense optimizer such as Adam or AdamW")
+        raise ValueError(
+            f"module {sparse[0]!r} is an embedding with sparse=True: gradshare needs dense gradients "
+            "(its updates are sparse on the wire already); build it with sparse=False and use a "
+            "dense optimizer such as Adam or AdamW"
+        )
     trainable = [p for p in copy.deepcopy(model).parameters() if p.requires_grad]
     if not trainable:  # FlatParams names it: nothing to train or share
         return
@@ -129,13 +141,17 @@ def check_optimizer(factory: OptimizerFactory, lr_scheduler: SchedulerFactory | 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.SparseAdam):
-        raise ValueError("optimizer: SparseAdam needs sparse gradients, and gradshare trains with dense ones (its "
-                         "updates are sparse on the wire already); use Adam or AdamW")
+        raise ValueError(
+            "optimizer: SparseAdam needs sparse gradients, and gradshare trains with dense ones (its "
+            "updates are sparse on the wire already); use Adam or AdamW"
+        )
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ValueError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
-                         "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
-                         "as Adam, AdamW or SGD")
+        raise ValueError(
+            f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the loss), "
+            "which a step of gradshare cannot give it; use an optimizer whose step takes none, such "
+            "as Adam, AdamW or SGD"
+        )
     check_optimizer_momentum(momentum, optimizer)
     if lr_scheduler is not None:
         check_scheduler(lr_scheduler, optimizer)
@@ -145,14 +161,20 @@ def check_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer)
     """The scheduler `factory` builds for `optimizer`: one of steps or epochs, bound to that optimizer."""
     scheduler = factory(optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ValueError("lr_scheduler: ReduceLROnPlateau is not supported: it steps on a metric, and "
-                         "each worker would see its own; use a schedule of steps or epochs")
+        raise ValueError(
+            "lr_scheduler: ReduceLROnPlateau is not supported: it steps on a metric, and "
+            "each worker would see its own; use a schedule of steps or epochs"
+        )
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise TypeError(f"lr_scheduler must return a torch.optim.lr_scheduler.LRScheduler for the optimizer "
-                        f"it is given, got {type(scheduler).__name__}")
+        raise TypeError(
+            f"lr_scheduler must return a torch.optim.lr_scheduler.LRScheduler for the optimizer "
+            f"it is given, got {type(scheduler).__name__}"
+        )
     if scheduler.optimizer is not optimizer:
-        raise ValueError("lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
-                         "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))")
+        raise ValueError(
+            "lr_scheduler returned a scheduler bound to another optimizer; it must schedule "
+            "the optimizer it is given (e.g. lambda opt: StepLR(opt, 100))"
+        )
 
 
 def drop_rule(config: TrainConfig, model: nn.Module) -> str:

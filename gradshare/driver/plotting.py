@@ -74,7 +74,9 @@ def plot_result(result: Fit, path: str | os.PathLike[str]) -> str:
     if len(epochs) < 12:  # whole epochs on the axis, not 0.5 steps
         for ax in (loss_ax, traffic_ax) + ((val_ax,) if scored else ()):
             ax.set_xticks(epochs)
-    fig.suptitle(f"gradshare: {result.world_size} workers, {result.n_params:,} parameters, "
-                 f"{result.steps} steps, {result.seconds:.1f} s")
+    fig.suptitle(
+        f"gradshare: {result.world_size} workers, {result.n_params:,} parameters, "
+        f"{result.steps} steps, {result.seconds:.1f} s"
+    )
     fig.savefig(path, format=None if os.path.splitext(path)[1] else "png", dpi=100)
     return path

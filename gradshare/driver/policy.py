@@ -61,11 +61,15 @@ class Auto:
 def auto_for(world: int) -> Auto:
     """The row of the table for `world` workers."""
     many = world >= MANY_WORKERS
-    return Auto(momentum=0.0 if many else MOMENTUM, step_cap=MANY_STEP_CAP if many else STEP_CAP,
-                step_cap_norm="initial" if many else "now",
-                decay_from=DEFAULT_DECAY_FROM if many else 0.0, decay_lr_power=DEFAULT_DECAY_LR_POWER if many else 0.0,
-                warmup_density=min(DEFAULT_WARMUP_DENSITY, WARMUP_SHARED_DENSITY / max(world, 1)),
-                forwarding="aggregate" if world >= AGGREGATE_FROM else "per-rank")
+    return Auto(
+        momentum=0.0 if many else MOMENTUM,
+        step_cap=MANY_STEP_CAP if many else STEP_CAP,
+        step_cap_norm="initial" if many else "now",
+        decay_from=DEFAULT_DECAY_FROM if many else 0.0,
+        decay_lr_power=DEFAULT_DECAY_LR_POWER if many else 0.0,
+        warmup_density=min(DEFAULT_WARMUP_DENSITY, WARMUP_SHARED_DENSITY / max(world, 1)),
+        forwarding="aggregate" if world >= AGGREGATE_FROM else "per-rank",
+    )
 
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)  # the worker counts docs/guide/defaults.md shows
@@ -74,16 +78,20 @@ WORLDS = (1, 2, 4, 8, 16, 32, 64)  # the worker counts docs/guide/defaults.md sh
 def table(worlds: tuple[int, ...] = WORLDS) -> str:
     """The table as markdown, one row per worker count: docs/guide/defaults.md holds it as printed here
     (tests/docs checks that it does)."""
-    lines = ["| workers | momentum (β1) at most | step cap | density decay from | decay's lr power | "
-             "warm-up's first density | forwarding |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workers | momentum (β1) at most | step cap | density decay from | decay's lr power | "
+        "warm-up's first density | forwarding |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for world in worlds:
         row = auto_for(world)
         momentum = "off (0)" if row.momentum == 0 else f"{row.momentum:g}"
         decay = "off" if row.decay_from == 0 else f"{row.decay_from:g}"
         power = "–" if row.decay_from == 0 else f"{row.decay_lr_power:g}"
         cap = f"{row.step_cap:g} × {'norm now' if row.step_cap_norm == 'now' else 'initial norm'}"
-        lines.append(f"| {world} | {momentum} | {cap} | {decay} | {power} | "
-                     f"{row.warmup_density:.4g} | {row.forwarding} |")
+        lines.append(
+            f"| {world} | {momentum} | {cap} | {decay} | {power} | {row.warmup_density:.4g} | {row.forwarding} |"
+        )
     return "\n".join(lines) + "\n"
 
 

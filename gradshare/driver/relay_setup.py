@@ -22,7 +22,12 @@ def relay_tuning(config: TrainConfig, load_seconds: float, forwarding: str, **sn
     """The relay's tunables for this fit (liveness, give-up, join window, forwarding), and `snapshot`'s
     (snapshot_rate.snapshot_options, for the host the workers reach it at)."""
     limits = config.fault_tolerance
-    return RelayTuning(liveness_timeout=limits.liveness_timeout, on_rank_loss=limits.on_rank_loss,
-                       give_up_after=limits.timeout, step_timeout=float(limits.step_timeout),
-                       join_window=join_window(limits.timeout, limits.liveness_timeout, load_seconds),
-                       forwarding=forwarding, **snapshot)
+    return RelayTuning(
+        liveness_timeout=limits.liveness_timeout,
+        on_rank_loss=limits.on_rank_loss,
+        give_up_after=limits.timeout,
+        step_timeout=float(limits.step_timeout),
+        join_window=join_window(limits.timeout, limits.liveness_timeout, load_seconds),
+        forwarding=forwarding,
+        **snapshot,
+    )

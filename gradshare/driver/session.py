@@ -29,8 +29,9 @@ def _executor_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(parts))  # dedupe, keep order
 
 
-def session_builder(master: str, app_name: str = "gradshare",
-                    extra_conf: dict[str, str] | None = None) -> SparkSession.Builder:
+def session_builder(
+    master: str, app_name: str = "gradshare", extra_conf: dict[str, str] | None = None
+) -> SparkSession.Builder:
     """A SparkSession builder with gradshare's defaults for `master`.
 
     Local masters (``local[...]``, ``local-cluster[...]``) run Python workers with the driver's own
@@ -48,12 +49,14 @@ def session_builder(master: str, app_name: str = "gradshare",
         "spark.executorEnv.PYTHONPATH": _executor_pythonpath(),
     }
     if local:
-        conf.update({
-            "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
-            "spark.driver.memory": "1g",
-            "spark.driver.host": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
-            "spark.driver.bindAddress": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
-        })
+        conf.update(
+            {
+                "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
+                "spark.driver.memory": "1g",
+                "spark.driver.host": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+                "spark.driver.bindAddress": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+            }
+        )
     conf.update(extra_conf or {})
     for k, v in conf.items():
         builder = builder.config(k, v)
@@ -140,7 +143,8 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
         if diff is not None:  # each partition agrees with its own row 0, so row 0 is where it differs
             raise (ValueError if "shape" in diff[0] else TypeError)(
                 f"bad training data: partition {s.index} has {diff[0]} {diff[1]}, partition {first.index} has "
-                f"{diff[2]} (row 0 of each)")
+                f"{diff[2]} (row 0 of each)"
+            )
         if s.label_shape != first.label_shape or (s.label_kind != first.label_kind and s.label_shape != ()):
             raise TypeError(
                 f"bad training data: partition {s.index} has labels {s.label_kind}{list(s.label_shape)}, "
@@ -149,9 +153,16 @@ def check_summaries(summaries: list[PartitionSummary]) -> PartitionSummary:
     kind = "float" if any(s.label_kind == "float" for s in summaries) else "int"
     ranges = [s.label_range for s in summaries if s.label_range is not None]
     span = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
-    return PartitionSummary(-1, sum(s.rows for s in summaries), first.features, kind, first.label_shape,
-                            labels_whole=all(s.labels_whole for s in summaries), sample=first.sample,
-                            label_range=span)
+    return PartitionSummary(
+        -1,
+        sum(s.rows for s in summaries),
+        first.features,
+        kind,
+        first.label_shape,
+        labels_whole=all(s.labels_whole for s in summaries),
+        sample=first.sample,
+        label_range=span,
+    )
 
 
 def is_connect(data: object) -> bool:
@@ -170,8 +181,9 @@ def feature_columns(df: DataFrame, features_col: str | Iterable[str], label_col:
     return cols
 
 
-def dataframe_to_rdd(df: DataFrame, features_col: str | list[str] | tuple[str, ...],
-                     label_col: str) -> RDD[tuple[Any, Any]]:
+def dataframe_to_rdd(
+    df: DataFrame, features_col: str | list[str] | tuple[str, ...], label_col: str
+) -> RDD[tuple[Any, Any]]:
     """(features, label) rows from DataFrame columns (ML vectors, arrays or numbers; numeric labels).
     A list of feature columns gives multi-input rows ``((a, b, ...), label)``: model(a, b, ...)."""
     cols = feature_columns(df, features_col, label_col)
@@ -181,5 +193,3 @@ def dataframe_to_rdd(df: DataFrame, features_col: str | list[str] | tuple[str, .
     # an array column arrives as a list, which `is_multi` counts as an input; a number column becomes
     # a 0-d array so that the tuple is still read as inputs (a (B,) tensor each)
     return selected.map(lambda r: (tuple(np.asarray(label_value(v)) for v in r[:-1]), r[-1]))
-
-

@@ -17,9 +17,15 @@ from gradshare.reports import EpochLine, Progress, WorkerReport
 from gradshare.task.config import WorkerConfig
 
 
-def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, window: float, verbose: int,
-              lines: Callable[[], list[EpochLine]] | None = None,
-              watch: Callable[[], None] | None = None) -> list[WorkerReport]:
+def run_stage(
+    job: RddJob | FrameJob,
+    cfg: WorkerConfig,
+    relay: RelayReads,
+    window: float,
+    verbose: int,
+    lines: Callable[[], list[EpochLine]] | None = None,
+    watch: Callable[[], None] | None = None,
+) -> list[WorkerReport]:
     """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay, and
     prints each finished epoch of `lines` (the applied log's). `watch`: called as often, before the
     failure checks; what it raises cancels the job (an elastic fit's re-form, elastic.py)."""
@@ -36,8 +42,13 @@ def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, wind
     thread = job.thread(target)
     t_job = time.monotonic()
     thread.start()
-    bar = ProgressBar(cfg.final_step + 1, enabled=verbose > 0, first_epoch=cfg.first_epoch,
-                      scored=cfg.validation is not None or cfg.shards, lines=lines)
+    bar = ProgressBar(
+        cfg.final_step + 1,
+        enabled=verbose > 0,
+        first_epoch=cfg.first_epoch,
+        scored=cfg.validation is not None or cfg.shards,
+        lines=lines,
+    )
     try:
         while thread.is_alive():
             thread.join(0.25)
@@ -66,7 +77,6 @@ def run_stage(job: RddJob | FrameJob, cfg: WorkerConfig, relay: RelayReads, wind
     return collected[0]
 
 
-
 LINES_EVERY = 1.0  # s between reads of the finished epochs (the client relay's tallies take its lock)
 
 
@@ -75,8 +85,14 @@ class ProgressBar:
     per finished epoch (its mean loss, and its score with validation, once rank 0's score came or the
     next epoch finished), from `lines`."""
 
-    def __init__(self, total: int, enabled: bool, first_epoch: int = 0, scored: bool = False,
-                 lines: Callable[[], list[EpochLine]] | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        enabled: bool,
+        first_epoch: int = 0,
+        scored: bool = False,
+        lines: Callable[[], list[EpochLine]] | None = None,
+    ) -> None:
         self.bar: tqdm | None = None
         if enabled:
             self.bar = tqdm(total=total, desc="gradshare", unit="step")
@@ -97,14 +113,18 @@ class ProgressBar:
         ranks = (progress.get("ranks") or {}).values()
         latest = [p for r in ranks if isinstance(r, dict) and (p := Progress.from_meta(r.get("meta"))) is not None]
         if latest:
+
             def mean(values: list[float | None]) -> float:
                 vals = [v for v in values if v is not None]
                 return sum(vals) / len(vals) if vals else float("nan")
 
-            self.bar.set_postfix(loss=f"{mean([p.loss for p in latest]):.4f}",
-                                 sparsity=f"{mean([p.sparsity for p in latest]):.2e}",
-                                 tau=f"{mean([p.tau for p in latest]):.2e}",
-                                 kb_step=f"{mean([p.bytes for p in latest]) / 1024:.2f}", refresh=False)
+            self.bar.set_postfix(
+                loss=f"{mean([p.loss for p in latest]):.4f}",
+                sparsity=f"{mean([p.sparsity for p in latest]):.2e}",
+                tau=f"{mean([p.tau for p in latest]):.2e}",
+                kb_step=f"{mean([p.bytes for p in latest]) / 1024:.2f}",
+                refresh=False,
+            )
 
     def _print(self, lines: list[EpochLine], final: bool) -> None:
         assert self.bar is not None
@@ -124,4 +144,3 @@ class ProgressBar:
             if self.lines is not None:
                 self._print(self.lines(), final=True)
             self.bar.close()
-

@@ -93,8 +93,11 @@ def tracked(
             # `tracked` decorates SharedTrainer.fit, whose result is a FitResult
             log_result(cast("FitResult", result), run_id=run_id, log_model=config["log_model"])
         except Exception as e:  # noqa: BLE001 - the result matters more than its log; said below
-            warnings.warn(f"the fit succeeded but logging it to MLflow run {run_id} failed: "
-                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"the fit succeeded but logging it to MLflow run {run_id} failed: {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             _end_run(client, run_id, "FAILED")
             return result
         _end_run(client, run_id, "FINISHED")
@@ -108,8 +111,9 @@ def _end_run(client: Any, run_id: str, status: str) -> None:
     try:
         client.set_terminated(run_id, status)
     except Exception as e:  # noqa: BLE001 - reported, never silent
-        warnings.warn(f"could not mark MLflow run {run_id} {status}: {type(e).__name__}: {e}", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"could not mark MLflow run {run_id} {status}: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3
+        )
 
 
 def _start_run(mlflow: Any, client: Any, config: dict[str, Any]) -> str:
@@ -136,19 +140,29 @@ def log_result(result: FitResult, run_id: str, log_model: bool = True) -> None:
     mlflow = import_mlflow()
     client = mlflow.tracking.MlflowClient()
     now = _now_ms()
-    metrics = [mlflow.entities.Metric(key, float(value), now, int(row["epoch"]))
-               for row in result.history for key, value in row.items()
-               if key != "epoch" and _is_number(value)]
+    metrics = [
+        mlflow.entities.Metric(key, float(value), now, int(row["epoch"]))
+        for row in result.history
+        for key, value in row.items()
+        if key != "epoch" and _is_number(value)
+    ]
     ratio = result.traffic_ratio
-    summary = {"fit_seconds": result.seconds, "total_steps": result.steps,
-               "traffic_ratio": ratio if math.isfinite(ratio) else None}
-    metrics += [mlflow.entities.Metric(key, float(value), now, 0)
-                for key, value in summary.items() if value is not None]
-    facts = {"world_size": result.world_size, "n_params": result.n_params, "resumed_from": result.resumed_from,
-             **{f"fit.{k}": v for k, v in result.extra.items()
-                if k in ("loss", "label_dtype", "inputs") and v is not None}}  # None: a FitResult made by hand
+    summary = {
+        "fit_seconds": result.seconds,
+        "total_steps": result.steps,
+        "traffic_ratio": ratio if math.isfinite(ratio) else None,
+    }
+    metrics += [
+        mlflow.entities.Metric(key, float(value), now, 0) for key, value in summary.items() if value is not None
+    ]
+    facts = {
+        "world_size": result.world_size,
+        "n_params": result.n_params,
+        "resumed_from": result.resumed_from,
+        **{f"fit.{k}": v for k, v in result.extra.items() if k in ("loss", "label_dtype", "inputs") and v is not None},
+    }  # None: a FitResult made by hand
     for i in range(0, len(metrics), MAX_BATCH_METRICS):
-        client.log_batch(run_id, metrics=metrics[i:i + MAX_BATCH_METRICS])
+        client.log_batch(run_id, metrics=metrics[i : i + MAX_BATCH_METRICS])
     _log_params(mlflow, client, run_id, facts)
     with tempfile.TemporaryDirectory(prefix="gradshare-mlflow-") as tmp:
         history = os.path.join(tmp, "history.json")
@@ -183,7 +197,7 @@ def _flattened(options: Mapping[str, object]) -> dict[str, object]:
 def _log_params(mlflow: Any, client: Any, run_id: str, options: Mapping[str, object]) -> None:
     params = [mlflow.entities.Param(name, _describe(value)) for name, value in options.items()]
     for i in range(0, len(params), MAX_BATCH_PARAMS):
-        client.log_batch(run_id, params=params[i:i + MAX_BATCH_PARAMS])
+        client.log_batch(run_id, params=params[i : i + MAX_BATCH_PARAMS])
 
 
 def _describe(value: Any) -> str:
@@ -202,7 +216,7 @@ def _describe(value: Any) -> str:
         text = f"partial({_describe(value.func)})"
     else:  # an nn.Module, a threshold rule, a callable object: its class and what it prints as
         text = f"{type(value).__module__}.{type(value).__qualname__}: {value!r}"
-    return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 1] + "…"
+    return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 1] + "…"
 
 
 def _plain(value: Any) -> Any:

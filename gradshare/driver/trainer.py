@@ -33,7 +33,6 @@ stay local, the result model takes rank 0's; non-persistent buffers (masks, rota
 too, the result model has the driver's (flat.shared_buffers).
 """
 
-
 from __future__ import annotations
 
 import time
@@ -135,8 +134,10 @@ class SharedTrainer:
         # every option: a bad one fails here, naming it, before any Spark job.
         unknown = sorted(set(deprecated) - set(GROUP_OF))
         if unknown:
-            raise TypeError(f"SharedTrainer() got unexpected keyword argument(s) {unknown} (docs/guide/options.md "
-                            "lists every option)")
+            raise TypeError(
+                f"SharedTrainer() got unexpected keyword argument(s) {unknown} (docs/guide/options.md "
+                "lists every option)"
+            )
         given = {k: v for k, v in locals().items() if k not in ("self", "deprecated", "unknown")}
         options = grouped({**given, **deprecated})
         object.__setattr__(self, "options", options)  # as given, the groups made: MLflow's params
@@ -160,22 +161,32 @@ class SharedTrainer:
             return getattr(self.config, CHECKED.get(name, name))
         if name in GROUP_OF:
             group = GROUP_OF[name]
-            warnings.warn(f"trainer.{name} is deprecated and will be removed in the next release; read "
-                          f"trainer.{group}.{name}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"trainer.{name} is deprecated and will be removed in the next release; read trainer.{group}.{name}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(getattr(self.config, group), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: object) -> None:
         # an option set here would not reach the config the fit reads: make a new trainer instead
         if name in OPTIONS or name in GROUP_OF or name in ("config", "optimizer"):
-            raise AttributeError(f"SharedTrainer's options are fixed when it is made (trainer.config is frozen); "
-                                 f"make a new SharedTrainer to change {name!r}")
+            raise AttributeError(
+                f"SharedTrainer's options are fixed when it is made (trainer.config is frozen); "
+                f"make a new SharedTrainer to change {name!r}"
+            )
         object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------------------------ fit
     @tracked  # with runtime=Runtime(mlflow=...), the fit is one MLflow run (gradshare/driver/tracking.py)
-    def fit(self, data: DataFrame | RDD[tuple[object, object]], features_col: str | list[str] | None = None,
-            label_col: str | None = None, resume_from: str | None = None) -> FitResult:
+    def fit(
+        self,
+        data: DataFrame | RDD[tuple[object, object]],
+        features_col: str | list[str] | None = None,
+        label_col: str | None = None,
+        resume_from: str | None = None,
+    ) -> FitResult:
         """Train on an RDD of ``(features, label)`` rows or a DataFrame; return a `FitResult`. A DataFrame is
         read through mapInArrow, with no RDD: the only way on a Spark Connect session (docs/guide/connect.md).
 
@@ -208,8 +219,8 @@ class SharedTrainer:
         resume at another world size; docs/guide/elastic.md).
 
         resume_from: a checkpoint directory (``<checkpoint_dir>/epoch-<E>``) or a checkpoint_dir (its
-        latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs` in all, from the
-        saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
+        latest complete checkpoint), a local path or a Hadoop-FS URI: the fit continues after epoch E-1 up to `epochs`
+        in all, from the saved parameters and each worker's residual, optimizer, scheduler, τ rule, loss scaler and RNG
         state (gradshare/task/checkpoint.py). History rows and extra["stopped_epoch"] then count epochs from
         the start of the whole training; extra["resumed_from"] names the checkpoint. extra["rolled_back"]:
         each time a retried stage restarted at a checkpoint ({"attempt", "from", "to"}: log steps).

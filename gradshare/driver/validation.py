@@ -58,22 +58,31 @@ def check_columns(validation: DataFrame, training: DataFrame, columns: list[str]
     DataFrame's has: read from the schemas, so it fails before any Spark job."""
     for c in columns:
         if c not in validation.columns:
-            raise ValueError(f"validation_data has no column {c!r} (the training data's); its columns are "
-                             f"{validation.columns}")
+            raise ValueError(
+                f"validation_data has no column {c!r} (the training data's); its columns are {validation.columns}"
+            )
         mine = _column_kind(validation.schema[c].dataType)
         theirs = _column_kind(training.schema[c].dataType)
         if mine == "?" or mine != theirs:
-            raise TypeError(f"validation_data column {c!r} has type {validation.schema[c].dataType.simpleString()}, "
-                            f"the training data's has {training.schema[c].dataType.simpleString()}; cast it")
+            raise TypeError(
+                f"validation_data column {c!r} has type {validation.schema[c].dataType.simpleString()}, "
+                f"the training data's has {training.schema[c].dataType.simpleString()}; cast it"
+            )
 
 
-def validation_rows(validation: DataFrame | RDD[tuple[object, object]], training: object,
-                    features_col: str | list[str] | None, label_col: str | None) -> RDD[tuple[object, object]]:
+def validation_rows(
+    validation: DataFrame | RDD[tuple[object, object]],
+    training: object,
+    features_col: str | list[str] | None,
+    label_col: str | None,
+) -> RDD[tuple[object, object]]:
     """The validation data as an RDD of (features, label) rows, read like the training data."""
     if is_dataframe(validation):
         if not is_dataframe(training):
-            raise ValueError("validation_data is a DataFrame but the training data is an RDD: give both as "
-                             "DataFrames (fit's features_col/label_col name the columns of both) or both as RDDs")
+            raise ValueError(
+                "validation_data is a DataFrame but the training data is an RDD: give both as "
+                "DataFrames (fit's features_col/label_col name the columns of both) or both as RDDs"
+            )
         # fit(df) without features_col and label_col raised before (driver/fit.job_for)
         assert features_col is not None and label_col is not None
         cols = [features_col] if isinstance(features_col, str) else list(features_col)
@@ -100,7 +109,8 @@ def check_shards(summaries: list[PartitionSummary], layout: PartitionSummary, na
             continue
         if s.error is not None:  # "partition 1 row 3: ..." of the shards
             raise (TypeError if s.error_type == "TypeError" else ValueError)(
-                f"bad validation_data: {s.error.replace('partition', 'shard', 1)}")
+                f"bad validation_data: {s.error.replace('partition', 'shard', 1)}"
+            )
         # a shard without an error has its layout; `layout` is check_summaries's, which has one
         assert layout.features is not None and s.features is not None
         assert layout.label_shape is not None and s.label_shape is not None
@@ -110,20 +120,23 @@ def check_shards(summaries: list[PartitionSummary], layout: PartitionSummary, na
             for i, name in enumerate(names):
                 what = what.replace(f"features input {i}" if layout.features.multi else "features", name)
             raise (ValueError if "shape" in diff[0] else TypeError)(
-                f"bad validation_data: shard {s.index} has {what} {diff[1]}, the training data {diff[2]}")
-        if s.label_shape != layout.label_shape or (layout.label_kind == "int" and s.label_kind == "float"
-                                                   and not s.labels_whole):
-            raise TypeError(f"bad validation_data: shard {s.index} has labels {s.label_kind}{list(s.label_shape)}, "
-                            f"the training data {layout.label_kind}{list(layout.label_shape)}")
+                f"bad validation_data: shard {s.index} has {what} {diff[1]}, the training data {diff[2]}"
+            )
+        if s.label_shape != layout.label_shape or (
+            layout.label_kind == "int" and s.label_kind == "float" and not s.labels_whole
+        ):
+            raise TypeError(
+                f"bad validation_data: shard {s.index} has labels {s.label_kind}{list(s.label_shape)}, "
+                f"the training data {layout.label_kind}{list(layout.label_shape)}"
+            )
         rows.append(s.rows)
     if not any(rows):
         raise ValueError("validation_data has no rows")
     return rows
 
 
-def zip_shards(train: RDD[T], shards: RDD[tuple[object, object]], train_rows: list[int],
-               shard_rows: list[int]) -> RDD[tuple[T, list[tuple[object, object]]]]:
+def zip_shards(
+    train: RDD[T], shards: RDD[tuple[object, object]], train_rows: list[int], shard_rows: list[int]
+) -> RDD[tuple[T, list[tuple[object, object]]]]:
     """The training RDD with each row paired to a list of validation rows of the same rank (`pack`)."""
     return train.zip(shards.mapPartitionsWithIndex(partial(pack, have=shard_rows, into=train_rows)))
-
-

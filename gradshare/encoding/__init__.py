@@ -1,9 +1,9 @@
 """Threshold encoding (Strom 2015): fused accumulate+encode kernels, message forms, thresholds.
 
-    m = encode(residual, update, threshold)   # residual updated in place
-    data = m.to_bytes()
-    m2 = Message.from_bytes(data, max_params=n)
-    apply(m2, params, scale=1.0)
+m = encode(residual, update, threshold)   # residual updated in place
+data = m.to_bytes()
+m2 = Message.from_bytes(data, max_params=n)
+apply(m2, params, scale=1.0)
 """
 
 from gradshare.encoding.codec import apply, convert, decode, decode_entries, encode

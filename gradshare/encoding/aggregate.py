@@ -57,8 +57,10 @@ class AggregateState:
             raise ValueError(f"n_buffers must be an int >= 0, got {n_buffers!r}")
         rule = CalibratedThreshold() if rule is None else rule
         if not isinstance(rule, CalibratedThreshold):
-            raise TypeError(f"rule must be a CalibratedThreshold (the aggregate's size follows its density), "
-                            f"got {type(rule).__name__}")
+            raise TypeError(
+                f"rule must be a CalibratedThreshold (the aggregate's size follows its density), "
+                f"got {type(rule).__name__}"
+            )
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         self.rule = rule
@@ -70,7 +72,7 @@ class AggregateState:
         # per block of 1 << blockmax.SHIFT values, an upper bound of |residual| there: the residual must
         # change only through aggregate_step, which keeps this bound (blockmax.py)
         self.bound = np.zeros(_bm.n_blocks(self.n_params), np.float32)
-        self.steps = 0          # aggregates made
+        self.steps = 0  # aggregates made
 
 
 def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: int) -> StepUpdate:
@@ -79,23 +81,23 @@ def aggregate_step(state: AggregateState, updates: Sequence[StepUpdate], step: i
 
     Each message adds ±τ_r at its entries with float32 arithmetic, in the given order, so the result is
     a function of the messages and their order alone: the relay's aggregate is reproducible."""
-    for i, u in enumerate(updates):      # all checked before any is added: a refusal changes nothing
+    for i, u in enumerate(updates):  # all checked before any is added: a refusal changes nothing
         if u.message.n_params != state.n_params:
-            raise ValueError(f"updates[{i}] is for {u.message.n_params} parameters, the aggregate for "
-                             f"{state.n_params}")
+            raise ValueError(f"updates[{i}] is for {u.message.n_params} parameters, the aggregate for {state.n_params}")
         if len(u.buffer_index) and int(u.buffer_index[-1]) >= state.n_buffers:
-            raise ValueError(f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the "
-                             f"aggregate has {state.n_buffers}")
+            raise ValueError(
+                f"updates[{i}] changes buffer entry {int(u.buffer_index[-1])}; the aggregate has {state.n_buffers}"
+            )
     index = [u.buffer_index for u in updates if len(u.buffer_index)]
     for u in updates:
         add_message(state, u.message)
     message = encode_residual(state, aggregate_threshold(state, step))
-    state.rule.update(message.n_entries, message.n_params)   # as encode_step: the rule sees what went out
+    state.rule.update(message.n_entries, message.n_params)  # as encode_step: the rule sees what went out
     state.steps += 1
     if not index:
         return StepUpdate(message)
     total = np.zeros(state.n_buffers, np.float32)
-    for u in updates:          # rank order, one float32 addition per entry and rank
+    for u in updates:  # rank order, one float32 addition per entry and rank
         if len(u.buffer_index):
             total[u.buffer_index] += u.buffer_value
     where = np.unique(np.concatenate(index)).astype(np.uint32)
@@ -128,8 +130,10 @@ def encode_residual(state: AggregateState, tau: float) -> Message:
         codes = _bm.encode_bounded(r, state.bound, np.float32(tau))
     except kernels.NonFiniteAt as exc:
         i = exc.index
-        raise NonFiniteError(f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
-                         f"is partly updated and must be reset") from None
+        raise NonFiniteError(
+            f"residual is not finite at index {i} (residual[{i}] = {r[i]!r}); the residual "
+            f"is partly updated and must be reset"
+        ) from None
     return Message.from_codes(codes, tau, r.size, None)
 
 
@@ -145,11 +149,11 @@ def aggregate_threshold(state: AggregateState, step: int) -> float:
     stride = rule.stride(n, step)
     # one gather of the strided sample (on 10 M parameters its cache misses are most of the cost); the
     # sample moves every step, as a worker's does (sharing.py)
-    sample = np.abs(state.residual[step % stride::stride])
-    sample = sample[np.isfinite(sample)]           # a NaN/inf is the encoder's to report, with its index
+    sample = np.abs(state.residual[step % stride :: stride])
+    sample = sample[np.isfinite(sample)]  # a NaN/inf is the encoder's to report, with its index
     target = rule.target(step, n)
     kth = quantile_threshold(sample, target)
-    if kth is not None:      # as CalibratedThreshold.calibrate: an all-zero sample keeps the last τ
+    if kth is not None:  # as CalibratedThreshold.calibrate: an all-zero sample keeps the last τ
         rule.tau = to_float32_threshold(kth, "aggregate threshold")
     tau = rule.tau
     if np.count_nonzero(sample >= np.float32(tau)) > TIE_SLACK * target * sample.size + 1:

@@ -30,8 +30,17 @@ class Backend(Protocol[V]):
 
     def zeros(self, n: int, device: Any) -> V: ...
 
-    def encode(self, residual: V, update: V | None, threshold: float, *, form: str | None = ...,
-               threads: int = ..., base: V | None = ..., rewind: bool = ...) -> Message: ...
+    def encode(
+        self,
+        residual: V,
+        update: V | None,
+        threshold: float,
+        *,
+        form: str | None = ...,
+        threads: int = ...,
+        base: V | None = ...,
+        rewind: bool = ...,
+    ) -> Message: ...
 
     def apply(self, message: Message, params: V, scale: float = ...) -> None: ...
 
@@ -53,8 +62,9 @@ class Backend(Protocol[V]):
 
     def check_pair(self, point: object, params: object) -> tuple[V, V]: ...
 
-    def encode_folded(self, point: V, params: V, tau: float, inv: np.float32, step: np.float32,
-                      form: str | None = ...) -> Message: ...
+    def encode_folded(
+        self, point: V, params: V, tau: float, inv: np.float32, step: np.float32, form: str | None = ...
+    ) -> Message: ...
 
     def clip_folded(self, point: V, params: V, inv: np.float32, bound: np.float32, scaled: np.float32) -> int: ...
 

@@ -49,7 +49,7 @@ def _add_batch_bounded(batch, cnt, steps, r, bound, shift):
         a = abs(x)
         b = i >> shift
         v = bound[b]
-        bound[b] = a if (a > v or a != a) else v     # a select, not a branch: it is taken at random
+        bound[b] = a if (a > v or a != a) else v  # a select, not a branch: it is taken at random
 
 
 @njit(nogil=True, cache=True)
@@ -57,7 +57,7 @@ def _payload_add_bounded(rice, sparse_bytes, rice_words, n_entries, steps, r, bo
     """_add_batch_bounded over a VALIDATED payload, ``batch.size`` codes at a time, prefetching each
     target in ``r`` as it is decoded (as the sparse and rice forms' apply): the rice form from
     ``rice_words`` (forms.rice.padded_words) if ``rice``, else the sparse form from ``sparse_bytes``."""
-    pos = 8 if rice else 0       # rice: a bit position after the k byte; sparse: a byte position
+    pos = 8 if rice else 0  # rice: a bit position after the k byte; sparse: a byte position
     prev = -1
     done = 0
     while done < n_entries:
@@ -94,17 +94,17 @@ def _encode_bounded(r, bound, shift, tau, out, k, start, todo):
     width = 1 << shift
     m_todo = 0
     for b in range(start, bound.size):
-        if not bound[b] < tau:         # a NaN bound is read too
+        if not bound[b] < tau:  # a NaN bound is read too
             todo[m_todo] = b
             m_todo += 1
     for q in range(m_todo):
         if q + AHEAD < m_todo:
             ahead = todo[q + AHEAD] << shift
-            for line in range(0, min(width, n - ahead), 16):     # 16 float32 = one 64-byte line
+            for line in range(0, min(width, n - ahead), 16):  # 16 float32 = one 64-byte line
                 kernels.prefetch_write(r, ahead + line)
         b = todo[q]
         lo = b << shift
-        rb = r[lo:min(lo + width, n)]
+        rb = r[lo : min(lo + width, n)]
         cnt = np.int32(0)
         bad = np.int32(0)
         for j in range(rb.size):
@@ -138,15 +138,16 @@ def n_blocks(n: int, shift: int = SHIFT) -> int:
     return -(-n >> shift)
 
 
-
-def add_sparse(reader: np.ndarray, n_entries: int, steps: np.ndarray, r: np.ndarray, bound: np.ndarray,
-               batch: np.ndarray) -> None:
+def add_sparse(
+    reader: np.ndarray, n_entries: int, steps: np.ndarray, r: np.ndarray, bound: np.ndarray, batch: np.ndarray
+) -> None:
     """r += a validated sparse payload's ±steps (its reader), keeping the bound."""
     _payload_add_bounded(False, reader, _NO_WORDS, n_entries, steps, r, bound, SHIFT, batch)
 
 
-def add_rice(reader: np.ndarray, n_entries: int, steps: np.ndarray, r: np.ndarray, bound: np.ndarray,
-             batch: np.ndarray) -> None:
+def add_rice(
+    reader: np.ndarray, n_entries: int, steps: np.ndarray, r: np.ndarray, bound: np.ndarray, batch: np.ndarray
+) -> None:
     """r += a validated rice payload's ±steps (its reader, the padded words), keeping the bound."""
     _payload_add_bounded(True, _NO_BYTES, reader, n_entries, steps, r, bound, SHIFT, batch)
 
@@ -168,11 +169,11 @@ def encode_bounded(r: np.ndarray, bound: np.ndarray, tau: np.float32) -> np.ndar
             return out[:k]
         if status == NONFINITE:
             lo = block << SHIFT
-            raise kernels.NonFiniteAt(lo + int(np.flatnonzero(~np.isfinite(r[lo:lo + (1 << SHIFT)]))[0]))
-        grown = np.empty(max(2 * out.size, k + (1 << SHIFT)), np.int64)   # FULL: the block did not fit
+            raise kernels.NonFiniteAt(lo + int(np.flatnonzero(~np.isfinite(r[lo : lo + (1 << SHIFT)]))[0]))
+        grown = np.empty(max(2 * out.size, k + (1 << SHIFT)), np.int64)  # FULL: the block did not fit
         grown[:k] = out[:k]
         out = grown
 
 
-_NO_BYTES = np.empty(0, np.uint8)      # the payload argument of the form not in use
+_NO_BYTES = np.empty(0, np.uint8)  # the payload argument of the form not in use
 _NO_WORDS = np.empty(0, np.uint64)

@@ -57,8 +57,9 @@ def encode(
     message, bit for bit; update and base must then be tensors on the residual's device, and
     ``threads`` is not used (torch's own threads or the GPU do the work).
     """
-    return backend_of(residual).encode(residual, update, threshold, form=form, threads=threads, base=base,
-                                       rewind=rewind)
+    return backend_of(residual).encode(
+        residual, update, threshold, form=form, threads=threads, base=base, rewind=rewind
+    )
 
 
 def apply(message: Message, params: Vector, scale: float = 1.0) -> None:

@@ -127,8 +127,9 @@ class _PlainRest:
 class _FoldedRest:
     """r = (q − p)·inv from ``start`` on; reducing an entry moves q by ∓step."""
 
-    def __init__(self, q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.float32, step: np.float32,
-                 start: int) -> None:
+    def __init__(
+        self, q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.float32, step: np.float32, start: int
+    ) -> None:
         self.q, self.p, self.inv, self.tau, self.step, self.start = q, p, inv, tau, step, start
 
     def count(self) -> int:
@@ -164,8 +165,9 @@ def _in_passes(head: np.ndarray, rest: _Rest, n_params: int, tau: float, form: s
     return Message.built(tau, n_params, n_entries, chosen, writer.payload())
 
 
-def plain_message(r: np.ndarray, u: np.ndarray | None, threshold: float, base: np.ndarray | None, rewind: bool,
-                  form: str | None) -> Message:
+def plain_message(
+    r: np.ndarray, u: np.ndarray | None, threshold: float, base: np.ndarray | None, rewind: bool, form: str | None
+) -> Message:
     """The message of the fused pass over r/u (u − base when base is given; kernels.encode_codes), its
     entries reduced in r. Raises NonFiniteAt with the first bad index."""
     n, tau = r.size, np.float32(threshold)
@@ -182,15 +184,17 @@ def plain_message(r: np.ndarray, u: np.ndarray | None, threshold: float, base: n
     if added_end < n:
         # the block at pos is accumulated already; accumulate the rest, emitting nothing (τ = inf flags
         # only a NaN or ±inf), so that the passes read r as the one-pass encode would
-        _, bad, done = _accumulate_encode(r, uu, bb, mode, np.float32(np.inf), out[:0], 0, pos,
-                                          max(added_end, pos + BLOCK))
+        _, bad, done = _accumulate_encode(
+            r, uu, bb, mode, np.float32(np.inf), out[:0], 0, pos, max(added_end, pos + BLOCK)
+        )
         if done == NONFINITE:
             raise NonFiniteAt(plain_bad_at(r, bad))
     return _in_passes(out[:k], _PlainRest(r, tau, pos), n, threshold, form)
 
 
-def folded_message(q: np.ndarray, p: np.ndarray, inv: np.float32, threshold: float, step: np.float32,
-                   form: str | None) -> Message:
+def folded_message(
+    q: np.ndarray, p: np.ndarray, inv: np.float32, threshold: float, step: np.float32, form: str | None
+) -> Message:
     """The message of r = (q − p)·inv, q moved by ∓step at each entry (kernels.folded_encode_codes).
     Raises NonFiniteAt with the first bad index."""
     tau = np.float32(threshold)

@@ -37,8 +37,9 @@ def _scale_pair(scale: float) -> tuple[np.float32, np.float32]:
     return np.float32(scale), np.float32(1.0 / scale)
 
 
-def encode_folded(point: Vector, params: Vector, threshold: float, scale: float = 1.0, *,
-                  form: str | None = None) -> Message:
+def encode_folded(
+    point: Vector, params: Vector, threshold: float, scale: float = 1.0, *, form: str | None = None
+) -> Message:
     """Threshold-encode r = (point − params)/scale without storing it: every |r_i| >= τ becomes an entry
     ±τ and point_i moves by ∓float32(τ·scale) in place (module docstring). params is read only.
 

@@ -146,8 +146,9 @@ def _accumulate_encode(r, u, base, mode, tau, out, k, start, added_end, reduce=T
     while pos < n:
         stop = min(pos + BLOCK, n)
         rb = r[pos:stop]
-        k, status = _emit_block(rb, pos, tau, out, k, _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, rewind),
-                                True)
+        k, status = _emit_block(
+            rb, pos, tau, out, k, _add_diff_block(rb, u[pos:stop], base[pos:stop], tau, rewind), True
+        )
         if status != OK:
             return k, pos, status
         pos = stop
@@ -241,7 +242,8 @@ def _hit_mask_full(sb, tau):
 def _emit_block(rb, pos, tau, out, k, flagged, reduce):
     """Emit the entries of the accumulated block ``rb`` (starting at parameter ``pos``) into ``out`` from
     ``k`` on and reduce them by τ (when ``reduce``). ``flagged`` counts its values that are not below τ:
-    its entries, and its non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged, NONFINITE/FULL)."""
+    its entries, and its non-finite values (NaN is not below τ either). Returns (k, OK) or (k unchanged,
+    NONFINITE/FULL)."""
     # One compare a value in the streaming pass (not |x| < τ) flags both, so the non-finite check runs only
     # on blocks that hold an entry, while they are in L1 (10 M values, density 1e-3: the kernel 1.26-1.30 ->
     # 1.16-1.20x in-place numpy.add; `gradshare bench encoding` 1.51-1.56 -> 1.43-1.48; the same codes).
@@ -350,7 +352,8 @@ def _folded_mask_full(sq, sp, inv, tau):
 def _folded_encode(q, p, inv, tau, step, out, k, start, reduce=True):
     """Emit every |r_i| >= tau of r = (q − p)·inv into ``out`` from ``k`` on, and move q_i by ∓step (step =
     float32(τ·s), what the log adds at i when it applies the entry; not when ``reduce`` is False, a read-only
-    pass), blocks from ``start`` on. Reads r, never stores it. Returns (k, pos, status) as `_accumulate_encode` does (FULL: the block at pos is untouched)."""
+    pass), blocks from ``start`` on. Reads r, never stores it. Returns (k, pos, status) as `_accumulate_encode` does
+    (FULL: the block at pos is untouched)."""
     n = q.size
     pos = start
     while pos < n:
@@ -439,8 +442,9 @@ def _grown(out: np.ndarray, k: int) -> np.ndarray:
     return grown
 
 
-def encode_codes(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None,
-                 rewind: bool = False) -> np.ndarray:
+def encode_codes(
+    r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.ndarray | None = None, rewind: bool = False
+) -> np.ndarray:
     """Entry codes (local indices) of the fused pass over the views r/u (u - base when base is given);
     grows its buffer as needed. Raises NonFiniteAt with the first bad index."""
     n = r.size
@@ -458,8 +462,7 @@ def encode_codes(r: np.ndarray, u: np.ndarray | None, tau: np.float32, base: np.
         added_end = max(added_end, pos + BLOCK)  # that block is accumulated already
 
 
-def folded_encode_codes(q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.float32,
-                        step: np.float32) -> np.ndarray:
+def folded_encode_codes(q: np.ndarray, p: np.ndarray, inv: np.float32, tau: np.float32, step: np.float32) -> np.ndarray:
     """Entry codes of r = (q − p)·inv, q moved by ∓step at each (`_folded_encode`); raises NonFiniteAt."""
     out = np.empty(max(1024, q.size >> 8), np.int64)
     k, pos = 0, 0

@@ -132,8 +132,12 @@ class Message:
         encode_passes.py): the validating constructor's pass is skipped."""
         m = object.__new__(cls)
         for name, value in (
-            ("threshold", threshold), ("n_params", n_params), ("n_entries", n_entries), ("form", form.name),
-            ("payload", payload), ("reader", form.reader(payload)),
+            ("threshold", threshold),
+            ("n_params", n_params),
+            ("n_entries", n_entries),
+            ("form", form.name),
+            ("payload", payload),
+            ("reader", form.reader(payload)),
         ):
             object.__setattr__(m, name, value)
         return m
@@ -178,7 +182,13 @@ class Message:
 
     def to_bytes(self) -> bytes:
         head = HEADER.pack(
-            MAGIC, VERSION, forms.BY_NAME[self.form].tag, self.threshold, self.n_params, self.n_entries, len(self.payload)
+            MAGIC,
+            VERSION,
+            forms.BY_NAME[self.form].tag,
+            self.threshold,
+            self.n_params,
+            self.n_entries,
+            len(self.payload),
         )
         return head + self.payload
 
@@ -216,4 +226,3 @@ class Message:
             return cls(tau, n_params, n_entries, form.name, bytes(view[HEADER_SIZE:]))
         except ValueError as exc:  # payload inconsistent with the header
             raise DecodeError(str(exc)) from None
-

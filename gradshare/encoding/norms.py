@@ -92,8 +92,9 @@ def _add_capped(codes, starts, steps, target):
         target[i] += -v if c & 1 else v
 
 
-def window_norms2(runs: list[NDArray[np.int64]], steps: list[float], starts: NDArray[np.int64],
-                  out: NDArray[np.float64]) -> None:
+def window_norms2(
+    runs: list[NDArray[np.int64]], steps: list[float], starts: NDArray[np.int64], out: NDArray[np.float64]
+) -> None:
     """One window of the step cap's summed norms (step_cap.summed_norms2) added to ``out``: ``runs`` are the
     messages' sorted codes in the window (rank order), ``steps`` their ±step each."""
     offsets = np.cumsum([0, *(r.size for r in runs)]).astype(np.int64)
@@ -101,22 +102,25 @@ def window_norms2(runs: list[NDArray[np.int64]], steps: list[float], starts: NDA
     _window_norms2(codes, offsets, np.asarray(steps, np.float64), starts, out)
 
 
-def add_capped(codes: NDArray[np.int64], starts: NDArray[np.int64], steps: NDArray[np.float32],
-               target: NDArray[np.float32]) -> None:
+def add_capped(
+    codes: NDArray[np.int64], starts: NDArray[np.int64], steps: NDArray[np.float32], target: NDArray[np.float32]
+) -> None:
     """target[i] += ±steps[t] for each sorted code, t the tensor of index i (``starts``); the caller checked
     the indices against the target (decoded from validated messages of its size)."""
     _add_capped(codes, starts, steps, target)
 
 
-def tensor_norms2(values: NDArray[np.float32], starts: NDArray[np.int64],
-                  which: NDArray[np.bool_]) -> NDArray[np.float64]:
+def tensor_norms2(
+    values: NDArray[np.float32], starts: NDArray[np.int64], which: NDArray[np.bool_]
+) -> NDArray[np.float64]:
     """Per tensor (``starts``: each one's first index in ``values``, the last ending at its end), the
     squared norm in float64 where ``which`` says, 0 elsewhere; the same bits on every machine."""
     if values.dtype != np.float32 or values.ndim != 1:
         raise ValueError(f"values must be a 1-D float32 array, got {values.dtype} with {values.ndim} dimensions")
     if starts.shape != which.shape or (starts.size and (starts[0] != 0 or starts[-1] >= values.size)):
-        raise ValueError(f"starts ({starts.size}) must begin at 0, stay below {values.size} and match "
-                         f"which ({which.size})")
+        raise ValueError(
+            f"starts ({starts.size}) must begin at 0, stay below {values.size} and match which ({which.size})"
+        )
     ends = np.append(starts[1:], values.size).astype(np.int64)
     out = np.zeros(starts.size)
     _norms2(values, starts.astype(np.int64), ends, which.astype(np.bool_), out)

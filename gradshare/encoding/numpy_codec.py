@@ -64,8 +64,9 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-def _check_encode(residual: object, update: object, base: object,
-                  rewind: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+def _check_encode(
+    residual: object, update: object, base: object, rewind: bool
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     r = check_vector("residual", residual, writable=True)
     u = None if update is None else check_vector("update", update, writable=False, n=r.size)
     b = None
@@ -82,8 +83,9 @@ def _check_encode(residual: object, update: object, base: object,
     return r, u, b
 
 
-def _codes_threaded(r: np.ndarray, u: np.ndarray | None, tau32: np.float32, b: np.ndarray | None,
-                    rewind: bool, threads: int) -> np.ndarray:
+def _codes_threaded(
+    r: np.ndarray, u: np.ndarray | None, tau32: np.float32, b: np.ndarray | None, rewind: bool, threads: int
+) -> np.ndarray:
     """The fused pass's codes, split into ``threads`` contiguous ranges encoded in parallel (the kernels
     release the GIL); the same codes as one range. Raises kernels.NonFiniteAt with the first bad index."""
     n = r.size
@@ -94,8 +96,14 @@ def _codes_threaded(r: np.ndarray, u: np.ndarray | None, tau32: np.float32, b: n
     step = -(-step // kernels.BLOCK) * kernels.BLOCK
     bounds = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
     futures = [
-        _pool(threads).submit(kernels.encode_codes, r[lo:hi], None if u is None else u[lo:hi], tau32,
-                              None if b is None else b[lo:hi], rewind)
+        _pool(threads).submit(
+            kernels.encode_codes,
+            r[lo:hi],
+            None if u is None else u[lo:hi],
+            tau32,
+            None if b is None else b[lo:hi],
+            rewind,
+        )
         for lo, hi in bounds
     ]
     parts = []
@@ -110,8 +118,16 @@ def _codes_threaded(r: np.ndarray, u: np.ndarray | None, tau32: np.float32, b: n
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def encode(residual: object, update: object, threshold: float, *, form: str | None = None, threads: int = 1,
-           base: object = None, rewind: bool = False) -> Message:
+def encode(
+    residual: object,
+    update: object,
+    threshold: float,
+    *,
+    form: str | None = None,
+    threads: int = 1,
+    base: object = None,
+    rewind: bool = False,
+) -> Message:
     """`codec.encode` on float32 arrays (its docstring)."""
     r, u, b = _check_encode(residual, update, base, rewind)
     tau = threshold_value(threshold)
@@ -208,20 +224,22 @@ def check_pair(point: object, params: object) -> tuple[np.ndarray, np.ndarray]:
     return q, p
 
 
-def encode_folded(point: np.ndarray, params: np.ndarray, tau: float, inv: np.float32, step: np.float32,
-                  form: str | None = None) -> Message:
+def encode_folded(
+    point: np.ndarray, params: np.ndarray, tau: float, inv: np.float32, step: np.float32, form: str | None = None
+) -> Message:
     """`folded.encode_folded` on a checked pair."""
     try:
         return encode_passes.folded_message(point, params, inv, tau, step, form)
     except kernels.NonFiniteAt as exc:
         i = exc.index
-        raise NonFiniteError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
-                         f"{point[i]!r}, params[{i}] = {params[i]!r}); the point is partly reduced and must "
-                         "be reset") from None
+        raise NonFiniteError(
+            f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
+            f"{point[i]!r}, params[{i}] = {params[i]!r}); the point is partly reduced and must "
+            "be reset"
+        ) from None
 
 
-def clip_folded(point: np.ndarray, params: np.ndarray, inv: np.float32, bound: np.float32,
-                scaled: np.float32) -> int:
+def clip_folded(point: np.ndarray, params: np.ndarray, inv: np.float32, bound: np.float32, scaled: np.float32) -> int:
     return kernels.folded_clip(point, params, inv, bound, scaled)
 
 

@@ -62,7 +62,9 @@ def _usable(device: object) -> torch.device:
     try:
         dev = device if isinstance(device, torch.device) else torch.device(str(device))
     except RuntimeError:
-        raise ValueError(f"device must be None, a torch.device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
+        raise ValueError(
+            f"device must be None, a torch.device or its name (e.g. 'cpu', 'cuda:0'), got {device!r}"
+        ) from None
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (dev.index or 0) >= count:
@@ -86,10 +88,17 @@ class SharingState:
         (module docstring): two float32 NumPy arrays of n_params, ``point`` equal to ``params`` (r = 0).
     """
 
-    def __init__(self, n_params: int, rule: ThresholdRule, clipping: ResidualClipping | None = None, *,
-                 follow_lr: bool = True, keep_pending: bool = False,
-                 device: str | torch.device | None = None,
-                 fold: tuple[Vector, Vector, float] | None = None) -> None:
+    def __init__(
+        self,
+        n_params: int,
+        rule: ThresholdRule,
+        clipping: ResidualClipping | None = None,
+        *,
+        follow_lr: bool = True,
+        keep_pending: bool = False,
+        device: str | torch.device | None = None,
+        fold: tuple[Vector, Vector, float] | None = None,
+    ) -> None:
         if isinstance(n_params, bool) or not isinstance(n_params, (int, np.integer)) or n_params < 1:
             raise ValueError(f"n_params must be an int >= 1, got {n_params!r}")
         if not (hasattr(rule, "threshold") and hasattr(rule, "update")):
@@ -190,7 +199,7 @@ class SharingState:
             self.lr_ref = lr
         if self.follow_lr and self.lr is not None and self.lr > 0.0 and lr > 0.0 and lr != self.lr:
             self.rescale(np.float32(lr / self.lr))
-        follow = getattr(self.rule, "follow_lr", None)     # a calibrated rule's density follows the rate
+        follow = getattr(self.rule, "follow_lr", None)  # a calibrated rule's density follows the rate
         if self.follow_lr and follow is not None and lr > 0.0:
             follow(lr)
         self.lr = lr
@@ -224,8 +233,9 @@ class SharingState:
             self.pending.popleft()
 
 
-def share_step(state: SharingState, step: int, *, update: Vector | None = None,
-               base: Vector | None = None, rewind: bool = False) -> Message:
+def share_step(
+    state: SharingState, step: int, *, update: Vector | None = None, base: Vector | None = None, rewind: bool = False
+) -> Message:
     """Encode this step's share of the residual as one message and advance the state.
 
     Direct path: the optimizer has already added the update to ``state.residual``; call with no
@@ -243,7 +253,7 @@ def share_step(state: SharingState, step: int, *, update: Vector | None = None,
         clipping = state.clipping
         if clipping is not None and clipping.due(step):
             folding.clip_folded(*pair, clipping.bound(message.threshold), state.scale)
-    else:   # encode_step, on the state's own backend
+    else:  # encode_step, on the state's own backend
         residual = state.plain_residual()
         message = state.backend.encode(residual, update, tau, base=base, rewind=rewind)
         state.rule.update(message.n_entries, message.n_params)

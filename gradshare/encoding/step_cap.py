@@ -82,8 +82,9 @@ class StepCap:
 
     def __post_init__(self) -> None:
         if not self.starts or self.starts[0] != 0 or len(self.shares) != len(self.starts):
-            raise ValueError(f"step cap: {len(self.starts)} tensor starts (the first must be 0) and "
-                             f"{len(self.shares)} shares")
+            raise ValueError(
+                f"step cap: {len(self.starts)} tensor starts (the first must be 0) and {len(self.shares)} shares"
+            )
         if any(b <= a for a, b in zip(self.starts, (*self.starts[1:], self.n_params))):
             raise ValueError(f"step cap: tensor starts must increase and stay below n_params={self.n_params}")
         if not all(b > 0 for b in self.shares):  # inf allowed: not capped
@@ -101,13 +102,17 @@ class StepCap:
         if norm not in ("now", "initial"):
             raise ValueError(f"norm must be 'now' or 'initial', got {norm!r}")
         if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) and cap > 0):
-            raise ValueError(f"step_cap must be a positive finite number (a share of each tensor's norm), "
-                             f"got {cap!r}")
+            raise ValueError(f"step_cap must be a positive finite number (a share of each tensor's norm), got {cap!r}")
         starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
-        norms2 = tensor_norms2(np.ascontiguousarray(to_host(params)[:sum(sizes)], np.float32), starts,
-                               np.ones(len(sizes), bool))
-        return cls(tuple(int(s) for s in starts), tuple(float(cap) if n > 0 else math.inf for n in norms2),
-                   int(sum(sizes)), tuple(math.sqrt(n) for n in norms2) if norm == "initial" else None)
+        norms2 = tensor_norms2(
+            np.ascontiguousarray(to_host(params)[: sum(sizes)], np.float32), starts, np.ones(len(sizes), bool)
+        )
+        return cls(
+            tuple(int(s) for s in starts),
+            tuple(float(cap) if n > 0 else math.inf for n in norms2),
+            int(sum(sizes)),
+            tuple(math.sqrt(n) for n in norms2) if norm == "initial" else None,
+        )
 
     def to_json(self) -> list[list[float]]:
         """[[start, share], ...], or [[start, share, initial norm], ...] (a checkpoint's job: a resumed fit
@@ -144,7 +149,7 @@ class StepCap:
             need = capped & ~(upper <= shares * lower)
         out = np.full(len(shares), math.inf)
         if need.any():
-            host = np.ascontiguousarray(to_host(params)[:self.n_params], np.float32)  # a view on the host
+            host = np.ascontiguousarray(to_host(params)[: self.n_params], np.float32)  # a view on the host
             norm = np.sqrt(tensor_norms2(host, np.asarray(self.starts, np.int64), need))
             seen.norm[need], seen.since[need] = norm[need], 0
             out[need] = np.where(norm[need] > 0, shares[need] * norm[need], math.inf)
@@ -188,8 +193,9 @@ def entries_per_tensor(message: Message, starts: NDArray[np.int64]) -> NDArray[n
 WINDOW = 1 << 17
 
 
-def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[np.int64], n_params: int,
-                  window: int | None = None) -> NDArray[np.float64]:
+def summed_norms2(
+    updates: Sequence[StepUpdate], scale: float, starts: NDArray[np.int64], n_params: int, window: int | None = None
+) -> NDArray[np.float64]:
     """Per tensor (``starts``: each one's first index), the squared norm of the step's messages summed by
     index, in float64. Read a window of indices at a time, each message streamed in index order
     (code_stream.py), so memory stays bounded whatever the model's and the messages' size: by default each
@@ -215,8 +221,9 @@ def summed_norms2(updates: Sequence[StepUpdate], scale: float, starts: NDArray[n
     return norm2
 
 
-def _add_window(norm2: NDArray[np.float64], streams: Sequence[tuple[CodeStream, float]], hi: int,
-                starts: NDArray[np.int64]) -> None:
+def _add_window(
+    norm2: NDArray[np.float64], streams: Sequence[tuple[CodeStream, float]], hi: int, starts: NDArray[np.int64]
+) -> None:
     """`summed_norms2` of the codes below index ``hi`` not taken yet, added to ``norm2`` (norms.py's kernel)."""
     runs, steps = [], []
     for stream, step in streams:
@@ -228,8 +235,13 @@ def _add_window(norm2: NDArray[np.float64], streams: Sequence[tuple[CodeStream, 
         window_norms2(runs, steps, starts, norm2)
 
 
-def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0, cap: StepCap | None = None,
-               followers: Sequence[Vector] = ()) -> None:
+def apply_step(
+    updates: Sequence[StepUpdate],
+    state: Vector,
+    scale: float = 1.0,
+    cap: StepCap | None = None,
+    followers: Sequence[Vector] = (),
+) -> None:
     """One whole step's messages (rank order) into ``state`` (parameters, then float buffers) and into
     every follower (vectors of the parameters' size that move with them, flat.py), each tensor's share
     capped by ``cap`` (None, or no tensor over its bound: each message as `update.apply_update` adds it)."""
@@ -248,8 +260,14 @@ def apply_step(updates: Sequence[StepUpdate], state: Vector, scale: float = 1.0,
         add_buffers(u, state)
 
 
-def _add_capped(updates: Sequence[StepUpdate], factors: NDArray[np.float64], cap: StepCap,
-                targets: Sequence[Vector], state: Vector, scale: float) -> None:
+def _add_capped(
+    updates: Sequence[StepUpdate],
+    factors: NDArray[np.float64],
+    cap: StepCap,
+    targets: Sequence[Vector],
+    state: Vector,
+    scale: float,
+) -> None:
     """Each message in rank order, a batch of its entries at a time, each entry's tensor's step
     float32(τ·scale·factor) (rounded once, on the host) added once to every target: the same float32
     additions in the same order on every replica."""
@@ -268,8 +286,9 @@ def _add_capped(updates: Sequence[StepUpdate], factors: NDArray[np.float64], cap
         add_buffers(u, state)
 
 
-def _indexed(codes: NDArray[np.int64], starts: NDArray[np.int64],
-             steps: NDArray[np.float32]) -> tuple[NDArray[np.uint32], NDArray[np.float32]]:
+def _indexed(
+    codes: NDArray[np.int64], starts: NDArray[np.int64], steps: NDArray[np.float32]
+) -> tuple[NDArray[np.uint32], NDArray[np.float32]]:
     """(indices, ±step of each one's tensor) of a batch of codes, for a torch target's add_at."""
     index = codes >> 1
     values = steps[np.searchsorted(starts, index, side="right") - 1]
@@ -284,5 +303,12 @@ def step_applier(scale: float, cap: StepCap | None) -> Callable[[list[StepUpdate
     return None if cap is None else functools.partial(apply_step, scale=scale, cap=replace(cap))
 
 
-__all__ = ["DEFAULT_STEP_CAP", "StepCap", "apply_step", "entries_per_tensor", "step_applier", "step_cap_for",
-           "summed_norms2"]
+__all__ = [
+    "DEFAULT_STEP_CAP",
+    "StepCap",
+    "apply_step",
+    "entries_per_tensor",
+    "step_applier",
+    "step_cap_for",
+    "summed_norms2",
+]

@@ -70,8 +70,8 @@ DEFAULT_DECAY_LR_POWER = 0.35
 
 
 # Under a decaying learning rate the density rises as (peak rate / rate) ** LR_EXPONENT, at most
-# MAX_LR_BOOST times (docs/benchmarks/convergence.md, "Density follows the learning rate"): on the digits MLP with cosine
-# annealing, N = 4, seeds 0-2 (lock step), the last-3 accuracy rose from 96.37 to 97.06 % (DDP 96.96)
+# MAX_LR_BOOST times (docs/benchmarks/convergence.md, "Density follows the learning rate"): on the digits MLP with
+# cosine annealing, N = 4, seeds 0-2 (lock step), the last-3 accuracy rose from 96.37 to 97.06 % (DDP 96.96)
 # at 0.77x the traffic; an exponent of 1.0 gave the same accuracy at less compression, and step decay
 # moved by 0.15 pp at most (same page).
 LR_EXPONENT = 0.5
@@ -286,13 +286,13 @@ class CalibratedThreshold(_HeldThreshold):
     warmup_steps: int = 0
     warmup_density: float = DEFAULT_WARMUP_DENSITY  # raised to the density when that is higher
     min_entries: int = DEFAULT_MIN_ENTRIES
-    decay_from: float = 0.0               # 0: no run-long decay (class docstring)
+    decay_from: float = 0.0  # 0: no run-long decay (class docstring)
     decay_steps: int = 0
-    decay_lr_power: float = 0.0           # each worker's lr × (density / target) ** this during the decay
-    lr_exponent: float = LR_EXPONENT      # 0: the density does not follow the learning rate
+    decay_lr_power: float = 0.0  # each worker's lr × (density / target) ** this during the decay
+    lr_exponent: float = LR_EXPONENT  # 0: the density does not follow the learning rate
     max_lr_boost: float = MAX_LR_BOOST
     tau: float = field(default=DEFAULT_THRESHOLD, init=False)  # until the first calibration
-    lr_peak: float = field(default=0.0, init=False)   # the highest rate seen (0: none yet)
+    lr_peak: float = field(default=0.0, init=False)  # the highest rate seen (0: none yet)
     lr_boost: float = field(default=1.0, init=False)  # the density's factor at the current rate
 
     def __post_init__(self) -> None:
@@ -336,11 +336,13 @@ class CalibratedThreshold(_HeldThreshold):
         target = density
         if step < self.warmup_steps:
             start = max(self.warmup_density, density)
-            ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)   # float ** float: typed Any
+            ramp: float = (start / density) ** (1.0 - step / self.warmup_steps)  # float ** float: typed Any
             target = density * ramp
         if self.decay_from > 0.0 and self.decay_steps == 0:
-            raise ValueError("decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch); "
-                             "SharedTrainer fills it in (for_run), a rule used on its own must be given it")
+            raise ValueError(
+                "decay_from needs decay_steps, the run's planned steps (epochs × steps per epoch); "
+                "SharedTrainer fills it in (for_run), a rule used on its own must be given it"
+            )
         if self.decay_from > 0.0 and step < self.decay_steps:
             decay: float = (max(self.decay_from, density) / density) ** (1.0 - step / self.decay_steps)
             target = max(target, density * decay)
@@ -356,7 +358,7 @@ class CalibratedThreshold(_HeldThreshold):
             return 1.0
         floor = min(self.min_entries / max(n_params, 1), FLOOR_MAX_DENSITY)
         base = min(1.0, max(self.density, floor))
-        factor: float = (base / self.target(step, n_params)) ** self.decay_lr_power   # float ** float: typed Any
+        factor: float = (base / self.target(step, n_params)) ** self.decay_lr_power  # float ** float: typed Any
         return min(1.0, factor)
 
     def stride(self, n_params: int, step: int) -> int:
@@ -406,6 +408,7 @@ class ResidualClipping:
             return False
         backend.clip(checked, self.bound(tau))
         return True
+
 
 def encode_step(
     residual: Vector,

@@ -93,7 +93,7 @@ def encode(
     if rewind:
         if base is None:
             raise ValueError("rewind needs a base to rewind the update to")
-        assert update is not None   # a base needs an update: checked above
+        assert update is not None  # a base needs an update: checked above
         if overlap(update, base) or overlap(update, residual):
             raise ValueError("update must not overlap base or residual when rewind is set")
     tau = threshold_value(threshold)
@@ -143,8 +143,7 @@ def _entries(r: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     found = blocks[hot]
     row, col = torch.nonzero(found.abs() >= tau, as_tuple=True)  # row-major: ascending within and across
     in_tail = torch.nonzero(tail.abs() >= tau).squeeze(1)
-    return (torch.cat([hot[row] * BLOCK + col, in_tail + nb * BLOCK]),
-            torch.cat([found[row, col], tail[in_tail]]))
+    return (torch.cat([hot[row] * BLOCK + col, in_tail + nb * BLOCK]), torch.cat([found[row, col], tail[in_tail]]))
 
 
 def apply(message: Message, params: torch.Tensor, scale: float = 1.0) -> None:
@@ -166,8 +165,9 @@ def apply(message: Message, params: torch.Tensor, scale: float = 1.0) -> None:
         params[index] += steps[codes & 1]
 
 
-def buffer_change(before: torch.Tensor, after: torch.Tensor,
-                         world_size: int) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+def buffer_change(
+    before: torch.Tensor, after: torch.Tensor, world_size: int
+) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
     """`update.buffer_change` of two tensors, on their device: (indices, values ÷ world_size) of the
     entries whose bits changed, the same bits as NumPy's; only those entries come to the host."""
     with torch.no_grad():
@@ -224,12 +224,12 @@ def quantile_threshold(values: torch.Tensor, density: float) -> float | None:
     return min(max(kth, MIN_THRESHOLD), MAX_THRESHOLD)
 
 
-
 # --- the folded residual (encoding/folded.py) on tensors: r = (q − p)·(1/s) is a temporary here ---------------
 
 
-def encode_folded(point: torch.Tensor, params: torch.Tensor, tau: float, inv: np.float32,
-                         step: np.float32, form: str | None = None) -> Message:
+def encode_folded(
+    point: torch.Tensor, params: torch.Tensor, tau: float, inv: np.float32, step: np.float32, form: str | None = None
+) -> Message:
     """`folded.encode_folded` on float32 tensors of one device (arguments checked there): the same
     message and the same point, bit for bit. r is computed once into a temporary the size of P (a device
     has no Numba kernel to read it block by block); on NaN/inf nothing has been changed."""
@@ -239,8 +239,10 @@ def encode_folded(point: torch.Tensor, params: torch.Tensor, tau: float, inv: np
         found = _entries(r, tau_t)
         if found is None:
             i = int(torch.nonzero(~torch.isfinite(r))[0, 0])
-            raise NonFiniteError(f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
-                             f"{point[i].item()!r}, params[{i}] = {params[i].item()!r}); nothing was changed")
+            raise NonFiniteError(
+                f"the residual (point − params)/scale is not finite at index {i} (point[{i}] = "
+                f"{point[i].item()!r}, params[{i}] = {params[i].item()!r}); nothing was changed"
+            )
         index, values = found
         del r
         neg = values < 0
@@ -251,8 +253,9 @@ def encode_folded(point: torch.Tensor, params: torch.Tensor, tau: float, inv: np
     return Message.from_codes(host, tau, point.numel(), form)
 
 
-def clip_folded(point: torch.Tensor, params: torch.Tensor, inv: np.float32, bound: np.float32,
-                       scaled: np.float32) -> int:
+def clip_folded(
+    point: torch.Tensor, params: torch.Tensor, inv: np.float32, bound: np.float32, scaled: np.float32
+) -> int:
     """`folded.clip_folded` on tensors: the same point, bit for bit."""
     with torch.no_grad():
         r = (point - params) * float(inv)

@@ -7,7 +7,8 @@ there are few buffer entries (a few per channel), so it travels exactly, as floa
 quanta. Each worker sends its change divided by the world size N; every replica and the relay add
 every worker's values in the log's (step, sender) order, so the buffers are the same bits everywhere and
 follow ``running ← running + momentum × (mean over workers of the batch statistic − running)``: the
-running statistics of the global batch, as one process would keep them (docs/guide/models.md, "BatchNorm and other buffers").
+running statistics of the global batch, as one process would keep them (docs/guide/models.md, "BatchNorm and other
+buffers").
 
 Wire format: the `Message` bytes, then, when the job's model has buffers, a section
 
@@ -56,13 +57,17 @@ class StepUpdate:
         if n_buffers == 0:
             return head
         count = len(self.buffer_index)
-        return (head + BUFFER_HEADER.pack(BUFFER_MAGIC, BUFFER_VERSION, 0, count)
-                + self.buffer_index.astype("<u4", copy=False).tobytes()
-                + self.buffer_value.astype("<f4", copy=False).tobytes())
+        return (
+            head
+            + BUFFER_HEADER.pack(BUFFER_MAGIC, BUFFER_VERSION, 0, count)
+            + self.buffer_index.astype("<u4", copy=False).tobytes()
+            + self.buffer_value.astype("<f4", copy=False).tobytes()
+        )
 
 
-def buffer_change(before: SameVector, after: SameVector, world_size: int,
-                  name: Callable[[int], str] = lambda i: f"buffer entry {i}") -> tuple[np.ndarray, np.ndarray]:
+def buffer_change(
+    before: SameVector, after: SameVector, world_size: int, name: Callable[[int], str] = lambda i: f"buffer entry {i}"
+) -> tuple[np.ndarray, np.ndarray]:
     """(indices, values) of the entries where the buffers moved, values = change ÷ world_size (float32).
     An entry moved when its bits changed: a constant ±inf (a causal mask) or NaN is no change, though
     its difference (−inf − (−inf)) is NaN. A moved entry must stay finite, or ValueError names it with
@@ -71,9 +76,11 @@ def buffer_change(before: SameVector, after: SameVector, world_size: int,
     index, values = backend_of(before).buffer_change(before, after, world_size)
     if not np.isfinite(values).all():
         bad = int(index[~np.isfinite(values)][0])
-        raise ValueError(f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
-                         f"{float(before[bad])}); a buffer that changes is shared as its change, which must "
-                         "be finite (a constant non-finite buffer is fine; so is a non-persistent one)")
+        raise ValueError(
+            f"{name(bad)} became {float(after[bad])} in the step's forward pass (from "
+            f"{float(before[bad])}); a buffer that changes is shared as its change, which must "
+            "be finite (a constant non-finite buffer is fine; so is a non-persistent one)"
+        )
     return index.astype(np.uint32), values
 
 
@@ -90,8 +97,7 @@ def decode_update(payload: bytes, n_state: int, *, n_params: int) -> StepUpdate:
         raise DecodeError(f"update too short: {len(view)} bytes < {HEADER_SIZE}-byte header")
     end = HEADER_SIZE + HEADER.unpack_from(view)[-1]
     if end + BUFFER_HEADER.size > len(view):
-        raise DecodeError(f"update of {len(view)} bytes has no room for its buffer section after a "
-                          f"{end}-byte message")
+        raise DecodeError(f"update of {len(view)} bytes has no room for its buffer section after a {end}-byte message")
     magic, version, _, count = BUFFER_HEADER.unpack_from(view, end)
     if magic != BUFFER_MAGIC or version != BUFFER_VERSION:
         raise DecodeError(f"bad buffer section magic {magic!r} / version {version}")
@@ -120,12 +126,12 @@ def apply_update(update: StepUpdate, state: Vector, scale: float = 1.0) -> None:
     """state[:n_params] += ±τ·scale at the message's entries; the buffer part += the values (float32).
     ``state`` is a NumPy array or a float32 torch tensor on any device (the same bits: each index occurs
     once, so each entry sees one float32 addition on either)."""
-    apply(update.message, state[:update.message.n_params], scale)
+    apply(update.message, state[: update.message.n_params], scale)
     add_buffers(update, state)
 
 
 def add_buffers(update: StepUpdate, state: Vector) -> None:
     """The buffer part of `apply_update`: state[n_params:] += the values at their indices (float32)."""
     if len(update.buffer_index):
-        buffers = state[update.message.n_params:]
+        buffers = state[update.message.n_params :]
         backend_of(buffers).add_at(buffers, update.buffer_index, update.buffer_value)

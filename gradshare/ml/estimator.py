@@ -61,10 +61,18 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
     loading needs the model's class importable, as with any pickled torch module.
     """
 
-    def __init__(self, model: ModelSpec | None = None, *, optimizer: OptimizerFactory | None = None,
-                 loss: LossFn | None = None, train_step: TrainStep | None = None,
-                 lr_scheduler: SchedulerFactory | None = None, metric: Metric | None = None,
-                 on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = None, **params: object) -> None:
+    def __init__(
+        self,
+        model: ModelSpec | None = None,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        loss: LossFn | None = None,
+        train_step: TrainStep | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+        metric: Metric | None = None,
+        on_epoch_end: EpochCallback | Sequence[EpochCallback] | None = None,
+        **params: object,
+    ) -> None:
         super().__init__()
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.train_step, self.lr_scheduler, self.metric = train_step, lr_scheduler, metric
@@ -74,8 +82,9 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
     def setParams(self, **params: object) -> GradshareEstimator:
         unknown = sorted(k for k in params if not self.hasParam(k))
         if unknown:
-            raise ValueError(f"GradshareEstimator has no Param(s) {unknown}; its Params are "
-                             f"{sorted(p.name for p in self.params)}")
+            raise ValueError(
+                f"GradshareEstimator has no Param(s) {unknown}; its Params are {sorted(p.name for p in self.params)}"
+            )
         return self._set(**params)
 
     def trainer(self, validation_data: DataFrame | None = None) -> SharedTrainer:
@@ -92,10 +101,19 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
         if self.on_epoch_end is not None:  # a Runtime option, given here as an object (not JSON)
             options["runtime"] = {**options.get("runtime", {}), "on_epoch_end": self.on_epoch_end}
         return SharedTrainer(
-            self.model, self.loss, optimizer, train_step=self.train_step, lr_scheduler=self.lr_scheduler,
-            metric=self.metric, validation_data=validation_data,
-            epochs=self.getOrDefault(self.epochs), batch_size=self.getOrDefault(self.batchSize),
-            seed=self.getOrDefault(self.seed), num_workers=self.getOrDefault(self.numWorkers), **options)
+            self.model,
+            self.loss,
+            optimizer,
+            train_step=self.train_step,
+            lr_scheduler=self.lr_scheduler,
+            metric=self.metric,
+            validation_data=validation_data,
+            epochs=self.getOrDefault(self.epochs),
+            batch_size=self.getOrDefault(self.batchSize),
+            seed=self.getOrDefault(self.seed),
+            num_workers=self.getOrDefault(self.numWorkers),
+            **options,
+        )
 
     def _fit(self, dataset: DataFrame) -> GradshareModel:
         # every check reads the schema or the options only: bad input fails here, before any Spark job
@@ -110,8 +128,11 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
 
         result = trainer.fit(train, features_col=self.getOrDefault(self.featuresCol), label_col=label)
         inputs = parse_inputs(result.extra["inputs"])
-        spec = {"inputs": inputs, "loss": result.extra["loss"],
-                "output": output_spec(result.model, inputs, result.extra["loss"], self.getOrDefault(self.task))}
+        spec = {
+            "inputs": inputs,
+            "loss": result.extra["loss"],
+            "output": output_spec(result.model, inputs, result.extra["loss"], self.getOrDefault(self.task)),
+        }
         architecture = ModuleCopy(self.model) if isinstance(self.model, nn.Module) else self.model
         model = GradshareModel(result.model, architecture, spec, result.history)
         return self._copyValues(model)
@@ -123,15 +144,19 @@ class GradshareEstimator(Estimator[GradshareModel], EstimatorParams, MLReadable[
         if not column:
             # SharedTrainer's own error would point at validation_data, which the Estimator cannot pass
             if stopping is not None and stopping.monitor == "val_metric":
-                raise ValueError("trainerOptions early_stopping monitors 'val_metric' but there is no validation "
-                                 "data: set validationIndicatorCol to a boolean column marking the validation "
-                                 "rows, or monitor='loss'")
+                raise ValueError(
+                    "trainerOptions early_stopping monitors 'val_metric' but there is no validation "
+                    "data: set validationIndicatorCol to a boolean column marking the validation "
+                    "rows, or monitor='loss'"
+                )
             return dataset, None
         check_indicator(dataset.schema, column)
         if is_connect(dataset):  # SharedTrainer's own error would point at validation_data, as above
-            raise ValueError(f"validationIndicatorCol={column!r} does not work on a Spark Connect session yet: the "
-                             "validation rows are scored in shards that ride in the training RDD, and Connect has no "
-                             "RDDs; fit without it (early stopping can monitor 'loss'), or fit on a classic session")
+            raise ValueError(
+                f"validationIndicatorCol={column!r} does not work on a Spark Connect session yet: the "
+                "validation rows are scored in shards that ride in the training RDD, and Connect has no "
+                "RDDs; fit without it (early stopping can monitor 'loss'), or fit on a classic session"
+            )
         return dataset.filter(~F.col(column)), dataset.filter(F.col(column))
 
     def write(self) -> EstimatorWriter:

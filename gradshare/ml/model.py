@@ -56,13 +56,20 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
     """
 
     # spec and history are JSON (saved in the model's metadata): predict.py's InputSpec/OutputSpec, read by key
-    def __init__(self, module: nn.Module | None = None, architecture: Callable[[], nn.Module] | None = None,
-                 spec: dict[str, Any] | None = None, history: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        architecture: Callable[[], nn.Module] | None = None,
+        spec: dict[str, Any] | None = None,
+        history: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         self._module, self.architecture = module, architecture
         self.spec = spec or {}
         self.history = list(history or [])
-        self._weights: tuple[SparkContext, bytes, Broadcast[Payload]] | None = None  # (context, payload hash, broadcast)
+        self._weights: tuple[SparkContext, bytes, Broadcast[Payload]] | None = (
+            None  # (context, payload hash, broadcast)
+        )
 
     @property
     def torchModel(self) -> nn.Module | None:
@@ -107,22 +114,32 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
             self._weights = (sc, key, sc.broadcast(payload))
         return self._weights[2]
 
-    def _udf_inputs(self, schema: StructType,
-                    kinds: list[tuple[str, int]]) -> tuple[list[Column], list[list[int] | None]]:
+    def _udf_inputs(
+        self, schema: StructType, kinds: list[tuple[str, int]]
+    ) -> tuple[list[Column], list[list[int] | None]]:
         """The input columns as predict_batch_udf takes them (flat arrays), and their shapes."""
         columns: list[Column] = []
         shapes: list[list[int] | None] = []
         for name, (kind, depth), spec in zip(self.feature_columns(), kinds, self.spec["inputs"]):
             shape = spec["shape"]
             if (kind == "number") != (not shape) or (kind == "array" and depth != len(shape)):
-                want = ("a number" if not shape else "a vector or an array" if len(shape) == 1
-                        else f"arrays nested {len(shape)} deep")
-                raise TypeError(f"features column {name!r} has type {schema[name].dataType.simpleString()}; the "
-                                f"model was fitted on {spec['dtype']}{shape} rows, so it must hold {want}")
+                want = (
+                    "a number"
+                    if not shape
+                    else "a vector or an array"
+                    if len(shape) == 1
+                    else f"arrays nested {len(shape)} deep"
+                )
+                raise TypeError(
+                    f"features column {name!r} has type {schema[name].dataType.simpleString()}; the "
+                    f"model was fitted on {spec['dtype']}{shape} rows, so it must hold {want}"
+                )
             size = schema[name].metadata.get("ml_attr", {}).get("num_attrs")  # VectorAssembler's, when known
             if kind == "vector" and size is not None and [size] != shape:
-                raise ValueError(f"features column {name!r} holds vectors of size {size}; the model was fitted on "
-                                 f"{spec['dtype']}{shape} rows")
+                raise ValueError(
+                    f"features column {name!r} holds vectors of size {size}; the model was fitted on "
+                    f"{spec['dtype']}{shape} rows"
+                )
             col = vector_to_array(F.col(name), "float32") if kind == "vector" else F.col(name)
             for _ in range(max(len(shape) - 1, 0)):
                 col = F.flatten(col)
@@ -137,8 +154,10 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
         schema = dataset.schema
         kinds = check_features(schema, self.feature_columns())
         if len(kinds) != len(self.spec["inputs"]):
-            raise ValueError(f"featuresCol names {len(kinds)} column(s) but the model was fitted with "
-                             f"{len(self.spec['inputs'])} input(s)")
+            raise ValueError(
+                f"featuresCol names {len(kinds)} column(s) but the model was fitted with "
+                f"{len(self.spec['inputs'])} input(s)"
+            )
         prediction, probability = self.getOrDefault(self.predictionCol), self.getOrDefault(self.probabilityCol)
         check_new(schema, prediction, "prediction")
         output = self.spec["output"]
@@ -149,16 +168,18 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
 
         return_type: DataType
         if probability:  # a struct, so that one UDF call per row fills both columns
-            return_type = StructType([StructField("prediction", DoubleType()),
-                                      StructField("probability", ArrayType(DoubleType()))])
+            return_type = StructType(
+                [StructField("prediction", DoubleType()), StructField("probability", ArrayType(DoubleType()))]
+            )
         else:
             return_type = DoubleType() if output["classification"] or output["scalar"] else ArrayType(DoubleType())
         udf = predict_batch_udf(
-            make_predict(self._shipped(dataset.sparkSession), self.spec["inputs"], output,
-                         bool(probability)),
-            return_type=return_type, batch_size=self.getOrDefault(self.predictBatchSize),
+            make_predict(self._shipped(dataset.sparkSession), self.spec["inputs"], output, bool(probability)),
+            return_type=return_type,
+            batch_size=self.getOrDefault(self.predictBatchSize),
             # one scalar input takes no shapes (pyspark would reshape it to [-1] + None)
-            input_tensor_shapes=None if shapes == [None] else shapes)
+            input_tensor_shapes=None if shapes == [None] else shapes,
+        )
         if not probability:
             return dataset.withColumn(prediction, udf(*columns))
         # Spark keeps the UDF one ArrowEvalPython node (the test checks the plan): it does not collapse
@@ -189,8 +210,9 @@ class ModelWriter(ParamsWriter[GradshareModel]):
         model = self.instance
         if model.torchModel is None:
             raise ValueError("this GradshareModel has no module to save")
-        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession,
-                                         extraMetadata={"spec": model.spec, "history": _jsonable(model.history)})
+        DefaultParamsWriter.saveMetadata(
+            model, path, self.sparkSession, extraMetadata={"spec": model.spec, "history": _jsonable(model.history)}
+        )
         write_bytes(self.sparkSession, os.path.join(path, "architecture.pkl"), cloudpickle.dumps(model.architecture))
         write_bytes(self.sparkSession, os.path.join(path, "weights.pt"), dump_weights(model.torchModel))
 
@@ -207,6 +229,7 @@ class ModelReader(ParamsReader[GradshareModel]):
 
 def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """History rows as JSON values (NumPy scalars become numbers; anything else its text)."""
-    jsonable: list[dict[str, Any]] = json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item")
-                                                             else str(v)))
+    jsonable: list[dict[str, Any]] = json.loads(
+        json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item") else str(v))
+    )
     return jsonable

@@ -25,12 +25,28 @@ from gradshare.config.grouping import GROUP_OF
 from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
-NOT_OPTIONS = {"model", "loss", "optimizer", "train_step", "lr_scheduler", "metric", "on_epoch_end", "epochs",
-               "batch_size", "seed", "num_workers", "validation_data"}
+NOT_OPTIONS = {
+    "model",
+    "loss",
+    "optimizer",
+    "train_step",
+    "lr_scheduler",
+    "metric",
+    "on_epoch_end",
+    "epochs",
+    "batch_size",
+    "seed",
+    "num_workers",
+    "validation_data",
+}
 # where the Estimator takes each of them instead (the hint of an error naming one in trainerOptions)
-_INSTEAD = {"validation_data": "the validationIndicatorCol Param (a boolean column marking validation rows)",
-            "batch_size": "the batchSize Param", "num_workers": "the numWorkers Param", "epochs": "the epochs Param",
-            "seed": "the seed Param"}
+_INSTEAD = {
+    "validation_data": "the validationIndicatorCol Param (a boolean column marking validation rows)",
+    "batch_size": "the batchSize Param",
+    "num_workers": "the numWorkers Param",
+    "epochs": "the epochs Param",
+    "seed": "the seed Param",
+}
 TASKS = ("auto", "classification", "regression")
 T = TypeVar("T")
 
@@ -82,8 +98,10 @@ def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTra
         try:
             json.dumps(item, allow_nan=False)
         except (TypeError, ValueError):
-            raise ValueError(f"trainerOptions[{key!r}] = {item!r} is not JSON (Params are saved as JSON); pass "
-                             "objects as constructor arguments of GradshareEstimator") from None
+            raise ValueError(
+                f"trainerOptions[{key!r}] = {item!r} is not JSON (Params are saved as JSON); pass "
+                "objects as constructor arguments of GradshareEstimator"
+            ) from None
     return dict(value)
 
 
@@ -91,25 +109,35 @@ def _as_dict(item: object) -> object:
     """A group's dataclass as the dict of the options it sets otherwise than its defaults; anything else as it is."""
     if not isinstance(item, (Compression, Network, FaultTolerance, Runtime)):
         return item
-    return {f.name: getattr(item, f.name) for f in dataclasses.fields(item)
-            if f.init and getattr(item, f.name) != f.default}
+    return {
+        f.name: getattr(item, f.name) for f in dataclasses.fields(item) if f.init and getattr(item, f.name) != f.default
+    }
 
 
 class ColumnParams(Params):
     """Params shared by the Estimator and its Model."""
 
-    featuresCol = Param(Params._dummy(), "featuresCol", "features column (a vector, an array or a number), or a "
-                        "list of columns for a model with several inputs: model(x1, x2, ...)", _columns)
+    featuresCol = Param(
+        Params._dummy(),
+        "featuresCol",
+        "features column (a vector, an array or a number), or a "
+        "list of columns for a model with several inputs: model(x1, x2, ...)",
+        _columns,
+    )
     predictionCol = Param(Params._dummy(), "predictionCol", "prediction column name", TypeConverters.toString)
-    probabilityCol = Param(Params._dummy(), "probabilityCol", "classifiers: column of class probabilities "
-                           "(softmax of the output, a vector); '' for none", TypeConverters.toString)
-    predictBatchSize = Param(Params._dummy(), "predictBatchSize", "rows per forward pass in transform",
-                             _positive_int)
+    probabilityCol = Param(
+        Params._dummy(),
+        "probabilityCol",
+        "classifiers: column of class probabilities (softmax of the output, a vector); '' for none",
+        TypeConverters.toString,
+    )
+    predictBatchSize = Param(Params._dummy(), "predictBatchSize", "rows per forward pass in transform", _positive_int)
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(featuresCol="features", predictionCol="prediction", probabilityCol="probability",
-                         predictBatchSize=1024)
+        self._setDefault(
+            featuresCol="features", predictionCol="prediction", probabilityCol="probability", predictBatchSize=1024
+        )
 
     def feature_columns(self) -> list[str]:
         cols = self.getOrDefault(self.featuresCol)
@@ -119,29 +147,59 @@ class ColumnParams(Params):
 class EstimatorParams(ColumnParams):
     """What `GradshareEstimator.fit` passes to SharedTrainer."""
 
-    labelCol = Param(Params._dummy(), "labelCol", "label column (numbers, or arrays/vectors of them)",
-                     TypeConverters.toString)
+    labelCol = Param(
+        Params._dummy(), "labelCol", "label column (numbers, or arrays/vectors of them)", TypeConverters.toString
+    )
     epochs = Param(Params._dummy(), "epochs", "passes over each partition", TypeConverters.toInt)
     batchSize = Param(Params._dummy(), "batchSize", "rows per step per worker", TypeConverters.toInt)
-    learningRate = Param(Params._dummy(), "learningRate", "if set, every param group of the optimizer gets "
-                         "this lr (None: the optimizer factory's own)", _optional(TypeConverters.toFloat))
+    learningRate = Param(
+        Params._dummy(),
+        "learningRate",
+        "if set, every param group of the optimizer gets this lr (None: the optimizer factory's own)",
+        _optional(TypeConverters.toFloat),
+    )
     seed = Param(Params._dummy(), "seed", "SharedTrainer seed (model init, shuffles)", TypeConverters.toInt)
-    numWorkers = Param(Params._dummy(), "numWorkers", "barrier tasks (None: the DataFrame's partitions)",
-                       _optional(TypeConverters.toInt))
-    task = Param(Params._dummy(), "task", "'auto' (classification when the fit's loss was CrossEntropyLoss or "
-                 "NLLLoss), 'classification' or 'regression'", _task)
-    validationIndicatorCol = Param(Params._dummy(), "validationIndicatorCol", "boolean column: true marks a "
-                                   "validation row (scored on every worker after each epoch), false a training "
-                                   "row; '' for none", TypeConverters.toString)
-    trainerOptions = Param(Params._dummy(), "trainerOptions", "other SharedTrainer keyword options with JSON "
-                           "values, e.g. {'threshold': 1e-3, 'port': 0}", _trainer_options)
+    numWorkers = Param(
+        Params._dummy(),
+        "numWorkers",
+        "barrier tasks (None: the DataFrame's partitions)",
+        _optional(TypeConverters.toInt),
+    )
+    task = Param(
+        Params._dummy(),
+        "task",
+        "'auto' (classification when the fit's loss was CrossEntropyLoss or NLLLoss), 'classification' or 'regression'",
+        _task,
+    )
+    validationIndicatorCol = Param(
+        Params._dummy(),
+        "validationIndicatorCol",
+        "boolean column: true marks a "
+        "validation row (scored on every worker after each epoch), false a training "
+        "row; '' for none",
+        TypeConverters.toString,
+    )
+    trainerOptions = Param(
+        Params._dummy(),
+        "trainerOptions",
+        "other SharedTrainer keyword options with JSON values, e.g. {'threshold': 1e-3, 'port': 0}",
+        _trainer_options,
+    )
 
     def __init__(self) -> None:
         super().__init__()
         # the training Params' defaults are SharedTrainer's (TrainConfig: tests/test_config.py)
-        self._setDefault(labelCol="label", epochs=TrainConfig.epochs, batchSize=TrainConfig.batch_size,
-                         learningRate=None, seed=TrainConfig.seed, numWorkers=TrainConfig.num_workers,
-                         trainerOptions={}, task="auto", validationIndicatorCol="")
+        self._setDefault(
+            labelCol="label",
+            epochs=TrainConfig.epochs,
+            batchSize=TrainConfig.batch_size,
+            learningRate=None,
+            seed=TrainConfig.seed,
+            numWorkers=TrainConfig.num_workers,
+            trainerOptions={},
+            task="auto",
+            validationIndicatorCol="",
+        )
 
 
 # ------------------------------------------------------------------------------------ schema checks
@@ -170,8 +228,10 @@ def check_features(schema: StructType, columns: list[str]) -> list[tuple[str, in
         dtype = _field(schema, c, "features")
         kind = input_kind(dtype)
         if kind[0] == "?":
-            raise TypeError(f"features column {c!r} has type {dtype.simpleString()}; it must be a vector, an "
-                            "array of numbers or a number (VectorAssembler makes a vector of several columns)")
+            raise TypeError(
+                f"features column {c!r} has type {dtype.simpleString()}; it must be a vector, an "
+                "array of numbers or a number (VectorAssembler makes a vector of several columns)"
+            )
         kinds.append(kind)
     return kinds
 
@@ -180,15 +240,19 @@ def check_indicator(schema: StructType, column: str) -> None:
     """validationIndicatorCol exists and is boolean (Spark ML's GBT takes the same kind of column)."""
     dtype = _field(schema, column, "validationIndicatorCol")
     if not isinstance(dtype, BooleanType):
-        raise TypeError(f"validationIndicatorCol {column!r} has type {dtype.simpleString()}; it must be boolean "
-                        "(true: a validation row)")
+        raise TypeError(
+            f"validationIndicatorCol {column!r} has type {dtype.simpleString()}; it must be boolean "
+            "(true: a validation row)"
+        )
 
 
 def check_label(schema: StructType, column: str) -> None:
     dtype = _field(schema, column, "label")
     if input_kind(dtype)[0] == "?":
-        raise TypeError(f"label column {column!r} has type {dtype.simpleString()}; it must be a number, an array "
-                        "of numbers or a vector (index string labels with StringIndexer first)")
+        raise TypeError(
+            f"label column {column!r} has type {dtype.simpleString()}; it must be a number, an array "
+            "of numbers or a vector (index string labels with StringIndexer first)"
+        )
 
 
 def check_new(schema: StructType, column: str, role: str) -> None:

@@ -83,19 +83,23 @@ def _missing(path: str) -> str:
 def check_connect_path(spark: SparkSession, path: str) -> None:
     """A save from a Connect client: a local path (module docstring); checked before anything is written."""
     if is_connect(spark) and not is_local(path):
-        raise ValueError(f"saving a gradshare.ml instance from a Spark Connect session writes its weights and "
-                         f"pickles as plain files from the client, so the path must be a local directory shared "
-                         f"with the Connect server, not {path!r}; save from a classic session to write to "
-                         "Hadoop filesystems")
+        raise ValueError(
+            f"saving a gradshare.ml instance from a Spark Connect session writes its weights and "
+            f"pickles as plain files from the client, so the path must be a local directory shared "
+            f"with the Connect server, not {path!r}; save from a classic session to write to "
+            "Hadoop filesystems"
+        )
 
 
 def _write_shared(path: str, data: bytes) -> None:
     local = local_root(path)  # a local path: check_connect_path ran first
     metadata = os.path.join(os.path.dirname(local), "metadata")
     if not os.path.isdir(metadata):  # the server wrote it: it is not on this machine's filesystem
-        raise ValueError(f"saving from a Spark Connect session: the server wrote the metadata at {metadata}, but "
-                         "this client cannot see it there, so the server and the client do not share this path; "
-                         "save to a directory both see (a shared mount, or the server's own machine)")
+        raise ValueError(
+            f"saving from a Spark Connect session: the server wrote the metadata at {metadata}, but "
+            "this client cannot see it there, so the server and the client do not share this path; "
+            "save to a directory both see (a shared mount, or the server's own machine)"
+        )
     with open(local, "xb") as out:  # never overwrite, as on classic
         out.write(data)
 

@@ -78,15 +78,19 @@ def output_spec(module: nn.Module, inputs: list[InputSpec], loss_name: str, task
         with torch.no_grad():
             out = model_output(copy.deepcopy(module).eval()(*zero_batch(inputs)))
     except Exception as e:  # noqa: BLE001 - a model that cannot run on the driver cannot be described
-        raise ValueError(f"transform needs the model's output shape, but it did not run on one row of zeros on "
-                         f"the driver: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"transform needs the model's output shape, but it did not run on one row of zeros on "
+            f"the driver: {type(e).__name__}: {e}"
+        ) from e
     if not torch.is_tensor(out):
         raise TypeError(f"transform needs a model returning one tensor; it returned {type(out).__name__}")
     classify = task == "classification" or (task == "auto" and loss_name in CLASSIFICATION_LOSSES)
     if classify and not (out.dim() == 2 and out.shape[1] > 1):
-        raise ValueError(f"a classifier's output must be (B, C) with C > 1 classes for prediction and probability "
-                         f"columns, but it has shape (B, {', '.join(map(str, out.shape[1:]))}); set task='regression' "
-                         "for the raw output")
+        raise ValueError(
+            f"a classifier's output must be (B, C) with C > 1 classes for prediction and probability "
+            f"columns, but it has shape (B, {', '.join(map(str, out.shape[1:]))}); set task='regression' "
+            "for the raw output"
+        )
     width = int(np.prod(out.shape[1:], dtype=np.int64))
     return {"classification": classify, "width": width, "scalar": not classify and width == 1}
 
@@ -122,11 +126,12 @@ def unpack_payload(data: bytes) -> Payload:
     n = int.from_bytes(data[:8], "little")
     if not 0 <= n <= len(data) - 8:
         raise ValueError("a shipped model file holds a bad architecture length")
-    return data[8:8 + n], data[8 + n:]
+    return data[8 : 8 + n], data[8 + n :]
 
 
-def make_predict(payload: Broadcast[Payload] | Payload | ShippedModel, inputs: list[InputSpec], output: OutputSpec,
-                 probability: bool) -> Callable[[], Predict]:
+def make_predict(
+    payload: Broadcast[Payload] | Payload | ShippedModel, inputs: list[InputSpec], output: OutputSpec, probability: bool
+) -> Callable[[], Predict]:
     """A `make_predict_fn` for pyspark.ml.functions.predict_batch_udf (a picklable object: the UDF ships it).
     payload: a broadcast of it (classic), the bytes themselves (Connect: no broadcasts), or a session file
     holding them (Connect, a large model)."""
@@ -134,14 +139,26 @@ def make_predict(payload: Broadcast[Payload] | Payload | ShippedModel, inputs: l
 
 
 class _MakePredict:
-    def __init__(self, payload: Broadcast[Payload] | Payload | ShippedModel, inputs: list[InputSpec],
-                 output: OutputSpec, probability: bool) -> None:
+    def __init__(
+        self,
+        payload: Broadcast[Payload] | Payload | ShippedModel,
+        inputs: list[InputSpec],
+        output: OutputSpec,
+        probability: bool,
+    ) -> None:
         self.payload, self.inputs, self.output, self.probability = payload, inputs, output, probability
 
     def __call__(self) -> Predict:
         shipped = self.payload
-        module = load_module(*(shipped if isinstance(shipped, tuple) else
-                               shipped.payload() if isinstance(shipped, ShippedModel) else shipped.value))
+        module = load_module(
+            *(
+                shipped
+                if isinstance(shipped, tuple)
+                else shipped.payload()
+                if isinstance(shipped, ShippedModel)
+                else shipped.value
+            )
+        )
         module.eval()
         context = TaskContext.get()
         if context is not None:  # docs/design.md, "Spark": torch threads = the task's CPUs, no oversubscription
@@ -157,15 +174,18 @@ class _MakePredict:
                 classes = out.argmax(dim=1).to(torch.float64).numpy()
                 if not probability:
                     return classes
-                return {"prediction": classes,
-                        "probability": torch.softmax(out.float(), dim=1).to(torch.float64).numpy()}
+                return {
+                    "prediction": classes,
+                    "probability": torch.softmax(out.float(), dim=1).to(torch.float64).numpy(),
+                }
             values = out.reshape(len(out), -1).to(torch.float64).numpy()
             return values[:, 0] if output["scalar"] else values
 
         # predict_batch_udf counts the function's parameters to match one column to each input
         # (functions take a __signature__ at run time; the checker's function type has no such attribute)
         predict.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(dtypes))])
+            [inspect.Parameter(f"x{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(dtypes))]
+        )
         return predict
 
 

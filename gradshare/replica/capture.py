@@ -143,8 +143,9 @@ def needs_all_gradients(optimizer: torch.optim.Optimizer, precision: Precision) 
         return "the optimizer's step hooks cannot be inspected"
     if any(own):
         return "the optimizer has a step hook (e.g. gradient clipping)"
-    if any(getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks",
-                                                              "_global_optimizer_post_hooks")):
+    if any(
+        getattr(torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    ):
         return "a global optimizer step hook is registered"
     return None
 
@@ -155,8 +156,14 @@ class DirectPath:
 
     name = "direct"
 
-    def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer, residual: Vector,
-                 in_backward: bool = False, folded: bool = False) -> None:
+    def __init__(
+        self,
+        flat: FlatParams,
+        optimizer: torch.optim.Optimizer,
+        residual: Vector,
+        in_backward: bool = False,
+        folded: bool = False,
+    ) -> None:
         """`residual`: the array the update is added to (the residual, or the folded view's point).
         `folded`: that array is also what forward/backward ran at (local_view.FoldedView)."""
         self.flat, self.optimizer = flat, optimizer
@@ -254,8 +261,14 @@ class GeneralPath:
         return share_step(state, step, update=self.flat.array, base=self.twin, rewind=True)
 
 
-def update_path(flat: FlatParams, optimizer: torch.optim.Optimizer, residual: Vector, allow_direct: bool = True,
-                in_backward: bool = False, folded: bool = False) -> UpdatePath:
+def update_path(
+    flat: FlatParams,
+    optimizer: torch.optim.Optimizer,
+    residual: Vector,
+    allow_direct: bool = True,
+    in_backward: bool = False,
+    folded: bool = False,
+) -> UpdatePath:
     """The direct path where the optimizer allows it (and the caller does), else the general one.
     `in_backward`: the direct path steps each parameter during backward (the caller has checked
     `needs_all_gradients`); the general path never does. `folded`: `residual` is the folded view's

@@ -48,8 +48,9 @@ def task_gpu(task_context: TaskContextLike | None) -> int | None:
     return int(first)
 
 
-def resolve_device(device: object = "auto", *, task_context: TaskContextLike | None = None,
-                   cuda_count: int | None = None) -> torch.device:
+def resolve_device(
+    device: object = "auto", *, task_context: TaskContextLike | None = None, cuda_count: int | None = None
+) -> torch.device:
     """The torch.device for ``device``: "cpu", "cuda" (CUDA's current device), "cuda:N", "auto", or a
     torch.device.
 
@@ -74,7 +75,9 @@ def resolve_device(device: object = "auto", *, task_context: TaskContextLike | N
         try:
             dev = torch.device(name)
         except RuntimeError:
-            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', 'auto' or a torch.device, got {device!r}") from None
+            raise ValueError(
+                f"device must be 'cpu', 'cuda', 'cuda:N', 'auto' or a torch.device, got {device!r}"
+            ) from None
     else:
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     if dev.type == "cpu":
@@ -116,7 +119,7 @@ def select(device: torch.device) -> torch.device:
     loss scaler's, would otherwise run on cuda:0, the GPU of another task); return it with its index."""
     if device.type == "cuda":
         index: int | None = device.index  # torch's stubs say int; "cuda" has None
-        if index is None:   # "cuda" is the current device already; set_device needs an index
+        if index is None:  # "cuda" is the current device already; set_device needs an index
             return torch.device("cuda", torch.cuda.current_device())  # (torch 2.11 raises without one)
         torch.cuda.set_device(device)
     return device

@@ -50,8 +50,10 @@ def _check_dtype(kind: str, name: str, t: torch.Tensor, on_device: bool) -> None
     if t.device.type != "cpu" and not on_device:
         # The NumPy state is host memory; SharedTrainer ships a CPU model and each worker moves it to
         # its device (SharedTrainer(runtime=Runtime(device=...))).
-        raise TypeError(f"{kind} {name!r} is on {t.device}; pass the model on the CPU (model.cpu()) and "
-                        "choose where it trains with SharedTrainer(runtime=Runtime(device=...))")
+        raise TypeError(
+            f"{kind} {name!r} is on {t.device}; pass the model on the CPU (model.cpu()) and "
+            "choose where it trains with SharedTrainer(runtime=Runtime(device=...))"
+        )
 
 
 class FlatParams:
@@ -100,8 +102,9 @@ class FlatParams:
             for t, view in zip(self.params + self.buffers, self.live + self._slices(self.buffer_array, self.buffers)):
                 view.copy_(t)
                 t.data = view  # the tensor object stays (optimizers, modules keep it); its storage moves
-        self._owners = [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
-                        for name in self.buffer_names]
+        self._owners = [
+            (module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in self.buffer_names
+        ]
         self._buffer_ptrs = [b.data_ptr() for b in self.buffers]
         self.twin: Vector | None = None  # see keep_twin()
         self.point: Vector | None = None  # see keep_point()
@@ -116,9 +119,11 @@ class FlatParams:
         longer part of the state, so its changes would silently stay on this replica."""
         for name, b, ptr, (owner, attr) in zip(self.buffer_names, self.buffers, self._buffer_ptrs, self._owners):
             if owner._buffers.get(attr) is not b or b.data_ptr() != ptr:
-                raise TypeError(f"buffer {name!r} was rebound to new storage during the step; gradshare shares "
-                                "buffers that modules update in place (e.g. running_mean.mul_(...)), not ones "
-                                "they reassign")
+                raise TypeError(
+                    f"buffer {name!r} was rebound to new storage during the step; gradshare shares "
+                    "buffers that modules update in place (e.g. running_mean.mul_(...)), not ones "
+                    "they reassign"
+                )
 
     def buffer_entry_name(self, i: int) -> str:
         """'1.running_var[5]' for entry i of `buffer_array` (error messages)."""
@@ -157,13 +162,20 @@ class FlatParams:
         """One tensor per parameter, shaped like it, aliasing its slice of `array` (float32, n_params; a
         NumPy array, or a torch tensor on the state's device): the layout of `buffer`, over any flat array."""
         if isinstance(array, torch.Tensor):
-            if (array.dtype != torch.float32 or tuple(array.shape) != (self.n_params,) or not array.is_contiguous()
-                    or array.device != self.buffer.device):
-                raise ValueError(f"need a contiguous float32 tensor of shape ({self.n_params},) on "
-                                 f"{self.buffer.device}, got {array.dtype} {tuple(array.shape)} on {array.device}")
+            if (
+                array.dtype != torch.float32
+                or tuple(array.shape) != (self.n_params,)
+                or not array.is_contiguous()
+                or array.device != self.buffer.device
+            ):
+                raise ValueError(
+                    f"need a contiguous float32 tensor of shape ({self.n_params},) on "
+                    f"{self.buffer.device}, got {array.dtype} {tuple(array.shape)} on {array.device}"
+                )
         elif array.dtype != np.float32 or array.shape != (self.n_params,) or not array.flags.c_contiguous:
-            raise ValueError(f"need a C-contiguous float32 array of shape ({self.n_params},), got "
-                             f"{array.dtype} {array.shape}")
+            raise ValueError(
+                f"need a C-contiguous float32 array of shape ({self.n_params},), got {array.dtype} {array.shape}"
+            )
         return self._slices(array, self.params)
 
     def versions(self) -> list[int]:
@@ -176,8 +188,10 @@ class FlatParams:
         """Overwrite every parameter and float buffer with `values` (a flat float32 state of n_state)."""
         values = np.asarray(values)
         if values.shape != (self.n_state,):
-            raise ValueError(f"state array has shape {values.shape}, the model needs ({self.n_state},) "
-                             f"({self.n_params} parameters + {self.n_buffers} buffer entries)")
+            raise ValueError(
+                f"state array has shape {values.shape}, the model needs ({self.n_state},) "
+                f"({self.n_params} parameters + {self.n_buffers} buffer entries)"
+            )
         state = self.state
         if isinstance(state, np.ndarray):  # device None: the state is this NumPy view
             np.copyto(state, values, casting="same_kind")
@@ -236,8 +250,12 @@ def shared_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     persistent: never a change, whatever its values, ±inf and NaN included)."""
     # torch's own record of persistence, the one state_dict() consults: a state_dict hook that renames
     # keys must not turn a running statistic into a local buffer
-    local = {id(b) for m in module.modules() for name, b in m._buffers.items()
-             if b is not None and name in m._non_persistent_buffers_set}
+    local = {
+        id(b)
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None and name in m._non_persistent_buffers_set
+    }
     return [(name, b) for name, b in module.named_buffers() if b.is_floating_point() and id(b) not in local]
 
 

@@ -6,7 +6,8 @@ worker has already pushed but not yet sent keeps the same gradient step after st
 whose step is about lr per entry whatever the gradient's size, r grows by about lr a step in that
 direction. So does the calibrated τ, the (1 − density) quantile of r: on the 10.5 M-parameter MLP it
 climbed from 4e-3 to 1.2e-2 over 12 epochs, each sent entry became a jump of 12 Adam steps, and at a
-constant lr the test accuracy swung by 3-5 pp between epochs and ended 3.8 pp under DDP's (docs/benchmarks/convergence.md).
+constant lr the test accuracy swung by 3-5 pp between epochs and ended 3.8 pp under DDP's
+(docs/benchmarks/convergence.md).
 
 Taken at P + s·r (s = the scale the log applies messages with: 1 under aggregate="sum", 1/N under
 "mean"), the gradient sees where this worker's own updates have already taken it, as in local SGD with
@@ -124,7 +125,7 @@ class FoldedView:
         for p, before, after, bumps in zip(flat.params, versions, now, own):
             n = p.numel()
             if after - bumps != before:
-                copy_into(flat.array[offset:offset + n], self.point[offset:offset + n])
+                copy_into(flat.array[offset : offset + n], self.point[offset : offset + n])
             offset += n
 
 

@@ -57,11 +57,14 @@ def look_back(flat: FlatParams, back: LookBack) -> None:
     a union-typed P, its point and the values gathered from them are one kind."""
     idx = back.idx
     now = flat.array[idx]
-    params: Vector = where(now == back.ahead, back.saved,  # type: ignore[type-var,assignment]  # == : exact, -0.0 too
-                           back.saved + (now - back.ahead))
+    # == : exact, -0.0 too
+    params: Vector = where(now == back.ahead, back.saved, back.saved + (now - back.ahead))  # type: ignore[type-var,assignment]
     point: Vector | None = None
     if back.saved_point is not None and flat.point is not None:  # saved_point: there is a point
         now = flat.point[idx]
-        point = where(now == back.point_ahead, back.saved_point,  # type: ignore[type-var,assignment]
-                      back.saved_point + (now - back.point_ahead))  # type: ignore[operator]
+        point = where(  # type: ignore[type-var,assignment]
+            now == back.point_ahead,
+            back.saved_point,
+            back.saved_point + (now - back.point_ahead),  # type: ignore[operator]
+        )
     flat.put(idx, params, point)

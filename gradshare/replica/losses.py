@@ -61,9 +61,11 @@ def model_output(out: object) -> object:
         logits = out.get("logits")
         if not torch.is_tensor(logits):
             keys = ", ".join(map(repr, list(out)[:6]))
-            raise InputTypeError(f"the model returned a {type(out).__name__} with no 'logits' tensor (keys: {keys}); "
-                                 "the default loss needs one output: pass train_step=lambda model, batch: ... "
-                                 "returning the loss (e.g. model(input_ids=batch[0], labels=batch[0]).loss)")
+            raise InputTypeError(
+                f"the model returned a {type(out).__name__} with no 'logits' tensor (keys: {keys}); "
+                "the default loss needs one output: pass train_step=lambda model, batch: ... "
+                "returning the loss (e.g. model(input_ids=batch[0], labels=batch[0]).loss)"
+            )
         return logits
     return out
 
@@ -74,21 +76,27 @@ def class_axis(out: object, y: torch.Tensor) -> int:
     (a language model's logits (B, T, C) against labels (B, T)). ValueError naming both shapes when
     neither fits, or when both do (a (B, X, X) output against (B, X) labels): then pass `loss=`."""
     if not torch.is_tensor(out):
-        raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
-                        "output (several outputs: pass train_step=)")
+        raise TypeError(
+            f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
+            "output (several outputs: pass train_step=)"
+        )
     paired = out.dim() == y.dim() + 1 and out.shape[0] == y.shape[0]
     first = paired and out.shape[2:] == y.shape[1:] and out.shape[1] > 1
     last = paired and out.dim() >= 3 and out.shape[:-1] == y.shape and out.shape[-1] > 1
     if first and last:
-        raise ValueError(f"the model's output {_shape(out)} against class labels {_shape(y)} could keep its classes "
-                         "on axis 1 or on the last axis; pass loss= (e.g. lambda out, y: "
-                         "F.cross_entropy(out.flatten(0, -2), y.flatten()) for class-last logits)")
+        raise ValueError(
+            f"the model's output {_shape(out)} against class labels {_shape(y)} could keep its classes "
+            "on axis 1 or on the last axis; pass loss= (e.g. lambda out, y: "
+            "F.cross_entropy(out.flatten(0, -2), y.flatten()) for class-last logits)"
+        )
     if first or last:
         return 1 if first else -1
-    raise ValueError(f"the labels are class indices of shape {_shape(y)}, so the model's output must be "
-                     f"(B, C{''.join(', ' + str(d) for d in y.shape[1:])}) or "
-                     f"(B{''.join(', ' + str(d) for d in y.shape[1:])}, C) with C > 1 classes, but it has shape "
-                     f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')")
+    raise ValueError(
+        f"the labels are class indices of shape {_shape(y)}, so the model's output must be "
+        f"(B, C{''.join(', ' + str(d) for d in y.shape[1:])}) or "
+        f"(B{''.join(', ' + str(d) for d in y.shape[1:])}, C) with C > 1 classes, but it has shape "
+        f"{_shape(out)} (regression on integer targets: pass label_dtype='float32')"
+    )
 
 
 def match_target(out: object, y: torch.Tensor, *, classes: bool = False) -> torch.Tensor:
@@ -99,8 +107,10 @@ def match_target(out: object, y: torch.Tensor, *, classes: bool = False) -> torc
     unchecked (index losses such as NLLLoss never broadcast).
     """
     if not torch.is_tensor(out):
-        raise TypeError(f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
-                        "output (several outputs: pass train_step=)")
+        raise TypeError(
+            f"the model returned {type(out).__name__}, not one tensor; the default loss needs one "
+            "output (several outputs: pass train_step=)"
+        )
     if classes:
         class_axis(out, y)
         return y
@@ -110,10 +120,15 @@ def match_target(out: object, y: torch.Tensor, *, classes: bool = False) -> torc
         return y.unsqueeze(-1)
     if y.dim() == out.dim() + 1 and y.shape[-1] == 1 and y.shape[:-1] == out.shape:
         return y.squeeze(-1)
-    hint = (" (class indices, such as StringIndexer's 0.0, 1.0, ...? pass label_dtype='int64')"
-            if out.dim() == 2 and y.dim() == 1 and out.shape[1] > 1 else "")
-    raise ValueError(f"the model's output has shape {_shape(out)} but the labels have shape {_shape(y)}: the loss "
-                     f"would broadcast one against the other{hint}")
+    hint = (
+        " (class indices, such as StringIndexer's 0.0, 1.0, ...? pass label_dtype='int64')"
+        if out.dim() == 2 and y.dim() == 1 and out.shape[1] > 1
+        else ""
+    )
+    raise ValueError(
+        f"the model's output has shape {_shape(out)} but the labels have shape {_shape(y)}: the loss "
+        f"would broadcast one against the other{hint}"
+    )
 
 
 def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -141,25 +156,36 @@ def explained(inputs: Sequence[torch.Tensor], names: tuple[str, ...]) -> Iterato
     except (RuntimeError, ValueError) as e:
         text = str(e)
         names = names if len(names) == len(inputs) else tuple(f"input {i}" for i in range(len(inputs)))
-        floats = [f"{n} has dtype {str(x.dtype).replace('torch.', '')}" for n, x in zip(names, inputs)
-                  if x.is_floating_point()]
-        ints = [f"{n} has dtype {str(x.dtype).replace('torch.', '')}" for n, x in zip(names, inputs)
-                if not x.is_floating_point()]
+        floats = [
+            f"{n} has dtype {str(x.dtype).replace('torch.', '')}"
+            for n, x in zip(names, inputs)
+            if x.is_floating_point()
+        ]
+        ints = [
+            f"{n} has dtype {str(x.dtype).replace('torch.', '')}"
+            for n, x in zip(names, inputs)
+            if not x.is_floating_point()
+        ]
         if _EMBEDDING.search(text) and floats:
-            raise InputTypeError(f"an nn.Embedding got float ids: {'; '.join(floats)}; give token ids as integers "
-                                 f"(they stay int64 end to end). torch said: {text.splitlines()[0]}") from e
+            raise InputTypeError(
+                f"an nn.Embedding got float ids: {'; '.join(floats)}; give token ids as integers "
+                f"(they stay int64 end to end). torch said: {text.splitlines()[0]}"
+            ) from e
         if _DTYPE.search(text) and ints:
-            raise InputTypeError(f"a layer got non-float data: {'; '.join(ints)}; integer and bool features keep "
-                                 "their dtype: cast them to float in the data or in the model. torch said: "
-                                 f"{text.splitlines()[0]}") from e
+            raise InputTypeError(
+                f"a layer got non-float data: {'; '.join(ints)}; integer and bool features keep "
+                "their dtype: cast them to float in the data or in the model. torch said: "
+                f"{text.splitlines()[0]}"
+            ) from e
         raise
 
 
 class LossStep:
     """The default train step: ``loss(model(*inputs), target)`` with `match_target`'s shaping."""
 
-    def __init__(self, loss: Loss, name: str | None = None, input_names: tuple[str, ...] = (),
-                 classes: bool = False) -> None:
+    def __init__(
+        self, loss: Loss, name: str | None = None, input_names: tuple[str, ...] = (), classes: bool = False
+    ) -> None:
         self.loss, self.name, self.input_names, self.classes = loss, name or _name(loss), input_names, classes
 
     def outputs(self, model: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
@@ -176,8 +202,9 @@ class LossStep:
             out = out.movedim(-1, 1)
         return self.loss(out, target)
 
-    def evaluate(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...],
-                 metric: MetricFn | None) -> float | tuple[float, float]:
+    def evaluate(
+        self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...], metric: MetricFn | None
+    ) -> float | tuple[float, float]:
         *inputs, y = batch
         out = self.outputs(model, inputs)
         if metric is not None:  # a number, or a (sum, count) pair (validation.py's reduction rule)
@@ -188,7 +215,9 @@ class LossStep:
 class HookStep:
     """A user's ``train_step(model, batch) -> loss``; checks that it returns a scalar tensor."""
 
-    def __init__(self, fn: Callable[[Any, tuple[torch.Tensor, ...]], object], input_names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, fn: Callable[[Any, tuple[torch.Tensor, ...]], object], input_names: tuple[str, ...] = ()
+    ) -> None:
         self.fn, self.name, self.input_names = fn, f"train_step:{_name(fn)}", input_names
 
     def __call__(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -199,8 +228,9 @@ class HookStep:
             raise InputTypeError(f"train_step must return a scalar loss tensor, got {shape}")
         return loss
 
-    def evaluate(self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...],
-                 metric: MetricFn | None) -> float | tuple[float, float]:
+    def evaluate(
+        self, model: Callable[..., Any], batch: tuple[torch.Tensor, ...], metric: MetricFn | None
+    ) -> float | tuple[float, float]:
         if metric is None:  # validation: the hook's own loss
             return float(self(model, batch))
         *inputs, y = batch
@@ -212,8 +242,9 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def clip_grad_norm(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                   max_norm: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+def clip_grad_norm(
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], max_norm: float
+) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
     """An optimizer factory like `optimizer` whose step first clips the gradients' total norm to
     `max_norm` (torch.nn.utils.clip_grad_norm_), e.g.
     ``optimizer=clip_grad_norm(lambda p: torch.optim.Adam(p, 1e-3), 1.0)``. A step pre-hook keeps the
@@ -226,6 +257,7 @@ def clip_grad_norm(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimiz
     def factory(given: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = list(given)
         opt = optimizer(params)
+
         def clip(*_: object) -> None:  # a step pre-hook must return None
             torch.nn.utils.clip_grad_norm_(params, max_norm)
 
@@ -247,10 +279,18 @@ class LossPlan:
     # returned None, which the workers then report)
 
 
-def plan_loss(model: nn.Module, sample: tuple[Any, ...] | None, label_kind: str, labels_whole: bool, *,
-              loss: Loss | None = None, train_step: Callable[[Any, tuple[torch.Tensor, ...]], object] | None = None,
-              label_dtype: str | None = None, input_names: tuple[str, ...] = (),
-              label_range: tuple[int, int] | None = None) -> LossPlan:
+def plan_loss(
+    model: nn.Module,
+    sample: tuple[Any, ...] | None,
+    label_kind: str,
+    labels_whole: bool,
+    *,
+    loss: Loss | None = None,
+    train_step: Callable[[Any, tuple[torch.Tensor, ...]], object] | None = None,
+    label_dtype: str | None = None,
+    input_names: tuple[str, ...] = (),
+    label_range: tuple[int, int] | None = None,
+) -> LossPlan:
     """Choose label dtype and loss from the label kind and the model's output on one row (`sample`:
     ``(inputs, label)`` NumPy arrays); raise before training on dtype, shape or class-count errors it
     can see (`label_range`: the pre-pass's lowest and highest scalar class label)."""
@@ -258,8 +298,10 @@ def plan_loss(model: nn.Module, sample: tuple[Any, ...] | None, label_kind: str,
     assert sample is not None
     inputs = tuple(torch.from_numpy(np.array(a)[None]) for a in sample[0])  # a batch of one row
     if label_dtype == "int64" and label_kind == "float" and not labels_whole:
-        raise ValueError("label_dtype='int64' but the labels hold fractional or negative values; class "
-                         "indices must be whole numbers >= 0")
+        raise ValueError(
+            "label_dtype='int64' but the labels hold fractional or negative values; class "
+            "indices must be whole numbers >= 0"
+        )
     out, why = _probe(model, inputs, input_names, train_step is None)
     if label_dtype is None:
         classifier = torch.is_tensor(out) and out.dim() == 2 and out.shape[1] > 1
@@ -280,8 +322,10 @@ def plan_loss(model: nn.Module, sample: tuple[Any, ...] | None, label_kind: str,
     match_target(out, y, classes=classes)  # a shape error names both shapes now, not on every executor
     n_classes = out.shape[class_axis(out, y)] if classes else 0
     if classes and label_range is not None and not 0 <= label_range[0] <= label_range[1] < n_classes:
-        raise ValueError(f"the labels are class indices from {label_range[0]} to {label_range[1]}, but the model's "
-                         f"output {_shape(out)} has {n_classes} classes (0 to {n_classes - 1})")
+        raise ValueError(
+            f"the labels are class indices from {label_range[0]} to {label_range[1]}, but the model's "
+            f"output {_shape(out)} has {n_classes} classes (0 to {n_classes - 1})"
+        )
     return LossPlan(label_dtype, step, step.name, f"output {_shape(out)}")
 
 
@@ -304,8 +348,9 @@ def _attempt(fn: Callable[[], object]) -> str | None:
     return None
 
 
-def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str, ...],
-           call_model: bool) -> tuple[Any, str | None]:
+def _probe(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str, ...], call_model: bool
+) -> tuple[Any, str | None]:
     """(output, None) from one forward pass, or (None, why not); dtype errors are raised, named.
     A train_step hook calls the model its own way (an input may be sample weights): not probed here."""
     if not call_model:

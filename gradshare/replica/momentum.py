@@ -53,8 +53,10 @@ def holds_momentum(optimizer: torch.optim.Optimizer) -> bool:
 def check_optimizer_momentum(option: Option, optimizer: torch.optim.Optimizer) -> None:
     """On the driver, before Spark starts: "off" or a number needs an optimizer that has a momentum."""
     if option not in ("auto", "keep") and not holds_momentum(optimizer):
-        raise ValueError(f"optimizer_momentum={option!r}: {type(optimizer).__name__} has no momentum to lower "
-                         f"(no {BETAS!r} or {MOMENTUM!r} in its param groups); use 'auto' or 'keep'")
+        raise ValueError(
+            f"optimizer_momentum={option!r}: {type(optimizer).__name__} has no momentum to lower "
+            f"(no {BETAS!r} or {MOMENTUM!r} in its param groups); use 'auto' or 'keep'"
+        )
 
 
 def lower_momentum(optimizer: torch.optim.Optimizer, ceiling: float) -> Saved:
@@ -83,5 +85,4 @@ def put_back(saved: Saved) -> None:
         group[key] = value
 
 
-__all__ = ["momentum_ceiling", "holds_momentum",
-           "check_optimizer_momentum", "lower_momentum", "put_back"]
+__all__ = ["momentum_ceiling", "holds_momentum", "check_optimizer_momentum", "lower_momentum", "put_back"]

@@ -30,8 +30,9 @@ PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
 def check_precision(precision: object) -> str:
     """`precision` itself, or a ValueError naming the argument and the choices."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)} "
-                         f"(Lightning's names), got {precision!r}")
+        raise ValueError(
+            f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)} (Lightning's names), got {precision!r}"
+        )
     return precision
 
 

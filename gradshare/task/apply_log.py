@@ -21,6 +21,7 @@ class UpdateSource(Protocol):
 
     def receive(self, until_step: int | None = None, timeout: float | None = None) -> list[Update]: ...
 
+
 class ApplyLog:
     """Applies delivered messages to the replica in canonical (step, sender) order, never past a bound.
 
@@ -28,8 +29,16 @@ class ApplyLog:
     the staleness window times the world size) until their turn, so applying is deterministic.
     """
 
-    def __init__(self, peer: UpdateSource, flat: FlatParams, start_step: int, timeout: float,
-                 profile: StepProfile | Off | None = None, scale: float = 1.0, cap: StepCap | None = None) -> None:
+    def __init__(
+        self,
+        peer: UpdateSource,
+        flat: FlatParams,
+        start_step: int,
+        timeout: float,
+        profile: StepProfile | Off | None = None,
+        scale: float = 1.0,
+        cap: StepCap | None = None,
+    ) -> None:
         self.peer, self.flat, self.timeout = peer, flat, timeout  # flat.state: the live parameters + buffers
         # the same on every replica and the relay, so the replicas stay bit-identical
         # cap: the step cap (encoding/step_cap.py; this replica's own: it remembers the norms it read), None: none

@@ -67,8 +67,9 @@ def column_values(arr: Any, name: str, offset: int = 0, keep: bool = False) -> n
     if pa.types.is_struct(t) and VECTOR_FIELDS <= {t.field(i).name for i in range(t.num_fields)}:
         return _vectors(arr, name, offset)
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        offsets = np.asarray(arr.offsets if not pa.types.is_fixed_size_list(t) else
-                             np.arange(len(arr) + 1) * t.list_size, dtype=np.int64)
+        offsets = np.asarray(
+            arr.offsets if not pa.types.is_fixed_size_list(t) else np.arange(len(arr) + 1) * t.list_size, dtype=np.int64
+        )
         if pa.types.is_fixed_size_list(t):
             offsets = offsets + arr.offset * t.list_size
         inner = column_values(arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])), name, offset, keep)
@@ -128,8 +129,9 @@ def result_batches(part: int, result: object) -> Iterator[Any]:
     data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     schema = pa.schema([("part", pa.int64()), ("chunk", pa.int64()), ("data", pa.binary())])
     for c, start in enumerate(range(0, max(len(data), 1), RESULT_CHUNK)):
-        yield pa.RecordBatch.from_pydict({"part": [part], "chunk": [c], "data": [data[start:start + RESULT_CHUNK]]},
-                                         schema=schema)
+        yield pa.RecordBatch.from_pydict(
+            {"part": [part], "chunk": [c], "data": [data[start : start + RESULT_CHUNK]]}, schema=schema
+        )
 
 
 def read_results(rows: list[Any]) -> dict[int, Any]:
@@ -162,6 +164,8 @@ def train_batches(cfg: Any, names: tuple[str, ...], multi: bool, batches: Iterat
     ctx = BarrierTaskContext.get()
     tasks = len(ctx.getTaskInfos())
     if tasks != cfg.world_size:  # the pre-pass counted partitions; a plan that changed would misnumber ranks
-        raise TrainingError(f"the barrier stage has {tasks} tasks but the pre-pass found {cfg.world_size} partitions: "
-                            "the DataFrame's partitioning is not deterministic (cache it or repartition it first)")
+        raise TrainingError(
+            f"the barrier stage has {tasks} tasks but the pre-pass found {cfg.world_size} partitions: "
+            "the DataFrame's partitioning is not deterministic (cache it or repartition it first)"
+        )
     yield from result_batches(ctx.partitionId(), train_partition(cfg, batch_rows(batches, names, multi)))

@@ -78,8 +78,13 @@ class InputLayout:
         if self.multi != other.multi or len(self.dtypes) != len(other.dtypes):
             return "features", other.describe(), self.describe()
         for i, (d, s, od, os_) in enumerate(zip(self.dtypes, self.shapes, other.dtypes, other.shapes)):
-            name = (f"column {columns[i]!r}" if len(columns) == len(self.dtypes) else
-                    f"features input {i}" if self.multi else "features")
+            name = (
+                f"column {columns[i]!r}"
+                if len(columns) == len(self.dtypes)
+                else f"features input {i}"
+                if self.multi
+                else "features"
+            )
             if os_ != s:
                 return f"{name} of shape", os_, s
             if od != d:
@@ -108,8 +113,9 @@ def spill_dtype(layout: InputLayout, label_dtype: str, label_shape: tuple[int, .
     return np.dtype([*fields, ("y", label_dtype, label_shape)], align=True)
 
 
-def validation_arrays(data: Any, layout: InputLayout, label_dtype: str,
-                      label_shape: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+def validation_arrays(
+    data: Any, layout: InputLayout, label_dtype: str, label_shape: tuple[int, ...]
+) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """``validation_data=(X, y)`` as (inputs, labels) arrays checked against the training layout.
 
     X is one array of rows, or (multi-input data) a tuple with one array of rows per input.
@@ -120,20 +126,25 @@ def validation_arrays(data: Any, layout: InputLayout, label_dtype: str,
         raise TypeError("validation_data must be a pair (X, y)") from None
     if layout.multi:
         if not (isinstance(X, (tuple, list)) and len(X) == len(layout.dtypes)):
-            raise TypeError(f"validation_data: the model takes {len(layout.dtypes)} inputs; X must be a tuple of "
-                            f"{len(layout.dtypes)} arrays, got {type(X).__name__}")
+            raise TypeError(
+                f"validation_data: the model takes {len(layout.dtypes)} inputs; X must be a tuple of "
+                f"{len(layout.dtypes)} arrays, got {type(X).__name__}"
+            )
         inputs = tuple(input_array(a, f"validation_data X[{i}]") for i, a in enumerate(X))
     else:
         inputs = (input_array(X, "validation_data X"),)
     labels = np.asarray(y)
     if labels.ndim == 0 or labels.shape[1:] != label_shape or labels.dtype.kind not in "iuf":
-        raise ValueError(f"validation_data y has {labels.dtype} rows of shape {labels.shape[1:]}, the training labels "
-                         f"are numbers of shape {label_shape}")
+        raise ValueError(
+            f"validation_data y has {labels.dtype} rows of shape {labels.shape[1:]}, the training labels "
+            f"are numbers of shape {label_shape}"
+        )
     for i, (a, d, s) in enumerate(zip(inputs, layout.dtypes, layout.shapes)):
         name = f"X[{i}]" if layout.multi else "X"
         if a.shape[1:] != s or str(a.dtype) != d:
-            raise ValueError(f"validation_data {name} has rows of {a.dtype}{list(a.shape[1:])}, the training "
-                             f"features {d}{list(s)}")
+            raise ValueError(
+                f"validation_data {name} has rows of {a.dtype}{list(a.shape[1:])}, the training features {d}{list(s)}"
+            )
         if len(a) != len(labels):
             raise ValueError(f"validation_data {name} has {len(a)} rows but y has {len(labels)}")
     if label_dtype == "int64" and labels.dtype.kind == "f" and not np.all(labels == np.round(labels)):

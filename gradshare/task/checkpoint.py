@@ -143,7 +143,7 @@ def npy_chunks(array: NDArray[Any]) -> Iterator[bytes]:
     yield header.getvalue()
     data = memoryview(array.reshape(-1).data).cast("B")
     for i in range(0, len(data), CHUNK):
-        yield bytes(data[i:i + CHUNK])
+        yield bytes(data[i : i + CHUNK])
 
 
 class _ChunkReader:
@@ -179,8 +179,9 @@ def _jsonable_fields(obj: object, what: str) -> Json:
         if isinstance(value, np.generic):
             value = value.item()
         if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise TypeError(f"{what} field {name!r} holds a {type(value).__name__}: checkpoints keep plain "
-                            "numbers and strings only")
+            raise TypeError(
+                f"{what} field {name!r} holds a {type(value).__name__}: checkpoints keep plain numbers and strings only"
+            )
         out[name] = value
     return out
 
@@ -198,27 +199,38 @@ def write_rank(plan: CheckpointPlan, epochs_done: int, worker: Checkpointed, run
     if pair is not None:  # the folded point q too: r = (q − P)/s and back rounds, q itself resumes exactly
         point = pair[0].detach().cpu().numpy() if hasattr(pair[0], "detach") else pair[0]
         files[f"{own}/{POINT}"] = store.write(f"{directory}/{own}/{POINT}", npy_chunks(point))
-    local = {"optimizer": worker.optimizer.state_dict(),
-             "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None,
-             "rng": torch.get_rng_state(),
-             "int_buffers": int_buffers(worker.model)}
+    local = {
+        "optimizer": worker.optimizer.state_dict(),
+        "scheduler": worker.scheduler.state_dict() if worker.scheduler is not None else None,
+        "rng": torch.get_rng_state(),
+        "int_buffers": int_buffers(worker.model),
+    }
     buf = io.BytesIO()
     torch.save(local, buf)
     view = buf.getbuffer()
-    files[f"{own}/local.pt"] = store.write(f"{directory}/{own}/local.pt",
-                                           (bytes(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)))
+    files[f"{own}/local.pt"] = store.write(
+        f"{directory}/{own}/local.pt", (bytes(view[i : i + CHUNK]) for i in range(0, len(view), CHUNK))
+    )
     del view
     state = worker.state
     scaler = worker.precision.scaler
-    meta = {"rule": _jsonable_fields(state.rule, "threshold rule"), "lr": state.lr, "lr_ref": state.lr_ref,
-            "tau": state.tau, "silent_steps": state.silent_steps, "skipped_steps": worker.precision.skipped,
-            "scaler": scaler.state_dict() if scaler is not None else None, "epochs_done": epochs_done,
-            "stopping": _stopping_state(worker)}
+    meta = {
+        "rule": _jsonable_fields(state.rule, "threshold rule"),
+        "lr": state.lr,
+        "lr_ref": state.lr_ref,
+        "tau": state.tau,
+        "silent_steps": state.silent_steps,
+        "skipped_steps": worker.precision.skipped,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "epochs_done": epochs_done,
+        "stopping": _stopping_state(worker),
+    }
     files[f"{own}/state.json"] = store.write(f"{directory}/{own}/state.json", [json.dumps(meta).encode()])
     if worker.rank == 0:
         files[PARAMS] = store.write(f"{directory}/{PARAMS}", npy_chunks(worker.flat.host_state()))
-    store.write(f"{directory}/rank-{worker.rank}.json", [json.dumps({"run": run, "files": files}).encode()],
-                atomic=True)
+    store.write(
+        f"{directory}/rank-{worker.rank}.json", [json.dumps({"run": run, "files": files}).encode()], atomic=True
+    )
 
 
 def _stopping_state(worker: Checkpointed) -> Json:
@@ -228,13 +240,16 @@ def _stopping_state(worker: Checkpointed) -> Json:
     first = worker.cfg.first_epoch
     rule = worker.stops.rule
     stop = None if worker.log is None else worker.log.stop_epoch
-    return {"best": None if rule is None else rule.best, "waited": None if rule is None else rule.waited,
-            "stop_requested": None if worker.stops.requested is None else worker.stops.requested + first,
-            "stop_sent": worker.stops.sent,
-            "stop_epoch": None if stop is None else stop + first,
-            # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
-            # here sends it as the uninterrupted one does, and the relay keeps the score for the row
-            "epoch_notes": _shift_val_epoch(worker.stops.notes, first).to_wire()}
+    return {
+        "best": None if rule is None else rule.best,
+        "waited": None if rule is None else rule.waited,
+        "stop_requested": None if worker.stops.requested is None else worker.stops.requested + first,
+        "stop_sent": worker.stops.sent,
+        "stop_epoch": None if stop is None else stop + first,
+        # rank 0's epoch end for its next message (its score, the rule's state): a fit resumed from
+        # here sends it as the uninterrupted one does, and the relay keeps the score for the row
+        "epoch_notes": _shift_val_epoch(worker.stops.notes, first).to_wire(),
+    }
 
 
 def _load_stopping(worker: Checkpointed, saved: Json | None) -> None:
@@ -279,8 +294,9 @@ def write_manifest(plan: CheckpointPlan, epochs_done: int, timeout: float, run: 
             break
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(lists))
-            raise TransportTimeout(f"checkpoint {store.where(directory)}: rank(s) {missing} wrote no state "
-                                   f"within {timeout} s")
+            raise TransportTimeout(
+                f"checkpoint {store.where(directory)}: rank(s) {missing} wrote no state within {timeout} s"
+            )
         time.sleep(POLL_SECONDS)
     files: Json = {}
     for r in range(world):
@@ -302,8 +318,15 @@ def parse_manifest(store: Store, prefix: str, source: str) -> Json:
         raise CheckpointError(f"checkpoint {directory}: format {manifest.get('format')!r}, expected {FORMAT}")
     if PARAMS not in files or any(f"rank-{r}/{n}" not in files for r in range(job["world_size"]) for n in RANK_FILES):
         raise CheckpointError(f"checkpoint {directory}: the manifest does not list every rank's files")
-    return {"directory": directory, "root": store.where(), "prefix": prefix, "source": source,
-            "epochs_done": epochs_done, "job": job, "files": files}
+    return {
+        "directory": directory,
+        "root": store.where(),
+        "prefix": prefix,
+        "source": source,
+        "epochs_done": epochs_done,
+        "job": job,
+        "files": files,
+    }
 
 
 def _reader(store: Store, manifest: Json, name: str) -> _ChunkReader:
@@ -316,9 +339,11 @@ def _reader(store: Store, manifest: Json, name: str) -> _ChunkReader:
 def _check(manifest: Json, name: str, got: Json) -> None:
     want = manifest["files"][name]
     if got != want:
-        raise CheckpointError(f"checkpoint {manifest['directory']}: {name} is corrupt or truncated ({got['bytes']} "
-                              f"bytes, sha256 {got['sha256'][:12]}…; the manifest says {want['bytes']} bytes, "
-                              f"{want['sha256'][:12]}…)")
+        raise CheckpointError(
+            f"checkpoint {manifest['directory']}: {name} is corrupt or truncated ({got['bytes']} "
+            f"bytes, sha256 {got['sha256'][:12]}…; the manifest says {want['bytes']} bytes, "
+            f"{want['sha256'][:12]}…)"
+        )
 
 
 def _read_checked(store: Store, manifest: Json, name: str, load: Callable[[_ChunkReader], T]) -> T:
@@ -357,7 +382,7 @@ def _array(reader: _ChunkReader, limit: int) -> NDArray[Any]:
         piece = reader.read(min(CHUNK, len(view) - i))
         if len(piece) != min(CHUNK, len(view) - i):
             raise EOFError(f"the array ends after {i + len(piece)} of {len(view)} bytes")
-        view[i:i + len(piece)] = piece
+        view[i : i + len(piece)] = piece
     return array
 
 
@@ -371,8 +396,9 @@ def manifest_for(cfg: WorkerConfig, epochs_done: int, rank: int) -> Json:
     if cfg.resume is not None and cfg.resume["epochs_done"] == epochs_done:
         return cfg.resume
     if cfg.checkpoint is None:
-        raise CheckpointError(f"the relay restarted at the checkpoint after epoch {epochs_done}, but this fit "
-                              "has no checkpoint_dir")
+        raise CheckpointError(
+            f"the relay restarted at the checkpoint after epoch {epochs_done}, but this fit has no checkpoint_dir"
+        )
     return parse_manifest(worker_store(cfg, "checkpoint", rank), epoch_dir(epochs_done), "checkpoint")
 
 
@@ -405,8 +431,9 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
         name = f"rank-{r}/residual.npy"
         part = _read_checked(store, manifest, name, _array_of(manifest, name))
         if part.shape != (state.n_params,):
-            raise CheckpointError(f"checkpoint {directory}: rank {r}'s residual has shape {part.shape}, "
-                                  f"the model ({state.n_params},)")
+            raise CheckpointError(
+                f"checkpoint {directory}: rank {r}'s residual has shape {part.shape}, the model ({state.n_params},)"
+            )
         if residual is None:
             residual = part
         else:
@@ -414,8 +441,9 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
     if residual is None:  # a rank beyond the saved ones: nothing of theirs to carry
         residual = np.zeros(state.n_params, np.float32)
     # torch.load needs a seekable file: the optimizer state's bytes are held once, as torch.load's input
-    local = _read_checked(store, manifest, f"rank-{own}/local.pt",
-                          lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True))
+    local = _read_checked(
+        store, manifest, f"rank-{own}/local.pt", lambda reader: torch.load(io.BytesIO(reader.read()), weights_only=True)
+    )
     meta: Json = _read_checked(store, manifest, f"rank-{own}/state.json", lambda reader: json.loads(reader.read()))
     point = f"rank-{rank}/{POINT}"
     if state.folded and saved_world == worker.cfg.world_size and point in manifest["files"]:

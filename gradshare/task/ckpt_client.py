@@ -72,7 +72,7 @@ class Sealed:
         answer instead, which ends the stream as an error (`receive_stream`)."""
         for chunk in chunks:
             for i in range(0, len(chunk), CHUNK):
-                self.send(b"D" + chunk[i:i + CHUNK])
+                self.send(b"D" + chunk[i : i + CHUNK])
         self.send(b"E")
 
     def receive_stream(self) -> Iterator[bytes]:
@@ -106,8 +106,13 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
 
 def check_name(name: object) -> str:
     """A relative '/'-separated name inside the store: no absolute path, no '..'."""
-    if not isinstance(name, str) or len(name) > 400 or name.startswith("/") or "\\" in name or any(
-            part in ("..", ".") for part in name.split("/")):
+    if (
+        not isinstance(name, str)
+        or len(name) > 400
+        or name.startswith("/")
+        or "\\" in name
+        or any(part in ("..", ".") for part in name.split("/"))
+    ):
         raise RemoteProtocolError(f"bad checkpoint file name {name!r}")
     return name
 

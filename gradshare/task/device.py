@@ -19,8 +19,12 @@ def _spark_task_context() -> TaskContext | None:
     return TaskContext.get()  # None on the driver and outside Spark
 
 
-def resolve_device(device: object = "auto", *, task_context: _replica.TaskContextLike | None = _FROM_SPARK,
-                   cuda_count: int | None = None) -> torch.device:
+def resolve_device(
+    device: object = "auto",
+    *,
+    task_context: _replica.TaskContextLike | None = _FROM_SPARK,
+    cuda_count: int | None = None,
+) -> torch.device:
     """`replica.device.resolve_device` with ``task_context`` defaulting to the running Spark task's."""
     if task_context is _FROM_SPARK:
         task_context = _spark_task_context()

@@ -93,9 +93,14 @@ def summarise_partition(index: int, rows: Iterable[Any], columns: tuple[str, ...
             elif (diff := layout.difference(here, columns)) is not None:
                 ragged = "shape" in diff[0] and len(diff[1]) == len(diff[2]) == 1
                 raise (ValueError if "shape" in diff[0] else TypeError)(
-                    f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}" + (
+                    f"{diff[0]} {diff[1]} differ from the first row's {diff[2]}"
+                    + (
                         ": every row of an array column needs the same length (pad or truncate token ids to "
-                        "one length; an attention_mask column can mark the padding)" if ragged else ""))
+                        "one length; an attention_mask column can mark the padding)"
+                        if ragged
+                        else ""
+                    )
+                )
             elif (k, ls) != (kind, lshape) and not (ls == lshape == () and {k, kind} == {"int", "float"}):
                 raise TypeError(f"label kind {k}{list(ls)} differs from the first row's {kind}{list(lshape or ())}")
             elif k == "float":
@@ -106,8 +111,16 @@ def summarise_partition(index: int, rows: Iterable[Any], columns: tuple[str, ...
         else:
             if layout is None:
                 return PartitionSummary(index, 0, None, None, None, f"partition {index} is empty")
-        return PartitionSummary(index, n + 1, layout, kind, lshape, labels_whole=whole, sample=sample,
-                                label_range=(int(low), int(high)) if low <= high else None)
+        return PartitionSummary(
+            index,
+            n + 1,
+            layout,
+            kind,
+            lshape,
+            labels_whole=whole,
+            sample=sample,
+            label_range=(int(low), int(high)) if low <= high else None,
+        )
     except (TypeError, ValueError) as e:
         return PartitionSummary(index, n, layout, kind, lshape, f"partition {index} row {n}: {e}", type(e).__name__)
 
@@ -152,9 +165,16 @@ class PartitionData:
         return tuple(a[start:stop] for a in self.inputs), self.labels[start:stop]
 
     @classmethod
-    def from_rows(cls, rows: Iterator[Any], label_dtype: str, *, spill_bytes: int = 256 << 20,
-                  spill_dir: str | None = None, chunk_rows: int = 4096,
-                  index: int = 0) -> PartitionData | SpilledPartition:
+    def from_rows(
+        cls,
+        rows: Iterator[Any],
+        label_dtype: str,
+        *,
+        spill_bytes: int = 256 << 20,
+        spill_dir: str | None = None,
+        chunk_rows: int = 4096,
+        index: int = 0,
+    ) -> PartitionData | SpilledPartition:
         """Materialise a partition's (features, label) rows: a `PartitionData` while they take at most
         `spill_bytes`, else a `spill.SpilledPartition` in `spill_dir`. While the rows stream in, memory
         stays within about `spill_bytes` plus one chunk: the rows held so far go to the file when they

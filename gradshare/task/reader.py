@@ -15,8 +15,9 @@ from gradshare.task.spill import SpilledPartition
 class BatchReader:
     """Batch b of epoch e of rank `rank`'s partition: (x1, ..., xn, labels) on `device`."""
 
-    def __init__(self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition,
-                 device: torch.device) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition, device: torch.device
+    ) -> None:
         self.cfg, self.rank, self.data, self.device = cfg, rank, data, device
         self._order = np.empty(0, dtype=np.int64)
         self._order_epoch = -1

@@ -63,8 +63,10 @@ class HostedRelay:
         with open(SparkFiles.get(name), "rb") as f:
             data = f.read()
         if hashlib.sha256(data).hexdigest() != digest:
-            raise ProtocolError(f"the initial state shipped as {name} does not match its sha256 (a stale or "
-                                "damaged file of the session)")
+            raise ProtocolError(
+                f"the initial state shipped as {name} does not match its sha256 (a stale or "
+                "damaged file of the session)"
+            )
         state: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
         return state
 
@@ -73,18 +75,29 @@ class RelayHost:
     """The relay on rank 0's executor and its status sender; `finish` waits for the log and reads the
     end state; `close` stops both (always, in a finally)."""
 
-    def __init__(self, plan: HostedRelay, host: str, world_size: int, key: bytes, job_id: int,
-                 datagram_size: int, insecure: bool) -> None:
+    def __init__(
+        self, plan: HostedRelay, host: str, world_size: int, key: bytes, job_id: int, datagram_size: int, insecure: bool
+    ) -> None:
         tuning = RelayTuning(**{**plan.tuning.__dict__, **snapshot_options(host, datagram_size)})
         initial = plan.first_state()
-        self.relay = Relay(initial, world_size=world_size, key=key, job_id=job_id, port=plan.port,
-                           bind=plan.bind, datagram_size=datagram_size, insecure=insecure, tuning=tuning,
-                           decode_update=functools.partial(decode_update, n_params=plan.n_params),
-                           apply_update=functools.partial(apply_update, scale=plan.scale),
-                           apply_step=step_applier(plan.scale, plan.step_cap),
-                           observer=TrainingLog(None if plan.resumed is None else
-                                                functools.partial(resume_point, initial, plan.resumed)),
-                           aggregator=plan.aggregator).start()
+        self.relay = Relay(
+            initial,
+            world_size=world_size,
+            key=key,
+            job_id=job_id,
+            port=plan.port,
+            bind=plan.bind,
+            datagram_size=datagram_size,
+            insecure=insecure,
+            tuning=tuning,
+            decode_update=functools.partial(decode_update, n_params=plan.n_params),
+            apply_update=functools.partial(apply_update, scale=plan.scale),
+            apply_step=step_applier(plan.scale, plan.step_cap),
+            observer=TrainingLog(
+                None if plan.resumed is None else functools.partial(resume_point, initial, plan.resumed)
+            ),
+            aggregator=plan.aggregator,
+        ).start()
         assert self.relay.address is not None  # start() bound it
         self.address = (host, int(self.relay.address[1]))
         self.steps_per_epoch = plan.steps_per_epoch
@@ -103,16 +116,27 @@ class RelayHost:
         if isinstance(ranks, dict):  # the bar reads each rank's latest step summary only
             progress["ranks"] = {k: {"meta": v.get("meta")} for k, v in ranks.items() if isinstance(v, dict)}
         lines = epoch_lines(r.epoch_tallies(), self.steps_per_epoch) if self.steps_per_epoch else []
-        return Status(progress=progress, failure=r.failure(), reported=r.reported_failure(),
-                      first_cause=r.first_cause(), fatal=r.fatal_incident(),
-                      epochs=tuple((line.epoch, line.loss, line.val_metric) for line in lines))
+        return Status(
+            progress=progress,
+            failure=r.failure(),
+            reported=r.reported_failure(),
+            first_cause=r.first_cause(),
+            fatal=r.fatal_incident(),
+            epochs=tuple((line.epoch, line.loss, line.val_metric) for line in lines),
+        )
 
     def finish(self, timeout: float) -> RelayResult:
         """Wait (at most `timeout` s) until every rank FINISHED and the log is applied, then read it."""
         r = self.relay
         r.wait_finished(timeout)
-        return RelayResult(params=r.params, param_hash=r.param_hash(), counters=Counters.from_dict(r.counters()),
-                           tallies=r.epoch_tallies(), incidents=tuple(r.incidents()), rolled_back=tuple(r.rolled_back()))
+        return RelayResult(
+            params=r.params,
+            param_hash=r.param_hash(),
+            counters=Counters.from_dict(r.counters()),
+            tallies=r.epoch_tallies(),
+            incidents=tuple(r.incidents()),
+            rolled_back=tuple(r.rolled_back()),
+        )
 
     def wait_left(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) for every rank's LEAVE, its last acknowledgements received."""

@@ -24,8 +24,9 @@ from gradshare.task.validation import SCORE_BATCH_ROWS, as_mean, reduce_sums, sh
 class Scorer:
     """What one rank scores its replica on, and when."""
 
-    def __init__(self, cfg: WorkerConfig, rank: int, model: nn.Module, train_step: TrainStep,
-                 device: torch.device) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, rank: int, model: nn.Module, train_step: TrainStep, device: torch.device
+    ) -> None:
         self.cfg, self.rank, self.model, self.train_step, self.device = cfg, rank, model, train_step, device
         self.shard: PartitionData | SpilledPartition | None = None  # this rank's validation rows (cfg.shards)
         self.gather: Callable[[str], list[str]] | None = None  # the barrier's allGather: reduces shard scores
@@ -43,8 +44,15 @@ class Scorer:
         ends = (max((e + 1) * spe for spe in self.cfg.steps_per_epoch) - 1 for e in range(self.cfg.epochs))
         return [(e, end) for e, end in enumerate(ends) if end >= start_step]
 
-    def score(self, scores: deque[tuple[int, int]], upto: int, log: ApplyLog, history: list[EpochStats],
-              profile: StepProfile | Off, closed: Callable[[EpochStats], None]) -> None:
+    def score(
+        self,
+        scores: deque[tuple[int, int]],
+        upto: int,
+        log: ApplyLog,
+        history: list[EpochStats],
+        profile: StepProfile | Off,
+        closed: Callable[[EpochStats], None],
+    ) -> None:
         """Score every epoch (entries (epoch, log step)) whose log step is <= `upto`, each on the log
         applied through its epoch's last step (every worker's messages, buffers included; the last
         epoch: the whole log, the model fit returns), then hand rank 0's scored row to `closed`. Called
@@ -71,8 +79,15 @@ class Scorer:
         if cfg.shards:
             if self.gather is None:
                 raise TrainingError(f"rank {self.rank} scores a validation shard with no allGather to reduce it")
-            sums = shard_sums(self.model, self.train_step, self.shard, cfg.metric, cfg.label_dtype,
-                              max(SCORE_BATCH_ROWS, cfg.batch_size), self.device)
+            sums = shard_sums(
+                self.model,
+                self.train_step,
+                self.shard,
+                cfg.metric,
+                cfg.label_dtype,
+                max(SCORE_BATCH_ROWS, cfg.batch_size),
+                self.device,
+            )
             return reduce_sums(self.gather(json.dumps(sums)))
         if not self.evaluates or cfg.validation is None:  # (evaluates: validation is not None)
             return None

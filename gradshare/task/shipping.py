@@ -86,7 +86,9 @@ def materialize(model: nn.Module) -> nn.Module:
                     continue
                 if id(t) not in done:
                     real = torch.empty_like(t, device="cpu")
-                    done[id(t)] = (t, nn.Parameter(real, requires_grad=t.requires_grad)
-                                   if isinstance(t, nn.Parameter) else real)
+                    done[id(t)] = (
+                        t,
+                        nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real,
+                    )
                 store[name] = done[id(t)][1]
     return model

@@ -16,9 +16,10 @@ the file is cut into blocks of `block_rows` consecutive rows; the blocks are per
 of `window_blocks` permuted blocks form windows; the rows of each window are permuted. An epoch reads
 each window once, each block of it with one contiguous read, which a disk serves at its sequential
 speed. It is the block shuffle plus shuffle buffer that streaming loaders use for data larger than
-memory (Petastorm: shuffled row groups into a shuffling queue; tf.data: a shuffle buffer); the order differs from an in-memory partition's global permutation (`spark.epoch_order`), so a spilled
-and an in-memory run of the same data train alike but not bit for bit. A resumed attempt starting at
-any batch reads the same rows in the same order (the order is recomputed, not remembered).
+memory (Petastorm: shuffled row groups into a shuffling queue; tf.data: a shuffle buffer); the order differs from an
+in-memory partition's global permutation (`spark.epoch_order`), so a spilled and an in-memory run of the same data train
+alike but not bit for bit. A resumed attempt starting at any batch reads the same rows in the same order (the order is
+recomputed, not remembered).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class SpillError(GradshareError, OSError):
 class SpillWriter:
     """Appends chunks of rows to a new spill file in `directory` (the executor's Spark scratch space)."""
 
-    def __init__(self, directory: str | None, index: int, layout: InputLayout, label_dtype: str,
-                 label_shape: tuple[int, ...]):
+    def __init__(
+        self, directory: str | None, index: int, layout: InputLayout, label_dtype: str, label_shape: tuple[int, ...]
+    ):
         self.layout, self.dtype = layout, spill_dtype(layout, label_dtype, label_shape)
         fd, self.path = tempfile.mkstemp(prefix=f"gradshare-part{index}-", suffix=".bin", dir=directory)
         self.file = os.fdopen(fd, "wb")
@@ -122,8 +124,12 @@ class BlockShuffle:
 
     def window_rows(self, w: int) -> np.ndarray:
         """File row numbers of window w in epoch order."""
-        rows = np.concatenate([np.arange(b * self.block_rows, min((b + 1) * self.block_rows, self.rows))
-                               for b in self.window_blocks_of(w)])
+        rows = np.concatenate(
+            [
+                np.arange(b * self.block_rows, min((b + 1) * self.block_rows, self.rows))
+                for b in self.window_blocks_of(w)
+            ]
+        )
         ordered: np.ndarray = rows[self.window_order(w)]
         return ordered
 
@@ -189,8 +195,10 @@ class SpilledPartition:
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)
             if got == 0:
-                raise SpillError(f"spill file {self.spill_path} ended at byte {offset + done}; rows "
-                                 f"{start}..{start + len(out) - 1} need {len(view)} bytes from {offset}")
+                raise SpillError(
+                    f"spill file {self.spill_path} ended at byte {offset + done}; rows "
+                    f"{start}..{start + len(out) - 1} need {len(view)} bytes from {offset}"
+                )
             done += got
 
     def read(self, start: int, stop: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
@@ -244,4 +252,3 @@ class SpilledPartition:
         if len(pieces) == 1:
             return tuple(pieces[0])
         return tuple(np.concatenate(parts) for parts in zip(*pieces))
-

@@ -22,8 +22,18 @@ MAX_EPOCH_ROWS = 1 << 16
 class EpochTally:
     """What the applied log says about one (rank, epoch): sums of its steps' meta."""
 
-    __slots__ = ("steps", "loss", "sparsity", "payload", "silent", "tau", "lr", "val_metric", "first_attempt",
-                 "last_attempt")
+    __slots__ = (
+        "steps",
+        "loss",
+        "sparsity",
+        "payload",
+        "silent",
+        "tau",
+        "lr",
+        "val_metric",
+        "first_attempt",
+        "last_attempt",
+    )
 
     def __init__(self, attempt: int) -> None:
         self.steps = 0
@@ -47,9 +57,17 @@ class EpochTally:
         self.last_attempt = attempt
 
     def as_dict(self) -> dict[str, float | None]:
-        return {"steps": self.steps, "loss": self.loss, "sparsity": self.sparsity, "payload": self.payload,
-                "silent": self.silent, "tau": self.tau, "lr": self.lr, "val_metric": self.val_metric,
-                "resumed": self.first_attempt != self.last_attempt}
+        return {
+            "steps": self.steps,
+            "loss": self.loss,
+            "sparsity": self.sparsity,
+            "payload": self.payload,
+            "silent": self.silent,
+            "tau": self.tau,
+            "lr": self.lr,
+            "val_metric": self.val_metric,
+            "resumed": self.first_attempt != self.last_attempt,
+        }
 
 
 class AttemptNotes:
@@ -102,8 +120,8 @@ class TrainingLog:
     def __init__(self, rollback: Callable[[int], RollbackPoint | None] | None = None) -> None:
         self.rollback = rollback
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
-        self.notes = AttemptNotes()                      # rank 0's epoch-end state, in log order
-        self.c: Counter[str] = Counter()                 # reported with the relay's counters
+        self.notes = AttemptNotes()  # rank 0's epoch-end state, in log order
+        self.c: Counter[str] = Counter()  # reported with the relay's counters
 
     def applied(self, step: int, rank: int, meta: StepMeta, attempt: int) -> None:
         if meta.epoch is not None:
@@ -119,8 +137,10 @@ class TrainingLog:
             return Cut(complete_through, self.notes.at(complete_through), False)
         through, values, epochs_done, note = point
         if not -1 <= through <= complete_through or np.shape(values) != params.shape:
-            raise ValueError(f"rollback to step {through} with {np.shape(values)} values: the relay holds "
-                             f"the log through {complete_through} and {params.shape} values")
+            raise ValueError(
+                f"rollback to step {through} with {np.shape(values)} values: the relay holds "
+                f"the log through {complete_through} and {params.shape} values"
+            )
         np.copyto(params, values)
         self.notes.cut(through)
         for key in [k for k in self.epochs if k[1] >= epochs_done]:  # those epochs run again, whole

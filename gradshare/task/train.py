@@ -67,8 +67,15 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
     host = None  # relay="in-job": rank 0 hosts the relay (relay_host.py)
     try:
         if cfg.hosted is not None and rank == 0:
-            host = RelayHost(cfg.hosted, executor_host(ctx, rank), cfg.world_size, cfg.key, cfg.job_id,
-                             cfg.datagram_size, cfg.insecure)
+            host = RelayHost(
+                cfg.hosted,
+                executor_host(ctx, rank),
+                cfg.world_size,
+                cfg.key,
+                cfg.job_id,
+                cfg.datagram_size,
+                cfg.insecure,
+            )
         # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
         # every rank and grows with every retry, which is all the relay needs of `attempt`.
         attempt, hosted_at = gather_relay(ctx, rank, host)
@@ -97,8 +104,13 @@ def _attempt(cfg: WorkerConfig, ctx: BarrierTaskContext, rank: int, attempt: int
         if isinstance(e, Exception):  # not the task being killed (KeyboardInterrupt, SystemExit)
             _report_failure(cfg, failure, fatal=is_deterministic(e))
         raise TrainingError(failure.to_text()) from e
-    return report.with_(attempt=attempt, pid=os.getpid(), package=PACKAGE_DIR,
-                        start_rss_bytes=start_rss, peak_rss_bytes=proc_status_bytes("VmHWM"))
+    return report.with_(
+        attempt=attempt,
+        pid=os.getpid(),
+        package=PACKAGE_DIR,
+        start_rss_bytes=start_rss,
+        peak_rss_bytes=proc_status_bytes("VmHWM"),
+    )
 
 
 def is_deterministic(exc: BaseException) -> bool:
@@ -116,22 +128,38 @@ def _report_failure(cfg: WorkerConfig, failure: WorkerFailure, fatal: bool) -> N
     relay cannot be reached, the error still reaches the driver through Spark (its text form)."""
     try:
         # n_params only sizes a joined peer's buffers; this one never joins
-        peer = Peer(cfg.relay_address, rank=failure.rank, world_size=cfg.world_size, attempt=failure.attempt,
-                    key=cfg.key, job_id=cfg.job_id, n_params=1, datagram_size=cfg.datagram_size,
-                    timeout=cfg.timeout, insecure=cfg.insecure)
+        peer = Peer(
+            cfg.relay_address,
+            rank=failure.rank,
+            world_size=cfg.world_size,
+            attempt=failure.attempt,
+            key=cfg.key,
+            job_id=cfg.job_id,
+            n_params=1,
+            datagram_size=cfg.datagram_size,
+            timeout=cfg.timeout,
+            insecure=cfg.insecure,
+        )
     except (OSError, ValueError):
         return
     try:
         wait = min(cfg.timeout, FAIL_REPORT_SECONDS if fatal else REPORT_SECONDS)
-        peer.report_failure(failure.error_type, failure.message, wait, fatal=fatal,
-                            step=-1 if failure.step is None else failure.step,
-                            error_class=failure.error_class, cause=failure.cause or "")
+        peer.report_failure(
+            failure.error_type,
+            failure.message,
+            wait,
+            fatal=fatal,
+            step=-1 if failure.step is None else failure.step,
+            error_class=failure.error_class,
+            cause=failure.cause or "",
+        )
     finally:
         peer.close(linger=0.0, leave=False)
 
 
-def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
-         position: TaskPosition | None = None) -> WorkerReport:
+def _run(
+    cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any], position: TaskPosition | None = None
+) -> WorkerReport:
     cfg = unpack_user_objects(cfg)  # user classes resolve here, where a failure is reported (shipping.py)
     peer = None
     if cfg.n_state:
@@ -143,8 +171,9 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
     try:
         # a large partition spills into the executor's Spark scratch space, not the system temp dir
         def read(part: Iterator[Any]) -> PartitionData | SpilledPartition:
-            return PartitionData.from_rows(part, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank,
-                                           spill_dir=SparkFiles.getRootDirectory())
+            return PartitionData.from_rows(
+                part, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank, spill_dir=SparkFiles.getRootDirectory()
+            )
 
         if cfg.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
             data, shard = split_rows(rows, read, read, cfg.timeout)
@@ -153,8 +182,10 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
         # the rows the pre-pass counted (not the steps: a checkpointed fit may run fewer than they fill,
         # fit.even_steps)
         if len(data) != cfg.rows[rank]:
-            raise ValueError(f"partition {rank} has {len(data)} rows now but had a different count in the "
-                             "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)")
+            raise ValueError(
+                f"partition {rank} has {len(data)} rows now but had a different count in the "
+                "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)"
+            )
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
         worker = Worker(cfg, rank, data, model=materialize(cfg.model))
         if position is not None:
@@ -164,8 +195,9 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
         if peer is None:
             peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
         elif worker.flat.n_state != cfg.n_state:
-            raise ProtocolError(f"rank {rank}'s model has {worker.flat.n_state} state entries; the driver's "
-                                f"has {cfg.n_state}")
+            raise ProtocolError(
+                f"rank {rank}'s model has {worker.flat.n_state} state entries; the driver's has {cfg.n_state}"
+            )
         info = peer.join(cfg.timeout)
         start = int(info.start_step)
         # the initial parameters (start 0) or, in a retried stage, the relay's current ones
@@ -181,10 +213,13 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
             snapshot_seconds=t_load,
             param_hash=param_hash(worker.flat.host_state()),  # parameters and float buffers
             counters=Counters.from_dict(peer.counters()),
-            spilled=data.spilled)
+            spilled=data.spilled,
+        )
         if cfg.shards:  # this rank's validation shard: rows, and whether they went to a spill file
-            report = report.with_(validation_rows=0 if shard is None else len(shard),
-                                  validation_spilled=False if shard is None else shard.spilled)
+            report = report.with_(
+                validation_rows=0 if shard is None else len(shard),
+                validation_spilled=False if shard is None else shard.spilled,
+            )
         peer.close()
         return report
     except BaseException:
@@ -204,9 +239,18 @@ def _run(cfg: WorkerConfig, rank: int, attempt: int, rows: Iterator[Any],
 
 
 def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int) -> Peer:
-    return Peer(cfg.relay_address, rank=rank, world_size=cfg.world_size, attempt=attempt, key=cfg.key,
-                job_id=cfg.job_id, n_params=n_state, datagram_size=cfg.datagram_size, timeout=cfg.timeout,
-                insecure=cfg.insecure)
+    return Peer(
+        cfg.relay_address,
+        rank=rank,
+        world_size=cfg.world_size,
+        attempt=attempt,
+        key=cfg.key,
+        job_id=cfg.job_id,
+        n_params=n_state,
+        datagram_size=cfg.datagram_size,
+        timeout=cfg.timeout,
+        insecure=cfg.insecure,
+    )
 
 
 def _load_from_relay(peer: Peer, flat: FlatParams, start: int, timeout: float) -> None:
@@ -215,8 +259,10 @@ def _load_from_relay(peer: Peer, flat: FlatParams, start: int, timeout: float) -
     host = flat.state if isinstance(flat.state, np.ndarray) else None  # a device state takes a host copy
     step, values = peer.fetch_snapshot(timeout, into=host)  # first (flat.load)
     if step != start - 1:
-        raise ProtocolError(f"the relay's snapshot holds the log through step {step}; rank {peer.rank} "
-                            f"starts at step {start} and needs it through {start - 1}")
+        raise ProtocolError(
+            f"the relay's snapshot holds the log through step {step}; rank {peer.rank} "
+            f"starts at step {start} and needs it through {start - 1}"
+        )
     if host is None:
         flat.load(values)
     else:  # the twin must equal P between steps; the folded point: P + s·r with r = 0, a fresh start

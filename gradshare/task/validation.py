@@ -64,17 +64,17 @@ def pack(index: int, rows: Iterator[Any], have: list[int], into: list[int]) -> I
         size = (j + 1) * m // n - j * m // n
         chunk = list(itertools.islice(it, size))
         if len(chunk) < size or (j == n - 1 and next(it, None) is not None):
-            raise ValueError(f"validation shard {index} does not have the {m} rows its pre-pass counted: the "
-                             "validation RDD is not deterministic (cache or checkpoint it)")
+            raise ValueError(
+                f"validation shard {index} does not have the {m} rows its pre-pass counted: the "
+                "validation RDD is not deterministic (cache or checkpoint it)"
+            )
         yield chunk
-
 
 
 class Evaluates(Protocol):
     """A train step's evaluation (losses.LossStep, losses.HookStep)."""
 
-    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, ...],
-                 metric: Callable[..., Any] | None) -> Any: ...
+    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, ...], metric: Callable[..., Any] | None) -> Any: ...
 
 
 class Rows(Protocol):
@@ -83,9 +83,14 @@ class Rows(Protocol):
     def __len__(self) -> int: ...
     def read(self, start: int, stop: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]: ...
 
+
 # ------------------------------------------------------------------------------------ worker side
-def split_rows(pairs: Iterable[tuple[Any, list[Any]]], read_train: Callable[[Iterator[Any]], Any],
-               read_shard: Callable[[Iterator[Any]], Any], timeout: float) -> tuple[Any, Any]:
+def split_rows(
+    pairs: Iterable[tuple[Any, list[Any]]],
+    read_train: Callable[[Iterator[Any]], Any],
+    read_shard: Callable[[Iterator[Any]], Any],
+    timeout: float,
+) -> tuple[Any, Any]:
     """(read_train(training rows), read_shard(validation rows) or None when the shard is empty) from
     `zip_shards`'s pairs, read in one pass: the shard's reader runs on a thread fed through a bounded
     queue, so neither side waits for the other's whole partition (both stream, or spill)."""
@@ -147,8 +152,15 @@ def split_rows(pairs: Iterable[tuple[Any, list[Any]]], read_train: Callable[[Ite
     return train, out.get("shard")
 
 
-def shard_sums(model: nn.Module, step: Evaluates, data: Rows | None, metric: Callable[..., Any] | None, label_dtype: str,
-               batch_rows: int, device: torch.device) -> tuple[float, float]:
+def shard_sums(
+    model: nn.Module,
+    step: Evaluates,
+    data: Rows | None,
+    metric: Callable[..., Any] | None,
+    label_dtype: str,
+    batch_rows: int,
+    device: torch.device,
+) -> tuple[float, float]:
     """(sum, count) of `metric` (None: the step's loss) over a shard, read in slices of `batch_rows`
     (`PartitionData.read` / `SpilledPartition.read`: bounded memory), on the model in eval mode."""
     total, count = 0.0, 0.0

@@ -7,9 +7,9 @@ One step t on rank w (docs/design.md, "One training step"):
     m = encode(residual, u, τ)                     # r += u; entries with |r_i| ≥ τ leave r as ±τ
       (direct path, capture.py: when the optimizer's update does not depend on P (SGD, Adam, ... without
        weight decay, or AdamW's decoupled decay, added as −lr·λ·P) optimizer.step() runs with the
-       parameters aliased to the residual, so it adds u to r itself and P is never moved. General path: one fused pass; P_before is a twin copy of P that
-       the apply log keeps equal to it, and the pass also writes P_before back over the live buffer,
-       so no copy of P and no u vector per step)
+       parameters aliased to the residual, so it adds u to r itself and P is never moved. General path: one fused pass;
+       P_before is a twin copy of P that the apply log keeps equal to it, and the pass also writes P_before back over
+       the live buffer, so no copy of P and no u vector per step)
     send m as (t, w)
     P changes only by applying decoded messages of the log, in (step, sender) order, own included
 
@@ -19,8 +19,8 @@ of every replica is a function of the data and the seed alone (k = 0 is synchron
 Own-update lookahead (k ≥ 1, `WorkerConfig.lookahead`): with stale parameters the step's gradient is taken
 at P, which lacks every worker's last k messages, so a worker keeps pushing in directions already-sent
 updates have covered (with Adam at lr 1e-3, k = 1 falls from ~89 % to ~19 % on the benchmark MLP after
-4 epochs; docs/guide/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the forward/backward and
-optimizer step run at P + (own sent messages the log has not applied yet), and u is measured from that
+4 epochs; docs/guide/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the forward/backward
+and optimizer step run at P + (own sent messages the log has not applied yet), and u is measured from that
 point; afterwards P is restored bit for bit (exact for one worker, partial for several). P
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
@@ -86,14 +86,19 @@ def non_finite_cause(batch: tuple[torch.Tensor, ...], loss: torch.Tensor) -> str
             return f"{what} of the batch hold NaN or inf (batch rows {rows}): clean the data"
     value = float(loss.detach())
     if not math.isfinite(value):
-        return (f"the loss is {value} on finite inputs: the model diverged or the loss overflowed; lower the "
-                "learning rate or clip gradients (gradshare.clip_grad_norm)")
-    return (f"the loss is finite ({value:.4g}) but the optimizer's update is not: a gradient overflowed or the "
-            "learning rate is too high; lower it or clip gradients (gradshare.clip_grad_norm)")
+        return (
+            f"the loss is {value} on finite inputs: the model diverged or the loss overflowed; lower the "
+            "learning rate or clip gradients (gradshare.clip_grad_norm)"
+        )
+    return (
+        f"the loss is finite ({value:.4g}) but the optimizer's update is not: a gradient overflowed or the "
+        "learning rate is too high; lower it or clip gradients (gradshare.clip_grad_norm)"
+    )
 
 
-def capture(cfg: WorkerConfig, flat: FlatParams, optimizer: torch.optim.Optimizer,
-            precision: Precision) -> tuple[SharingState, UpdatePath, FoldedView | LocalView | NoView]:
+def capture(
+    cfg: WorkerConfig, flat: FlatParams, optimizer: torch.optim.Optimizer, precision: Precision
+) -> tuple[SharingState, UpdatePath, FoldedView | LocalView | NoView]:
     """Where a replica's update goes and where its gradient is taken: its sharing state (residual,
     threshold rule, clipping, lr correction, own pending messages: encoding/sharing.py), its update
     path (capture.py) and its local view (local_view.py)."""
@@ -101,22 +106,30 @@ def capture(cfg: WorkerConfig, flat: FlatParams, optimizer: torch.optim.Optimize
     # The local view folded into one buffer, P + r kept instead of r (local_view.py), where the
     # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
     # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
-    folded = (cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.folded_view)
+    folded = cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.folded_view
     point = flat.keep_point() if folded else None
     fold = (flat.array, point, cfg.apply_scale) if point is not None else None
-    state = SharingState(flat.n_params, copy.deepcopy(cfg.threshold_rule), cfg.residual_clip,
-                         follow_lr=cfg.follow_lr, keep_pending=cfg.lookahead and cfg.staleness > 0,
-                         device=flat.device, fold=fold)
+    state = SharingState(
+        flat.n_params,
+        copy.deepcopy(cfg.threshold_rule),
+        cfg.residual_clip,
+        follow_lr=cfg.follow_lr,
+        keep_pending=cfg.lookahead and cfg.staleness > 0,
+        device=flat.device,
+        fold=fold,
+    )
     # The optimizer writes its update straight into the residual where it can; otherwise the step
     # measures it against a twin of P that the apply log keeps (capture.py).
     # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
     # not all live at once, unless something needs them all (capture.py, needs_all_gradients); by
     # default only where that frees enough memory to pay for the per-parameter steps
     wanted = cfg.step_in_backward
-    in_backward = ((frees_enough(flat) if wanted is None else wanted)
-                   and needs_all_gradients(optimizer, precision) is None)
-    path = update_path(flat, optimizer, state.target, allow_direct=cfg.direct_update, in_backward=in_backward,
-                       folded=folded)
+    in_backward = (frees_enough(flat) if wanted is None else wanted) and needs_all_gradients(
+        optimizer, precision
+    ) is None
+    path = update_path(
+        flat, optimizer, state.target, allow_direct=cfg.direct_update, in_backward=in_backward, folded=folded
+    )
     # the gradient is taken at P + this worker's unsent residual (local_view.py)
     view: FoldedView | LocalView | NoView
     if point is not None and isinstance(path, DirectPath):  # folded (update_path: the direct path)
@@ -135,18 +148,19 @@ def train_step_of(cfg: WorkerConfig) -> TrainStep:
     raise ValueError("WorkerConfig needs a loss or a train_step")
 
 
-
 class UpdateSink(Protocol):
     """What a step needs of its peer: somewhere to send its message (transport.Peer; or a LogPeer,
     transport/testing/shared_log.py)."""
 
     def send_update(self, step: int, payload: bytes, meta: StepMeta | None = None) -> None: ...
 
+
 class Worker:
     """One replica. `run(peer)` trains this rank's steps and returns its report for the driver."""
 
-    def __init__(self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition,
-                 model: nn.Module | None = None) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition, model: nn.Module | None = None
+    ) -> None:
         """`model`: a module this worker owns and trains in place (the Spark task's, built from the
         shipped skeleton); None trains a deep copy of ``cfg.model`` (drivers that step workers
         themselves)."""
@@ -195,8 +209,14 @@ class Worker:
 
     def _score(self, scores: deque[tuple[int, int]], upto: int, history: list[EpochStats]) -> None:
         """Score the epochs whose log step is <= `upto` (scoring.py); rank 0 then runs each one's end."""
-        self.scoring.score(scores, upto, self._log(), history, self.profile,
-                           lambda row: self.stops.epoch_end(row, self.cfg.on_epoch_end))
+        self.scoring.score(
+            scores,
+            upto,
+            self._log(),
+            history,
+            self.profile,
+            lambda row: self.stops.epoch_end(row, self.cfg.on_epoch_end),
+        )
 
     def step(self, peer: UpdateSink, t: int) -> tuple[float, int, int]:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
@@ -212,8 +232,7 @@ class Worker:
         batch = self.batches.read(epoch, b)
         prof.lap("batch")
         # None: no own message pending, the step runs at P itself (lookahead.py)
-        looked = look_ahead(flat, state, self.log.applied_through if self.log is not None else -1,
-                            self.cfg.apply_scale)
+        looked = look_ahead(flat, state, self.log.applied_through if self.log is not None else -1, self.cfg.apply_scale)
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
         prof.lap("lookahead")
@@ -241,8 +260,10 @@ class Worker:
         try:
             msg = self.path.encode(state, self._global(t)) if taken else skipped_step(state)  # P is P_before again here
         except NonFiniteError as e:
-            raise NonFiniteError(f"rank {self.rank}, step {t} (epoch {epoch}, batch {b}): the update is not finite: "
-                             f"{non_finite_cause(batch, loss)} ({e})") from e
+            raise NonFiniteError(
+                f"rank {self.rank}, step {t} (epoch {epoch}, batch {b}): the update is not finite: "
+                f"{non_finite_cause(batch, loss)} ({e})"
+            ) from e
         if looked is not None:
             look_back(flat, looked)
         payload = StepUpdate(msg, *changed).to_bytes(flat.n_buffers)
@@ -251,8 +272,14 @@ class Worker:
         # the relay tallies these per (rank, epoch) as it applies the log: a retried stage's history
         # then still has the steps of the attempts before it
         # (a skipped fp16 step's empty message carries a placeholder τ, not one that was used: no τ)
-        meta = StepMeta(loss=loss_value, sparsity=msg.n_entries / flat.n_params, bytes=float(len(payload)),
-                        epoch=epoch - self.cfg.first_epoch, tau=msg.threshold if taken else None, lr=lr)
+        meta = StepMeta(
+            loss=loss_value,
+            sparsity=msg.n_entries / flat.n_params,
+            bytes=float(len(payload)),
+            epoch=epoch - self.cfg.first_epoch,
+            tau=msg.threshold if taken else None,
+            lr=lr,
+        )
         meta = meta.with_(self.stops.take_meta(t, self.cfg))  # rank 0's epoch end and stop request, if any
         peer.send_update(t, payload, meta)
         prof.lap("send")
@@ -288,8 +315,12 @@ class Worker:
         flat = self.flat
         flat.check_buffers()
         # `before` is a copy of the buffers: the same kind (mypy cannot tie the two to one SameVector)
-        changed = buffer_change(before, flat.buffer_array, self.cfg.world_size,  # type: ignore[type-var]
-                                flat.buffer_entry_name)
+        changed = buffer_change(
+            before,
+            flat.buffer_array,
+            self.cfg.world_size,  # type: ignore[type-var]
+            flat.buffer_entry_name,
+        )
         copy_into(flat.buffer_array, before)
         return changed
 
@@ -326,8 +357,11 @@ class Worker:
             tally.add(*out)
             if b == spe - 1:
                 # τ: the last encoded step's
-                history.append(tally.close(peer, epoch, self.flat.n_params,
-                                           None if self.state.tau is None else float(self.state.tau)))
+                history.append(
+                    tally.close(
+                        peer, epoch, self.flat.n_params, None if self.state.tau is None else float(self.state.tau)
+                    )
+                )
                 prof.epoch(None)  # the training time of the epoch's end; the score comes with _score
                 if self.closes_epochs and not cfg.shards:  # the last epoch: on the whole log, the model fit returns
                     scores.append((epoch, cfg.final_step if t == total - 1 else t))
@@ -375,8 +409,9 @@ class Worker:
             if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(start_step)
 
-    def _checkpoint(self, epoch: int, t: int, total: int, scores: deque[tuple[int, int]],
-                    history: list[EpochStats]) -> None:
+    def _checkpoint(
+        self, epoch: int, t: int, total: int, scores: deque[tuple[int, int]], history: list[EpochStats]
+    ) -> None:
         """After the last step of `epoch` (a whole-training epoch number): this rank's state, and rank 0's
         parameters and manifest, when a checkpoint is due (checkpoint.py). Needs staleness 0, where the
         next step would apply the log through t first anyway: applying it (and scoring the epoch, which

@@ -23,8 +23,9 @@ from gradshare.transport.protocol.wire import DEFAULT_BIND, DEFAULT_DATAGRAM_SIZ
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="UDP port to bind (0 = ephemeral; default %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="UDP port to bind (0 = ephemeral; default %(default)s)"
+    )
     parser.add_argument("--bind", default=DEFAULT_BIND, help="address to bind (default %(default)s)")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (Spark tasks)")
     parser.add_argument("--n-params", type=int, help="parameter count (initial parameters are zeros)")
@@ -35,8 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datagram-size", type=int, default=DEFAULT_DATAGRAM_SIZE)
     parser.add_argument("--liveness-timeout", type=float, default=RelayTuning.liveness_timeout)
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    parser.add_argument("--insecure", action="store_true",
-                        help="NO encryption or authentication (benchmarking only; anyone can forge updates)")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="NO encryption or authentication (benchmarking only; anyone can forge updates)",
+    )
 
 
 def _read_key(path: str) -> bytes:
@@ -75,29 +79,47 @@ def run(args: argparse.Namespace) -> int:
         key = _read_key(args.key_file)
     else:
         raise SystemExit("gradshare relay: give --key-file or --new-key (or --insecure for benchmarks)")
-    relay = Relay(params, args.world_size, key, _job_id(args.job_id), port=args.port, bind=args.bind,
-                  datagram_size=args.datagram_size, insecure=args.insecure,
-                  tuning=RelayTuning(liveness_timeout=args.liveness_timeout))
+    relay = Relay(
+        params,
+        args.world_size,
+        key,
+        _job_id(args.job_id),
+        port=args.port,
+        bind=args.bind,
+        datagram_size=args.datagram_size,
+        insecure=args.insecure,
+        tuning=RelayTuning(liveness_timeout=args.liveness_timeout),
+    )
     try:
         relay.start()
     except OSError as exc:
         print(f"gradshare relay: {exc}", file=sys.stderr)
         return 1
-    assert relay.address is not None       # start() set it
-    print(f"relay listening on {relay.address[0]}:{relay.address[1]} for {args.world_size} ranks, "
-          f"{params.size} parameters{' (INSECURE)' if args.insecure else ''}", flush=True)
+    assert relay.address is not None  # start() set it
+    print(
+        f"relay listening on {relay.address[0]}:{relay.address[1]} for {args.world_size} ranks, "
+        f"{params.size} parameters{' (INSECURE)' if args.insecure else ''}",
+        flush=True,
+    )
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         while deadline is None or time.monotonic() < deadline:
             try:
-                relay.wait_finished(timeout=5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic())))
-                print(f"all ranks ended; log complete through step {relay.complete_through}; "
-                      f"params {relay.param_hash()}", flush=True)
+                relay.wait_finished(
+                    timeout=5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+                )
+                print(
+                    f"all ranks ended; log complete through step {relay.complete_through}; params {relay.param_hash()}",
+                    flush=True,
+                )
                 break
             except TransportTimeout:
                 c = relay.counters()
-                print(f"through step {c['complete_through']}: {c['peers']} peers, {c['datagrams_in']} in, "
-                      f"{c['forwarded']} forwarded, drops {c['drops']}", flush=True)
+                print(
+                    f"through step {c['complete_through']}: {c['peers']} peers, {c['datagrams_in']} in, "
+                    f"{c['forwarded']} forwarded, drops {c['drops']}",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         pass
     finally:

@@ -10,8 +10,16 @@ import pytest
 from gradshare.cli import main
 
 ROW_KEYS = {
-    "params", "entries", "form", "torch_encode_s", "torch_add_s", "torch_encode_over_add", "torch_apply_s",
-    "numba_encode_s", "numpy_add_s", "numba_encode_over_numpy_add",
+    "params",
+    "entries",
+    "form",
+    "torch_encode_s",
+    "torch_add_s",
+    "torch_encode_over_add",
+    "torch_apply_s",
+    "numba_encode_s",
+    "numpy_add_s",
+    "numba_encode_over_numpy_add",
 }
 
 

@@ -15,11 +15,32 @@ from gradshare.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]  # tests/bench/ -> the repo
 KEYS = {
-    "params", "density_requested", "density", "entries", "threshold", "repeat", "threads",
-    "encode_s", "numpy_add_s", "encode_over_numpy_add", "apply_s", "apply_entries_per_s",
-    "apply_warm_s", "apply_warm_entries_per_s", "decode_entries_per_s", "form", "message_bytes",
-    "dense_bytes", "compression_ratio", "bytes_per_entry", "dl4j_bytes_per_entry", "cold_start_s",
-    "cold_start_first_s", "python", "numpy", "numba",
+    "params",
+    "density_requested",
+    "density",
+    "entries",
+    "threshold",
+    "repeat",
+    "threads",
+    "encode_s",
+    "numpy_add_s",
+    "encode_over_numpy_add",
+    "apply_s",
+    "apply_entries_per_s",
+    "apply_warm_s",
+    "apply_warm_entries_per_s",
+    "decode_entries_per_s",
+    "form",
+    "message_bytes",
+    "dense_bytes",
+    "compression_ratio",
+    "bytes_per_entry",
+    "dl4j_bytes_per_entry",
+    "cold_start_s",
+    "cold_start_first_s",
+    "python",
+    "numpy",
+    "numba",
 }
 
 
@@ -58,15 +79,27 @@ def test_dense_step_with_threads(capsys):
 def test_table_output(capsys):
     assert main(["bench", "encoding", "--params", "100000", "--repeat", "1", "--no-cold-start"]) == 0
     out = capsys.readouterr().out
-    for text in ("fused accumulate+encode", "numpy.add(r, u, out=r)", "encode / numpy.add", "decode-apply",
-                 "wire bytes per entry", "smaller than dense float32"):
+    for text in (
+        "fused accumulate+encode",
+        "numpy.add(r, u, out=r)",
+        "encode / numpy.add",
+        "decode-apply",
+        "wire bytes per entry",
+        "smaller than dense float32",
+    ):
         assert text in out
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--params", "0"], ["--params", "x"], ["--density", "0"], ["--density", "1"], ["--repeat", "0"],
-     ["--threads", "0"]],
+    [
+        ["--params", "0"],
+        ["--params", "x"],
+        ["--density", "0"],
+        ["--density", "1"],
+        ["--repeat", "0"],
+        ["--threads", "0"],
+    ],
 )
 def test_bad_options_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -86,9 +119,23 @@ def test_script_and_light_imports():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr  # the CLI parser must not load numpy/numba
     out = subprocess.run(
-        [sys.executable, "-m", "gradshare.cli", "bench", "encoding", "--params", "1e5", "--repeat", "1",
-         "--json", "--no-cold-start"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "gradshare.cli",
+            "bench",
+            "encoding",
+            "--params",
+            "1e5",
+            "--repeat",
+            "1",
+            "--json",
+            "--no-cold-start",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["params"] == 100_000

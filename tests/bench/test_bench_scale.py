@@ -14,8 +14,31 @@ from gradshare.cli import main
 @pytest.mark.sockets
 def test_small_run_writes_json_and_png_with_exactly_once_and_the_per_rank_traffic(tmp_path, capsys):
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
-    assert main(["bench", "scale", "--peers", "2,3", "--params", "20000", "--density", "0.02", "--steps", "4",
-                 "--seconds", "2", "--heartbeat-peers", "2,70", "--json", str(out), "--png", str(png)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "scale",
+                "--peers",
+                "2,3",
+                "--params",
+                "20000",
+                "--density",
+                "0.02",
+                "--steps",
+                "4",
+                "--seconds",
+                "2",
+                "--heartbeat-peers",
+                "2,70",
+                "--json",
+                str(out),
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert png.stat().st_size > 10_000
     assert [r["peers"] for r in res["runs"]] == [2, 3]
@@ -52,9 +75,31 @@ def test_an_unknown_forwarding_mode_is_refused_naming_the_modes(capsys):
 @pytest.mark.sockets
 def test_aggregate_run_is_exactly_once_per_step_with_one_message_per_peer(tmp_path):
     out = tmp_path / "scale.json"
-    assert main(["bench", "scale", "--forwarding", "aggregate", "--peers", "3,5", "--params", "200000",
-                 "--density", "0.02", "--steps", "4", "--seconds", "2", "--heartbeat-peers", "2",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "scale",
+                "--forwarding",
+                "aggregate",
+                "--peers",
+                "3,5",
+                "--params",
+                "200000",
+                "--density",
+                "0.02",
+                "--steps",
+                "4",
+                "--seconds",
+                "2",
+                "--heartbeat-peers",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     for r in res["runs"]:
         n = r["peers"]
@@ -70,12 +115,17 @@ def test_aggregate_run_is_exactly_once_per_step_with_one_message_per_peer(tmp_pa
 
 
 def _row(n: int, cpu: float, d: float = 2.0, w: float = 2800.0) -> dict:
-    return {"peers": n, "forwarded_datagrams_per_step": n * (n - 1) * d, "relay_cpu_per_step_s": cpu,
-            "datagrams_per_update": d, "forwarded_bytes_per_update": w}
+    return {
+        "peers": n,
+        "forwarded_datagrams_per_step": n * (n - 1) * d,
+        "relay_cpu_per_step_s": cpu,
+        "datagrams_per_update": d,
+        "forwarded_bytes_per_update": w,
+    }
 
 
 def test_projection_fits_the_costs_and_takes_the_slower_of_link_and_cpu():
-    a, b = 10e-6, 200e-6                     # 10 µs per forwarded datagram, 200 µs per update
+    a, b = 10e-6, 200e-6  # 10 µs per forwarded datagram, 200 µs per update
     rows = [_row(n, a * n * (n - 1) * 2.0 + b * n) for n in (2, 4, 8, 16)]
     p = scale_model.project(rows, sizes=(4, 256), links=(1, 25))
     assert p["costs"]["per_datagram_s"] == pytest.approx(a, rel=1e-6)

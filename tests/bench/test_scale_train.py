@@ -14,11 +14,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_four_workers_on_local_4_train_bit_identical_with_per_rank_traffic():
-    env = {**os.environ, "PYTHONPATH": ROOT, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    proc = subprocess.run([sys.executable, "-m", "gradshare.bench.scale_train", "--master", "local[4]",
-                           "--workers", "4", "--epochs", "1"], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradshare.bench.scale_train",
+            "--master",
+            "local[4]",
+            "--workers",
+            "4",
+            "--epochs",
+            "1",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["workers"] == 4 and out["distinct_executors"] == 4 and out["steps"] >= 10
@@ -29,4 +49,4 @@ def test_four_workers_on_local_4_train_bit_identical_with_per_rank_traffic():
     assert out["forwarded_datagrams_per_update"] <= model
     assert out["forwarded_datagrams_per_update"] * updates + out["relay_retransmits"] >= model * updates
     assert out["relay_egress_bytes_per_step"] >= 0.95 * out["model_forward_bytes_per_step"]
-    assert out["accuracy"] > 0.3                 # one epoch of 11 steps: learning, not converged
+    assert out["accuracy"] > 0.3  # one epoch of 11 steps: learning, not converged

@@ -20,7 +20,7 @@ def test_the_options_page_is_the_generated_table_of_every_option_and_group():
     text = open(OPTIONS, encoding="utf-8").read()
     assert HEADING in text, f"docs/guide/options.md has no {HEADING!r} section"
     start, end = "<!-- generated: gradshare.config.options_table() -->\n", "<!-- end generated -->"
-    page = text[text.index(start) + len(start):text.index(end)]
+    page = text[text.index(start) + len(start) : text.index(end)]
     assert page == options_table(), "docs/guide/options.md differs from options_table(): paste it again"
     params = inspect.signature(SharedTrainer).parameters
     listed = re.findall(r"^\| `(\w+)` \|", page.split("### ")[1], re.M)  # the flat table's rows

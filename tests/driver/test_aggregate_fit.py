@@ -26,8 +26,15 @@ LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 
 def _fit(digits_rdd, model=mlp, **kw):
     rdd, (X_test, y_test) = digits_rdd
-    result = SharedTrainer(model, batch_size=32, epochs=kw.pop("epochs", 4), seed=3, port=0, verbose=0,
-                           **in_groups({"bind": "127.0.0.1", "forwarding": "aggregate", **kw})).fit(rdd)
+    result = SharedTrainer(
+        model,
+        batch_size=32,
+        epochs=kw.pop("epochs", 4),
+        seed=3,
+        port=0,
+        verbose=0,
+        **in_groups({"bind": "127.0.0.1", "forwarding": "aggregate", **kw}),
+    ).fit(rdd)
     return result, evaluate_accuracy(result.model, X_test, y_test)
 
 
@@ -35,8 +42,8 @@ def _check_aggregated(result) -> None:
     assert result.extra["forwarding"] == "aggregate"
     assert all(rep["param_hash"] == result.param_hash for rep in result.worker_reports)
     c = result.counters
-    assert c["aggregates"] == result.steps   # one message per step of the log (every attempt's) ...
-    for rep in result.worker_reports:                     # ... and each rank applied exactly those
+    assert c["aggregates"] == result.steps  # one message per step of the log (every attempt's) ...
+    for rep in result.worker_reports:  # ... and each rank applied exactly those
         assert rep["applied"] == result.steps - rep["start_step"]
 
 
@@ -82,21 +89,21 @@ def test_aggregated_fit_carries_batchnorm_statistics_whole(digits_rdd):
 def test_a_capped_aggregated_fit_with_batchnorm_at_staleness_2_is_bit_identical(digits_rdd):
     torch.manual_seed(0)
     capped, acc = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, step_cap=0.01)
-    _check_aggregated(capped)       # the relay and every replica applied each aggregate capped alike
+    _check_aggregated(capped)  # the relay and every replica applied each aggregate capped alike
     torch.manual_seed(0)
     plain, _ = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, step_cap=None)
     assert capped.param_hash != plain.param_hash and acc > 0.3
 
 
-def test_an_aggregated_fit_with_the_workers_momentum_off_under_a_scheduler_at_staleness_2_is_bit_identical(
-        digits_rdd):
+def test_an_aggregated_fit_with_the_workers_momentum_off_under_a_scheduler_at_staleness_2_is_bit_identical(digits_rdd):
     def one_cycle(optimizer):  # cycles Adam's β1 every step: "off" overrules it for each step only
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=200)
 
     torch.manual_seed(0)
-    off, acc = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, lr_scheduler=one_cycle,
-                    optimizer_momentum="off")
-    _check_aggregated(off)          # the relay and every replica agree, BatchNorm statistics included
+    off, acc = _fit(
+        digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, lr_scheduler=one_cycle, optimizer_momentum="off"
+    )
+    _check_aggregated(off)  # the relay and every replica agree, BatchNorm statistics included
     torch.manual_seed(0)
     kept, _ = _fit(digits_rdd, model=BatchNormMLP, epochs=2, staleness=2, lr_scheduler=one_cycle)
     assert off.param_hash != kept.param_hash and acc > 0.3
@@ -117,5 +124,6 @@ def test_auto_forwarding_aggregates_from_aggregate_from_workers():
     with pytest.raises(ValueError, match="forwarding must be one of"):
         SharedTrainer(mlp, network=Network(forwarding="tree"))
     with pytest.raises(ValueError, match="cannot be checkpointed"):
-        SharedTrainer(mlp, network=Network(forwarding="aggregate"),
-                      fault_tolerance=FaultTolerance(checkpoint_dir="/tmp/nowhere"))
+        SharedTrainer(
+            mlp, network=Network(forwarding="aggregate"), fault_tolerance=FaultTolerance(checkpoint_dir="/tmp/nowhere")
+        )

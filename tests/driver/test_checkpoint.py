@@ -46,8 +46,14 @@ def trainer(epochs, **options):
     # threshold="auto" with a 2-epoch warm-up (given: the default's 24-step floor would cover the whole
     # 20-step fit) and a per-step schedule: τ's step count, the residual's lr and Adam's moments must
     # all carry over for the resumed run to match
-    return SharedTrainer(mlp, epochs=epochs, batch_size=64, seed=3, lr_scheduler=step_lr,
-                         **in_groups({**LOOPBACK, "warmup": 2.0, **options}))  # grouped options named flat
+    return SharedTrainer(
+        mlp,
+        epochs=epochs,
+        batch_size=64,
+        seed=3,
+        lr_scheduler=step_lr,
+        **in_groups({**LOOPBACK, "warmup": 2.0, **options}),
+    )  # grouped options named flat
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +95,7 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     # step_cap=0.01 binds on this model at N = 2 (lock step: 2 epochs of the MLP end 20 pp lower)
     capped = trainer(4, step_cap=0.01).fit(rdd)
     assert capped.param_hash != whole.param_hash
-    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] == 0.06   # "auto" at N = 2: 0.06
+    assert capped.extra["step_cap"] == 0.01 and whole.extra["step_cap"] == 0.06  # "auto" at N = 2: 0.06
     assert {r["param_hash"] for r in capped.worker_reports} == {capped.param_hash}
     root = str(tmp_path / "capped")
     trainer(2, step_cap=0.01, checkpoint_dir=root).fit(rdd)
@@ -100,8 +106,15 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
     assert resumed.param_hash == capped.param_hash
     # the cap reads the checkpoint's parameters, and which tensors it caps from the checkpoint's job, not
     # from the model given to the resumed fit (here twice as large)
-    other = SharedTrainer(doubled_mlp, epochs=4, batch_size=64, seed=3, lr_scheduler=step_lr, **LOOPBACK,
-                          compression=Compression(warmup=2.0, step_cap=0.01)).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
+    other = SharedTrainer(
+        doubled_mlp,
+        epochs=4,
+        batch_size=64,
+        seed=3,
+        lr_scheduler=step_lr,
+        **LOOPBACK,
+        compression=Compression(warmup=2.0, step_cap=0.01),
+    ).fit(rdd, resume_from=os.path.join(root, "epoch-00001"))
     assert other.param_hash == capped.param_hash
     with pytest.raises(ValueError, match="its step_cap is 0.01, this fit's is None"):
         trainer(4, step_cap=None).fit(rdd, resume_from=root)
@@ -111,7 +124,7 @@ def test_a_capped_fit_resumes_bit_identically_with_its_first_bounds(rdd, whole, 
 
 def test_a_fit_with_the_workers_momentum_off_resumes_bit_identically(rdd, whole, tmp_path):
     off = trainer(4, optimizer_momentum="off").fit(rdd)
-    assert off.param_hash != whole.param_hash   # "auto" at N = 2 steps with β1 0.5: these differ
+    assert off.param_hash != whole.param_hash  # "auto" at N = 2 steps with β1 0.5: these differ
     root = str(tmp_path / "off")
     trainer(2, optimizer_momentum="off", checkpoint_dir=root).fit(rdd)
     assert trainer(4, optimizer_momentum="off").fit(rdd, resume_from=root).param_hash == off.param_hash
@@ -121,9 +134,9 @@ def test_a_checkpoint_holds_each_workers_state_with_checksums(checkpointed):
     root, _ = checkpointed
     manifest = json.load(open(os.path.join(root, "epoch-00002", MANIFEST)))
     assert manifest["epochs_done"] == 2 and manifest["job"]["steps_per_epoch"] == [5, 5]
-    assert set(manifest["files"]) == {"params.npy"} | {f"rank-{r}/{n}" for r in (0, 1)
-                                                       for n in ("residual.npy", "point.npy", "local.pt",
-                                                                 "state.json")}  # point: the folded view's q
+    assert set(manifest["files"]) == {"params.npy"} | {
+        f"rank-{r}/{n}" for r in (0, 1) for n in ("residual.npy", "point.npy", "local.pt", "state.json")
+    }  # point: the folded view's q
     state = json.load(open(os.path.join(root, "epoch-00002", "rank-1", "state.json")))
     assert state["rule"]["warmup_steps"] == 10 and state["lr"] is not None
 
@@ -134,13 +147,16 @@ def _copy(root, tmp_path, name):
     return target
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda d: open(d / "rank-1" / "residual.npy", "r+b").write(b"\x00" * 200), "residual.npy is corrupt"),
-    (lambda d: os.truncate(d / "rank-0" / "local.pt", 100), "local.pt is corrupt or truncated"),
-    (lambda d: os.remove(d / "params.npy"), "params.npy is missing"),
-    (lambda d: os.remove(d / MANIFEST), "no complete checkpoint"),
-    (lambda d: open(d / MANIFEST, "w").write("{"), "unreadable manifest"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: open(d / "rank-1" / "residual.npy", "r+b").write(b"\x00" * 200), "residual.npy is corrupt"),
+        (lambda d: os.truncate(d / "rank-0" / "local.pt", 100), "local.pt is corrupt or truncated"),
+        (lambda d: os.remove(d / "params.npy"), "params.npy is missing"),
+        (lambda d: os.remove(d / MANIFEST), "no complete checkpoint"),
+        (lambda d: open(d / MANIFEST, "w").write("{"), "unreadable manifest"),
+    ],
+)
 def test_a_damaged_checkpoint_is_refused_before_any_job(rdd, checkpointed, tmp_path, damage, match):
     target = _copy(checkpointed[0], tmp_path, "damaged")
     damage(target)
@@ -181,8 +197,9 @@ def viewfs(spark, tmp_path_factory):
     directory (Hadoop's ViewFileSystem). Executors cannot open it with file I/O: workers must reach it
     through the driver's checkpoint service, and the driver through Spark's FileSystem API."""
     local = tmp_path_factory.mktemp("hadoop")
-    spark.sparkContext._jsc.hadoopConfiguration().set("fs.viewfs.mounttable.gradshare-test.link./ckpt",
-                                                      f"file://{local}")
+    spark.sparkContext._jsc.hadoopConfiguration().set(
+        "fs.viewfs.mounttable.gradshare-test.link./ckpt", f"file://{local}"
+    )
     return "viewfs://gradshare-test/ckpt", str(local)
 
 
@@ -191,7 +208,9 @@ def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(spark, rdd
     first = trainer(2, checkpoint_dir=f"{uri}/run").fit(rdd)
     # the files are there, written through Hadoop (its local filesystem leaves .crc checksum files)
     assert sorted(n for n in os.listdir(os.path.join(local, "run")) if n.startswith("epoch-")) == [
-        "epoch-00001", "epoch-00002"]
+        "epoch-00001",
+        "epoch-00002",
+    ]
     assert os.path.exists(os.path.join(local, "run", "epoch-00002", ".manifest.json.crc"))
     assert param_hash(np.load(os.path.join(local, "run", "epoch-00002", "params.npy"))) == first.param_hash
     # resumed through the same API: the driver reads the manifest and parameters, the workers their state
@@ -200,7 +219,9 @@ def test_a_hadoop_fs_checkpoint_dir_stops_and_resumes_bit_identically(spark, rdd
     assert resumed.extra["resumed_from"] == f"{uri}/run/epoch-00002"
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history[2:]]
     assert sorted(n for n in os.listdir(os.path.join(local, "more")) if n.startswith("epoch-")) == [
-        "epoch-00003", "epoch-00004"]
+        "epoch-00003",
+        "epoch-00004",
+    ]
     # a retried stage's rollback point, read through Hadoop by the relay: the latest checkpoint the log
     # has reached (5 steps an epoch: epoch-00002 holds the log through step 9)
     job = json.load(open(os.path.join(local, "run", "epoch-00002", MANIFEST)))["job"]

@@ -63,8 +63,12 @@ def test_the_relay_hands_a_new_attempt_rank_0s_state_and_rolls_back_to_a_checkpo
     tallies = {k: t.as_dict() for k, t in sim.training.epochs.items()}
     assert tallies[(0, 0)]["val_metric"] == 0.5 and tallies[(0, 1)]["val_metric"] == 1.0
     assert sim.training.notes.at(3) == (("es_best", 0.5), ("es_waited", 0.0))
-    assert sim.training.notes.at(5) == (("es_best", 0.5), ("es_waited", 1.0), ("stop_epoch", 3.0),
-                                     ("stop_requested", 1.0))
+    assert sim.training.notes.at(5) == (
+        ("es_best", 0.5),
+        ("es_waited", 1.0),
+        ("stop_epoch", 3.0),
+        ("stop_requested", 1.0),
+    )
     # a retried stage: the relay goes back to the checkpoint's step 3, whatever it held after it
     for r in range(2):
         sim.add_peer(r, attempt=1)
@@ -109,8 +113,9 @@ def test_a_killed_worker_rolls_the_fit_back_to_the_last_checkpoint_bit_identical
     marker = str(tmp_path / "died")
     # rank 1 dies on its 13th step (step 12, inside epoch 2), after the checkpoint of epochs 0-1 (step 9)
     fit = dict(epochs=4, batch_size=64, seed=3, validation_data=validation, **LOOPBACK)
-    killed = SharedTrainer(lambda: DiesOnce(marker, 1, 13), **fit,
-                           fault_tolerance=FaultTolerance(checkpoint_dir=str(tmp_path / "ckpt"))).fit(rdd)
+    killed = SharedTrainer(
+        lambda: DiesOnce(marker, 1, 13), **fit, fault_tolerance=FaultTolerance(checkpoint_dir=str(tmp_path / "ckpt"))
+    ).fit(rdd)
     assert os.path.exists(marker)  # the first attempt really died
     whole = SharedTrainer(lambda: DiesOnce(marker, 1, 13), **fit).fit(rdd)  # the marker is there: no death
     assert killed.param_hash == whole.param_hash
@@ -130,8 +135,11 @@ def uneven(spark):
     """673 and 300 rows: 11 and 5 steps per epoch at batch 64."""
     X_train, X_test, y_train, y_test = digits_split(0)
     rows = list(zip(X_train, (int(v) for v in y_train)))
-    rdd = spark.sparkContext.parallelize(rows, 2).mapPartitionsWithIndex(
-        lambda i, it: it if i == 0 else itertools.islice(it, 300)).cache()
+    rdd = (
+        spark.sparkContext.parallelize(rows, 2)
+        .mapPartitionsWithIndex(lambda i, it: it if i == 0 else itertools.islice(it, 300))
+        .cache()
+    )
     return rdd, (X_test, y_test)
 
 
@@ -140,9 +148,15 @@ def test_a_stop_decided_before_a_killed_worker_survives_the_retried_stage(uneven
     marker = str(tmp_path / "died")
     # patience 0 with min_delta 1.0 on accuracy: epoch 1 asks for the stop; rank 0's step 22 carries it
     # (stop after epoch 4). Rank 0 dies at its step 40 (epoch 3), long after every rank applied it.
-    result = SharedTrainer(lambda: DiesOnce(marker, 0, 41), epochs=8, batch_size=64, seed=5,
-                           validation_data=validation, early_stopping=dict(patience=0, min_delta=1.0, mode="max"),
-                           **LOOPBACK).fit(rdd)
+    result = SharedTrainer(
+        lambda: DiesOnce(marker, 0, 41),
+        epochs=8,
+        batch_size=64,
+        seed=5,
+        validation_data=validation,
+        early_stopping=dict(patience=0, min_delta=1.0, mode="max"),
+        **LOOPBACK,
+    ).fit(rdd)
     assert os.path.exists(marker)
     stopped = stop_epoch(22, 0, (11, 5), 8)
     assert stopped == 4 and result.resumed_from > 22

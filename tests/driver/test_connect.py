@@ -27,8 +27,11 @@ def test_digits_on_connect_from_array_and_vector_columns_with_validation_and_che
     assert set(arr["worker_hashes"]) == {arr["hash"]}  # every replica bit-identical to the relay
     # the same rows in the same partitions: a dense vector column trains bit for bit as the array column
     assert vec["hash"] == arr["hash"] and vec["inputs"] == "float32[64]"
-    assert len(arr["val"]) == 5 and all(v is not None for v in arr["val"]) and arr["val"][-1] == pytest.approx(
-        arr["accuracy"], abs=1e-6)
+    assert (
+        len(arr["val"]) == 5
+        and all(v is not None for v in arr["val"])
+        and arr["val"][-1] == pytest.approx(arr["accuracy"], abs=1e-6)
+    )
     assert arr["stopped"] is None  # patience 50: early stopping watched and never fired
     assert arr["checkpoints"] == [f"epoch-{e:05d}" for e in range(1, 6)]
     # "auto" on Connect: the relay ran in rank 0's task, and its status reached this client
@@ -52,8 +55,9 @@ def test_each_epoch_reaches_the_connect_client_as_a_line_while_the_relay_runs_in
     got = ok(connect.run("epoch_lines"))
     history = got["history"]
     # one line per epoch, its mean loss (the applied log's) and, for all but the last, rank 0's score
-    assert got["printed"] == [f"epoch {e}: loss {loss:.4f}" + ("" if e == 2 else f", val_metric {val:.4f}")
-                              for e, loss, val in history]
+    assert got["printed"] == [
+        f"epoch {e}: loss {loss:.4f}" + ("" if e == 2 else f", val_metric {val:.4f}") for e, loss, val in history
+    ]
 
 
 def test_a_callback_stops_every_rank_after_the_same_epoch_on_connect(connect):
@@ -68,16 +72,23 @@ def test_several_feature_columns_and_float_labels_on_connect(connect):
     assert got["loss_fell"] and got["same"]
 
 
-@pytest.mark.parametrize("case, error, words", [
-    ("missing_column", "ValueError", ["'pixels'", "columns are"]),
-    ("rdd_on_connect", "ValueError", ["Spark Connect", "fit(df, features_col=..., label_col=...)"]),
-    ("rows_on_connect", "TypeError", ["list", "fit(df, features_col=..., label_col=...)"]),
-    ("sharded_validation", "ValueError", ["validation_data", "Spark Connect", "(X, y)"]),
-    ("hadoop_checkpoints", "ValueError", ["checkpoint_dir='hdfs://namenode/ckpt'", "Spark Connect", "local directory"]),
-    ("too_many_workers", "ValueError", ["3 workers", "local[2]"]),
-    ("null_label", "ValueError", ["column 'y' is null at row"]),
-    ("worker_error", "TrainingError", ["rank", "RuntimeError: user model exploded on purpose"]),
-])
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("missing_column", "ValueError", ["'pixels'", "columns are"]),
+        ("rdd_on_connect", "ValueError", ["Spark Connect", "fit(df, features_col=..., label_col=...)"]),
+        ("rows_on_connect", "TypeError", ["list", "fit(df, features_col=..., label_col=...)"]),
+        ("sharded_validation", "ValueError", ["validation_data", "Spark Connect", "(X, y)"]),
+        (
+            "hadoop_checkpoints",
+            "ValueError",
+            ["checkpoint_dir='hdfs://namenode/ckpt'", "Spark Connect", "local directory"],
+        ),
+        ("too_many_workers", "ValueError", ["3 workers", "local[2]"]),
+        ("null_label", "ValueError", ["column 'y' is null at row"]),
+        ("worker_error", "TrainingError", ["rank", "RuntimeError: user model exploded on purpose"]),
+    ],
+)
 def test_what_connect_cannot_do_fails_clearly(connect, case, error, words):
     reply = connect.run(case)
     assert reply[0] == "error" and reply[1] == error, reply

@@ -20,22 +20,32 @@ SPE = (11, 5)  # steps per epoch of the two partitions below (673 and 300 rows, 
 
 
 # ------------------------------------------------------------------------------------ the rule
-@pytest.mark.parametrize("mode, values, stops_at", [
-    ("min", [1.0, 0.9, 0.95, 0.96], 3),      # patience 1: the second epoch without improvement stops
-    ("max", [0.5, 0.6, 0.59, 0.7, 0.7, 0.69], 5),
-    ("min", [1.0, 0.999, 0.998, 0.997], 2),  # improvements smaller than min_delta=0.01 do not count
-])
+@pytest.mark.parametrize(
+    "mode, values, stops_at",
+    [
+        ("min", [1.0, 0.9, 0.95, 0.96], 3),  # patience 1: the second epoch without improvement stops
+        ("max", [0.5, 0.6, 0.59, 0.7, 0.7, 0.69], 5),
+        ("min", [1.0, 0.999, 0.998, 0.997], 2),  # improvements smaller than min_delta=0.01 do not count
+    ],
+)
 def test_rule_counts_epochs_without_improvement(mode, values, stops_at):
     rule = EarlyStopping(patience=1, min_delta=0.01 if stops_at == 2 else 0.0, mode=mode)
     decisions = [should_stop(rule, {"epoch": e, "val_metric": v}) for e, v in enumerate(values)]
     assert decisions.index(True) == stops_at and not any(decisions[:stops_at])
 
 
-@pytest.mark.parametrize("option, match", [
-    (dict(patience=-1), "patience"), (dict(patience=1.5), "patience"), (dict(min_delta=-0.1), "min_delta"),
-    (dict(mode="up"), "mode"), (dict(monitor="acc"), "monitor"), (dict(patients=2), "patients"),
-    ([1], "early_stopping must be"),
-])
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        (dict(patience=-1), "patience"),
+        (dict(patience=1.5), "patience"),
+        (dict(min_delta=-0.1), "min_delta"),
+        (dict(mode="up"), "mode"),
+        (dict(monitor="acc"), "monitor"),
+        (dict(patients=2), "patients"),
+        ([1], "early_stopping must be"),
+    ],
+)
 def test_bad_options_name_the_argument(option, match):
     with pytest.raises(ValueError, match=match):
         early_stopping_from(option)
@@ -71,8 +81,11 @@ def uneven(spark):
     takes no union, so partition 1 is cut instead)."""
     X_train, X_test, y_train, y_test = digits_split(0)
     rows = list(zip(X_train, (int(v) for v in y_train)))
-    rdd = spark.sparkContext.parallelize(rows, 2).mapPartitionsWithIndex(
-        lambda i, it: it if i == 0 else itertools.islice(it, 300)).cache()
+    rdd = (
+        spark.sparkContext.parallelize(rows, 2)
+        .mapPartitionsWithIndex(lambda i, it: it if i == 0 else itertools.islice(it, 300))
+        .cache()
+    )
     return rdd, (X_test, y_test)
 
 
@@ -84,8 +97,9 @@ def _decided_at(epoch: int, staleness: int) -> int:
 
 def _fit(uneven, epochs=8, **kw):
     rdd, validation = uneven
-    return SharedTrainer(mlp, batch_size=64, epochs=epochs, seed=5, validation_data=validation,
-                         **in_groups({**LOOPBACK, **kw})).fit(rdd)  # grouped options named flat
+    return SharedTrainer(
+        mlp, batch_size=64, epochs=epochs, seed=5, validation_data=validation, **in_groups({**LOOPBACK, **kw})
+    ).fit(rdd)  # grouped options named flat
 
 
 def _assert_stopped_consistently(result, stopped):

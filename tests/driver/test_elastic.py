@@ -23,10 +23,21 @@ LOOPBACK = dict(port=0, network=Network(bind="127.0.0.1"), verbose=0)
 @pytest.fixture(scope="module")
 def on_a_cluster():
     """tests/elastic_cases.py's results: one standalone cluster of 3 Worker JVMs, in a subprocess."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "elastic_cases.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "elastic_cases.py")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -36,7 +47,7 @@ def test_every_saved_ranks_residual_goes_to_exactly_one_new_rank(saved, world):
     taken = [r for rank in range(world) for r in sources(rank, saved, world)[1]]
     assert sorted(taken) == list(range(saved))
     owners = [sources(rank, saved, world)[0] for rank in range(world)]
-    assert owners[:min(saved, world)] == list(range(min(saved, world)))  # a rank that was there keeps its state
+    assert owners[: min(saved, world)] == list(range(min(saved, world)))  # a rank that was there keeps its state
     assert all(0 <= o < saved for o in owners)
 
 
@@ -68,9 +79,10 @@ def test_a_free_slot_grows_the_fit_at_an_epoch_end(digits_rdd):
     """local[2], a job of one worker: the other slot is free, so the fit grows to two at an epoch's end."""
     rdd, (X_test, y_test) = digits_rdd
     # 10 ms a step: 85 steps, about a second, an epoch at one worker; the grow comes about 3 s in
-    result = SharedTrainer(lambda: Slow(0.01), epochs=8, batch_size=16, num_workers=1, elastic=Elastic(1, 2),
-                           **LOOPBACK).fit(rdd)
-    grow, = result.extra["reforms"]
+    result = SharedTrainer(
+        lambda: Slow(0.01), epochs=8, batch_size=16, num_workers=1, elastic=Elastic(1, 2), **LOOPBACK
+    ).fit(rdd)
+    (grow,) = result.extra["reforms"]
     assert (grow["kind"], grow["from"], grow["to"], grow["rows_skipped"]) == ("grow", 1, 2, 0)
     assert 0 < grow["epoch"] < 8 and grow["seconds"] > 0 and grow["steps_redone"] >= 0
     workers = [h["workers"] for h in result.history]
@@ -88,10 +100,11 @@ def test_a_failed_task_re_forms_the_job_from_the_relay_and_flapping_is_bounded(d
     death stops the fit, naming the count."""
     rdd, (X_test, y_test) = digits_rdd
     marker = str(tmp_path / "died")
-    result = SharedTrainer(lambda: DiesOnce(marker, at=30), epochs=3, batch_size=32,
-                           elastic=Elastic(1, 2, slot_wait=0.0), **LOOPBACK).fit(rdd)
+    result = SharedTrainer(
+        lambda: DiesOnce(marker, at=30), epochs=3, batch_size=32, elastic=Elastic(1, 2, slot_wait=0.0), **LOOPBACK
+    ).fit(rdd)
     assert os.path.exists(marker)
-    shrink, = result.extra["reforms"]
+    (shrink,) = result.extra["reforms"]
     spe = result.history[0]["steps"] // 2  # a rank's steps per epoch
     assert (shrink["kind"], shrink["from"], shrink["to"], shrink["epoch"]) == ("shrink", 2, 2, 29 // spe)
     assert shrink["steps_redone"] == shrink["at_step"] + 1 - spe >= 0 and shrink["rows_skipped"] == 0
@@ -101,8 +114,13 @@ def test_a_failed_task_re_forms_the_job_from_the_relay_and_flapping_is_bounded(d
     assert evaluate_accuracy(result.model, X_test, y_test) > 0.8
     again = str(tmp_path / "died-again")
     with pytest.raises(TrainingError, match=r"1 re-forms, more than max_reforms=0"):
-        SharedTrainer(lambda: DiesOnce(again, at=30), epochs=3, batch_size=32,
-                      elastic=Elastic(1, 2, slot_wait=0.0, max_reforms=0), **LOOPBACK).fit(rdd)
+        SharedTrainer(
+            lambda: DiesOnce(again, at=30),
+            epochs=3,
+            batch_size=32,
+            elastic=Elastic(1, 2, slot_wait=0.0, max_reforms=0),
+            **LOOPBACK,
+        ).fit(rdd)
 
 
 def test_a_checkpoint_resumes_at_another_world_size(on_a_cluster):
@@ -110,9 +128,19 @@ def test_a_checkpoint_resumes_at_another_world_size(on_a_cluster):
     for name, (saved, world) in (("2->3", (2, 3)), ("3->2", (3, 2))):
         case = cases[name]
         assert case["world"] == world
-        assert case["reforms"] == [{"kind": "resume", "reason": case["reforms"][0]["reason"], "epoch": 1,
-                                    "from": saved, "to": world, "at_step": None, "steps_redone": 0,
-                                    "rows_skipped": 0, "seconds": None}]
+        assert case["reforms"] == [
+            {
+                "kind": "resume",
+                "reason": case["reforms"][0]["reason"],
+                "epoch": 1,
+                "from": saved,
+                "to": world,
+                "at_step": None,
+                "steps_redone": 0,
+                "rows_skipped": 0,
+                "seconds": None,
+            }
+        ]
         # no gradient: P + every rank's unsent update mass is what it was (none lost or doubled by the mapping);
         # some of it moved into P (so a start from other parameters or a lost residual would show)
         assert case["residual_sum_before"] > 0 and case["moved"] > 1e-4

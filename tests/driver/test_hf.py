@@ -22,9 +22,19 @@ def model_and_step():
     def tiny_llama():
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )
         return LlamaForCausalLM(config)
 
     def hf_step(model, batch):
@@ -51,11 +61,19 @@ def test_hf_llama_trains_from_a_dataframe_and_saves_with_save_pretrained(spark, 
     transformers = pytest.importorskip("transformers")
     tiny_llama, hf_step = model_and_step()
     ids, mask, labels = token_rows()
-    df = spark.createDataFrame([(i.tolist(), m.tolist(), y.tolist()) for i, m, y in zip(ids, mask, labels)],
-                               ["input_ids", "attention_mask", "labels"]).repartition(2)
-    result = SharedTrainer(tiny_llama, train_step=hf_step, epochs=3, batch_size=8, seed=3,
-                           optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), **LOOPBACK).fit(
-        df, features_col=["input_ids", "attention_mask"], label_col="labels")
+    df = spark.createDataFrame(
+        [(i.tolist(), m.tolist(), y.tolist()) for i, m, y in zip(ids, mask, labels)],
+        ["input_ids", "attention_mask", "labels"],
+    ).repartition(2)
+    result = SharedTrainer(
+        tiny_llama,
+        train_step=hf_step,
+        epochs=3,
+        batch_size=8,
+        seed=3,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+        **LOOPBACK,
+    ).fit(df, features_col=["input_ids", "attention_mask"], label_col="labels")
     assert result.world_size == 2
     assert {r["param_hash"] for r in result.worker_reports} == {result.param_hash}  # one model, bit for bit
     model = result.model
@@ -98,6 +116,7 @@ def test_a_mapping_without_logits_names_train_step_before_any_task():
     sample = ((np.zeros(4, np.float32),), np.asarray(1))
     with pytest.raises(InputTypeError, match=r"dict with no 'logits' tensor \(keys: 'scores', 'aux'\).*train_step="):
         plan_loss(Outputs(), sample, "int", True)
+
     # a dict that has logits is read as its logits: the default loss and its shape check apply
     class WithLogits(Outputs):
         def forward(self, x):
@@ -108,10 +127,14 @@ def test_a_mapping_without_logits_names_train_step_before_any_task():
 
 def test_ragged_token_ids_name_the_column_and_the_lengths(spark):
     df = spark.createDataFrame([([1, 2, 3], 0), ([4, 5], 1), ([6, 7, 8], 0)], ["input_ids", "label"]).coalesce(1)
-    with pytest.raises(ValueError, match=r"row 1: column 'input_ids' of shape \(2,\) differ from the first row's "
-                                         r"\(3,\): every row of an array column needs the same length"):
-        SharedTrainer(lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)), num_workers=1,
-                      **LOOPBACK).fit(df, features_col="input_ids", label_col="label")
+    with pytest.raises(
+        ValueError,
+        match=r"row 1: column 'input_ids' of shape \(2,\) differ from the first row's "
+        r"\(3,\): every row of an array column needs the same length",
+    ):
+        SharedTrainer(
+            lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)), num_workers=1, **LOOPBACK
+        ).fit(df, features_col="input_ids", label_col="label")
 
 
 def test_spark_ml_estimator_with_an_hf_classifier_predicts_from_its_logits(spark):
@@ -121,16 +144,36 @@ def test_spark_ml_estimator_with_an_hf_classifier_predicts_from_its_logits(spark
     def classifier():
         from transformers import LlamaConfig, LlamaForSequenceClassification
 
-        return LlamaForSequenceClassification(LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=SEQ, num_labels=3, pad_token_id=PAD,
-            bos_token_id=None, eos_token_id=None))
+        return LlamaForSequenceClassification(
+            LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                num_labels=3,
+                pad_token_id=PAD,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
 
     ids, _, _ = token_rows(96, seed=2)
     labels = ids[:, 0] % 3
-    df = spark.createDataFrame([(a.tolist(), int(c)) for a, c in zip(ids, labels)], ["input_ids", "label"]).repartition(2)
-    model = GradshareEstimator(classifier, featuresCol="input_ids", labelCol="label", epochs=1, batchSize=16,
-                               numWorkers=2, trainerOptions=LOOPBACK).fit(df)
+    df = spark.createDataFrame([(a.tolist(), int(c)) for a, c in zip(ids, labels)], ["input_ids", "label"]).repartition(
+        2
+    )
+    model = GradshareEstimator(
+        classifier,
+        featuresCol="input_ids",
+        labelCol="label",
+        epochs=1,
+        batchSize=16,
+        numWorkers=2,
+        trainerOptions=LOOPBACK,
+    ).fit(df)
     assert model.isClassifier  # the default loss read the ModelOutput's (B, 3) logits
     rows = model.transform(df).select("input_ids", "prediction", "probability").collect()
     xs = torch.tensor([r["input_ids"] for r in rows])

@@ -59,9 +59,14 @@ def test_the_in_job_relay_gives_the_client_relays_parameters_and_its_status_reac
     assert all(r.relay is None for r in job.worker_reports)  # the end state does not stay in the reports
 
 
-@pytest.mark.parametrize("network, compression", [(dict(forwarding="aggregate"), dict(warmup=2.0)),
-                                                  ({}, dict(warmup=2.0, staleness=2)),
-                                                  (dict(forwarding="aggregate"), dict(warmup=2.0, step_cap=0.01))])
+@pytest.mark.parametrize(
+    "network, compression",
+    [
+        (dict(forwarding="aggregate"), dict(warmup=2.0)),
+        ({}, dict(warmup=2.0, staleness=2)),
+        (dict(forwarding="aggregate"), dict(warmup=2.0, step_cap=0.01)),
+    ],
+)
 def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in_the_driver(even, network, compression):
     rdd, _ = even
     fit = {**FIT, "epochs": 2, "compression": Compression(**compression)}
@@ -70,14 +75,20 @@ def test_aggregated_forwarding_and_staleness_run_with_the_relay_in_the_job_as_in
     assert {r["param_hash"] for r in job.worker_reports} == {job.param_hash}
 
 
-def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_bit_identically(even, uninterrupted,
-                                                                                             tmp_path):
+def test_a_killed_relay_host_runs_the_stage_again_from_the_last_checkpoint_bit_identically(
+    even, uninterrupted, tmp_path
+):
     rdd, validation = even
     marker, ckpt = str(tmp_path / "died"), str(tmp_path / "ckpt")
     # rank 0 (the relay's host) dies on its 13th step (inside epoch 2), after the checkpoint of epochs 0-1
     with pytest.warns(RuntimeWarning, match="running it again .* from " + ckpt):
-        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 13), validation_data=validation, **FIT,
-                               network=at("in-job"), fault_tolerance=FaultTolerance(checkpoint_dir=ckpt)).fit(rdd)
+        killed = SharedTrainer(
+            lambda: DiesOnce(marker, 0, 13),
+            validation_data=validation,
+            **FIT,
+            network=at("in-job"),
+            fault_tolerance=FaultTolerance(checkpoint_dir=ckpt),
+        ).fit(rdd)
     assert os.path.exists(marker)  # the first run really died
     [restart] = killed.extra.restarts
     assert restart["from"] == ckpt and restart["error"]
@@ -93,15 +104,15 @@ def test_without_checkpoints_a_killed_relay_host_runs_the_stage_again_from_scrat
     rdd, validation = even
     marker = str(tmp_path / "died")
     with pytest.warns(RuntimeWarning, match="from scratch"):
-        killed = SharedTrainer(lambda: DiesOnce(marker, 0, 7), validation_data=validation, **FIT,
-                               network=at("in-job")).fit(rdd)
+        killed = SharedTrainer(
+            lambda: DiesOnce(marker, 0, 7), validation_data=validation, **FIT, network=at("in-job")
+        ).fit(rdd)
     assert os.path.exists(marker)
     assert [r["from"] for r in killed.extra.restarts] == [None]
     assert killed.param_hash == uninterrupted.param_hash and len(killed.history) == 4
 
 
-def test_a_first_state_above_the_inline_size_goes_to_the_relay_host_as_a_session_file(even, uninterrupted,
-                                                                                      monkeypatch):
+def test_a_first_state_above_the_inline_size_goes_to_the_relay_host_as_a_session_file(even, uninterrupted, monkeypatch):
     from gradshare.driver import in_job
 
     rdd, validation = even
@@ -136,12 +147,16 @@ def test_a_users_error_is_raised_at_once_and_never_run_again(even):
             SharedTrainer(Explodes, **FIT, network=at("in-job")).fit(rdd)
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(network={"relay": "nowhere"}), ["relay must be one of", "'nowhere'"]),
-    (dict(network={"relay": "in-job"}, fault_tolerance={"checkpoint_dir": "hdfs://namenode/ckpt"}),
-     ["checkpoint_dir='hdfs://namenode/ckpt'",
-                                                                   "relay='in-job'", "relay='client'"]),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (dict(network={"relay": "nowhere"}), ["relay must be one of", "'nowhere'"]),
+        (
+            dict(network={"relay": "in-job"}, fault_tolerance={"checkpoint_dir": "hdfs://namenode/ckpt"}),
+            ["checkpoint_dir='hdfs://namenode/ckpt'", "relay='in-job'", "relay='client'"],
+        ),
+    ],
+)
 def test_what_the_in_job_relay_cannot_do_is_refused_naming_the_option(even, options, words):
     rdd, _ = even
     with pytest.raises(ValueError) as info:

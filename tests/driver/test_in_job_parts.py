@@ -21,14 +21,16 @@ def test_a_restart_resumes_from_the_last_complete_checkpoint_and_drops_one_cut_s
     assert restart_point(str(root), "/elsewhere") == "/elsewhere" and not any(root.iterdir())
 
 
-
-@pytest.mark.parametrize("error_type, error_class, again", [
-    ("RuntimeError", "TrainingError", False),  # the user's model
-    ("ValueError", "ValueError", False),  # the user's data
-    ("TransportTimeout", "TransportTimeout", True),  # a peer or the relay went silent
-    ("ConnectionResetError", "TrainingError", True),
-    ("MemoryError", "TrainingError", True),
-])
+@pytest.mark.parametrize(
+    "error_type, error_class, again",
+    [
+        ("RuntimeError", "TrainingError", False),  # the user's model
+        ("ValueError", "ValueError", False),  # the user's data
+        ("TransportTimeout", "TransportTimeout", True),  # a peer or the relay went silent
+        ("ConnectionResetError", "TrainingError", True),
+        ("MemoryError", "TrainingError", True),
+    ],
+)
 def test_a_restart_is_for_what_may_pass_not_for_the_users_error(error_type, error_class, again):
     error = WorkerFailure(1, 3, error_type, "x", error_class).error()
     assert restartable(error) is again

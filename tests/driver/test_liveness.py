@@ -56,6 +56,7 @@ class Pauses(nn.Module):
 def _continue_after(marker: str, pause: float) -> threading.Thread:
     """SIGCONT the process whose pid `marker` holds, `pause` s after it stopped; nothing if it is gone
     by then (on_rank_loss="restart": Spark killed it for the retry)."""
+
     def state(pid):
         try:
             return open(f"/proc/{pid}/stat").read().split(") ")[1][0]
@@ -114,9 +115,14 @@ class Hangs(nn.Module):
 
 def test_a_stuck_training_thread_is_named_with_its_step_within_step_timeout(digits, tmp_path):
     marker = str(tmp_path / "stuck")
-    with pytest.raises(TrainingError, match=r"worker rank 1 \(attempt \d+, at step 4\) stuck in step 4: "
-                                            r"no step finished for 2\.\d s \(step_timeout\)"):
-        SharedTrainer(lambda: Hangs(marker), epochs=1, **LOOPBACK, fault_tolerance=FaultTolerance(step_timeout=2.0)).fit(digits)
+    with pytest.raises(
+        TrainingError,
+        match=r"worker rank 1 \(attempt \d+, at step 4\) stuck in step 4: "
+        r"no step finished for 2\.\d s \(step_timeout\)",
+    ):
+        SharedTrainer(
+            lambda: Hangs(marker), epochs=1, **LOOPBACK, fault_tolerance=FaultTolerance(step_timeout=2.0)
+        ).fit(digits)
     assert time.time() - float(open(marker).read()) < 2.0 + 5.0
 
 
@@ -147,8 +153,14 @@ def test_a_partition_that_loads_40_s_slower_joins_under_the_default_settings(spa
 def test_continue_goes_on_without_the_paused_rank_and_counts_what_it_skipped(digits, tmp_path):
     marker = str(tmp_path / "paused")
     _continue_after(marker, 3.0)
-    result = SharedTrainer(lambda: Pauses(marker), epochs=2, batch_size=32, seed=5, **LOOPBACK,
-                           fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="continue")).fit(digits)
+    result = SharedTrainer(
+        lambda: Pauses(marker),
+        epochs=2,
+        batch_size=32,
+        seed=5,
+        **LOOPBACK,
+        fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="continue"),
+    ).fit(digits)
     spe = [-(-len(p) // 32) for p in digits.glom().collect()]
     assert any("declared gone" in i and "rank 1" in i for i in result.extra["incidents"])
     assert result.skipped_steps > 0
@@ -159,8 +171,14 @@ def test_continue_goes_on_without_the_paused_rank_and_counts_what_it_skipped(dig
 def test_restart_retries_the_stage_at_once_and_skips_nothing(digits, tmp_path):
     marker = str(tmp_path / "paused")
     _continue_after(marker, 60.0)  # never, in practice: Spark kills the stopped worker for the retry
-    result = SharedTrainer(lambda: Pauses(marker), epochs=1, batch_size=32, seed=5, **LOOPBACK,
-                           fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="restart")).fit(digits)
+    result = SharedTrainer(
+        lambda: Pauses(marker),
+        epochs=1,
+        batch_size=32,
+        seed=5,
+        **LOOPBACK,
+        fault_tolerance=FaultTolerance(liveness_timeout=1.0, on_rank_loss="restart"),
+    ).fit(digits)
     spe = [-(-len(p) // 32) for p in digits.glom().collect()]
     assert result.resumed_from > 0 and result.skipped_steps == 0 and result.counters.get("gone", 0) == 0
     assert [h["steps"] for h in result.history] == [sum(spe)] and result.history[0]["resumed"]

@@ -24,14 +24,25 @@ def test_the_table_row_by_row():
 def test_the_planner_reads_auto_from_the_table_and_takes_given_options_as_given(world):
     row = auto_for(world)
     plan = plan_steps(TrainConfig(epochs=3), world, 100)
-    assert (plan.momentum_ceiling, plan.cap_share, plan.apply_scale, plan.lr_factor) == (row.momentum, row.step_cap, 1.0, 1.0)
+    assert (plan.momentum_ceiling, plan.cap_share, plan.apply_scale, plan.lr_factor) == (
+        row.momentum,
+        row.step_cap,
+        1.0,
+        1.0,
+    )
     rule = plan.rule
     assert isinstance(rule, CalibratedThreshold)
     # the cap takes the decay's lower lr's place
     assert (rule.decay_from, rule.decay_lr_power, rule.warmup_density) == (row.decay_from, 0.0, row.warmup_density)
-    given = plan_steps(TrainConfig(epochs=3,
-                                   compression=Compression(optimizer_momentum="keep", step_cap=None, aggregate="mean")), world, 100)
+    given = plan_steps(
+        TrainConfig(epochs=3, compression=Compression(optimizer_momentum="keep", step_cap=None, aggregate="mean")),
+        world,
+        100,
+    )
     assert (given.momentum_ceiling, given.cap_share, given.apply_scale) == (None, None, 1.0 / world)
     uncapped = plan_steps(TrainConfig(epochs=3, compression=Compression(step_cap=None)), world, 100).rule
     assert isinstance(uncapped, CalibratedThreshold) and uncapped.decay_lr_power == (0.35 if world >= 32 else 0.0)
-    assert forwarding_for("auto", world) == row.forwarding and forwarding_for("auto", world, checkpointed=True) == "per-rank"
+    assert (
+        forwarding_for("auto", world) == row.forwarding
+        and forwarding_for("auto", world, checkpointed=True) == "per-rank"
+    )

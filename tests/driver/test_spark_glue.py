@@ -1,4 +1,5 @@
-"""gradshare.driver.session and gradshare.replica.flat: data validation, materialisation (memory and spill), slots, buffer."""
+"""gradshare.driver.session and gradshare.replica.flat: data validation, materialisation (memory and spill), slots,
+buffer."""
 
 import os
 
@@ -94,8 +95,9 @@ def test_flat_params_are_views_into_one_buffer():
     assert flat.n_params == 4 * 3 + 3 + 3 * 2 + 2
     np.testing.assert_array_equal(flat.array, before.numpy())
     flat.array[:] += 1.0  # writing the array changes the module without copies
-    np.testing.assert_array_equal(torch.cat([p.detach().flatten() for p in model.parameters()]).numpy(),
-                                  before.numpy() + 1.0)
+    np.testing.assert_array_equal(
+        torch.cat([p.detach().flatten() for p in model.parameters()]).numpy(), before.numpy() + 1.0
+    )
     out = model(torch.ones(1, 4)).sum()
     out.backward()  # autograd still works on the views
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -43,8 +43,14 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
     X_train, X_test, y_train, y_test = digits_split(0)
     rows = list(zip(X_train[:400], (int(v) for v in y_train[:400])))
     rdd = spark.sparkContext.parallelize(rows, 2)
-    trainer = SharedTrainer(mlp, epochs=2, batch_size=32, validation_data=(X_test, y_test), **LOOPBACK,
-                            runtime=Runtime(mlflow={"experiment": "gradshare-test", "run_name": "digits", "tags": {"team": "ml"}}))
+    trainer = SharedTrainer(
+        mlp,
+        epochs=2,
+        batch_size=32,
+        validation_data=(X_test, y_test),
+        **LOOPBACK,
+        runtime=Runtime(mlflow={"experiment": "gradshare-test", "run_name": "digits", "tags": {"team": "ml"}}),
+    )
     result = trainer.fit(rdd)
 
     runs = _runs(store, "gradshare-test")
@@ -53,25 +59,38 @@ def test_one_fit_is_one_mlflow_run_with_params_metrics_and_the_model(spark, stor
     assert run.info.status == "FINISHED" and run.info.run_name == "digits" and run.data.tags["team"] == "ml"
     params = run.data.params
     assert params["threshold"] == "auto" and params["epochs"] == "2" and params["batch_size"] == "32"
-    assert params["model"] == "gradshare.demo.mlp" and params["compression.staleness"] == "0" and params["network.bind"] == "127.0.0.1"
+    assert (
+        params["model"] == "gradshare.demo.mlp"
+        and params["compression.staleness"] == "0"
+        and params["network.bind"] == "127.0.0.1"
+    )
     assert params["validation_data"] == "(float32[450, 64], int64[450])"
     assert params["world_size"] == "2" and params["n_params"] == str(result.n_params)
     assert params["fit.loss"] == result.extra["loss"]
 
     for key in ("loss", "val_metric", "tau", "sparsity", "bytes_sent", "bytes_received", "seconds"):
         logged = store.get_metric_history(run.info.run_id, key)
-        assert [(m.step, m.value) for m in sorted(logged, key=lambda m: m.step)] == \
-            [(row["epoch"], pytest.approx(float(row[key]))) for row in result.history], key
+        assert [(m.step, m.value) for m in sorted(logged, key=lambda m: m.step)] == [
+            (row["epoch"], pytest.approx(float(row[key]))) for row in result.history
+        ], key
     assert run.data.metrics["traffic_ratio"] == pytest.approx(result.traffic_ratio)
 
-    path = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model/state_dict.pt",
-                                               dst_path=str(tmp_path / "dl"), tracking_uri=mlflow.get_tracking_uri())
+    path = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id,
+        artifact_path="model/state_dict.pt",
+        dst_path=str(tmp_path / "dl"),
+        tracking_uri=mlflow.get_tracking_uri(),
+    )
     state = torch.load(path)
     assert state.keys() == result.model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in result.model.state_dict().items())
     assert {f.path for f in store.list_artifacts(run.info.run_id)} == {"history.json", "model"}
-    history = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="history.json",
-                                                  dst_path=str(tmp_path / "dl"), tracking_uri=mlflow.get_tracking_uri())
+    history = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id,
+        artifact_path="history.json",
+        dst_path=str(tmp_path / "dl"),
+        tracking_uri=mlflow.get_tracking_uri(),
+    )
     assert json.load(open(history)) == json.loads(json.dumps(result.history))
 
     # the same fit drawn: a PNG with the validation panel
@@ -116,27 +135,51 @@ def test_a_logging_failure_after_the_fit_keeps_the_result_and_says_so(store, mon
     assert run.info.status == "FAILED" and run.data.params["epochs"] == "3"
 
 
-@pytest.mark.parametrize("value, error, match", [
-    ("yes", TypeError, "mlflow must be None, True or a dict"),
-    ({"experiment_name": "x"}, ValueError, r"unknown key\(s\) \['experiment_name'\]"),
-    ({"run_name": ""}, ValueError, r"mlflow\['run_name'\] must be a non-empty string"),
-    ({"log_model": "no"}, ValueError, r"mlflow\['log_model'\] must be True or False"),
-])
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        ("yes", TypeError, "mlflow must be None, True or a dict"),
+        ({"experiment_name": "x"}, ValueError, r"unknown key\(s\) \['experiment_name'\]"),
+        ({"run_name": ""}, ValueError, r"mlflow\['run_name'\] must be a non-empty string"),
+        ({"log_model": "no"}, ValueError, r"mlflow\['log_model'\] must be True or False"),
+    ],
+)
 def test_bad_mlflow_option_fails_at_construction(value, error, match):
     with pytest.raises(error, match=match):
         SharedTrainer(mlp, runtime=Runtime(mlflow=value))
 
 
 def _result(history, n_params=1000, world_size=2) -> FitResult:
-    return FitResult(model=None, history=history, counters={}, worker_reports=[], param_hash="",
-                     world_size=world_size, n_params=n_params, steps=sum(r["steps"] for r in history),
-                     resumed_from=0, seconds=1.5)
+    return FitResult(
+        model=None,
+        history=history,
+        counters={},
+        worker_reports=[],
+        param_hash="",
+        world_size=world_size,
+        n_params=n_params,
+        steps=sum(r["steps"] for r in history),
+        resumed_from=0,
+        seconds=1.5,
+    )
 
 
 def _row(epoch, val=None):
-    return {"epoch": epoch, "steps": 20, "loss": 2.0 / (epoch + 1), "sparsity": 2e-3, "payload_bytes": 900,
-            "bytes_sent": 4000 + epoch, "bytes_received": 4100, "tau": 1e-3, "lr": 1e-3, "silent_steps": 0,
-            "seconds": 0.4, "val_metric": val, "loss_fn": "CrossEntropyLoss"}
+    return {
+        "epoch": epoch,
+        "steps": 20,
+        "loss": 2.0 / (epoch + 1),
+        "sparsity": 2e-3,
+        "payload_bytes": 900,
+        "bytes_sent": 4000 + epoch,
+        "bytes_received": 4100,
+        "tau": 1e-3,
+        "lr": 1e-3,
+        "silent_steps": 0,
+        "seconds": 0.4,
+        "val_metric": val,
+        "loss_fn": "CrossEntropyLoss",
+    }
 
 
 def _assert_png(path) -> None:
@@ -145,9 +188,9 @@ def _assert_png(path) -> None:
     assert data[:8] == PNG_SIGNATURE and len(data) > 10_000, (path, len(data))
     pos, kinds = 8, []
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         assert zlib.crc32(kind + body) == crc, kind
         kinds.append(kind)
         pos += 12 + length

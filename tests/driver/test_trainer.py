@@ -72,8 +72,9 @@ def test_digits_two_workers_match_single_process_at_a_fraction_of_the_traffic(sp
 
 def _fit_digits(digits_rdd, **kw):
     rdd, (X_test, y_test) = digits_rdd
-    result = SharedTrainer(mlp, batch_size=32, epochs=kw.pop("epochs", 6), seed=3,
-                           **in_groups({**LOOPBACK, **kw})).fit(rdd)  # grouped options named flat
+    result = SharedTrainer(mlp, batch_size=32, epochs=kw.pop("epochs", 6), seed=3, **in_groups({**LOOPBACK, **kw})).fit(
+        rdd
+    )  # grouped options named flat
     return result, evaluate_accuracy(result.model, X_test, y_test)
 
 
@@ -102,8 +103,9 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
 
     _, (X_test, y_test) = digits_rdd
     plain, _ = _fit_digits(digits_rdd, epochs=2, staleness=1)
-    timed, _ = _fit_digits(digits_rdd, epochs=2, staleness=1, validation_data=(X_test, y_test),
-                           worker_options={"profile": True})
+    timed, _ = _fit_digits(
+        digits_rdd, epochs=2, staleness=1, validation_data=(X_test, y_test), worker_options={"profile": True}
+    )
     assert timed.param_hash == plain.param_hash  # the timers do not change what is trained
     assert "profile" not in plain.worker_reports[0]
     general, acc = _fit_digits(digits_rdd, epochs=2, staleness=1, worker_options={"direct_update": False})
@@ -121,7 +123,9 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
         assert np.all(np.array([steps[p] for p in PHASES]) >= 0) and np.all(phases <= walls)
         assert np.sum(steps["compute"]) > 0 and np.sum(steps["encode"]) > 0
         assert np.all(np.array(steps["cpu"]) <= walls + 0.02)  # thread CPU clock: coarser than perf_counter
-        assert prof["threads_cpu"]["(calling thread)"] > 0 and any(k.startswith("gradshare-peer") for k in prof["threads_cpu"])
+        assert prof["threads_cpu"]["(calling thread)"] > 0 and any(
+            k.startswith("gradshare-peer") for k in prof["threads_cpu"]
+        )
         # /proc/net/dev is always readable on Linux (None only where it does not exist). The counter
         # spans the steps and counts the whole namespace; the first epoch's updates were surely sent
         # within it (with k = 1 the second epoch's steps wait for them), so they bound it from below.
@@ -133,8 +137,9 @@ def test_profiled_workers_train_the_same_and_account_for_their_steps(digits_rdd)
             assert clocks[0] < clocks[1] and clocks[1] == pytest.approx(walls.sum())
     s = summarise(timed.worker_reports[0]["profile"]["steps"], warmup=2)
     assert s["other"] == pytest.approx(s["wall"] - sum(s[p] for p in ("compute", "encode", "send", "wait", "apply")))
-    assert s["compute"] == pytest.approx(sum(s["detail"][p] for p in
-                                             ("batch", "lookahead", "compute", "snapshot", "optimizer")))
+    assert s["compute"] == pytest.approx(
+        sum(s["detail"][p] for p in ("batch", "lookahead", "compute", "snapshot", "optimizer"))
+    )
 
 
 def test_worker_options_are_checked_by_name():
@@ -155,7 +160,8 @@ def test_dataframe_with_vector_and_array_columns(spark):
     model = lambda: nn.Linear(4, 2)  # noqa: E731
     for df, cols, dtype in ((vec, ("features", "label"), "int64"), (arr, ("f", "y"), None)):
         r = SharedTrainer(model, epochs=2, batch_size=8, **LOOPBACK, runtime=Runtime(label_dtype=dtype)).fit(
-            df.repartition(2), features_col=cols[0], label_col=cols[1])
+            df.repartition(2), features_col=cols[0], label_col=cols[1]
+        )
         assert r.world_size == 2 and r.steps == 2 * 4
     with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
         SharedTrainer(model, **LOOPBACK).fit(arr, features_col="nope", label_col="y")
@@ -210,17 +216,42 @@ def _bad_cases(spark):
     good = [(np.zeros(3, np.float32), 1)] * 8
     return [
         ("slots", dict(num_workers=3), small_rdd(spark), ValueError, r"3 workers need 3 free slots.*2 slots"),
-        ("empty", {}, small_rdd(spark, good, 1).union(spark.sparkContext.parallelize([], 1)), ValueError,
-         "partition 1 is empty"),
-        ("shapes", {}, small_rdd(spark, good[:7] + [(np.zeros(5, np.float32), 1)], 2), ValueError,
-         r"partition 1 row 3: features of shape \(5,\)"),
-        ("label", {}, small_rdd(spark, good[:5] + [(np.zeros(3, np.float32), "seven")] + good[:2], 2), TypeError,
-         "partition 1 row 1: label 'seven'"),
+        (
+            "empty",
+            {},
+            small_rdd(spark, good, 1).union(spark.sparkContext.parallelize([], 1)),
+            ValueError,
+            "partition 1 is empty",
+        ),
+        (
+            "shapes",
+            {},
+            small_rdd(spark, good[:7] + [(np.zeros(5, np.float32), 1)], 2),
+            ValueError,
+            r"partition 1 row 3: features of shape \(5,\)",
+        ),
+        (
+            "label",
+            {},
+            small_rdd(spark, good[:5] + [(np.zeros(3, np.float32), "seven")] + good[:2], 2),
+            TypeError,
+            "partition 1 row 1: label 'seven'",
+        ),
         ("frozen", dict(model=Frozen), small_rdd(spark), ValueError, "no trainable parameters"),
-        ("user", dict(model=Exploding), small_rdd(spark), TrainingError,
-         r"worker rank \d failed: RuntimeError: user model exploded on purpose"),
-        ("unreachable", dict(advertise_host="127.0.0.2", timeout=2.0), small_rdd(spark), TransportTimeout,
-         r"worker rank \d failed: TransportTimeout: .*127\.0\.0\.2"),
+        (
+            "user",
+            dict(model=Exploding),
+            small_rdd(spark),
+            TrainingError,
+            r"worker rank \d failed: RuntimeError: user model exploded on purpose",
+        ),
+        (
+            "unreachable",
+            dict(advertise_host="127.0.0.2", timeout=2.0),
+            small_rdd(spark),
+            TransportTimeout,
+            r"worker rank \d failed: TransportTimeout: .*127\.0\.0\.2",
+        ),
     ]
 
 
@@ -310,10 +341,16 @@ finally:
 
 
 def test_local_cluster_separate_executor_jvms():
-    env = {**os.environ, "PYTHONPATH": ROOT, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    proc = subprocess.run([sys.executable, "-c", LOCAL_CLUSTER], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCAL_CLUSTER], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["packages"] == [os.path.join(ROOT, "gradshare")] * 2  # executors run this tree
@@ -366,28 +403,37 @@ class _NotAScheduler:
         self.opt = opt
 
 
-@pytest.mark.parametrize("kwargs, error, match", [  # groups as dicts: made inside the raises block
-    ({"lr_scheduler": "cosine"}, TypeError, "lr_scheduler must be a factory"),
-    ({"runtime": {"scheduler_interval": "batch"}}, ValueError, "scheduler_interval"),
-    ({"threshold": "auto", "compression": {"threshold_algorithm": "fixed"}}, ValueError, "contradicts"),
-    ({"threshold": 1e-3, "compression": {"density": 1e-2}}, ValueError, "density tune threshold='auto'"),
-    ({"threshold": 1e-3, "compression": {"warmup": 1}}, ValueError, "warmup tune"),
-    ({"threshold": "fast"}, ValueError, "'auto' or a positive"),
-    ({"compression": {"density": 0.0}}, ValueError, "density"),
-    ({"compression": {"warmup": -1}}, ValueError, "warmup"),
-    ({"compression": {"aggregate": "avg"}}, ValueError, "aggregate must be 'sum' or 'mean'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [  # groups as dicts: made inside the raises block
+        ({"lr_scheduler": "cosine"}, TypeError, "lr_scheduler must be a factory"),
+        ({"runtime": {"scheduler_interval": "batch"}}, ValueError, "scheduler_interval"),
+        ({"threshold": "auto", "compression": {"threshold_algorithm": "fixed"}}, ValueError, "contradicts"),
+        ({"threshold": 1e-3, "compression": {"density": 1e-2}}, ValueError, "density tune threshold='auto'"),
+        ({"threshold": 1e-3, "compression": {"warmup": 1}}, ValueError, "warmup tune"),
+        ({"threshold": "fast"}, ValueError, "'auto' or a positive"),
+        ({"compression": {"density": 0.0}}, ValueError, "density"),
+        ({"compression": {"warmup": -1}}, ValueError, "warmup"),
+        ({"compression": {"aggregate": "avg"}}, ValueError, "aggregate must be 'sum' or 'mean'"),
+    ],
+)
 def test_bad_convergence_options_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         SharedTrainer(mlp, **kwargs)
 
 
-@pytest.mark.parametrize("factory, error, match", [
-    (_NotAScheduler, TypeError, "must return a torch.optim.lr_scheduler.LRScheduler"),
-    (lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt), ValueError, "ReduceLROnPlateau"),
-    (lambda opt: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 5),
-     ValueError, "bound to another optimizer"),
-])
+@pytest.mark.parametrize(
+    "factory, error, match",
+    [
+        (_NotAScheduler, TypeError, "must return a torch.optim.lr_scheduler.LRScheduler"),
+        (lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt), ValueError, "ReduceLROnPlateau"),
+        (
+            lambda opt: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 5),
+            ValueError,
+            "bound to another optimizer",
+        ),
+    ],
+)
 def test_a_bad_scheduler_fails_before_any_spark_job(digits_rdd, spark, factory, error, match):
     rdd, _ = digits_rdd
     tracker = spark.sparkContext.statusTracker()

@@ -73,10 +73,16 @@ def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
 
     small, large = (start_rule(16, n, epochs=8, step_cap=None) for n in (16, 64))
     assert small.decay_from == 0.0 and small.lr_factor(0, N_PARAMS) == 1.0  # below 32 workers: as it was
-    assert (large.decay_from, large.decay_lr_power, large.decay_steps) == (DEFAULT_DECAY_FROM, DEFAULT_DECAY_LR_POWER, 8 * 16)
+    assert (large.decay_from, large.decay_lr_power, large.decay_steps) == (
+        DEFAULT_DECAY_FROM,
+        DEFAULT_DECAY_LR_POWER,
+        8 * 16,
+    )
     assert large.target(0, N_PARAMS) == pytest.approx(DEFAULT_DECAY_FROM)
     assert large.target(8 * 16, N_PARAMS) == pytest.approx(DEFAULT_DENSITY)
-    assert large.lr_factor(0, N_PARAMS) == pytest.approx((DEFAULT_DENSITY / DEFAULT_DECAY_FROM) ** DEFAULT_DECAY_LR_POWER)
+    assert large.lr_factor(0, N_PARAMS) == pytest.approx(
+        (DEFAULT_DENSITY / DEFAULT_DECAY_FROM) ** DEFAULT_DECAY_LR_POWER
+    )
     given = CalibratedThreshold(density=1e-3, decay_from=0.01)  # a user's rule: its decay spans the run too
     users = start_rule(10, 64, epochs=3, threshold_algorithm=given)
     assert (users.decay_from, users.decay_steps, given.decay_steps) == (0.01, 30, 0)
@@ -86,16 +92,18 @@ def test_the_default_rule_decays_the_density_over_the_run_from_32_workers():
     with pytest.raises(ValueError, match="decay_from"):
         SharedTrainer(nn.Linear(4, 2), compression=Compression(decay_from=1.5))
     with pytest.raises(ValueError, match="decay_from"):
-        SharedTrainer(nn.Linear(4, 2), threshold=1e-3, compression=Compression(decay_from=0.02))  # it tunes threshold="auto"
+        SharedTrainer(
+            nn.Linear(4, 2), threshold=1e-3, compression=Compression(decay_from=0.02)
+        )  # it tunes threshold="auto"
 
 
 def test_from_32_workers_the_default_caps_each_step_and_decays_the_density_at_the_full_lr():
     from gradshare.encoding.threshold import DEFAULT_DECAY_FROM
 
-    capped = start_rule(16, 64, epochs=8)           # step_cap="auto": 0.1 from 32 workers on
+    capped = start_rule(16, 64, epochs=8)  # step_cap="auto": 0.1 from 32 workers on
     assert (capped.decay_from, capped.decay_lr_power) == (DEFAULT_DECAY_FROM, 0.0)
     assert capped.lr_factor(0, N_PARAMS) == 1.0
-    assert start_rule(16, 64, epochs=8, step_cap=0.2).decay_lr_power == 0.0   # a given cap too
+    assert start_rule(16, 64, epochs=8, step_cap=0.2).decay_lr_power == 0.0  # a given cap too
     assert start_rule(16, 4, step_cap=0.1, decay_from=0.05).decay_lr_power == 0.0
 
 

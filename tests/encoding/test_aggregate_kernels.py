@@ -52,8 +52,12 @@ def state_with(r: np.ndarray, bound: np.ndarray) -> agg.AggregateState:
 
 
 @SETTINGS
-@given(residuals(nonfinite=True), st.sampled_from([SPARSE, RICE, BITMAP]), st.integers(0, 2**32 - 1),
-       st.sampled_from([1e-3, 0.7, 1e30]))
+@given(
+    residuals(nonfinite=True),
+    st.sampled_from([SPARSE, RICE, BITMAP]),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1e-3, 0.7, 1e30]),
+)
 def test_add_matches_the_codec_and_raises_the_bound(data, form, seed, msg_tau):
     r, bound, _ = data
     rng = np.random.default_rng(seed)
@@ -87,7 +91,7 @@ def test_encode_matches_the_plain_encoder_and_tightens_the_bound(data):
     want_r, want_codes = naive.accumulate_encode(r, None, tau)
     assert same_bits(state.residual, want_r)
     plain = r.copy()
-    assert got == encode(plain, None, tau) and same_bits(plain, want_r)    # the same message, form included
+    assert got == encode(plain, None, tau) and same_bits(plain, want_r)  # the same message, form included
     gi, gs = decode_entries(got)
     np.testing.assert_array_equal((gi << 1) | (gs < 0), want_codes)
     # a block read (bound not below τ) gets its exact maximum; one skipped keeps its bound; all still cover

@@ -34,8 +34,9 @@ def messages(draw):
 
 
 def naive_codes(message: Message) -> list[int]:
-    return [] if message.form == "empty" else PARSERS[message.form](message.payload, message.n_entries,
-                                                                    message.n_params)
+    return (
+        [] if message.form == "empty" else PARSERS[message.form](message.payload, message.n_entries, message.n_params)
+    )
 
 
 @SETTINGS
@@ -73,7 +74,7 @@ def test_a_form_decodes_a_batch_from_any_cursor_as_the_naive_parser(case, batch,
     cursor = form.decode_batch(message.reader, form.start, out, skip)
     cnt = min(batch, len(want) - skip)
     form.decode_batch(message.reader, cursor, out, cnt)
-    assert out[:cnt].tolist() == want[skip:skip + cnt]
+    assert out[:cnt].tolist() == want[skip : skip + cnt]
 
 
 def test_the_empty_form_decodes_nothing_and_refuses_a_count():

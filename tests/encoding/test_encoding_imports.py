@@ -46,7 +46,7 @@ def test_the_encoding_package_has_no_import_cycle():
 
     def visit(m: str, path: list[str]) -> None:
         if m in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
         if m in done:
             return
         for t in sorted(graph[m]):

@@ -22,9 +22,24 @@ def _specials(tau: float) -> np.ndarray:
     tiny = np.float32(1e-45)  # smallest subnormal
     return np.array(
         [
-            t, -t, np.nextafter(t, np.float32(0)), -np.nextafter(t, np.float32(0)),
-            np.nextafter(t, np.float32(np.inf)), 2 * t, -2 * t, t / 2, -t / 2, 0.0, -0.0,
-            tiny, -tiny, np.float32(1.17e-38) / 3, 1e37, -1e37, 3e36, -3e36,
+            t,
+            -t,
+            np.nextafter(t, np.float32(0)),
+            -np.nextafter(t, np.float32(0)),
+            np.nextafter(t, np.float32(np.inf)),
+            2 * t,
+            -2 * t,
+            t / 2,
+            -t / 2,
+            0.0,
+            -0.0,
+            tiny,
+            -tiny,
+            np.float32(1.17e-38) / 3,
+            1e37,
+            -1e37,
+            3e36,
+            -3e36,
         ],
         dtype=np.float32,
     )
@@ -286,16 +301,15 @@ def test_kernels_under_disabled_jit_match_the_jitted_ones(tmp_path):
     )
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # naive.py lives in tests/
-    out = subprocess.run(
-        [sys.executable, str(script), tests_dir], env=env, capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
     assert int(out.stdout.split()[1]) > 0
 
 
-@pytest.mark.parametrize("n", [1, K.SUB - 1, K.SUB, K.SUB + 1, K.BLOCK - 1, K.BLOCK, K.BLOCK + 1,
-                               2 * K.BLOCK + K.SUB + 1])
+@pytest.mark.parametrize(
+    "n", [1, K.SUB - 1, K.SUB, K.SUB + 1, K.BLOCK - 1, K.BLOCK, K.BLOCK + 1, 2 * K.BLOCK + K.SUB + 1]
+)
 def test_entries_at_block_and_sub_block_edges_are_all_found(n):
     # The fused pass scans a block only where its count says an entry is, and a sub-block only where
     # its own count does: an entry on the first or last element of either, in a short tail block, or

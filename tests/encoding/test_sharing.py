@@ -34,8 +34,13 @@ def _vector(kind, n, seed, zero_share):
 
 
 @settings(max_examples=60, deadline=None)
-@given(kind=st.sampled_from(["normal", "heavy", "mostly_zero"]), n=st.integers(2_000, 300_000),
-       seed=st.integers(0, 2**32 - 1), density=st.floats(1e-3, 0.2), zero_share=st.floats(0.5, 0.999))
+@given(
+    kind=st.sampled_from(["normal", "heavy", "mostly_zero"]),
+    n=st.integers(2_000, 300_000),
+    seed=st.integers(0, 2**32 - 1),
+    density=st.floats(1e-3, 0.2),
+    zero_share=st.floats(0.5, 0.999),
+)
 def test_calibration_sends_about_the_target_density(kind, n, seed, density, zero_share):
     u = _vector(kind, n, seed, zero_share)
     state = SharingState(n, CalibratedThreshold(density=density, min_entries=0))
@@ -80,7 +85,7 @@ def test_run_long_decay_is_a_floor_under_the_warm_up_and_ends_at_the_density():
     rule = CalibratedThreshold(density=2e-3, warmup_steps=48, warmup_density=3e-3, decay_from=0.02, decay_steps=128)
     targets = [rule.target(t, 10**7) for t in range(140)]
     assert targets[0] == pytest.approx(0.02)
-    assert targets[64] == pytest.approx(2e-3 * 10 ** 0.5)  # halfway, geometrically
+    assert targets[64] == pytest.approx(2e-3 * 10**0.5)  # halfway, geometrically
     assert all(a > b for a, b in zip(targets[:128], targets[1:129]))
     assert targets[128:] == [2e-3] * 12
     high = CalibratedThreshold(density=2e-3, warmup_steps=10, warmup_density=0.5, decay_from=0.02, decay_steps=128)
@@ -100,7 +105,7 @@ def test_run_long_decay_is_a_floor_under_the_warm_up_and_ends_at_the_density():
 
 def test_lr_factor_shrinks_the_step_while_the_decay_holds_the_density_up():
     rule = CalibratedThreshold(density=2e-3, decay_from=0.02, decay_steps=100, decay_lr_power=0.5)
-    assert rule.lr_factor(0, 10**7) == pytest.approx(0.1 ** 0.5)
+    assert rule.lr_factor(0, 10**7) == pytest.approx(0.1**0.5)
     assert rule.lr_factor(50, 10**7) == pytest.approx((2e-3 / rule.target(50, 10**7)) ** 0.5)
     assert rule.lr_factor(100, 10**7) == 1.0
     assert CalibratedThreshold(density=2e-3, decay_from=0.02, decay_steps=100).lr_factor(0, 10**7) == 1.0
@@ -118,11 +123,17 @@ def test_small_models_send_at_least_min_entries():
     assert ramp.target(0, 70_000) == pytest.approx(512 / 70_000)  # the warm-up never goes below the floor
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"density": 0}, "density"), ({"density": 1.5}, "density"), ({"warmup_steps": -1}, "warmup_steps"),
-    ({"warmup_steps": 1.5}, "warmup_steps"), ({"warmup_density": 2.0}, "warmup_density"),
-    ({"min_entries": -1}, "min_entries"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"density": 0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"warmup_density": 2.0}, "warmup_density"),
+        ({"min_entries": -1}, "min_entries"),
+    ],
+)
 def test_calibrated_threshold_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CalibratedThreshold(**kwargs)
@@ -130,8 +141,7 @@ def test_calibrated_threshold_bad_arguments(kwargs, match):
 
 def test_warmup_sends_more_in_the_first_steps():
     rng = np.random.default_rng(0)
-    state = SharingState(50_000, CalibratedThreshold(density=1e-3, warmup_steps=10, warmup_density=5e-2,
-                                                     min_entries=0))
+    state = SharingState(50_000, CalibratedThreshold(density=1e-3, warmup_steps=10, warmup_density=5e-2, min_entries=0))
     counts = []
     for t in range(15):
         state.residual += rng.standard_normal(50_000).astype(np.float32) * 1e-3
@@ -142,15 +152,26 @@ def test_warmup_sends_more_in_the_first_steps():
 
 def _lr_sequence(rng, steps):
     """A schedule with warm-up, plateaus, decay and a jump back up: every kind of change."""
-    lr = np.concatenate([np.linspace(1e-4, 1e-2, steps // 4), np.full(steps // 4, 1e-2),
-                         1e-2 * 0.5 ** np.arange(steps // 4), np.full(steps - 3 * (steps // 4), 3e-3)])
+    lr = np.concatenate(
+        [
+            np.linspace(1e-4, 1e-2, steps // 4),
+            np.full(steps // 4, 1e-2),
+            1e-2 * 0.5 ** np.arange(steps // 4),
+            np.full(steps - 3 * (steps // 4), 3e-3),
+        ]
+    )
     return lr * rng.uniform(0.9, 1.1, steps)
 
 
-@pytest.mark.parametrize("make_rule", [
-    lambda: CalibratedThreshold(density=1e-2), lambda: FixedThreshold(5e-3),
-    lambda: AdaptiveThreshold(initial=5e-3),
-], ids=["calibrated", "fixed", "adaptive"])
+@pytest.mark.parametrize(
+    "make_rule",
+    [
+        lambda: CalibratedThreshold(density=1e-2),
+        lambda: FixedThreshold(5e-3),
+        lambda: AdaptiveThreshold(initial=5e-3),
+    ],
+    ids=["calibrated", "fixed", "adaptive"],
+)
 @pytest.mark.parametrize("follow_lr", [True, False])
 def test_lr_correction_keeps_error_feedback_exact_in_lr_units(make_rule, follow_lr):
     # The oracle, in float64: with follow_lr, Σ sent_t/η_t + r_T/η_T = Σ u_t/η_t; without it the plain
@@ -170,8 +191,9 @@ def test_lr_correction_keeps_error_feedback_exact_in_lr_units(make_rule, follow_
         sent += decode(m).astype(np.float64) / scale
         target += u.astype(np.float64) / scale
     last = lrs[-1] if follow_lr else 1.0
-    np.testing.assert_allclose(sent + state.residual.astype(np.float64) / last, target,
-                               rtol=0, atol=1e-4 * np.abs(target).max())
+    np.testing.assert_allclose(
+        sent + state.residual.astype(np.float64) / last, target, rtol=0, atol=1e-4 * np.abs(target).max()
+    )
     if follow_lr:  # the same run without the correction breaks the lr-unit identity
         assert state.lr == lrs[-1] and state.lr_ref == lrs[0]
 
@@ -231,7 +253,7 @@ def test_a_calibrated_density_rises_as_the_learning_rate_anneals_and_only_then()
         assert 0.5 * density * factor * n <= sent <= 2 * density * factor * n
         assert share_step(frozen, step).n_entries == share_step(flat, step).n_entries
     with pytest.raises(ValueError, match="learning rate"):
-        follows.rule.follow_lr(0.0)          # SharingState never passes a zero rate (nothing is sent there)
+        follows.rule.follow_lr(0.0)  # SharingState never passes a zero rate (nothing is sent there)
 
 
 def test_general_path_calibrates_on_residual_plus_update():

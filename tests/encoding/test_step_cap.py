@@ -25,8 +25,15 @@ DEVICE = torch.device(os.environ.get("GRADSHARE_TEST_DEVICE", "cpu"))
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def naive_capped(state: np.ndarray, codes: list[np.ndarray], taus: list[float], scale: float,
-                 starts: list[int], shares: list[float], n: int) -> tuple[np.ndarray, np.ndarray]:
+def naive_capped(
+    state: np.ndarray,
+    codes: list[np.ndarray],
+    taus: list[float],
+    scale: float,
+    starts: list[int],
+    shares: list[float],
+    n: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """(the state after the step, the factors): each tensor's bound its share of its norm in ``state``
     (inf if not capped or 0), a dense float64 sum of the messages, a loop per tensor, a loop per entry,
     one float32 addition each, in rank order."""
@@ -65,11 +72,11 @@ def steps(draw):
     n = sum(sizes)
     params = rng.standard_normal(n).astype(np.float32)
     if draw(st.booleans()):
-        lo = sum(sizes[:draw(st.integers(0, len(sizes) - 1))])
-        params[lo:lo + 1] = 0  # at least a value; a whole tensor below
+        lo = sum(sizes[: draw(st.integers(0, len(sizes) - 1))])
+        params[lo : lo + 1] = 0  # at least a value; a whole tensor below
         k = rng.integers(0, len(sizes))
         a = sum(sizes[:k])
-        params[a:a + sizes[k]] = 0
+        params[a : a + sizes[k]] = 0
     codes, taus = [], []
     for _ in range(draw(st.integers(1, 8))):
         idx = np.unique(rng.integers(0, n, size=draw(st.integers(0, min(n, 200)))))
@@ -99,7 +106,7 @@ def test_capped_step_matches_the_naive_oracle_bit_for_bit(case):
     follower = state.copy()
     apply_step(updates_of(codes, taus, n), got, scale, step_cap, followers=[follower])
     assert got.tobytes() == want.tobytes()
-    assert follower.tobytes() == want.tobytes()     # a follower moves by the same bits
+    assert follower.tobytes() == want.tobytes()  # a follower moves by the same bits
     # the torch path: the same bits
     tensor = torch.from_numpy(state.copy()).to(DEVICE)
     apply_step(updates_of(codes, taus, n), tensor, scale, step_cap)
@@ -115,11 +122,11 @@ def test_each_tensors_step_stays_within_its_bound(case):
     after = params.copy()
     apply_step(updates_of(codes, taus, params.size), after, scale, step_cap)
     moved = after.astype(np.float64) - state
-    bounds = step_cap.bounds(params, np.ones(len(sizes), bool))   # of the norms as the step starts
+    bounds = step_cap.bounds(params, np.ones(len(sizes), bool))  # of the norms as the step starts
     for lo, bound, size in zip(step_cap.starts, bounds, sizes):
         # float32 rounding of each addition: an ulp of the values moved, per entry
-        slack = 4 * float(np.sqrt(size)) * float(np.abs(after[lo:lo + size]).max(initial=1.0)) * 2.0**-23
-        assert np.linalg.norm(moved[lo:lo + size]) <= bound + slack
+        slack = 4 * float(np.sqrt(size)) * float(np.abs(after[lo : lo + size]).max(initial=1.0)) * 2.0**-23
+        assert np.linalg.norm(moved[lo : lo + size]) <= bound + slack
 
 
 @SETTINGS
@@ -137,7 +144,7 @@ def test_no_cap_or_a_cap_that_does_not_bind_is_the_plain_apply(case):
 
 
 def test_a_zero_norm_tensor_is_not_capped_and_a_binding_cap_scales_the_rest():
-    params = np.array([3.0, 4.0, 0.0, 0.0], np.float32)     # tensor 0: norm 5; tensor 1 (a zero bias): 0
+    params = np.array([3.0, 4.0, 0.0, 0.0], np.float32)  # tensor 0: norm 5; tensor 1 (a zero bias): 0
     cap = StepCap.of([2, 2], params, 0.1)
     assert cap.shares == (0.1, math.inf) and cap.bounds(params, np.ones(2, bool)).tolist() == [0.5, math.inf]
     codes = np.array([0 << 1, 1 << 1, 2 << 1, (3 << 1) | 1], np.int64)
@@ -150,16 +157,16 @@ def test_a_zero_norm_tensor_is_not_capped_and_a_binding_cap_scales_the_rest():
 
 def test_the_bound_is_the_share_of_the_norm_the_tensor_has_as_the_step_starts():
     """A tensor that grew is held less than at its start: the cap reads the parameters it is applied to."""
-    start = np.array([3.0, 4.0], np.float32)                # norm 5
+    start = np.array([3.0, 4.0], np.float32)  # norm 5
     cap = StepCap.of([2], start, 0.1)
-    grown = np.array([6.0, 8.0], np.float32)                # norm 10: bound 1.0, not 0.5
-    codes = np.array([0 << 1, 1 << 1], np.int64)            # a step of (0.6, 0.6): norm 0.85 < 1.0
+    grown = np.array([6.0, 8.0], np.float32)  # norm 10: bound 1.0, not 0.5
+    codes = np.array([0 << 1, 1 << 1], np.int64)  # a step of (0.6, 0.6): norm 0.85 < 1.0
     state = grown.copy()
     apply_step([StepUpdate(Message.from_codes(codes, 0.6, 2))], state, 1.0, cap)
-    assert state.tolist() == [np.float32(6.6), np.float32(8.6)]   # whole
+    assert state.tolist() == [np.float32(6.6), np.float32(8.6)]  # whole
     state = start.copy()
     apply_step([StepUpdate(Message.from_codes(codes, 0.6, 2))], state, 1.0, replace(cap))  # another replica's
-    step = np.float32(0.6 * (0.5 / (0.6 * math.sqrt(2.0))))         # scaled to norm 0.5
+    step = np.float32(0.6 * (0.5 / (0.6 * math.sqrt(2.0))))  # scaled to norm 0.5
     assert state.tolist() == [np.float32(3.0 + step), np.float32(4.0 + step)]
 
 
@@ -173,7 +180,7 @@ def test_the_norms_a_replica_remembers_never_change_what_it_adds(case, rounds):
     remembering = StepCap.of(sizes, params, cap)
     kept, fresh = params.copy(), params.copy()
     for r in range(rounds):
-        step = [c[(np.arange(c.size) + r) % 3 != 0] for c in codes]   # each round a different part of each
+        step = [c[(np.arange(c.size) + r) % 3 != 0] for c in codes]  # each round a different part of each
         apply_step(updates_of(step, taus, params.size), kept, scale, remembering)
         apply_step(updates_of(step, taus, params.size), fresh, scale, replace(remembering))
         assert kept.tobytes() == fresh.tobytes()
@@ -188,7 +195,7 @@ def test_tensor_norms_match_a_naive_sum_and_do_not_depend_on_where_they_lie(seed
     which = rng.random(len(sizes)) < 0.7
     got = tensor_norms2(values, starts, which)
     for k, (lo, size) in enumerate(zip(starts.tolist(), sizes)):
-        want = math.fsum(float(x) ** 2 for x in values[lo:lo + size]) if which[k] else 0.0
+        want = math.fsum(float(x) ** 2 for x in values[lo : lo + size]) if which[k] else 0.0
         assert got[k] == pytest.approx(want, rel=1e-12, abs=0)
     # the same values at another offset in memory (the relay's array, a worker's state): the same bits
     shifted = np.zeros(values.size + offset, np.float32)

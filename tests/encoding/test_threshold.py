@@ -26,7 +26,7 @@ from gradshare.encoding import threshold as T
 def test_dl4j_defaults():
     a = AdaptiveThreshold()
     assert (a.threshold, a.min_sparsity, a.max_sparsity) == (float(np.float32(1e-3)), 1e-4, 1e-2)
-    assert math.isclose(a.decay ** 20, 0.5)
+    assert math.isclose(a.decay**20, 0.5)
     c = ResidualClipping()
     assert (c.clip, c.every) == (5.0, 5)
 
@@ -42,7 +42,7 @@ def test_adaptive_moves_toward_its_band(initial, sparsities):
     for s in sparsities:
         before = rule.threshold
         after = rule.update(int(s * n), n)
-        ratio = (int(s * n) / n)
+        ratio = int(s * n) / n
         if ratio < rule.min_sparsity:
             assert math.isclose(after, before * rule.decay)  # fewer entries than wanted: lower τ
         elif ratio > rule.max_sparsity:

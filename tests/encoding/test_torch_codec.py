@@ -157,8 +157,11 @@ def test_tensor_apply_matches_the_naive_oracle():
 
 @SETTINGS
 @given(
-    st.lists(st.floats(-(2.0**100), 2.0**100, width=32) | st.sampled_from([0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf]),
-             min_size=0, max_size=400),
+    st.lists(
+        st.floats(-(2.0**100), 2.0**100, width=32) | st.sampled_from([0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf]),
+        min_size=0,
+        max_size=400,
+    ),
     st.floats(1e-4, 1.0),
 )
 def test_tensor_quantile_is_the_numpy_quantile(values, density):
@@ -183,10 +186,15 @@ def test_tensor_clipping_is_numpy_clipping():
         clip.apply(torch.zeros(4, dtype=torch.float64), 0.7, 2)
 
 
-@pytest.mark.parametrize("make_rule", [
-    lambda: CalibratedThreshold(density=5e-3, warmup_steps=4, min_entries=0),
-    lambda: FixedThreshold(2e-3), lambda: AdaptiveThreshold(initial=2e-3),
-], ids=["calibrated", "fixed", "adaptive"])
+@pytest.mark.parametrize(
+    "make_rule",
+    [
+        lambda: CalibratedThreshold(density=5e-3, warmup_steps=4, min_entries=0),
+        lambda: FixedThreshold(2e-3),
+        lambda: AdaptiveThreshold(initial=2e-3),
+    ],
+    ids=["calibrated", "fixed", "adaptive"],
+)
 @pytest.mark.parametrize("path", ["direct", "general"])
 def test_share_step_on_a_tensor_equals_the_numpy_state(make_rule, path):
     # Steps with a changing learning rate (follow_lr rescales the residual; 0 sends nothing), clipping every

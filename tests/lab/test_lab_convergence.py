@@ -21,23 +21,26 @@ def _args(*argv):
 
 
 # ------------------------------------------------------------------------------------------ arguments
-@pytest.mark.parametrize("argv, flag", [
-    (("--workloads", "mlp,resnet"), "--workloads"),
-    (("--schedules", "cosine,linear"), "--schedules"),
-    (("--systems", "gradshare,powersgd"), "--systems"),
-    (("--seeds", "0,x"), "--seeds"),
-    (("--seeds", "0,0"), "--seeds"),
-    (("--seeds", "-1"), "--seeds"),
-    (("--workers", "1,2"), "--workers"),
-    (("--workers", ""), "--workers"),
-    (("--epochs", "0"), "--epochs"),
-    (("--batch-size", "0"), "--batch-size"),
-    (("--rows", "0"), "--rows"),
-    (("--budget", "0"), "--budget"),
-    (("--threshold", "-0.01"), "--threshold"),
-    (("--threshold", "automatic"), "--threshold"),
-    (("--threshold", "nan"), "--threshold"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (("--workloads", "mlp,resnet"), "--workloads"),
+        (("--schedules", "cosine,linear"), "--schedules"),
+        (("--systems", "gradshare,powersgd"), "--systems"),
+        (("--seeds", "0,x"), "--seeds"),
+        (("--seeds", "0,0"), "--seeds"),
+        (("--seeds", "-1"), "--seeds"),
+        (("--workers", "1,2"), "--workers"),
+        (("--workers", ""), "--workers"),
+        (("--epochs", "0"), "--epochs"),
+        (("--batch-size", "0"), "--batch-size"),
+        (("--rows", "0"), "--rows"),
+        (("--budget", "0"), "--budget"),
+        (("--threshold", "-0.01"), "--threshold"),
+        (("--threshold", "automatic"), "--threshold"),
+        (("--threshold", "nan"), "--threshold"),
+    ],
+)
 def test_settings_reject_bad_arguments_naming_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         convergence.settings(_args(*argv))
@@ -85,7 +88,7 @@ def test_schedule_factory_matches_the_formulas():
     T = 8
     assert _lrs("constant", T, T + 2) == [1e-3] * (T + 2)
     cosine = _lrs("cosine", T, T + 3)
-    assert cosine[:T + 1] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * t / T)) for t in range(T + 1)])
+    assert cosine[: T + 1] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * t / T)) for t in range(T + 1)])
     assert cosine[T:] == [0.0, 0.0, 0.0]  # exactly 0 from step T on (a rank stepping past T stays there)
     assert cosine[T - 1] > 0  # the run's own last step still moves the model
     # ×0.1 once half the steps are done, again at three quarters
@@ -111,8 +114,24 @@ def test_single_process_reaches_lr_zero_without_trouble():
 
 
 def test_a_configuration_out_of_budget_is_a_failed_row_with_its_curve():
-    cfg = convergence.settings(_args("--workloads", "tabular", "--systems", "single", "--rows", "256", "--epochs", "2",
-                                     "--seeds", "0", "--schedules", "step", "--budget", "1e-9"))
+    cfg = convergence.settings(
+        _args(
+            "--workloads",
+            "tabular",
+            "--systems",
+            "single",
+            "--rows",
+            "256",
+            "--epochs",
+            "2",
+            "--seeds",
+            "0",
+            "--schedules",
+            "step",
+            "--budget",
+            "1e-9",
+        )
+    )
     rows, parts = convergence_runs.run_configs(cfg, spark=None)
     (row,) = rows
     assert row["status"] == "error" and "budget after 1 of 2 epochs" in row["error"]
@@ -126,12 +145,22 @@ def test_a_configuration_out_of_budget_is_a_failed_row_with_its_curve():
 def _row(system, workers, seed, accuracy, *, workload="mlp", schedule="cosine", ratio=None, status="ok"):
     from lab.report import final_accuracy
 
-    return {"system": system, "workload": workload, "schedule": schedule, "seed": seed, "workers": workers,
-            "status": status, "target": 0.9, "accuracy": accuracy,
-            "final_accuracy": final_accuracy([(0, a) for a in accuracy]),
-            "epochs_to_target": convergence_runs.epochs_to_target(accuracy, 0.9),
-            "bytes_per_step": 1000.0 if system == "gradshare" else 4e7, "wall_seconds": 5.0, "elapsed": 7.0,
-            "traffic_ratio": ratio if system == "gradshare" else (1.0 if system == "ddp" else None)}
+    return {
+        "system": system,
+        "workload": workload,
+        "schedule": schedule,
+        "seed": seed,
+        "workers": workers,
+        "status": status,
+        "target": 0.9,
+        "accuracy": accuracy,
+        "final_accuracy": final_accuracy([(0, a) for a in accuracy]),
+        "epochs_to_target": convergence_runs.epochs_to_target(accuracy, 0.9),
+        "bytes_per_step": 1000.0 if system == "gradshare" else 4e7,
+        "wall_seconds": 5.0,
+        "elapsed": 7.0,
+        "traffic_ratio": ratio if system == "gradshare" else (1.0 if system == "ddp" else None),
+    }
 
 
 def test_epochs_to_target_is_the_first_crossing():
@@ -158,8 +187,13 @@ def test_summary_and_target_checks_met_and_missed():
     ]
     rows[6]["error"] = "TimeoutError: cancelled"
     summary = convergence.summarise(rows)
-    assert [(s["workers"], s["system"]) for s in summary] == [(1, "single"), (2, "gradshare"), (2, "ddp"),
-                                                              (4, "gradshare"), (4, "ddp")]
+    assert [(s["workers"], s["system"]) for s in summary] == [
+        (1, "single"),
+        (2, "gradshare"),
+        (2, "ddp"),
+        (4, "gradshare"),
+        (4, "ddp"),
+    ]
     gs2 = summary[1]
     assert gs2["mean"] == pytest.approx([0.75, 0.905, 0.945, 0.96, 0.965])
     assert gs2["std"][0] == pytest.approx(np.std([0.8, 0.7], ddof=1))
@@ -187,9 +221,11 @@ def test_summary_and_target_checks_met_and_missed():
 
 
 def test_checks_when_a_side_is_missing_or_never_reaches_the_target():
-    rows = [_row("gradshare", 2, 0, [0.5, 0.6], workload="tabular"),
-            _row("ddp", 2, 0, [0.5, 0.55], workload="tabular"),
-            _row("gradshare", 2, 0, [0.5, 0.95], workload="cnn", ratio=150.0)]
+    rows = [
+        _row("gradshare", 2, 0, [0.5, 0.6], workload="tabular"),
+        _row("ddp", 2, 0, [0.5, 0.55], workload="tabular"),
+        _row("gradshare", 2, 0, [0.5, 0.95], workload="cnn", ratio=150.0),
+    ]
     found = {(c["workload"], c["check"]): c for c in convergence.checks(convergence.summarise(rows))}
     assert found[("tabular", "epochs to target: gradshare ≤ DDP")]["met"] is False  # neither reached it
     assert ("tabular", "dense ÷ gradshare traffic") not in found  # no traffic target on tabular
@@ -223,12 +259,18 @@ def test_gradshare_steps_at_lr_zero_do_not_crash(spark):
     from lab import systems, workloads
 
     wl = workloads.load("tabular", 0, rows=256)
-    trainer = SharedTrainer(workloads.tabular, optimizer=systems.adam,
-                            lr_scheduler=systems.lr_scheduler_factory(
-                                "cosine", 2),
-                            num_workers=2, port=0, batch_size=64, epochs=2, verbose=0,
-                            validation_data=(wl.X_test, wl.y_test),
-                            network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"))
+    trainer = SharedTrainer(
+        workloads.tabular,
+        optimizer=systems.adam,
+        lr_scheduler=systems.lr_scheduler_factory("cosine", 2),
+        num_workers=2,
+        port=0,
+        batch_size=64,
+        epochs=2,
+        verbose=0,
+        validation_data=(wl.X_test, wl.y_test),
+        network=Network(bind="127.0.0.1", advertise_host="127.0.0.1"),
+    )
     result = trainer.fit(systems.sharded_rdd(spark.sparkContext, wl, 2))
     last = result.history[-1]
     assert last["lr"] == 0.0 and last["silent_steps"] == last["steps"] == 4 and last["sparsity"] == 0.0
@@ -250,11 +292,28 @@ def test_sharded_rdd_partitions_are_the_ddp_shards(spark):
 
 @pytest.mark.spark
 def test_small_real_run_has_per_epoch_curves_for_every_system(spark, tmp_path):
-    cfg = convergence.settings(_args("--workloads", "tabular", "--rows", "256", "--epochs", "2", "--seeds", "0,1",
-                                     "--workers", "2", "--schedules", "cosine"))
+    cfg = convergence.settings(
+        _args(
+            "--workloads",
+            "tabular",
+            "--rows",
+            "256",
+            "--epochs",
+            "2",
+            "--seeds",
+            "0,1",
+            "--workers",
+            "2",
+            "--schedules",
+            "cosine",
+        )
+    )
     rows, parts = convergence_runs.run_configs(cfg, spark)
-    assert [(p["system"], p["workers"], p["configs"]) for p in parts] == [("single", 1, 2), ("gradshare", 2, 2),
-                                                                         ("ddp", 2, 2)]
+    assert [(p["system"], p["workers"], p["configs"]) for p in parts] == [
+        ("single", 1, 2),
+        ("gradshare", 2, 2),
+        ("ddp", 2, 2),
+    ]
     doc = convergence.write_json(str(tmp_path / "c.json"), rows, parts, command="test", config=cfg)
     back = json.loads((tmp_path / "c.json").read_text())
     assert back["summary"] == json.loads(json.dumps(doc["summary"], default=float))
@@ -271,7 +330,9 @@ def test_small_real_run_has_per_epoch_curves_for_every_system(spark, tmp_path):
     assert gs["traffic_ratio"] > 1 and gs["bytes_per_step"] > 0
     assert by_system[("ddp", 1)]["launch_share"] >= 0
     assert len(back["summary"]) == 3 and all(len(s["mean"]) == 2 and s["seeds"] == [0, 1] for s in back["summary"])
-    assert {c["check"] for c in back["checks"]} == {"final acc. gradshare − DDP (pp)",
-                                                    "epochs to target: gradshare ≤ DDP"}
+    assert {c["check"] for c in back["checks"]} == {
+        "final acc. gradshare − DDP (pp)",
+        "epochs to target: gradshare ≤ DDP",
+    }
     convergence.plot(str(tmp_path / "c.png"), doc["summary"])
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -46,8 +46,9 @@ def test_warmup_then_cosine():
 def _args(**kw):
     parser = argparse.ArgumentParser()
     lm.add_arguments(parser)
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if v is not True] + \
-           [f"--{k}" for k, v in kw.items() if v is True]
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if v is not True] + [
+        f"--{k}" for k, v in kw.items() if v is True
+    ]
     return parser.parse_args(argv)
 
 
@@ -65,10 +66,14 @@ def test_settings_name_the_bad_flag():
 
 
 def test_checks_compare_the_last_epoch_and_the_traffic():
-    rows = [{"system": "gradshare", "workers": 2, "seed": s, "val_loss": [3.0, g], "traffic_ratio": t, "seconds": 1.0}
-            for s, g, t in ((0, 2.40, 150.0), (1, 2.42, 170.0))]
-    rows += [{"system": "ddp", "workers": 2, "seed": s, "val_loss": [3.0, d], "traffic_ratio": 1.0, "seconds": 1.0}
-             for s, d in ((0, 2.38), (1, 2.30))]
+    rows = [
+        {"system": "gradshare", "workers": 2, "seed": s, "val_loss": [3.0, g], "traffic_ratio": t, "seconds": 1.0}
+        for s, g, t in ((0, 2.40, 150.0), (1, 2.42, 170.0))
+    ]
+    rows += [
+        {"system": "ddp", "workers": 2, "seed": s, "val_loss": [3.0, d], "traffic_ratio": 1.0, "seconds": 1.0}
+        for s, d in ((0, 2.38), (1, 2.30))
+    ]
     summary = lm.summarise(rows)
     found = {c["check"]: c for c in lm.checks(summary)}
     loss = found["val loss gradshare − DDP (nats)"]

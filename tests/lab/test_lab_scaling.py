@@ -19,8 +19,14 @@ def _args(*argv):
     return parser.parse_args(list(argv))
 
 
-@pytest.mark.parametrize("name, rows, features, params", [
-    ("tabular64k", 64000, 100, 633354), pytest.param("mnist1d-mlp", 40000, 40, 551434, marks=pytest.mark.slow), ("mnist1d-cnn", 4000, 40, 5210)])
+@pytest.mark.parametrize(
+    "name, rows, features, params",
+    [
+        ("tabular64k", 64000, 100, 633354),
+        pytest.param("mnist1d-mlp", 40000, 40, 551434, marks=pytest.mark.slow),
+        ("mnist1d-cnn", 4000, 40, 5210),
+    ],
+)
 def test_workloads_are_generated_at_their_size(name, rows, features, params):
     wl = load(name, 0)
     assert wl.X_train.shape == (rows, features) and wl.X_train.dtype == np.float32 and wl.y_train.dtype == np.int64
@@ -51,8 +57,19 @@ def test_settings_and_planned_runs():
 
 
 def _row(system, n, seed, acc, lr=1e-3, ratio=1.0):
-    return {"workload": "w", "workers": n, "system": system, "seed": seed, "lr": lr, "accuracy": acc,
-            "last3": float(np.mean(acc[-3:])), "best": max(acc), "traffic_ratio": ratio, "seconds": 1.0, "target": 0.8}
+    return {
+        "workload": "w",
+        "workers": n,
+        "system": system,
+        "seed": seed,
+        "lr": lr,
+        "accuracy": acc,
+        "last3": float(np.mean(acc[-3:])),
+        "best": max(acc),
+        "traffic_ratio": ratio,
+        "seconds": 1.0,
+        "target": 0.8,
+    }
 
 
 def test_summary_picks_the_best_ddp_lr_and_measures_gaps():
@@ -84,8 +101,10 @@ def test_below_32_workers_the_default_steps_with_momentum_half_and_the_step_capp
     from lab import lockstep
 
     data = load("tabular64k", 0, None, rows=512)
-    rows = {system: scaling.run_one("tabular64k", 4, system, 0, {"epochs": 2}, data)
-            for system in ("gradshare", "gradshare-keep", "gradshare-nomomentum")}
+    rows = {
+        system: scaling.run_one("tabular64k", 4, system, 0, {"epochs": 2}, data)
+        for system in ("gradshare", "gradshare-keep", "gradshare-nomomentum")
+    }
     explicit = lockstep.run("tabular64k", world=4, epochs=2, data=data, momentum=0.5, step_cap=0.06)
     assert rows["gradshare"]["accuracy"] == [a / 100 for a in explicit["acc"]]  # the planner's row for N = 4
     assert rows["gradshare"]["accuracy"] != rows["gradshare-keep"]["accuracy"]

@@ -40,14 +40,17 @@ def test_script_runs_the_command_and_passes_its_exit_code(tmp_path):
     # The generated shell text itself, with harmless stand-ins for ip/tc on PATH.
     for tool in ("ip", "tc"):
         path = tmp_path / tool
-        path.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {tmp_path}/calls\n")
+        path.write_text(f'#!/bin/sh\necho {tool} "$@" >> {tmp_path}/calls\n')
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
     p = subprocess.run(["sh", "-c", netns.setup_script("1gbit"), "x", "sh", "-c", "exit 7"], env=env, timeout=10)
     assert p.returncode == 7
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls == ["ip link set lo up", "tc qdisc add dev lo root tbf rate 1gbit burst 4mb latency 400ms",
-                     "tc qdisc del dev lo root"]
+    assert calls == [
+        "ip link set lo up",
+        "tc qdisc add dev lo root tbf rate 1gbit burst 4mb latency 400ms",
+        "tc qdisc del dev lo root",
+    ]
 
 
 def test_probe_names_what_is_missing(tmp_path, monkeypatch):
@@ -55,8 +58,11 @@ def test_probe_names_what_is_missing(tmp_path, monkeypatch):
     ok, why = netns.probe()
     assert not ok and "unshare" in why and "tc" in why
     # tools present but namespaces refused, as for an unprivileged user without user namespaces
-    for tool, body in (("unshare", "echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1"),
-                       ("ip", "exit 0"), ("tc", "exit 0")):
+    for tool, body in (
+        ("unshare", "echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1"),
+        ("ip", "exit 0"),
+        ("tc", "exit 0"),
+    ):
         path = tmp_path / tool
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -74,14 +80,19 @@ def test_fresh_namespace_has_only_loopback_and_counts_its_bytes():
     assert ok or os.geteuid() != 0, f"root, yet no shaped namespace: {why}"
     if not ok:
         pytest.skip(f"unprivileged and no user namespaces: {why}")
-    code = ("from lab.netns import interfaces; from lab.profile import lo_tx_bytes;"
-            "import socket; a=lo_tx_bytes(); s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
-            "s.sendto(b'x'*1000, ('127.0.0.1', 9)); print(interfaces(), lo_tx_bytes()-a)")
+    code = (
+        "from lab.netns import interfaces; from lab.profile import lo_tx_bytes;"
+        "import socket; a=lo_tx_bytes(); s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
+        "s.sendto(b'x'*1000, ('127.0.0.1', 9)); print(interfaces(), lo_tx_bytes()-a)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run(netns.wrap([sys.executable, "-c", code], "100mbit"), capture_output=True, text=True,
-                       timeout=30, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+    )
+    p = subprocess.run(
+        netns.wrap([sys.executable, "-c", code], "100mbit"), capture_output=True, text=True, timeout=30, env=env
+    )
     assert p.returncode == 0, p.stderr
     names, sent = p.stdout.rsplit("]", 1)
     assert names + "]" == "['lo']"
@@ -114,8 +125,22 @@ def test_settings_validate_arguments_and_quick_bounds_the_run():
 def test_single_process_run_writes_table_json_and_plot(tmp_path):
     from lab import report
 
-    cfg = train.settings(_args("--workloads", "cnn,mlp", "--systems", "single", "--rows", "160",
-                               "--epochs", "2", "--batch-size", "64", "--target", "0.3"))
+    cfg = train.settings(
+        _args(
+            "--workloads",
+            "cnn,mlp",
+            "--systems",
+            "single",
+            "--rows",
+            "160",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "64",
+            "--target",
+            "0.3",
+        )
+    )
     rows = train.run_configs(cfg, "unshaped", ["single"])
     assert [r["workload"] for r in rows] == ["cnn", "mlp"]
     for r in rows:
@@ -140,12 +165,25 @@ def test_target_checks_compare_the_right_rows():
     from lab import report
 
     def r(system, link, sps, bps, ttt, acc):
-        return {"system": system, "workload": "mlp", "link": link, "status": "ok", "sec_per_step": sps,
-                "lo_bytes_per_step": bps, "time_to_target": ttt, "final_accuracy": acc}
+        return {
+            "system": system,
+            "workload": "mlp",
+            "link": link,
+            "status": "ok",
+            "sec_per_step": sps,
+            "lo_bytes_per_step": bps,
+            "time_to_target": ttt,
+            "final_accuracy": acc,
+        }
 
-    rows = [r("single", "unshaped", 0.10, 0, 5.0, 0.95), r("gradshare", "1gbit", 0.12, 1e5, 8.0, 0.948),
-            r("ddp", "1gbit", 0.60, 8e7, 40.0, 0.95), r("powersgd", "1gbit", 0.2, 1e6, 10.0, 0.95),
-            r("gradshare", "100mbit", 0.13, 1e5, 9.0, 0.948), r("ddp", "100mbit", 2.0, 8e7, None, 0.5)]
+    rows = [
+        r("single", "unshaped", 0.10, 0, 5.0, 0.95),
+        r("gradshare", "1gbit", 0.12, 1e5, 8.0, 0.948),
+        r("ddp", "1gbit", 0.60, 8e7, 40.0, 0.95),
+        r("powersgd", "1gbit", 0.2, 1e6, 10.0, 0.95),
+        r("gradshare", "100mbit", 0.13, 1e5, 9.0, 0.948),
+        r("ddp", "100mbit", 2.0, 8e7, None, 0.5),
+    ]
     checks = {c["target"]: c for c in report.targets(rows)}
     assert checks["1gbit: gradshare s/step ÷ single s/step"]["value"] == pytest.approx(1.2)
     assert checks["1gbit: gradshare s/step ÷ single s/step"]["met"] is False  # target: at most 1.15

@@ -39,8 +39,9 @@ def digits_frame(spark, X, y):
 
 def estimator(**params):
     params.setdefault("trainerOptions", LOOPBACK)
-    return GradshareEstimator(functools.partial(mlp, 32), epochs=3, batchSize=32, learningRate=1e-2,
-                              numWorkers=2, **params)
+    return GradshareEstimator(
+        functools.partial(mlp, 32), epochs=3, batchSize=32, learningRate=1e-2, numWorkers=2, **params
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,13 @@ def digits(spark):
 @pytest.fixture(scope="module")
 def fitted(digits):
     train, _ = digits
-    pipeline = Pipeline(stages=[VectorAssembler(inputCols=PIXELS, outputCol="raw"),
-                                StandardScaler(inputCol="raw", outputCol="scaled"),
-                                estimator(featuresCol="scaled")])
+    pipeline = Pipeline(
+        stages=[
+            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"),
+            estimator(featuresCol="scaled"),
+        ]
+    )
     return pipeline, pipeline.fit(train)
 
 
@@ -117,8 +122,10 @@ def test_model_and_pipeline_model_save_load_give_identical_predictions(digits, f
 
     scaled = model.transform(test).drop("prediction", "probability")
     want = predictions(stage.transform(scaled), "prediction", "probability")
-    for got in (predictions(loaded.transform(scaled), "prediction", "probability"),
-                predictions(loaded_pipeline.transform(test), "prediction", "probability")):
+    for got in (
+        predictions(loaded.transform(scaled), "prediction", "probability"),
+        predictions(loaded_pipeline.transform(test), "prediction", "probability"),
+    ):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     with pytest.raises(AnalysisException, match="already exists"):  # MLWriter: no overwrite without .overwrite()
         stage.save(str(tmp_path / "model"))
@@ -132,8 +139,9 @@ def test_estimator_save_load_refits_to_identical_predictions(digits, fitted, tmp
     est.save(str(tmp_path / "est"))
     loaded = GradshareEstimator.load(str(tmp_path / "est"))
     assert loaded.uid == est.uid
-    assert {p.name: v for p, v in loaded.extractParamMap().items()} == \
-        {p.name: v for p, v in est.extractParamMap().items()}
+    assert {p.name: v for p, v in loaded.extractParamMap().items()} == {
+        p.name: v for p, v in est.extractParamMap().items()
+    }
 
     prep = PipelineModel(model.stages[:-1])
     refit = loaded.fit(prep.transform(train))  # staleness 0, same seed: bit-identical training
@@ -151,15 +159,17 @@ def test_transform_of_100k_rows_stays_on_the_executors(spark, fitted):
     (LocalTableScan / ExistingRDD) as the plan's source instead of the Range."""
     stage = fitted[1].stages[-1].copy({fitted[1].stages[-1].featuresCol: "features"})
     df = spark.range(100_000, numPartitions=2).select(
-        "id", F.array(*[F.rand(seed=i) for i in range(64)]).alias("features"))  # array<double> works too
+        "id", F.array(*[F.rand(seed=i) for i in range(64)]).alias("features")
+    )  # array<double> works too
     jobs, out = jobs_started(spark, lambda: stage.transform(df))
     assert jobs == [] and not isinstance(out, Exception), out
 
     plan = out._jdf.queryExecution().executedPlan().toString()
     assert plan.count("ArrowEvalPython") == 1, plan  # both output columns from one UDF call per row
     assert "Range (0, 100000" in plan and "LocalTableScan" not in plan and "Scan ExistingRDD" not in plan, plan
-    row = out.agg(F.count("prediction").alias("n"), F.min("prediction").alias("lo"),
-                  F.max("prediction").alias("hi")).first()
+    row = out.agg(
+        F.count("prediction").alias("n"), F.min("prediction").alias("lo"), F.max("prediction").alias("hi")
+    ).first()
     assert row.n == 100_000 and 0 <= row.lo <= row.hi <= 9
 
 
@@ -169,8 +179,13 @@ def test_cross_validator_picks_the_better_learning_rate(spark, digits, tmp_path)
     data = VectorAssembler(inputCols=PIXELS, outputCol="features").transform(train)
     est = estimator(featuresCol="features").setParams(epochs=1)
     grid = ParamGridBuilder().addGrid(est.learningRate, [1e-5, 1e-2]).build()
-    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
-                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    cv = CrossValidator(
+        estimator=est,
+        estimatorParamMaps=grid,
+        numFolds=2,
+        seed=1,
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+    )
     model = cv.fit(data)
     low, high = model.avgMetrics
     assert high > low + 0.3, model.avgMetrics  # measured: 0.05 at lr 1e-5, 0.58 at lr 1e-2 (one epoch)
@@ -199,11 +214,14 @@ def test_regressor_with_two_input_columns_predicts_a_double(spark):
     z = rng.normal(size=512)
     y = x @ np.array([1.0, -2.0, 0.5]) + z
     df = spark.createDataFrame([(x[i].tolist(), float(z[i]), float(y[i])) for i in range(512)], ["x", "z", "y"])
-    est = GradshareEstimator(Affine, featuresCol=["x", "z"], labelCol="y", epochs=2, learningRate=0.05,
-                             numWorkers=2, trainerOptions=LOOPBACK)
+    est = GradshareEstimator(
+        Affine, featuresCol=["x", "z"], labelCol="y", epochs=2, learningRate=0.05, numWorkers=2, trainerOptions=LOOPBACK
+    )
     model = est.fit(df)
-    assert not model.isClassifier and model.spec["inputs"] == [{"dtype": "float32", "shape": [3]},
-                                                              {"dtype": "float32", "shape": []}]
+    assert not model.isClassifier and model.spec["inputs"] == [
+        {"dtype": "float32", "shape": [3]},
+        {"dtype": "float32", "shape": []},
+    ]
     out = model.transform(df)
     assert isinstance(out.schema["prediction"].dataType, DoubleType) and "probability" not in out.columns
     pred, xs, zs = predictions(out, "prediction", "x", "z")
@@ -225,8 +243,11 @@ def test_output_spec_decides_the_columns():
         def forward(self, x, ids):
             return self.lin(x) + ids.unsqueeze(1)
 
-    assert output_spec(Two(3), inputs, "CrossEntropyLoss", "auto") == {"classification": True, "width": 3,
-                                                                        "scalar": False}
+    assert output_spec(Two(3), inputs, "CrossEntropyLoss", "auto") == {
+        "classification": True,
+        "width": 3,
+        "scalar": False,
+    }
     assert output_spec(Two(3), inputs, "MSELoss", "auto") == {"classification": False, "width": 3, "scalar": False}
     assert output_spec(Two(1), inputs, "MSELoss", "auto")["scalar"]
     assert output_spec(Two(3), inputs, "train_step:step", "classification")["classification"]
@@ -243,8 +264,11 @@ def test_bad_columns_are_named_before_any_spark_job(spark, fitted):
         (lambda: estimator(featuresCol="text").fit(df), TypeError, "features column 'text' has type string"),
         (lambda: estimator(labelCol="text").fit(df), TypeError, "label column 'text' has type string"),
         (lambda: estimator(labelCol="y").fit(df), ValueError, "label column 'y' is not in"),
-        (lambda: estimator(predictionCol="label", trainerOptions=LOOPBACK).fit(df.drop("prediction")),
-         ValueError, "prediction column 'label' already exists"),
+        (
+            lambda: estimator(predictionCol="label", trainerOptions=LOOPBACK).fit(df.drop("prediction")),
+            ValueError,
+            "prediction column 'label' already exists",
+        ),
         (lambda: estimator(trainerOptions={"stalenes": 1}), ValueError, "unknown key 'stalenes'"),
         (lambda: estimator(trainerOptions={"model": 1}), ValueError, "'model'; use a constructor argument"),
         (lambda: estimator(trainerOptions={"on_epoch_end": 1}), ValueError, "'on_epoch_end'; use a constructor"),
@@ -253,22 +277,41 @@ def test_bad_columns_are_named_before_any_spark_job(spark, fitted):
         (lambda: estimator(predictBatchSize=0), TypeError, "predictBatchSize"),
         (lambda: estimator(epoch=2), ValueError, "no Param(s) ['epoch']"),
         (lambda: GradshareEstimator(featuresCol="features").fit(df.drop("prediction")), ValueError, "needs a model"),
-        (lambda: estimator(trainerOptions={"compression": {"staleness": -1}}).fit(df.drop("prediction")), ValueError,
-         "staleness must be"),
+        (
+            lambda: estimator(trainerOptions={"compression": {"staleness": -1}}).fit(df.drop("prediction")),
+            ValueError,
+            "staleness must be",
+        ),
     ]
     stage = fitted[1].stages[-1]
     cases += [
         (lambda: stage.transform(df), ValueError, "features column 'scaled' is not in"),
-        (lambda: stage.copy({stage.featuresCol: "features"}).transform(df), ValueError,
-         "prediction column 'prediction' already exists"),
-        (lambda: stage.copy({stage.featuresCol: "features", stage.predictionCol: "p"}).transform(
-            df.withColumnRenamed("text", "probability")), ValueError, "probability column 'probability' already"),
-        (lambda: stage.copy({stage.featuresCol: "label"}).transform(df.drop("prediction")), TypeError,
-         "features column 'label' has type bigint; the model was fitted on float32"),
+        (
+            lambda: stage.copy({stage.featuresCol: "features"}).transform(df),
+            ValueError,
+            "prediction column 'prediction' already exists",
+        ),
+        (
+            lambda: stage.copy({stage.featuresCol: "features", stage.predictionCol: "p"}).transform(
+                df.withColumnRenamed("text", "probability")
+            ),
+            ValueError,
+            "probability column 'probability' already",
+        ),
+        (
+            lambda: stage.copy({stage.featuresCol: "label"}).transform(df.drop("prediction")),
+            TypeError,
+            "features column 'label' has type bigint; the model was fitted on float32",
+        ),
     ]
     three = VectorAssembler(inputCols=["label", "label", "label"], outputCol="v3").transform(df.drop("prediction"))
-    cases.append((lambda: stage.copy({stage.featuresCol: "v3"}).transform(three), ValueError,
-                  "features column 'v3' holds vectors of size 3; the model was fitted on float32[64]"))
+    cases.append(
+        (
+            lambda: stage.copy({stage.featuresCol: "v3"}).transform(three),
+            ValueError,
+            "features column 'v3' holds vectors of size 3; the model was fitted on float32[64]",
+        )
+    )
     for action, kind, message in cases:
         jobs, outcome = jobs_started(spark, action)
         assert isinstance(outcome, kind) and message in str(outcome), (message, outcome)

@@ -62,8 +62,10 @@ def test_bad_input_on_connect_is_named_as_on_classic(connect, tmp_path):
         ("ValueError", "prediction column 'prediction' already exists"),
         ("TypeError", "features column 'label' has type bigint; the model was fitted on float32"),
         ("ValueError", "features column 'v3' holds vectors of size 3; the model was fitted on float32[64]"),
-        ("ValueError", "the path must be a local directory shared with the Connect server, not "
-                       "'hdfs://namenode/models/m'"),
+        (
+            "ValueError",
+            "the path must be a local directory shared with the Connect server, not 'hdfs://namenode/models/m'",
+        ),
         ("AnalysisException", "Path does not exist"),
         ("FileNotFoundError", "weights.pt does not exist: not a saved gradshare.ml instance, or saved incompletely"),
     ]

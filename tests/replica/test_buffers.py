@@ -41,9 +41,17 @@ class BnCnn(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 10))
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64, 10),
+        )
 
     def forward(self, x):
         return self.body(x.view(-1, 1, 8, 8))
@@ -136,8 +144,9 @@ def test_step_update_round_trips_and_applies_like_the_oracle(case):
         assert data == update.message.to_bytes()  # a model without buffers sends the bare message
     state = np.random.default_rng(1).standard_normal(n_params + n_buffers).astype(np.float32)
     codes = np.asarray(decode_entries(back.message)[0]) * 2 + (decode_entries(back.message)[1] < 0)
-    want = naive.apply_step_update(codes, back.message.threshold, back.buffer_index, back.buffer_value,
-                                   state, n_params, scale=0.5)
+    want = naive.apply_step_update(
+        codes, back.message.threshold, back.buffer_index, back.buffer_value, state, n_params, scale=0.5
+    )
     apply_update(back, state, scale=0.5)
     assert np.array_equal(state, want)
 
@@ -147,20 +156,24 @@ def _with_buffers(n_params=10, n_buffers=4, index=(1, 3), values=(0.5, -0.25)):
     head = msg.to_bytes()
     c = len(index)
     return head, head + BUFFER_HEADER.pack(b"GB", 1, 0, c) + struct.pack(f"<{c}I", *index) + struct.pack(
-        f"<{c}f", *values)
+        f"<{c}f", *values
+    )
 
 
-@pytest.mark.parametrize("tail, why", [
-    (b"", "no room for its buffer section"),
-    (BUFFER_HEADER.pack(b"XX", 1, 0, 0), "magic"),
-    (BUFFER_HEADER.pack(b"GB", 9, 0, 0), "version 9"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 5), "5 entries, the model has 4"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I", 1, 3), "need 16"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I2f", 3, 1, 0, 0), "strictly increasing"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I2f", 1, 1, 0, 0), "strictly increasing"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 1) + struct.pack("<If", 4, 0), "< 4"),
-    (BUFFER_HEADER.pack(b"GB", 1, 0, 1) + struct.pack("<If", 0, float("nan")), "non-finite"),
-])
+@pytest.mark.parametrize(
+    "tail, why",
+    [
+        (b"", "no room for its buffer section"),
+        (BUFFER_HEADER.pack(b"XX", 1, 0, 0), "magic"),
+        (BUFFER_HEADER.pack(b"GB", 9, 0, 0), "version 9"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 5), "5 entries, the model has 4"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I", 1, 3), "need 16"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I2f", 3, 1, 0, 0), "strictly increasing"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 2) + struct.pack("<2I2f", 1, 1, 0, 0), "strictly increasing"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 1) + struct.pack("<If", 4, 0), "< 4"),
+        (BUFFER_HEADER.pack(b"GB", 1, 0, 1) + struct.pack("<If", 0, float("nan")), "non-finite"),
+    ],
+)
 def test_bad_buffer_sections_are_decode_errors(tail, why):
     head, good = _with_buffers()
     assert len(decode_update(good, 14, n_params=10).buffer_index) == 2
@@ -208,8 +221,9 @@ def test_batchnorm_models_match_the_single_process_in_eval_mode(digits, factory,
     rdd, X_train, y_train, X_test, y_test = digits
     r = SharedTrainer(factory, epochs=epochs, validation_data=(X_test, y_test), **LOOPBACK).fit(rdd)
     acc = evaluate_accuracy(r.model, X_test, y_test)  # eval mode: the running statistics decide
-    single = evaluate_accuracy(train_single_process(factory, X_train, y_train, epochs=epochs, batch_size=32,
-                                                    seed=0), X_test, y_test)
+    single = evaluate_accuracy(
+        train_single_process(factory, X_train, y_train, epochs=epochs, batch_size=32, seed=0), X_test, y_test
+    )
     assert acc >= single - 0.015, (acc, single)
     assert r.history[-1]["val_metric"] == pytest.approx(acc, abs=1e-6)  # the score of the returned model
     bns = [m for m in r.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -233,7 +247,8 @@ def test_a_one_row_final_batch_is_dropped_for_batchnorm(spark):
     r = SharedTrainer(bn_mlp, epochs=1, **LOOPBACK).fit(rdd)
     assert [rep["last_step"] for rep in r.worker_reports] == [1, 1]  # 2 steps each: the 1-row batch dropped
     r = SharedTrainer(bn_mlp, epochs=1, batch_size=64, **LOOPBACK, runtime=Runtime(drop_last=False)).fit(
-        spark.sparkContext.parallelize(rows[:128], 2))
+        spark.sparkContext.parallelize(rows[:128], 2)
+    )
     assert r.steps == 1
     with pytest.raises(ValueError, match=r"partition 0 has 65 row\(s\): no batch of batch_size=100"):
         SharedTrainer(bn_mlp, epochs=1, batch_size=100, **LOOPBACK, runtime=Runtime(drop_last=True)).fit(rdd)

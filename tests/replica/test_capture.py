@@ -16,16 +16,19 @@ def _params():
     return list(nn.Linear(3, 2).parameters())
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1),
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
-    lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
-    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0),
-    lambda p: torch.optim.AdamW(p, lr=1e-3),  # default weight_decay 1e-2, decoupled: taken out of the step
-    lambda p: torch.optim.NAdam(p, lr=1e-3, weight_decay=1e-2, decoupled_weight_decay=True),
-    lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
-    lambda p: torch.optim.Adagrad(p, lr=1e-2),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0),
+        lambda p: torch.optim.AdamW(p, lr=1e-3),  # default weight_decay 1e-2, decoupled: taken out of the step
+        lambda p: torch.optim.NAdam(p, lr=1e-3, weight_decay=1e-2, decoupled_weight_decay=True),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+        lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    ],
+)
 def test_optimizers_that_only_add_their_update_take_the_direct_path(make):
     assert writes_update_only(make(_params()))
 
@@ -34,20 +37,24 @@ class _MySGD(torch.optim.SGD):  # a subclass may read the parameter in its own s
     pass
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-4),  # L2 decay: λ·p enters the gradient
-    lambda p: torch.optim.Adam([{"params": p[:1]}, {"params": p[1:], "weight_decay": 1e-3}], lr=1e-3),
-    lambda p: _MySGD(p, lr=0.1),
-    lambda p: torch.optim.LBFGS(p),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-4),  # L2 decay: λ·p enters the gradient
+        lambda p: torch.optim.Adam([{"params": p[:1]}, {"params": p[1:], "weight_decay": 1e-3}], lr=1e-3),
+        lambda p: _MySGD(p, lr=0.1),
+        lambda p: torch.optim.LBFGS(p),
+    ],
+)
 def test_optimizers_that_read_the_parameter_take_the_general_path(make):
     assert not writes_update_only(make(_params()))
 
 
 def _flat(seed, shapes):
     rng = np.random.default_rng(seed)
-    return FlatParams(nn.ParameterList([nn.Parameter(torch.from_numpy(rng.normal(size=s).astype(np.float32)))
-                                        for s in shapes]))
+    return FlatParams(
+        nn.ParameterList([nn.Parameter(torch.from_numpy(rng.normal(size=s).astype(np.float32))) for s in shapes])
+    )
 
 
 def _direct_steps(flat, opt, grads_per_step):
@@ -103,15 +110,21 @@ def test_adam_writes_its_update_into_the_residual(shapes, seed, steps):
 
 
 @settings(deadline=None, max_examples=30)
-@given(shapes, st.integers(0, 2**31), st.integers(1, 4), st.sampled_from([0.0, 1e-2, 0.3]),
-       st.sampled_from(["single", "fused", "foreach"]))
+@given(
+    shapes,
+    st.integers(0, 2**31),
+    st.integers(1, 4),
+    st.sampled_from([0.0, 1e-2, 0.3]),
+    st.sampled_from(["single", "fused", "foreach"]),
+)
 def test_adamw_writes_its_update_and_its_decay_of_p_into_the_residual(shapes, seed, steps, decay, kind):
     """Decoupled decay on the direct path: the optimizer steps with λ = 0 and the path adds −lr·λ·P,
     P read from the replica (which the direct path never moves); the oracle is AdamW in float64."""
     flat = _flat(seed, shapes)
     lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
-    opt = torch.optim.AdamW(flat.params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=decay,
-                            **({kind: True} if kind != "single" else {}))
+    opt = torch.optim.AdamW(
+        flat.params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=decay, **({kind: True} if kind != "single" else {})
+    )
     residual = np.zeros(flat.n_params, np.float32)
     path = DirectPath(flat, opt, residual)
     before = flat.array.copy()
@@ -134,8 +147,9 @@ def test_adamw_writes_its_update_and_its_decay_of_p_into_the_residual(shapes, se
 
 def test_decay_is_taken_per_group_and_only_for_parameters_the_step_took():
     flat = _flat(0, [(3, 2), (4,), (2,)])
-    opt = torch.optim.AdamW([{"params": flat.params[:1], "weight_decay": 0.5},
-                             {"params": flat.params[1:], "weight_decay": 0.0}], lr=0.1)
+    opt = torch.optim.AdamW(
+        [{"params": flat.params[:1], "weight_decay": 0.5}, {"params": flat.params[1:], "weight_decay": 0.0}], lr=0.1
+    )
     residual = np.zeros(flat.n_params, np.float32)
     path = DirectPath(flat, opt, residual)
     for p in flat.params[:2]:  # the last parameter has no gradient: AdamW skips it, and so does its decay

@@ -1,5 +1,5 @@
-"""Stepping the optimizer in backward (gradshare/replica/capture.py; docs/benchmarks/memory.md): each parameter is stepped
-from its gradient hook and its gradient dropped at once. The worker must learn exactly what it learns
+"""Stepping the optimizer in backward (gradshare/replica/capture.py; docs/benchmarks/memory.md): each parameter is
+stepped from its gradient hook and its gradient dropped at once. The worker must learn exactly what it learns
 with one optimizer step after backward (checked, not assumed, for every optimizer the direct path
 takes), and fall back to that step when something needs every gradient at once."""
 
@@ -121,10 +121,12 @@ def test_by_default_it_steps_in_backward_only_where_that_frees_enough_memory(mon
     assert not _run(OPTIMIZERS["adam"], in_backward=None, steps=0)[0].path.in_backward
 
 
-@pytest.mark.parametrize("precision, staleness, tensor_state", [("bf16-mixed", 0, False), ("32", 1, False),
-                                                                ("32", 1, True)])
-def test_autocast_the_lookahead_and_the_device_state_step_in_backward_to_the_same_bits(precision, staleness,
-                                                                                       tensor_state):
+@pytest.mark.parametrize(
+    "precision, staleness, tensor_state", [("bf16-mixed", 0, False), ("32", 1, False), ("32", 1, True)]
+)
+def test_autocast_the_lookahead_and_the_device_state_step_in_backward_to_the_same_bits(
+    precision, staleness, tensor_state
+):
     """bf16 autocast; staleness 1, where each step runs at P + this rank's own unapplied messages; the
     torch state and residual a GPU uses, here on the CPU."""
     kw = dict(precision=precision, staleness=staleness, tensor_state=tensor_state)
@@ -145,8 +147,15 @@ def test_a_two_worker_fit_steps_in_backward_to_the_same_model(spark):
     fits = {}
     for on in (True, False):
         model = lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))  # noqa: E731
-        fits[on] = SharedTrainer(model, batch_size=32, epochs=1, seed=5, port=0, verbose=0,
-                                 network=Network(bind="127.0.0.1"),
-                                 runtime=Runtime(worker_options={"step_in_backward": on})).fit(rdd)
+        fits[on] = SharedTrainer(
+            model,
+            batch_size=32,
+            epochs=1,
+            seed=5,
+            port=0,
+            verbose=0,
+            network=Network(bind="127.0.0.1"),
+            runtime=Runtime(worker_options={"step_in_backward": on}),
+        ).fit(rdd)
         assert [r["step_in_backward"] for r in fits[on].worker_reports] == [on, on]
     assert fits[True].param_hash == fits[False].param_hash

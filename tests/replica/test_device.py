@@ -39,11 +39,14 @@ def test_cuda_names_resolve_when_torch_sees_enough_devices():
     assert resolve_device(torch.device("cuda", 1), cuda_count=2) == torch.device("cuda", 1)
 
 
-@pytest.mark.parametrize(("device", "count", "match"), [
-    ("cuda", 0, r"device 'cuda' was asked for, but torch cannot use CUDA"),
-    ("cuda:1", 0, r"device 'cuda:1' was asked for, but torch cannot use CUDA"),
-    ("cuda:2", 2, r"device 'cuda:2' was asked for, but torch sees only 2 CUDA device\(s\): cuda:0..cuda:1"),
-])
+@pytest.mark.parametrize(
+    ("device", "count", "match"),
+    [
+        ("cuda", 0, r"device 'cuda' was asked for, but torch cannot use CUDA"),
+        ("cuda:1", 0, r"device 'cuda:1' was asked for, but torch cannot use CUDA"),
+        ("cuda:2", 2, r"device 'cuda:2' was asked for, but torch sees only 2 CUDA device\(s\): cuda:0..cuda:1"),
+    ],
+)
 def test_an_unusable_cuda_device_is_a_clear_error(device, count, match):
     with pytest.raises(ValueError, match=match):
         resolve_device(device, cuda_count=count)
@@ -58,12 +61,15 @@ def test_cuda_without_a_gpu_here_is_an_error_with_the_real_count():
             resolve_device("cuda")
 
 
-@pytest.mark.parametrize(("device", "exc", "match"), [
-    ("tpu", ValueError, "device must be 'cpu', 'cuda', 'cuda:N', 'auto'"),
-    ("cuda:x", ValueError, "device must be"),
-    ("meta", ValueError, "device 'meta' is not supported"),
-    (0, TypeError, "device must be a str or torch.device, got int"),
-])
+@pytest.mark.parametrize(
+    ("device", "exc", "match"),
+    [
+        ("tpu", ValueError, "device must be 'cpu', 'cuda', 'cuda:N', 'auto'"),
+        ("cuda:x", ValueError, "device must be"),
+        ("meta", ValueError, "device 'meta' is not supported"),
+        (0, TypeError, "device must be a str or torch.device, got int"),
+    ],
+)
 def test_bad_device_names(device, exc, match):
     with pytest.raises(exc, match=match):
         resolve_device(device, cuda_count=1)
@@ -83,8 +89,9 @@ def test_auto_with_an_assigned_gpu_torch_cannot_use_is_an_error():
         resolve_device("auto", task_context=_gpus("GPU-8f2c"), cuda_count=2)
 
 
-@pytest.mark.parametrize("context", [None, FakeTaskContext({}), FakeTaskContext({"fpga": FakeResource(["0"])}),
-                                     _gpus()])
+@pytest.mark.parametrize(
+    "context", [None, FakeTaskContext({}), FakeTaskContext({"fpga": FakeResource(["0"])}), _gpus()]
+)
 def test_auto_without_a_task_gpu_takes_cuda_if_any_else_the_cpu(context):
     assert resolve_device("auto", task_context=context, cuda_count=0) == torch.device("cpu")
     assert resolve_device("auto", task_context=context, cuda_count=2) == torch.device("cuda")

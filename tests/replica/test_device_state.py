@@ -73,7 +73,7 @@ def test_load_twin_views_and_host_state_of_a_tensor_state():
     residual = torch.zeros(flat.n_params)
     views = flat.views(residual)  # the direct path points the parameters at these (capture.py)
     views[0].fill_(1.0)
-    assert residual[: model[0].weight.numel()].eq(1.0).all() and residual[model[0].weight.numel():].eq(0).all()
+    assert residual[: model[0].weight.numel()].eq(1.0).all() and residual[model[0].weight.numel() :].eq(0).all()
     with pytest.raises(ValueError, match=r"contiguous float32 tensor of shape"):
         flat.views(torch.zeros(flat.n_params + 1))
     with pytest.raises(ValueError, match=r"C-contiguous float32 array"):
@@ -139,9 +139,13 @@ FITS = {
 def test_a_fit_on_the_tensor_path_is_bit_identical_to_the_numpy_path(digits, case):
     kw = dict(FITS[case])
     model, options = kw.pop("model"), kw.pop("worker_options", {})
-    runtime = {tensor: Runtime(device="cpu", worker_options={**options, "tensor_state": tensor}) for tensor in (False, True)}
-    fits = {tensor: SharedTrainer(model, epochs=2, **LOOPBACK, **kw, runtime=runtime[tensor]).fit(digits)
-            for tensor in (False, True)}
+    runtime = {
+        tensor: Runtime(device="cpu", worker_options={**options, "tensor_state": tensor}) for tensor in (False, True)
+    }
+    fits = {
+        tensor: SharedTrainer(model, epochs=2, **LOOPBACK, **kw, runtime=runtime[tensor]).fit(digits)
+        for tensor in (False, True)
+    }
     for tensor, r in fits.items():
         assert [rep["tensor_state"] for rep in r.worker_reports] == [tensor, tensor]
         assert [rep["device"] for rep in r.worker_reports] == ["cpu", "cpu"]
@@ -171,10 +175,25 @@ def _worker(device, **options):
     from gradshare.task.worker import Worker
 
     X, y = np.zeros((8, 64), np.float32), np.zeros(8, np.int64)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
-                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                       threshold_rule=encoding.CalibratedThreshold(), residual_clip=None, steps_per_epoch=(1,),
-                       epochs=1, batch_size=8, staleness=0, seed=0, label_dtype="int64", device=device, **options)
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=bn_mlp(),
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        threshold_rule=encoding.CalibratedThreshold(),
+        residual_clip=None,
+        steps_per_epoch=(1,),
+        epochs=1,
+        batch_size=8,
+        staleness=0,
+        seed=0,
+        label_dtype="int64",
+        device=device,
+        **options,
+    )
     return Worker(cfg, 0, PartitionData(X, y))
 
 
@@ -214,17 +233,37 @@ def test_the_device_step_benchmark_runs_both_paths_to_the_same_bits(tmp_path, ca
     parser = argparse.ArgumentParser()
     device_step.add_arguments(parser)
     out = tmp_path / "device_step.json"
-    args = parser.parse_args(["--widths", "64,48,10", "--steps", "4", "--warmup", "2", "--rounds", "2",
-                              "--threads", str(torch.get_num_threads()), "--json", str(out)])
+    args = parser.parse_args(
+        [
+            "--widths",
+            "64,48,10",
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--rounds",
+            "2",
+            "--threads",
+            str(torch.get_num_threads()),
+            "--json",
+            str(out),
+        ]
+    )
     assert device_step.run(args) == 0
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and res["bit_identical"] is True and res["steps"] == 8
     assert "replicas bit-identical" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("precision, staleness, direct", [
-    ("bf16-mixed", 0, True), ("fp16-mixed", 1, True), ("fp16-mixed", 1, False), ("32", 2, False),
-])
+@pytest.mark.parametrize(
+    "precision, staleness, direct",
+    [
+        ("bf16-mixed", 0, True),
+        ("fp16-mixed", 1, True),
+        ("fp16-mixed", 1, False),
+        ("32", 2, False),
+    ],
+)
 def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, direct):
     """Autocast, the fp16 loss scaler and the lookahead (k >= 1, where one worker's own messages are all
     it waits for) on the torch state, step by step against the NumPy state, without Spark."""
@@ -240,12 +279,27 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
     states = []
     for tensor in (False, True):
         torch.manual_seed(0)  # the same initial weights for both
-        cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=bn_mlp(),
-                           loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-                           threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(),
-                           steps_per_epoch=(3,), epochs=3, batch_size=32, staleness=staleness, seed=0,
-                           label_dtype="int64", precision=precision, device="cpu",
-                           tensor_state=tensor, direct_update=direct)
+        cfg = WorkerConfig(
+            relay_address=("127.0.0.1", 1),
+            key=bytes(32),
+            job_id=1,
+            world_size=1,
+            model=bn_mlp(),
+            loss=nn.CrossEntropyLoss(),
+            optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+            threshold_rule=encoding.CalibratedThreshold(),
+            residual_clip=encoding.ResidualClipping(),
+            steps_per_epoch=(3,),
+            epochs=3,
+            batch_size=32,
+            staleness=staleness,
+            seed=0,
+            label_dtype="int64",
+            precision=precision,
+            device="cpu",
+            tensor_state=tensor,
+            direct_update=direct,
+        )
         worker, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
         worker.log = ApplyLog(log, worker.flat, 0, 10.0)
         trail = []

@@ -96,11 +96,24 @@ def _worker(local_view: bool) -> Worker:
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 5)).astype(np.float32)
     y = (X[:, 0] > 0).astype(np.int64)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=_model(2),
-                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-                       threshold_rule=encoding.CalibratedThreshold(density=0.05, min_entries=0),
-                       residual_clip=None, steps_per_epoch=(math.ceil(64 / 16),), epochs=1, batch_size=16,
-                       staleness=0, seed=0, label_dtype="int64", local_view=local_view)
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=_model(2),
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        threshold_rule=encoding.CalibratedThreshold(density=0.05, min_entries=0),
+        residual_clip=None,
+        steps_per_epoch=(math.ceil(64 / 16),),
+        epochs=1,
+        batch_size=16,
+        staleness=0,
+        seed=0,
+        label_dtype="int64",
+        local_view=local_view,
+    )
     return Worker(cfg, 0, PartitionData(X, y))
 
 
@@ -119,7 +132,8 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         p = _host(w.flat.array)
         assert np.abs(r).max() > 0
         w.optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs: seen.append(np.concatenate([q.grad.numpy().ravel() for q in w.flat.params])))
+            lambda opt, args, kwargs: seen.append(np.concatenate([q.grad.numpy().ravel() for q in w.flat.params]))
+        )
         w.step(sink, 1)
         batch = w.batches.read(0, 1)
         at_view, at_p = _grads_at(w.model, p + r, *batch), _grads_at(w.model, p, *batch)
@@ -128,8 +142,9 @@ def test_the_worker_steps_at_p_plus_its_residual_only_with_local_view():
         assert not np.allclose(seen[0], other, rtol=1e-3, atol=1e-6)
 
 
-def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12,
-              direct: bool = True) -> Worker:
+def _lockstep(
+    folded: bool, staleness: int, optimizer, scale: float = 1.0, steps: int = 12, direct: bool = True
+) -> Worker:
     """One worker stepped against its own log (a one-rank SharedLog), with clipping and a calibrated τ:
     every pass that reads the residual runs."""
     from gradshare.task.apply_log import ApplyLog
@@ -137,13 +152,27 @@ def _lockstep(folded: bool, staleness: int, optimizer, scale: float = 1.0, steps
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=_model(3),
-                       loss=nn.CrossEntropyLoss(), optimizer=optimizer,
-                       threshold_rule=encoding.CalibratedThreshold(density=0.05, min_entries=0),
-                       residual_clip=encoding.ResidualClipping(clip=2.0, every=3), steps_per_epoch=(8,), epochs=2,
-                       batch_size=16, staleness=staleness, seed=0, label_dtype="int64", apply_scale=scale,
-                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
-                       folded_view=folded, direct_update=direct)
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=_model(3),
+        loss=nn.CrossEntropyLoss(),
+        optimizer=optimizer,
+        threshold_rule=encoding.CalibratedThreshold(density=0.05, min_entries=0),
+        residual_clip=encoding.ResidualClipping(clip=2.0, every=3),
+        steps_per_epoch=(8,),
+        epochs=2,
+        batch_size=16,
+        staleness=staleness,
+        seed=0,
+        label_dtype="int64",
+        apply_scale=scale,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
+        folded_view=folded,
+        direct_update=direct,
+    )
     w, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     w.log = ApplyLog(log, w.flat, 0, 10.0, scale=scale)
     for t in range(steps):

@@ -15,20 +15,41 @@ from one_worker import STEPS, run_one_worker
 
 # (with momentum, the ceiling, the same optimizer built with the momentum at the ceiling)
 PAIRS = {
-    "adam-fused": (lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), 0.0,
-                   lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.0, 0.999), fused=True)),
-    "adam-half": (lambda p: torch.optim.Adam(p, lr=1e-2), 0.5,
-                  lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.5, 0.999))),
-    "adamw-decay": (lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2), 0.0,
-                    lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.0, 0.99), weight_decay=1e-2)),
-    "nadam": (lambda p: torch.optim.NAdam(p, lr=1e-2), 0.0,
-              lambda p: torch.optim.NAdam(p, lr=1e-2, betas=(0.0, 0.999))),
-    "sgd-nesterov": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True), 0.0,
-                     lambda p: torch.optim.SGD(p, lr=0.05)),
-    "sgd-nesterov-half": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True), 0.5,
-                          lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True)),
-    "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5), 0.0,
-                lambda p: torch.optim.RMSprop(p, lr=1e-3)),
+    "adam-fused": (
+        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+        0.0,
+        lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.0, 0.999), fused=True),
+    ),
+    "adam-half": (
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+        0.5,
+        lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.5, 0.999)),
+    ),
+    "adamw-decay": (
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2),
+        0.0,
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.0, 0.99), weight_decay=1e-2),
+    ),
+    "nadam": (
+        lambda p: torch.optim.NAdam(p, lr=1e-2),
+        0.0,
+        lambda p: torch.optim.NAdam(p, lr=1e-2, betas=(0.0, 0.999)),
+    ),
+    "sgd-nesterov": (
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        0.0,
+        lambda p: torch.optim.SGD(p, lr=0.05),
+    ),
+    "sgd-nesterov-half": (
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        0.5,
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5, nesterov=True),
+    ),
+    "rmsprop": (
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+        0.0,
+        lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    ),
 }
 
 

@@ -64,12 +64,23 @@ def _worker(precision, direct=True, staleness=0):
     X = rng.normal(size=(128, 20)).astype(np.float32)
     y = (X[:, :5].sum(axis=1) > 0).astype(np.int64)
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1,
-        model=nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2)), loss=_PoisonableLoss(),
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2)),
+        loss=_PoisonableLoss(),
         optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
-        threshold_rule=encoding.CalibratedThreshold(), residual_clip=encoding.ResidualClipping(clip=5.0),
-        steps_per_epoch=(4,), epochs=2, batch_size=32, staleness=staleness, seed=0, label_dtype="int64",
-        precision=precision, direct_update=direct,
+        threshold_rule=encoding.CalibratedThreshold(),
+        residual_clip=encoding.ResidualClipping(clip=5.0),
+        steps_per_epoch=(4,),
+        epochs=2,
+        batch_size=32,
+        staleness=staleness,
+        seed=0,
+        label_dtype="int64",
+        precision=precision,
+        direct_update=direct,
     )
     w = Worker(cfg, 0, PartitionData(X, y))
     assert w.path.name == ("direct" if direct else "general")
@@ -201,8 +212,11 @@ def test_gradient_clipping_sees_unscaled_gradients_under_fp16(fused):
     model = nn.Linear(3, 2)
     seen = []
     opt = clip_grad_norm(lambda p: torch.optim.Adam(p, lr=0.1, fused=fused), 1e6)(model.parameters())
-    opt.register_step_pre_hook(lambda *_: seen.append(
-        float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))))
+    opt.register_step_pre_hook(
+        lambda *_: seen.append(
+            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+        )
+    )
     x = torch.full((4, 3), 0.01)
     model(x).float().square().mean().backward()  # the gradient in float32, unscaled
     true_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))

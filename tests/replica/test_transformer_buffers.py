@@ -188,9 +188,15 @@ def test_a_causal_lm_with_mask_rotary_position_and_batchnorm_buffers_trains(spar
     rdd = spark.sparkContext.parallelize(list(zip(ids, labels)), 2)
     val_ids, val_labels = sequences(256, 1)
     torch.manual_seed(0)
-    r = SharedTrainer(TinyCausalLM, epochs=6, batch_size=32,
-                      optimizer=lambda p: torch.optim.AdamW(p, 1e-2, weight_decay=0.01),
-                      validation_data=(val_ids, val_labels), **LOOPBACK, compression=Compression(staleness=1)).fit(rdd)
+    r = SharedTrainer(
+        TinyCausalLM,
+        epochs=6,
+        batch_size=32,
+        optimizer=lambda p: torch.optim.AdamW(p, 1e-2, weight_decay=0.01),
+        validation_data=(val_ids, val_labels),
+        **LOOPBACK,
+        compression=Compression(staleness=1),
+    ).fit(rdd)
     model = r.model.eval()
     assert r.extra["loss"] == "CrossEntropyLoss"
     with torch.no_grad():
@@ -237,21 +243,36 @@ def _one_worker(X, y, lr=1e-3):
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
-                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr),
-                       threshold_rule=CalibratedThreshold(density=0.1), residual_clip=None,
-                       steps_per_epoch=(len(y) // 4,), epochs=1, batch_size=4, staleness=0, seed=0,
-                       label_dtype="int64")
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=model,
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr),
+        threshold_rule=CalibratedThreshold(density=0.1),
+        residual_clip=None,
+        steps_per_epoch=(len(y) // 4,),
+        epochs=1,
+        batch_size=4,
+        staleness=0,
+        seed=0,
+        label_dtype="int64",
+    )
     worker = Worker(cfg, 0, PartitionData((X,), y))
     peer = LogPeer(SharedLog(1), 0)
     worker.log = ApplyLog(peer, worker.flat, 0, 10.0)
     return worker, peer
 
 
-@pytest.mark.parametrize("poison, cause", [
-    ("input", r"input 0 of the batch hold NaN or inf \(batch rows \[\d\]\): clean the data"),
-    ("lr", r"the loss is finite .* but the optimizer's update is not"),
-])
+@pytest.mark.parametrize(
+    "poison, cause",
+    [
+        ("input", r"input 0 of the batch hold NaN or inf \(batch rows \[\d\]\): clean the data"),
+        ("lr", r"the loss is finite .* but the optimizer's update is not"),
+    ],
+)
 def test_a_non_finite_update_names_rank_step_and_likely_cause(poison, cause):
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)
@@ -259,7 +280,9 @@ def test_a_non_finite_update_names_rank_step_and_likely_cause(poison, cause):
         X[5, 2] = np.nan  # in the second batch of 4 rows (their order is shuffled)
     worker, peer = _one_worker(X * 100, y, lr=3e38 if poison == "lr" else 1e-3)  # lr × gradient overflows float32
     # typed (a ValueError too): the worker tells it from other errors by its class, not its text
-    with pytest.raises(NonFiniteError, match=r"rank 0, step \d \(epoch 0, batch \d\): the update is not finite: " + cause):
+    with pytest.raises(
+        NonFiniteError, match=r"rank 0, step \d \(epoch 0, batch \d\): the update is not finite: " + cause
+    ):
         for t in range(2):
             worker.log.apply_through(t - 1)
             worker.step(peer, t)
@@ -286,11 +309,24 @@ def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
     for power in (0.0, 1.0):
         torch.manual_seed(0)
         rule = CalibratedThreshold(density=0.05, decay_from=0.5, decay_steps=4, decay_lr_power=power)
-        cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1,
-                           model=nn.Linear(5, 3), loss=nn.CrossEntropyLoss(),
-                           optimizer=lambda p: torch.optim.SGD(p, 0.1), threshold_rule=rule, residual_clip=None,
-                           steps_per_epoch=(2,), epochs=1, batch_size=4, staleness=0, seed=0, label_dtype="int64",
-                           direct_update=False)  # the general path: the update is P_after − P_before
+        cfg = WorkerConfig(
+            relay_address=("127.0.0.1", 1),
+            key=bytes(32),
+            job_id=1,
+            world_size=1,
+            model=nn.Linear(5, 3),
+            loss=nn.CrossEntropyLoss(),
+            optimizer=lambda p: torch.optim.SGD(p, 0.1),
+            threshold_rule=rule,
+            residual_clip=None,
+            steps_per_epoch=(2,),
+            epochs=1,
+            batch_size=4,
+            staleness=0,
+            seed=0,
+            label_dtype="int64",
+            direct_update=False,
+        )  # the general path: the update is P_after − P_before
         worker = Worker(cfg, 0, PartitionData((X,), y))
         peer = LogPeer(SharedLog(1), 0)
         worker.log = ApplyLog(peer, worker.flat, 0, 10.0)

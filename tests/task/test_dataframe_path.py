@@ -18,8 +18,14 @@ from gradshare.task.partition import summarise_partition
 
 def _vectors(rows):
     """A VectorUDT column as Arrow sees it: struct<type: int8, size: int32, indices, values>."""
-    t = pa.struct([("type", pa.int8()), ("size", pa.int32()), ("indices", pa.list_(pa.int32())),
-                   ("values", pa.list_(pa.float64()))])
+    t = pa.struct(
+        [
+            ("type", pa.int8()),
+            ("size", pa.int32()),
+            ("indices", pa.list_(pa.int32())),
+            ("values", pa.list_(pa.float64())),
+        ]
+    )
     return pa.array(rows, type=t)
 
 
@@ -32,8 +38,14 @@ def test_arrow_rows_are_the_rdd_rows():
     dense = {"type": 1, "size": None, "indices": None, "values": [1.0, 2.0, 3.0]}
     sparse = {"type": 0, "size": 3, "indices": [2], "values": [5.0]}
     batch = pa.RecordBatch.from_arrays(
-        [pa.array([[1.5, 2.5], [3.5, 4.5]]), _vectors([dense, sparse]), pa.array([7, 8], pa.int32()),
-         pa.array([0, 1], pa.int64())], ["arr", "vec", "num", "y"])
+        [
+            pa.array([[1.5, 2.5], [3.5, 4.5]]),
+            _vectors([dense, sparse]),
+            pa.array([7, 8], pa.int32()),
+            pa.array([0, 1], pa.int64()),
+        ],
+        ["arr", "vec", "num", "y"],
+    )
     rows = list(batch_rows(iter([_select(batch, "arr", "y")]), ("arr", "y"), False))
     assert [r[0].dtype for r in rows] == [np.float32] * 2 and rows[1][0].tolist() == [3.5, 4.5]
     assert rows[1][1] == 1 and isinstance(rows[1][1], np.integer)
@@ -53,8 +65,10 @@ def test_bad_columns_are_named_with_the_row():
     assert "column 'target' is null at row 1" in s.error
     ragged = pa.RecordBatch.from_arrays([pa.array([[1.0, 2.0], [3.0]]), pa.array([0, 1])], ["x", "y"])
     s = summarise_partition(3, batch_rows(iter([ragged]), ("x", "y"), False), ("x",))
-    assert s.error.startswith("partition 3 row 1: column 'x' of shape (1,) differ from the first row's (2,): every "
-                              "row of an array column needs the same length")
+    assert s.error.startswith(
+        "partition 3 row 1: column 'x' of shape (1,) differ from the first row's (2,): every "
+        "row of an array column needs the same length"
+    )
     s = summarise_partition(3, batch_rows(iter([ragged]), ("x", "y"), False))  # rows of an RDD: no column names
     assert s.error.startswith("partition 3 row 1: features of shape (1,) differ from the first row's (2,)")
     text = pa.RecordBatch.from_arrays([pa.array(["a"]), pa.array([0])], ["words", "y"])
@@ -93,16 +107,18 @@ def test_a_classic_dataframe_fit_is_bit_identical_through_both_paths(spark, monk
     rows = [(Vectors.dense(x.tolist()), x.tolist(), float(x[1]), int(x[0] > 0), float(x.sum())) for x in X]
     df = spark.createDataFrame(rows, ["vec", "arr", "num", "label", "target"]).repartition(2).cache()
     assert dataframe_to_rdd(df, "vec", "label").count() == 96
-    fits = {"classes": dict(model=lambda: nn.Linear(4, 2), features_col="vec", label_col="label"),
-            "inputs": dict(model=_TwoInputs, features_col=["arr", "num"], label_col="target")}
+    fits = {
+        "classes": dict(model=lambda: nn.Linear(4, 2), features_col="vec", label_col="label"),
+        "inputs": dict(model=_TwoInputs, features_col=["arr", "num"], label_col="target"),
+    }
     for name, fit in fits.items():
         hashes = []
         for frame in (False, True):
             monkeypatch.setattr(dataframe_job, "FRAME_PATH_CLASSIC", frame)
             torch.manual_seed(0)
-            r = SharedTrainer(fit["model"], epochs=2, batch_size=8, port=0, verbose=0,
-                              network=Network(bind="127.0.0.1")).fit(
-                df, features_col=fit["features_col"], label_col=fit["label_col"])
+            r = SharedTrainer(
+                fit["model"], epochs=2, batch_size=8, port=0, verbose=0, network=Network(bind="127.0.0.1")
+            ).fit(df, features_col=fit["features_col"], label_col=fit["label_col"])
             hashes.append(r.param_hash)
             assert {w["param_hash"] for w in r.worker_reports} == {r.param_hash} and r.world_size == 2
         assert hashes[0] == hashes[1], name

@@ -90,8 +90,16 @@ def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_li
     from transport_util import TOY
 
     sim = Sim(world_size=1, n_params=20_000, seed=6, loss=0.1, dup=0.1, max_delay=0.003, datagram_size=400)
-    sim.relay = RelayCore(sim.p0, 1, sim.key, 42, now=0.0, datagram_size=400,
-                          tuning=RelayTuning(snapshot_datagram_size=4000, snapshot_burst=16_000), **TOY)
+    sim.relay = RelayCore(
+        sim.p0,
+        1,
+        sim.key,
+        42,
+        now=0.0,
+        datagram_size=400,
+        tuning=RelayTuning(snapshot_datagram_size=4000, snapshot_burst=16_000),
+        **TOY,
+    )
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     into = np.zeros(sim.N, np.float32)
@@ -161,10 +169,24 @@ def test_skeleton_ships_no_weights_and_materializes_into_the_same_layout():
 def test_user_objects_travel_as_bytes_and_unpack_in_the_worker():
     from gradshare.task.config import WorkerConfig
 
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=b"k" * 32, job_id=1, world_size=1,
-                       model=WithIntBuffer(), loss=nn.MSELoss(), optimizer=lambda p: torch.optim.SGD(p, 0.1),
-                       threshold_rule=None, residual_clip=None, steps_per_epoch=(1,), epochs=1, batch_size=1,
-                       staleness=0, seed=0, label_dtype="float32", metric=lambda o, y: 1.0)
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=b"k" * 32,
+        job_id=1,
+        world_size=1,
+        model=WithIntBuffer(),
+        loss=nn.MSELoss(),
+        optimizer=lambda p: torch.optim.SGD(p, 0.1),
+        threshold_rule=None,
+        residual_clip=None,
+        steps_per_epoch=(1,),
+        epochs=1,
+        batch_size=1,
+        staleness=0,
+        seed=0,
+        label_dtype="float32",
+        metric=lambda o, y: 1.0,
+    )
     packed = pack_user_objects(cfg)
     assert packed.model is None and packed.loss is None and isinstance(packed.user_objects, bytes)
     back = unpack_user_objects(packed)
@@ -219,7 +241,7 @@ def _assert_slots_free(spark):
     assert not sc.statusTracker().getActiveJobsIds() and busy_slots(sc) == 0
 
 
-DRIVER_ONLY = '''
+DRIVER_ONLY = """
 from torch import nn
 
 
@@ -230,7 +252,7 @@ class DriverOnlyNet(nn.Module):
 
     def forward(self, x):
         return self.lin(x)
-'''
+"""
 
 
 @pytest.mark.spark
@@ -245,7 +267,9 @@ def test_a_model_class_the_executors_cannot_import_is_named(spark, tmp_path):
         rdd = small_rdd(spark)
         rdd.count()
         t0 = time.monotonic()
-        with pytest.raises(TrainingError, match=rf"worker rank \d failed: ModuleNotFoundError: No module named '{name}'"):
+        with pytest.raises(
+            TrainingError, match=rf"worker rank \d failed: ModuleNotFoundError: No module named '{name}'"
+        ):
             SharedTrainer(module.DriverOnlyNet, batch_size=4, **LOOPBACK).fit(rdd)
         assert time.monotonic() - t0 < 10
         _assert_slots_free(spark)

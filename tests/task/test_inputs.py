@@ -113,9 +113,13 @@ def test_pre_pass_names_partition_and_row_for_mixed_dtypes_and_shapes():
     ints = [(np.arange(3), 1)] * 4
     floats = [(np.arange(3) * 1.0, 1)] * 4
     bad = summarise_partition(1, iter(ints[:2] + floats[:1]))
-    with pytest.raises(TypeError, match=r"partition 1 row 2: features of dtype float32 differ from the first row's int64"):
+    with pytest.raises(
+        TypeError, match=r"partition 1 row 2: features of dtype float32 differ from the first row's int64"
+    ):
         check_summaries([summarise_partition(0, iter(ints)), bad])
-    with pytest.raises(TypeError, match=r"partition 1 has features of dtype float32, partition 0 has int64 \(row 0 of each\)"):
+    with pytest.raises(
+        TypeError, match=r"partition 1 has features of dtype float32, partition 0 has int64 \(row 0 of each\)"
+    ):
         check_summaries([summarise_partition(0, iter(ints)), summarise_partition(1, iter(floats))])
     multi = [((np.zeros(2), np.arange(3)), 0.5)] * 3
     other = [((np.zeros(2), np.arange(4)), 0.5)] * 3
@@ -124,8 +128,9 @@ def test_pre_pass_names_partition_and_row_for_mixed_dtypes_and_shapes():
     s = check_summaries([summarise_partition(0, iter(multi)), summarise_partition(1, iter(multi))])
     assert s.features.describe() == "(float32[2], int64[3])" and s.label_kind == "float" and not s.labels_whole
     assert s.label_range is None  # fractional labels: no class range
-    assert check_summaries([summarise_partition(0, iter(ints)), summarise_partition(1, iter([(np.arange(3), 7)]))]
-                           ).label_range == (1, 7)
+    assert check_summaries(
+        [summarise_partition(0, iter(ints)), summarise_partition(1, iter([(np.arange(3), 7)]))]
+    ).label_range == (1, 7)
     # int labels of any shape stay int (per-token classes)
     assert summarise_partition(0, iter([(np.zeros(2), np.array([1, 2]))])).label_kind == "int"
 
@@ -134,7 +139,9 @@ def test_target_is_shaped_like_the_output_or_both_shapes_are_named():
     out, y = torch.zeros(8, 1), torch.zeros(8)
     assert match_target(out, y).shape == (8, 1)  # (B,) against (B, 1): unsqueezed, no (B, B) broadcast
     assert match_target(torch.zeros(8), torch.zeros(8, 1)).shape == (8,)
-    with pytest.raises(ValueError, match=r"output has shape \(B, 3\) but the labels have shape \(B,\).*label_dtype='int64'"):
+    with pytest.raises(
+        ValueError, match=r"output has shape \(B, 3\) but the labels have shape \(B,\).*label_dtype='int64'"
+    ):
         match_target(torch.zeros(8, 3), y)
     with pytest.raises(ValueError, match=r"output has shape \(B, 2, 2\) but the labels have shape \(B, 4\)"):
         match_target(torch.zeros(8, 2, 2), torch.zeros(8, 4))
@@ -154,7 +161,9 @@ def test_default_loss_follows_labels_and_the_probed_output():
     assert (cls.label_dtype, cls.name, cls.probe) == ("int64", "CrossEntropyLoss", "output (B, 3)")
     reg = _plan(nn.Linear(4, 1), x, 2.0, "float", True)  # whole doubles, but a (B, 1) regression output
     assert (reg.label_dtype, reg.name) == ("float32", "MSELoss")
-    with pytest.raises(ValueError, match=r"output has shape \(B, 3\) but the labels have shape \(B,\).*label_dtype='int64'"):
+    with pytest.raises(
+        ValueError, match=r"output has shape \(B, 3\) but the labels have shape \(B,\).*label_dtype='int64'"
+    ):
         _plan(nn.Linear(4, 3), x, 2.0, "float", True, label_dtype="float32")  # the override wins, then is checked
     assert _plan(nn.Linear(4, 3), x, 1, "int", True).name == "CrossEntropyLoss"
     with pytest.raises(ValueError, match=r"\(B, C\) with C > 1 classes, but it has shape \(B, 1\)"):
@@ -182,9 +191,13 @@ def test_float_ids_into_an_embedding_name_the_input_and_dtype():
 
 def test_validation_data_is_checked_against_the_training_layout():
     layout = InputLayout.of((np.zeros(4, np.float32), np.arange(2)), multi=True)
-    inputs, y = validation_arrays(((np.zeros((5, 4)), np.ones((5, 2), np.int32)), [0.0, 1, 2, 1, 0]), layout, "int64", ())
+    inputs, y = validation_arrays(
+        ((np.zeros((5, 4)), np.ones((5, 2), np.int32)), [0.0, 1, 2, 1, 0]), layout, "int64", ()
+    )
     assert [a.dtype for a in inputs] == [np.float32, np.int64] and y.dtype == np.int64
-    with pytest.raises(ValueError, match=r"validation_data X\[1\] has rows of float32\[2\], the training features int64\[2\]"):
+    with pytest.raises(
+        ValueError, match=r"validation_data X\[1\] has rows of float32\[2\], the training features int64\[2\]"
+    ):
         validation_arrays(((np.zeros((5, 4)), np.ones((5, 2))), np.zeros(5)), layout, "float32", ())
     with pytest.raises(TypeError, match="X must be a tuple of 2 arrays"):
         validation_arrays((np.zeros((5, 4)), np.zeros(5)), layout, "float32", ())
@@ -215,8 +228,9 @@ def test_embedding_gru_learns_tokens_with_ids_above_2_pow_24(spark):
     ids, y = tokens(768, 1)
     X_val, y_val = tokens(256, 2)
     rdd = spark.sparkContext.parallelize(list(zip(ids, (int(v) for v in y))), 2)
-    r = SharedTrainer(TokenGRU, optimizer=_adam(1e-2), batch_size=32, epochs=6, validation_data=(X_val, y_val),
-                      **LOOPBACK).fit(rdd)
+    r = SharedTrainer(
+        TokenGRU, optimizer=_adam(1e-2), batch_size=32, epochs=6, validation_data=(X_val, y_val), **LOOPBACK
+    ).fit(rdd)
     assert r.extra["loss"] == "CrossEntropyLoss" and r.extra["inputs"] == "int64[5]"
     assert {h["loss_fn"] for h in r.history} == {"CrossEntropyLoss"}
     assert r.history[-1]["loss"] < 0.6 * r.history[0]["loss"]
@@ -265,8 +279,16 @@ def test_train_step_hook_with_sample_weights_is_used(spark):
     yv = (xv[:, 0] > 0).astype(np.int64)
 
     def fit(**kw):  # a 10-weight model at a high lr: no step cap, which would slow it (convergence guide)
-        return SharedTrainer(lambda: nn.Linear(4, 2), optimizer=_adam(2e-2), batch_size=32, epochs=4, seed=1,
-                             **LOOPBACK, **kw, compression=Compression(step_cap=None)).fit(spark.sparkContext.parallelize(rows, 2))
+        return SharedTrainer(
+            lambda: nn.Linear(4, 2),
+            optimizer=_adam(2e-2),
+            batch_size=32,
+            epochs=4,
+            seed=1,
+            **LOOPBACK,
+            **kw,
+            compression=Compression(step_cap=None),
+        ).fit(spark.sparkContext.parallelize(rows, 2))
 
     hooked = fit(train_step=weighted)
     assert hooked.extra["loss"] == "train_step:weighted" and hooked.extra["probe"] == "train_step ran on one row"
@@ -299,7 +321,9 @@ def test_regression_with_a_column_output_matches_a_single_process(spark):
     for _ in range(epochs):
         for i in range(0, 512, 32):
             opt.zero_grad()
-            nn.functional.mse_loss(single(torch.from_numpy(X[i:i + 32])), torch.from_numpy(y[i:i + 32, None])).backward()
+            nn.functional.mse_loss(
+                single(torch.from_numpy(X[i : i + 32])), torch.from_numpy(y[i : i + 32, None])
+            ).backward()
             opt.step()
 
     def mse(model):
@@ -307,8 +331,15 @@ def test_regression_with_a_column_output_matches_a_single_process(spark):
             return float(((model(torch.from_numpy(Xt))[:, 0] - torch.from_numpy(yt)) ** 2).mean())
 
     rows = [(a, float(b)) for a, b in zip(X[:512], y[:512])]
-    r = SharedTrainer(Regressor, optimizer=_adam(lr), batch_size=32, epochs=epochs, validation_data=(Xt, yt),
-                      **LOOPBACK, compression=Compression(aggregate="mean")).fit(spark.sparkContext.parallelize(rows, 2))
+    r = SharedTrainer(
+        Regressor,
+        optimizer=_adam(lr),
+        batch_size=32,
+        epochs=epochs,
+        validation_data=(Xt, yt),
+        **LOOPBACK,
+        compression=Compression(aggregate="mean"),
+    ).fit(spark.sparkContext.parallelize(rows, 2))
     assert r.extra["loss"] == "MSELoss" and r.extra["label_dtype"] == "float32"
     var, ours, theirs = float(yt.var()), mse(r.model), mse(single)
     assert r.history[-1]["val_metric"] < 0.1 * var  # validation shapes the target the same way
@@ -328,9 +359,14 @@ def test_string_indexer_labels_train_a_classifier(spark):
     df = spark.createDataFrame([(Vectors.dense(a.tolist()), str(s)) for a, s in zip(X, names)], ["features", "animal"])
     indexed = StringIndexer(inputCol="animal", outputCol="label").fit(df).transform(df).repartition(2)
     # a 15-weight model at a high lr: no step cap, which would slow it (convergence guide)
-    r = SharedTrainer(lambda: nn.Linear(4, 3), optimizer=_adam(5e-2), batch_size=32, epochs=5, **LOOPBACK,
-                      compression=Compression(step_cap=None)).fit(
-        indexed, features_col="features", label_col="label")
+    r = SharedTrainer(
+        lambda: nn.Linear(4, 3),
+        optimizer=_adam(5e-2),
+        batch_size=32,
+        epochs=5,
+        **LOOPBACK,
+        compression=Compression(step_cap=None),
+    ).fit(indexed, features_col="features", label_col="label")
     assert (r.extra["loss"], r.extra["label_dtype"], r.extra["probe"]) == ("CrossEntropyLoss", "int64", "output (B, 3)")
     rows = indexed.select("features", "label").collect()  # one collect: repartition(2) orders rows anew each time
     labels = np.array([row.label for row in rows])
@@ -359,8 +395,11 @@ def test_bad_inputs_are_named_before_or_during_training(spark):
     with pytest.raises(ValueError, match=r"output has shape \(B, 3\) but the labels have shape \(B,\)"):
         SharedTrainer(lambda: nn.Linear(3, 3), **LOOPBACK).fit(sc.parallelize(floats, 2))
     # the probe cannot run this model on the driver: the workers check every batch the same way
-    with pytest.raises(ValueError, match=r"worker rank \d failed: ValueError: the model's output has shape \(B, 3\) "
-                                         r"but the labels have shape \(B,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"worker rank \d failed: ValueError: the model's output has shape \(B, 3\) "
+        r"but the labels have shape \(B,\)",
+    ):
         SharedTrainer(NeedsTask, **LOOPBACK).fit(sc.parallelize(floats, 2))
     df = spark.createDataFrame([([float(t) for t in range(LENGTH)], 1) for _ in range(8)], ["tokens", "y"])
     with pytest.raises(TypeError, match=r"nn.Embedding got float ids: column 'tokens' has dtype float32"):

@@ -24,12 +24,25 @@ def _trained(lr: float, factor: float, steps: int = 10) -> Worker:
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
-    cfg = WorkerConfig(relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=1, model=model,
-                       loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
-                       threshold_rule=encoding.CalibratedThreshold(density=0.1, min_entries=0),
-                       residual_clip=None, steps_per_epoch=(8,), epochs=2, batch_size=16, staleness=0, seed=0,
-                       label_dtype="int64", lr_factor=factor,
-                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.5))
+    cfg = WorkerConfig(
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=1,
+        model=model,
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        threshold_rule=encoding.CalibratedThreshold(density=0.1, min_entries=0),
+        residual_clip=None,
+        steps_per_epoch=(8,),
+        epochs=2,
+        batch_size=16,
+        staleness=0,
+        seed=0,
+        label_dtype="int64",
+        lr_factor=factor,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.5),
+    )
     w, log = Worker(cfg, 0, PartitionData(X, y)), LogPeer(SharedLog(1), 0)
     w.log = ApplyLog(log, w.flat, 0, 10.0)
     for t in range(steps):
@@ -54,16 +67,26 @@ def test_the_factor_follows_the_rule_chosen():
     assert Compression().lr_factor(64) == 1.0 and Compression(lr_batch_size=64).lr_factor(64) == 1.0
     model = nn.Linear(2, 2)
     assert SharedTrainer(model, batch_size=25, compression=Compression(lr_batch_size=100)).config.lr_factor == 0.5
-    assert SharedTrainer(model, batch_size=8, compression=Compression(lr_batch_size=32, lr_scaling="linear")).config.lr_factor == 0.25
+    assert (
+        SharedTrainer(
+            model, batch_size=8, compression=Compression(lr_batch_size=32, lr_scaling="linear")
+        ).config.lr_factor
+        == 0.25
+    )
     assert SharedTrainer(model, batch_size=8).config.lr_factor == 1.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"lr_batch_size": 0}, "lr_batch_size must be None or an int >= 1"),
-    ({"lr_batch_size": -4}, "lr_batch_size"), ({"lr_batch_size": True}, "lr_batch_size"),
-    ({"lr_batch_size": 2.5}, "lr_batch_size"), ({"lr_batch_size": "100"}, "lr_batch_size"),
-    ({"lr_batch_size": 100, "lr_scaling": "cube"}, "lr_scaling must be 'sqrt' or 'linear'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr_batch_size": 0}, "lr_batch_size must be None or an int >= 1"),
+        ({"lr_batch_size": -4}, "lr_batch_size"),
+        ({"lr_batch_size": True}, "lr_batch_size"),
+        ({"lr_batch_size": 2.5}, "lr_batch_size"),
+        ({"lr_batch_size": "100"}, "lr_batch_size"),
+        ({"lr_batch_size": 100, "lr_scaling": "cube"}, "lr_scaling must be 'sqrt' or 'linear'"),
+    ],
+)
 def test_bad_lr_batch_options_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SharedTrainer(nn.Linear(2, 2), compression=Compression(**kwargs))

@@ -15,8 +15,21 @@ from gradshare.transport import RelayTuning
 
 
 def plan(**kw):
-    return HostedRelay(**{**dict(initial=None, n_params=3, port=0, bind="127.0.0.1", tuning=RelayTuning(), scale=1.0,
-                                 aggregator=None, inbox=None), **kw})
+    return HostedRelay(
+        **{
+            **dict(
+                initial=None,
+                n_params=3,
+                port=0,
+                bind="127.0.0.1",
+                tuning=RelayTuning(),
+                scale=1.0,
+                aggregator=None,
+                inbox=None,
+            ),
+            **kw,
+        }
+    )
 
 
 def test_the_first_state_comes_inline_or_from_its_file_and_a_changed_file_is_refused(tmp_path, monkeypatch):
@@ -55,8 +68,8 @@ def test_every_rank_learns_rank_0s_relay_and_the_stage_attempt():
     assert attempt == 15 and address is None
 
 
-@pytest.mark.parametrize("addresses, host", [(["10.1.2.3:41000", "10.1.2.4:41000"], "10.1.2.3"),
-                                             (["[::1]:41000"], "::1"), ([], "127.0.0.1")])
+@pytest.mark.parametrize(
+    "addresses, host", [(["10.1.2.3:41000", "10.1.2.4:41000"], "10.1.2.3"), (["[::1]:41000"], "::1"), ([], "127.0.0.1")]
+)
 def test_the_executor_host_is_sparks_address_for_the_task(addresses, host):
     assert executor_host(Ctx(0, [], addresses), 0) == host
-

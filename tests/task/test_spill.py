@@ -19,8 +19,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def spilled(rows, tmp_path, spill_bytes=4_000, label_dtype="int64"):
-    data = PartitionData.from_rows(iter(rows), label_dtype, spill_bytes=spill_bytes, spill_dir=str(tmp_path),
-                                   chunk_rows=64)
+    data = PartitionData.from_rows(
+        iter(rows), label_dtype, spill_bytes=spill_bytes, spill_dir=str(tmp_path), chunk_rows=64
+    )
     assert data.spilled and os.path.dirname(data.spill_path) == str(tmp_path)
     return data
 
@@ -34,8 +35,9 @@ def numbered(n, dim=6):
 def test_multi_input_rows_and_array_labels_come_back_exactly_with_their_dtypes(tmp_path):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 2**40, size=(500, 5))
-    rows = [((ids[i], np.float64(i) / 3, np.array([i % 3 == 0, True])), np.array([i, -i, 2**33 + i]))
-            for i in range(500)]
+    rows = [
+        ((ids[i], np.float64(i) / 3, np.array([i % 3 == 0, True])), np.array([i, -i, 2**33 + i])) for i in range(500)
+    ]
     data = spilled(rows, tmp_path)
     try:
         assert len(data) == 500 and data.multi
@@ -109,8 +111,9 @@ def test_block_shuffle_is_a_seeded_permutation_of_each_epoch(rows, block_rows, w
 
     a, s = order(3, 1, 2)
     assert sorted(a) == list(range(rows))
-    assert s.starts[-1] == rows and all(s.window_of(p) == w for w in range(len(s))
-                                        for p in range(s.starts[w], s.starts[w + 1]))
+    assert s.starts[-1] == rows and all(
+        s.window_of(p) == w for w in range(len(s)) for p in range(s.starts[w], s.starts[w + 1])
+    )
     np.testing.assert_array_equal(a, order(3, 1, 2)[0])  # (seed, rank, epoch) decide it
     if rows > 13:
         for other in [(4, 1, 2), (3, 0, 2), (3, 1, 3)]:
@@ -180,8 +183,13 @@ def test_peak_memory_of_a_spilled_partition_is_bounded_by_spill_bytes_not_its_si
     window), not by the partition's 16 MiB (held in memory, it costs twice that while concatenating)."""
     mib, width, rows = 1 << 20, 1024, 4096  # 4 KiB rows: 16 MiB
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(mib), str(rows), str(width), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, str(mib), str(rows), str(width), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     was_spilled, total, growth = out.stdout.split()
     assert was_spilled == "True" and int(total) == 2 * rows
@@ -217,10 +225,18 @@ def test_a_partition_of_12x_spill_bytes_trains_with_the_worker_peak_rss_bounded(
 
     mib, rows = 1 << 20, 3 * 1024  # 3 072 rows of 4 KiB = 12 MiB
     rdd = spark.sparkContext.parallelize([0, 1], 2).mapPartitionsWithIndex(
-        lambda index, _: generated_rows(index, rows if index == 1 else 64))
-    result = SharedTrainer(lambda: nn.Linear(WIDTH, 4), batch_size=64, epochs=2, seed=0,
-                           optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.05), port=0, verbose=0,
-                           network=Network(spill_bytes=mib, bind="127.0.0.1")).fit(rdd)
+        lambda index, _: generated_rows(index, rows if index == 1 else 64)
+    )
+    result = SharedTrainer(
+        lambda: nn.Linear(WIDTH, 4),
+        batch_size=64,
+        epochs=2,
+        seed=0,
+        optimizer=lambda p: __import__("torch").optim.SGD(p, lr=0.05),
+        port=0,
+        verbose=0,
+        network=Network(spill_bytes=mib, bind="127.0.0.1"),
+    ).fit(rdd)
     small, large = sorted(result.worker_reports, key=lambda r: r["rank"])
     assert [h["epoch"] for h in result.history] == [0, 1] and large["steps_run"] == 2 * rows // 64
     assert result.history[1]["loss"] < result.history[0]["loss"]

@@ -50,13 +50,26 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     y = (X[:, :5].sum(axis=1) > 0).astype(np.int64)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2))
     n = len(y)
-    shards = [(X[r * n // world:(r + 1) * n // world], y[r * n // world:(r + 1) * n // world]) for r in range(world)]
+    shards = [
+        (X[r * n // world : (r + 1) * n // world], y[r * n // world : (r + 1) * n // world]) for r in range(world)
+    ]
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1), key=bytes(32), job_id=1, world_size=world, model=model,
-        loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, lr=lr),
-        threshold_rule=encoding.AdaptiveThreshold(initial=1e-2), residual_clip=encoding.ResidualClipping(clip=5.0),
-        steps_per_epoch=tuple(math.ceil(len(s[1]) / 32) for s in shards), epochs=epochs, batch_size=32,
-        staleness=staleness, seed=0, label_dtype="int64", lookahead=lookahead,
+        relay_address=("127.0.0.1", 1),
+        key=bytes(32),
+        job_id=1,
+        world_size=world,
+        model=model,
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.Adam(p, lr=lr),
+        threshold_rule=encoding.AdaptiveThreshold(initial=1e-2),
+        residual_clip=encoding.ResidualClipping(clip=5.0),
+        steps_per_epoch=tuple(math.ceil(len(s[1]) / 32) for s in shards),
+        epochs=epochs,
+        batch_size=32,
+        staleness=staleness,
+        seed=0,
+        label_dtype="int64",
+        lookahead=lookahead,
         direct_update=direct,
         # With the local view (the default) the forward runs on a second buffer holding P + r, so a write
         # through .data lands there and is dropped with it (local_view.py); these tests are about P itself.
@@ -64,8 +77,11 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     )
     log = _Log()
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
-    assert all(w.path.name == ("direct" if direct else "general") for w in workers)  # Adam without weight decay allows the direct path
+    assert all(
+        w.path.name == ("direct" if direct else "general") for w in workers
+    )  # Adam without weight decay allows the direct path
     if mutate_rank is not None:  # a user bug: forward changes a weight in place, outside the optimizer
+
         def mutate(module, inputs):
             if through_data:  # .data has its own version counter: the worker cannot see this write
                 module[0].bias.data += 0.5
@@ -120,8 +136,9 @@ def test_parameters_changed_in_forward_leave_the_log_with_lookahead_too(direct):
     for k in (0, 1, 2):
         # The direct path folds the local view into one buffer (local_view.FoldedView): P takes the
         # changed parameter's point whole, its unsent residual (a few τ = 1e-2) with it.
-        _assert_mutation_stayed_local(*_train(staleness=k, lookahead=True, world=2, mutate_rank=1, direct=direct),
-                                      atol=0.1 if direct else 1e-3)
+        _assert_mutation_stayed_local(
+            *_train(staleness=k, lookahead=True, world=2, mutate_rank=1, direct=direct), atol=0.1 if direct else 1e-3
+        )
 
 
 def _assert_mutation_stayed_local(params, steps, atol=1e-3):

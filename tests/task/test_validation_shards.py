@@ -105,8 +105,16 @@ def uneven(spark):
 
 
 def _fit(rdd, validation, **kw):
-    return SharedTrainer(mlp, batch_size=64, epochs=4, seed=5, validation_data=validation, **LOOPBACK,
-                         early_stopping=dict(patience=0, min_delta=1.0, mode="max"), **kw).fit(rdd)
+    return SharedTrainer(
+        mlp,
+        batch_size=64,
+        epochs=4,
+        seed=5,
+        validation_data=validation,
+        **LOOPBACK,
+        early_stopping=dict(patience=0, min_delta=1.0, mode="max"),
+        **kw,
+    ).fit(rdd)
 
 
 def test_shards_score_what_the_pair_scores_and_stop_at_the_same_epoch(uneven):
@@ -138,8 +146,17 @@ def test_a_sum_count_metric_is_reduced_exactly(spark, uneven):
         return float((outputs.argmax(1) != labels).sum()), float(len(labels))
 
     # spill_bytes of 16 kB: the shards (and the training partitions) stream from spill files
-    result = SharedTrainer(mlp, batch_size=64, epochs=1, seed=5, validation_data=shards, metric=errors, port=0, verbose=0,
-                           network=Network(bind="127.0.0.1", spill_bytes=16 << 10)).fit(rdd)
+    result = SharedTrainer(
+        mlp,
+        batch_size=64,
+        epochs=1,
+        seed=5,
+        validation_data=shards,
+        metric=errors,
+        port=0,
+        verbose=0,
+        network=Network(bind="127.0.0.1", spill_bytes=16 << 10),
+    ).fit(rdd)
     assert [r["validation_spilled"] for r in result.worker_reports] == [True, True]
     assert sum(r["validation_rows"] for r in result.worker_reports) == len(y_test)
     with torch.no_grad():
@@ -166,7 +183,8 @@ def test_bad_validation_columns_are_named_before_any_spark_job(spark, uneven):
 
     def with_validation(validation, data=train):
         return lambda: SharedTrainer(torch.nn.Linear(2, 2), validation_data=validation, **LOOPBACK).fit(
-            data, **({"features_col": "x", "label_col": "y"} if data is train else {}))
+            data, **({"features_col": "x", "label_col": "y"} if data is train else {})
+        )
 
     jobs, error = jobs_started(spark, with_validation(train.drop("y")))
     assert isinstance(error, ValueError) and "no column 'y'" in str(error) and jobs == []
@@ -206,7 +224,8 @@ def test_a_multi_input_shard_names_the_column(spark):
     with pytest.raises(ValueError, match=r"shard \d has column 'b' of shape \(2,\), the training data \(3,\)"):
         SharedTrainer(TwoInputs, validation_data=short, **LOOPBACK).fit(train, features_col=["a", "b"], label_col="y")
     result = SharedTrainer(TwoInputs, validation_data=train, epochs=1, batch_size=4, **LOOPBACK).fit(
-        train, features_col=["a", "b"], label_col="y")
+        train, features_col=["a", "b"], label_col="y"
+    )
     assert result.history[0]["val_metric"] is not None
 
 
@@ -217,10 +236,16 @@ def test_estimator_validation_indicator_column(spark):
     X_train, _, y_train, _ = digits_split(0)
     rows = [([float(v) for v in x], int(t), i % 4 == 0) for i, (x, t) in enumerate(zip(X_train[:600], y_train))]
     df = spark.createDataFrame(rows, ["features", "label", "is_val"]).repartition(2)
-    estimator = GradshareEstimator(functools.partial(mlp, 32), epochs=3, batchSize=64, learningRate=1e-2,
-                                   numWorkers=2, validationIndicatorCol="is_val",
-                                   on_epoch_end=lambda row: row["epoch"] == 0,
-                                   trainerOptions={**LOOPBACK, "early_stopping": {"patience": 5, "mode": "max"}})
+    estimator = GradshareEstimator(
+        functools.partial(mlp, 32),
+        epochs=3,
+        batchSize=64,
+        learningRate=1e-2,
+        numWorkers=2,
+        validationIndicatorCol="is_val",
+        on_epoch_end=lambda row: row["epoch"] == 0,
+        trainerOptions={**LOOPBACK, "early_stopping": {"patience": 5, "mode": "max"}},
+    )
     model = estimator.fit(df)
     scores = [h["val_metric"] for h in model.history]  # the callback's stop: epochs 0 and 1 of 3
     assert len(scores) == 2

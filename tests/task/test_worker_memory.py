@@ -25,10 +25,12 @@ def test_release_free_memory_returns_freed_heap_pages():
 def test_the_kernels_load_without_scipy_linalg():
     """Numba's first kernel load imports numba.np.arraymath, whose BLAS probe would import scipy.linalg
     (~15 MB per worker); gradshare's kernels import that module without it (encoding/kernels.py)."""
-    code = ("import sys, numpy as np; from gradshare import encoding; "
-            "r = np.zeros(4096, np.float32); m = encoding.encode(r, np.ones(4096, np.float32), 0.5); "
-            "encoding.apply(m, np.zeros(4096, np.float32)); "
-            "print(m.n_entries, 'scipy.linalg' in sys.modules)")
+    code = (
+        "import sys, numpy as np; from gradshare import encoding; "
+        "r = np.zeros(4096, np.float32); m = encoding.encode(r, np.ones(4096, np.float32), 0.5); "
+        "encoding.apply(m, np.zeros(4096, np.float32)); "
+        "print(m.n_entries, 'scipy.linalg' in sys.modules)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -39,9 +41,11 @@ def test_a_worker_imports_neither_pandas_nor_pyarrow():
     """The task's module tree (task/: train, worker, partition, validation; replica/: losses, ...) and the driver's
     Spark glue it used to share a module with stay off pyspark.ml, whose package
     __init__ imports pandas and pyarrow: ~50 MB more in every worker's baseline for nothing it runs."""
-    code = ("import sys, gradshare.task.train, gradshare.task.partition, gradshare.task.validation, "
-            "gradshare.driver.session, gradshare.driver.validation; "
-            "print(*[m in sys.modules for m in ('pandas', 'pyarrow', 'pyspark.ml')])")
+    code = (
+        "import sys, gradshare.task.train, gradshare.task.partition, gradshare.task.validation, "
+        "gradshare.driver.session, gradshare.driver.validation; "
+        "print(*[m in sys.modules for m in ('pandas', 'pyarrow', 'pyspark.ml')])"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

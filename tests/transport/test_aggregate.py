@@ -21,6 +21,7 @@ from naive import apply as naive_apply
 
 # --- the aggregate against the oracle -------------------------------------------------------------------
 
+
 def oracle_step(residual, buffers_n, updates, density):
     """(residual after, entry codes, τ or None, buffer index, buffer values) of one aggregate, by hand:
     add each message's ±τ in rank order, τ = the k-th largest |residual| (one float32 ulp up when more
@@ -47,13 +48,19 @@ def oracle_step(residual, buffers_n, updates, density):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 700), ranks=st.integers(1, 5), buffers=st.integers(0, 6),
-       density=st.sampled_from([0.002, 0.05, 0.3, 1.0]), seed=st.integers(0, 2**31), steps=st.integers(1, 3))
+@given(
+    n=st.integers(1, 700),
+    ranks=st.integers(1, 5),
+    buffers=st.integers(0, 6),
+    density=st.sampled_from([0.002, 0.05, 0.3, 1.0]),
+    seed=st.integers(0, 2**31),
+    steps=st.integers(1, 3),
+)
 def test_aggregate_matches_the_numpy_oracle(n, ranks, buffers, density, seed, steps):
     rng = np.random.default_rng(seed)
     state = AggregateState(n, buffers, CalibratedThreshold(density=density, min_entries=0))
     residual = np.zeros(n, np.float32)
-    for step in range(steps):        # several steps: what one step leaves in the residual goes on
+    for step in range(steps):  # several steps: what one step leaves in the residual goes on
         updates = [real_update(rng, n, int(rng.integers(0, n + 1)), buffers) for _ in range(ranks)]
         want_r, want_codes, want_tau, want_b, want_v = oracle_step(residual, buffers, updates, density)
         got = aggregate_step(state, updates, step)
@@ -64,7 +71,7 @@ def test_aggregate_matches_the_numpy_oracle(n, ranks, buffers, density, seed, st
         assert np.array_equal(state.residual, want_r)
         assert np.array_equal(got.buffer_index, want_b) and np.array_equal(got.buffer_value, want_v)
         residual = want_r
-        decode_update(got.to_bytes(buffers), n + buffers, n_params=n)   # a valid update on the wire
+        decode_update(got.to_bytes(buffers), n + buffers, n_params=n)  # a valid update on the wire
 
 
 def test_aggregate_keeps_what_it_does_not_send_and_refuses_a_foreign_size():
@@ -83,12 +90,13 @@ def test_aggregate_keeps_what_it_does_not_send_and_refuses_a_foreign_size():
     before = state.residual.copy()
     with pytest.raises(ValueError, match=r"updates\[1\] is for 10 parameters"):
         aggregate_step(state, [real_update(rng, 5000, 3), real_update(rng, 10, 3)], 1)
-    assert np.array_equal(state.residual, before)      # nothing of a refused row was added
+    assert np.array_equal(state.residual, before)  # nothing of a refused row was added
     with pytest.raises(ValueError, match=r"updates\[0\] changes buffer entry"):
         aggregate_step(state, [real_update(rng, 5000, 3, buffers=4)], 1)
 
 
 # --- the protocol in aggregate mode (in-memory link) -------------------------------------------------------
+
 
 def check_aggregated(sim: Sim, first: int, last: int) -> None:
     """Every live peer got the aggregate of every step first..last exactly once, in order, and nothing
@@ -104,8 +112,9 @@ def check_aggregated(sim: Sim, first: int, last: int) -> None:
 @pytest.mark.parametrize("loss, big", [(0.0, None), (0.05, None), (0.05, 8192)])
 def test_aggregate_mode_is_exactly_once_per_step_and_bit_identical(loss, big):
     # big: the relay seals its aggregates in datagrams of snapshot_datagram_size (one or two here)
-    sim = aggregate_sim(seed=7, loss=loss, dup=0.02 if loss else 0.0, max_delay=0.003 if loss else 0.0,
-                        snapshot_datagram_size=big)
+    sim = aggregate_sim(
+        seed=7, loss=loss, dup=0.02 if loss else 0.0, max_delay=0.003 if loss else 0.0, snapshot_datagram_size=big
+    )
     for r in range(sim.W):
         sim.add_peer(r)
     sim.run(steps=12, entries=(3, 40, 300))
@@ -117,7 +126,7 @@ def test_aggregate_mode_is_exactly_once_per_step_and_bit_identical(loss, big):
     if big:
         assert c["forwarded"] <= 12 * sim.W * 2
     if loss:
-        assert c["retransmits"] > 0          # NAK repair from the relay's history of aggregates
+        assert c["retransmits"] > 0  # NAK repair from the relay's history of aggregates
 
 
 def test_ranks_of_unequal_length_end_the_aggregated_log_at_the_last_step():
@@ -175,7 +184,7 @@ def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through()
     sim.peers[0].send_update(5, real_payload(sim.rng, sim.N, 60), None, sim.now)  # rank 1 dies before 5
     drive(sim, lambda: sim.relay.att.ranks[0].received.contiguous_from(0) == 6)
     residual = sim.relay.log.aggregator.residual.copy()
-    for r in range(2):                       # Spark retries the stage
+    for r in range(2):  # Spark retries the stage
         sim.add_peer(r, attempt=1)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
     assert all(p.welcome.start_step == 5 and p.inbound.aggregate for p in sim.peers.values())
@@ -194,16 +203,29 @@ def test_a_restarted_attempt_resumes_the_aggregated_log_after_complete_through()
 
 # --- real sockets, lossy ----------------------------------------------------------------------------------
 
+
 @pytest.mark.sockets
 def test_aggregate_mode_through_the_lossy_fault_proxy():
     from transport_util import N, exchange
 
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1",
-               tuning=RelayTuning(forwarding="aggregate")) as relay, \
-            FaultProxy(relay.address, loss=0.05, duplicate=0.02, reorder=0.05, delay=0.002, seed=4) as proxy:
-        params, logs, _, counters = exchange(relay, key, 3, 20, np.random.default_rng(2), address=proxy.address,
-                                             entries=(3, 300), make=real_payload, apply=real_apply)
+    with (
+        Relay(
+            np.zeros(N, np.float32), 3, key, 9, port=0, bind="127.0.0.1", tuning=RelayTuning(forwarding="aggregate")
+        ) as relay,
+        FaultProxy(relay.address, loss=0.05, duplicate=0.02, reorder=0.05, delay=0.002, seed=4) as proxy,
+    ):
+        params, logs, _, counters = exchange(
+            relay,
+            key,
+            3,
+            20,
+            np.random.default_rng(2),
+            address=proxy.address,
+            entries=(3, 300),
+            make=real_payload,
+            apply=real_apply,
+        )
         for r in range(3):
             assert logs[r] == [(t, AGGREGATE_ORIGIN) for t in range(20)]
             assert param_hash(params[r]) == relay.param_hash()
@@ -225,9 +247,9 @@ def test_welcome_says_whether_the_log_is_aggregated_and_decodes_both_forms():
         kind, body = wire.encode_control(msg)
         assert wire.decode_control(kind, body) == msg
     with pytest.raises(DecodeError, match="WELCOME"):
-        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], True, 1]))   # a field too many
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], True, 1]))  # a field too many
     with pytest.raises(DecodeError):
-        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], 1]))         # not a bool
+        wire.decode_control(wire.Kind.WELCOME, msgpack.packb([10, 2, 0, -1, [], 1]))  # not a bool
 
 
 def test_an_aggregating_peer_takes_no_rank_sealed_update():
@@ -237,6 +259,6 @@ def test_an_aggregating_peer_takes_no_rank_sealed_update():
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
     p0, p1 = sim.peers[0], sim.peers[1]
     p0.send_update(0, real_payload(sim.rng, sim.N, 20), None, sim.now)
-    for d in p0.datagrams_to_send():     # as if the relay forwarded rank 0's own datagrams per rank
+    for d in p0.datagrams_to_send():  # as if the relay forwarded rank 0's own datagrams per rank
         p1.receive_datagram(d, "relay", sim.now)
     assert p1.chan.drops["bad_sender"] >= 1 and not p1.inbound.inbox and not p1.inbound.ready

@@ -31,24 +31,24 @@ def _kinds(sim: Sim) -> list[str]:
 
 
 def test_a_paused_rank_is_suspected_waited_for_and_carries_on_with_nothing_lost():
-    sim = Sim(world_size=3, seed=12, loss=0.02, liveness_timeout=0.5)   # on_rank_loss="wait": the default
+    sim = Sim(world_size=3, seed=12, loss=0.02, liveness_timeout=0.5)  # on_rank_loss="wait": the default
     _joined(sim, 3)
     _exchange(sim, range(4), (0, 1, 2))
-    sim.silent.add(2)                                 # the whole process stops: no heartbeat, nothing
+    sim.silent.add(2)  # the whole process stops: no heartbeat, nothing
     _exchange(sim, [], ())
     for r in (0, 1):
         payload = b"\x00\x00\x80\x3f" + np.int32(100 + r).tobytes()
         sim.sent[(4, r)] = payload
         sim.peers[r].send_update(4, payload, None, sim.now)
     t0 = sim.now
-    drive(sim, lambda: sim.now - t0 > 2.5)            # 5x liveness_timeout
+    drive(sim, lambda: sim.now - t0 > 2.5)  # 5x liveness_timeout
     assert _kinds(sim) == ["suspected"] and sim.relay.att.ranks[2].ended is None
-    assert sim.relay.complete_through == 3            # the log waits for rank 2's step 4
+    assert sim.relay.complete_through == 3  # the log waits for rank 2's step 4
     inc = sim.relay.liveness.incidents[0]
     assert (inc.rank, inc.step) == (2, 4) and 0.5 < inc.seconds < 0.7
-    sim.silent.discard(2)                             # SIGCONT
+    sim.silent.discard(2)  # SIGCONT
     sim.run(steps=8)
-    check_consistent(sim)                             # every (step, rank) exactly once, in order, everywhere
+    check_consistent(sim)  # every (step, rank) exactly once, in order, everywhere
     assert sim.relay.complete_through == 7 and sim.relay.c["gone"] == 0
     assert _kinds(sim) == ["suspected", "back"] and sim.relay.liveness.first_cause() is None
 
@@ -61,7 +61,7 @@ def test_wait_gives_up_after_its_bound_naming_rank_step_and_silence():
     drive(sim, lambda: sim.relay.liveness.fatal_incident() is not None)
     inc = sim.relay.liveness.fatal_incident()
     assert (inc.kind, inc.rank, inc.step) == ("silent", 1, 2) and 1.0 < inc.seconds < 1.2
-    assert sim.relay.att.ranks[1].ended is None           # waited for, never cut
+    assert sim.relay.att.ranks[1].ended is None  # waited for, never cut
     assert re.match(r"rank 1 \(attempt 0, at step 2\) silent for 1\.\d s: the relay gave up", inc.describe())
     assert sim.relay.liveness.first_cause().kind == "suspected" and sim.relay.liveness.first_cause().rank == 1
 
@@ -84,7 +84,7 @@ def test_restart_rejects_every_live_rank_so_that_spark_retries_the_stage():
     drive(sim, lambda: all(sim.peers[r].state == "rejected" for r in (0, 1)))
     assert _kinds(sim) == ["suspected", "restart"] and sim.relay.att.ranks[2].ended is None
     assert "stage restart: rank 2 silent" in sim.peers[0].io.error and "at step 2" in sim.peers[1].io.error
-    assert sim.relay.c["gone"] == 0                   # nothing cut: the retry resumes after step 1
+    assert sim.relay.c["gone"] == 0  # nothing cut: the retry resumes after step 1
 
 
 def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():
@@ -92,8 +92,8 @@ def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():
     sim.add_peer(0)
     slow = PeerCore(1, 2, 0, sim.key, 42, sim.N, now=sim.now, datagram_size=sim.datagram_size)
     sim.peers[1], sim.params[1], sim.delivered[1] = slow, sim.p0.copy(), []
-    slow.loading(sim.now)                             # reading its partition: LOADING every 50 ms
-    drive(sim, lambda: sim.now > 3.0)                 # longer than liveness_timeout and the join window
+    slow.loading(sim.now)  # reading its partition: LOADING every 50 ms
+    drive(sim, lambda: sim.now > 3.0)  # longer than liveness_timeout and the join window
     assert sim.relay.liveness.incidents == []
     slow.join(sim.now)
     sim.run(steps=3)
@@ -110,10 +110,10 @@ def test_a_training_thread_stuck_in_a_step_is_named_with_its_step():
     sim = Sim(world_size=2, seed=8, liveness_timeout=0.3, step_timeout=1.0)
     _joined(sim, 2)
     _exchange(sim, range(3), (0, 1))
-    sim.peers[1].computing = 3                        # forward of step 3 never returns; heartbeats go on
+    sim.peers[1].computing = 3  # forward of step 3 never returns; heartbeats go on
     sim.peers[0].computing = 3
     payload = b"\x00\x00\x80\x3f" + np.int32(7).tobytes()
-    sim.peers[0].send_update(3, payload, None, sim.now)   # rank 0 finishes its step 3 (computing -> -1)
+    sim.peers[0].send_update(3, payload, None, sim.now)  # rank 0 finishes its step 3 (computing -> -1)
     t0 = sim.now
     drive(sim, lambda: sim.relay.liveness.fatal_incident() is not None)
     inc = sim.relay.liveness.fatal_incident()
@@ -134,8 +134,10 @@ def test_the_driver_reports_the_first_cause_before_the_last_symptom():
             return self.cause
 
     cut = ev.Incident("gone", 1, 0, 65, 2.1, 10.0, "silent for more than 1 s (liveness_timeout)")
-    symptom = ("Job aborted: [gradshare rank 0] ProtocolError: peer rank 0: relay rejected rank 0 "
-               "(attempt 3): rank 0 was declared gone at step 70\n")
+    symptom = (
+        "Job aborted: [gradshare rank 0] ProtocolError: peer rank 0: relay rejected rank 0 "
+        "(attempt 3): rank 0 was declared gone at step 70\n"
+    )
     err = _driver_error(ProtocolError(symptom), Relay(cut))
     assert isinstance(err, TrainingError)
     assert str(err).startswith("first cause: rank 1 (attempt 0, at step 65) declared gone after 2.1 s")

@@ -17,7 +17,7 @@ from gradshare.transport.protocol.peer.core import PeerCore
 from gradshare.transport.protocol.relay.core import RelayCore
 from gradshare.transport.protocol.tuning import RelayTuning
 
-WORLD, PARAMS, DGRAM = 3, 40_000, 256        # small datagrams: each update is several chunks
+WORLD, PARAMS, DGRAM = 3, 40_000, 256  # small datagrams: each update is several chunks
 KEY = new_job_key()
 
 
@@ -31,7 +31,7 @@ def _plain(out: list) -> list:
             continue
         d, addr = item
         h = wire.decode_header(d, 1 << 16)
-        body = sealer.open(d[:wire.HEADER_BYTES], h.sender, h.session, h.counter, d[wire.HEADER_BYTES:])
+        body = sealer.open(d[: wire.HEADER_BYTES], h.sender, h.session, h.counter, d[wire.HEADER_BYTES :])
         assert body is not None
         said.append((addr, h._replace(session=0), body))
     return said
@@ -58,17 +58,26 @@ def _setup(forwarding: str) -> tuple[list[RelayCore], list[tuple[bytes, int]]]:
     relays = []
     for _ in range(2):
         agg = AggregateState(PARAMS) if forwarding == "aggregate" else None
-        relay = RelayCore(np.zeros(PARAMS, np.float32), WORLD, KEY, 7, now=0.0, datagram_size=DGRAM,
-                          tuning=RelayTuning(forwarding=forwarding), aggregator=agg, defer_apply=True)
+        relay = RelayCore(
+            np.zeros(PARAMS, np.float32),
+            WORLD,
+            KEY,
+            7,
+            now=0.0,
+            datagram_size=DGRAM,
+            tuning=RelayTuning(forwarding=forwarding),
+            aggregator=agg,
+            defer_apply=True,
+        )
         for d, r in joins:
             relay.receive_datagram(d, r, 0.0)
         relays.append(relay)
     welcome = relays[0].datagrams_to_send()
-    assert _plain(welcome) == _plain(relays[1].datagrams_to_send())   # the same state: the same answers
+    assert _plain(welcome) == _plain(relays[1].datagrams_to_send())  # the same state: the same answers
     for d, addr in welcome:
         peers[addr].receive_datagram(d, "relay", 0.0)
     for relay in relays:
-        while relay.next_event() is not None:       # the joins': taken, as the shell does
+        while relay.next_event() is not None:  # the joins': taken, as the shell does
             pass
     payloads = _payloads(1, 2 * WORLD)
     stream = []
@@ -88,18 +97,18 @@ def _mangle(stream: list[tuple[bytes, int]], ops: list[tuple[int, int, int]]) ->
         d, a = out[i]
         if not d:
             continue
-        if op == 0:                                  # duplicate
+        if op == 0:  # duplicate
             out.insert(i, (d, a))
-        elif op == 1:                                # lose
+        elif op == 1:  # lose
             del out[i]
-        elif op == 2:                                # move later
+        elif op == 2:  # move later
             out.insert(min(len(out), i + 1 + v % 5), out.pop(i))
-        elif op == 3:                                # flip a byte (header or body)
+        elif op == 3:  # flip a byte (header or body)
             j = v % len(d)
-            out[i] = (d[:j] + bytes([d[j] ^ (1 + v % 255)]) + d[j + 1:], a)
-        elif op == 4:                                # truncate
-            out[i] = (d[:v % len(d)], a)
-        elif op == 5:                                # from another address
+            out[i] = (d[:j] + bytes([d[j] ^ (1 + v % 255)]) + d[j + 1 :], a)
+        elif op == 4:  # truncate
+            out[i] = (d[: v % len(d)], a)
+        elif op == 5:  # from another address
             out[i] = (d, (a + 1) % WORLD)
     return out
 
@@ -146,22 +155,26 @@ def _reads(stream: list[tuple[bytes, int]], cuts: list[int]) -> list[list[tuple[
 
 @pytest.mark.parametrize("forwarding", ["per-rank", "aggregate"])
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000), st.integers(0, 10_000)), max_size=12),
-       cuts=st.lists(st.integers(0, 7), max_size=20))
-@example(ops=[(3, 1, 34)], cuts=[])        # the second chunk's index byte flipped past its count: malformed
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000), st.integers(0, 10_000)), max_size=12),
+    cuts=st.lists(st.integers(0, 7), max_size=20),
+)
+@example(ops=[(3, 1, 34)], cuts=[])  # the second chunk's index byte flipped past its count: malformed
 def test_a_run_does_what_its_datagrams_do_one_by_one(forwarding, ops, cuts):
     (one, runs), stream = _setup(forwarding)
     reads = _reads(_mangle(stream, ops), cuts)
     assert _plain(_feed_runs(runs, reads)) == _plain(_feed_one_by_one(one, reads))
     assert runs.counters() == one.counters()
     assert runs.param_hash() == one.param_hash() and runs.complete_through == one.complete_through
-    assert sorted(runs.att.pending) == sorted(one.att.pending) and sorted(runs.att.reasm.partials) == sorted(one.att.reasm.partials)
+    assert sorted(runs.att.pending) == sorted(one.att.pending) and sorted(runs.att.reasm.partials) == sorted(
+        one.att.reasm.partials
+    )
 
 
 def test_a_clean_stream_completes_every_update_through_the_fast_path():
     (one, runs), stream = _setup("aggregate")
     reads = _reads(stream, [])
-    assert len(reads) == 2 * WORLD and all(len(r) > 5 for r in reads)     # one read per update
+    assert len(reads) == 2 * WORLD and all(len(r) > 5 for r in reads)  # one read per update
     fast_path = []
     next_chunk = runs.log.next_chunk
 
@@ -171,9 +184,9 @@ def test_a_clean_stream_completes_every_update_through_the_fast_path():
             fast_path.append(data)
         return took
 
-    runs.log.next_chunk = counted                  # type: ignore[method-assign]
+    runs.log.next_chunk = counted  # type: ignore[method-assign]
     before = runs.counters()["datagrams_in"]
     _feed_runs(runs, reads)
     assert runs.complete_through == 1 and runs.counters()["updates_in"] == 2 * WORLD
     assert runs.counters()["datagrams_in"] - before == len(stream) and not runs.chan.drops
-    assert fast_path == [d for r in reads for d, _ in r[1:]]   # all but each update's first chunk
+    assert fast_path == [d for r in reads for d, _ in r[1:]]  # all but each update's first chunk

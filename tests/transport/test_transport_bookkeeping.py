@@ -75,7 +75,7 @@ def test_reassembly_any_order_with_duplicates(data):
         if whole is not None:
             results.append(whole)
     assert results[0] == b"".join(chunks)
-    assert r.nbytes == 0 or len(r) == 1   # a duplicate after completion starts a fresh partial
+    assert r.nbytes == 0 or len(r) == 1  # a duplicate after completion starts a fresh partial
 
 
 def test_reassembly_bounds_are_enforced_and_counted():
@@ -95,8 +95,8 @@ def test_history_bounded_by_count_and_bytes():
     assert h.put(1, b"aaaa") == []
     assert h.put(2, b"bbbb") == []
     assert h.put(3, b"cc") == []
-    assert h.put(4, b"d") == [1]            # 4 entries > 3
-    assert h.put(5, b"eeeeeeee") == [2, 3]      # 15 bytes > 10: oldest go until 9 bytes remain
+    assert h.put(4, b"d") == [1]  # 4 entries > 3
+    assert h.put(5, b"eeeeeeee") == [2, 3]  # 15 bytes > 10: oldest go until 9 bytes remain
     assert list(h) == [4, 5] and h.nbytes == 9
     assert h.get(5) == b"eeeeeeee" and h.pop(5) == b"eeeeeeee" and h.nbytes == 1
 
@@ -104,7 +104,7 @@ def test_history_bounded_by_count_and_bytes():
 def test_cursor_skips_ranks_that_ended():
     c = LogCursor(3, start_step=2)
     assert c.next_key() == (2, 0)
-    c.end(1, 1)                                     # rank 1 finished before this attempt's start
+    c.end(1, 1)  # rank 1 finished before this attempt's start
     c.advance()
     assert c.next_key() == (2, 2)
     c.advance()
@@ -120,27 +120,27 @@ def test_late_allowance_grows_on_spurious_naks_and_decays_on_clean_updates():
     from gradshare.transport.protocol.reassembly import LateAllowance
 
     late = LateAllowance(0.004, cap=0.02)
-    late.arrived_twice(1)                         # never NAKed: a plain duplicate says nothing
+    late.arrived_twice(1)  # never NAKed: a plain duplicate says nothing
     assert late.value == 0.004
     late.nakked(1)
-    late.arrived_twice(1)                         # the NAKed chunk came anyway: the NAK was spurious
+    late.arrived_twice(1)  # the NAKed chunk came anyway: the NAK was spurious
     assert late.value == pytest.approx(0.006)
-    late.arrived_twice(1)                         # counted once per NAK
+    late.arrived_twice(1)  # counted once per NAK
     assert late.value == pytest.approx(0.006)
     for step in range(2, 12):
         late.nakked(step)
         late.arrived_twice(step)
-    assert late.value == 0.02                     # capped
+    assert late.value == 0.02  # capped
     late.nakked(50)
-    late.completed(50)                            # repaired by a NAK: no evidence either way
+    late.completed(50)  # repaired by a NAK: no evidence either way
     assert late.value == 0.02
     for step in range(100, 1000):
         late.completed(step)
-    assert late.value == 0.004                    # decays back to the floor, never below
+    assert late.value == 0.004  # decays back to the floor, never below
     small = LateAllowance(0.001, remember=2)
     for step in range(3):
         small.nakked(step)
-    small.arrived_twice(0)                        # forgotten (bounded memory): no growth
+    small.arrived_twice(0)  # forgotten (bounded memory): no growth
     assert small.value == 0.001
 
 
@@ -148,5 +148,6 @@ def test_late_allowance_grows_on_spurious_naks_and_decays_on_clean_updates():
 def test_nonce_is_sender_session_counter_little_endian(sender, session, counter):
     from gradshare.transport.protocol.crypto import nonce
 
-    assert nonce(sender, session, counter) == (sender.to_bytes(2, "little") + session.to_bytes(4, "little")
-                                               + counter.to_bytes(6, "little"))
+    assert nonce(sender, session, counter) == (
+        sender.to_bytes(2, "little") + session.to_bytes(4, "little") + counter.to_bytes(6, "little")
+    )

@@ -10,8 +10,9 @@ from gradshare.transport.protocol.peer.core import PeerCore
 from harness import Sim, check_consistent, drive
 
 
-@pytest.mark.parametrize("seed,loss,dup,delay", [(0, 0.0, 0.0, 0.0), (1, 0.05, 0.05, 0.003),
-                                                  (2, 0.2, 0.1, 0.01), (3, 0.01, 0.2, 0.02)])
+@pytest.mark.parametrize(
+    "seed,loss,dup,delay", [(0, 0.0, 0.0, 0.0), (1, 0.05, 0.05, 0.003), (2, 0.2, 0.1, 0.01), (3, 0.01, 0.2, 0.02)]
+)
 def test_lossy_link_delivers_everything_once_in_canonical_order(seed, loss, dup, delay):
     sim = Sim(world_size=3, seed=seed, loss=loss, dup=dup, max_delay=delay)
     for r in range(3):
@@ -51,7 +52,7 @@ def test_silent_peer_is_declared_gone_and_the_log_goes_on():
             sim.sent[(t, r)] = payload
             p.send_update(t, payload, None, sim.now)
         drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
-    sim.silent.add(2)                                 # rank 2 goes quiet (no FINISHED, no LEAVE)
+    sim.silent.add(2)  # rank 2 goes quiet (no FINISHED, no LEAVE)
     for t in range(4, 8):
         for r in (0, 1):
             payload = b"\x00\x00\x80\x3f" + np.int32(t * 3 + r + 1).tobytes()
@@ -79,7 +80,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
     for t in range(6):
         for r, p in sim.peers.items():
             if t == 5 and r == 1:
-                continue                              # rank 1 fails before sending step 5
+                continue  # rank 1 fails before sending step 5
             payload = random_update(rng, sim.N, 40)
             sim.sent[(t, r)] = payload
             p.send_update(t, payload, None, sim.now)
@@ -94,7 +95,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
         sim.add_peer(r, attempt=1)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
     assert all(p.welcome.start_step == 5 for p in sim.peers.values())
-    old[0].send_update(6, random_update(rng, sim.N, 5), None, sim.now)   # a straggler of attempt 0
+    old[0].send_update(6, random_update(rng, sim.N, 5), None, sim.now)  # a straggler of attempt 0
     for d in old[0].datagrams_to_send():
         sim.relay.receive_datagram(d, 0, sim.now)
     for p in sim.peers.values():
@@ -105,7 +106,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
         step, snap = p.snaps.result
         assert step == 4 and param_hash(snap) == param_hash(sim.relay.params)
         sim.params[r] = snap.copy()
-    sim.sent = {k: v for k, v in sim.sent.items() if k[0] < 5}   # (5, 0) of attempt 0 is cut
+    sim.sent = {k: v for k, v in sim.sent.items() if k[0] < 5}  # (5, 0) of attempt 0 is cut
     before = set(sim.sent)
     sim.run(steps=4)
     sim.sent = {k: v for k, v in sim.sent.items() if k not in before}
@@ -121,8 +122,7 @@ def test_snapshot_survives_loss_and_reordering():
     p.request_snapshot(sim.now)
     drive(sim, lambda: p.snaps.result is not None, max_iters=200_000)
     assert p.snaps.result[0] == -1 and np.array_equal(p.snaps.result[1], sim.p0)
-    drive(sim, lambda: not sim.relay.snaps.transfers)      # SNAP_DONE freed the transfer (or it will expire)
-
+    drive(sim, lambda: not sim.relay.snaps.transfers)  # SNAP_DONE freed the transfer (or it will expire)
 
 
 def _second_snapshot(snap_done) -> PeerCore:
@@ -133,7 +133,7 @@ def _second_snapshot(snap_done) -> PeerCore:
     drive(sim, lambda: p.state == "joined")
     p.request_snapshot(sim.now)
     drive(sim, lambda: p.snaps.result is not None)
-    held = p.datagrams_to_send()                     # the SNAP_DONE the completing chunk produced
+    held = p.datagrams_to_send()  # the SNAP_DONE the completing chunk produced
     payload = sim.make_payload(5)
     sim.sent[(0, 0)] = payload
     p.send_update(0, payload, None, sim.now)
@@ -150,10 +150,12 @@ def test_second_snapshot_when_the_first_snap_done_arrives_after_the_request():
     """The peer shell sends a completed download's SNAP_DONE from its receiver thread, so it can reach the
     relay after the next fetch's request: the relay answered that request with the finished transfer,
     then forgot it, and the peer NAKed a snapshot id the relay no longer knew, until its timeout."""
+
     def late(sim, held):
-        sim.pump()                                   # the new request reaches the relay first
+        sim.pump()  # the new request reaches the relay first
         for d in held:
             sim.relay.receive_datagram(d, 0, sim.now)
+
     _second_snapshot(late)
 
 
@@ -163,11 +165,10 @@ def test_second_snapshot_when_the_first_snap_done_is_lost():
     _second_snapshot(lambda sim, held: None)
 
 
-
 def test_snapshot_download_survives_the_relay_dropping_its_transfer():
     """The relay drops a transfer on SNAP_DONE of its id (a late one, of an earlier download of the same
     shared snapshot) or when idle; it then drops the peer's NAKs too. The peer asks again."""
-    sim = Sim(world_size=1, n_params=30_000, seed=34, snapshot_rate=1e6)   # 120 ms of chunks
+    sim = Sim(world_size=1, n_params=30_000, seed=34, snapshot_rate=1e6)  # 120 ms of chunks
     p = sim.add_peer(0)
     drive(sim, lambda: p.state == "joined")
     p.request_snapshot(sim.now)
@@ -175,7 +176,7 @@ def test_snapshot_download_survives_the_relay_dropping_its_transfer():
     sim.relay.snaps.done(0, p.snaps.download.info.snap_id)
     drive(sim, lambda: p.snaps.result is not None)
     assert p.snaps.result[0] == -1 and np.array_equal(p.snaps.result[1], sim.p0)
-    assert sim.relay.chan.drops["stale_snapshot"] >= 1     # it did NAK the forgotten transfer first
+    assert sim.relay.chan.drops["stale_snapshot"] >= 1  # it did NAK the forgotten transfer first
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -183,8 +184,14 @@ from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.floats(0, 0.3), st.floats(0, 0.2), st.floats(0, 0.02),
-       st.integers(1, 4), st.integers(0, 2))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.floats(0, 0.3),
+    st.floats(0, 0.2),
+    st.floats(0, 0.02),
+    st.integers(1, 4),
+    st.integers(0, 2),
+)
 def test_any_seeded_lossy_link_is_exactly_once(seed, loss, dup, delay, world, staleness):
     sim = Sim(world_size=world, seed=seed, loss=loss, dup=dup, max_delay=delay, staleness=staleness)
     for r in range(world):
@@ -210,13 +217,13 @@ def test_relay_forwards_the_origins_datagrams_unchanged_and_replays_are_duplicat
     from transport_util import random_update
 
     relay, peers = joined_cores()
-    payload = random_update(np.random.default_rng(0), 5000, 300)   # several 400-byte chunks
+    payload = random_update(np.random.default_rng(0), 5000, 300)  # several 400-byte chunks
     peers[0].send_update(0, payload, None, 0.0)
     sent = peers[0].datagrams_to_send()
     assert len(sent) > 2
     for d in sent:
         relay.receive_datagram(d, 0, 0.0)
-    out = [(d, r) for d, r in relay.datagrams_to_send() if is_update(d)]   # not the ACK/STATUS
+    out = [(d, r) for d, r in relay.datagrams_to_send() if is_update(d)]  # not the ACK/STATUS
     # sealed once, by the origin: the relay sends the very same bytes to ranks 1 and 2 (no AEAD per chunk)
     assert sorted(out) == sorted((d, r) for d in sent for r in (1, 2))
     for d, r in out:
@@ -245,13 +252,13 @@ def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
     for d in peers[0].datagrams_to_send():
         relay.receive_datagram(d, 0, 0.0)
     n_chunks = sum(1 for d, r in relay.datagrams_to_send() if r == 1 and is_update(d))
-    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))      # "I have none of (0, 0)"
+    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))  # "I have none of (0, 0)"
     relay.receive_datagram(nak, 1, relay.tuning.nak_delay / 2)
     assert relay.c["nak_crossed_forward"] == 1 and relay.c["retransmits"] == 0
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))
-    relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)                 # asked again: really lost
+    relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)  # asked again: really lost
     assert relay.c["retransmits"] == n_chunks
-    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, (1,)),)))   # specific chunks: always answered
+    nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, (1,)),)))  # specific chunks: always answered
     relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)
     assert relay.c["retransmits"] == n_chunks + 1
 
@@ -264,10 +271,10 @@ def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one(
     for d in peers[0].datagrams_to_send():
         relay.receive_datagram(d, 0, 0.0)
     to1 = [d for d, r in relay.datagrams_to_send() if r == 1 and is_update(d)]
-    for d in to1[:-1]:                                   # the last chunk is lost; nothing newer exists
+    for d in to1[:-1]:  # the last chunk is lost; nothing newer exists
         peers[1].receive_datagram(d, "relay", 0.001)
     t, naks = 0.001, 0
-    while t < 0.05 and not naks:                         # well before any heartbeat or STATUS
+    while t < 0.05 and not naks:  # well before any heartbeat or STATUS
         t += peers[1].tuning.tick
         peers[1].handle_timer(t)
         naks = peers[1].io.c["naks_sent"]

@@ -23,18 +23,37 @@ UPDATE_BODY = wire.encode_update_body(b"\x00\x00\x80\x3f" + bytes([5, 0, 0, 0]),
 
 def forged(kind, sender, attempt, origin, step, index, count, body, job=42, key=KEY, counter=0):
     """A datagram sealed with the job key (or another key): it passes or fails AEAD as chosen."""
-    ch = Channel(key=key, insecure=False, job=job, sender=sender, attempt=attempt, datagram_size=1400,
-                 max_chunks=1 << 20, max_windows=1, session=7)
+    ch = Channel(
+        key=key,
+        insecure=False,
+        job=job,
+        sender=sender,
+        attempt=attempt,
+        datagram_size=1400,
+        max_chunks=1 << 20,
+        max_windows=1,
+        session=7,
+    )
     ch.counter = counter
     return ch.seal(kind, body, origin, step, index, count)
 
 
 datagram = st.one_of(
     st.binary(max_size=300),
-    st.builds(forged, st.integers(1, 15), st.integers(0, 3) | st.just(RELAY_ID), st.integers(0, 2),
-              st.integers(0, 3), st.integers(0, 6), st.integers(0, 3), st.integers(1, 4),
-              st.binary(max_size=200) | st.sampled_from([b"\x92\x01\x02", b"\x91\xa1x", b"\x90", JOIN_BODY, UPDATE_BODY]),
-              st.sampled_from([42, 43]), st.sampled_from([KEY, b"X" * 32]), st.integers(0, 40)),
+    st.builds(
+        forged,
+        st.integers(1, 15),
+        st.integers(0, 3) | st.just(RELAY_ID),
+        st.integers(0, 2),
+        st.integers(0, 3),
+        st.integers(0, 6),
+        st.integers(0, 3),
+        st.integers(1, 4),
+        st.binary(max_size=200) | st.sampled_from([b"\x92\x01\x02", b"\x91\xa1x", b"\x90", JOIN_BODY, UPDATE_BODY]),
+        st.sampled_from([42, 43]),
+        st.sampled_from([KEY, b"X" * 32]),
+        st.integers(0, 40),
+    ),
 )
 
 
@@ -58,7 +77,7 @@ def test_relay_core_survives_any_datagrams(datagrams):
             pass
     relay_invariants(relay, len(datagrams))
     assert relay.c["applied"] <= relay.c["updates_in"]
-    assert np.count_nonzero(relay.params) <= 1          # only the one valid toy update can touch it
+    assert np.count_nonzero(relay.params) <= 1  # only the one valid toy update can touch it
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -32,7 +32,7 @@ from transport_util import TOY, random_update, toy_apply_payload
 KEY, JOB, N, DATAGRAM = b"k" * 32, 42, 200, 400
 RELAY = "relay"
 MAX_WORLD = 3
-RECENT = 64          # datagrams kept to replay or corrupt later
+RECENT = 64  # datagrams kept to replay or corrupt later
 
 ranks = st.integers(0, MAX_WORLD - 1)
 steps = st.integers(-1, 12)
@@ -43,9 +43,14 @@ small = st.integers(0, 12)
 to_relay = st.one_of(
     st.builds(ev.Join, st.sampled_from([N, N + 1]), st.integers(1, MAX_WORLD + 1)),
     st.builds(ev.Heartbeat, steps, steps, steps),
-    st.builds(ev.Nak, st.lists(st.builds(ev.NakItem, small, st.integers(0, MAX_WORLD),
-                                         st.lists(st.integers(0, 4), max_size=3).map(tuple)),
-                               min_size=1, max_size=3).map(tuple)),
+    st.builds(
+        ev.Nak,
+        st.lists(
+            st.builds(ev.NakItem, small, st.integers(0, MAX_WORLD), st.lists(st.integers(0, 4), max_size=3).map(tuple)),
+            min_size=1,
+            max_size=3,
+        ).map(tuple),
+    ),
     st.builds(ev.Finished, steps),
     st.builds(ev.Leave),
     st.builds(ev.Loading),
@@ -58,11 +63,17 @@ to_peer = st.one_of(
     st.builds(ev.Welcome, st.sampled_from([N, N + 1]), st.integers(1, MAX_WORLD), small, steps),
     st.builds(ev.Reject, st.text(max_size=30)),
     st.builds(ev.Ack, st.lists(small, min_size=1, max_size=3).map(tuple)),
-    st.builds(ev.Nak, st.lists(st.builds(ev.NakItem, small, ranks, st.just(())), min_size=1, max_size=3)
-              .map(tuple)),
+    st.builds(ev.Nak, st.lists(st.builds(ev.NakItem, small, ranks, st.just(())), min_size=1, max_size=3).map(tuple)),
     st.builds(ev.FailAck, ranks, st.integers(0, 2)),
-    st.builds(ev.SnapInfo, st.integers(0, 3), steps.filter(lambda s: s >= 0), st.just(N),
-              st.sampled_from([1, 3, 4]), st.sampled_from([4, 268, 800]), st.just("x")),
+    st.builds(
+        ev.SnapInfo,
+        st.integers(0, 3),
+        steps.filter(lambda s: s >= 0),
+        st.just(N),
+        st.sampled_from([1, 3, 4]),
+        st.sampled_from([4, 268, 800]),
+        st.just("x"),
+    ),
 )
 
 
@@ -76,23 +87,24 @@ class CoreMisuse(RuleBasedStateMachine):
         tuning = RelayTuning(liveness_timeout=1.0, give_up_after=2.0, step_timeout=3.0, on_rank_loss=on_rank_loss)
         self.relay = RelayCore(self.p0, world, KEY, JOB, now=0.0, datagram_size=DATAGRAM, tuning=tuning, **TOY)
         self.peers: dict[int, PeerCore] = {}
-        self.delivered: dict[int, list[ev.Update]] = {}     # per live core, everything it delivered
-        self.sent: dict[tuple[int, int, int], bytes] = {}   # (attempt, step, rank) -> payload
-        self.in_flight: list[tuple[bytes, object]] = []     # (datagram, destination), not yet delivered
+        self.delivered: dict[int, list[ev.Update]] = {}  # per live core, everything it delivered
+        self.sent: dict[tuple[int, int, int], bytes] = {}  # (attempt, step, rank) -> payload
+        self.in_flight: list[tuple[bytes, object]] = []  # (datagram, destination), not yet delivered
         self.recent: list[tuple[bytes, object]] = []
         self.recent_updates: list[tuple[bytes, object]] = []
         self.forged = False
-        self.failures_heard: set[tuple[int, int]] = set()   # (rank, attempt) of every FAIL the relay took
+        self.failures_heard: set[tuple[int, int]] = set()  # (rank, attempt) of every FAIL the relay took
         for r in range(world):
             self._new_peer(r, 0)
-            if joined:                               # half the runs start from a joined job
+            if joined:  # half the runs start from a joined job
                 self.peers[r].join(0.0)
         self.pump(2, 0)
 
     # --- helpers -----------------------------------------------------------------------------------
     def _new_peer(self, rank: int, attempt: int) -> PeerCore:
-        p = PeerCore(rank, self.world, attempt, KEY, JOB, N, now=self.now, datagram_size=DATAGRAM,
-                     tuning=PeerTuning(rto=0.05))
+        p = PeerCore(
+            rank, self.world, attempt, KEY, JOB, N, now=self.now, datagram_size=DATAGRAM, tuning=PeerTuning(rto=0.05)
+        )
         self.peers[rank] = p
         self.delivered[rank] = []
         return p
@@ -119,7 +131,7 @@ class CoreMisuse(RuleBasedStateMachine):
             self.delivered[r].extend(p.pop_ready())
 
     def _deliver(self, data: bytes, dst) -> None:
-        if isinstance(dst, tuple):                  # (RELAY, from rank): into the relay, from that address
+        if isinstance(dst, tuple):  # (RELAY, from rank): into the relay, from that address
             self.relay.receive_datagram(data, dst[1], self.now)
         elif dst in self.peers:
             self.peers[dst].receive_datagram(data, RELAY, self.now)
@@ -149,17 +161,26 @@ class CoreMisuse(RuleBasedStateMachine):
         else:
             assert was in (PeerState.NEW, PeerState.LOADING) and p.state == PeerState.JOINING
 
-    @rule(rank=ranks, offset=st.sampled_from([0, 0, 0, 1, -1, 5]), entries=st.sampled_from([0, 3, 150]),
-          meta=st.sampled_from([None, StepMeta(loss=1.0, epoch=0)]))
+    @rule(
+        rank=ranks,
+        offset=st.sampled_from([0, 0, 0, 1, -1, 5]),
+        entries=st.sampled_from([0, 3, 150]),
+        meta=st.sampled_from([None, StepMeta(loss=1.0, epoch=0)]),
+    )
     def send_update(self, rank, offset, entries, meta):
         p = self._peer(rank)
         step = (p.own.next_step if p.own.next_step is not None else 0) + offset
-        payload = random_update(self.rng, N, entries)        # 150 entries: several chunks
+        payload = random_update(self.rng, N, entries)  # 150 entries: several chunks
         try:
             p.send_update(step, payload, meta, self.now)
         except LocalProtocolError:
-            assert offset != 0 or p.state != PeerState.JOINED or p.io.error or p.own.finish_step is not None \
+            assert (
+                offset != 0
+                or p.state != PeerState.JOINED
+                or p.io.error
+                or p.own.finish_step is not None
                 or len(p.own.unacked) >= p.tuning.max_unacked
+            )
         else:
             assert offset == 0 and p.own.next_step == step + 1
             self.sent[(p.attempt, step, p.rank)] = payload
@@ -184,13 +205,18 @@ class CoreMisuse(RuleBasedStateMachine):
     @rule(rank=ranks, into=st.sampled_from(["new", "given", "short", "float64", "read-only"]))
     def request_snapshot(self, rank, into):
         p = self._peer(rank)
-        buffers = {"new": None, "given": np.zeros(N, np.float32), "short": np.zeros(N - 1, np.float32),
-                   "float64": np.zeros(N), "read-only": np.zeros(N, np.float32)}
+        buffers = {
+            "new": None,
+            "given": np.zeros(N, np.float32),
+            "short": np.zeros(N - 1, np.float32),
+            "float64": np.zeros(N),
+            "read-only": np.zeros(N, np.float32),
+        }
         buffers["read-only"].flags.writeable = False
         before = p.snaps.into
         try:
             p.snapshot_destination(buffers[into])
-        except ValueError as e:     # a wrong buffer is refused at once, not when the chunks arrive
+        except ValueError as e:  # a wrong buffer is refused at once, not when the chunks arrive
             assert into in ("short", "float64", "read-only") and "into must be" in str(e)
             assert p.snaps.into is before
         else:
@@ -202,7 +228,7 @@ class CoreMisuse(RuleBasedStateMachine):
 
     @rule(rank=ranks, error_type=st.from_regex(r"[a-z][a-z.]{0,99}", fullmatch=True), message=st.text(max_size=400))
     def fail(self, rank, error_type, message):
-        self._peer(rank).fail(error_type, message, self.now)    # joined or not: never refused
+        self._peer(rank).fail(error_type, message, self.now)  # joined or not: never refused
 
     @rule(rank=ranks, step=steps)
     def begin_step(self, rank, step):
@@ -221,7 +247,12 @@ class CoreMisuse(RuleBasedStateMachine):
         moves a little, the network delivers. Valid calls only, so nothing may raise here."""
         for _ in range(rounds):
             for p in self.peers.values():
-                if p.state == PeerState.JOINED and not p.io.error and p.own.finish_step is None and len(p.own.unacked) < 32:
+                if (
+                    p.state == PeerState.JOINED
+                    and not p.io.error
+                    and p.own.finish_step is None
+                    and len(p.own.unacked) < 32
+                ):
                     payload = random_update(self.rng, N, entries)
                     p.send_update(p.own.next_step, payload, StepMeta(loss=1.0, epoch=0), self.now)
                     self.sent[(p.attempt, p.own.next_step - 1, p.rank)] = payload
@@ -306,7 +337,13 @@ class CoreMisuse(RuleBasedStateMachine):
         c = relay.counters()
         assert c["complete_through"] == relay.complete_through and c["attempt"] == relay.att.number
         assert set(relay.progress()["ranks"]) == set(range(self.world))
-        relay.next_timer(), relay.finished(), relay.epoch_tallies(), relay.liveness.first_cause(), relay.liveness.fatal_incident()
+        (
+            relay.next_timer(),
+            relay.finished(),
+            relay.epoch_tallies(),
+            relay.liveness.first_cause(),
+            relay.liveness.fatal_incident(),
+        )
 
     @invariant()
     def nothing_corrupted(self):
@@ -315,14 +352,14 @@ class CoreMisuse(RuleBasedStateMachine):
         one does)."""
         if self.forged:
             return
-        for p in self.peers.values():   # a FAIL counts as acknowledged only once the relay took that very one
+        for p in self.peers.values():  # a FAIL counts as acknowledged only once the relay took that very one
             assert not p.fail_acked or (p.failed is not None and (p.rank, p.attempt) in self.failures_heard)
         for r, p in self.peers.items():
             for u in self.delivered[r]:
                 assert self.sent.get((p.attempt, u.step, u.sender)) == u.payload, (r, u.step, u.sender)
         relay = self.relay
         if relay.att.number != 0:
-            return                                   # a retried attempt starts from a cut, not from p0
+            return  # a retried attempt starts from a cut, not from p0
         for r, p in self.peers.items():
             if p.attempt == 0 and p.complete_through >= relay.complete_through and p.welcome is not None:
                 params = self.p0.copy()
@@ -361,8 +398,13 @@ class HostileCoreMisuse(CoreMisuse):
         self._collect()
 
 
-SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=80,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 CoreMisuse.TestCase.settings = HostileCoreMisuse.TestCase.settings = SETTINGS
 test_core_misuse = CoreMisuse.TestCase
 test_core_misuse_with_forged_datagrams = HostileCoreMisuse.TestCase

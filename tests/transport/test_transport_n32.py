@@ -67,15 +67,14 @@ def send_step(sim: Sim, t: int, ranks) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_killed_peer_among_32_is_cut_and_the_log_goes_on(mode):
-    sim = sim32(mode, seed=5, loss=0.02, dup=0.01, max_delay=0.002, liveness_timeout=0.3,
-                on_rank_loss="continue")
+    sim = sim32(mode, seed=5, loss=0.02, dup=0.01, max_delay=0.002, liveness_timeout=0.3, on_rank_loss="continue")
     for r in range(W):
         sim.add_peer(r)
     drive(sim, lambda: all(p.state == "joined" for p in sim.peers.values()))
     for t in range(2):
         send_step(sim, t, range(W))
         drive(sim, lambda: all(p.complete_through >= t for p in sim.peers.values()))
-    sim.silent.add(17)                     # killed: no FINISHED, no LEAVE, never heard again
+    sim.silent.add(17)  # killed: no FINISHED, no LEAVE, never heard again
     sim.run(steps=5)
     assert sim.relay.att.ranks[17].ended.gone and sim.relay.att.cursor.ends[17] == 1
     assert [i.kind for i in sim.relay.liveness.incidents][-1] == "gone"
@@ -133,6 +132,7 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers(mode):
 
 # --- a relay that cannot keep up --------------------------------------------------------------------------
 
+
 def throttle(sim: Sim, rate: float, inbox: int) -> dict:
     """Make the relay slow: what reaches it waits in a bounded inbox of ``inbox`` datagrams (a full one
     drops the datagram and counts it, as a full socket buffer does) and the relay takes at most ``rate``
@@ -160,7 +160,7 @@ def throttle(sim: Sim, rate: float, inbox: int) -> dict:
     step_time = sim.step_time
 
     def step_and_drain(max_dt: float = 0.01) -> None:
-        step_time(min(max_dt, 0.002))          # the relay's own tick
+        step_time(min(max_dt, 0.002))  # the relay's own tick
         drain()
 
     sim.relay.receive_datagram = enqueue
@@ -215,9 +215,9 @@ def test_a_relay_that_cannot_keep_up_slows_the_ranks_and_drops_nothing(mode):
     check_log(sim, mode, steps)
     c = sim.relay.counters()
     assert c["updates_in"] == steps * W and c["applied"] == steps * W
-    assert inbox["overflow"] > 0                   # it really could not keep up: its inbox overflowed
-    assert sim.now > 1.5 * fast.now, (sim.now, fast.now)        # and the ranks went at its pace,
-    assert sim.now < 0.5 * steps, sim.now      # slowed, not collapsed: ~2 simulated s (per rank 39 s before)
+    assert inbox["overflow"] > 0  # it really could not keep up: its inbox overflowed
+    assert sim.now > 1.5 * fast.now, (sim.now, fast.now)  # and the ranks went at its pace,
+    assert sim.now < 0.5 * steps, sim.now  # slowed, not collapsed: ~2 simulated s (per rank 39 s before)
     assert worst["ahead"] <= ahead, worst
     assert worst["relay_held"] <= held and worst["peer_held"] <= held, worst
     assert worst["unacked"] <= ahead + 1, worst

@@ -23,11 +23,18 @@ PROPERTIES = {"complete_through"}
 def test_shells_read_no_core_field(module):
     tree = ast.parse(inspect.getsource(module))
     calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    reads = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
-             and n.value.attr == "_core" and id(n) not in calls}
+    reads = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "_core"
+        and id(n) not in calls
+    }
     # a bound method handed on to be called (self._call(self._core.join)) is a call too
-    methods = {name for name, _ in inspect.getmembers(PeerCore if module is peer else relay.RelayCore,
-                                                      inspect.isfunction)}
+    methods = {
+        name for name, _ in inspect.getmembers(PeerCore if module is peer else relay.RelayCore, inspect.isfunction)
+    }
     assert reads - methods <= PROPERTIES, f"{module.__name__} reads core fields {sorted(reads - methods)}"
 
 
@@ -41,8 +48,16 @@ def _events(p: PeerCore) -> list:
 def test_a_welcome_for_another_job_is_a_rejected_event():
     p = PeerCore(0, 2, 0, b"k" * 32, 42, 100, now=0.0)
     p.join(0.0)
-    relay_chan = Channel(key=b"k" * 32, insecure=False, job=wire.job_id_to_int(42), sender=wire.RELAY_ID,
-                         attempt=0, datagram_size=wire.DEFAULT_DATAGRAM_SIZE, max_chunks=16, max_windows=4)
+    relay_chan = Channel(
+        key=b"k" * 32,
+        insecure=False,
+        job=wire.job_id_to_int(42),
+        sender=wire.RELAY_ID,
+        attempt=0,
+        datagram_size=wire.DEFAULT_DATAGRAM_SIZE,
+        max_chunks=16,
+        max_windows=4,
+    )
     p.receive_datagram(relay_chan.seal_control(ev.Welcome(101, 2, 0, -1)), "relay", 0.01)
     (e,) = _events(p)
     assert isinstance(e, ev.Rejected) and "n_params=101" in e.reason and e.reason == p.io.error
@@ -59,7 +74,7 @@ def test_a_rank_declared_gone_hears_it_once_as_a_rejected_event():
         _events(p)
     sim.silent.add(1)
     drive(sim, lambda: sim.relay.c["gone"] == 1)
-    sim.silent.discard(1)                       # it comes back and hears STATUS pages saying it is gone
+    sim.silent.discard(1)  # it comes back and hears STATUS pages saying it is gone
     drive(sim, lambda: sim.peers[1].io.error is not None)
     for _ in range(50):
         sim.step_time()

@@ -19,10 +19,11 @@ from gradshare.transport.protocol.states import (
 )
 
 
-@pytest.mark.parametrize("table,states,triggers", [(PEER_TRANSITIONS, PeerState, PeerTrigger),
-                                                   (RANK_TRANSITIONS, RankStatus, RankTrigger)])
+@pytest.mark.parametrize(
+    "table,states,triggers", [(PEER_TRANSITIONS, PeerState, PeerTrigger), (RANK_TRANSITIONS, RankStatus, RankTrigger)]
+)
 def test_every_pair_outside_the_table_raises_naming_both(table, states, triggers):
-    assert set(table) == set(states)              # every state has its row
+    assert set(table) == set(states)  # every state has its row
     for state in states:
         for trigger in triggers:
             if trigger in table[state]:
@@ -45,7 +46,7 @@ def test_peer_walks_its_table():
     assert p.state is PeerState.JOINING
     p.leave()
     assert p.state is PeerState.CLOSED
-    p.leave()                                        # closing twice is harmless
+    p.leave()  # closing twice is harmless
     assert p.state is PeerState.CLOSED
 
 
@@ -55,9 +56,12 @@ def test_rank_flags_follow_its_status():
     for trigger in (RankTrigger.JOIN, RankTrigger.FINISH, RankTrigger.LEAVE, RankTrigger.JOIN):
         rs.to(trigger)
         seen.append((rs.status, rs.joined, rs.left, rs.connected, rs.live))
-    assert seen == [(RankStatus.JOINED, True, False, True, True), (RankStatus.FINISHED, True, False, True, True),
-                    (RankStatus.FINISHED_LEFT, True, True, False, False),
-                    (RankStatus.FINISHED, True, False, True, True)]   # a LEAVE'd rank may join again
+    assert seen == [
+        (RankStatus.JOINED, True, False, True, True),
+        (RankStatus.FINISHED, True, False, True, True),
+        (RankStatus.FINISHED_LEFT, True, True, False, False),
+        (RankStatus.FINISHED, True, False, True, True),
+    ]  # a LEAVE'd rank may join again
     gone = RankState(4, 0.0, 0.004)
     gone.to(RankTrigger.GONE)
     assert (gone.status, gone.joined, gone.live) == (RankStatus.GONE_UNJOINED, False, False)

@@ -17,7 +17,7 @@ def test_page_bounds_are_checked_in_the_constructor():
     with pytest.raises(ValueError, match="outside this page"):
         ev.Status(0, -1, 200, 64, (1, 2), (ev.Ended(3, 0, False),))
     with pytest.raises(ValueError, match="have must list"):
-        ev.Status(0, -1, 200, 190, tuple(range(11)), ())          # runs past world_size
+        ev.Status(0, -1, 200, 190, tuple(range(11)), ())  # runs past world_size
     with pytest.raises(ValueError, match="have must list"):
         ev.Status(0, -1, 300, 0, tuple(range(ev.STATUS_PAGE_RANKS + 1)), ())
     with pytest.raises(ValueError, match="first_rank"):
@@ -32,10 +32,24 @@ def test_a_worst_case_page_fits_one_datagram(datagram_size):
     relay, _ = joined_cores(2, 10, b"k" * 32, 1, datagram_size=datagram_size)
     n = relay.pages.ranks_per_page
     big = ev.MAX_STEP
-    page = ev.Status(big, big, ev.MAX_WORLD_SIZE, ev.MAX_WORLD_SIZE - n, (big,) * n,
-                     tuple(ev.Ended(ev.MAX_WORLD_SIZE - n + i, big, True) for i in range(n)))
-    chan = Channel(key=b"k" * 32, insecure=False, job=1, sender=wire.RELAY_ID, attempt=0,
-                   datagram_size=datagram_size, max_chunks=16, max_windows=4)
+    page = ev.Status(
+        big,
+        big,
+        ev.MAX_WORLD_SIZE,
+        ev.MAX_WORLD_SIZE - n,
+        (big,) * n,
+        tuple(ev.Ended(ev.MAX_WORLD_SIZE - n + i, big, True) for i in range(n)),
+    )
+    chan = Channel(
+        key=b"k" * 32,
+        insecure=False,
+        job=1,
+        sender=wire.RELAY_ID,
+        attempt=0,
+        datagram_size=datagram_size,
+        max_chunks=16,
+        max_windows=4,
+    )
     sealed = chan.seal_control(page)
     assert len(sealed) <= datagram_size
     assert wire.decode_control(wire.Kind.STATUS, wire.encode_control(page)[1]) == page
@@ -68,7 +82,7 @@ def test_every_heartbeat_gets_one_page_and_the_pages_take_turns():
     seen = []
     for i in range(pages):
         p = peers[5]
-        p.handle_timer(1.0 + i)            # heartbeat_interval has passed: one HEARTBEAT
+        p.handle_timer(1.0 + i)  # heartbeat_interval has passed: one HEARTBEAT
         for d in p.datagrams_to_send():
             relay.receive_datagram(d, 5, 1.0 + i)
         out = relay.datagrams_to_send()
@@ -95,10 +109,15 @@ def test_heartbeat_traffic_per_peer_does_not_grow_with_n():
 
 def _page_by_hand(relay, page: int) -> ev.Status:
     start, n = relay.att.cursor.start_step, relay.pages.ranks_per_page
-    ranks = list(relay.att.ranks)[page * n:(page + 1) * n]
-    return ev.Status(start, relay.complete_through, relay.world_size, page * n,
-                     tuple(r.received.contiguous_from(start) - 1 for r in ranks),
-                     tuple(r.ended for r in ranks if r.ended is not None))
+    ranks = list(relay.att.ranks)[page * n : (page + 1) * n]
+    return ev.Status(
+        start,
+        relay.complete_through,
+        relay.world_size,
+        page * n,
+        tuple(r.received.contiguous_from(start) - 1 for r in ranks),
+        tuple(r.ended for r in ranks if r.ended is not None),
+    )
 
 
 def test_a_kept_page_is_served_until_what_it_shows_changes():
@@ -112,17 +131,17 @@ def test_a_kept_page_is_served_until_what_it_shows_changes():
     n = relay.pages.ranks_per_page
     empty = encode(np.zeros(10, np.float32), None, 1.0).to_bytes()
     kept = [relay.status_page(p) for p in range(relay.pages.n_pages)]
-    assert all(relay.status_page(p) is kept[p] for p in range(relay.pages.n_pages))    # nothing changed
+    assert all(relay.status_page(p) is kept[p] for p in range(relay.pages.n_pages))  # nothing changed
 
     def send(rank: int, step: int) -> None:
         peers[rank].send_update(step, empty, None, 0.1)
         for d in peers[rank].datagrams_to_send():
             relay.receive_datagram(d, rank, 0.1)
 
-    send(3, 0)                                        # rank 3 is on page 0
+    send(3, 0)  # rank 3 is on page 0
     assert relay.status_page(0).have[3] == 0 and relay.status_page(0) == _page_by_hand(relay, 0)
     assert relay.status_page(1) is kept[1]
-    peers[n + 1].finish(-1, 0.2)                      # a rank of page 1 ends before its first step
+    peers[n + 1].finish(-1, 0.2)  # a rank of page 1 ends before its first step
     for d in peers[n + 1].datagrams_to_send():
         relay.receive_datagram(d, n + 1, 0.2)
     assert [e.rank for e in relay.status_page(1).ended] == [n + 1] and relay.status_page(1) == _page_by_hand(relay, 1)

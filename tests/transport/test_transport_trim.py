@@ -12,8 +12,9 @@ from harness import Sim
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "pop", "trim"]), st.integers(0, 40), st.integers(0, 3)),
-                max_size=300))
+@given(
+    st.lists(st.tuples(st.sampled_from(["put", "pop", "trim"]), st.integers(0, 40), st.integers(0, 3)), max_size=300)
+)
 def test_step_ordered_history_matches_a_dict(ops):
     h = History(max_entries=25, max_bytes=1 << 20, by_step=True)
     model: dict = {}
@@ -32,17 +33,17 @@ def test_step_ordered_history_matches_a_dict(ops):
             assert dropped == sum(1 for k in model if k[0] <= step)
             model = {k: v for k, v in model.items() if k[0] > step}
         assert sorted(h) == sorted(model) and h.nbytes == sum(map(len, model.values()))
-        assert h.index_entries <= 2 * len(model) + 65   # removed keys do not pile up in the heap
+        assert h.index_entries <= 2 * len(model) + 65  # removed keys do not pile up in the heap
 
 
 def test_trim_looks_only_at_what_it_drops():
     keys = StepKeys()
     for step in range(1000):
-        for origin in (3, 0, 2, 1):          # arrival order is not key order
+        for origin in (3, 0, 2, 1):  # arrival order is not key order
             keys.add((step, origin))
     for floor in range(1000):
         assert keys.discard_through(floor) == [(floor, o) for o in range(4)]
-        assert keys.discard_through(floor) == []         # the same floor again: nothing to look at
+        assert keys.discard_through(floor) == []  # the same floor again: nothing to look at
     assert keys.examined == 4000 and not keys
 
 
@@ -52,7 +53,7 @@ def test_relay_trims_once_per_rise_of_the_floor():
         sim.add_peer(r)
     sim.run(steps=30)
     relay = sim.relay
-    kept = len(sim.sent) - len(relay.att.history)       # every forwarded update went into the history once
+    kept = len(sim.sent) - len(relay.att.history)  # every forwarded update went into the history once
     # each key is looked at once when dropped (plus keys evicted or discarded earlier, none here)
     assert relay.att.history.examined == kept and relay.c["history_evicted"] == 0
     # the last heartbeats may have raised the floor since the last timer: one trim catches up, at the same
@@ -60,6 +61,6 @@ def test_relay_trims_once_per_rise_of_the_floor():
     relay.log.trim(relay.att)
     assert relay.att.history.examined == len(sim.sent) - len(relay.att.history)
     before = relay.att.history.examined
-    for _ in range(1000):                            # heartbeats that move nothing trim nothing
+    for _ in range(1000):  # heartbeats that move nothing trim nothing
         relay.log.trim(relay.att)
     assert relay.att.history.examined == before

@@ -1,4 +1,5 @@
-"""Wire codecs: symmetric round trips, and any bytes decode or raise DecodeError (decoders are bounded and raise one error type)."""
+"""Wire codecs: symmetric round trips, and any bytes decode or raise DecodeError (decoders are bounded and raise one
+error type)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,24 @@ from gradshare.transport.protocol.crypto import Sealer, new_job_key
 from gradshare.transport.protocol.step_meta import StepMeta
 
 CONTROL = [
-    ev.Join(10, 4), ev.Welcome(10, 4, 3, 2), ev.Reject("no"), ev.Ack((1, 2, 3)),
-    ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))), ev.Heartbeat(-1, 5), ev.Heartbeat(4, 5, 6),
-    ev.Status(0, -1, 3, 0, (3, -1, 7), (ev.Ended(1, -1, True),)), ev.Status(2, 5, 300, 256, (9, 8), ()),
-    ev.Finished(9), ev.Leave(), ev.SnapRequest(),
-    ev.SnapInfo(1, 5, 10, 1, 40, "ab"), ev.SnapNak(1, ((0, 3), (5, 9))), ev.SnapDone(1),
-    ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"), ev.FailAck(3, 700), ev.Loading(),
+    ev.Join(10, 4),
+    ev.Welcome(10, 4, 3, 2),
+    ev.Reject("no"),
+    ev.Ack((1, 2, 3)),
+    ev.Nak((ev.NakItem(4, 1, ()), ev.NakItem(5, 2, (0, 7)))),
+    ev.Heartbeat(-1, 5),
+    ev.Heartbeat(4, 5, 6),
+    ev.Status(0, -1, 3, 0, (3, -1, 7), (ev.Ended(1, -1, True),)),
+    ev.Status(2, 5, 300, 256, (9, 8), ()),
+    ev.Finished(9),
+    ev.Leave(),
+    ev.SnapRequest(),
+    ev.SnapInfo(1, 5, 10, 1, 40, "ab"),
+    ev.SnapNak(1, ((0, 3), (5, 9))),
+    ev.SnapDone(1),
+    ev.Fail(3, 700, "ModuleNotFoundError", "No module named 'x'"),
+    ev.FailAck(3, 700),
+    ev.Loading(),
 ]
 
 
@@ -59,10 +72,22 @@ def test_header_round_trip_and_size():
 
 
 _floats = st.one_of(st.none(), st.floats(allow_nan=False))
-_wholes = st.one_of(st.none(), st.integers(-2**53, 2**53))
-step_metas = st.builds(StepMeta, loss=_floats, sparsity=_floats, bytes=_floats, epoch=_wholes, tau=_floats,
-                       lr=_floats, val_epoch=_wholes, val_metric=_floats, es_best=_floats, es_waited=_wholes,
-                       stop_requested=_wholes, stop_epoch=_wholes)
+_wholes = st.one_of(st.none(), st.integers(-(2**53), 2**53))
+step_metas = st.builds(
+    StepMeta,
+    loss=_floats,
+    sparsity=_floats,
+    bytes=_floats,
+    epoch=_wholes,
+    tau=_floats,
+    lr=_floats,
+    val_epoch=_wholes,
+    val_metric=_floats,
+    es_best=_floats,
+    es_waited=_wholes,
+    stop_requested=_wholes,
+    stop_epoch=_wholes,
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -95,14 +120,17 @@ def _body(fields) -> bytes:
     return len(packed).to_bytes(2, "little") + packed
 
 
-@pytest.mark.parametrize("fields, error", [
-    ({"loss": 1.0, "step": 3.0}, "unknown entry 'step'"),    # an unknown key is refused, not dropped
-    ({"loss": 1}, "'loss' is not a float"),                  # msgpack ints never were meta values
-    ({"loss": "x"}, "'loss' is not a float"),
-    ({"epoch": 1.5}, "'epoch' is not a whole number"),
-    ({1: 1.0}, "bad meta"),                                  # msgpack itself refuses a number key
-    (3.0, "meta is not a map"),
-])
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"loss": 1.0, "step": 3.0}, "unknown entry 'step'"),  # an unknown key is refused, not dropped
+        ({"loss": 1}, "'loss' is not a float"),  # msgpack ints never were meta values
+        ({"loss": "x"}, "'loss' is not a float"),
+        ({"epoch": 1.5}, "'epoch' is not a whole number"),
+        ({1: 1.0}, "bad meta"),  # msgpack itself refuses a number key
+        (3.0, "meta is not a map"),
+    ],
+)
 def test_a_malformed_meta_is_refused_with_a_clear_error(fields, error):
     with pytest.raises(DecodeError, match=error):
         wire.decode_update_body(_body(fields))
@@ -111,10 +139,8 @@ def test_a_malformed_meta_is_refused_with_a_clear_error(fields, error):
 @pytest.mark.parametrize("insecure", [False, True])
 def test_channel_seals_opens_and_rejects(insecure):
     key = new_job_key()
-    a = Channel(key=key, insecure=insecure, job=5, sender=1, attempt=0, datagram_size=400, max_chunks=99,
-                max_windows=4)
-    b = Channel(key=key, insecure=insecure, job=5, sender=2, attempt=0, datagram_size=400, max_chunks=99,
-                max_windows=4)
+    a = Channel(key=key, insecure=insecure, job=5, sender=1, attempt=0, datagram_size=400, max_chunks=99, max_windows=4)
+    b = Channel(key=key, insecure=insecure, job=5, sender=2, attempt=0, datagram_size=400, max_chunks=99, max_windows=4)
     d = a.seal_control(ev.Finished(3))
     h = b.parse(d)
     assert b.open(h, d) is not None
@@ -124,12 +150,21 @@ def test_channel_seals_opens_and_rejects(insecure):
         h2 = b.parse(forged)
         b.replay = type(b.replay)(4)
         assert b.open(h2, forged) is None and b.drops["auth_failed"] == 1
-        other = Channel(key=new_job_key(), insecure=False, job=5, sender=1, attempt=0, datagram_size=400,
-                        max_chunks=99, max_windows=4)
+        other = Channel(
+            key=new_job_key(),
+            insecure=False,
+            job=5,
+            sender=1,
+            attempt=0,
+            datagram_size=400,
+            max_chunks=99,
+            max_windows=4,
+        )
         d3 = other.seal_control(ev.Finished(3))
         assert b.open(b.parse(d3), d3) is None and b.drops["auth_failed"] == 2
-    wrong_job = Channel(key=key, insecure=insecure, job=6, sender=1, attempt=0, datagram_size=400,
-                        max_chunks=99, max_windows=4).seal_control(ev.Leave())
+    wrong_job = Channel(
+        key=key, insecure=insecure, job=6, sender=1, attempt=0, datagram_size=400, max_chunks=99, max_windows=4
+    ).seal_control(ev.Leave())
     assert b.parse(wrong_job) is None and b.drops["wrong_job"] == 1
     assert b.parse(b"x" * 401) is None and b.drops["oversized"] == 1
     assert b.parse(b"GS") is None and b.drops["malformed"] == 1

@@ -39,5 +39,20 @@ def smallest(sizes: CodeSizes) -> Form:
     return min(fits, key=lambda fit: (fit[0], fit[1]))[2]
 
 
-__all__ = ["APPLY_BATCH", "BY_NAME", "BY_TAG", "BITMAP", "EMPTY", "NAMES", "ORDER", "RICE", "SPARSE", "CodeSizes", "Form",
-           "bitmap_size", "measure", "named", "smallest"]
+__all__ = [
+    "APPLY_BATCH",
+    "BY_NAME",
+    "BY_TAG",
+    "BITMAP",
+    "EMPTY",
+    "NAMES",
+    "ORDER",
+    "RICE",
+    "SPARSE",
+    "CodeSizes",
+    "Form",
+    "bitmap_size",
+    "measure",
+    "named",
+    "smallest",
+]

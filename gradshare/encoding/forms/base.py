@@ -48,19 +48,19 @@ class CodeSizes:
 
     n_params: int
     n_entries: int
-    varint_bytes: int   # the sparse form's payload
-    rice_k: int         # the best Rice parameter
-    rice_bits: int      # the rice stream's bits after the k byte, for that k
+    varint_bytes: int  # the sparse form's payload
+    rice_k: int  # the best Rice parameter
+    rice_bits: int  # the rice stream's bits after the k byte, for that k
 
 
 class Form(Protocol):
     """One encoding form of a message's entries (the wire's form tag says which)."""
 
     @property
-    def name(self) -> str: ...          # Message.form
+    def name(self) -> str: ...  # Message.form
 
     @property
-    def tag(self) -> int: ...           # the header's form byte
+    def tag(self) -> int: ...  # the header's form byte
 
     def size(self, sizes: CodeSizes) -> int | None:
         """Payload bytes of the measured entries in this form; None when it cannot hold them."""
@@ -129,8 +129,9 @@ def written(form: Form, codes: np.ndarray, sizes: CodeSizes) -> bytes:
 def filled(buf: np.ndarray, end: int, n_entries: int, added: int, form: str) -> bytes:
     """A writer's payload once every entry is in: ValueError if the codes added were not the ones measured."""
     if added != n_entries or end != buf.size:
-        raise ValueError(f"{form} payload: {added} codes written to {end} of {buf.size} bytes, measured "
-                         f"{n_entries} entries")
+        raise ValueError(
+            f"{form} payload: {added} codes written to {end} of {buf.size} bytes, measured {n_entries} entries"
+        )
     return buf.tobytes()
 
 

@@ -1,4 +1,5 @@
-"""The transport's protocol, sans I/O (testable without sockets or clocks): no ``socket``, ``threading`` or ``time`` here.
+"""The transport's protocol, sans I/O (testable without sockets or clocks): no ``socket``, ``threading`` or ``time``
+here.
 
 The relay and peer state machines take bytes in and give datagrams and events out; the current time is
 an argument (``now=``). Each side is a folder, ``relay/`` and ``peer/``: a core and the parts it composes,

@@ -18,8 +18,19 @@ from gradshare.transport.protocol.wire import HEADER_BYTES, Header
 
 
 class Channel:
-    def __init__(self, *, key: bytes | None, insecure: bool, job: int, sender: int, attempt: int,
-                 datagram_size: int, max_chunks: int, max_windows: int, session: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        key: bytes | None,
+        insecure: bool,
+        job: int,
+        sender: int,
+        attempt: int,
+        datagram_size: int,
+        max_chunks: int,
+        max_windows: int,
+        session: int | None = None,
+    ) -> None:
         self.sealer = Sealer(key, insecure)
         self.job = job
         self.sender = sender
@@ -33,23 +44,41 @@ class Channel:
         self.drops: Counter[str] = Counter()
 
     # --- out --------------------------------------------------------------------------------------
-    def seal(self, kind: int, body: bytes, origin: int = 0, step: int = 0, index: int = 0,
-             count: int = 1) -> bytes:
+    def seal(self, kind: int, body: bytes, origin: int = 0, step: int = 0, index: int = 0, count: int = 1) -> bytes:
         c = self.counter
         if c >= MAX_COUNTER:
             raise OverflowError("nonce counter exhausted; start a new session")
         self.counter = c + 1
         # the struct directly (not via a Header tuple): this runs once per datagram sent
-        header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, self.sender, self.attempt, self.job,
-                                  self.session, c, origin, step, index, count)
+        header = wire.HEADER.pack(
+            wire.MAGIC,
+            wire.VERSION,
+            kind,
+            self.sender,
+            self.attempt,
+            self.job,
+            self.session,
+            c,
+            origin,
+            step,
+            index,
+            count,
+        )
         return self.sealer.seal(header, self.sender, self.session, c, body)
 
     def seal_control(self, msg: ev.ControlMessage) -> bytes:
         kind, body = wire.encode_control(msg)
         return self.seal(kind, body)
 
-    def seal_chunks(self, kind: int, body: bytes, origin: int, step: int,
-                    only: tuple[int, ...] | None = None, chunk_bytes: int | None = None) -> list[bytes]:
+    def seal_chunks(
+        self,
+        kind: int,
+        body: bytes,
+        origin: int,
+        step: int,
+        only: tuple[int, ...] | None = None,
+        chunk_bytes: int | None = None,
+    ) -> list[bytes]:
         """``body`` as sealed chunks of ``chunk_bytes`` (default: what fits ``datagram_size``)."""
         chunks = wire.split(body, chunk_bytes or self.chunk_bytes)
         n = len(chunks)
@@ -80,8 +109,9 @@ class Channel:
         (attempt, step, origin, chunk) bookkeeping instead (a replayed chunk is a duplicate there)."""
         return self.open_fields(h.sender, h.attempt, h.session, h.counter, data, replay_window)
 
-    def open_fields(self, sender: int, attempt: int, session: int, counter: int, data: bytes,
-                    replay_window: bool = True) -> bytes | None:
+    def open_fields(
+        self, sender: int, attempt: int, session: int, counter: int, data: bytes, replay_window: bool = True
+    ) -> bytes | None:
         """`open` from the header's fields (the relay's fast path has them without a Header)."""
         who = (sender, attempt, session)
         if replay_window:

@@ -37,12 +37,14 @@ def check_key(key: bytes | None, insecure: bool) -> bytes:
     if insecure:
         return bytes(key or b"")
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"key must be {KEY_BYTES} bytes from new_job_key() (got {type(key).__name__}"
-                         f"{'' if not isinstance(key, (bytes, bytearray)) else f' of {len(key)} bytes'})")
+        raise ValueError(
+            f"key must be {KEY_BYTES} bytes from new_job_key() (got {type(key).__name__}"
+            f"{'' if not isinstance(key, (bytes, bytearray)) else f' of {len(key)} bytes'})"
+        )
     return bytes(key)
 
 
-_NONCE = struct.Struct("<HIIH")     # sender, session, counter bits 0-31, counter bits 32-47
+_NONCE = struct.Struct("<HIIH")  # sender, session, counter bits 0-31, counter bits 32-47
 
 
 def nonce(sender: int, session: int, counter: int) -> bytes:
@@ -84,9 +86,9 @@ class ReplayWindow:
         if size < 1:
             raise ValueError(f"size must be >= 1 (got {size})")
         self.size = size
-        self._top = -1          # highest counter accepted so far
-        self._bits = 0          # bit i set = counter (_top - i) seen
-        self._mask = (1 << size) - 1   # made once: building a 4096-bit int per datagram costs ~0.3 us
+        self._top = -1  # highest counter accepted so far
+        self._bits = 0  # bit i set = counter (_top - i) seen
+        self._mask = (1 << size) - 1  # made once: building a 4096-bit int per datagram costs ~0.3 us
 
     def check(self, counter: int) -> str | None:
         """None if ``counter`` is fresh, else the drop reason ('replayed' or 'too_old'). Does not record."""

@@ -18,7 +18,7 @@ class LogCursor:
         self.start_step = start_step
         self.step = start_step
         self.rank = 0
-        self.ends: dict[int, int] = {}       # rank -> last step that exists
+        self.ends: dict[int, int] = {}  # rank -> last step that exists
         self.complete_through = start_step - 1
 
     def end(self, rank: int, last_step: int) -> None:

@@ -22,14 +22,14 @@ MAX_WORLD_SIZE = 1024
 # A STATUS lists ranks in pages of at most this many (one datagram each): worst case
 # 64 × (5-byte have + 11-byte ended entry) + framing ≈ 1.05 kB fits a 1400-byte datagram
 STATUS_PAGE_RANKS = 64
-MAX_STEP = (1 << 32) - 2    # steps travel as uint32; -1 means "none"
+MAX_STEP = (1 << 32) - 2  # steps travel as uint32; -1 means "none"
 # The origin of the relay's aggregated message of a step (forwarding="aggregate"): one
 # past the largest rank, so it sorts after every rank of a step and never names one
 AGGREGATE_ORIGIN = MAX_WORLD_SIZE
 MAX_NAK_ITEMS = 64
-MAX_NOTES = 16             # WELCOME: (name, value) notes an attempt inherits
-MAX_ERROR_TYPE = 100        # FAIL: an exception's qualified class name
-MAX_ERROR_TEXT = 300        # FAIL: the message, cut to this (and to what fits one datagram)
+MAX_NOTES = 16  # WELCOME: (name, value) notes an attempt inherits
+MAX_ERROR_TYPE = 100  # FAIL: an exception's qualified class name
+MAX_ERROR_TEXT = 300  # FAIL: the message, cut to this (and to what fits one datagram)
 
 # Where a datagram came from or goes is the I/O shell's business: the cores keep one per rank and hand it
 # back beside each datagram to send. The UDP shells use socket addresses ((host, port) tuples), the
@@ -50,6 +50,7 @@ def _check_step(name: str, value: object) -> None:
 
 # --- control messages -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Join:
     n_params: int
@@ -64,7 +65,7 @@ class Join:
 class Welcome:
     n_params: int
     world_size: int
-    start_step: int          # first step of this attempt's log (0 fresh, complete_through+1 on resume)
+    start_step: int  # first step of this attempt's log (0 fresh, complete_through+1 on resume)
     complete_through: int
     # what the attempt inherits besides the parameters (tallies.AttemptNotes): rank 0's early-stopping
     # state and decision, the checkpoint a retried stage rolled back to; (name, value) pairs
@@ -76,9 +77,18 @@ class Welcome:
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("start_step", self.start_step, 0, MAX_STEP)
         _check_step("complete_through", self.complete_through)
-        if not isinstance(self.notes, tuple) or len(self.notes) > MAX_NOTES or not all(
-                isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], str) and 0 < len(n[0]) <= 32
-                and isinstance(n[1], float) for n in self.notes):
+        if (
+            not isinstance(self.notes, tuple)
+            or len(self.notes) > MAX_NOTES
+            or not all(
+                isinstance(n, tuple)
+                and len(n) == 2
+                and isinstance(n[0], str)
+                and 0 < len(n[0]) <= 32
+                and isinstance(n[1], float)
+                for n in self.notes
+            )
+        ):
             raise ValueError(f"notes must be at most {MAX_NOTES} (name, float) pairs, names of 1..32 characters")
         if type(self.aggregate) is not bool:
             raise ValueError(f"aggregate must be a bool (got {self.aggregate!r})")
@@ -95,7 +105,7 @@ class Reject:
 
 @dataclass(frozen=True)
 class Ack:
-    steps: tuple[int, ...]   # steps of the receiver's own updates that the relay holds completely
+    steps: tuple[int, ...]  # steps of the receiver's own updates that the relay holds completely
 
     def __post_init__(self) -> None:
         if len(self.steps) > MAX_NAK_ITEMS:
@@ -130,8 +140,8 @@ class Nak:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    delivered_through: int   # the peer has delivered its log completely through this step
-    sent_through: int        # last step the peer has sent
+    delivered_through: int  # the peer has delivered its log completely through this step
+    sent_through: int  # last step the peer has sent
     # the step the training thread is computing now, -1 while it waits on the log or does anything
     # else: the relay times it against step_timeout (progress not presence)
     computing: int = -1
@@ -151,8 +161,8 @@ class Loading:
 @dataclass(frozen=True)
 class Ended:
     rank: int
-    last_step: int           # messages (t, rank) exist exactly for t <= last_step
-    gone: bool               # declared gone by the relay (else: FINISHED)
+    last_step: int  # messages (t, rank) exist exactly for t <= last_step
+    gone: bool  # declared gone by the relay (else: FINISHED)
 
     def __post_init__(self) -> None:
         _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
@@ -168,7 +178,7 @@ class Status:
     complete_through: int
     world_size: int
     first_rank: int
-    have: tuple[int, ...]    # per page rank: the relay holds (t, rank) for every start_step <= t <= have[i]
+    have: tuple[int, ...]  # per page rank: the relay holds (t, rank) for every start_step <= t <= have[i]
     ended: tuple[Ended, ...]  # the page's ranks that ended
 
     def __post_init__(self) -> None:
@@ -177,14 +187,18 @@ class Status:
         _check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _check_int("first_rank", self.first_rank, 0, self.world_size - 1)
         if not 1 <= len(self.have) <= min(STATUS_PAGE_RANKS, self.world_size - self.first_rank):
-            raise ValueError(f"have must list 1..{STATUS_PAGE_RANKS} ranks from first_rank {self.first_rank} "
-                             f"within world_size {self.world_size} (got {len(self.have)})")
+            raise ValueError(
+                f"have must list 1..{STATUS_PAGE_RANKS} ranks from first_rank {self.first_rank} "
+                f"within world_size {self.world_size} (got {len(self.have)})"
+            )
         for h in self.have:
             _check_step("have", h)
         for e in self.ended:
             if not self.first_rank <= e.rank < self.first_rank + len(self.have):
-                raise ValueError(f"ended rank {e.rank} is outside this page (ranks {self.first_rank}.."
-                                 f"{self.first_rank + len(self.have) - 1})")
+                raise ValueError(
+                    f"ended rank {e.rank} is outside this page (ranks {self.first_rank}.."
+                    f"{self.first_rank + len(self.have) - 1})"
+                )
         if len({e.rank for e in self.ended}) != len(self.ended):
             raise ValueError("an ended rank is listed twice")
 
@@ -214,10 +228,10 @@ class Fail:
     attempt: int
     error_type: str
     message: str
-    step: int = -1                  # the step the rank was in; -1: before its first
+    step: int = -1  # the step the rank was in; -1: before its first
     fatal: bool = True
-    error_class: str = "TrainingError"   # the class the driver raises (reports.error_class_name)
-    cause: str = ""                 # the first cause of the error's chain; "": no chain
+    error_class: str = "TrainingError"  # the class the driver raises (reports.error_class_name)
+    cause: str = ""  # the first cause of the error's chain; "": no chain
 
     def __post_init__(self) -> None:
         _check_int("rank", self.rank, 0, MAX_WORLD_SIZE - 1)
@@ -252,11 +266,11 @@ class SnapRequest:
 @dataclass(frozen=True)
 class SnapInfo:
     snap_id: int
-    step: int                # the parameters hold the log applied through this step
+    step: int  # the parameters hold the log applied through this step
     n_params: int
     n_chunks: int
     chunk_bytes: int
-    digest: str              # param_hash of the snapshot, checked after reassembly
+    digest: str  # param_hash of the snapshot, checked after reassembly
 
     def __post_init__(self) -> None:
         _check_int("snap_id", self.snap_id, 0, (1 << 32) - 1)
@@ -273,7 +287,7 @@ class SnapInfo:
 @dataclass(frozen=True)
 class SnapNak:
     snap_id: int
-    ranges: tuple[tuple[int, int], ...]   # missing chunk ranges [start, stop)
+    ranges: tuple[tuple[int, int], ...]  # missing chunk ranges [start, stop)
 
     def __post_init__(self) -> None:
         _check_int("snap_id", self.snap_id, 0, (1 << 32) - 1)
@@ -293,6 +307,7 @@ class SnapDone:
 
 
 # --- events out of the cores --------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Update:
@@ -346,7 +361,7 @@ class PeerFailed:
 
 
 INCIDENT_KINDS = ("suspected", "back", "silent", "stuck", "gone", "restart")
-FATAL_INCIDENTS = ("silent", "stuck")   # the relay gives up: the driver stops the job with this cause
+FATAL_INCIDENTS = ("silent", "stuck")  # the relay gives up: the driver stops the job with this cause
 
 
 @dataclass(frozen=True)
@@ -376,12 +391,14 @@ class Incident:
         return self.kind in FATAL_INCIDENTS
 
     def describe(self) -> str:
-        what = {"suspected": f"silent for {self.seconds:.1f} s (suspected)",
-                "back": f"came back after {self.seconds:.1f} s of silence",
-                "silent": f"silent for {self.seconds:.1f} s: the relay gave up waiting for it",
-                "stuck": f"stuck in step {self.step}: no step finished for {self.seconds:.1f} s (step_timeout)",
-                "gone": f"declared gone after {self.seconds:.1f} s",
-                "restart": f"silent for {self.seconds:.1f} s: the relay restarts the stage"}[self.kind]
+        what = {
+            "suspected": f"silent for {self.seconds:.1f} s (suspected)",
+            "back": f"came back after {self.seconds:.1f} s of silence",
+            "silent": f"silent for {self.seconds:.1f} s: the relay gave up waiting for it",
+            "stuck": f"stuck in step {self.step}: no step finished for {self.seconds:.1f} s (step_timeout)",
+            "gone": f"declared gone after {self.seconds:.1f} s",
+            "restart": f"silent for {self.seconds:.1f} s: the relay restarts the stage",
+        }[self.kind]
         tail = f" ({self.detail})" if self.detail else ""
         return f"rank {self.rank} (attempt {self.attempt}, at step {self.step}) {what}{tail}"
 
@@ -439,8 +456,8 @@ class RolledBack:
     """Relay: a retried stage restarted its log at a checkpoint (``rollback``), not at complete_through."""
 
     attempt: int
-    from_step: int           # complete_through when the attempt started
-    to_step: int             # the checkpoint's step: the log restarts after it
+    from_step: int  # complete_through when the attempt started
+    to_step: int  # the checkpoint's step: the log restarts after it
 
 
 @dataclass(frozen=True)
@@ -451,8 +468,24 @@ class LogComplete:
 
 
 # What wire.decode_control can return: one class per control kind (wire.Kind), UPDATE/SNAP_CHUNK excepted
-ControlMessage = (Join | Welcome | Reject | Ack | Nak | Heartbeat | Status | Finished | Leave | SnapRequest
-                  | SnapInfo | SnapNak | SnapDone | Fail | FailAck | Loading)
+ControlMessage = (
+    Join
+    | Welcome
+    | Reject
+    | Ack
+    | Nak
+    | Heartbeat
+    | Status
+    | Finished
+    | Leave
+    | SnapRequest
+    | SnapInfo
+    | SnapNak
+    | SnapDone
+    | Fail
+    | FailAck
+    | Loading
+)
 # What PeerCore.next_event and RelayCore.next_event return
 PeerEvent = Welcomed | Rejected | SnapshotReady | SnapshotFailed | PeerEnded | FailAck
 RelayEvent = PeerJoined | PeerEnded | PeerFailed | Incident | AttemptStarted | RolledBack | LogComplete

@@ -20,7 +20,7 @@ from gradshare.errors import LocalProtocolError
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-StepKey = tuple[int, ...]   # what StepKeys holds: (step, ...), ordered by step first
+StepKey = tuple[int, ...]  # what StepKeys holds: (step, ...), ordered by step first
 
 
 class History(Generic[K, V]):
@@ -29,8 +29,13 @@ class History(Generic[K, V]):
 
     # The ignore: ``len`` is the default for entries that are bytes; mypy cannot tie a default to one V,
     # and a History of other entries (the relay's) passes its own size.
-    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[V], int] = len,  # type: ignore[assignment]
-                 by_step: bool = False) -> None:
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        size: Callable[[V], int] = len,  # type: ignore[assignment]
+        by_step: bool = False,
+    ) -> None:
         """by_step: keys are ``(step, ...)`` tuples and ``discard_through`` is used (the relay)."""
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"max_entries ({max_entries}) and max_bytes ({max_bytes}) must be >= 1")
@@ -123,7 +128,7 @@ class StepKeys:
     def discard(self, key: StepKey) -> None:
         self._set.discard(key)
         if len(self._heap) > 2 * len(self._set) + 64:
-            self._heap = sorted(self._set)          # a sorted list is a heap
+            self._heap = sorted(self._set)  # a sorted list is a heap
 
     @property
     def heap_entries(self) -> int:

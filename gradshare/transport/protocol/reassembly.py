@@ -18,11 +18,11 @@ class Partial:
     def __init__(self, count: int, now: float) -> None:
         self.count = count
         self.chunks: dict[int, bytes] = {}
-        self.raw: dict[int, bytes] = {}     # the sealed datagrams, when the owner keeps them
-        self.nbytes = 0                     # message bytes so far
-        self.held = 0                       # what it holds against the reassembler's max_bytes
+        self.raw: dict[int, bytes] = {}  # the sealed datagrams, when the owner keeps them
+        self.nbytes = 0  # message bytes so far
+        self.held = 0  # what it holds against the reassembler's max_bytes
         self.last_seen = now
-        self.naks = 0              # NAKs sent for it so far (the receiver backs off between them)
+        self.naks = 0  # NAKs sent for it so far (the receiver backs off between them)
 
     def missing(self, limit: int) -> tuple[int, ...]:
         out = []
@@ -47,7 +47,7 @@ class LateAllowance:
 
     def __init__(self, floor: float, cap: float = 0.05, remember: int = 256) -> None:
         self.floor, self.cap, self.value = floor, max(cap, floor), floor
-        self._nakked: dict[Hashable, None] = {}     # recently NAKed keys, oldest first, at most `remember`
+        self._nakked: dict[Hashable, None] = {}  # recently NAKed keys, oldest first, at most `remember`
         self._remember = remember
 
     def nakked(self, key: Hashable) -> None:
@@ -73,8 +73,11 @@ class Reassembler(Generic[K]):
     those bytes unchanged instead of sealing every chunk again."""
 
     def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int, keep_raw: bool = False) -> None:
-        for name, v in (("max_messages", max_messages), ("max_bytes", max_bytes),
-                        ("max_message_bytes", max_message_bytes)):
+        for name, v in (
+            ("max_messages", max_messages),
+            ("max_bytes", max_bytes),
+            ("max_message_bytes", max_message_bytes),
+        ):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1 (got {v})")
         self.max_messages = max_messages
@@ -85,12 +88,13 @@ class Reassembler(Generic[K]):
         self.nbytes = 0
         self.last_raw: tuple[bytes, ...] = ()
 
-    def add(self, key: K, index: int, count: int, data: bytes, now: float,
-            raw: bytes = b"") -> tuple[bytes | None, str | None]:
+    def add(
+        self, key: K, index: int, count: int, data: bytes, now: float, raw: bytes = b""
+    ) -> tuple[bytes | None, str | None]:
         """(message, None) when complete; (None, None) when stored/duplicate; (None, reason) when refused."""
         p = self.partials.get(key)
         if p is None:
-            if count == 1:   # the common small message: no bookkeeping at all
+            if count == 1:  # the common small message: no bookkeeping at all
                 if len(data) > self.max_message_bytes:
                     return None, "message_too_large"
                 self.last_raw = (raw,)
@@ -117,7 +121,7 @@ class Reassembler(Generic[K]):
         p.nbytes += len(data)
         p.held += size
         p.last_seen = now
-        p.naks = 0                 # progress: a later NAK need not back off
+        p.naks = 0  # progress: a later NAK need not back off
         self.nbytes += size
         if len(p.chunks) < p.count:
             return None, None

@@ -17,11 +17,11 @@ from gradshare.errors import LocalProtocolError
 
 class PeerState(str, Enum):
     NEW = "new"
-    LOADING = "loading"            # LOADING sent: the task materialises its partition
-    JOINING = "joining"            # JOIN sent, no WELCOME yet
+    LOADING = "loading"  # LOADING sent: the task materialises its partition
+    JOINING = "joining"  # JOIN sent, no WELCOME yet
     JOINED = "joined"
-    REJECTED = "rejected"          # the relay refused us (REJECT, or a WELCOME for another job)
-    CLOSED = "closed"              # LEAVE said (or left silently)
+    REJECTED = "rejected"  # the relay refused us (REJECT, or a WELCOME for another job)
+    CLOSED = "closed"  # LEAVE said (or left silently)
 
     def __str__(self) -> str:
         return self.value
@@ -50,12 +50,12 @@ class RankStatus(str, Enum):
     """A rank of the current attempt, as the relay sees it. Joined or not and left or not (whether it
     still gets STATUS pages) combine with how its part of the log ended (FINISHED or declared gone)."""
 
-    WAITING = "waiting"            # not joined, not ended: the log waits for it (join_window)
+    WAITING = "waiting"  # not joined, not ended: the log waits for it (join_window)
     JOINED = "joined"
-    FINISHED = "finished"          # FINISHED(last_step) recorded; still connected
+    FINISHED = "finished"  # FINISHED(last_step) recorded; still connected
     FINISHED_LEFT = "finished_left"  # ... and said LEAVE
-    GONE = "gone"                  # declared gone while connected (it hears so in STATUS)
-    GONE_LEFT = "gone_left"        # declared gone, and LEAVE said (a LEAVE before FINISHED is both)
+    GONE = "gone"  # declared gone while connected (it hears so in STATUS)
+    GONE_LEFT = "gone_left"  # declared gone, and LEAVE said (a LEAVE before FINISHED is both)
     GONE_UNJOINED = "gone_unjoined"  # declared gone without ever joining this attempt
 
     def __str__(self) -> str:
@@ -63,7 +63,7 @@ class RankStatus(str, Enum):
 
 
 class RankTrigger(Enum):
-    JOIN = "JOIN"                  # accepted: a first JOIN, a retransmitted one, or a rejoin after LEAVE
+    JOIN = "JOIN"  # accepted: a first JOIN, a retransmitted one, or a rejoin after LEAVE
     FINISH = "FINISHED"
     GONE = "declared gone"
     LEAVE = "LEAVE"
@@ -97,5 +97,12 @@ def transition(table: Mapping[S, Mapping[T, S]], state: S, trigger: T, who: str)
     return new
 
 
-__all__ = ["PeerState", "PeerTrigger", "PEER_TRANSITIONS", "RankStatus", "RankTrigger", "RANK_TRANSITIONS",
-           "transition"]
+__all__ = [
+    "PeerState",
+    "PeerTrigger",
+    "PEER_TRANSITIONS",
+    "RankStatus",
+    "RankTrigger",
+    "RANK_TRANSITIONS",
+    "transition",
+]

@@ -68,8 +68,14 @@ class StatusSealer:
         self.counter = 0
 
     def seal(self, status: Status) -> bytes:
-        body = {"p": status.progress, "f": _record(status.failure), "r": _record(status.reported),
-                "c": _record(status.first_cause), "x": _record(status.fatal), "e": [list(e) for e in status.epochs]}
+        body = {
+            "p": status.progress,
+            "f": _record(status.failure),
+            "r": _record(status.reported),
+            "c": _record(status.first_cause),
+            "x": _record(status.fatal),
+            "e": [list(e) for e in status.epochs],
+        }
         data = msgpack.packb(body, use_bin_type=True)
         if len(data) > MAX_STATUS_BYTES:  # many ranks: the bar's summaries go, the step and attempt stay
             body["p"] = {k: v for k, v in status.progress.items() if k != "ranks"}
@@ -78,8 +84,9 @@ class StatusSealer:
         if self.counter >= MAX_COUNTER:
             raise OverflowError("status counter exhausted")
         header = HEADER.pack(MAGIC, self.job_id, self.counter)
-        return self.sealer.seal(header + self.session.to_bytes(4, "little"), SESSION_SENDER, self.session,
-                                self.counter, data)
+        return self.sealer.seal(
+            header + self.session.to_bytes(4, "little"), SESSION_SENDER, self.session, self.counter, data
+        )
 
 
 class StatusOpener:
@@ -98,7 +105,7 @@ class StatusOpener:
             self.dropped += 1
             return None
         magic, job, counter = HEADER.unpack_from(data)
-        session = int.from_bytes(data[HEADER.size:head], "little")
+        session = int.from_bytes(data[HEADER.size : head], "little")
         if magic != MAGIC or job != self.job_id or counter <= self.last.get(session, 0):
             self.dropped += 1
             return None
@@ -120,9 +127,14 @@ class StatusOpener:
 def _parse(body: object) -> Status:
     if not isinstance(body, dict) or not isinstance(body.get("p"), dict):
         raise ValueError("a status body is a map with a progress map")
-    return Status(progress=body["p"], failure=_record_of(ev.Fail, body.get("f")),
-                  reported=_record_of(ev.Fail, body.get("r")), first_cause=_record_of(ev.Incident, body.get("c")),
-                  fatal=_record_of(ev.Incident, body.get("x")), epochs=_epochs(body.get("e", [])))
+    return Status(
+        progress=body["p"],
+        failure=_record_of(ev.Fail, body.get("f")),
+        reported=_record_of(ev.Fail, body.get("r")),
+        first_cause=_record_of(ev.Incident, body.get("c")),
+        fatal=_record_of(ev.Incident, body.get("x")),
+        epochs=_epochs(body.get("e", [])),
+    )
 
 
 R = TypeVar("R", ev.Fail, ev.Incident)
@@ -143,8 +155,13 @@ def _epochs(rows: object) -> tuple[tuple[int, float, float | None], ...]:
         raise ValueError("a status's epochs are a list of at most 64 rows")
     out = []
     for row in rows:
-        if (not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], int)
-                or not isinstance(row[1], (int, float)) or not isinstance(row[2], (int, float, type(None)))):
+        if (
+            not isinstance(row, list)
+            or len(row) != 3
+            or not isinstance(row[0], int)
+            or not isinstance(row[1], (int, float))
+            or not isinstance(row[2], (int, float, type(None)))
+        ):
             raise ValueError("an epoch row is [epoch, loss, score or None]")
         out.append((int(row[0]), float(row[1]), None if row[2] is None else float(row[2])))
     return tuple(out)

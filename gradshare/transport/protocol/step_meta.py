@@ -3,8 +3,8 @@ optional, that crosses the wire inside the update's body (wire.py: ``u16 length 
 
 Producers: the worker (its step's progress), rank 0's early stopping (task/stops.py: its epoch end and
 stop request), the relay (its aggregate carries rank 0's stop epoch, relay/log.py). Consumers: the relay's
-tallies (gradshare/task/tallies.py), every rank's apply log (task/apply_log.py: the stop epoch), the driver's progress bar
-(reports.Progress). Nothing outside this module names a field by string.
+tallies (gradshare/task/tallies.py), every rank's apply log (task/apply_log.py: the stop epoch), the driver's progress
+bar (reports.Progress). Nothing outside this module names a field by string.
 
 On the wire the record is the msgpack map of float values it always was, one key per field that is set
 (``{"loss": 0.25, "epoch": 1.0, ...}``); the whole-number fields travel as floats too. ``from_wire``
@@ -46,8 +46,7 @@ class StepMeta:
     stop_requested: int | None = None  # the epoch whose end asked for a stop
     stop_epoch: int | None = None  # the epoch every rank stops after (the log's decision)
 
-    WHOLE: ClassVar[frozenset[str]] = frozenset({"epoch", "val_epoch", "es_waited", "stop_requested",
-                                                 "stop_epoch"})
+    WHOLE: ClassVar[frozenset[str]] = frozenset({"epoch", "val_epoch", "es_waited", "stop_requested", "stop_epoch"})
     # what a new attempt inherits from the log before it (tallies.AttemptNotes, WELCOME's notes)
     NOTE_FIELDS: ClassVar[tuple[str, ...]] = ("es_best", "es_waited", "stop_epoch", "stop_requested")
 
@@ -68,8 +67,9 @@ class StepMeta:
 
     def with_(self, other: StepMeta) -> StepMeta:
         """This record with every field `other` sets taken from `other`."""
-        return dataclasses.replace(self, **{f.name: v for f in dataclasses.fields(other)
-                                            if (v := getattr(other, f.name)) is not None})
+        return dataclasses.replace(
+            self, **{f.name: v for f in dataclasses.fields(other) if (v := getattr(other, f.name)) is not None}
+        )
 
     def to_wire(self) -> dict[str, float]:
         """The msgpack map: one float per field that is set."""

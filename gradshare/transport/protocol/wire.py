@@ -11,8 +11,8 @@ Every datagram::
 ``sender`` is who sealed the datagram (a rank, or RELAY_ID); ``origin`` is the rank whose update this is.
 The relay forwards update chunks exactly as their origin sealed them (sender = origin), so a forwarded
 chunk is authenticated end to end by the rank that wrote it; ``step``/``index``/``count`` place a chunk;
-``session`` + ``counter`` make the nonce (see crypto.py). An update message is ``u16 meta length | msgpack meta | encoder payload``,
-split into ``count`` chunks of at most ``datagram_size - header - tag`` bytes.
+``session`` + ``counter`` make the nonce (see crypto.py). An update message is ``u16 meta length | msgpack meta |
+encoder payload``, split into ``count`` chunks of at most ``datagram_size - header - tag`` bytes.
 
 Decoders are bounded: msgpack limits are explicit and every field is range-checked; anything invalid raises
 :class:`~gradshare.errors.DecodeError` (msgpack ``Unpacker`` limits, aioquic ``quic/packet.py``).
@@ -34,16 +34,16 @@ from gradshare.transport.protocol.step_meta import StepMeta
 MAGIC = b"GS"
 VERSION = 1
 RELAY_ID = 0xFFFF
-AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN   # the origin field of the relay's aggregated messages
+AGGREGATE_ORIGIN = ev.AGGREGATE_ORIGIN  # the origin field of the relay's aggregated messages
 HEADER = struct.Struct("<2sBBHHQIQHIII")
 HEADER_BYTES = HEADER.size
-MAX_COUNTER = 1 << 48                  # the nonce holds 48 bits of it (crypto.nonce)
+MAX_COUNTER = 1 << 48  # the nonce holds 48 bits of it (crypto.nonce)
 # where the two fields that differ between the chunks of one update sit (header_key)
 _COUNTER_AT, _COUNTER = struct.calcsize("<2sBBHHQI"), struct.Struct("<Q")
 _INDEX_AT, _INDEX = struct.calcsize("<2sBBHHQIQHI"), struct.Struct("<I")
-DEFAULT_DATAGRAM_SIZE = 1400           # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
-DEFAULT_PORT = 40123                   # the relay's UDP port on the driver (SharedTrainer, `gradshare relay`)
-DEFAULT_BIND = "0.0.0.0"               # the address the relay binds: every interface
+DEFAULT_DATAGRAM_SIZE = 1400  # fits a 1500-byte Ethernet MTU with IPv4/IPv6 + UDP headers
+DEFAULT_PORT = 40123  # the relay's UDP port on the driver (SharedTrainer, `gradshare relay`)
+DEFAULT_BIND = "0.0.0.0"  # the address the relay binds: every interface
 MIN_DATAGRAM_SIZE = 256
 MAX_DATAGRAM_SIZE = 65000
 MAX_META_BYTES = 1024
@@ -91,16 +91,18 @@ class Header(NamedTuple):
 
 
 def encode_header(h: Header) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, h.kind, h.sender, h.attempt, h.job, h.session, h.counter,
-                       h.origin, h.step, h.index, h.count)
+    return HEADER.pack(
+        MAGIC, VERSION, h.kind, h.sender, h.attempt, h.job, h.session, h.counter, h.origin, h.step, h.index, h.count
+    )
 
 
 def decode_header(data: bytes, max_chunks: int) -> Header:
     """Parse and range-check the header of a datagram; raises DecodeError naming the bad field."""
     if len(data) < HEADER_BYTES:
         raise DecodeError(f"truncated: {len(data)} bytes < {HEADER_BYTES}-byte header")
-    (magic, version, kind, sender, attempt, job, session, counter,
-     origin, step, index, count) = HEADER.unpack_from(data)
+    (magic, version, kind, sender, attempt, job, session, counter, origin, step, index, count) = HEADER.unpack_from(
+        data
+    )
     if magic != MAGIC:
         raise DecodeError("bad magic")
     if version != VERSION:
@@ -120,8 +122,11 @@ def decode_header(data: bytes, max_chunks: int) -> Header:
 def header_key(data: bytes) -> tuple[bytes, bytes, bytes]:
     """A datagram's header bytes but its counter and chunk index: equal for the chunks of one update (the
     relay's fast path for a run of them, RelayCore.receive_run). ``data`` holds a whole header."""
-    return (data[:_COUNTER_AT], data[_COUNTER_AT + _COUNTER.size:_INDEX_AT],
-            data[_INDEX_AT + _INDEX.size:HEADER_BYTES])
+    return (
+        data[:_COUNTER_AT],
+        data[_COUNTER_AT + _COUNTER.size : _INDEX_AT],
+        data[_INDEX_AT + _INDEX.size : HEADER_BYTES],
+    )
 
 
 def counter_and_index(data: bytes) -> tuple[int, int]:
@@ -146,8 +151,9 @@ def job_id_to_int(job_id: int | str | bytes) -> int:
 
 def check_datagram_size(datagram_size: int) -> int:
     if type(datagram_size) is not int or not MIN_DATAGRAM_SIZE <= datagram_size <= MAX_DATAGRAM_SIZE:
-        raise ValueError(f"datagram_size must be an int in [{MIN_DATAGRAM_SIZE}, {MAX_DATAGRAM_SIZE}] "
-                         f"(got {datagram_size!r})")
+        raise ValueError(
+            f"datagram_size must be an int in [{MIN_DATAGRAM_SIZE}, {MAX_DATAGRAM_SIZE}] (got {datagram_size!r})"
+        )
     return datagram_size
 
 
@@ -156,10 +162,11 @@ def split(body: bytes, chunk_bytes: int) -> list[bytes]:
     if not body:
         return [b""]
     mv = memoryview(body)
-    return [bytes(mv[i:i + chunk_bytes]) for i in range(0, len(body), chunk_bytes)]
+    return [bytes(mv[i : i + chunk_bytes]) for i in range(0, len(body), chunk_bytes)]
 
 
 # --- update bodies ------------------------------------------------------------------------------------
+
 
 def encode_update_body(payload: bytes, meta: StepMeta | None) -> bytes:
     """``u16 meta length | msgpack meta | payload``; no meta is length 0 (step_meta.py: the map's keys)."""
@@ -183,15 +190,23 @@ def decode_update_body(body: bytes) -> tuple[bytes, StepMeta | None]:
     meta: StepMeta | None = None
     if n:
         try:
-            fields = msgpack.unpackb(body[2:2 + n], max_str_len=64, max_bin_len=0, max_array_len=0,
-                                     max_map_len=MAX_META_KEYS, max_ext_len=0, raw=False)
+            fields = msgpack.unpackb(
+                body[2 : 2 + n],
+                max_str_len=64,
+                max_bin_len=0,
+                max_array_len=0,
+                max_map_len=MAX_META_KEYS,
+                max_ext_len=0,
+                raw=False,
+            )
         except Exception as exc:  # msgpack raises several types for bad input; all mean the same here
             raise DecodeError(f"bad meta: {exc}") from None
         meta = StepMeta.from_wire(fields)  # DecodeError naming the entry that is wrong
-    return body[2 + n:], meta
+    return body[2 + n :], meta
 
 
 # --- control bodies -----------------------------------------------------------------------------------
+
 
 def _pack(fields: object) -> bytes:
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
@@ -202,8 +217,16 @@ def _pack(fields: object) -> bytes:
 # constructors, which check every field's type and range (events.py) and raise what becomes DecodeError.
 def _unpack(body: bytes) -> list[Any]:
     try:
-        obj = msgpack.unpackb(body, max_str_len=400, max_bin_len=0, max_array_len=ev.MAX_NAK_ITEMS * 2,
-                              max_map_len=0, max_ext_len=0, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(
+            body,
+            max_str_len=400,
+            max_bin_len=0,
+            max_array_len=ev.MAX_NAK_ITEMS * 2,
+            max_map_len=0,
+            max_ext_len=0,
+            raw=False,
+            strict_map_key=True,
+        )
     except Exception as exc:  # msgpack raises ValueError/ExtraData/FormatError/StackError...
         raise DecodeError(f"bad control body: {exc}") from None
     if not isinstance(obj, list):
@@ -236,6 +259,7 @@ def _int_list(name: str) -> _Field:
 
 def _records(name: str, what: str, make: Callable[..., object], fields: tuple[_Field, ...]) -> _Field:
     """A list of small records (NAK items, ended ranks), each a msgpack list of ``fields``."""
+
     def encode(records: Any) -> list[list[object]]:
         return [[f.encode(getattr(r, f.name)) for f in fields] for r in records]
 
@@ -285,31 +309,101 @@ class _Spec(NamedTuple):
 # table (the bytes are those of the hand-written codecs it replaced).
 _CONTROL: tuple[tuple[type, _Spec], ...] = (
     (ev.Join, _Spec(Kind.JOIN, ev.Join, (_Field("n_params"), _Field("world_size")))),
-    (ev.Welcome, _Spec(Kind.WELCOME, ev.Welcome, (
-        _Field("n_params"), _Field("world_size"), _Field("start_step"), _Field("complete_through"),
-        _Field("notes", lambda notes: [list(n) for n in notes], _decode_notes), _Field("aggregate")))),
+    (
+        ev.Welcome,
+        _Spec(
+            Kind.WELCOME,
+            ev.Welcome,
+            (
+                _Field("n_params"),
+                _Field("world_size"),
+                _Field("start_step"),
+                _Field("complete_through"),
+                _Field("notes", lambda notes: [list(n) for n in notes], _decode_notes),
+                _Field("aggregate"),
+            ),
+        ),
+    ),
     (ev.Reject, _Spec(Kind.REJECT, ev.Reject, (_Field("reason"),))),
     (ev.Ack, _Spec(Kind.ACK, ev.Ack, (_int_list("steps"),), flat=True)),
-    (ev.Nak, _Spec(Kind.NAK, ev.Nak, (_records("items", "NAK item", ev.NakItem, (
-        _Field("step"), _Field("origin"), _int_list("chunks"))),), flat=True)),
-    (ev.Heartbeat, _Spec(Kind.HEARTBEAT, ev.Heartbeat, (
-        _Field("delivered_through"), _Field("sent_through"), _Field("computing")))),
-    (ev.Status, _Spec(Kind.STATUS, ev.Status, (
-        _Field("start_step"), _Field("complete_through"), _Field("world_size"), _Field("first_rank"),
-        _int_list("have"), _records("ended", "ended entry", ev.Ended, (
-            _Field("rank"), _Field("last_step"), _Field("gone", decode=_decode_bool)))))),
+    (
+        ev.Nak,
+        _Spec(
+            Kind.NAK,
+            ev.Nak,
+            (_records("items", "NAK item", ev.NakItem, (_Field("step"), _Field("origin"), _int_list("chunks"))),),
+            flat=True,
+        ),
+    ),
+    (
+        ev.Heartbeat,
+        _Spec(Kind.HEARTBEAT, ev.Heartbeat, (_Field("delivered_through"), _Field("sent_through"), _Field("computing"))),
+    ),
+    (
+        ev.Status,
+        _Spec(
+            Kind.STATUS,
+            ev.Status,
+            (
+                _Field("start_step"),
+                _Field("complete_through"),
+                _Field("world_size"),
+                _Field("first_rank"),
+                _int_list("have"),
+                _records(
+                    "ended",
+                    "ended entry",
+                    ev.Ended,
+                    (_Field("rank"), _Field("last_step"), _Field("gone", decode=_decode_bool)),
+                ),
+            ),
+        ),
+    ),
     (ev.Finished, _Spec(Kind.FINISHED, ev.Finished, (_Field("last_step"),))),
     (ev.Leave, _Spec(Kind.LEAVE, ev.Leave)),
     (ev.SnapRequest, _Spec(Kind.SNAP_REQUEST, ev.SnapRequest)),
-    (ev.SnapInfo, _Spec(Kind.SNAP_INFO, ev.SnapInfo, (
-        _Field("snap_id"), _Field("step"), _Field("n_params"), _Field("n_chunks"), _Field("chunk_bytes"),
-        _Field("digest")))),
-    (ev.SnapNak, _Spec(Kind.SNAP_NAK, ev.SnapNak, (
-        _Field("snap_id"), _Field("ranges", lambda ranges: [list(r) for r in ranges],
-                                  lambda obj: _list_of(obj, "ranges", _decode_range))))),
+    (
+        ev.SnapInfo,
+        _Spec(
+            Kind.SNAP_INFO,
+            ev.SnapInfo,
+            (
+                _Field("snap_id"),
+                _Field("step"),
+                _Field("n_params"),
+                _Field("n_chunks"),
+                _Field("chunk_bytes"),
+                _Field("digest"),
+            ),
+        ),
+    ),
+    (
+        ev.SnapNak,
+        _Spec(
+            Kind.SNAP_NAK,
+            ev.SnapNak,
+            (
+                _Field("snap_id"),
+                _Field(
+                    "ranges",
+                    lambda ranges: [list(r) for r in ranges],
+                    lambda obj: _list_of(obj, "ranges", _decode_range),
+                ),
+            ),
+        ),
+    ),
     (ev.SnapDone, _Spec(Kind.SNAP_DONE, ev.SnapDone, (_Field("snap_id"),))),
-    (ev.Fail, _Spec(Kind.FAIL, ev.Fail, tuple(_Field(name) for name in (
-        "rank", "attempt", "error_type", "message", "step", "fatal", "error_class", "cause")))),
+    (
+        ev.Fail,
+        _Spec(
+            Kind.FAIL,
+            ev.Fail,
+            tuple(
+                _Field(name)
+                for name in ("rank", "attempt", "error_type", "message", "step", "fatal", "error_class", "cause")
+            ),
+        ),
+    ),
     (ev.FailAck, _Spec(Kind.FAIL_ACK, ev.FailAck, (_Field("rank"), _Field("attempt")))),
     (ev.Loading, _Spec(Kind.LOADING, ev.Loading)),
 )
@@ -341,8 +435,9 @@ def decode_control(kind: int, body: bytes) -> ev.ControlMessage:
         raise DecodeError(f"kind {kind} has no control body")
     values = [f] if spec.flat else f
     if len(values) != len(spec.fields):
-        raise DecodeError(f"bad kind-{kind} body: {_KIND_NAMES[kind]} has {len(values)} fields, "
-                          f"expected {len(spec.fields)}")
+        raise DecodeError(
+            f"bad kind-{kind} body: {_KIND_NAMES[kind]} has {len(values)} fields, expected {len(spec.fields)}"
+        )
     try:
         return spec.make(*(field.decode(v) for field, v in zip(spec.fields, values)))
     except DecodeError:

@@ -30,22 +30,43 @@ from gradshare.transport.sockets import quiet_gc, udp
 
 DRAIN_BATCH = 512
 MAX_WAIT = 0.02
-LINGER = 2.0          # close() waits this long (at most) for the relay to acknowledge our last updates
+LINGER = 2.0  # close() waits this long (at most) for the relay to acknowledge our last updates
 
 
 class Peer:
-    def __init__(self, relay_address: tuple[str, int], rank: int, world_size: int, attempt: int,
-                 key: bytes | None, job_id: int | str, n_params: int,
-                 datagram_size: int = DEFAULT_DATAGRAM_SIZE, timeout: float = 60.0, insecure: bool = False,
-                 bind: str | None = None, tuning: PeerTuning = PeerTuning()) -> None:
+    def __init__(
+        self,
+        relay_address: tuple[str, int],
+        rank: int,
+        world_size: int,
+        attempt: int,
+        key: bytes | None,
+        job_id: int | str,
+        n_params: int,
+        datagram_size: int = DEFAULT_DATAGRAM_SIZE,
+        timeout: float = 60.0,
+        insecure: bool = False,
+        bind: str | None = None,
+        tuning: PeerTuning = PeerTuning(),
+    ) -> None:
         """tuning: the core's tunables (tuning.PeerTuning)."""
         host, port = relay_address
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds (got {timeout!r})")
         self.timeout = float(timeout)
         self._rank, self._n_params = rank, n_params
-        self._core = PeerCore(rank, world_size, attempt, key, job_id, n_params, now=time.monotonic(),
-                              datagram_size=datagram_size, insecure=insecure, tuning=tuning)
+        self._core = PeerCore(
+            rank,
+            world_size,
+            attempt,
+            key,
+            job_id,
+            n_params,
+            now=time.monotonic(),
+            datagram_size=datagram_size,
+            insecure=insecure,
+            tuning=tuning,
+        )
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except socket.gaierror as exc:
@@ -63,11 +84,12 @@ class Peer:
         self._snapshot: tuple[int, NDArray[np.float32]] | None = None
         self._error: str | None = None
         self._fail_acked = False
-        self._sock = udp.open_udp(bind if bind is not None else udp.local_bind_for(str(infos[0][4][0])), 0,
-                                  f"peer rank {rank}")
+        self._sock = udp.open_udp(
+            bind if bind is not None else udp.local_bind_for(str(infos[0][4][0])), 0, f"peer rank {rank}"
+        )
         self.address = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._run, name=f"gradshare-peer-{rank}", daemon=True)
-        quiet_gc.hold()                     # a full collection would stall this rank's step (quiet_gc.py)
+        quiet_gc.hold()  # a full collection would stall this rank's step (quiet_gc.py)
         try:
             self._thread.start()
         except BaseException:
@@ -148,8 +170,7 @@ class Peer:
 
     def _check(self) -> None:
         if self._failure is not None:
-            raise GradshareError(f"peer rank {self.rank}: receiver thread failed: {self._failure!r}") \
-                from self._failure
+            raise GradshareError(f"peer rank {self.rank}: receiver thread failed: {self._failure!r}") from self._failure
         if self._error:
             raise ProtocolError(f"peer rank {self.rank}: {self._error}")
         if self._closed:
@@ -193,27 +214,35 @@ class Peer:
         timeout = self.timeout if timeout is None else timeout
         self._call(self._core.join)
         with self._changed:
-            self._wait(lambda: self._welcome is not None, timeout,
-                       lambda: f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
-                               f"(is the relay running and reachable from {self.address[0]}?)")
-            assert self._welcome is not None   # what _wait waited for
+            self._wait(
+                lambda: self._welcome is not None,
+                timeout,
+                lambda: (
+                    f"{self._where()} did not answer JOIN of rank {self.rank} within {timeout:g} s "
+                    f"(is the relay running and reachable from {self.address[0]}?)"
+                ),
+            )
+            assert self._welcome is not None  # what _wait waited for
             return self._welcome
 
-    def fetch_snapshot(self, timeout: float | None = None,
-                       into: NDArray[np.float32] | None = None) -> tuple[int, NDArray[np.float32]]:
+    def fetch_snapshot(
+        self, timeout: float | None = None, into: NDArray[np.float32] | None = None
+    ) -> tuple[int, NDArray[np.float32]]:
         """(step, params): the relay's authoritative parameters with the log applied through ``step``.
         ``into``: a writable C-contiguous float32 array of n_params that receives them (and is returned)
         instead of a new array; on a timeout or a failed hash check it holds a partial download."""
         timeout = self.timeout if timeout is None else timeout
         with self._lock:
-            self._core.snapshot_destination(into)     # ValueError for a wrong `into`
+            self._core.snapshot_destination(into)  # ValueError for a wrong `into`
             self._snapshot = None
         self._call(self._core.request_snapshot)
         with self._changed:
+
             def describe() -> str:
                 chunks = self._core.snapshot_progress()
                 got = "no SNAP_INFO" if chunks is None else f"{chunks[0]}/{chunks[1]} chunks"
                 return f"{self._where()}: snapshot for rank {self.rank} incomplete after {timeout:g} s ({got})"
+
             self._wait(lambda: self._snapshot is not None, timeout, describe)
             # _wait returned, so the receiver thread set it; the checker still holds the None assigned above
             return self._snapshot  # type: ignore[return-value]
@@ -230,15 +259,20 @@ class Peer:
             if self._welcome is None:
                 raise GradshareError(f"peer rank {self.rank}: receive() before join()")
             if until_step is not None:
+
                 def describe() -> str:
                     key = self._core.blocking_key()
                     what = "nothing" if key is None else f"update (step {key[0]}, sender {key[1]})"
                     heard = self._core.heard_at()
                     ago = "never" if heard is None else f"{time.monotonic() - heard:.1f} s ago"
-                    return (f"peer rank {self.rank}: log not complete through step {until_step} after "
-                            f"{timeout:g} s; waiting for {what} from {self._where()} (last heard {ago})")
-                self._wait(lambda: self._core.complete_through >= until_step or self._core.finished(),
-                           timeout, describe)
+                    return (
+                        f"peer rank {self.rank}: log not complete through step {until_step} after "
+                        f"{timeout:g} s; waiting for {what} from {self._where()} (last heard {ago})"
+                    )
+
+                self._wait(
+                    lambda: self._core.complete_through >= until_step or self._core.finished(), timeout, describe
+                )
             return self._core.pop_ready()
 
     def wait(self, timeout: float) -> bool:
@@ -246,8 +280,16 @@ class Peer:
         with self._changed:
             return self._wait_until(self._core.has_ready, timeout)
 
-    def report_failure(self, error_type: str, message: str, timeout: float, step: int = -1,
-                       fatal: bool = True, error_class: str = "TrainingError", cause: str = "") -> bool:
+    def report_failure(
+        self,
+        error_type: str,
+        message: str,
+        timeout: float,
+        step: int = -1,
+        fatal: bool = True,
+        error_class: str = "TrainingError",
+        cause: str = "",
+    ) -> bool:
         """FAIL(rank, error_type, message, step, fatal, error_class, cause: as PeerCore.fail) to the
         relay, joined or not, resent until acknowledged; True once the relay acknowledged it, False after
         ``timeout`` (the caller raises its error either way)."""
@@ -279,7 +321,7 @@ class Peer:
     def counters(self) -> Counters:
         with self._lock:
             d = self._core.counters()
-            core_drops = cast("dict[str, int]", d["drops"])   # counters() puts the core's drops there
+            core_drops = cast("dict[str, int]", d["drops"])  # counters() puts the core's drops there
             d["drops"] = dict(Counter(core_drops) + self._io_drops)
             return d
 

@@ -52,18 +52,36 @@ MAX_WAIT = 0.02
 class Relay:
     """``Relay(params, world_size=W, key=key, job_id=J, port=0).start()``; a context manager."""
 
-    def __init__(self, initial_params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str,
-                 port: int = DEFAULT_PORT, bind: str = "0.0.0.0", datagram_size: int = DEFAULT_DATAGRAM_SIZE,
-                 insecure: bool = False, tuning: RelayTuning = RelayTuning(),
-                 **plugins: Unpack[RelayPlugins]) -> None:
+    def __init__(
+        self,
+        initial_params: np.ndarray,
+        world_size: int,
+        key: bytes | None,
+        job_id: int | str,
+        port: int = DEFAULT_PORT,
+        bind: str = "0.0.0.0",
+        datagram_size: int = DEFAULT_DATAGRAM_SIZE,
+        insecure: bool = False,
+        tuning: RelayTuning = RelayTuning(),
+        **plugins: Unpack[RelayPlugins],
+    ) -> None:
         """tuning: the core's tunables (tuning.RelayTuning); plugins: RelayCore's update codec, training
         observer and aggregator, handed on unchanged. The shell applies after sending
         (RelayCore's defer_apply)."""
         if type(port) is not int or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535] (got {port!r})")
-        self._core = RelayCore(initial_params, world_size, key, job_id, now=time.monotonic(),
-                               datagram_size=datagram_size, insecure=insecure, tuning=tuning, defer_apply=True,
-                               **plugins)
+        self._core = RelayCore(
+            initial_params,
+            world_size,
+            key,
+            job_id,
+            now=time.monotonic(),
+            datagram_size=datagram_size,
+            insecure=insecure,
+            tuning=tuning,
+            defer_apply=True,
+            **plugins,
+        )
         self._port, self._bind = port, bind
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -77,8 +95,8 @@ class Relay:
         self._world_size = world_size
         self._log_complete = False
         self._ended: set[int] = set()
-        self._failures: dict[int, ev.Fail] = {}   # fatal FAILs: the driver stops the job
-        self._reports: dict[int, ev.Fail] = {}    # every FAIL, in arrival order (one per rank, the latest)
+        self._failures: dict[int, ev.Fail] = {}  # fatal FAILs: the driver stops the job
+        self._reports: dict[int, ev.Fail] = {}  # every FAIL, in arrival order (one per rank, the latest)
         self._incidents: list[ev.Incident] = []
         self._rolled_back: list[dict[str, int]] = []
         self.address: tuple[str, int] | None = None
@@ -99,7 +117,7 @@ class Relay:
             host, port = self._sock.getsockname()[:2]
             self.address = (host, port)
             self._thread = threading.Thread(target=self._run, name=f"gradshare-relay-{port}", daemon=True)
-            quiet_gc.hold()                 # a full collection would stall every rank's step (quiet_gc.py)
+            quiet_gc.hold()  # a full collection would stall every rank's step (quiet_gc.py)
             self._holds_gc = True
             self._thread.start()
         except BaseException:
@@ -130,7 +148,7 @@ class Relay:
     # --- the I/O loop -------------------------------------------------------------------------------
     def _run(self) -> None:
         core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
-        assert sock is not None                  # start() opened it before starting this thread
+        assert sock is not None  # start() opened it before starting this thread
         try:
             while not self._stop.is_set():
                 udp.wait_for_work(sock, lock, core, MAX_WAIT)
@@ -139,7 +157,7 @@ class Relay:
                 with lock:
                     out = self._settle_locked()
                 udp.send_all(sock, out, drops)
-        except BaseException as exc:   # the thread must not die silently: waiters re-raise this
+        except BaseException as exc:  # the thread must not die silently: waiters re-raise this
             with lock:
                 self._failure = exc
                 self._changed.notify_all()
@@ -148,7 +166,7 @@ class Relay:
         """The datagrams of one read (one, or a GSO run of one rank's): under the lock up to the first that
         leaves something to send or apply, then forward at once (latency before batching)."""
         core, sock, lock, drops = self._core, self._sock, self._lock, self._io_drops
-        assert sock is not None                  # _run's: start() opened it
+        assert sock is not None  # _run's: start() opened it
         i = 0
         while i < len(run):
             with lock:
@@ -185,7 +203,7 @@ class Relay:
             changed = True
             if isinstance(e, ev.LogComplete):
                 self._log_complete = True
-            elif isinstance(e, ev.AttemptStarted):        # a new attempt's log starts over
+            elif isinstance(e, ev.AttemptStarted):  # a new attempt's log starts over
                 self._log_complete = False
                 self._ended.clear()
             elif isinstance(e, ev.PeerEnded):
@@ -244,7 +262,7 @@ class Relay:
     def counters(self) -> ev.Counters:
         with self._lock:
             d = self._core.counters()
-            core_drops = cast("dict[str, int]", d["drops"])   # counters() puts the core's drops there
+            core_drops = cast("dict[str, int]", d["drops"])  # counters() puts the core's drops there
             d["drops"] = dict(Counter(core_drops) + self._io_drops)
             return d
 
@@ -325,7 +343,8 @@ class Relay:
                     waiting = [r for r in range(self._world_size) if r not in self._ended]
                     raise TransportTimeout(
                         f"relay {self.address}: ranks {waiting} neither FINISHED nor declared gone within "
-                        f"{timeout:g} s (log complete through step {self._core.complete_through})")
+                        f"{timeout:g} s (log complete through step {self._core.complete_through})"
+                    )
                 self._changed.wait(min(left, 0.1))
 
 

@@ -12,7 +12,7 @@ from gradshare.transport.protocol.wire import MAX_DATAGRAM_SIZE
 
 # Every worker takes the initial weights from the relay's snapshot (task/shipping.py), so its speed is
 # start-up time: 50 MB/s in 1.4 kB datagrams made a 206 MB model wait 9-14 s on loopback with 2 workers.
-SNAPSHOT_RATE_LOOPBACK = 1e9   # the CPU (sealing, opening) is the limit there, not the link
+SNAPSHOT_RATE_LOOPBACK = 1e9  # the CPU (sealing, opening) is the limit there, not the link
 SNAPSHOT_RATE_NETWORK = 100e6  # about what 1 Gbit/s Ethernet carries
 
 

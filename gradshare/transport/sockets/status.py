@@ -20,8 +20,15 @@ PUSH_INTERVAL = 0.5  # s between statuses: the bar moves twice a second; a fatal
 class StatusSender:
     """A thread that sends ``read()`` to `inbox` every `interval` s until closed (and once more then)."""
 
-    def __init__(self, read: Callable[[], Status], inbox: tuple[str, int], key: bytes | None, job_id: int,
-                 insecure: bool = False, interval: float = PUSH_INTERVAL) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Status],
+        inbox: tuple[str, int],
+        key: bytes | None,
+        job_id: int,
+        insecure: bool = False,
+        interval: float = PUSH_INTERVAL,
+    ) -> None:
         self.read, self.inbox, self.interval = read, inbox, interval
         self.sealer = StatusSealer(key, job_id, insecure)
         family = socket.getaddrinfo(inbox[0], inbox[1], type=socket.SOCK_DGRAM)[0][0]
@@ -92,8 +99,9 @@ NOTHING_HEARD = Status(progress={})
 class StatusInbox(StatusReads):
     """The client's end: a UDP socket bound to (bind, port) and a thread that keeps the newest status."""
 
-    def __init__(self, key: bytes | None, job_id: int, bind: str = "0.0.0.0", port: int = 0,
-                 insecure: bool = False) -> None:
+    def __init__(
+        self, key: bytes | None, job_id: int, bind: str = "0.0.0.0", port: int = 0, insecure: bool = False
+    ) -> None:
         self.opener = StatusOpener(key, job_id, insecure)
         self.sock = udp.open_udp(bind, port, "status inbox")
         self.address: tuple[str, int] = self.sock.getsockname()[:2]

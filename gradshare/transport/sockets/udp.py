@@ -16,7 +16,7 @@ from typing import Protocol, cast
 
 from gradshare.transport.protocol.events import Address
 
-BUFFER_BYTES = 8 << 20          # ask for 8 MiB socket buffers (the kernel caps at net.core.[rw]mem_max)
+BUFFER_BYTES = 8 << 20  # ask for 8 MiB socket buffers (the kernel caps at net.core.[rw]mem_max)
 RECV_BYTES = 65536
 SEND_RETRY_WAIT = 0.01
 # A socket address as recvfrom gives it: (host, port), or (host, port, flowinfo, scope_id) for IPv6
@@ -29,18 +29,18 @@ SockAddr = tuple[str | int, ...]
 # size. On loopback the buffer is never cut; through a NIC the kernel or the card cuts it into the same
 # datagrams on the wire (each still <= the datagram size), and a receiver without GRO gets them one by
 # one. Every segment is one sealed datagram as before: the cores see nothing of this.
-OFFLOAD = sys.platform.startswith("linux")     # sockets opened from now on use it (a benchmark turns it off)
+OFFLOAD = sys.platform.startswith("linux")  # sockets opened from now on use it (a benchmark turns it off)
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 UDP_GRO = getattr(socket, "UDP_GRO", 104)
-GSO_MAX_SEGMENTS = 64        # the kernel's UDP_MAX_SEGMENTS before Linux 6.x (128 since)
-GSO_MAX_BYTES = 65000        # one IPv4 packet's payload is at most 65,507 bytes
-GRO_CMSG_BYTES = socket.CMSG_SPACE(4)          # the kernel reports the segment size as an int
+GSO_MAX_SEGMENTS = 64  # the kernel's UDP_MAX_SEGMENTS before Linux 6.x (128 since)
+GSO_MAX_BYTES = 65000  # one IPv4 packet's payload is at most 65,507 bytes
+GRO_CMSG_BYTES = socket.CMSG_SPACE(4)  # the kernel reports the segment size as an int
 # an EIO (no checksum offload), EINVAL or EMSGSIZE (a segment larger than the path MTU) refuses GSO: that
 # socket sends one datagram a call from then on
 _GSO_REFUSED = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.ENOPROTOOPT, errno.EOPNOTSUPP})
-_gso: weakref.WeakSet[socket.socket] = weakref.WeakSet()   # sockets that send runs as one GSO buffer
-_gro: weakref.WeakSet[socket.socket] = weakref.WeakSet()   # sockets whose reads may hold several datagrams
+_gso: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # sockets that send runs as one GSO buffer
+_gro: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # sockets whose reads may hold several datagrams
 
 
 def offloads(sock: socket.socket) -> tuple[bool, bool]:
@@ -62,13 +62,16 @@ def open_udp(host: str, port: int, what: str) -> socket.socket:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
             except OSError:
-                pass                      # a smaller buffer still works; drops are repaired by NAKs
+                pass  # a smaller buffer still works; drops are repaired by NAKs
         try:
             sock.bind(sockaddr)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise OSError(exc.errno, f"{what}: UDP port {port} on {host or '*'} is already in use "
-                                         f"(choose another port, or 0 for an ephemeral one)") from None
+                raise OSError(
+                    exc.errno,
+                    f"{what}: UDP port {port} on {host or '*'} is already in use "
+                    f"(choose another port, or 0 for an ephemeral one)",
+                ) from None
             raise OSError(exc.errno, f"{what}: cannot bind UDP {host or '*'}:{port}: {exc.strerror}") from None
         sock.setblocking(False)
         if OFFLOAD:
@@ -77,7 +80,7 @@ def open_udp(host: str, port: int, what: str) -> socket.socket:
                 sock.setsockopt(SOL_UDP, UDP_GRO, 1)
                 _gro.add(sock)
             except OSError:
-                pass                      # a kernel before 5.0: the datagrams come one by one
+                pass  # a kernel before 5.0: the datagrams come one by one
         return sock
     except BaseException:
         sock.close()
@@ -127,13 +130,13 @@ def received(sock: socket.socket, drops: Counter[str], limit: int) -> Iterator[t
                 anc = None
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:          # e.g. ICMP errors surfaced on some platforms
+        except OSError:  # e.g. ICMP errors surfaced on some platforms
             drops["recv_error"] += 1
             n += 1
             continue
         size = _segment_size(anc) if anc else 0
         if 0 < size < len(data):
-            run = [data[i:i + size] for i in range(0, len(data), size)]
+            run = [data[i : i + size] for i in range(0, len(data), size)]
         else:
             run = [data]
         n += len(run)
@@ -183,8 +186,7 @@ def run_end(items: list[tuple[bytes, SockAddr]], i: int) -> int:
     return j
 
 
-def _send_segments(sock: socket.socket, segments: list[bytes], size: int, addr: SockAddr,
-                   drops: Counter[str]) -> bool:
+def _send_segments(sock: socket.socket, segments: list[bytes], size: int, addr: SockAddr, drops: Counter[str]) -> bool:
     """One GSO send of ``segments`` (each ``size`` bytes but the last); False if the kernel refused GSO
     (nothing was sent; the socket no longer tries it)."""
     anc = [(SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]

@@ -22,9 +22,19 @@ from gradshare.transport.sockets.udp import SockAddr
 
 
 class FaultProxy:
-    def __init__(self, target: tuple[str, int], *, loss: float = 0.0, duplicate: float = 0.0,
-                 reorder: float = 0.0, delay: float = 0.0, seed: int = 0, bind: str = "127.0.0.1",
-                 max_clients: int = 256, max_queued: int = 200_000) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        loss: float = 0.0,
+        duplicate: float = 0.0,
+        reorder: float = 0.0,
+        delay: float = 0.0,
+        seed: int = 0,
+        bind: str = "127.0.0.1",
+        max_clients: int = 256,
+        max_queued: int = 200_000,
+    ) -> None:
         for name, v in (("loss", loss), ("duplicate", duplicate), ("reorder", reorder)):
             if not 0.0 <= v < 1.0:
                 raise ValueError(f"{name} must be in [0, 1) (got {v})")
@@ -36,7 +46,7 @@ class FaultProxy:
         self.max_clients, self.max_queued = max_clients, max_queued
         self.stats: Counter[str] = Counter()
         self._front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._up: dict[SockAddr, socket.socket] = {}       # client address -> upstream socket
+        self._up: dict[SockAddr, socket.socket] = {}  # client address -> upstream socket
         self._client_of: dict[socket.socket, SockAddr] = {}
         self._queue: list[tuple[float, int, socket.socket, bytes, SockAddr]] = []  # (due, seq, sock, data, addr)
         self._seq = 0
@@ -98,7 +108,7 @@ class FaultProxy:
         for _ in range(copies):
             due = now + (rng.random() * self.delay if self.delay else 0.0)
             if rng.random() < self.reorder:
-                due += self.delay + 0.001 + rng.random() * 0.002      # held back: later ones overtake it
+                due += self.delay + 0.001 + rng.random() * 0.002  # held back: later ones overtake it
                 self.stats["reordered"] += 1
             if len(self._queue) >= self.max_queued:
                 self.stats["queue_full"] += 1

@@ -28,8 +28,11 @@ class SharedLog:
 
     def take(self, rank: int, until_step: int) -> list[Update]:
         first = self.read[rank] + 1
-        out = [Update(s, r, p, None) for s in range(first, until_step + 1)
-               for r, p in sorted(self.steps.get(s, ()), key=lambda m: m[0])]
+        out = [
+            Update(s, r, p, None)
+            for s in range(first, until_step + 1)
+            for r, p in sorted(self.steps.get(s, ()), key=lambda m: m[0])
+        ]
         self.read[rank] = max(self.read[rank], until_step)
         for s in range(self.dropped + 1, min(self.read) + 1):
             self.steps.pop(s, None)

@@ -51,8 +51,9 @@ def test_another_jobs_pushes_are_dropped():
     key = new_job_key()
     inbox = StatusInbox(key, 11, bind="127.0.0.1")
     try:
-        other = StatusSender(lambda: Status(progress={"complete_through": 1}), ("127.0.0.1", inbox.address[1]),
-                             key, 12, interval=0.02)
+        other = StatusSender(
+            lambda: Status(progress={"complete_through": 1}), ("127.0.0.1", inbox.address[1]), key, 12, interval=0.02
+        )
         assert wait_until(lambda: inbox.dropped >= 2)
         other.close()
         assert inbox.received == 0 and inbox.progress() == {}

@@ -22,7 +22,8 @@ def test_flood_of_forged_datagrams_during_exchange():
             wait_until(lambda: relay.progress()["ranks"][W]["ended"] is not None, 5, "insider declared gone")
 
         (params, logs, expected, _), sent = flooded(
-            relay, key, lambda: exchange(relay, key, W, 150, np.random.default_rng(7), world_size=W + 1))
+            relay, key, lambda: exchange(relay, key, W, 150, np.random.default_rng(7), world_size=W + 1)
+        )
         assert sent == FLOOD
         c = relay.counters()
         assert c["applied"] == len(expected) and c["updates_in"] == len(expected)
@@ -32,6 +33,5 @@ def test_flood_of_forged_datagrams_during_exchange():
         drops = c["drops"]
         for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
             assert drops.get(reason, 0) > 0, (reason, drops)
-        assert drops.get("bad_update", 0) == 1          # the insider's one update
-        assert sum(drops.values()) > FLOOD * 0.5        # the rest may be lost in a full socket buffer
-
+        assert drops.get("bad_update", 0) == 1  # the insider's one update
+        assert sum(drops.values()) > FLOOD * 0.5  # the rest may be lost in a full socket buffer

@@ -44,10 +44,13 @@ def check_replicas(relay, mode: str, steps: int, expected, logs, params) -> None
 def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
     key = new_job_key()
     options, codec = codec_for(mode)
-    with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay, \
-            FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy:
-        params, logs, expected, counters = exchange(relay, key, W, STEPS, np.random.default_rng(3),
-                                                    address=proxy.address, entries=(3, 100), wait=60.0, **codec)
+    with (
+        Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay,
+        FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy,
+    ):
+        params, logs, expected, counters = exchange(
+            relay, key, W, STEPS, np.random.default_rng(3), address=proxy.address, entries=(3, 100), wait=60.0, **codec
+        )
         check_replicas(relay, mode, STEPS, expected, logs, params)
         c = relay.counters()
         assert c["updates_in"] == W * STEPS and c["applied"] == W * STEPS
@@ -62,7 +65,8 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
     options, codec = codec_for(mode)
     with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay:
         (params, logs, expected, _), sent = flooded(
-            relay, key, lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), **codec))
+            relay, key, lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), **codec)
+        )
         assert sent == FLOOD
         check_replicas(relay, mode, 20, expected, logs, params)
         c = relay.counters()
@@ -71,7 +75,7 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
         for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
             assert drops.get(reason, 0) > 0, (reason, drops)
         assert drops.get("bad_update", 0) == 0
-        assert sum(drops.values()) > FLOOD * 0.5        # the rest may be lost in a full socket buffer
+        assert sum(drops.values()) > FLOOD * 0.5  # the rest may be lost in a full socket buffer
 
 
 @pytest.mark.parametrize("mode", ["per-rank", "aggregate"])
@@ -86,8 +90,9 @@ def test_a_relay_whose_apply_is_slow_paces_32_peers_and_drops_nothing(mode):
         apply(decoded, params)
 
     key, steps, k = new_job_key(), 8, 1
-    with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1",
-               **{**options, "apply_update": slow_apply}) as relay:
+    with Relay(
+        np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **{**options, "apply_update": slow_apply}
+    ) as relay:
         worst = {"ahead": 0, "history": 0}
         done = threading.Event()
 
@@ -100,8 +105,9 @@ def test_a_relay_whose_apply_is_slow_paces_32_peers_and_drops_nothing(mode):
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
-            params, logs, expected, _ = exchange(relay, key, W, steps, np.random.default_rng(5), entries=(3, 100),
-                                                 staleness=k, **codec)
+            params, logs, expected, _ = exchange(
+                relay, key, W, steps, np.random.default_rng(5), entries=(3, 100), staleness=k, **codec
+            )
         finally:
             done.set()
             sampler.join(5)

@@ -45,7 +45,7 @@ def test_unreachable_relay_names_the_address_within_timeout():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-    s.close()                                   # nothing listens there now
+    s.close()  # nothing listens there now
     before = threading.active_count()
     with Peer(("127.0.0.1", port), 0, 1, 0, new_job_key(), 1, 10, timeout=5) as peer:
         t0 = time.monotonic()
@@ -66,7 +66,7 @@ def test_rank_outside_world_and_wrong_size_are_rejected_with_reason():
                 p.join(3)
         with pytest.raises(ValueError, match="rank"):
             Peer(relay.address, 2, 2, 0, key, 3, 10)
-        with Peer(relay.address, 0, 2, 0, new_job_key(), 3, 10, timeout=5) as p:   # wrong key: silence
+        with Peer(relay.address, 0, 2, 0, new_job_key(), 3, 10, timeout=5) as p:  # wrong key: silence
             with pytest.raises(TransportTimeout):
                 p.join(0.5)
         assert relay.counters()["drops"]["auth_failed"] >= 1
@@ -85,12 +85,12 @@ def test_no_threads_or_sockets_leak_after_close_and_errors():
         p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
         p.join(3)
         with pytest.raises(LocalProtocolError, match="must send step 0 next"):
-            p.send_update(5, b"")               # wrong step: our misuse, not the wire's
+            p.send_update(5, b"")  # wrong step: our misuse, not the wire's
         p.close()
-        p.close()                                # idempotent
+        p.close()  # idempotent
         relay.close()
     with pytest.raises(OSError):
-        with Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7"):   # not local
+        with Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7"):  # not local
             pass
     assert threading.active_count() == before_t
     assert fds() == before_fd
@@ -108,27 +108,27 @@ def test_full_collections_skip_what_existed_while_a_relay_or_peer_runs_and_resum
 
     from gradshare.transport.sockets import quiet_gc
 
-    assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0     # no earlier test leaked a hold
+    assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0  # no earlier test leaked a hold
     old = [[] for _ in range(1000)]
     key = new_job_key()
     with Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="127.0.0.1") as relay:
         frozen = gc.get_freeze_count()
         assert frozen >= len(old) and quiet_gc.holders() == 1
-        new = [[] for _ in range(1000)]      # made after the freeze: a second freeze would take them too
+        new = [[] for _ in range(1000)]  # made after the freeze: a second freeze would take them too
         p = Peer(relay.address, 0, 1, 0, key, 3, 10, timeout=5)
         p.join(3)
-        assert quiet_gc.holders() == 2 and 0 < gc.get_freeze_count() < frozen + len(new)    # frozen once
+        assert quiet_gc.holders() == 2 and 0 < gc.get_freeze_count() < frozen + len(new)  # frozen once
         cycle = _Node()
-        cycle.next = cycle                   # garbage made while frozen is still collected
+        cycle.next = cycle  # garbage made while frozen is still collected
         alive = weakref.ref(cycle)
         del cycle
         assert gc.collect() >= 1 and alive() is None
         p.close()
-        p.close()                            # idempotent: releases once
+        p.close()  # idempotent: releases once
         assert quiet_gc.holders() == 1 and 0 < gc.get_freeze_count() < frozen + len(new)
     assert quiet_gc.holders() == 0 and gc.get_freeze_count() == 0
     with pytest.raises(OSError):
-        Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7").start()   # not local
+        Relay(np.zeros(10, np.float32), 1, key, 3, port=0, bind="203.0.113.7").start()  # not local
     assert quiet_gc.holders() == 0
     with pytest.raises(RuntimeError, match="without a hold"):
         quiet_gc.release()
@@ -191,8 +191,16 @@ def test_real_encoding_messages_make_bit_identical_replicas():
 
 def test_silent_peer_is_declared_gone_over_sockets():
     key = new_job_key()
-    with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1",
-               tuning=RelayTuning(liveness_timeout=0.5, on_rank_loss="continue"), **TOY) as relay:
+    with Relay(
+        np.zeros(N, np.float32),
+        2,
+        key,
+        4,
+        port=0,
+        bind="127.0.0.1",
+        tuning=RelayTuning(liveness_timeout=0.5, on_rank_loss="continue"),
+        **TOY,
+    ) as relay:
         a = Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10)
         b = Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10)
         try:
@@ -201,10 +209,10 @@ def test_silent_peer_is_declared_gone_over_sockets():
             a.send_update(0, random_update(np.random.default_rng(0), N, 4))
             b.send_update(0, random_update(np.random.default_rng(1), N, 4))
             assert [(u.step, u.sender) for u in a.receive(until_step=0, timeout=5)] == [(0, 0), (0, 1)]
-            b.close(leave=False)                # rank 1's process hangs: no heartbeat, no FINISHED
+            b.close(leave=False)  # rank 1's process hangs: no heartbeat, no FINISHED
             a.send_update(1, random_update(np.random.default_rng(2), N, 4))
             t0 = time.monotonic()
-            got = a.receive(until_step=1, timeout=5)    # completes once rank 1 is cut at step 0
+            got = a.receive(until_step=1, timeout=5)  # completes once rank 1 is cut at step 0
             assert [(u.step, u.sender) for u in got] == [(1, 0)]
             assert 0.4 < time.monotonic() - t0 < 3.0
             ended = relay.progress()["ranks"][1]["ended"]
@@ -220,18 +228,20 @@ def test_silent_peer_is_declared_gone_over_sockets():
 def test_receive_timeout_names_the_missing_update_and_wait():
     key = new_job_key()
     with Relay(np.zeros(N, np.float32), 2, key, 4, port=0, bind="127.0.0.1", **TOY) as relay:
-        with Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10) as a, \
-                Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10) as b:
+        with (
+            Peer(relay.address, 0, 2, 0, key, 4, N, timeout=10) as a,
+            Peer(relay.address, 1, 2, 0, key, 4, N, timeout=10) as b,
+        ):
             a.join(5)
             b.join(5)
             a.send_update(0, random_update(np.random.default_rng(0), N, 4))
             with pytest.raises(TransportTimeout, match=r"step 0, sender 1"):
                 a.receive(until_step=0, timeout=0.3)
-            assert b.wait(2)                    # (0, 0) is first in canonical order: deliverable at b
+            assert b.wait(2)  # (0, 0) is first in canonical order: deliverable at b
             assert [(u.step, u.sender) for u in b.receive()] == [(0, 0)]
             assert not b.wait(0.05)
             b.send_update(0, random_update(np.random.default_rng(1), N, 4))
-            assert b.wait(2)                    # its own update is next
+            assert b.wait(2)  # its own update is next
             assert [(u.step, u.sender) for u in b.receive()] == [(0, 1)]
 
 
@@ -239,8 +249,26 @@ def test_relay_command_line(tmp_path, capsys):
     from gradshare.cli import main
 
     key_path = tmp_path / "job.key"
-    assert main(["relay", "--port", "0", "--bind", "127.0.0.1", "--world-size", "2", "--n-params", "10",
-                 "--new-key", str(key_path), "--duration", "0.3"]) == 0
+    assert (
+        main(
+            [
+                "relay",
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--world-size",
+                "2",
+                "--n-params",
+                "10",
+                "--new-key",
+                str(key_path),
+                "--duration",
+                "0.3",
+            ]
+        )
+        == 0
+    )
     assert len(bytes.fromhex(key_path.read_text())) == 32
     assert (key_path.stat().st_mode & 0o777) == 0o600
     out = capsys.readouterr().out
@@ -254,11 +282,11 @@ def test_fetch_snapshot_again_in_one_session():
     for its timeout at "0/N chunks": the first download's SNAP_DONE reached the relay after it)."""
     key = new_job_key()
     rng = np.random.default_rng(6)
-    n = 200_000                                       # several hundred chunks: the last one is the race
+    n = 200_000  # several hundred chunks: the last one is the race
     with Relay(rng.standard_normal(n).astype(np.float32), 1, key, 8, port=0, bind="127.0.0.1", **TOY) as relay:
         with Peer(relay.address, 0, 1, 0, key, 8, n, timeout=10) as p:
             p.join(5)
-            for t in (-1, -1, 0, 1):                  # back to back first: the closest race
+            for t in (-1, -1, 0, 1):  # back to back first: the closest race
                 if t >= 0:
                     p.send_update(t, random_update(rng, n, 30))
                     p.receive(until_step=t, timeout=5)
@@ -283,11 +311,14 @@ def test_retried_stage_resumes_from_snapshot_over_sockets():
             old[0].send_update(4, random_update(rng, N, 30))
             old[0].receive(until_step=3, timeout=5)
             # (4, 0) received and held: rank 0 has step 4, the log is complete through 3
-            wait_until(lambda: relay.complete_through == 3 and relay.progress()["ranks"][0]["have"] == 4, 5,
-                       "steps 0..3 applied and (4, 0) pending")
+            wait_until(
+                lambda: relay.complete_through == 3 and relay.progress()["ranks"][0]["have"] == 4,
+                5,
+                "steps 0..3 applied and (4, 0) pending",
+            )
         finally:
             for p in old:
-                p.close(leave=False)            # killed tasks: no FINISHED, no LEAVE
+                p.close(leave=False)  # killed tasks: no FINISHED, no LEAVE
         new = [Peer(relay.address, r, 2, 1, key, 8, N, timeout=10) for r in range(2)]
         try:
             params = []

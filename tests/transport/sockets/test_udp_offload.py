@@ -37,21 +37,22 @@ def _datagrams(sizes: list[int], tag: int = 0) -> list[bytes]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([1400, 1400, 1400, 900, 20, 40_000]), st.sampled_from(["a", "b"])),
-                max_size=150))
+@given(
+    st.lists(st.tuples(st.sampled_from([1400, 1400, 1400, 900, 20, 40_000]), st.sampled_from(["a", "b"])), max_size=150)
+)
 def test_runs_partition_the_datagrams_into_valid_gso_buffers(items):
     datagrams = [(b"x" * n, addr) for n, addr in items]
     i = 0
     while i < len(datagrams):
-        end = udp.run_end(datagrams, i)           # type: ignore[arg-type]
+        end = udp.run_end(datagrams, i)  # type: ignore[arg-type]
         run = datagrams[i:end]
         size = len(run[0][0])
         assert end > i and len(run) <= udp.GSO_MAX_SEGMENTS
-        assert all(a == run[0][1] for _, a in run)                       # one address
-        assert all(len(d) == size for d, _ in run[:-1]) and len(run[-1][0]) <= size   # the last may be short
+        assert all(a == run[0][1] for _, a in run)  # one address
+        assert all(len(d) == size for d, _ in run[:-1]) and len(run[-1][0]) <= size  # the last may be short
         assert len(run) == 1 or sum(len(d) for d, _ in run) <= udp.GSO_MAX_BYTES
         if end < len(datagrams) and len(run[-1][0]) == size and len(run) < udp.GSO_MAX_SEGMENTS:
-            d, a = datagrams[end]                                       # the run could not take the next one
+            d, a = datagrams[end]  # the run could not take the next one
             assert a != run[0][1] or len(d) > size or sum(len(x) for x, _ in run) + len(d) > udp.GSO_MAX_BYTES
         i = end
 
@@ -67,7 +68,7 @@ def pair():
 
 def test_a_gso_run_reads_back_as_the_same_datagrams_in_fewer_reads(pair):
     send, recv = pair
-    assert not LINUX or (udp.offloads(send)[0] and udp.offloads(recv)[1])    # Linux >= 5.0 has both
+    assert not LINUX or (udp.offloads(send)[0] and udp.offloads(recv)[1])  # Linux >= 5.0 has both
     to = recv.getsockname()
     sizes = [1400] * 11 + [700] + [1400] * 3 + [60] + [1400] * 70 + [1400, 90]
     sent = _datagrams(sizes)
@@ -76,7 +77,7 @@ def test_a_gso_run_reads_back_as_the_same_datagrams_in_fewer_reads(pair):
     got, reads = _drain(recv, len(sent))
     assert got == sent and not drops
     if LINUX:
-        assert reads == 4          # [12], [3 + 60], [46 of the 70: 65,000 bytes], [24 + 1400 + 90] of 88
+        assert reads == 4  # [12], [3 + 60], [46 of the 70: 65,000 bytes], [24 + 1400 + 90] of 88
 
 
 def test_a_socket_without_gro_gets_each_datagram_alone(pair):
@@ -88,7 +89,7 @@ def test_a_socket_without_gro_gets_each_datagram_alone(pair):
         sent = _datagrams([1400] * 20 + [300], tag=7)
         udp.send_all(send, [(d, plain.getsockname()) for d in sent], Counter())
         got, reads = _drain(plain, len(sent))
-        assert got == sent and reads == len(sent)     # the kernel cut the GSO buffer on delivery
+        assert got == sent and reads == len(sent)  # the kernel cut the GSO buffer on delivery
     finally:
         plain.close()
 
@@ -98,7 +99,7 @@ class _Refusing(socket.socket):
 
     calls = 0
 
-    def sendmsg(self, *args, **kwargs):            # type: ignore[override]
+    def sendmsg(self, *args, **kwargs):  # type: ignore[override]
         type(self).calls += 1
         raise OSError(errno.EIO, "no GSO here")
 
@@ -118,9 +119,9 @@ def test_a_refused_gso_send_falls_back_to_one_datagram_a_call_and_stays_off(pair
         assert not udp.offloads(send)[0] and _Refusing.calls == 1
         later = _datagrams([1400] * 5, tag=9)
         udp.send_all(send, [(d, to) for d in later], drops)
-        assert _Refusing.calls == 1                     # not asked again
+        assert _Refusing.calls == 1  # not asked again
         got, _ = _drain(recv, 10)
-        assert got == first + later and not drops       # nothing lost
+        assert got == first + later and not drops  # nothing lost
     finally:
         send.close()
 

@@ -1,5 +1,5 @@
-"""A peer's protocol state machine, sans I/O (bytes in, datagrams and events out). The shell in ``sockets/peer.py`` moves bytes and
-time, and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``. It
+"""A peer's protocol state machine, sans I/O (bytes in, datagrams and events out). The shell in ``sockets/peer.py``
+moves bytes and time, and learns what happened from ``next_event()``. Its lifecycle is ``states.PEER_TRANSITIONS``. It
 composes its parts, each owning its state: its own updates until acknowledged (``own.py``), the inbound
 log and its NAKs (``inbound.py``), a snapshot download (``snapshot.py``), and what all of them hand the
 shell (``outbox.py``). Its tunables are one frozen ``PeerTuning`` (tuning.py).
@@ -30,9 +30,20 @@ from gradshare.transport.protocol.wire import AGGREGATE_ORIGIN, RELAY_ID, Kind
 
 
 class PeerCore:
-    def __init__(self, rank: int, world_size: int, attempt: int, key: bytes | None, job_id: int | str,
-                 n_params: int, *, now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
-                 insecure: bool = False, tuning: PeerTuning = PeerTuning()) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        key: bytes | None,
+        job_id: int | str,
+        n_params: int,
+        *,
+        now: float,
+        datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
+        insecure: bool = False,
+        tuning: PeerTuning = PeerTuning(),
+    ) -> None:
         """tuning: the tunables (tuning.PeerTuning)."""
         if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
@@ -47,20 +58,27 @@ class PeerCore:
         self.rank, self.world_size, self.attempt, self.n_params = rank, world_size, attempt, n_params
         self.tuning = tuning
         max_message = 8 * n_params + 65536
-        self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=rank,
-                            attempt=attempt, datagram_size=datagram_size,
-                            max_chunks=max(16, -(-max_message // 64)), max_windows=4)
-        self.io = PeerOutbox(self.chan)   # datagrams, events, counters and the error, for the shell
-        self.state = PeerState.NEW        # states.PEER_TRANSITIONS: the only way it changes is _to()
-        self.computing = -1               # the step the training thread computes (-1: none), in heartbeats
+        self.chan = Channel(
+            key=key,
+            insecure=insecure,
+            job=wire.job_id_to_int(job_id),
+            sender=rank,
+            attempt=attempt,
+            datagram_size=datagram_size,
+            max_chunks=max(16, -(-max_message // 64)),
+            max_windows=4,
+        )
+        self.io = PeerOutbox(self.chan)  # datagrams, events, counters and the error, for the shell
+        self.state = PeerState.NEW  # states.PEER_TRANSITIONS: the only way it changes is _to()
+        self.computing = -1  # the step the training thread computes (-1: none), in heartbeats
         self.welcome: ev.Welcome | None = None
-        self.own = OwnLog(rank, tuning, self.io)           # ours, until the relay has them
+        self.own = OwnLog(rank, tuning, self.io)  # ours, until the relay has them
         self.inbound = Inbound(rank, world_size, max_message, tuning, self.io)
         self.snaps = SnapshotFetch(n_params, tuning, self.io)
-        self.failed: ev.Fail | None = None        # our FAIL, resent until the relay acknowledges it
+        self.failed: ev.Fail | None = None  # our FAIL, resent until the relay acknowledges it
         self.fail_acked = False
         self._last_fail = -1e18
-        self.last_heard: float | None = None   # when an authenticated datagram last came from the relay
+        self.last_heard: float | None = None  # when an authenticated datagram last came from the relay
         self._last_join = self._last_hb = -1e18
         self._last_tick = now
 
@@ -84,7 +102,7 @@ class PeerCore:
             raise TypeError(f"payload must be bytes (got {type(payload).__name__})")
         payload = bytes(payload)
         body = wire.encode_update_body(payload, meta)
-        if not self.inbound.aggregate:    # aggregated: it reaches our log inside the relay's aggregate
+        if not self.inbound.aggregate:  # aggregated: it reaches our log inside the relay's aggregate
             self.inbound.store(ev.Update(step, self.rank, payload, meta, now))
         self.own.send(step, body, now)
         self.computing = -1
@@ -106,18 +124,34 @@ class PeerCore:
         self.io.check_usable(self.state, "fetch_snapshot")
         self.snaps.request(now)
 
-    def fail(self, error_type: str, message: str, now: float, step: int = -1, fatal: bool = True,
-             error_class: str = "TrainingError", cause: str = "") -> None:
+    def fail(
+        self,
+        error_type: str,
+        message: str,
+        now: float,
+        step: int = -1,
+        fatal: bool = True,
+        error_class: str = "TrainingError",
+        cause: str = "",
+    ) -> None:
         """Report a failure (FAIL; `fatal`: a deterministic one, events.Fail), joined or not; resent every
         ``heartbeat_interval`` until FAIL_ACK. The message and the cause are cut to what fits one
         datagram: a FAIL is never chunked."""
-        text, cause = message[:ev.MAX_ERROR_TEXT], cause[:ev.MAX_ERROR_TEXT]
+        text, cause = message[: ev.MAX_ERROR_TEXT], cause[: ev.MAX_ERROR_TEXT]
         while True:
-            msg = ev.Fail(self.rank, self.attempt, error_type[-ev.MAX_ERROR_TYPE:], text, step, fatal,
-                          error_class[-ev.MAX_ERROR_TYPE:], cause)
+            msg = ev.Fail(
+                self.rank,
+                self.attempt,
+                error_type[-ev.MAX_ERROR_TYPE :],
+                text,
+                step,
+                fatal,
+                error_class[-ev.MAX_ERROR_TYPE :],
+                cause,
+            )
             if len(wire.encode_control(msg)[1]) <= self.chan.chunk_bytes or not (text or cause):
                 break
-            text, cause = text[:len(text) * 3 // 4], cause[:len(cause) * 3 // 4]
+            text, cause = text[: len(text) * 3 // 4], cause[: len(cause) * 3 // 4]
         self.failed = msg
         self.fail_acked = False
         self._last_fail = now
@@ -130,9 +164,13 @@ class PeerCore:
     def snapshot_destination(self, into: np.ndarray | None) -> None:
         """Where the next snapshot download lands (None: a new array). Checked here, not when the chunks
         arrive: a wrong buffer would otherwise fail inside receive_datagram, in the shell's I/O thread."""
-        if into is not None and (not isinstance(into, np.ndarray) or into.dtype != np.float32
-                                 or into.shape != (self.n_params,) or not into.flags.c_contiguous
-                                 or not into.flags.writeable):
+        if into is not None and (
+            not isinstance(into, np.ndarray)
+            or into.dtype != np.float32
+            or into.shape != (self.n_params,)
+            or not into.flags.c_contiguous
+            or not into.flags.writeable
+        ):
             raise ValueError(f"into must be a writable C-contiguous float32 array of shape ({self.n_params},)")
         self.snaps.into = into
 
@@ -184,7 +222,7 @@ class PeerCore:
             return self._last_tick + 1.0
         nxt = self._last_hb + self.tuning.heartbeat_interval
         if self.inbound.missing or len(self.inbound.reasm) or self.snaps.requested:
-            nxt = min(nxt, self._last_tick + self.tuning.tick)          # NAK timing is in milliseconds
+            nxt = min(nxt, self._last_tick + self.tuning.tick)  # NAK timing is in milliseconds
         elif self.own.waiting():
             # only retransmit timeouts are due (>= rto): a 2 ms tick here woke the receiver thread,
             # and took the GIL from training, ~30 times per training step for nothing
@@ -192,8 +230,20 @@ class PeerCore:
         return nxt
 
     def counters(self) -> ev.Counters:
-        d: ev.Counters = dict.fromkeys(("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "snapshot_bytes_in",
-                           "retransmits", "updates_sent", "delivered", "naks_sent"), 0)
+        d: ev.Counters = dict.fromkeys(
+            (
+                "datagrams_in",
+                "datagrams_out",
+                "bytes_in",
+                "bytes_out",
+                "snapshot_bytes_in",
+                "retransmits",
+                "updates_sent",
+                "delivered",
+                "naks_sent",
+            ),
+            0,
+        )
         d.update(self.io.c)
         d["drops"] = dict(self.chan.drops)
         d["unacked"] = len(self.own.unacked)
@@ -210,7 +260,7 @@ class PeerCore:
         # the relay forwards an update chunk as its origin sealed it (sender = origin, another rank);
         # everything else comes from the relay itself
         forwarded = h.kind == Kind.UPDATE
-        if forwarded and self.inbound.aggregate:    # the relay's own aggregate (retransmissions: the same bytes)
+        if forwarded and self.inbound.aggregate:  # the relay's own aggregate (retransmissions: the same bytes)
             genuine = h.sender == RELAY_ID and h.origin == AGGREGATE_ORIGIN
         elif forwarded:
             genuine = h.sender == h.origin and h.sender < self.world_size and h.sender != self.rank
@@ -226,8 +276,8 @@ class PeerCore:
         if body is None:
             return
         self.last_heard = now
-        if h.kind == Kind.FAIL_ACK:         # whatever our state: a failed peer may never have joined
-            ack = self.chan.control(Kind.FAIL_ACK, body)   # h.kind, named for the checker
+        if h.kind == Kind.FAIL_ACK:  # whatever our state: a failed peer may never have joined
+            ack = self.chan.control(Kind.FAIL_ACK, body)  # h.kind, named for the checker
             if ack is not None and (ack.rank, ack.attempt) == (self.rank, self.attempt) and self.failed:
                 self.fail_acked = True
                 self.io.emit(ack)
@@ -250,11 +300,13 @@ class PeerCore:
             self.io.fail_with(f"relay rejected rank {self.rank} (attempt {self.attempt}): {msg.reason}")
         elif isinstance(msg, ev.Welcome):
             if self.state != PeerState.JOINING or self.welcome is not None:
-                return                                 # a duplicate WELCOME (our JOIN was retransmitted)
+                return  # a duplicate WELCOME (our JOIN was retransmitted)
             if msg.n_params != self.n_params or msg.world_size != self.world_size:
                 self._to(PeerTrigger.REJECT)
-                self.io.fail_with(f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
-                                  f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}")
+                self.io.fail_with(
+                    f"relay runs a job with n_params={msg.n_params}, world_size={msg.world_size}; "
+                    f"rank {self.rank} has n_params={self.n_params}, world_size={self.world_size}"
+                )
                 return
             self.welcome = msg
             self._to(PeerTrigger.WELCOME)
@@ -280,7 +332,7 @@ class PeerCore:
         self._last_tick = now
         if self.failed is not None and not self.fail_acked and now >= self._last_fail + self.tuning.heartbeat_interval:
             self._last_fail = now
-            self.io.send(self.failed)   # sealed anew: the relay drops replays
+            self.io.send(self.failed)  # sealed anew: the relay drops replays
         if self.state == PeerState.JOINING:
             if now >= self._last_join + self.tuning.rto:
                 self._last_join = now
@@ -294,7 +346,7 @@ class PeerCore:
         if self.state != PeerState.JOINED:
             return
         own = self.own
-        assert own.next_step is not None       # WELCOME set it: joined states come after it
+        assert own.next_step is not None  # WELCOME set it: joined states come after it
         if now >= self._last_hb + self.tuning.heartbeat_interval:
             self._last_hb = now
             self.io.send(ev.Heartbeat(self.complete_through, own.next_step - 1, self.computing))

@@ -27,8 +27,8 @@ class Inbound:
         self.tuning = tuning
         self.io = io
         self.cursor: LogCursor | None = None  # WELCOME starts the log
-        self.aggregate = False            # the log is the relay's aggregate (set from WELCOME)
-        self.rank_ends: dict[int, int] = {}   # aggregate mode: rank -> last step (the cursor has one slot)
+        self.aggregate = False  # the log is the relay's aggregate (set from WELCOME)
+        self.rank_ends: dict[int, int] = {}  # aggregate mode: rank -> last step (the cursor has one slot)
         self.reasm: Reassembler[tuple[int, int]] = Reassembler(4096, 1 << 28, max_message)
         self.inbox: dict[tuple[int, int], ev.Update] = {}
         self.inbox_nbytes = 0
@@ -37,7 +37,7 @@ class Inbound:
         # per rank: what the relay's STATUS says it holds contiguously (per-rank forwarding); known_high can
         # be ahead of it, since the relay forwards (t, r) before it has (t-1, r)
         self.status_high = [-1] * world_size
-        self.missing: dict[tuple[int, int], list[float]] = {}   # key -> [first noticed, last NAK, NAKs]
+        self.missing: dict[tuple[int, int], list[float]] = {}  # key -> [first noticed, last NAK, NAKs]
 
     def start(self, msg: ev.Welcome) -> None:
         self.aggregate = msg.aggregate
@@ -99,7 +99,7 @@ class Inbound:
             self.known_high[slot] = h.step
         tuning = self.tuning
         if len(self.inbox) + len(self.ready) >= tuning.inbox_messages or self.inbox_nbytes >= tuning.inbox_bytes:
-            self.io.chan.drops["inbox_full"] += 1         # safe: it is NAKed again once there is room
+            self.io.chan.drops["inbox_full"] += 1  # safe: it is NAKed again once there is room
             return
         whole, reason = self.reasm.add(key, h.index, h.count, body, now)
         if reason is not None:
@@ -121,12 +121,12 @@ class Inbound:
         """A STATUS page: what the relay holds of each rank on it, ours included (``own``), and the ranks
         that ended; then the log released as far as it goes."""
         cur = self.cursor
-        assert cur is not None                 # the core drops a STATUS before WELCOME
+        assert cur is not None  # the core drops a STATUS before WELCOME
         if msg.start_step != cur.start_step or msg.world_size != self.world_size:
             self.io.chan.drops["stale_status"] += 1
             return
-        first = msg.first_rank           # one page of ranks: the others come in other pages
-        if self.aggregate:               # the relay made (and sent) every aggregate it has applied
+        first = msg.first_rank  # one page of ranks: the others come in other pages
+        if self.aggregate:  # the relay made (and sent) every aggregate it has applied
             self.known_high[0] = max(self.known_high[0], msg.complete_through)
         else:
             for r, h in enumerate(msg.have, first):
@@ -153,7 +153,7 @@ class Inbound:
     def rank_end(self, rank: int, last_step: int) -> None:
         """Rank ``rank`` has no step after ``last_step``. Aggregated, the log (one slot) ends once every
         rank has ended, at the latest of their ends: each step up to it has a message of some rank."""
-        assert self.cursor is not None         # WELCOME set it: joined states come after it
+        assert self.cursor is not None  # WELCOME set it: joined states come after it
         if not self.aggregate:
             self.cursor.end(rank, last_step)
             self._drop_after_end(rank, last_step)
@@ -174,7 +174,7 @@ class Inbound:
     def advance(self) -> None:
         """Release the log in canonical order as far as the inbox holds it."""
         cur = self.cursor
-        assert cur is not None                 # WELCOME set it: joined states come after it
+        assert cur is not None  # WELCOME set it: joined states come after it
         while True:
             key = cur.next_key()
             if key is None:
@@ -203,11 +203,12 @@ class Inbound:
         delay = self.tuning.nak_delay if srtt is None else max(self.tuning.nak_delay, srtt)
         renak = 2 * delay if srtt is not None else self.tuning.nak_interval
 
-        def unproven(r: int, step: int) -> bool:      # may the relay not have (step, r) yet?
+        def unproven(r: int, step: int) -> bool:  # may the relay not have (step, r) yet?
             return not self.aggregate and step > self.status_high[r]
 
-        slots = ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size)
-                                                                 if r != self.rank)
+        slots = (
+            ((0, AGGREGATE_ORIGIN),) if self.aggregate else ((r, r) for r in range(self.world_size) if r != self.rank)
+        )
         for r, origin in slots:
             end = cur.ends.get(r)
             hi = end if end is not None else self.known_high[r]
@@ -223,12 +224,12 @@ class Inbound:
                     continue
                 p = self.reasm.partials.get(key)
                 if now - m[0] < delay:
-                    continue                        # maybe just reordered: give it a moment
+                    continue  # maybe just reordered: give it a moment
                 if p is not None:
                     if now - p.last_seen < delay:
-                        continue                    # chunks are still arriving
+                        continue  # chunks are still arriving
                     if p.last_seen < m[1] and now - m[1] < renak:
-                        continue                    # nothing new since our last NAK: its answer may be late
+                        continue  # nothing new since our last NAK: its answer may be late
                 elif now - m[1] < renak * (1 << min(max(int(m[2]) - 1, 0), 4) if unproven(r, key[0]) else 1):
                     # the relay may not have it yet: per-rank forwarding is not in step order, so a later
                     # step of r seen here does not prove it reached the relay. Asking at the flat rate

@@ -17,7 +17,7 @@ class PeerOutbox:
         self.datagrams: list[bytes] = []
         self.events: deque[ev.PeerEvent] = deque()
         self.c: Counter[str] = Counter()
-        self.error: str | None = None     # set once the peer cannot go on; every later call raises it
+        self.error: str | None = None  # set once the peer cannot go on; every later call raises it
 
     def send(self, msg: ev.ControlMessage) -> None:
         self.datagrams.append(self.chan.seal_control(msg))

@@ -23,10 +23,10 @@ class Outstanding:
     def __init__(self, max_entries: int, max_bytes: int, min_rto: float) -> None:
         self.bodies: History[int, bytes] = History(max_entries, max_bytes)
         self.min_rto = min_rto
-        self.sent_at: dict[int, float] = {}     # step -> when it was (re)sent
+        self.sent_at: dict[int, float] = {}  # step -> when it was (re)sent
         self.first_sent: dict[int, float] = {}  # step -> first send, while it may still give an RTT sample
-        self.tries: dict[int, int] = {}         # step -> retransmit timeouts so far
-        self.srtt: float | None = None          # smoothed RTT / variation -> retransmit timeout
+        self.tries: dict[int, int] = {}  # step -> retransmit timeouts so far
+        self.srtt: float | None = None  # smoothed RTT / variation -> retransmit timeout
         self.rttvar = 0.0
 
     def add(self, step: int, body: bytes, now: float) -> None:

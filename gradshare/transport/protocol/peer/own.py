@@ -18,7 +18,7 @@ class OwnLog:
         self.io = io
         self.unacked = Outstanding(tuning.max_unacked, tuning.max_unacked_bytes, tuning.rto)
         self.max_unacked = tuning.max_unacked
-        self.next_step: int | None = None      # WELCOME's start step, then one past the last sent
+        self.next_step: int | None = None  # WELCOME's start step, then one past the last sent
         self.finish_step: int | None = None
         self.finish_acked = False
 
@@ -27,19 +27,24 @@ class OwnLog:
         if self.finish_step is not None:
             raise LocalProtocolError(f"rank {self.rank} already sent FINISHED({self.finish_step})")
         if type(step) is not int or step != self.next_step:
-            raise LocalProtocolError(f"rank {self.rank} must send step {self.next_step} next (got {step!r}): "
-                                     f"every step produces exactly one message, in order")
+            raise LocalProtocolError(
+                f"rank {self.rank} must send step {self.next_step} next (got {step!r}): "
+                f"every step produces exactly one message, in order"
+            )
         if len(self.unacked) >= self.max_unacked:
-            raise LocalProtocolError(f"the relay has not acknowledged {len(self.unacked)} updates of rank "
-                                     f"{self.rank}; refusing to buffer more")
+            raise LocalProtocolError(
+                f"the relay has not acknowledged {len(self.unacked)} updates of rank "
+                f"{self.rank}; refusing to buffer more"
+            )
 
     def finish(self, last_step: int) -> bool:
         """FINISHED(``last_step``) may be sent: it names our last sent step. True the first time (our end
         is new to the log)."""
-        assert self.next_step is not None       # WELCOME set it: joined states come after it
+        assert self.next_step is not None  # WELCOME set it: joined states come after it
         if last_step != self.next_step - 1:
-            raise LocalProtocolError(f"FINISHED({last_step}) but rank {self.rank}'s last sent step is "
-                                     f"{self.next_step - 1}")
+            raise LocalProtocolError(
+                f"FINISHED({last_step}) but rank {self.rank}'s last sent step is {self.next_step - 1}"
+            )
         if self.finish_step is not None:
             return False
         self.finish_step = last_step
@@ -59,7 +64,7 @@ class OwnLog:
                 continue
             ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
             self.io.datagrams.extend(ds)
-            self.unacked.repaired(item.step)       # Karn: no RTT sample from a repaired step
+            self.unacked.repaired(item.step)  # Karn: no RTT sample from a repaired step
             self.io.c["retransmits"] += len(ds)
 
     def on_end(self, ended: ev.Ended) -> None:
@@ -70,9 +75,9 @@ class OwnLog:
             self.finish_acked = True
 
     def retransmit_due(self, now: float) -> None:
-        for step in self.unacked.due(now):           # exponential backoff
+        for step in self.unacked.due(now):  # exponential backoff
             body = self.unacked.get(step)
-            assert body is not None            # due() names only the steps it holds
+            assert body is not None  # due() names only the steps it holds
             ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step)
             self.io.datagrams.extend(ds)
             self.io.c["retransmits"] += len(ds)

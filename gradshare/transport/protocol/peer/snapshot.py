@@ -40,8 +40,8 @@ class SnapshotFetch:
         self.requested = False
         self.download: SnapshotDownload | None = None
         self.result: tuple[int, NDArray[np.float32]] | None = None
-        self.into: NDArray[np.float32] | None = None   # fetch_snapshot(into=...): the download's destination
-        self.done_id: int | None = None       # the last completed download's snap_id (ask)
+        self.into: NDArray[np.float32] | None = None  # fetch_snapshot(into=...): the download's destination
+        self.done_id: int | None = None  # the last completed download's snap_id (ask)
         self.last_request = -1e18
 
     def request(self, now: float) -> None:
@@ -69,8 +69,11 @@ class SnapshotFetch:
             return
         n_params = self.n_params
         total = n_params * 4
-        if (msg.n_params != n_params or msg.n_chunks * msg.chunk_bytes < total
-                or (msg.n_chunks - 1) * msg.chunk_bytes >= total):
+        if (
+            msg.n_params != n_params
+            or msg.n_chunks * msg.chunk_bytes < total
+            or (msg.n_chunks - 1) * msg.chunk_bytes >= total
+        ):
             self.io.chan.drops["bad_snapshot_info"] += 1
             return
         self.download = SnapshotDownload(msg, now, self.into)
@@ -90,7 +93,7 @@ class SnapshotFetch:
         if not s.got.add(h.index):
             drops["duplicate"] += 1
             return
-        s.buf[start:start + expected] = body
+        s.buf[start : start + expected] = body
         if s.got.covers(0, s.info.n_chunks):
             self._complete(s)
 
@@ -99,8 +102,7 @@ class SnapshotFetch:
         params = np.frombuffer(s.buf, dtype=np.float32).copy() if s.into is None else s.into
         io.send(ev.SnapDone(s.info.snap_id))
         if param_hash(params) != s.info.digest:
-            io.fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check",
-                           ev.SnapshotFailed)
+            io.fail_with(f"snapshot {s.info.snap_id} (step {s.info.step}) failed its hash check", ev.SnapshotFailed)
             return
         self.result = (s.info.step, params)
         self.done_id = s.info.snap_id
@@ -128,7 +130,7 @@ class SnapshotFetch:
             io.send(ev.SnapRequest())
         gaps = s.got.gaps(0, s.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
         for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
-            io.send(ev.SnapNak(s.info.snap_id, tuple(gaps[i:i + ev.MAX_NAK_ITEMS])))
+            io.send(ev.SnapNak(s.info.snap_id, tuple(gaps[i : i + ev.MAX_NAK_ITEMS])))
         io.c["snapshot_naks"] += 1
 
 

@@ -30,8 +30,18 @@ StartAttempt = Callable[[int, float], Attempt]
 
 
 class Admission:
-    def __init__(self, world_size: int, n_params: int, aggregate: bool, max_message: int, tuning: RelayTuning,
-                 observer: LogObserver, io: RelayOutbox, pages: StatusPages, liveness: Liveness) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        n_params: int,
+        aggregate: bool,
+        max_message: int,
+        tuning: RelayTuning,
+        observer: LogObserver,
+        io: RelayOutbox,
+        pages: StatusPages,
+        liveness: Liveness,
+    ) -> None:
         self.world_size, self.n_params, self.aggregate = world_size, n_params, aggregate
         self.max_message = max_message
         self.tuning = tuning
@@ -39,19 +49,20 @@ class Admission:
         self.io = io
         self.pages = pages
         self.liveness = liveness
-        self.failures: dict[int, ev.Fail] = {}           # rank -> its latest FAIL (any attempt)
-        self.rolled_back: list[dict[str, int]] = []      # one entry per rollback: the attempt and the step
+        self.failures: dict[int, ev.Fail] = {}  # rank -> its latest FAIL (any attempt)
+        self.rolled_back: list[dict[str, int]] = []  # one entry per rollback: the attempt and the step
 
     def on_loading(self, att: Attempt, h: wire.Header, body: bytes, now: float, start: StartAttempt) -> None:
         """LOADING: a task still materialising its partition is alive (liveness.py)."""
         if self.io.chan.control(Kind.LOADING, body) is None:
             return
         if h.attempt > att.number:
-            att = start(h.attempt, now)        # a stage's first task to speak starts its attempt
+            att = start(h.attempt, now)  # a stage's first task to speak starts its attempt
         self.liveness.heard(att, att.ranks[h.sender], now)
 
-    def on_join(self, att: Attempt, h: wire.Header, body: bytes, addr: ev.Address, now: float,
-                start: StartAttempt) -> None:
+    def on_join(
+        self, att: Attempt, h: wire.Header, body: bytes, addr: ev.Address, now: float, start: StartAttempt
+    ) -> None:
         msg = self.io.chan.control(Kind.JOIN, body)
         if msg is None:
             return
@@ -67,12 +78,18 @@ class Admission:
             att = start(h.attempt, now)
         rs = att.ranks[h.sender]
         if rs.session is not None and rs.session != h.session and (rs.ended is not None or len(rs.received)):
-            self._reject(addr, f"rank {h.sender} of attempt {h.attempt} already joined and sent updates; "
-                               f"a restarted task must join with a higher attempt")
+            self._reject(
+                addr,
+                f"rank {h.sender} of attempt {h.attempt} already joined and sent updates; "
+                f"a restarted task must join with a higher attempt",
+            )
             return
         if rs.ended is not None and rs.ended.gone:
-            self._reject(addr, f"rank {h.sender} was declared gone at step {rs.ended.last_step}; "
-                               f"a retried stage must join with a higher attempt")
+            self._reject(
+                addr,
+                f"rank {h.sender} was declared gone at step {rs.ended.last_step}; "
+                f"a retried stage must join with a higher attempt",
+            )
             return
         first = not rs.joined or rs.session != h.session
         rs.session = h.session
@@ -80,8 +97,10 @@ class Admission:
         rs.to(RankTrigger.JOIN)
         self.liveness.heard(att, rs, now)
         cur = att.cursor
-        self.io.send(rs, ev.Welcome(self.n_params, self.world_size, cur.start_step, cur.complete_through, att.notes,
-                                    self.aggregate))
+        self.io.send(
+            rs,
+            ev.Welcome(self.n_params, self.world_size, cur.start_step, cur.complete_through, att.notes, self.aggregate),
+        )
         for page in range(self.pages.n_pages):
             self.io.send(rs, self.pages.page(page, att))
         if first:
@@ -100,15 +119,18 @@ class Admission:
         if known is None or known.attempt != msg.attempt:
             self.failures[msg.rank] = msg
             self.io.c["failures"] += 1
-            self.io.emit(ev.PeerFailed(msg.rank, msg.attempt, msg.error_type, msg.message, msg.step, msg.fatal,
-                                       msg.error_class, msg.cause))
+            self.io.emit(
+                ev.PeerFailed(
+                    msg.rank, msg.attempt, msg.error_type, msg.message, msg.step, msg.fatal, msg.error_class, msg.cause
+                )
+            )
         self.io.send_to(addr, ev.FailAck(msg.rank, msg.attempt))
 
     def new_attempt(self, number: int, now: float, complete_through: int, params: NDArray[np.float32]) -> Attempt:
         """A retried stage: the log restarts after complete_through (or after the step the observer rolls
         ``params`` back to), from a fresh Attempt."""
         cut = self.observer.cut(complete_through, params)
-        if cut.rolled_back and self.io.c["attempts"]:   # a retried stage (a resumed fit's first attempt is none)
+        if cut.rolled_back and self.io.c["attempts"]:  # a retried stage (a resumed fit's first attempt is none)
             self.rolled_back.append({"attempt": number, "from": complete_through, "to": cut.through})
             self.io.emit(ev.RolledBack(number, complete_through, cut.through))
         att = Attempt(number, now, cut.through + 1, cut.notes, self.world_size, self.tuning, self.max_message, now)

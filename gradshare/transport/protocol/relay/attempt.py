@@ -29,30 +29,56 @@ def total_len(datagrams: tuple[bytes, ...]) -> int:
 
 
 class Attempt:
-    __slots__ = ("number", "started", "notes", "cursor", "ranks", "pending", "pending_meta", "restart_reason",
-                 "evicted", "trim_floor", "history", "reasm", "recent", "acks", "log_complete_sent")
+    __slots__ = (
+        "number",
+        "started",
+        "notes",
+        "cursor",
+        "ranks",
+        "pending",
+        "pending_meta",
+        "restart_reason",
+        "evicted",
+        "trim_floor",
+        "history",
+        "reasm",
+        "recent",
+        "acks",
+        "log_complete_sent",
+    )
 
-    def __init__(self, number: int, started: float | None, base: int, notes: tuple[tuple[str, float], ...],
-                 world_size: int, tuning: RelayTuning, max_message: int, now: float) -> None:
-        self.number = number                   # -1: no attempt yet; the first JOIN or LOADING starts one
-        self.started = started                 # when (None: no attempt yet)
-        self.notes = notes                     # what this attempt's WELCOME hands over
+    def __init__(
+        self,
+        number: int,
+        started: float | None,
+        base: int,
+        notes: tuple[tuple[str, float], ...],
+        world_size: int,
+        tuning: RelayTuning,
+        max_message: int,
+        now: float,
+    ) -> None:
+        self.number = number  # -1: no attempt yet; the first JOIN or LOADING starts one
+        self.started = started  # when (None: no attempt yet)
+        self.notes = notes  # what this attempt's WELCOME hands over
         self.cursor = LogCursor(world_size, base)
         self.ranks = RankTable(world_size, now, tuning.nak_delay)
-        self.pending: dict[tuple[int, int], Decoded] = {}    # (step, rank) -> decoded, validated, not applied
+        self.pending: dict[tuple[int, int], Decoded] = {}  # (step, rank) -> decoded, validated, not applied
         self.pending_meta: dict[tuple[int, int], StepMeta] = {}  # their meta, accounted when applied
-        self.restart_reason: str | None = None           # on_rank_loss="restart" fired in this attempt
-        self.evicted = StepKeys()                        # history entries lost to the caps (NAK → error)
-        self.trim_floor = -2                             # the floor the last trim dropped through
+        self.restart_reason: str | None = None  # on_rank_loss="restart" fired in this attempt
+        self.evicted = StepKeys()  # history entries lost to the caps (NAK → error)
+        self.trim_floor = -2  # the floor the last trim dropped through
         # the origin's sealed datagrams are kept and forwarded unchanged: every peer holds the job key, so
         # re-sealing each chunk would cost an AEAD operation per chunk and buy nothing (the origin's
         # authentication covers the header, origin and step included)
         self.history: History[tuple[int, int], tuple[bytes, ...]] = History(
-            tuning.history_entries, tuning.history_bytes, size=total_len, by_step=True)
-        self.reasm: Reassembler[tuple[int, int]] = Reassembler(tuning.reassembly_messages, tuning.reassembly_bytes,
-                                                               max_message, keep_raw=True)
+            tuning.history_entries, tuning.history_bytes, size=total_len, by_step=True
+        )
+        self.reasm: Reassembler[tuple[int, int]] = Reassembler(
+            tuning.reassembly_messages, tuning.reassembly_bytes, max_message, keep_raw=True
+        )
         self.recent: dict[tuple[int, int], float] = {}  # (step, origin) -> forwarded at, the last nak_delay
-        self.acks: dict[int, list[int]] = {}            # rank -> steps to acknowledge
+        self.acks: dict[int, list[int]] = {}  # rank -> steps to acknowledge
         self.log_complete_sent = False
 
 

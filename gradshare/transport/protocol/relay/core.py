@@ -72,14 +72,24 @@ def default_apply_update(decoded: StepUpdate, params: NDArray[np.float32], scale
 
 
 class RelayCore:
-    def __init__(self, params: np.ndarray, world_size: int, key: bytes | None, job_id: int | str, *,
-                 now: float, datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE, insecure: bool = False,
-                 tuning: RelayTuning = RelayTuning(),
-                 decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
-                 apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
-                 apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None = None,
-                 observer: LogObserver | None = None, aggregator: AggregateState | None = None,
-                 defer_apply: bool = False) -> None:
+    def __init__(
+        self,
+        params: np.ndarray,
+        world_size: int,
+        key: bytes | None,
+        job_id: int | str,
+        *,
+        now: float,
+        datagram_size: int = wire.DEFAULT_DATAGRAM_SIZE,
+        insecure: bool = False,
+        tuning: RelayTuning = RelayTuning(),
+        decode_update: Callable[[bytes, int], Decoded] = default_decode_update,
+        apply_update: Callable[[Decoded, NDArray[np.float32]], None] = default_apply_update,
+        apply_step: Callable[[list[Decoded], NDArray[np.float32]], None] | None = None,
+        observer: LogObserver | None = None,
+        aggregator: AggregateState | None = None,
+        defer_apply: bool = False,
+    ) -> None:
         """observer: the training bookkeeping (observer.LogObserver; None: a NullObserver, which keeps
         nothing and restarts a new attempt's log right after complete_through).
         apply_step: applies one whole step's decoded messages (rank order) at once, in place of
@@ -89,8 +99,9 @@ class RelayCore:
         authoritative copy never delays a forward)."""
         params = np.asarray(params)
         if params.dtype != np.float32 or params.ndim != 1 or params.size < 1:
-            raise ValueError(f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, "
-                             f"shape {params.shape})")
+            raise ValueError(
+                f"initial_params must be a non-empty 1-D float32 array (got {params.dtype}, shape {params.shape})"
+            )
         if type(world_size) is not int or not 1 <= world_size <= ev.MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in [1, {ev.MAX_WORLD_SIZE}] (got {world_size!r})")
         if not isinstance(tuning, RelayTuning):
@@ -109,11 +120,18 @@ class RelayCore:
         self.world_size = world_size
         # the largest message an update can be: a dense float32 vector plus framing (encoder forms are smaller)
         self.max_message = 8 * self.n_params + 65536
-        self.chan = Channel(key=key, insecure=insecure, job=wire.job_id_to_int(job_id), sender=RELAY_ID,
-                            attempt=0, datagram_size=datagram_size,
-                            max_chunks=max(16, -(-self.max_message // 64)), max_windows=4 * world_size + 8)
+        self.chan = Channel(
+            key=key,
+            insecure=insecure,
+            job=wire.job_id_to_int(job_id),
+            sender=RELAY_ID,
+            attempt=0,
+            datagram_size=datagram_size,
+            max_chunks=max(16, -(-self.max_message // 64)),
+            max_windows=4 * world_size + 8,
+        )
         self.io = RelayOutbox(self.chan)
-        self.c: Counter[str] = self.io.c               # counters (drops live in chan.drops)
+        self.c: Counter[str] = self.io.c  # counters (drops live in chan.drops)
         self.pages = StatusPages(world_size, self.chan.chunk_bytes)
         # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
         # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
@@ -123,17 +141,40 @@ class RelayCore:
         # snapshot serving (snapshots.py): paced at snapshot_rate, at most snapshot_burst bytes a tick
         # however late the tick (a burst must fit the receivers' socket buffers: the shell caps it from its
         # own, sockets/relay.py); a transfer idle for max(10 s, liveness_timeout) is dropped
-        self.snaps = SnapshotServer(snap_chunk - snap_chunk % 4, tuning.snapshot_rate, tuning.snapshot_burst,
-                                    tuning.max_snapshots, max(10.0, float(tuning.liveness_timeout)))
+        self.snaps = SnapshotServer(
+            snap_chunk - snap_chunk % 4,
+            tuning.snapshot_rate,
+            tuning.snapshot_burst,
+            tuning.max_snapshots,
+            max(10.0, float(tuning.liveness_timeout)),
+        )
         self.liveness = Liveness(tuning, self.io)
-        self.log = RelayLog(tuning, self.params, Codec(decode_update, apply_update, apply_step),
-                            aggregator if tuning.forwarding == "aggregate" else None, self.observer, self.io,
-                            self.pages, self.liveness, -(-self.max_message // self.chan.chunk_bytes), snap_chunk,
-                            defer_apply)
+        self.log = RelayLog(
+            tuning,
+            self.params,
+            Codec(decode_update, apply_update, apply_step),
+            aggregator if tuning.forwarding == "aggregate" else None,
+            self.observer,
+            self.io,
+            self.pages,
+            self.liveness,
+            -(-self.max_message // self.chan.chunk_bytes),
+            snap_chunk,
+            defer_apply,
+        )
         self.log.last_now = now
-        self.admission = Admission(world_size, self.n_params, self.log.aggregator is not None, self.max_message,
-                                   tuning, self.observer, self.io, self.pages, self.liveness)
-        self.att = Attempt(-1, None, 0, (), world_size, tuning, self.max_message, now)   # no attempt yet
+        self.admission = Admission(
+            world_size,
+            self.n_params,
+            self.log.aggregator is not None,
+            self.max_message,
+            tuning,
+            self.observer,
+            self.io,
+            self.pages,
+            self.liveness,
+        )
+        self.att = Attempt(-1, None, 0, (), world_size, tuning, self.max_message, now)  # no attempt yet
         self._trim_due = False
         self._last_tick = now
 
@@ -166,8 +207,21 @@ class RelayCore:
 
     def counters(self) -> ev.Counters:
         d: ev.Counters = dict.fromkeys(
-                          ("datagrams_in", "datagrams_out", "bytes_in", "bytes_out", "retransmits", "forwarded",
-                           "updates_in", "update_datagrams", "applied", "naks_sent", "aggregates"), 0)
+            (
+                "datagrams_in",
+                "datagrams_out",
+                "bytes_in",
+                "bytes_out",
+                "retransmits",
+                "forwarded",
+                "updates_in",
+                "update_datagrams",
+                "applied",
+                "naks_sent",
+                "aggregates",
+            ),
+            0,
+        )
         d.update(self.c)
         d.update(self.observer.counters())
         d["drops"] = dict(self.chan.drops)
@@ -215,12 +269,17 @@ class RelayCore:
             "complete_through": self.complete_through,
             "attempt": self.att.number,
             "start_step": start,
-            "ranks": {r.rank: {"joined": r.joined, "have": r.received.contiguous_from(start) - 1,
-                               "ended": None if r.ended is None else
-                               {"last_step": r.ended.last_step, "gone": r.ended.gone},
-                               "updates_in": r.updates_in, "bytes_in": r.bytes_in,
-                               "meta": None if r.meta is None else r.meta.to_wire()}
-                      for r in self.att.ranks},
+            "ranks": {
+                r.rank: {
+                    "joined": r.joined,
+                    "have": r.received.contiguous_from(start) - 1,
+                    "ended": None if r.ended is None else {"last_step": r.ended.last_step, "gone": r.ended.gone},
+                    "updates_in": r.updates_in,
+                    "bytes_in": r.bytes_in,
+                    "meta": None if r.meta is None else r.meta.to_wire(),
+                }
+                for r in self.att.ranks
+            },
         }
 
     def status_page(self, page: int) -> ev.Status:
@@ -269,7 +328,7 @@ class RelayCore:
         if h.attempt < att.number:
             self.chan.drops["old_attempt"] += 1
             return None
-        if h.kind == Kind.FAIL:              # accepted unjoined: a rank may fail before it could join
+        if h.kind == Kind.FAIL:  # accepted unjoined: a rank may fail before it could join
             body = self.chan.open(h, data)
             if body is not None:
                 self.admission.on_fail(h, body, addr)
@@ -294,7 +353,7 @@ class RelayCore:
             self.chan.drops["after_leave"] += 1
             return None
         self.liveness.heard(att, rs, now)
-        rs.addr = addr                         # authenticated: follow a NAT rebinding
+        rs.addr = addr  # authenticated: follow a NAT rebinding
         if h.kind == Kind.UPDATE:
             if self.log.on_update_chunk(att, rs, h, body, data, now):
                 return Chunk(wire.header_key(data), rs, h.session, h.step, h.count)
@@ -323,7 +382,7 @@ class RelayCore:
         elif isinstance(msg, ev.Leave):
             self.log.on_leave(self.att, rs)
         elif isinstance(msg, ev.SnapRequest):
-            self.apply_pending()               # a snapshot is the log applied through complete_through
+            self.apply_pending()  # a snapshot is the log applied through complete_through
             new = rs.rank not in self.snaps.transfers
             t = self.snaps.request(rs.rank, self.complete_through, self.params, now)
             if t is None:
@@ -342,7 +401,7 @@ class RelayCore:
 
     def _start_attempt(self, number: int, now: float) -> Attempt:
         """A retried stage: cut the log at complete_through (admission.py) and start attempt ``number``."""
-        self.apply_pending()               # complete_through must be current before it becomes the cut
+        self.apply_pending()  # complete_through must be current before it becomes the cut
         self.att = self.admission.new_attempt(number, now, self.complete_through, self.params)
         self.chan.attempt = number
         self.snaps.clear()

@@ -43,7 +43,7 @@ class Liveness:
         self.give_up_after = float(tuning.give_up_after)
         self.join_window = tuning.join_seconds
         self.step_timeout = tuning.step_timeout
-        self.incidents: list[ev.Incident] = []           # the first MAX_INCIDENTS, in order
+        self.incidents: list[ev.Incident] = []  # the first MAX_INCIDENTS, in order
 
     def first_cause(self) -> ev.Incident | None:
         return ev.first_cause(self.incidents)
@@ -59,11 +59,18 @@ class Liveness:
         p.heard = True
         p.last_heard = now
 
-    def incident(self, att: Attempt, kind: str, rs: RankState, seconds: float, now: float, detail: str = "",
-                 step: int | None = None) -> ev.Incident:
+    def incident(
+        self,
+        att: Attempt,
+        kind: str,
+        rs: RankState,
+        seconds: float,
+        now: float,
+        detail: str = "",
+        step: int | None = None,
+    ) -> ev.Incident:
         step = owed_step(att, rs) if step is None else step
-        inc = ev.Incident(kind, rs.rank, max(att.number, 0), min(step, ev.MAX_STEP), max(seconds, 0.0), now,
-                          detail)
+        inc = ev.Incident(kind, rs.rank, max(att.number, 0), min(step, ev.MAX_STEP), max(seconds, 0.0), now, detail)
         if len(self.incidents) < MAX_INCIDENTS:
             self.incidents.append(inc)
         else:
@@ -77,7 +84,7 @@ class Liveness:
         started = att.started
         if started is None:
             return
-        if att.restart_reason is not None:      # resent every tick: a REJECT is one datagram, and may be lost
+        if att.restart_reason is not None:  # resent every tick: a REJECT is one datagram, and may be lost
             for r in att.ranks:
                 if r.connected and r.ended is None and r.presence.suspected_since is None:
                     self.io.send(r, ev.Reject(att.restart_reason))
@@ -85,19 +92,30 @@ class Liveness:
             if rs.ended is None:
                 self._check_rank(att, rs, now, started, declare_gone)
 
-    def _check_rank(self, att: Attempt, rs: RankState, now: float, started: float,
-                    declare_gone: DeclareGone) -> None:
+    def _check_rank(self, att: Attempt, rs: RankState, now: float, started: float, declare_gone: DeclareGone) -> None:
         p = rs.presence
         # progress, not presence: a process that answers but whose training thread has been in the
         # same step for step_timeout (a paused process is the silence rule's, below)
-        if (self.step_timeout is not None and p.computing >= 0 and not p.given_up
-                and now - p.computing_since > self.step_timeout and now - p.last_heard < self.liveness_timeout):
+        if (
+            self.step_timeout is not None
+            and p.computing >= 0
+            and not p.given_up
+            and now - p.computing_since > self.step_timeout
+            and now - p.last_heard < self.liveness_timeout
+        ):
             p.given_up = True
-            self.incident(att, "stuck", rs, now - p.computing_since, now,
-                          f"step_timeout={self.step_timeout:g} s; its process still answers", p.computing)
+            self.incident(
+                att,
+                "stuck",
+                rs,
+                now - p.computing_since,
+                now,
+                f"step_timeout={self.step_timeout:g} s; its process still answers",
+                p.computing,
+            )
         if p.heard:
             silent, bound, what = now - p.last_heard, self.liveness_timeout, "liveness_timeout"
-        else:   # never heard in this attempt: the join window runs from the attempt's start
+        else:  # never heard in this attempt: the join window runs from the attempt's start
             silent, bound, what = now - started, self.join_window, "join_window"
         if silent <= bound:
             return
@@ -105,21 +123,24 @@ class Liveness:
             p.suspected_since = p.last_heard if p.heard else started
             self.incident(att, "suspected", rs, silent, now, f"{what}={bound:g} s")
             if self.on_rank_loss == "continue":
-                declare_gone(att, rs, f"silent for more than {bound:g} s ({what}); on_rank_loss='continue'", now,
-                             silent)
+                declare_gone(
+                    att, rs, f"silent for more than {bound:g} s ({what}); on_rank_loss='continue'", now, silent
+                )
                 return
             if self.on_rank_loss == "restart" and att.restart_reason is None:
                 self._restart(att, rs, silent, now)
         if self.on_rank_loss == "wait" and silent > max(bound, self.give_up_after) and not p.given_up:
-            p.given_up = True        # one fatal incident per rank
+            p.given_up = True  # one fatal incident per rank
             self.incident(att, "silent", rs, silent, now, f"on_rank_loss='wait' waits at most {self.give_up_after:g} s")
 
     def _restart(self, att: Attempt, rs: RankState, silent: float, now: float) -> None:
         """on_rank_loss="restart": reject every live rank of the attempt, so their tasks fail and Spark
         retries the barrier stage; the new attempt resumes after complete_through (nothing skipped)."""
         self.incident(att, "restart", rs, silent, now, "on_rank_loss='restart'")
-        att.restart_reason = (f"stage restart: rank {rs.rank} silent for {silent:.1f} s at step "
-                              f"{owed_step(att, rs)} (on_rank_loss='restart')")
+        att.restart_reason = (
+            f"stage restart: rank {rs.rank} silent for {silent:.1f} s at step "
+            f"{owed_step(att, rs)} (on_rank_loss='restart')"
+        )
 
 
 __all__ = ["MAX_INCIDENTS", "DeclareGone", "Liveness", "owed_step"]

@@ -69,9 +69,20 @@ class RelayLog:
     defer_apply: a completed update only marks the log due (``apply_due``); ``apply_pending`` applies (the
     shell calls it after sending, so applying to the authoritative copy never delays a forward)."""
 
-    def __init__(self, tuning: RelayTuning, params: NDArray[np.float32], codec: Codec,
-                 aggregator: AggregateState | None, observer: LogObserver, io: RelayOutbox, pages: StatusPages,
-                 liveness: Liveness, max_chunks_update: int, aggregate_chunk_bytes: int, defer_apply: bool) -> None:
+    def __init__(
+        self,
+        tuning: RelayTuning,
+        params: NDArray[np.float32],
+        codec: Codec,
+        aggregator: AggregateState | None,
+        observer: LogObserver,
+        io: RelayOutbox,
+        pages: StatusPages,
+        liveness: Liveness,
+        max_chunks_update: int,
+        aggregate_chunk_bytes: int,
+        defer_apply: bool,
+    ) -> None:
         self.max_ahead = tuning.max_ahead
         self.nak_delay = tuning.nak_delay
         self.params = params
@@ -84,7 +95,7 @@ class RelayLog:
         self.liveness = liveness
         self.defer_apply = defer_apply
         self.apply_due = False
-        self.last_now = 0.0                   # the latest update's time: aggregates are sent "now"
+        self.last_now = 0.0  # the latest update's time: aggregates are sent "now"
         self.max_chunks_update = max_chunks_update
         # the relay's own aggregates (forwarding="aggregate") travel in datagrams as large as snapshot
         # chunks: the relay seals them, so unlike a rank's forwarded datagrams their size is its choice,
@@ -92,8 +103,9 @@ class RelayLog:
         self.aggregate_chunk_bytes = aggregate_chunk_bytes
 
     # --- intake --------------------------------------------------------------------------------------
-    def on_update_chunk(self, att: Attempt, rs: RankState, h: wire.Header, body: bytes, data: bytes,
-                        now: float) -> bool:
+    def on_update_chunk(
+        self, att: Attempt, rs: RankState, h: wire.Header, body: bytes, data: bytes, now: float
+    ) -> bool:
         """True if the chunk was stored and its update is not complete yet."""
         drops = self.io.chan.drops
         step = h.step
@@ -130,7 +142,7 @@ class RelayLog:
             return False
         counter, index = wire.counter_and_index(data)
         if counter >= wire.MAX_COUNTER or index >= last.chunks:
-            return False                       # the whole path counts it (malformed)
+            return False  # the whole path counts it (malformed)
         io.c["datagrams_in"] += 1
         io.c["bytes_in"] += len(data)
         rs = last.rank
@@ -140,8 +152,9 @@ class RelayLog:
             self.store_chunk(att, rs, last.step, index, last.chunks, body, data, now)
         return True
 
-    def store_chunk(self, att: Attempt, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes,
-                    now: float) -> bool:
+    def store_chunk(
+        self, att: Attempt, rs: RankState, step: int, index: int, count: int, body: bytes, data: bytes, now: float
+    ) -> bool:
         """Into reassembly; a completed update is decoded and held for the log. True if the chunk was
         stored and its update is not complete yet."""
         io = self.io
@@ -195,8 +208,8 @@ class RelayLog:
         for (rank, step), p in att.reasm.stale(now, self.nak_delay):
             late = att.ranks[rank].late
             if now - p.last_seen < late.value * (1 << min(p.naks, 1)):
-                continue        # back off, at most 2x: a 5 % loss rate loses some NAKs and answers, and a
-                                # long backoff then stalls the whole staleness window behind one chunk
+                continue  # back off, at most 2x: a 5 % loss rate loses some NAKs and answers, and a
+                # long backoff then stalls the whole staleness window behind one chunk
             items = naks.setdefault(rank, [])
             if len(items) < ev.MAX_NAK_ITEMS:
                 items.append(ev.NakItem(step, rank, p.missing(ev.MAX_NAK_ITEMS)))
@@ -214,7 +227,7 @@ class RelayLog:
             rs = att.ranks[rank]
             uniq = sorted(set(steps))
             for i in range(0, len(uniq), ev.MAX_NAK_ITEMS):
-                self.io.send(rs, ev.Ack(tuple(uniq[i:i + ev.MAX_NAK_ITEMS])))
+                self.io.send(rs, ev.Ack(tuple(uniq[i : i + ev.MAX_NAK_ITEMS])))
         att.acks.clear()
 
     def keep(self, att: Attempt, step: int, origin: int, sealed: tuple[bytes, ...]) -> None:
@@ -247,8 +260,13 @@ class RelayLog:
             sealed = att.history.get(key)
             if sealed is None:
                 if key in att.evicted:
-                    io.send(rs, ev.Reject(f"update (step {item.step}, rank {item.origin}) was evicted "
-                                            f"from the relay's bounded history before this peer had it"))
+                    io.send(
+                        rs,
+                        ev.Reject(
+                            f"update (step {item.step}, rank {item.origin}) was evicted "
+                            f"from the relay's bounded history before this peer had it"
+                        ),
+                    )
                     io.c["nak_evicted"] += 1
                 continue
             n = len(sealed)
@@ -260,7 +278,7 @@ class RelayLog:
     def forget_recent(self, att: Attempt, now: float) -> None:
         """Drop the forwards older than nak_delay (a NAK after that is not one that crossed them)."""
         recent = att.recent
-        while recent:                        # insertion order is time order: drop from the front
+        while recent:  # insertion order is time order: drop from the front
             key = next(iter(recent))
             if now - recent[key] < self.nak_delay:
                 break
@@ -277,7 +295,7 @@ class RelayLog:
             return
         att.trim_floor = floor
         att.history.discard_through(floor)
-        att.evicted.discard_through(floor)   # nobody can still NAK what every peer has delivered
+        att.evicted.discard_through(floor)  # nobody can still NAK what every peer has delivered
 
     # --- ends ----------------------------------------------------------------------------------------
     def on_finished(self, att: Attempt, rs: RankState, last_step: int) -> None:
@@ -296,8 +314,9 @@ class RelayLog:
         rs.to(RankTrigger.LEAVE)
         self.trim(att)
 
-    def declare_gone(self, att: Attempt, rs: RankState, reason: str, now: float | None = None,
-                     silent: float = 0.0) -> None:
+    def declare_gone(
+        self, att: Attempt, rs: RankState, reason: str, now: float | None = None, silent: float = 0.0
+    ) -> None:
         if rs.ended is not None:
             return
         self.liveness.incident(att, "gone", rs, silent, rs.presence.last_heard if now is None else now, reason[:200])
@@ -380,20 +399,21 @@ class RelayLog:
         from gradshare.encoding.aggregate import aggregate_step
 
         io, aggregator = self.io, self.aggregator
-        assert aggregator is not None      # advance calls this only with forwarding="aggregate"
+        assert aggregator is not None  # advance calls this only with forwarding="aggregate"
         agg = aggregate_step(aggregator, decoded, step)
         self._apply([agg])
         meta = None
         stop = att.pending_meta.get((step, 0))
-        if stop is not None and stop.stop_epoch is not None:     # rank 0's early-stop decision rides along
+        if stop is not None and stop.stop_epoch is not None:  # rank 0's early-stop decision rides along
             meta = StepMeta(stop_epoch=stop.stop_epoch)
         body = wire.encode_update_body(agg.to_bytes(aggregator.n_buffers), meta)
-        sealed = tuple(io.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step,
-                                             chunk_bytes=self.aggregate_chunk_bytes))
+        sealed = tuple(
+            io.chan.seal_chunks(Kind.UPDATE, body, AGGREGATE_ORIGIN, step, chunk_bytes=self.aggregate_chunk_bytes)
+        )
         self.keep(att, step, AGGREGATE_ORIGIN, sealed)
         self.forward(att, AGGREGATE_ORIGIN, step, sealed, self.last_now)
         io.c["aggregates"] += 1
-        io.c["aggregate_wire_bytes"] += total_len(sealed)      # one peer's copy
+        io.c["aggregate_wire_bytes"] += total_len(sealed)  # one peer's copy
         io.c["aggregate_entries"] += agg.message.n_entries
 
 

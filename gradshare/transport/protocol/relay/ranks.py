@@ -23,8 +23,15 @@ from gradshare.transport.protocol.step_meta import StepMeta
 # whether its rank is joined and not left, and every forward whether each rank is live: attributes set
 # with the status cost a load each, where properties over enum sets cost a call and a look-up each
 # (the relay core's per-datagram cost in `gradshare bench transport`)
-_FLAGS = {s: (s in JOINED_STATES, s in LEFT_STATES, s in JOINED_STATES and s not in LEFT_STATES,
-              s in JOINED_STATES and s not in LEFT_STATES and s not in GONE_STATES) for s in RankStatus}
+_FLAGS = {
+    s: (
+        s in JOINED_STATES,
+        s in LEFT_STATES,
+        s in JOINED_STATES and s not in LEFT_STATES,
+        s in JOINED_STATES and s not in LEFT_STATES and s not in GONE_STATES,
+    )
+    for s in RankStatus
+}
 
 
 class Presence:
@@ -34,12 +41,12 @@ class Presence:
     __slots__ = ("heard", "last_heard", "suspected_since", "computing", "computing_since", "given_up")
 
     def __init__(self, now: float) -> None:
-        self.heard = False                     # anything authenticated from it in this attempt (LOADING too)
+        self.heard = False  # anything authenticated from it in this attempt (LOADING too)
         self.last_heard = now
-        self.suspected_since: float | None = None   # last heard, when liveness_timeout made it suspected
-        self.computing = -1                    # the step its heartbeat says the training thread computes
+        self.suspected_since: float | None = None  # last heard, when liveness_timeout made it suspected
+        self.computing = -1  # the step its heartbeat says the training thread computes
         self.computing_since = now
-        self.given_up = False                  # a fatal incident (silent / stuck) was recorded for it
+        self.given_up = False  # a fatal incident (silent / stuck) was recorded for it
 
 
 class RankState:
@@ -47,24 +54,40 @@ class RankState:
     left (it gets STATUS pages: a rank declared gone learns it from them); live: connected and not
     declared gone (it gets the log's updates). All four follow ``status``, which only ``to()`` changes."""
 
-    __slots__ = ("rank", "addr", "session", "status", "joined", "left", "connected", "live", "presence",
-                 "received", "ended", "delivered_through", "sent_through", "meta", "bytes_in", "updates_in",
-                 "late")
+    __slots__ = (
+        "rank",
+        "addr",
+        "session",
+        "status",
+        "joined",
+        "left",
+        "connected",
+        "live",
+        "presence",
+        "received",
+        "ended",
+        "delivered_through",
+        "sent_through",
+        "meta",
+        "bytes_in",
+        "updates_in",
+        "late",
+    )
 
     def __init__(self, rank: int, now: float, nak_delay: float) -> None:
         self.rank = rank
         self.addr: ev.Address | None = None
         self.session: int | None = None
-        self._set(RankStatus.WAITING)        # states.RANK_TRANSITIONS: changed only by to()
-        self.presence = Presence(now)       # liveness.py's
-        self.received = RangeSet()          # steps whose update the relay holds completely
+        self._set(RankStatus.WAITING)  # states.RANK_TRANSITIONS: changed only by to()
+        self.presence = Presence(now)  # liveness.py's
+        self.received = RangeSet()  # steps whose update the relay holds completely
         self.ended: ev.Ended | None = None
         self.delivered_through = -1
         self.sent_through = -1
         self.meta: StepMeta | None = None  # its latest update's
         self.bytes_in = 0
         self.updates_in = 0
-        self.late = LateAllowance(nak_delay)   # how late this rank's chunks may be before we NAK them
+        self.late = LateAllowance(nak_delay)  # how late this rank's chunks may be before we NAK them
 
     def to(self, trigger: RankTrigger) -> None:
         self._set(transition(RANK_TRANSITIONS, self.status, trigger, f"relay rank {self.rank}"))

@@ -16,7 +16,7 @@ from gradshare.hashing import param_hash
 from gradshare.transport.protocol import events as ev
 from gradshare.transport.protocol.rangeset import RangeSet
 
-MAX_TICK = 0.05       # a late pacing tick sends what 50 ms allow, not the whole delay's worth
+MAX_TICK = 0.05  # a late pacing tick sends what 50 ms allow, not the whole delay's worth
 
 
 class Snapshot:
@@ -44,8 +44,9 @@ class Transfer:
         self.last_activity = now
 
     def info(self) -> ev.SnapInfo:
-        return ev.SnapInfo(self.snap.snap_id, self.snap.step, self.snap.n_params, self.n_chunks,
-                           self.chunk_bytes, self.snap.digest)
+        return ev.SnapInfo(
+            self.snap.snap_id, self.snap.step, self.snap.n_params, self.n_chunks, self.chunk_bytes, self.snap.digest
+        )
 
     def take(self, budget: int) -> list[int]:
         out: list[int] = []
@@ -63,7 +64,7 @@ class Transfer:
         return out
 
     def chunk(self, i: int) -> bytes:
-        return self.snap.data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+        return self.snap.data[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
 
 
 class SnapshotServer:
@@ -78,7 +79,7 @@ class SnapshotServer:
         self.max_snapshots = max_snapshots
         self.idle_timeout = idle_timeout
         self.snapshots: dict[int, Snapshot] = {}
-        self.transfers: dict[int, Transfer] = {}         # rank -> transfer
+        self.transfers: dict[int, Transfer] = {}  # rank -> transfer
         self._seq = 0
 
     def request(self, rank: int, step: int, params: np.ndarray, now: float) -> Transfer | None:
@@ -91,7 +92,7 @@ class SnapshotServer:
                 if len(self.snapshots) >= self.max_snapshots:
                     self._free()
                 if len(self.snapshots) >= self.max_snapshots:
-                    return None                  # the peer asks again; an in-flight transfer finishes first
+                    return None  # the peer asks again; an in-flight transfer finishes first
                 self._seq += 1
                 snap = self.snapshots[self._seq] = Snapshot(self._seq, step, params)
             t = self.transfers[rank] = Transfer(snap, self.chunk_bytes, now)

@@ -19,7 +19,7 @@ class StatusPages:
         self.world_size = world_size
         self.ranks_per_page = max(1, min(ev.STATUS_PAGE_RANKS, (chunk_bytes - 32) // 16))
         self.n_pages = -(-world_size // self.ranks_per_page)
-        self._turn = [0] * world_size              # per rank: which page its next heartbeat gets
+        self._turn = [0] * world_size  # per rank: which page its next heartbeat gets
         self._built: dict[int, tuple[tuple[int, int, int], ev.Status]] = {}
         self._changes = [0] * self.n_pages
 
@@ -45,10 +45,15 @@ class StatusPages:
         if built is not None and built[0] == key:
             return built[1]
         start = cursor.start_step
-        rows = att.ranks[page * self.ranks_per_page:(page + 1) * self.ranks_per_page]
-        status = ev.Status(start, cursor.complete_through, self.world_size, rows[0].rank,
-                           tuple(r.received.contiguous_from(start) - 1 for r in rows),
-                           tuple(r.ended for r in rows if r.ended is not None))
+        rows = att.ranks[page * self.ranks_per_page : (page + 1) * self.ranks_per_page]
+        status = ev.Status(
+            start,
+            cursor.complete_through,
+            self.world_size,
+            rows[0].rank,
+            tuple(r.received.contiguous_from(start) - 1 for r in rows),
+            tuple(r.ended for r in rows if r.ended is not None),
+        )
         self._built[page] = (key, status)
         return status
 
