@@ -63,9 +63,20 @@ def make_flood(key: bytes, captured: list, rng: random.Random, job: int = 9, n: 
             )
 
 
+def udp_overflows() -> int:
+    """The host's UDP datagrams dropped so far because a socket's receive buffer was full (Linux's
+    RcvbufErrors, /proc/net/snmp), every socket's: a relay that reads more slowly than the flood arrives
+    loses the rest there, and how the flood splits between the two depends on the host's speed."""
+    with open("/proc/net/snmp") as f:
+        names, values = [line.split() for line in f if line.startswith("Udp:")][:2]
+    return int(values[names.index("RcvbufErrors")])
+
+
 def flooded(relay, key: bytes, run_exchange):
     """Run ``run_exchange()`` while a thread sends the FLOOD of forged datagrams (make_flood, with
-    genuine ones the peers sent to replay) to the relay at RATE; returns its result and how many were sent."""
+    genuine ones the peers sent to replay) to the relay at RATE; returns its result, how many were sent,
+    and how many datagrams the host dropped meanwhile in full receive buffers (`udp_overflows`)."""
+    overflows = udp_overflows()
     captured: list[bytes] = []
     original = udp.send_all
     target = tuple(relay.address)
@@ -105,6 +116,6 @@ def flooded(relay, key: bytes, run_exchange):
         result = run_exchange()
     finally:
         udp.send_all = original
-        flooder.join(60)
+        flooder.join(10 * FLOOD / RATE)  # ~12 s paced; a loaded host sends more slowly
         stop.set()
-    return result, sent[0]
+    return result, sent[0], udp_overflows() - overflows

@@ -110,8 +110,9 @@ def exchange(
 ):
     """Ranks 0..W-1 (threads) send `steps` updates each (to `address`, default the relay's) in a job of
     `world_size` (default W) ranks; returns each peer's applied params and log. ``make(rng, n, entries)``
-    and ``apply(payload, params)``: the codec (default the toy one). ``wait``: how long a peer waits for a
-    step of the log (and a thread for its rank) before the exchange fails."""
+    and ``apply(payload, params)``: the codec (default the toy one). ``wait``: how long a peer waits to join
+    and for a step of the log (a thread for its rank, the relay for every rank's FINISHED) before the exchange
+    fails."""
     peers = [
         Peer(address or relay.address, r, world_size or W, 0, key, 9, N, timeout=wait, **(peer_kwargs or {}))
         for r in range(W)
@@ -125,7 +126,7 @@ def exchange(
     def work(r):
         try:
             p = peers[r]
-            p.join(10)
+            p.join(wait)
             for t in range(steps):
                 if t - 1 - staleness >= 0:
                     for u in p.receive(until_step=t - 1 - staleness, timeout=wait):
@@ -147,7 +148,7 @@ def exchange(
         for t in threads:
             t.join(3 * wait)
         assert not errors, errors
-        relay.wait_finished(20)
+        relay.wait_finished(wait)
     finally:
         counters = [p.counters() for p in peers]
         for p in peers:

@@ -387,6 +387,7 @@ def _row(
         "egress_bytes_per_step": (c1["bytes_out"] - c0["bytes_out"]) / steps,
         "egress_datagrams_per_step": (c1["datagrams_out"] - c0["datagrams_out"]) / steps,
         "forwarded_datagrams_per_step": forwarded / steps,
+        "forwarded_bytes_per_step": (c1.get("forwarded_bytes", 0) - c0.get("forwarded_bytes", 0)) / steps,
         "datagrams_per_update": per_update_dgrams,
         "forwarded_bytes_per_update": per_update_bytes,
         "rank_message_wire_bytes": message_wire,

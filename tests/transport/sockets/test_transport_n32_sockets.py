@@ -49,7 +49,7 @@ def test_32_peers_through_the_lossy_fault_proxy_are_exactly_once(mode, loss):
         FaultProxy(relay.address, loss=loss, duplicate=0.02, reorder=0.05, delay=0.002, seed=32) as proxy,
     ):
         params, logs, expected, counters = exchange(
-            relay, key, W, STEPS, np.random.default_rng(3), address=proxy.address, entries=(3, 100), wait=60.0, **codec
+            relay, key, W, STEPS, np.random.default_rng(3), address=proxy.address, entries=(3, 100), wait=120.0, **codec
         )
         check_replicas(relay, mode, STEPS, expected, logs, params)
         c = relay.counters()
@@ -64,8 +64,12 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
     key = new_job_key()
     options, codec = codec_for(mode)
     with Relay(np.zeros(N, np.float32), W, key, 9, port=0, bind="127.0.0.1", **options) as relay:
-        (params, logs, expected, _), sent = flooded(
-            relay, key, lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), **codec)
+        (params, logs, expected, _), sent, overflowed = flooded(
+            relay,
+            key,
+            # wait: what a peer waits for a step before the exchange fails; a loaded host's relay, reading the
+            # flood too, may take many seconds over a step, which this test does not time
+            lambda: exchange(relay, key, W, 20, np.random.default_rng(7), entries=(3, 100), wait=120.0, **codec),
         )
         assert sent == FLOOD
         check_replicas(relay, mode, 20, expected, logs, params)
@@ -75,7 +79,9 @@ def test_a_flood_of_forged_datagrams_during_an_exchange_of_32_peers_over_sockets
         for reason in ("malformed", "auth_failed", "wrong_job", "oversized", "replayed", "not_joined"):
             assert drops.get(reason, 0) > 0, (reason, drops)
         assert drops.get("bad_update", 0) == 0
-        assert sum(drops.values()) > FLOOD * 0.5  # the rest may be lost in a full socket buffer
+        # each forged datagram dropped by the relay with its reason, or by the kernel in a full receive buffer
+        # when the relay reads more slowly than the flood comes (a loaded host: how the two split is its speed)
+        assert sum(drops.values()) + overflowed >= FLOOD * 0.9, (drops, overflowed)
 
 
 @pytest.mark.parametrize("mode", ["per-rank", "aggregate"])

@@ -214,6 +214,7 @@ class RelayCore:
                 "bytes_out",
                 "retransmits",
                 "forwarded",
+                "forwarded_bytes",
                 "updates_in",
                 "update_datagrams",
                 "applied",

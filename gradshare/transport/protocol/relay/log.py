@@ -246,6 +246,7 @@ class RelayLog:
         for addr in targets:
             self.io.datagrams.extend((dgram, addr) for dgram in sealed)
         self.io.c["forwarded"] += len(targets) * len(sealed)
+        self.io.c["forwarded_bytes"] += len(targets) * total_len(sealed)  # first sends; NAKs' resends apart
 
     def on_nak(self, att: Attempt, rs: RankState, msg: ev.Nak, now: float) -> None:
         io = self.io
