@@ -67,9 +67,8 @@ class GradshareModel(Model, ColumnParams, MLReadable["GradshareModel"], MLWritab
         self._module, self.architecture = module, architecture
         self.spec = spec or {}
         self.history = list(history or [])
-        self._weights: tuple[SparkContext, bytes, Broadcast[Payload]] | None = (
-            None  # (context, payload hash, broadcast)
-        )
+        # (context, payload hash, broadcast)
+        self._weights: tuple[SparkContext, bytes, Broadcast[Payload]] | None = None
 
     @property
     def torchModel(self) -> nn.Module | None:

@@ -60,17 +60,15 @@ class WorkerConfig:
     lr_scheduler: Callable[..., Any] | None = None  # factory: optimizer -> torch LR scheduler (same on every rank)
     scheduler_interval: str = Runtime.scheduler_interval  # "step": scheduler.step() every step; "epoch": each epoch
     lr_factor: float = 1.0  # every step's lr × this (TrainConfig.lr_factor: lr_batch_size's scaling)
-    momentum_ceiling: float | None = (
-        None  # each step's β1 / momentum at most this (replica/momentum.py); None: as given
-    )
+    # each step's β1 / momentum at most this (replica/momentum.py); None: as given
+    momentum_ceiling: float | None = None
     follow_lr: bool = Compression.follow_lr  # the residual and a non-calibrated τ follow the lr (encoding/sharing.py)
     apply_scale: float = 1.0  # every replica and the relay apply each message × this (aggregate="mean": 1/N)
     step_cap: StepCap | None = None  # each tensor's share of a step capped (encoding/step_cap.py); None: none
     drop_last: str = "never"  # "never" | "single" (a final batch of 1 row) | "partial" (any short final batch)
     precision: str = Runtime.precision  # "32" | "bf16-mixed" | "fp16-mixed": the forward's autocast (precision.py)
-    device: Any = (
-        Runtime.device
-    )  # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)
+    # "cpu" | "cuda" | "cuda:N" | "auto", resolved in the task (gradshare/replica/device.py)
+    device: Any = Runtime.device
     user_objects: bytes | None = None  # the user fields, cloudpickled by fit (shipping.py); None: not packed
     # worker_options (config.WORKER_OPTIONS: each key is the field of that name)
     profile: bool = False  # per-phase step timers in the report (profiling.py)
@@ -88,9 +86,8 @@ class WorkerConfig:
     first_epoch: int = 0  # epochs done before this fit (a resumed one): data order and τ's step count go on
     shards: bool = False  # validation rows come zipped with the training rows; every rank scores (validation.py)
     local_view: bool = Compression.local_view  # forward/backward at P + own residual (local_view.py); False: at P
-    hosted: HostedRelay | None = (
-        None  # relay="in-job": rank 0 hosts the relay (relay_host.py); relay_address is then its
-    )
+    # relay="in-job": rank 0 hosts the relay (relay_host.py) and tells the other ranks its address
+    hosted: HostedRelay | None = None
     rows: tuple[int, ...] = ()  # per rank: the driver's pre-pass count, which a task's must equal (fit sets it)
 
     def total_steps(self, rank: int) -> int:
