@@ -156,4 +156,4 @@ def check_consistent(sim: Sim) -> None:
         for u in sim.delivered[r]:
             assert u.payload == sim.sent[(u.step, u.sender)]
         assert param_hash(sim.params[r]) == param_hash(sim.relay.params), f"rank {r} differs from relay"
-    assert sim.relay.c["applied"] == len(expected)
+    assert sim.relay.counts["applied"] == len(expected)

@@ -309,10 +309,10 @@ def _core_rate(args: argparse.Namespace, messages: list[bytes], secure: bool, st
     for d, r in inbound:
         relay.receive_datagram(d, r, 0.0)
         relay.datagrams_to_send()
-        if relay.c["updates_in"] % W == 0:
+        if relay.counts["updates_in"] % W == 0:
             relay.apply_pending()
     relay.apply_pending()
-    return relay.c["forwarded"] / (time.thread_time() - t0)
+    return relay.counts["forwarded"] / (time.thread_time() - t0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ predictionCol "prediction", probabilityCol "probability"; an empty probabilityCo
 probability column off, as in Spark). Training options that a user may want to grid over with
 `ParamGridBuilder` are typed Params (epochs, batchSize, learningRate, seed, numWorkers); every other
 JSON-able SharedTrainer option goes in the one `trainerOptions` dict, so the Estimator does not
-re-declare (and drift from) the trainer's ~30 options. Python objects (model, optimizer, loss, ...)
+re-declare (and drift from) every one of the trainer's options. Python objects (model, optimizer, loss, ...)
 are constructor arguments, not Params: Params must be JSON for Spark's metadata files.
 """
 

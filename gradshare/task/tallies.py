@@ -121,7 +121,7 @@ class TrainingLog:
         self.rollback = rollback
         self.epochs: dict[tuple[int, int], EpochTally] = {}  # (rank, epoch) -> the applied steps' meta
         self.notes = AttemptNotes()  # rank 0's epoch-end state, in log order
-        self.c: Counter[str] = Counter()  # reported with the relay's counters
+        self.counts: Counter[str] = Counter()  # reported with the relay's counters
 
     def applied(self, step: int, rank: int, meta: StepMeta, attempt: int) -> None:
         if meta.epoch is not None:
@@ -161,13 +161,13 @@ class TrainingLog:
         return {k: t.as_dict() for k, t in self.epochs.items()}
 
     def counters(self) -> Mapping[str, int]:
-        return self.c
+        return self.counts
 
     def _tally(self, rank: int, epoch: int, meta: StepMeta, attempt: int) -> None:
         tally = self.epochs.get((rank, epoch))
         if tally is None:
             if len(self.epochs) >= MAX_EPOCH_ROWS:
-                self.c["epoch_rows_dropped"] += 1
+                self.counts["epoch_rows_dropped"] += 1
                 return
             tally = self.epochs[(rank, epoch)] = EpochTally(attempt)
         tally.add(meta, attempt)

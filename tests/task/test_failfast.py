@@ -56,7 +56,7 @@ def test_fail_from_an_unjoined_rank_is_recorded_once_and_acknowledged_over_a_los
     for _ in range(50):  # retransmissions and duplicates still in flight change nothing
         sim.step_time()
     failed = [e for e in _relay_events(sim) if isinstance(e, ev.PeerFailed)]
-    assert len(failed) == 1 and sim.relay.c["failures"] == 1
+    assert len(failed) == 1 and sim.relay.counts["failures"] == 1
     f = sim.relay.admission.failures[1]
     assert (f.rank, f.attempt, f.error_type) == (1, 0, "ModuleNotFoundError")
     assert f.message.startswith("No module named 'driver_only' xx") and len(f.message) < len(long)
@@ -110,7 +110,7 @@ def test_snapshot_in_large_datagrams_lands_in_the_callers_buffer_over_a_lossy_li
     assert step == -1 and params is into and np.array_equal(into, sim.p0)
     chunk = sim.relay.snaps.chunk_bytes
     assert 3900 < chunk <= 4000 - 42 and chunk % 4 == 0  # ten times the update chunks' payload
-    assert sim.relay.c["snapshot_chunks"] >= -(-4 * sim.N // chunk)
+    assert sim.relay.counts["snapshot_chunks"] >= -(-4 * sim.N // chunk)
 
 
 # ------------------------------------------------------------------------------------ driver's message

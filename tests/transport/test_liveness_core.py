@@ -49,7 +49,7 @@ def test_a_paused_rank_is_suspected_waited_for_and_carries_on_with_nothing_lost(
     sim.silent.discard(2)  # SIGCONT
     sim.run(steps=8)
     check_consistent(sim)  # every (step, rank) exactly once, in order, everywhere
-    assert sim.relay.complete_through == 7 and sim.relay.c["gone"] == 0
+    assert sim.relay.complete_through == 7 and sim.relay.counts["gone"] == 0
     assert _kinds(sim) == ["suspected", "back"] and sim.relay.liveness.first_cause() is None
 
 
@@ -84,7 +84,7 @@ def test_restart_rejects_every_live_rank_so_that_spark_retries_the_stage():
     drive(sim, lambda: all(sim.peers[r].state == "rejected" for r in (0, 1)))
     assert _kinds(sim) == ["suspected", "restart"] and sim.relay.att.ranks[2].ended is None
     assert "stage restart: rank 2 silent" in sim.peers[0].io.error and "at step 2" in sim.peers[1].io.error
-    assert sim.relay.c["gone"] == 0  # nothing cut: the retry resumes after step 1
+    assert sim.relay.counts["gone"] == 0  # nothing cut: the retry resumes after step 1
 
 
 def test_a_loading_rank_is_alive_and_an_unheard_one_gets_the_join_window():

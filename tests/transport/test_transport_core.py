@@ -89,7 +89,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
     assert sim.relay.complete_through == 4
     # Spark retries the stage: attempt 1 joins; the old attempt's datagrams are refused from now on
     old = dict(sim.peers)
-    applied_before = sim.relay.c["applied"]
+    applied_before = sim.relay.counts["applied"]
     assert applied_before == 10
     for r in range(2):
         sim.add_peer(r, attempt=1)
@@ -110,7 +110,7 @@ def test_new_attempt_cuts_log_and_resumes_from_snapshot():
     before = set(sim.sent)
     sim.run(steps=4)
     sim.sent = {k: v for k, v in sim.sent.items() if k not in before}
-    sim.relay.c["applied"] -= applied_before
+    sim.relay.counts["applied"] -= applied_before
     check_consistent(sim)
     assert sim.relay.complete_through == 8
 
@@ -254,13 +254,13 @@ def test_nak_that_crossed_the_forward_is_not_answered_but_a_later_one_is():
     n_chunks = sum(1 for d, r in relay.datagrams_to_send() if r == 1 and is_update(d))
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))  # "I have none of (0, 0)"
     relay.receive_datagram(nak, 1, relay.tuning.nak_delay / 2)
-    assert relay.c["nak_crossed_forward"] == 1 and relay.c["retransmits"] == 0
+    assert relay.counts["nak_crossed_forward"] == 1 and relay.counts["retransmits"] == 0
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, ()),)))
     relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)  # asked again: really lost
-    assert relay.c["retransmits"] == n_chunks
+    assert relay.counts["retransmits"] == n_chunks
     nak = peers[1].chan.seal_control(ev.Nak((ev.NakItem(0, 0, (1,)),)))  # specific chunks: always answered
     relay.receive_datagram(nak, 1, 2 * relay.tuning.nak_delay)
-    assert relay.c["retransmits"] == n_chunks + 1
+    assert relay.counts["retransmits"] == n_chunks + 1
 
 
 def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one():
@@ -277,5 +277,5 @@ def test_peer_naks_a_partial_of_the_newest_step_without_waiting_for_a_later_one(
     while t < 0.05 and not naks:  # well before any heartbeat or STATUS
         t += peers[1].tuning.tick
         peers[1].handle_timer(t)
-        naks = peers[1].io.c["naks_sent"]
+        naks = peers[1].io.counts["naks_sent"]
     assert naks == 1 and t < 4 * peers[1].tuning.nak_delay

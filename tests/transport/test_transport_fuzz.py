@@ -76,7 +76,7 @@ def test_relay_core_survives_any_datagrams(datagrams):
         while relay.next_event() is not None:
             pass
     relay_invariants(relay, len(datagrams))
-    assert relay.c["applied"] <= relay.c["updates_in"]
+    assert relay.counts["applied"] <= relay.counts["updates_in"]
     assert np.count_nonzero(relay.params) <= 1  # only the one valid toy update can touch it
 
 
@@ -105,5 +105,5 @@ def test_forged_and_invalid_updates_are_never_applied():
     relay.receive_datagram(join, "a", 0.0)
     bad = wire.encode_update_body(toy_encode(1.0, [N + 1]), None)
     relay.receive_datagram(forged(wire.Kind.UPDATE, 0, 0, 0, 0, 0, 1, bad, counter=1), "a", 0.1)
-    assert relay.c["applied"] == 0 and relay.chan.drops["bad_update"] == 1
+    assert relay.counts["applied"] == 0 and relay.chan.drops["bad_update"] == 1
     assert relay.att.ranks[0].ended.gone and np.all(relay.params == 0)

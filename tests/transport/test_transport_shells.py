@@ -73,7 +73,7 @@ def test_a_rank_declared_gone_hears_it_once_as_a_rejected_event():
     for p in sim.peers.values():
         _events(p)
     sim.silent.add(1)
-    drive(sim, lambda: sim.relay.c["gone"] == 1)
+    drive(sim, lambda: sim.relay.counts["gone"] == 1)
     sim.silent.discard(1)  # it comes back and hears STATUS pages saying it is gone
     drive(sim, lambda: sim.peers[1].io.error is not None)
     for _ in range(50):

@@ -55,7 +55,7 @@ def test_relay_trims_once_per_rise_of_the_floor():
     relay = sim.relay
     kept = len(sim.sent) - len(relay.att.history)  # every forwarded update went into the history once
     # each key is looked at once when dropped (plus keys evicted or discarded earlier, none here)
-    assert relay.att.history.examined == kept and relay.c["history_evicted"] == 0
+    assert relay.att.history.examined == kept and relay.counts["history_evicted"] == 0
     # the last heartbeats may have raised the floor since the last timer: one trim catches up, at the same
     # cost of one look per dropped key
     relay.log.trim(relay.att)

@@ -244,7 +244,7 @@ class PeerCore:
             ),
             0,
         )
-        d.update(self.io.c)
+        d.update(self.io.counts)
         d["drops"] = dict(self.chan.drops)
         d["unacked"] = len(self.own.unacked)
         d["complete_through"] = self.complete_through
@@ -252,8 +252,8 @@ class PeerCore:
 
     # --- input ---------------------------------------------------------------------------------------
     def receive_datagram(self, data: bytes, addr: ev.Address, now: float) -> None:
-        self.io.c["datagrams_in"] += 1
-        self.io.c["bytes_in"] += len(data)
+        self.io.counts["datagrams_in"] += 1
+        self.io.counts["bytes_in"] += len(data)
         h = self.chan.parse(data, wire.MAX_DATAGRAM_SIZE)
         if h is None:
             return
@@ -289,7 +289,7 @@ class PeerCore:
             self.inbound.receive_chunk(h, body, now)
             return
         if h.kind == Kind.SNAP_CHUNK:
-            self.io.c["snapshot_bytes_in"] += len(data)  # the model's download, not training traffic
+            self.io.counts["snapshot_bytes_in"] += len(data)  # the model's download, not training traffic
             self.snaps.on_chunk(h, body, now)
             return
         msg = self.chan.control(h.kind, body)

@@ -114,7 +114,7 @@ class Inbound:
             return
         self.known_high[slot] = max(self.known_high[slot], h.step)
         self.store(ev.Update(h.step, h.origin, payload, meta, now), slot)
-        self.io.c["updates_received"] += 1
+        self.io.counts["updates_received"] += 1
         self.advance()
 
     def on_status(self, msg: ev.Status, own: OwnLog) -> None:
@@ -183,7 +183,7 @@ class Inbound:
             if u is None:
                 return
             self.ready.append(u)
-            self.io.c["delivered"] += 1
+            self.io.counts["delivered"] += 1
             cur.advance()
 
     # --- repair --------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ class Inbound:
                 items.append(ev.NakItem(key[0], origin, p.missing(ev.MAX_NAK_ITEMS) if p else ()))
         if items:
             self.io.send(ev.Nak(tuple(items)))
-            self.io.c["naks_sent"] += 1
+            self.io.counts["naks_sent"] += 1
 
 
 __all__ = ["Inbound"]

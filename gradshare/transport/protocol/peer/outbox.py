@@ -16,7 +16,7 @@ class PeerOutbox:
         self.chan = chan
         self.datagrams: list[bytes] = []
         self.events: deque[ev.PeerEvent] = deque()
-        self.c: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
         self.error: str | None = None  # set once the peer cannot go on; every later call raises it
 
     def send(self, msg: ev.ControlMessage) -> None:
@@ -41,8 +41,8 @@ class PeerOutbox:
 
     def take(self) -> list[bytes]:
         out, self.datagrams = self.datagrams, []
-        self.c["datagrams_out"] += len(out)
-        self.c["bytes_out"] += sum(len(d) for d in out)
+        self.counts["datagrams_out"] += len(out)
+        self.counts["bytes_out"] += sum(len(d) for d in out)
         return out
 
 

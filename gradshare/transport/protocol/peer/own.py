@@ -54,7 +54,7 @@ class OwnLog:
         self.unacked.add(step, body, now)
         self.io.datagrams.extend(self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step))
         self.next_step = step + 1
-        self.io.c["updates_sent"] += 1
+        self.io.counts["updates_sent"] += 1
 
     def on_nak(self, items: tuple[ev.NakItem, ...]) -> None:
         """Re-send what the relay is missing of ours, only the chunks it names."""
@@ -65,7 +65,7 @@ class OwnLog:
             ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, item.step, item.chunks or None)
             self.io.datagrams.extend(ds)
             self.unacked.repaired(item.step)  # Karn: no RTT sample from a repaired step
-            self.io.c["retransmits"] += len(ds)
+            self.io.counts["retransmits"] += len(ds)
 
     def on_end(self, ended: ev.Ended) -> None:
         """Our own end, as STATUS says it: declared gone, or our FINISHED confirmed."""
@@ -80,8 +80,8 @@ class OwnLog:
             assert body is not None  # due() names only the steps it holds
             ds = self.io.chan.seal_chunks(Kind.UPDATE, body, self.rank, step)
             self.io.datagrams.extend(ds)
-            self.io.c["retransmits"] += len(ds)
-            self.io.c["timeouts"] += 1
+            self.io.counts["retransmits"] += len(ds)
+            self.io.counts["timeouts"] += 1
 
     def waiting(self) -> bool:
         """Something of ours awaits the relay's acknowledgement (a retransmit timeout may come due)."""

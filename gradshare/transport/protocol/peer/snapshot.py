@@ -131,7 +131,7 @@ class SnapshotFetch:
         gaps = s.got.gaps(0, s.info.n_chunks, 8 * ev.MAX_NAK_ITEMS)
         for i in range(0, len(gaps), ev.MAX_NAK_ITEMS):
             io.send(ev.SnapNak(s.info.snap_id, tuple(gaps[i : i + ev.MAX_NAK_ITEMS])))
-        io.c["snapshot_naks"] += 1
+        io.counts["snapshot_naks"] += 1
 
 
 __all__ = ["SnapshotDownload", "SnapshotFetch"]

@@ -118,7 +118,7 @@ class Admission:
         known = self.failures.get(msg.rank)
         if known is None or known.attempt != msg.attempt:
             self.failures[msg.rank] = msg
-            self.io.c["failures"] += 1
+            self.io.counts["failures"] += 1
             self.io.emit(
                 ev.PeerFailed(
                     msg.rank, msg.attempt, msg.error_type, msg.message, msg.step, msg.fatal, msg.error_class, msg.cause
@@ -130,17 +130,17 @@ class Admission:
         """A retried stage: the log restarts after complete_through (or after the step the observer rolls
         ``params`` back to), from a fresh Attempt."""
         cut = self.observer.cut(complete_through, params)
-        if cut.rolled_back and self.io.c["attempts"]:  # a retried stage (a resumed fit's first attempt is none)
+        if cut.rolled_back and self.io.counts["attempts"]:  # a retried stage (a resumed fit's first attempt is none)
             self.rolled_back.append({"attempt": number, "from": complete_through, "to": cut.through})
             self.io.emit(ev.RolledBack(number, complete_through, cut.through))
         att = Attempt(number, now, cut.through + 1, cut.notes, self.world_size, self.tuning, self.max_message, now)
-        self.io.c["attempts"] += 1
+        self.io.counts["attempts"] += 1
         self.io.emit(ev.AttemptStarted(number, cut.through + 1))
         return att
 
     def _reject(self, addr: ev.Address, reason: str) -> None:
         self.io.send_to(addr, ev.Reject(reason))
-        self.io.c["rejects"] += 1
+        self.io.counts["rejects"] += 1
 
 
 __all__ = ["Admission", "StartAttempt"]

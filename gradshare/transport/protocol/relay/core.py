@@ -131,7 +131,7 @@ class RelayCore:
             max_windows=4 * world_size + 8,
         )
         self.io = RelayOutbox(self.chan)
-        self.c: Counter[str] = self.io.c  # counters (drops live in chan.drops)
+        self.counts: Counter[str] = self.io.counts  # counters (drops live in chan.drops)
         self.pages = StatusPages(world_size, self.chan.chunk_bytes)
         # snapshot chunks may travel in larger datagrams than updates (loopback: one per 64 kB instead of
         # one per 1.4 kB, so sealing and opening them is not what a worker waits for); peers accept any
@@ -223,7 +223,7 @@ class RelayCore:
             ),
             0,
         )
-        d.update(self.c)
+        d.update(self.counts)
         d.update(self.observer.counters())
         d["drops"] = dict(self.chan.drops)
         ranks = self.att.ranks
@@ -317,8 +317,8 @@ class RelayCore:
     def _receive(self, data: bytes, addr: ev.Address, now: float) -> Chunk | None:
         """One datagram; the update chunk it stored (the next chunk of the same update may follow it
         through `RelayLog.next_chunk`), or None."""
-        self.c["datagrams_in"] += 1
-        self.c["bytes_in"] += len(data)
+        self.counts["datagrams_in"] += 1
+        self.counts["bytes_in"] += len(data)
         h = self.chan.parse(data)
         if h is None:
             return None
@@ -390,7 +390,7 @@ class RelayCore:
                 self.chan.drops["snapshot_busy"] += 1
                 return
             if new:
-                self.c["snapshots"] += 1
+                self.counts["snapshots"] += 1
             self.io.send(rs, t.info())
         elif isinstance(msg, ev.SnapNak):
             if not self.snaps.nak(rs.rank, msg.snap_id, msg.ranges, now):
@@ -418,8 +418,8 @@ class RelayCore:
         for rank, t, i in self.snaps.pace(now, self._last_tick, abandoned):
             sealed = self.chan.seal(Kind.SNAP_CHUNK, t.chunk(i), 0, t.snap.snap_id, i, t.n_chunks)
             self.io.datagrams.append((sealed, ranks[rank].addr))
-            self.c["snapshot_chunks"] += 1
-            self.c["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
+            self.counts["snapshot_chunks"] += 1
+            self.counts["snapshot_bytes_out"] += len(sealed)  # model distribution, not training traffic
 
     def apply_pending(self) -> None:
         """Apply every update whose turn has come (called inline unless ``defer_apply``)."""

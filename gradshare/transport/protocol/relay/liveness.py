@@ -74,8 +74,8 @@ class Liveness:
         if len(self.incidents) < MAX_INCIDENTS:
             self.incidents.append(inc)
         else:
-            self.io.c["incidents_dropped"] += 1
-        self.io.c[f"incident_{kind}"] += 1
+            self.io.counts["incidents_dropped"] += 1
+        self.io.counts[f"incident_{kind}"] += 1
         self.io.emit(inc)
         return inc
 

@@ -143,8 +143,8 @@ class RelayLog:
         counter, index = wire.counter_and_index(data)
         if counter >= wire.MAX_COUNTER or index >= last.chunks:
             return False  # the whole path counts it (malformed)
-        io.c["datagrams_in"] += 1
-        io.c["bytes_in"] += len(data)
+        io.counts["datagrams_in"] += 1
+        io.counts["bytes_in"] += len(data)
         rs = last.rank
         body = io.chan.open_fields(rs.rank, att.number, last.session, counter, data)
         if body is not None:
@@ -182,11 +182,11 @@ class RelayLog:
             rs.meta = meta
             att.pending_meta[(step, rs.rank)] = meta
         att.pending[(step, rs.rank)] = decoded
-        io.c["updates_in"] += 1
+        io.counts["updates_in"] += 1
         # the datagrams the accepted updates came in (a per-rank forward sends each of them once): the
         # exact forwarding model; one from the mean payload under-counts updates whose sizes straddle
         # a datagram boundary
-        io.c["update_datagrams"] += len(sealed)
+        io.counts["update_datagrams"] += len(sealed)
         att.acks.setdefault(rs.rank, []).append(step)
         if self.aggregator is None:
             self.keep(att, step, rs.rank, sealed)
@@ -218,7 +218,7 @@ class RelayLog:
                 late.nakked(step)
         for rank, items in naks.items():
             self.io.send(att.ranks[rank], ev.Nak(tuple(items)))
-            self.io.c["naks_sent"] += 1
+            self.io.counts["naks_sent"] += 1
 
     # --- forward and repair --------------------------------------------------------------------------
     def flush_acks(self, att: Attempt) -> None:
@@ -234,7 +234,7 @@ class RelayLog:
         """Into the bounded history, for NAK repair (what the caps evict is remembered: NAK → error)."""
         for key in att.history.put((step, origin), sealed):
             att.evicted.add(key)
-            self.io.c["history_evicted"] += 1
+            self.io.counts["history_evicted"] += 1
 
     def forward(self, att: Attempt, origin: int, step: int, sealed: tuple[bytes, ...], now: float) -> None:
         """Send the origin's own datagrams (or the relay's aggregate), unchanged, to every other live peer."""
@@ -245,8 +245,8 @@ class RelayLog:
         # a peer's datagrams one after another: the shell sends such a run as one GSO buffer (udp.py)
         for addr in targets:
             self.io.datagrams.extend((dgram, addr) for dgram in sealed)
-        self.io.c["forwarded"] += len(targets) * len(sealed)
-        self.io.c["forwarded_bytes"] += len(targets) * total_len(sealed)  # first sends; NAKs' resends apart
+        self.io.counts["forwarded"] += len(targets) * len(sealed)
+        self.io.counts["forwarded_bytes"] += len(targets) * total_len(sealed)  # first sends; NAKs' resends apart
 
     def on_nak(self, att: Attempt, rs: RankState, msg: ev.Nak, now: float) -> None:
         io = self.io
@@ -256,7 +256,7 @@ class RelayLog:
                 # the peer had none of it when it asked, and we forwarded all of it a moment ago: the NAK
                 # crossed the forward. Resending every chunk would double the traffic for nothing; if the
                 # forward was really lost the peer asks again after its re-NAK interval.
-                io.c["nak_crossed_forward"] += 1
+                io.counts["nak_crossed_forward"] += 1
                 continue
             sealed = att.history.get(key)
             if sealed is None:
@@ -268,13 +268,13 @@ class RelayLog:
                             f"from the relay's bounded history before this peer had it"
                         ),
                     )
-                    io.c["nak_evicted"] += 1
+                    io.counts["nak_evicted"] += 1
                 continue
             n = len(sealed)
             dgrams = sealed if not item.chunks else [sealed[i] for i in item.chunks if i < n]
             for d in dgrams:
                 io.datagrams.append((d, rs.addr))
-            io.c["retransmits"] += len(dgrams)
+            io.counts["retransmits"] += len(dgrams)
 
     def forget_recent(self, att: Attempt, now: float) -> None:
         """Drop the forwards older than nak_delay (a NAK after that is not one that crossed them)."""
@@ -336,7 +336,7 @@ class RelayLog:
             att.pending_meta.pop(key, None)
         att.history.discard_where(lambda k: k[1] == rs.rank and k[0] > last_step)
         att.reasm.discard_where(lambda k: k[0] == rs.rank)
-        io.c["gone" if gone else "finished"] += 1
+        io.counts["gone" if gone else "finished"] += 1
         io.emit(ev.PeerEnded(rs.rank, last_step, gone, reason))
         # only the ended rank's page changed
         status = self.pages.page(self.pages.page_of(rs.rank), att)
@@ -373,7 +373,7 @@ class RelayLog:
             else:
                 self._apply(decoded)
             for k in row:
-                self.io.c["applied"] += 1
+                self.io.counts["applied"] += 1
                 meta = att.pending_meta.pop(k, None)
                 if meta is not None:
                     self.observer.applied(t, k[1], meta, att.number)
@@ -413,9 +413,9 @@ class RelayLog:
         )
         self.keep(att, step, AGGREGATE_ORIGIN, sealed)
         self.forward(att, AGGREGATE_ORIGIN, step, sealed, self.last_now)
-        io.c["aggregates"] += 1
-        io.c["aggregate_wire_bytes"] += total_len(sealed)  # one peer's copy
-        io.c["aggregate_entries"] += agg.message.n_entries
+        io.counts["aggregates"] += 1
+        io.counts["aggregate_wire_bytes"] += total_len(sealed)  # one peer's copy
+        io.counts["aggregate_entries"] += agg.message.n_entries
 
 
 __all__ = ["Chunk", "Codec", "Decoded", "RelayLog"]

@@ -15,7 +15,7 @@ class RelayOutbox:
         self.chan = chan
         self.datagrams: list[tuple[bytes, ev.Address]] = []
         self.events: deque[ev.RelayEvent] = deque()
-        self.c: Counter[str] = Counter()  # counters (drops live in chan.drops)
+        self.counts: Counter[str] = Counter()  # counters (drops live in chan.drops)
 
     def send(self, rs: RankState, msg: ev.ControlMessage) -> None:
         if rs.addr is not None:
@@ -31,8 +31,8 @@ class RelayOutbox:
         if not self.datagrams:
             return []  # the common case: the shell asks after every datagram it feeds in
         out, self.datagrams = self.datagrams, []
-        self.c["datagrams_out"] += len(out)
-        self.c["bytes_out"] += sum(len(data) for data, _ in out)
+        self.counts["datagrams_out"] += len(out)
+        self.counts["bytes_out"] += sum(len(data) for data, _ in out)
         return out
 
 
