@@ -26,8 +26,8 @@ import torch
 from pyspark import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network
+from lab.flat_options import in_groups
 from standalone import Cluster  # noqa: E402 - this folder's helper
 
 DEFAULTS = {

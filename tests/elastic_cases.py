@@ -12,8 +12,8 @@ import tempfile
 
 import numpy as np
 
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network
+from lab.flat_options import in_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

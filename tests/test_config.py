@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from gradshare.config import TrainConfig
-from gradshare.config.grouping import GROUP_OF, GROUPS, grouped
+from gradshare.config.grouping import GROUPS, grouped
 from gradshare.config.options import (
     DEFAULT_WARMUP_EPOCHS,
     WORKER_OPTIONS,
@@ -24,6 +24,7 @@ from gradshare.config.options import (
 from gradshare.driver.trainer import SharedTrainer
 from gradshare.task.config import WorkerConfig
 from gradshare.transport.protocol.wire import DEFAULT_DATAGRAM_SIZE, DEFAULT_PORT
+from lab.flat_options import GROUP_OF
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gradshare"
 FLAT = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.init}
@@ -39,8 +40,8 @@ def _same(a, b) -> bool:
 def test_shared_trainer_takes_every_option_and_default_from_train_config():
     params = inspect.signature(SharedTrainer).parameters
     assert list(params)[0] == "model" and params["model"].default is inspect.Parameter.empty
-    options = {name: p.default for name, p in params.items() if name not in ("model", "deprecated")}
-    assert params["deprecated"].kind is inspect.Parameter.VAR_KEYWORD  # the flat names, for one release
+    options = {name: p.default for name, p in params.items() if name != "model"}
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())  # every option is named
     assert list(options) == list(FLAT), "SharedTrainer's options and TrainConfig's fields differ (or their order)"
     drift = {k: (v, FLAT[k]) for k, v in options.items() if not _same(v, FLAT[k])}
     assert not drift, f"(signature, TrainConfig) defaults differ: {drift}"
@@ -264,38 +265,21 @@ def test_a_bad_option_fails_naming_it_in_train_config_and_in_shared_trainer(opti
         TrainConfig(**grouped(_in_groups(options)))
     with pytest.raises(error, match=message):  # the same class and message: the trainer's checks are these
         SharedTrainer(lambda: None, **_in_groups(options))
-    if set(options) & set(GROUP_OF):
-        with pytest.raises(error, match=message), pytest.warns(DeprecationWarning):  # flat names, for one release
-            SharedTrainer(lambda: None, **options)
 
 
-def test_a_flat_name_of_a_grouped_option_warns_naming_its_group_and_reaches_it():
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"SharedTrainer\(density=\) is deprecated .* "
-        r"pass compression=Compression\(density=0\.01\)",
-    ):
-        trainer = SharedTrainer(lambda: None, density=0.01)
-    assert trainer.config.compression == Compression(density=0.01)
-    with (
-        pytest.raises(ValueError, match=r"timeout given both flat and in fault_tolerance=\.\.\. with other"),
-        pytest.warns(DeprecationWarning),
-    ):
-        SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(timeout=9.0))
-    with pytest.raises(ValueError, match=r"bind given both flat"), pytest.warns(DeprecationWarning):
-        SharedTrainer(lambda: None, bind="0.0.0.0", network=Network(bind="127.0.0.1"))  # the flat one is the default
-    with pytest.warns(DeprecationWarning):  # flat names join the group given, keeping its other options
-        merged = SharedTrainer(lambda: None, timeout=5.0, fault_tolerance=FaultTolerance(step_timeout=9.0))
-    assert merged.fault_tolerance == FaultTolerance(timeout=5.0, step_timeout=9.0)
+def test_a_grouped_option_is_taken_in_its_group_only():
+    # a grouped option named flat is an unknown keyword: Python's TypeError names it
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'density'"):
+        SharedTrainer(lambda: None, density=0.01)
+    trainer = SharedTrainer(lambda: None, compression={"density": 0.01})  # a dict, as JSON gives it
+    assert trainer.config.compression == Compression(density=0.01) == trainer.compression
+    with pytest.raises(AttributeError, match=r"has no attribute 'density'"):
+        trainer.density
     with pytest.raises(ValueError, match=r"network has no option\(s\) \['prot'\]; Network's are"):
         SharedTrainer(lambda: None, network={"prot": 1})
-    with pytest.warns(
-        DeprecationWarning, match=r"trainer\.density is deprecated .* read trainer\.compression\.density"
-    ):
-        assert trainer.density == 0.01
     with pytest.raises(AttributeError, match="fixed when it is made"):  # nor set as an attribute
-        trainer.density = 0.5
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['epoch'\]"):
+        trainer.epochs = 5
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'epoch'"):
         SharedTrainer(lambda: None, epoch=3)
     with pytest.raises(TypeError, match=r"network must be gradshare\.Network\(\.\.\.\), got int"):
         TrainConfig(network=3)

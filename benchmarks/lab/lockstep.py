@@ -41,7 +41,6 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.config import SchedulerFactory, TrainConfig
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import OptimizerMomentum
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
@@ -53,6 +52,7 @@ from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport.testing.shared_log import LogPeer, SharedLog
 from gradshare.vectors import Vector
+from lab.flat_options import in_groups
 from lab.systems import adam, lr_scheduler_factory
 from lab.workloads import Workload, load, model_factory, test_accuracy
 

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from gradshare.config import TrainConfig
-from gradshare.config.grouping import in_groups
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.replica.flat import FlatParams
@@ -32,6 +31,7 @@ from gradshare.replica.losses import HookStep, clip_grad_norm
 from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
+from lab.flat_options import in_groups
 from lab.lm_models import (
     FACTORIES,
     RECIPES,

@@ -11,9 +11,6 @@ schedule, the step rule's corrections), `Network` (the relay's sockets and forwa
 tracking). `Elastic` is one more group, given flat (``elastic=Elastic(2, 8)``). Each field's metadata
 holds its doc line; docs/guide/options.md is `config.options_table()` (tests/docs/test_readme_options.py), so the page,
 the defaults and the checks cannot drift.
-
-The flat names of the options now in a group (``SharedTrainer(density=1e-3)``) still work for one release,
-with a DeprecationWarning naming the group to use (grouping.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ too, the result model has the driver's (flat.shared_buffers).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any, Literal
@@ -56,7 +55,7 @@ from gradshare.config import (
     TrainStep,
     ValidationData,
 )
-from gradshare.config.grouping import GROUP_OF, grouped
+from gradshare.config.grouping import grouped
 from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
 from gradshare.driver.collect import collect_result
 from gradshare.driver.elastic import fit_elastic
@@ -90,8 +89,7 @@ class SharedTrainer:
     `FaultTolerance` and `Runtime` (gradshare/config/options.py), plus `Elastic`. docs/guide/options.md lists
     every option with its default and meaning (generated from the dataclasses' fields); `trainer.config`
     is the checked `TrainConfig`, and ``trainer.epochs`` (any flat option's name, or a group's keyword)
-    reads it. An option's flat name from before the groups (``density=1e-3``) still works for one
-    release, with a DeprecationWarning naming its group.
+    reads it.
 
     model: an ``nn.Module`` or a zero-argument factory returning one (called once on the driver, after
         ``torch.manual_seed(seed)``; every replica starts from those same parameters).
@@ -128,18 +126,11 @@ class SharedTrainer:
         network: Network = TrainConfig.network,
         fault_tolerance: FaultTolerance = TrainConfig.fault_tolerance,
         runtime: Runtime = TrainConfig.runtime,
-        **deprecated: Any,
     ) -> None:
         # Every default is TrainConfig's or its groups' (the one place they are written), and they check
         # every option: a bad one fails here, naming it, before any Spark job.
-        unknown = sorted(set(deprecated) - set(GROUP_OF))
-        if unknown:
-            raise TypeError(
-                f"SharedTrainer() got unexpected keyword argument(s) {unknown} (docs/guide/options.md "
-                "lists every option)"
-            )
-        given = {k: v for k, v in locals().items() if k not in ("self", "deprecated", "unknown")}
-        options = grouped({**given, **deprecated})
+        given = {k: v for k, v in locals().items() if k != "self"}
+        options = grouped(given)
         object.__setattr__(self, "options", options)  # as given, the groups made: MLflow's params
         object.__setattr__(self, "config", TrainConfig(**{k: v for k, v in options.items() if k != "model"}))
         object.__setattr__(self, "model", model)
@@ -155,23 +146,14 @@ class SharedTrainer:
 
     def __getattr__(self, name: str) -> Any:
         """An option's name reads the config: ``trainer.epochs`` is ``trainer.config.epochs`` (and
-        ``trainer.early_stopping`` its checked rule), ``trainer.compression`` the group. A grouped option's
-        flat name (``trainer.density``) still reads it from its group for one release, with a warning."""
+        ``trainer.early_stopping`` its checked rule), ``trainer.compression`` the group."""
         if name in OPTIONS:
             return getattr(self.config, CHECKED.get(name, name))
-        if name in GROUP_OF:
-            group = GROUP_OF[name]
-            warnings.warn(
-                f"trainer.{name} is deprecated and will be removed in the next release; read trainer.{group}.{name}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(getattr(self.config, group), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: object) -> None:
         # an option set here would not reach the config the fit reads: make a new trainer instead
-        if name in OPTIONS or name in GROUP_OF or name in ("config", "optimizer"):
+        if name in OPTIONS or name in ("config", "optimizer"):
             raise AttributeError(
                 f"SharedTrainer's options are fixed when it is made (trainer.config is frozen); "
                 f"make a new SharedTrainer to change {name!r}"

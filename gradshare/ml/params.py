@@ -21,7 +21,6 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
 
 from gradshare.config import TrainConfig
-from gradshare.config.grouping import GROUP_OF
 from gradshare.config.options import Compression, FaultTolerance, Network, Runtime
 
 # SharedTrainer options that are Params or constructor arguments here, so not trainerOptions keys.
@@ -88,7 +87,7 @@ def _trainer_options(value: object) -> dict[str, Any]:  # JSON values, SharedTra
     given as its dataclass (``{"network": Network(bind=...)}``) is kept as the dict of the options it sets."""
     if not isinstance(value, dict):
         raise TypeError(f"trainerOptions must be a dict of SharedTrainer options, got {type(value).__name__}")
-    known = trainer_option_names() | set(GROUP_OF)  # a grouped option's flat name: deprecated, SharedTrainer warns
+    known = trainer_option_names()
     value = {key: _as_dict(item) for key, item in value.items()}
     for key, item in value.items():
         if key in NOT_OPTIONS or key not in known:

@@ -12,11 +12,11 @@ from torch import nn
 
 from dying import DiesOnce
 from gradshare import SharedTrainer
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import FaultTolerance, Network
 from gradshare.demo import evaluate_accuracy, mlp
 from gradshare.driver.plan import forwarding_for
 from gradshare.driver.policy import AGGREGATE_FROM
+from lab.flat_options import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

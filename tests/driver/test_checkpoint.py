@@ -11,7 +11,6 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Compression, FaultTolerance, Network
 from gradshare.demo import digits_split, mlp
 from gradshare.driver.checkpoint import rollback_point
@@ -19,6 +18,7 @@ from gradshare.errors import CheckpointError
 from gradshare.task.checkpoint import MANIFEST, CheckpointPlan
 from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
+from lab.flat_options import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

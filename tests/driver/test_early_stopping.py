@@ -8,10 +8,10 @@ import pytest
 from pyspark import cloudpickle
 
 from gradshare import SharedTrainer
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_split, mlp
 from gradshare.stopping import EarlyStopping, early_stopping_from, should_stop, stop_epoch
+from lab.flat_options import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from dying import DiesOnce
 from gradshare import ConsistencyError, SharedTrainer, TrainingError, TransportTimeout  # noqa: F401
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_experiment, digits_split, evaluate_accuracy, mlp
+from lab.flat_options import in_groups
 
 # Executors cannot import this test module: ship its model classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -6,10 +6,10 @@ import pytest
 from torch import nn
 
 from gradshare import SharedTrainer
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import DEFAULT_WARMUP_EPOCHS, DEFAULT_WARMUP_MIN_STEPS, Compression
 from gradshare.driver.plan import rule_for
 from gradshare.encoding import CalibratedThreshold
+from lab.flat_options import in_groups
 
 N_PARAMS = 10_000_000  # large enough that the 768-entry floor stays below the density
 

@@ -14,7 +14,6 @@ from pyspark import cloudpickle
 from torch import nn
 
 from gradshare import SharedTrainer, encoding
-from gradshare.config.grouping import in_groups
 from gradshare.config.options import Network, Runtime
 from gradshare.demo import digits_split, evaluate_accuracy, mlp
 from gradshare.encoding import Message
@@ -25,6 +24,7 @@ from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport import Update, param_hash
+from lab.flat_options import in_groups
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
