@@ -13,7 +13,6 @@ import tempfile
 import numpy as np
 
 from gradshare.config.options import Network
-from lab.flat_options import in_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -43,6 +42,7 @@ def no_loss(outputs, labels):
 def trainer(epochs, optimizer, model=None, batch_size=40, **options):
     from gradshare import SharedTrainer
     from gradshare.demo import mlp
+    from lab.flat_options import in_groups  # benchmarks/ is on sys.path from here (above)
 
     return SharedTrainer(
         model or mlp,
