@@ -3,14 +3,10 @@
 A worker's residual holds every part of its updates that it has not sent yet (error feedback, Strom
 2015), and each step sends only the entries that crossed τ: what gets through is already an average of
 the worker's past updates, a momentum of its own. An optimizer's first moment (Adam's β1, SGD's
-momentum) adds a second, lagging average on top, and with many workers that lag is what held learning
-back: in lock step, with the momentum off from 32 workers on, tabular64k at 64 workers went from 84.41 to
-86.75 % (3 seeds; tuned DDP 85.63) and the MNIST-1D MLP at 32 workers from 83.26 to 88.87 % (DDP 85.30);
-below 32, at most 0.5 (with the step cap) brought Hugging Face language models to the DDP equivalent.
-The default by worker count is the planner's (driver/policy.py).
-With few workers some momentum filters each worker's noise out of what crosses τ: the 10.5 M-parameter
-digits MLP at 4 workers lost 1.4 pp with it off and kept its accuracy at 0.5 (docs/benchmarks/scaling.md,
-"The workers' momentum").
+momentum) adds a second, lagging average on top, and with many workers that lag is what holds learning
+back. The default by worker count is the planner's (driver/policy.py): at most 0.5 below 32 workers, where
+some momentum still filters each worker's noise out of what crosses τ, and off from 32; the measurements
+are on docs/guide/defaults.md.
 
 The lowered value is set around each optimizer step and put back after it, as the lr factors are
 (task/worker.py): the optimizer's param groups, a scheduler that cycles momentum (OneCycleLR) and a
