@@ -2,7 +2,9 @@
 under forwarding="per-rank" and "aggregate", side by side in one run, per-epoch validation accuracy and
 loss, plus the relay's egress per step.
 
-    python benchmarks/aggregate_convergence.py --workers 4,8 --epochs 8 --json docs/bench-aggregate-convergence.json
+    python benchmarks/aggregate_convergence.py --workers 4,8 --epochs 8 --json out.json
+
+(docs/benchmarks/data/bench-aggregate-convergence.json is that run's output.)
 
 Runs its own local[max N] Spark session (the machine's cores are oversubscribed at N = 8: correctness,
 accuracy and traffic are measured, not time).

@@ -7,7 +7,7 @@ its session (timed: `startup`), makes the digits DataFrame (2 partitions, the sa
 workers) and the same fit again (timed: `fit`, the steady state). Ratios are against the classic
 session with the relay in the driver, from the same run.
 
-    python benchmarks/connect_fit.py --epochs 5 --repeats 3 --json docs/bench-connect.json
+    python benchmarks/connect_fit.py --epochs 5 --repeats 3 --json docs/benchmarks/data/bench-connect.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The DataFrame is cached and counted first, so both read the same in-memory block
 
     python benchmarks/dataframe_rows.py --rows 10000 --width 1024 --partitions 2 --repeats 3 --json out.json
 
-(docs/bench-dataframe.json is that run's output.)
+(docs/benchmarks/data/bench-dataframe.json is that run's output.)
 """
 
 from __future__ import annotations

@@ -392,7 +392,9 @@ def write_json(
 
 def run(args: argparse.Namespace) -> int:
     cfg = settings(args)
-    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-convergence-") if cfg["quick"] else "docs")
+    out_dir = args.out_dir or (
+        tempfile.mkdtemp(prefix="gradshare-convergence-") if cfg["quick"] else "docs/benchmarks/data"
+    )
     json_path = os.path.join(out_dir, "bench-convergence.json")
     png_path = os.path.join(out_dir, "bench-convergence.png")
     command = report.command_line("convergence")

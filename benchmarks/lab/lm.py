@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     from lab import systems
 
     cfg = settings(args)
-    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-lm-") if cfg["quick"] else "docs")
+    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-lm-") if cfg["quick"] else "docs/benchmarks/data")
     systems.local_spark_env()
     spark = systems.local_spark(max(cfg["workers"]), "gradshare-bench-lm") if "gradshare" in cfg["systems"] else None
     rows: list[dict[str, Any]] = []

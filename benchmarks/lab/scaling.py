@@ -277,7 +277,9 @@ def plot(path: str, summary: list[dict[str, Any]], title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = settings(args)
-    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-scaling-") if cfg["quick"] else "docs")
+    out_dir = args.out_dir or (
+        tempfile.mkdtemp(prefix="gradshare-scaling-") if cfg["quick"] else "docs/benchmarks/data"
+    )
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     cache: dict[tuple[str, int], Workload] = {}

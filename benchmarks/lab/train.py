@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         links = ["unshaped"]
         notes.append("--no-netns: unshaped, host loopback (lo counters include other loopback traffic)")
-    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-bench-") if args.quick else "docs")
+    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="gradshare-bench-") if args.quick else "docs/benchmarks/data")
     n_cfg = len(cfg["workloads"]) * len(cfg["systems"])
     per_child = n_cfg * (3 * cfg["budget"] + 150) + 120  # generous: the budget bounds each config
     rows: list[dict[str, Any]] = []
