@@ -35,13 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def gradshare_worker(precision, widths, batch, total_steps, **options):
-    """(step function, n_params, the Worker); `options` go to WorkerConfig (device_step.py: device, tensor_state)."""
+    """(step function, n_params, the Worker); `options`: the device and worker_options (device_step.py: device,
+    tensor_state)."""
     import numpy as np
     import torch
 
     from gradshare import encoding
+    from gradshare.config.options import Runtime
     from gradshare.task.apply_log import ApplyLog
-    from gradshare.task.config import WorkerConfig
+    from gradshare.task.config import DataPlan, JobIdentity, StepRule, UserCode, WorkerConfig
     from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
@@ -50,24 +52,17 @@ def gradshare_worker(precision, widths, batch, total_steps, **options):
     X = rng.normal(size=(batch * 8, widths[0])).astype(np.float32)
     y = rng.integers(0, widths[-1], size=len(X)).astype(np.int64)
     torch.manual_seed(0)
+    device = {"device": options.pop("device")} if "device" in options else {}
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1),
-        key=bytes(32),
-        job_id=1,
-        world_size=1,
-        model=make_mlp(widths),
-        loss=torch.nn.CrossEntropyLoss(),
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-        threshold_rule=encoding.CalibratedThreshold(),
-        residual_clip=encoding.ResidualClipping(clip=5.0),
-        steps_per_epoch=(8,),
-        epochs=math.ceil(total_steps / 8),
-        batch_size=batch,
-        staleness=0,
-        seed=0,
-        label_dtype="int64",
-        precision=precision,
-        **options,
+        job=JobIdentity(("127.0.0.1", 1), bytes(32), 1, 1),
+        user=UserCode(
+            model=make_mlp(widths),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+            loss=torch.nn.CrossEntropyLoss(),
+        ),
+        rule=StepRule(encoding.CalibratedThreshold(), encoding.ResidualClipping(clip=5.0)),
+        data=DataPlan((8,), math.ceil(total_steps / 8), batch, 0, "int64"),
+        runtime=Runtime(precision=precision, **device, worker_options=options or None),
     )
     worker = Worker(cfg, 0, PartitionData(X, y))
     peer = LogPeer(SharedLog(1), 0)  # the transport's part for one rank: its messages come back to it

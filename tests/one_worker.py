@@ -7,11 +7,11 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport import param_hash
 from gradshare.transport.testing.shared_log import LogPeer, SharedLog
+from worker_configs import worker_config
 
 STEPS = 6
 
@@ -35,7 +35,7 @@ def run_one_worker(
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(64, 16)).astype(np.float32), rng.integers(0, 4, 64).astype(np.int64)
     torch.manual_seed(0)  # the same initial weights every time
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,

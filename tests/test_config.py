@@ -51,39 +51,21 @@ def test_shared_trainer_takes_every_option_and_default_from_train_config():
     assert len(names) == len(set(names)) and not set(names) & set(FLAT), "an option is written twice"
 
 
-def test_worker_config_shares_the_defaults_and_has_a_field_per_worker_option():
-    fields = {f.name: f for f in dataclasses.fields(WorkerConfig)}
-    assert "extra" not in fields
-    for key in WORKER_OPTIONS:  # SharedTrainer passes worker_options as these fields
-        assert key in fields and fields[key].default in (True, False, None)
-    # the checked flags' TypedDict (what mypy matches against WorkerConfig's fields) names the same keys
-    assert set(WorkerFlags.__annotations__) == set(WORKER_OPTIONS)
-    shared = {
-        k: (f.default, DEFAULTS[k])
-        for k, f in fields.items()
-        if k in DEFAULTS
-        and f.default is not dataclasses.MISSING
-        and k not in ("loss", "metric", "lr_scheduler", "train_step")
-    }
-    # drop_last, on_epoch_end, early_stopping and step_cap reach the task transformed (a rule, a tuple, objects)
-    drift = {
-        k: v
-        for k, v in shared.items()
-        if k not in ("drop_last", "on_epoch_end", "early_stopping", "step_cap") and not _same(*v)
-    }
-    assert set(shared) >= {
-        "datagram_size",
-        "timeout",
-        "insecure",
-        "spill_bytes",
-        "lookahead",
-        "follow_lr",
-        "scheduler_interval",
-        "precision",
-        "device",
-        "local_view",
-    }
-    assert not drift, f"(WorkerConfig, TrainConfig) defaults differ: {drift}"
+def test_worker_config_holds_the_groups_as_they_are_in_twenty_typed_fields_at_most():
+    import typing
+
+    from gradshare.task import config as task_config
+
+    hints = typing.get_type_hints(WorkerConfig, vars(task_config))
+    assert len(hints) <= 20, sorted(hints)
+    assert all(hint is not typing.Any for hint in hints.values()), [k for k, h in hints.items() if h is typing.Any]
+    # the option groups travel as SharedTrainer holds them, not copied field by field
+    for keyword, group in GROUPS.items():
+        assert hints[keyword] is group
+    # every worker option has its default, and the checked flags' TypedDict names the same keys
+    assert set(task_config.WORKER_FLAG_DEFAULTS) == set(WORKER_OPTIONS) == set(WorkerFlags.__annotations__)
+    runtime = WorkerConfig.__dataclass_fields__["runtime"].default_factory()
+    assert runtime == Runtime()
 
 
 def test_the_estimator_params_default_to_the_trainer_options():

@@ -33,6 +33,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -41,13 +42,13 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.config import SchedulerFactory, TrainConfig
-from gradshare.config.options import OptimizerMomentum
+from gradshare.config.options import OptimizerMomentum, Runtime
 from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.hashing import param_hash
 from gradshare.replica.flat import FlatParams
 from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
+from gradshare.task.config import DataPlan, JobIdentity, StepRule, UserCode, WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport.testing.shared_log import LogPeer, SharedLog
@@ -170,31 +171,21 @@ def run(
         else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share, plan.cap_norm)
     )
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1),
-        key=bytes(32),
-        job_id=1,
-        world_size=world,
-        model=model,
-        loss=nn.CrossEntropyLoss(),
-        optimizer=lambda p: adam(p, lr),
-        threshold_rule=rule_obj,
-        residual_clip=clipping(config),
-        steps_per_epoch=spe,
-        epochs=epochs,
-        batch_size=batch,
-        staleness=0,
-        seed=seed,
-        label_dtype="int64",
-        lr_scheduler=sched,
-        follow_lr=follow_lr,
-        apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale,  # else: an experiment
-        local_view=bool(view),
-        lr_factor=plan.lr_factor,
-        momentum_ceiling=plan.momentum_ceiling,
-        folded_view=bool(folded),
-        device=device,
-        step_cap=caps,
-        tensor_state=bool(tensor_state),
+        job=JobIdentity(("127.0.0.1", 1), bytes(32), 1, world),
+        user=UserCode(model=model, optimizer=lambda p: adam(p, lr), loss=nn.CrossEntropyLoss(), lr_scheduler=sched),
+        rule=StepRule(
+            threshold_rule=rule_obj,
+            residual_clip=clipping(config),
+            lr_factor=plan.lr_factor,
+            momentum_ceiling=plan.momentum_ceiling,
+            apply_scale=plan.apply_scale if scale == 1.0 or scale < 0 else scale,  # else: an experiment
+            step_cap=caps,
+        ),
+        data=DataPlan(steps_per_epoch=spe, epochs=epochs, batch_size=batch, seed=seed, label_dtype="int64"),
+        compression=replace(config.compression, staleness=0),
+        runtime=Runtime(
+            device=device, worker_options={"folded_view": bool(folded), "tensor_state": bool(tensor_state)}
+        ),
     )
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
     taus: list[str] = []
@@ -202,7 +193,7 @@ def run(
     if system == "ddp":
         accs, ratio = _run_ddp(model, workers, cfg, wl, lr, sched), 1.0
     elif system == "local":
-        accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.lr_factor, sched), 1.0
+        accs, ratio = _run_local(model, workers, cfg, wl, lr * cfg.rule.lr_factor, sched), 1.0
     else:
         accs, taus, silent, ratio, replicas = run_workers(
             workers, cfg, lambda m: test_accuracy(m, wl.X_test, wl.y_test), decay
@@ -223,7 +214,7 @@ def _run_ddp(
     model: nn.Module, workers: list[Worker], cfg: WorkerConfig, wl: Workload, lr: float, sched: SchedulerFactory | None
 ) -> list[float]:
     """Dense DDP in one process: one model, the mean loss of the ranks' batches, one Adam step."""
-    spe, world = cfg.steps_per_epoch, len(workers)
+    spe, world = cfg.data.steps_per_epoch, len(workers)
     accs = []
     ddp = copy.deepcopy(model)
     opt = adam(list(ddp.parameters()), lr)
@@ -249,7 +240,7 @@ def _run_local(
     """The design without compression: every worker steps its own optimizer (DESIGN.md: local optimizer
     state, the post-updater update) from the shared parameters on its own batch, and the updates are
     combined densely by "sum" (scale 1) or "mean" (scale -1): what gradshare would do with no τ at all."""
-    spe, world = cfg.steps_per_epoch, len(workers)
+    spe, world = cfg.data.steps_per_epoch, len(workers)
     accs = []
     shared = copy.deepcopy(model)
     local = [copy.deepcopy(model) for _ in range(world)]
@@ -272,7 +263,7 @@ def _run_local(
                     acc.add_(pm - ps)
         with torch.no_grad():
             for acc, ps in zip(total, shared.parameters()):
-                ps.add_(acc, alpha=cfg.apply_scale)
+                ps.add_(acc, alpha=cfg.rule.apply_scale)
         for s in scheds:
             s.step()
         if (t + 1) % spe[0] == 0:
@@ -286,11 +277,14 @@ def run_workers(
     """The real workers and apply logs over a shared list: (rank 0's model scored by `evaluate` after
     every epoch, τ per epoch, silent steps, ratio, distinct replicas at the end: 1 = every worker holds
     the same bits)."""
-    spe, world = cfg.steps_per_epoch, len(workers)
+    spe, world = cfg.data.steps_per_epoch, len(workers)
     accs, taus, nbytes, silent, steps = [], [], 0, 0, 0
     log = SharedLog(world)
     peers = [LogPeer(log, r) for r in range(world)]
-    logs = [ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.apply_scale, cap=cfg.step_cap) for r, w in enumerate(workers)]
+    logs = [
+        ApplyLog(peers[r], w.flat, 0, 10.0, scale=cfg.rule.apply_scale, cap=cfg.rule.step_cap)
+        for r, w in enumerate(workers)
+    ]
     for w, apply_log in zip(workers, logs):
         w.log = apply_log
     for t in range(cfg.final_step + 1):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from gradshare.driver.plan import clipping, plan_steps
 from gradshare.encoding.step_cap import StepCap
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.losses import HookStep, clip_grad_norm
-from gradshare.task.config import WorkerConfig
+from gradshare.task.config import DataPlan, JobIdentity, StepRule, UserCode, WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from lab.flat_options import in_groups
@@ -91,29 +92,24 @@ def run(
         else StepCap.of([p.numel() for p in flat.params], flat.array, plan.cap_share, plan.cap_norm)
     )
     cfg = WorkerConfig(
-        relay_address=("127.0.0.1", 1),
-        key=bytes(32),
-        job_id=1,
-        world_size=world,
-        model=model,
-        loss=None,
-        train_step=step,
-        optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
-        threshold_rule=plan.rule,
-        residual_clip=clipping(config),
-        steps_per_epoch=spe,
-        epochs=epochs,
-        batch_size=batch,
-        staleness=0,
-        seed=seed,
-        label_dtype="int64",
-        lr_scheduler=scheduler_factory(max(spe) * epochs),
-        follow_lr=config.compression.follow_lr,
-        apply_scale=plan.apply_scale if scale is None else scale,
-        local_view=config.compression.local_view,
-        lr_factor=plan.lr_factor,
-        momentum_ceiling=plan.momentum_ceiling,
-        step_cap=caps,
+        job=JobIdentity(("127.0.0.1", 1), bytes(32), 1, world),
+        user=UserCode(
+            model=model,
+            optimizer=clip_grad_norm(optimizer_for(lm), recipe.clip),
+            train_step=step,
+            lr_scheduler=scheduler_factory(max(spe) * epochs),
+        ),
+        rule=StepRule(
+            threshold_rule=plan.rule,
+            residual_clip=clipping(config),
+            lr_factor=plan.lr_factor,
+            momentum_ceiling=plan.momentum_ceiling,
+            apply_scale=plan.apply_scale if scale is None else scale,
+            step_cap=caps,
+        ),
+        data=DataPlan(steps_per_epoch=spe, epochs=epochs, batch_size=batch, seed=seed, label_dtype="int64"),
+        compression=replace(config.compression, staleness=0),
+        runtime=config.runtime,
     )
     workers = [Worker(cfg, r, PartitionData(*shards[r])) for r in range(world)]
 
@@ -133,8 +129,8 @@ def run(
         "ratio": round(ratio),
         "taus": taus,
         "replicas": replicas,
-        "apply_scale": cfg.apply_scale,
-        "momentum_ceiling": cfg.momentum_ceiling,
+        "apply_scale": cfg.rule.apply_scale,
+        "momentum_ceiling": cfg.rule.momentum_ceiling,
         "n_params": flat.n_params,
     }
 
@@ -147,18 +143,18 @@ def run_ddp(
     ddp = copy.deepcopy(model)
     params = list(ddp.parameters())
     opt = optimizer_for(lm)(params)
-    assert cfg.lr_scheduler is not None
-    scheduler = cfg.lr_scheduler(opt)
+    assert cfg.code.lr_scheduler is not None
+    scheduler = cfg.code.lr_scheduler(opt)
     curve = []
     for t in range(cfg.final_step + 1):
-        epoch, b = divmod(t, max(cfg.steps_per_epoch))
+        epoch, b = divmod(t, max(cfg.data.steps_per_epoch))
         opt.zero_grad(set_to_none=True)
-        ranks = [w for r, w in enumerate(workers) if b < cfg.steps_per_epoch[r]]
+        ranks = [w for r, w in enumerate(workers) if b < cfg.data.steps_per_epoch[r]]
         for w in ranks:
             (step(ddp, w.batches.read(epoch, b)) / len(ranks)).backward()
         torch.nn.utils.clip_grad_norm_(params, RECIPES[lm].clip)
         opt.step()
         scheduler.step()
-        if (t + 1) % max(cfg.steps_per_epoch) == 0:
+        if (t + 1) % max(cfg.data.steps_per_epoch) == 0:
             curve.append(evaluate(ddp))
     return curve

@@ -43,7 +43,7 @@ WorkerOption: TypeAlias = Literal["profile", "direct_update", "tensor_state", "s
 EpochCallback: TypeAlias = Callable[[dict[str, object]], object]  # rank 0's history row -> stop?
 
 FORWARDING: tuple[str, ...] = get_args(Forwarding)
-# worker_options' keys: each is a bool field of WorkerConfig of the same name
+# worker_options' keys: each a switch the worker reads (WorkerConfig.flag, task/config.py)
 WORKER_OPTIONS: tuple[str, ...] = get_args(WorkerOption)
 
 # threshold="auto"'s warm-up. 3 epochs, not 2: on the digits MLP with 2 workers (11 steps an epoch: 33
@@ -81,7 +81,7 @@ ThresholdAlgorithm: TypeAlias = "Literal['adaptive', 'fixed'] | ThresholdRule"
 
 
 class WorkerFlags(TypedDict, total=False):
-    """worker_options once checked: WORKER_OPTIONS' keys, each WorkerConfig's bool field of that name."""
+    """worker_options once checked: WORKER_OPTIONS' keys, each a switch the worker reads (WorkerConfig.flag)."""
 
     profile: bool
     direct_update: bool

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from gradshare.checks import checkpoint_root, is_local
 from gradshare.driver.ckpt_service import CheckpointService
 from gradshare.errors import CheckpointError
-from gradshare.task.checkpoint import MANIFEST, PARAMS, CheckpointPlan, epoch_dir, load_params, parse_manifest, verify
+from gradshare.task.checkpoint import MANIFEST, PARAMS, epoch_dir, load_params, parse_manifest, verify
+from gradshare.task.config import CheckpointPlan
 from gradshare.task.stores import HadoopStore, LocalStore, Store, error_line
 from gradshare.task.tallies import RollbackPoint
 

@@ -59,8 +59,16 @@ from gradshare.replica.flat import FlatParams
 from gradshare.replica.losses import accuracy, accuracy_sums, plan_loss
 from gradshare.reports import Counters, epoch_lines
 from gradshare.task.batches import input_names, validation_arrays
-from gradshare.task.checkpoint import CheckpointPlan, load_params
-from gradshare.task.config import WorkerConfig
+from gradshare.task.checkpoint import load_params
+from gradshare.task.config import (
+    CheckpointPlan,
+    DataPlan,
+    JobIdentity,
+    StepRule,
+    UserCode,
+    WorkerConfig,
+    shipped_runtime,
+)
 from gradshare.task.config import steps_per_epoch as steps_in
 from gradshare.task.partition import summarise_partition
 from gradshare.task.relay_host import HostedRelay
@@ -410,52 +418,46 @@ def worker_config(
 ) -> WorkerConfig:
     """What every task gets in the job's closure, the user's objects cloudpickled (shipping.py). `hosted`:
     the relay runs in rank 0's task (relay="in-job"), which tells the others its address."""
-    config, net, compression, runtime = spec.config, spec.config.network, spec.config.compression, spec.config.runtime
+    config = spec.config
     return pack_user_objects(
         WorkerConfig(
-            relay_address=relay_address,
-            key=key,
-            job_id=job_id,
-            hosted=hosted,
-            world_size=prep.job.world,
-            model=run.shipped,
-            loss=getattr(prep.plan.step, "loss", None),
-            optimizer=spec.optimizer,
-            threshold_rule=run.steps.rule,
-            residual_clip=run.clip,
-            steps_per_epoch=run.steps_per_epoch,
-            rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
-            epochs=run.epochs,
-            batch_size=config.batch_size,
-            staleness=compression.staleness,
-            seed=config.seed,
-            label_dtype=prep.plan.label_dtype,
-            datagram_size=net.datagram_size,
-            timeout=config.fault_tolerance.timeout,
-            insecure=net.insecure,
-            spill_bytes=net.spill_bytes,
-            validation=prep.validation,
-            metric=prep.metric,
-            lookahead=bool(compression.lookahead),
-            **runtime.worker_flags,
-            lr_scheduler=config.lr_scheduler,
-            scheduler_interval=runtime.scheduler_interval,
-            lr_factor=run.steps.lr_factor,
-            momentum_ceiling=run.steps.momentum_ceiling,
-            follow_lr=bool(compression.follow_lr),
-            local_view=bool(compression.local_view),
-            apply_scale=run.steps.apply_scale,
-            step_cap=run.step_cap,
-            drop_last=run.drop_last,
-            precision=runtime.precision,
-            train_step=prep.plan.step,
-            device=runtime.device_name,
-            n_state=int(run.initial.size),
+            job=JobIdentity(relay_address, key, job_id, prep.job.world, hosted),
+            user=UserCode(
+                model=run.shipped,
+                optimizer=spec.optimizer,
+                loss=getattr(prep.plan.step, "loss", None),
+                train_step=prep.plan.step,
+                lr_scheduler=config.lr_scheduler,
+                metric=prep.metric,
+                on_epoch_end=config.runtime.callbacks,
+            ),
+            rule=StepRule(
+                threshold_rule=run.steps.rule,
+                residual_clip=run.clip,
+                lr_factor=run.steps.lr_factor,
+                momentum_ceiling=run.steps.momentum_ceiling,
+                apply_scale=run.steps.apply_scale,
+                step_cap=run.step_cap,
+            ),
+            data=DataPlan(
+                steps_per_epoch=run.steps_per_epoch,
+                epochs=run.epochs,
+                batch_size=config.batch_size,
+                seed=config.seed,
+                label_dtype=prep.plan.label_dtype,
+                rows=tuple(s.rows for s in sorted(prep.summaries, key=lambda s: s.index)),
+                drop_last=run.drop_last,
+                validation=prep.validation,
+                shards=prep.shards,
+                first_epoch=run.first_epoch,
+            ),
+            compression=config.compression,
+            network=config.network,
+            fault_tolerance=config.fault_tolerance,
+            runtime=shipped_runtime(config.runtime),
             early_stopping=config.stopping,
-            on_epoch_end=runtime.callbacks,
             checkpoint=run.saving,
             resume=resume,
-            first_epoch=run.first_epoch,
-            shards=prep.shards,
+            n_state=int(run.initial.size),
         )
     )

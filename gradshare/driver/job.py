@@ -79,7 +79,7 @@ class RddJob:
         return InheritableThread(target=target, name="gradshare-fit", daemon=True)
 
     def collect(self, cfg: WorkerConfig) -> list[WorkerReport]:
-        self.group = f"gradshare-{cfg.job_id}"
+        self.group = f"gradshare-{cfg.job.job_id}"
         self.spark_context.setJobGroup(self.group, "gradshare SharedTrainer.fit", interruptOnCancel=True)
         task = functools.partial(train_partition, cfg)
         reports: list[WorkerReport] = retried(self.training.barrier().mapPartitions(task), cfg).collect()
@@ -185,7 +185,7 @@ class FrameJob:
         return threading.Thread(target=target, name="gradshare-fit", daemon=True)
 
     def collect(self, cfg: WorkerConfig) -> list[WorkerReport]:
-        self.tag = f"gradshare-{cfg.job_id}"
+        self.tag = f"gradshare-{cfg.job.job_id}"
         self.session.addTag(self.tag)  # tags are per thread: this one's operations carry it
         try:
             stage = self.frame.mapInArrow(
@@ -234,7 +234,7 @@ def retried(stage: T, cfg: WorkerConfig) -> T:
     never retried), and the relay's log resumes the retry. With the relay in rank 0's task nothing of the
     relay survives a failed attempt: the result stage fails the job, and the driver runs it again from
     the last checkpoint (in_job.py)."""
-    if cfg.hosted is not None:
+    if cfg.job.hosted is not None:
         return stage
     return stage.repartition(1)  # type: ignore[attr-defined, no-any-return]
 

@@ -20,7 +20,7 @@ from gradshare.replica.flat import FlatParams
 from gradshare.replica.losses import LossPlan
 from gradshare.reports import Counters, WorkerReport
 from gradshare.task.batches import InputLayout
-from gradshare.task.checkpoint import CheckpointPlan
+from gradshare.task.config import CheckpointPlan
 from gradshare.task.partition import PartitionSummary
 from gradshare.transport import Relay
 from gradshare.transport.protocol.events import Incident

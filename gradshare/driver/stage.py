@@ -45,8 +45,8 @@ def run_stage(
     bar = ProgressBar(
         cfg.final_step + 1,
         enabled=verbose > 0,
-        first_epoch=cfg.first_epoch,
-        scored=cfg.validation is not None or cfg.shards,
+        first_epoch=cfg.data.first_epoch,
+        scored=cfg.data.validation is not None or cfg.data.shards,
         lines=lines,
     )
     try:

@@ -1,4 +1,4 @@
-"""The own-update lookahead (staleness k >= 1, `WorkerConfig.lookahead`; gradshare/task/worker.py's
+"""The own-update lookahead (staleness k >= 1, `Compression.lookahead`; gradshare/task/worker.py's
 module docstring): the step runs at P + this rank's sent messages the log has not applied yet, and P
 is put back bit for bit afterwards.
 

@@ -163,9 +163,9 @@ def train_batches(cfg: Any, names: tuple[str, ...], multi: bool, batches: Iterat
 
     ctx = BarrierTaskContext.get()
     tasks = len(ctx.getTaskInfos())
-    if tasks != cfg.world_size:  # the pre-pass counted partitions; a plan that changed would misnumber ranks
+    if tasks != cfg.job.world_size:  # the pre-pass counted partitions; a plan that changed would misnumber ranks
         raise TrainingError(
-            f"the barrier stage has {tasks} tasks but the pre-pass found {cfg.world_size} partitions: "
+            f"the barrier stage has {tasks} tasks but the pre-pass found {cfg.job.world_size} partitions: "
             "the DataFrame's partitioning is not deterministic (cache it or repartition it first)"
         )
     yield from result_batches(ctx.partitionId(), train_partition(cfg, batch_rows(batches, names, multi)))

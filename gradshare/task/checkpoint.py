@@ -44,7 +44,6 @@ import io
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -59,7 +58,7 @@ from gradshare.replica.flat import FlatParams, int_buffers, load_int_buffers
 from gradshare.replica.precision import Precision
 from gradshare.task.apply_log import ApplyLog
 from gradshare.task.ckpt_client import ServiceStore
-from gradshare.task.config import WorkerConfig
+from gradshare.task.config import CheckpointPlan, WorkerConfig
 from gradshare.task.stops import StopNotes
 from gradshare.task.stores import CHUNK, Digest, LocalStore, Store, error_line, read_all
 from gradshare.transport.protocol.step_meta import StepMeta
@@ -104,27 +103,19 @@ class Checkpointed(Protocol):
     def log(self) -> ApplyLog | None: ...
 
 
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """What the workers need to write checkpoints; shipped in WorkerConfig."""
-
-    root: str  # a local directory or a Hadoop-FS URI
-    every: int  # epochs between checkpoints (the fit's last epoch always writes one)
-    job: Json  # `job_of`: compared on resume
-    service: tuple[str, int] | None = None  # the driver's checkpoint service (host, port) when root is not local
-
-
 def worker_store(cfg: WorkerConfig, source: str, rank: int) -> Store:
     """Worker `rank`'s store for "checkpoint" (cfg.checkpoint.root) or "resume" (cfg.resume's root):
     the directory itself when it is local, else the driver's service (ckpt_service.py)."""
-    resume = cfg.resume or {}
-    root: str = cfg.checkpoint.root if source == "checkpoint" else resume["root"]
-    service = cfg.checkpoint.service if cfg.checkpoint is not None else resume.get("service")
+    resume, plan = cfg.resume or {}, cfg.checkpoint
+    if source == "checkpoint" and plan is None:
+        raise CheckpointError("checkpoint: this fit writes none (no checkpoint_dir)")
+    root: str = plan.root if source == "checkpoint" and plan is not None else resume["root"]
+    service = plan.service if plan is not None else resume.get("service")
     if is_local(root):
         return LocalStore(root)
     if service is None:
         raise CheckpointError(f"checkpoint {root}: not a local directory, and no checkpoint service to reach it")
-    return ServiceStore(service, cfg.key, source, rank, cfg.timeout, root)
+    return ServiceStore(service, cfg.job.key, source, rank, cfg.fault_tolerance.timeout, root)
 
 
 def epoch_dir(epochs_done: int) -> str:
@@ -237,7 +228,7 @@ def _stopping_state(worker: Checkpointed) -> Json:
     """Early stopping as this rank holds it after the epoch (stopping.py; rank 0 scored it first): the
     rule's best and count, the stop request and the stop epoch the log carries, in whole-training epochs
     (a resumed fit's log counts its own from 0)."""
-    first = worker.cfg.first_epoch
+    first = worker.cfg.data.first_epoch
     rule = worker.stops.rule
     stop = None if worker.log is None else worker.log.stop_epoch
     return {
@@ -255,7 +246,7 @@ def _stopping_state(worker: Checkpointed) -> Json:
 def _load_stopping(worker: Checkpointed, saved: Json | None) -> None:
     if not saved:  # a checkpoint of a fit without these fields
         return
-    first = worker.cfg.first_epoch
+    first = worker.cfg.data.first_epoch
     if worker.stops.rule is not None and saved["waited"] is not None:
         worker.stops.rule.best, worker.stops.rule.waited = saved["best"], saved["waited"]
     if saved["stop_requested"] is not None:
@@ -424,7 +415,7 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
     store = worker_store(worker.cfg, manifest["source"], rank)
     directory = manifest["directory"]
     saved_world = int(manifest["job"]["world_size"])
-    own, summed = sources(rank, saved_world, worker.cfg.world_size)
+    own, summed = sources(rank, saved_world, worker.cfg.job.world_size)
     state = worker.state
     residual: NDArray[Any] | None = None
     for r in summed:  # in rank order: every rank of this fit adds them the same way
@@ -446,7 +437,7 @@ def load_rank(manifest: Json, worker: Checkpointed) -> None:
     )
     meta: Json = _read_checked(store, manifest, f"rank-{own}/state.json", lambda reader: json.loads(reader.read()))
     point = f"rank-{rank}/{POINT}"
-    if state.folded and saved_world == worker.cfg.world_size and point in manifest["files"]:
+    if state.folded and saved_world == worker.cfg.job.world_size and point in manifest["files"]:
         state.load_point(_read_checked(store, manifest, point, _array_of(manifest, point)))
     else:  # folded: onto the parameters the relay's snapshot just loaded
         state.load_residual(residual)

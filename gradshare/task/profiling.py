@@ -1,4 +1,4 @@
-"""Per-phase step timers of the worker, on when `WorkerConfig.profile` is true (benchmarks).
+"""Per-phase step timers of the worker, on with worker_options={"profile": True} (benchmarks).
 
 A benchmark target that is missed is explained from a profile, not guessed. The worker stamps the end of
 each phase of a step (`lap`); the phases add up to the step's wall time except for the few statements

@@ -28,20 +28,20 @@ class Scorer:
         self, cfg: WorkerConfig, rank: int, model: nn.Module, train_step: TrainStep, device: torch.device
     ) -> None:
         self.cfg, self.rank, self.model, self.train_step, self.device = cfg, rank, model, train_step, device
-        self.shard: PartitionData | SpilledPartition | None = None  # this rank's validation rows (cfg.shards)
+        self.shard: PartitionData | SpilledPartition | None = None  # this rank's validation rows (cfg.data.shards)
         self.gather: Callable[[str], list[str]] | None = None  # the barrier's allGather: reduces shard scores
 
     @property
     def evaluates(self) -> bool:
-        return self.cfg.validation is not None and self.rank == 0
+        return self.cfg.data.validation is not None and self.rank == 0
 
     def shard_points(self, start_step: int) -> list[tuple[int, int]]:
         """Shards: every rank scores epoch e on the log through the step where the longest rank ends it
         (the same point, the same allGather calls in the same order on every rank, whatever each rank's
         steps per epoch); only the epochs this attempt reaches."""
-        if not self.cfg.shards:
+        if not self.cfg.data.shards:
             return []
-        ends = (max((e + 1) * spe for spe in self.cfg.steps_per_epoch) - 1 for e in range(self.cfg.epochs))
+        ends = (max((e + 1) * spe for spe in self.cfg.data.steps_per_epoch) - 1 for e in range(self.cfg.data.epochs))
         return [(e, end) for e, end in enumerate(ends) if end >= start_step]
 
     def score(
@@ -76,27 +76,27 @@ class Scorer:
         """Rank 0's validation score of its replica as it is now (None elsewhere); with shards, every
         rank's shard sums reduced over all ranks (validation.py)."""
         cfg = self.cfg
-        if cfg.shards:
+        if cfg.data.shards:
             if self.gather is None:
                 raise TrainingError(f"rank {self.rank} scores a validation shard with no allGather to reduce it")
             sums = shard_sums(
                 self.model,
                 self.train_step,
                 self.shard,
-                cfg.metric,
-                cfg.label_dtype,
-                max(SCORE_BATCH_ROWS, cfg.batch_size),
+                cfg.code.metric,
+                cfg.data.label_dtype,
+                max(SCORE_BATCH_ROWS, cfg.data.batch_size),
                 self.device,
             )
             return reduce_sums(self.gather(json.dumps(sums)))
-        if not self.evaluates or cfg.validation is None:  # (evaluates: validation is not None)
+        if not self.evaluates or cfg.data.validation is None:  # (evaluates: validation is not None)
             return None
-        inputs, yv = cfg.validation
-        labels = torch.as_tensor(np.asarray(yv, dtype=cfg.label_dtype))
+        inputs, yv = cfg.data.validation
+        labels = torch.as_tensor(np.asarray(yv, dtype=cfg.data.label_dtype))
         batch = tuple(torch.as_tensor(a).to(self.device) for a in (*inputs, labels))
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            value = self.train_step.evaluate(self.model, batch, cfg.metric)
+            value = self.train_step.evaluate(self.model, batch, cfg.code.metric)
         self.model.train(was_training)
         return as_mean(value)

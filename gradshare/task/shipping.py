@@ -31,10 +31,14 @@ from torch import nn
 
 
 class Shipped(Protocol):
-    """What the packing reads of a config: a dataclass (task.config.WorkerConfig) with a `user_objects` field.
-    A protocol, not WorkerConfig itself: the task body (train.py) imports this module."""
+    """What the packing reads of a config: a dataclass (task.config.WorkerConfig) with the user's objects in
+    `user` and, packed, in `user_objects`. A protocol, not WorkerConfig itself: the task body (train.py)
+    imports this module."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def user(self) -> object | None: ...
 
     @property
     def user_objects(self) -> bytes | None: ...
@@ -42,14 +46,11 @@ class Shipped(Protocol):
 
 C = TypeVar("C", bound=Shipped)
 
-# WorkerConfig fields that hold user code (classes or closures the executors must import or rebuild).
-USER_FIELDS = ("model", "loss", "optimizer", "lr_scheduler", "metric", "train_step", "on_epoch_end")
-
 
 def pack_user_objects(cfg: C) -> C:
-    """`cfg` with its USER_FIELDS cloudpickled into ``cfg.user_objects`` and set to None."""
-    objects = {name: getattr(cfg, name) for name in USER_FIELDS}
-    return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(objects), **dict.fromkeys(USER_FIELDS))
+    """`cfg` with its user's objects (`user`: the model, loss, optimizer factory, ...) cloudpickled into
+    ``cfg.user_objects`` and `user` set to None."""
+    return dataclasses.replace(cfg, user_objects=cloudpickle.dumps(cfg.user), user=None)
 
 
 def unpack_user_objects(cfg: C) -> C:
@@ -57,8 +58,8 @@ def unpack_user_objects(cfg: C) -> C:
     whatever unpickling raises, e.g. ModuleNotFoundError naming a module the executor cannot import."""
     if cfg.user_objects is None:
         return cfg
-    objects = pickle.loads(cfg.user_objects)  # cloudpickle's output is plain pickle to load
-    return dataclasses.replace(cfg, user_objects=None, **objects)
+    user = pickle.loads(cfg.user_objects)  # cloudpickle's output is plain pickle to load
+    return dataclasses.replace(cfg, user_objects=None, user=user)
 
 
 def skeleton(model: nn.Module, tensors: Iterable[Any]) -> nn.Module:

@@ -58,6 +58,6 @@ class StopNotes:
         meta, self.notes = self.notes, StepMeta()
         if self.requested is not None and not self.sent:
             self.sent = True  # one decision; a stop that comes too late to shorten any rank sends none
-            stop = stop_epoch(t, cfg.staleness, cfg.steps_per_epoch, cfg.epochs)
+            stop = stop_epoch(t, cfg.compression.staleness, cfg.data.steps_per_epoch, cfg.data.epochs)
             meta = meta.with_(StepMeta(stop_requested=self.requested, stop_epoch=stop))
         return meta

@@ -66,26 +66,26 @@ def train_partition(cfg: WorkerConfig, rows: Iterator[Any]) -> list[WorkerReport
     rank = ctx.partitionId()
     host = None  # relay="in-job": rank 0 hosts the relay (relay_host.py)
     try:
-        if cfg.hosted is not None and rank == 0:
+        if cfg.job.hosted is not None and rank == 0:
             host = RelayHost(
-                cfg.hosted,
+                cfg.job.hosted,
                 executor_host(ctx, rank),
-                cfg.world_size,
-                cfg.key,
-                cfg.job_id,
-                cfg.datagram_size,
-                cfg.insecure,
+                cfg.job.world_size,
+                cfg.job.key,
+                cfg.job.job_id,
+                cfg.network.datagram_size,
+                cfg.network.insecure,
             )
         # Python sees no stage-attempt number; the smallest task id of this stage attempt is the same on
         # every rank and grows with every retry, which is all the relay needs of `attempt`.
         attempt, hosted_at = gather_relay(ctx, rank, host)
         if hosted_at is not None:
-            cfg = replace(cfg, relay_address=hosted_at)
+            cfg = replace(cfg, job=replace(cfg.job, relay_address=hosted_at))
         report = _attempt(cfg, ctx, rank, attempt, rows)
         if host is not None:  # the relay goes with this task: the log complete, and every rank gone from it
-            report = report.with_(relay=host.finish(cfg.timeout))
+            report = report.with_(relay=host.finish(cfg.fault_tolerance.timeout))
             # not a barrier(): Spark answers one in whole seconds (measured 1.0 s each, local[2])
-            host.wait_left(min(cfg.timeout, LINGER + 1.0))
+            host.wait_left(min(cfg.fault_tolerance.timeout, LINGER + 1.0))
         return [report]
     finally:
         if host is not None:
@@ -129,21 +129,21 @@ def _report_failure(cfg: WorkerConfig, failure: WorkerFailure, fatal: bool) -> N
     try:
         # n_params only sizes a joined peer's buffers; this one never joins
         peer = Peer(
-            cfg.relay_address,
+            cfg.job.relay_address,
             rank=failure.rank,
-            world_size=cfg.world_size,
+            world_size=cfg.job.world_size,
             attempt=failure.attempt,
-            key=cfg.key,
-            job_id=cfg.job_id,
+            key=cfg.job.key,
+            job_id=cfg.job.job_id,
             n_params=1,
-            datagram_size=cfg.datagram_size,
-            timeout=cfg.timeout,
-            insecure=cfg.insecure,
+            datagram_size=cfg.network.datagram_size,
+            timeout=cfg.fault_tolerance.timeout,
+            insecure=cfg.network.insecure,
         )
     except (OSError, ValueError):
         return
     try:
-        wait = min(cfg.timeout, FAIL_REPORT_SECONDS if fatal else REPORT_SECONDS)
+        wait = min(cfg.fault_tolerance.timeout, FAIL_REPORT_SECONDS if fatal else REPORT_SECONDS)
         peer.report_failure(
             failure.error_type,
             failure.message,
@@ -172,25 +172,29 @@ def _run(
         # a large partition spills into the executor's Spark scratch space, not the system temp dir
         def read(part: Iterator[Any]) -> PartitionData | SpilledPartition:
             return PartitionData.from_rows(
-                part, cfg.label_dtype, spill_bytes=cfg.spill_bytes, index=rank, spill_dir=SparkFiles.getRootDirectory()
+                part,
+                cfg.data.label_dtype,
+                spill_bytes=cfg.network.spill_bytes,
+                index=rank,
+                spill_dir=SparkFiles.getRootDirectory(),
             )
 
-        if cfg.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
-            data, shard = split_rows(rows, read, read, cfg.timeout)
+        if cfg.data.shards:  # (training row, validation rows) pairs: both read in one pass (validation.py)
+            data, shard = split_rows(rows, read, read, cfg.fault_tolerance.timeout)
         else:
             data = read(rows)
         # the rows the pre-pass counted (not the steps: a checkpointed fit may run fewer than they fill,
         # fit.even_steps)
-        if len(data) != cfg.rows[rank]:
+        if len(data) != cfg.data.rows[rank]:
             raise ValueError(
                 f"partition {rank} has {len(data)} rows now but had a different count in the "
                 "driver's pre-pass: the input RDD is not deterministic (cache or checkpoint it)"
             )
         # the shipped model is a skeleton: this task owns it, nothing is copied (values: from the relay)
-        worker = Worker(cfg, rank, data, model=materialize(cfg.model))
+        worker = Worker(cfg, rank, data, model=materialize(cfg.code.model))
         if position is not None:
             position.worker = worker
-        if cfg.shards:
+        if cfg.data.shards:
             worker.scoring.shard, worker.scoring.gather = shard, BarrierTaskContext.get().allGather
         if peer is None:
             peer = _new_peer(cfg, rank, attempt, worker.flat.n_state)
@@ -198,11 +202,11 @@ def _run(
             raise ProtocolError(
                 f"rank {rank}'s model has {worker.flat.n_state} state entries; the driver's has {cfg.n_state}"
             )
-        info = peer.join(cfg.timeout)
+        info = peer.join(cfg.fault_tolerance.timeout)
         start = int(info.start_step)
         # the initial parameters (start 0) or, in a retried stage, the relay's current ones
         t_load = time.monotonic()
-        _load_from_relay(peer, worker.flat, start, cfg.timeout)
+        _load_from_relay(peer, worker.flat, start, cfg.fault_tolerance.timeout)
         notes = dict(info.notes)
         worker.inherit(notes)
         if "checkpoint" in notes:  # the relay restarted the log at a checkpoint: the rest of the state too
@@ -215,7 +219,7 @@ def _run(
             counters=Counters.from_dict(peer.counters()),
             spilled=data.spilled,
         )
-        if cfg.shards:  # this rank's validation shard: rows, and whether they went to a spill file
+        if cfg.data.shards:  # this rank's validation shard: rows, and whether they went to a spill file
             report = report.with_(
                 validation_rows=0 if shard is None else len(shard),
                 validation_spilled=False if shard is None else shard.spilled,
@@ -240,16 +244,16 @@ def _run(
 
 def _new_peer(cfg: WorkerConfig, rank: int, attempt: int, n_state: int) -> Peer:
     return Peer(
-        cfg.relay_address,
+        cfg.job.relay_address,
         rank=rank,
-        world_size=cfg.world_size,
+        world_size=cfg.job.world_size,
         attempt=attempt,
-        key=cfg.key,
-        job_id=cfg.job_id,
+        key=cfg.job.key,
+        job_id=cfg.job.job_id,
         n_params=n_state,
-        datagram_size=cfg.datagram_size,
-        timeout=cfg.timeout,
-        insecure=cfg.insecure,
+        datagram_size=cfg.network.datagram_size,
+        timeout=cfg.fault_tolerance.timeout,
+        insecure=cfg.network.insecure,
     )
 
 

@@ -16,7 +16,7 @@ One step t on rank w (docs/design.md, "One training step"):
 Staleness k: before step t the log is applied through step t-1-k, and never further, so the trajectory
 of every replica is a function of the data and the seed alone (k = 0 is synchronous).
 
-Own-update lookahead (k ≥ 1, `WorkerConfig.lookahead`): with stale parameters the step's gradient is taken
+Own-update lookahead (k ≥ 1, `Compression.lookahead`): with stale parameters the step's gradient is taken
 at P, which lacks every worker's last k messages, so a worker keeps pushing in directions already-sent
 updates have covered (with Adam at lr 1e-3, k = 1 falls from ~89 % to ~19 % on the benchmark MLP after
 4 epochs; docs/guide/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the forward/backward
@@ -102,19 +102,19 @@ def capture(
     """Where a replica's update goes and where its gradient is taken: its sharing state (residual,
     threshold rule, clipping, lr correction, own pending messages: encoding/sharing.py), its update
     path (capture.py) and its local view (local_view.py)."""
-    direct = cfg.direct_update and writes_update_only(optimizer)
+    direct = bool(cfg.flag("direct_update")) and writes_update_only(optimizer)
     # The local view folded into one buffer, P + r kept instead of r (local_view.py), where the
     # update goes straight into it (the direct path) and messages apply at scale 1 (aggregate="sum");
     # the two-buffer view elsewhere, or with worker_options={"folded_view": False} (an A/B)
-    folded = cfg.local_view and direct and cfg.apply_scale == 1.0 and cfg.folded_view
+    folded = cfg.compression.local_view and direct and cfg.rule.apply_scale == 1.0 and bool(cfg.flag("folded_view"))
     point = flat.keep_point() if folded else None
-    fold = (flat.array, point, cfg.apply_scale) if point is not None else None
+    fold = (flat.array, point, cfg.rule.apply_scale) if point is not None else None
     state = SharingState(
         flat.n_params,
-        copy.deepcopy(cfg.threshold_rule),
-        cfg.residual_clip,
-        follow_lr=cfg.follow_lr,
-        keep_pending=cfg.lookahead and cfg.staleness > 0,
+        copy.deepcopy(cfg.rule.threshold_rule),
+        cfg.rule.residual_clip,
+        follow_lr=cfg.compression.follow_lr,
+        keep_pending=cfg.compression.lookahead and cfg.compression.staleness > 0,
         device=flat.device,
         fold=fold,
     )
@@ -123,28 +123,33 @@ def capture(
     # and on that direct path it steps each parameter as its gradient is ready, so that gradients do
     # not all live at once, unless something needs them all (capture.py, needs_all_gradients); by
     # default only where that frees enough memory to pay for the per-parameter steps
-    wanted = cfg.step_in_backward
+    wanted = cfg.flag("step_in_backward")
     in_backward = (frees_enough(flat) if wanted is None else wanted) and needs_all_gradients(
         optimizer, precision
     ) is None
     path = update_path(
-        flat, optimizer, state.target, allow_direct=cfg.direct_update, in_backward=in_backward, folded=folded
+        flat,
+        optimizer,
+        state.target,
+        allow_direct=bool(cfg.flag("direct_update")),
+        in_backward=in_backward,
+        folded=folded,
     )
     # the gradient is taken at P + this worker's unsent residual (local_view.py)
     view: FoldedView | LocalView | NoView
     if point is not None and isinstance(path, DirectPath):  # folded (update_path: the direct path)
         view = FoldedView(flat, point, path.stepped)
     else:
-        view = LocalView(flat, cfg.apply_scale) if cfg.local_view else NoView()
+        view = LocalView(flat, cfg.rule.apply_scale) if cfg.compression.local_view else NoView()
     return state, path, view
 
 
 def train_step_of(cfg: WorkerConfig) -> TrainStep:
     """losses.py: what a batch is, the loss of it."""
-    if cfg.train_step is not None:
-        return cfg.train_step
-    if cfg.loss is not None:
-        return LossStep(cfg.loss)
+    if cfg.code.train_step is not None:
+        return cfg.code.train_step
+    if cfg.code.loss is not None:
+        return LossStep(cfg.code.loss)
     raise ValueError("WorkerConfig needs a loss or a train_step")
 
 
@@ -162,19 +167,19 @@ class Worker:
         self, cfg: WorkerConfig, rank: int, data: PartitionData | SpilledPartition, model: nn.Module | None = None
     ) -> None:
         """`model`: a module this worker owns and trains in place (the Spark task's, built from the
-        shipped skeleton); None trains a deep copy of ``cfg.model`` (drivers that step workers
+        shipped skeleton); None trains a deep copy of ``cfg.code.model`` (drivers that step workers
         themselves)."""
         self.cfg, self.rank = cfg, rank
-        self.device = select(resolve_device(cfg.device))  # auto: the GPU Spark gave this task, if any
-        torch.manual_seed(cfg.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
-        self.model = (copy.deepcopy(cfg.model) if model is None else model).to(self.device)
+        self.device = select(resolve_device(cfg.runtime.device_name))  # auto: the GPU Spark gave this task, if any
+        torch.manual_seed(cfg.data.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
+        self.model = (copy.deepcopy(cfg.code.model) if model is None else model).to(self.device)
         # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays
         # for the Numba kernels, unless a test or benchmark asks for the torch path there ("tensor_state").
-        on_tensors = self.device.type != "cpu" or cfg.tensor_state
+        on_tensors = self.device.type != "cpu" or cfg.flag("tensor_state")
         self.flat = FlatParams(self.model, device=self.device if on_tensors else None)
-        self.optimizer = cfg.optimizer(self.flat.params)
-        self.precision = Precision(cfg.precision, self.flat.params[0].device.type)  # its loss scaler: local
-        self.scheduler = cfg.lr_scheduler(self.optimizer) if cfg.lr_scheduler is not None else None
+        self.optimizer = cfg.code.optimizer(self.flat.params)
+        self.precision = Precision(cfg.runtime.precision, self.flat.params[0].device.type)  # its loss scaler: local
+        self.scheduler = cfg.code.lr_scheduler(self.optimizer) if cfg.code.lr_scheduler is not None else None
         self.state, self.path, self.view = capture(cfg, self.flat, self.optimizer, self.precision)
         self.log: ApplyLog | None = None  # set by run(), or by a driver that steps the worker itself
         self.stops = StopNotes(copy.deepcopy(cfg.early_stopping))  # rank 0's rule state, its stop request
@@ -182,7 +187,7 @@ class Worker:
         self.checkpoint_seconds = 0.0  # spent writing checkpoints (checkpoint.py)
         self.checkpoint_store: Any = None  # where they go: the directory, or the driver's service (checkpoint.py)
         self.current_step: int | None = None  # the step `run` is in (a failure report names it)
-        self.profile = StepProfile() if cfg.profile else OFF  # benchmarks: per-phase timers
+        self.profile = StepProfile() if cfg.flag("profile") else OFF  # benchmarks: per-phase timers
         self.train_step = train_step_of(cfg)
         self.batches = BatchReader(cfg, rank, data, self.device)
         self.scoring = Scorer(cfg, rank, self.model, self.train_step, self.device)  # validation (its shard)
@@ -200,7 +205,7 @@ class Worker:
     @property
     def closes_epochs(self) -> bool:
         """Rank 0 runs the epoch's end (score, early-stopping rule, callbacks) once the log reaches it."""
-        return self.rank == 0 and (self.evaluates or self.stops.rule is not None or bool(self.cfg.on_epoch_end))
+        return self.rank == 0 and (self.evaluates or self.stops.rule is not None or bool(self.cfg.code.on_epoch_end))
 
     def inherit(self, notes: Mapping[str, Any]) -> None:
         """What a retried stage's attempt inherits from the log before it (the relay's WELCOME notes,
@@ -215,15 +220,15 @@ class Worker:
             self._log(),
             history,
             self.profile,
-            lambda row: self.stops.epoch_end(row, self.cfg.on_epoch_end),
+            lambda row: self.stops.epoch_end(row, self.cfg.code.on_epoch_end),
         )
 
     def step(self, peer: UpdateSink, t: int) -> tuple[float, int, int]:
         """Global step ``t`` of this rank: docs/design.md's step (batch → forward/backward → optimizer step into
         the residual → encode → send), then the lr schedule's step when it steps per step. The caller
         applies the log through t − 1 − k first. Returns (loss, entries sent, payload bytes)."""
-        out = self._step(peer, t, *divmod(self._global(t), self.cfg.steps_per_epoch[self.rank]))
-        if self.scheduler is not None and self.cfg.scheduler_interval == "step":
+        out = self._step(peer, t, *divmod(self._global(t), self.cfg.data.steps_per_epoch[self.rank]))
+        if self.scheduler is not None and self.cfg.runtime.scheduler_interval == "step":
             self.scheduler.step()
         return out
 
@@ -232,7 +237,9 @@ class Worker:
         batch = self.batches.read(epoch, b)
         prof.lap("batch")
         # None: no own message pending, the step runs at P itself (lookahead.py)
-        looked = look_ahead(flat, state, self.log.applied_through if self.log is not None else -1, self.cfg.apply_scale)
+        looked = look_ahead(
+            flat, state, self.log.applied_through if self.log is not None else -1, self.cfg.rule.apply_scale
+        )
         versions = flat.versions()
         buffers_before = copy_of(flat.buffer_array) if flat.n_buffers else None
         prof.lap("lookahead")
@@ -276,7 +283,7 @@ class Worker:
             loss=loss_value,
             sparsity=msg.n_entries / flat.n_params,
             bytes=float(len(payload)),
-            epoch=epoch - self.cfg.first_epoch,
+            epoch=epoch - self.cfg.data.first_epoch,
             tau=msg.threshold if taken else None,
             lr=lr,
         )
@@ -291,20 +298,20 @@ class Worker:
         and the optimizer's momentum lowered when the fit says so (replica/momentum.py). A scheduler and a
         checkpoint see the values as given; returns what to put back."""
         factor_of = getattr(self.state.rule, "lr_factor", None)
-        factor = self.cfg.lr_factor * (1.0 if factor_of is None else float(factor_of(step, self.flat.n_params)))
+        factor = self.cfg.rule.lr_factor * (1.0 if factor_of is None else float(factor_of(step, self.flat.n_params)))
         saved: list[tuple[dict[str, Any], str, Any]] = []
         if factor != 1.0:
             for group in self.optimizer.param_groups:
                 saved.append((group, "lr", group["lr"]))
                 group["lr"] = group["lr"] * factor
-        if self.cfg.momentum_ceiling is not None:
-            saved += lower_momentum(self.optimizer, self.cfg.momentum_ceiling)
+        if self.cfg.rule.momentum_ceiling is not None:
+            saved += lower_momentum(self.optimizer, self.cfg.rule.momentum_ceiling)
         return saved
 
     def _global(self, t: int) -> int:
         """Step t of this fit's log as a step of the whole training (a resumed fit's log starts at 0):
         what the data order and a calibrated τ's warm-up count in, so they go on where they stopped."""
-        return t + self.cfg.first_epoch * self.cfg.steps_per_epoch[self.rank]
+        return t + self.cfg.data.first_epoch * self.cfg.data.steps_per_epoch[self.rank]
 
     def _take_buffer_change(self, before: Vector | None) -> tuple[np.ndarray, ...]:
         """The step's forward moved the float buffers (BatchNorm running statistics) of this replica:
@@ -318,7 +325,7 @@ class Worker:
         changed = buffer_change(
             before,
             flat.buffer_array,
-            self.cfg.world_size,  # type: ignore[type-var]
+            self.cfg.job.world_size,  # type: ignore[type-var]
             flat.buffer_entry_name,
         )
         copy_into(flat.buffer_array, before)
@@ -326,9 +333,17 @@ class Worker:
 
     def run(self, peer: Peer, start_step: int) -> WorkerReport:
         cfg, rank = self.cfg, self.rank
-        spe, total = cfg.steps_per_epoch[rank], cfg.total_steps(rank)
+        spe, total = cfg.data.steps_per_epoch[rank], cfg.total_steps(rank)
         prof = self.profile
-        log = ApplyLog(peer, self.flat, start_step, cfg.timeout, prof, scale=cfg.apply_scale, cap=cfg.step_cap)
+        log = ApplyLog(
+            peer,
+            self.flat,
+            start_step,
+            cfg.fault_tolerance.timeout,
+            prof,
+            scale=cfg.rule.apply_scale,
+            cap=cfg.rule.step_cap,
+        )
         self.log = log
         log.stop_epoch = self.stops.inherited
         if log.stop_epoch is not None:  # decided before this attempt: this rank may even be done already
@@ -343,10 +358,10 @@ class Worker:
         t0 = time.monotonic()
         t = start_step
         while t < total:
-            self._score(scores, t - 1 - cfg.staleness, history)  # before the step: the log is there anyway
+            self._score(scores, t - 1 - cfg.compression.staleness, history)  # before the step: the log is there anyway
             prof.begin()
             self.current_step = t
-            log.apply_through(t - 1 - cfg.staleness)
+            log.apply_through(t - 1 - cfg.compression.staleness)
             if log.stop_epoch is not None:  # early stop: this rank ends after its epoch stop_epoch
                 total = min(total, (log.stop_epoch + 1) * spe)  # never before t (stopping.stop_epoch)
             epoch, b = divmod(t, spe)
@@ -363,11 +378,13 @@ class Worker:
                     )
                 )
                 prof.epoch(None)  # the training time of the epoch's end; the score comes with _score
-                if self.closes_epochs and not cfg.shards:  # the last epoch: on the whole log, the model fit returns
+                if (
+                    self.closes_epochs and not cfg.data.shards
+                ):  # the last epoch: on the whole log, the model fit returns
                     scores.append((epoch, cfg.final_step if t == total - 1 else t))
-                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                if self.scheduler is not None and cfg.runtime.scheduler_interval == "epoch":
                     self.scheduler.step()
-                self._checkpoint(epoch + cfg.first_epoch, t, total, scores, history)
+                self._checkpoint(epoch + cfg.data.first_epoch, t, total, scores, history)
                 tally = EpochTally.start(peer)
             t += 1
         prof.finish()
@@ -425,16 +442,18 @@ class Worker:
         t0 = time.monotonic()
         if self.checkpoint_store is None:
             self.checkpoint_store = worker_store(self.cfg, "checkpoint", self.rank)
-        write_rank(plan, epoch + 1, self, self.cfg.job_id, self.checkpoint_store)
+        write_rank(plan, epoch + 1, self, self.cfg.job.job_id, self.checkpoint_store)
         if self.rank == 0:
-            write_manifest(plan, epoch + 1, self.cfg.timeout, self.cfg.job_id, self.checkpoint_store)
+            write_manifest(
+                plan, epoch + 1, self.cfg.fault_tolerance.timeout, self.cfg.job.job_id, self.checkpoint_store
+            )
         self.checkpoint_seconds += time.monotonic() - t0
 
     def _resume_schedule(self, start_step: int, spe: int) -> None:
         """A resumed attempt starts at `start_step`: bring the lr schedule to where it was then."""
         if self.scheduler is None or start_step == 0:
             return
-        done = start_step if self.cfg.scheduler_interval == "step" else start_step // spe
+        done = start_step if self.cfg.runtime.scheduler_interval == "step" else start_step // spe
         with warnings.catch_warnings():  # torch warns when a scheduler steps before its optimizer
             warnings.simplefilter("ignore")
             for _ in range(done):

@@ -15,7 +15,8 @@ from gradshare.config.options import Compression, FaultTolerance, Network
 from gradshare.demo import digits_split, mlp
 from gradshare.driver.checkpoint import rollback_point
 from gradshare.errors import CheckpointError
-from gradshare.task.checkpoint import MANIFEST, CheckpointPlan
+from gradshare.task.checkpoint import MANIFEST
+from gradshare.task.config import CheckpointPlan
 from gradshare.task.stores import HadoopStore
 from gradshare.transport import param_hash
 from lab.flat_options import in_groups

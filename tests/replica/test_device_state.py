@@ -170,12 +170,12 @@ def test_device_is_checked_on_the_driver():
 
 def _worker(device, **options):
     from gradshare import encoding
-    from gradshare.task.config import WorkerConfig
     from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
+    from worker_configs import worker_config
 
     X, y = np.zeros((8, 64), np.float32), np.zeros(8, np.int64)
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,
@@ -269,17 +269,17 @@ def test_one_worker_steps_the_same_bits_on_either_state(precision, staleness, di
     it waits for) on the torch state, step by step against the NumPy state, without Spark."""
     from gradshare import encoding
     from gradshare.task.apply_log import ApplyLog
-    from gradshare.task.config import WorkerConfig
     from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
+    from worker_configs import worker_config
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(96, 64)).astype(np.float32), rng.integers(0, 10, 96).astype(np.int64)
     states = []
     for tensor in (False, True):
         torch.manual_seed(0)  # the same initial weights for both
-        cfg = WorkerConfig(
+        cfg = worker_config(
             relay_address=("127.0.0.1", 1),
             key=bytes(32),
             job_id=1,

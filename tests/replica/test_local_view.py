@@ -14,10 +14,10 @@ from torch import nn
 from gradshare import encoding
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.local_view import LocalView
-from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.vectors import to_host
+from worker_configs import worker_config
 
 
 def _model(seed: int) -> nn.Module:
@@ -96,7 +96,7 @@ def _worker(local_view: bool) -> Worker:
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 5)).astype(np.float32)
     y = (X[:, 0] > 0).astype(np.int64)
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,
@@ -152,7 +152,7 @@ def _lockstep(
 
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,

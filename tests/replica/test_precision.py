@@ -20,11 +20,11 @@ from gradshare.encoding import Message
 from gradshare.replica.flat import FlatParams
 from gradshare.replica.precision import Precision
 from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport import Update, param_hash
 from lab.flat_options import in_groups
+from worker_configs import worker_config
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # executors cannot import this module
 
@@ -63,7 +63,7 @@ def _worker(precision, direct=True, staleness=0):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(128, 20)).astype(np.float32)
     y = (X[:, :5].sum(axis=1) > 0).astype(np.int64)
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,
@@ -90,7 +90,7 @@ def _worker(precision, direct=True, staleness=0):
 
 
 def _step(w, peer, t):
-    w.log.apply_through(t - 1 - w.cfg.staleness)
+    w.log.apply_through(t - 1 - w.cfg.compression.staleness)
     w.step(peer, t)
     return Message.from_bytes(peer.messages[-1][2], max_params=w.flat.n_params)
 
@@ -105,7 +105,7 @@ def test_a_skipped_fp16_step_sends_an_empty_message_and_leaves_residual_and_para
     params, residual = w.flat.array.copy(), w.state.residual_values().copy()
     moments = [s["exp_avg"].clone() for s in w.optimizer.state.values()]
     scale = w.precision.scaler.get_scale()
-    w.cfg.loss.poison = True
+    w.cfg.code.loss.poison = True
     msg = _step(w, peer, 3)
     assert msg.form == "empty" and msg.n_entries == 0  # sent all the same: the log advances past step 3
     assert [m[0] for m in peer.messages] == [0, 1, 2, 3]
@@ -113,7 +113,7 @@ def test_a_skipped_fp16_step_sends_an_empty_message_and_leaves_residual_and_para
     assert np.array_equal(w.flat.array, params)
     assert all(torch.equal(s["exp_avg"], m) for s, m in zip(w.optimizer.state.values(), moments))
     assert w.precision.scaler.get_scale() == scale / 2 and w.precision.skipped == 1
-    w.cfg.loss.poison = False
+    w.cfg.code.loss.poison = False
     assert _step(w, peer, 4).n_entries > 0 and w.precision.skipped == 1  # and training goes on
     assert np.isfinite(w.state.residual_values()).all() and np.isfinite(w.flat.array).all()
 

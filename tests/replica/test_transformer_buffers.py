@@ -237,13 +237,13 @@ def test_a_buffer_that_changes_to_inf_in_spark_names_the_buffer(spark):
 def _one_worker(X, y, lr=1e-3):
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.apply_log import ApplyLog
-    from gradshare.task.config import WorkerConfig
     from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
+    from worker_configs import worker_config
 
     model = nn.Sequential(nn.Linear(X.shape[1], 8), nn.ReLU(), nn.Linear(8, 3))
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,
@@ -298,10 +298,10 @@ def test_persistence_is_torchs_own_record_not_the_state_dict_keys():
 def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
     from gradshare.encoding import CalibratedThreshold
     from gradshare.task.apply_log import ApplyLog
-    from gradshare.task.config import WorkerConfig
     from gradshare.task.partition import PartitionData
     from gradshare.task.worker import Worker
     from gradshare.transport.testing.shared_log import LogPeer, SharedLog
+    from worker_configs import worker_config
 
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8)
@@ -309,7 +309,7 @@ def test_the_decays_lr_factor_scales_one_optimizer_step_and_is_put_back():
     for power in (0.0, 1.0):
         torch.manual_seed(0)
         rule = CalibratedThreshold(density=0.05, decay_from=0.5, decay_steps=4, decay_lr_power=power)
-        cfg = WorkerConfig(
+        cfg = worker_config(
             relay_address=("127.0.0.1", 1),
             key=bytes(32),
             job_id=1,

@@ -167,9 +167,9 @@ def test_skeleton_ships_no_weights_and_materializes_into_the_same_layout():
 
 
 def test_user_objects_travel_as_bytes_and_unpack_in_the_worker():
-    from gradshare.task.config import WorkerConfig
+    from worker_configs import worker_config
 
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=b"k" * 32,
         job_id=1,
@@ -188,9 +188,12 @@ def test_user_objects_travel_as_bytes_and_unpack_in_the_worker():
         metric=lambda o, y: 1.0,
     )
     packed = pack_user_objects(cfg)
-    assert packed.model is None and packed.loss is None and isinstance(packed.user_objects, bytes)
+    assert packed.user is None and isinstance(packed.user_objects, bytes)
+    with pytest.raises(ValueError, match="still packed"):
+        packed.code
     back = unpack_user_objects(packed)
-    assert isinstance(back.model, WithIntBuffer) and back.metric(None, None) == 1.0 and back.user_objects is None
+    assert isinstance(back.code.model, WithIntBuffer) and back.code.metric(None, None) == 1.0
+    assert back.user_objects is None
 
 
 # ------------------------------------------------------------------------------------ end to end

@@ -13,10 +13,10 @@ from torch import nn
 from gradshare import SharedTrainer, encoding
 from gradshare.config.options import Compression
 from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport.testing.shared_log import LogPeer, SharedLog
+from worker_configs import worker_config
 
 
 def _trained(lr: float, factor: float, steps: int = 10) -> Worker:
@@ -24,7 +24,7 @@ def _trained(lr: float, factor: float, steps: int = 10) -> Worker:
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(128, 5)).astype(np.float32), rng.integers(0, 3, 128).astype(np.int64)
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,

@@ -17,10 +17,10 @@ from torch import nn
 
 from gradshare import encoding
 from gradshare.task.apply_log import ApplyLog
-from gradshare.task.config import WorkerConfig
 from gradshare.task.partition import PartitionData
 from gradshare.task.worker import Worker
 from gradshare.transport import Update, param_hash
+from worker_configs import worker_config
 
 
 class _Log:
@@ -53,7 +53,7 @@ def _train(staleness, lookahead, world=1, epochs=2, lr=1e-2, mutate_rank=None, t
     shards = [
         (X[r * n // world : (r + 1) * n // world], y[r * n // world : (r + 1) * n // world]) for r in range(world)
     ]
-    cfg = WorkerConfig(
+    cfg = worker_config(
         relay_address=("127.0.0.1", 1),
         key=bytes(32),
         job_id=1,
