@@ -1,7 +1,7 @@
 """What the "auto" options mean at N workers: every default that depends on the worker count, in one
 literal table (`ROWS`). The planner (plan.py), which `fit` and the lock-step harness both call, reads it;
-nothing else derives a default from N. docs/guide/defaults.md prints it (`table`) and says why each value,
-with the measurements behind it.
+nothing else derives a default from N. docs/guide/defaults.md prints it (`table`); docs/research/defaults.md
+has the measurements behind each value.
 
 - momentum: each worker's residual already averages its past updates (error feedback, Strom 2015), and
   Adam's β1 on top is a second, lagging average (replica/momentum.py).

@@ -278,7 +278,7 @@ class CalibratedThreshold(_HeldThreshold):
     density is ``density × min(max_lr_boost, (peak rate / rate) ** lr_exponent)``. Why: as the rate
     anneals, τ falls with the residual, and the noise that the ±τ steps at the peak rate committed to
     the model is corrected only where a later entry crosses τ; at the same 0.2 % of the entries a step
-    too few entries are left to do it (docs/guide/convergence.md). A warm-up of the
+    too few entries are left to do it (docs/research/convergence.md). A warm-up of the
     rate itself (rising) leaves the factor at 1.
     """
 

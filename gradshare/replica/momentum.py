@@ -6,7 +6,7 @@ the worker's past updates, a momentum of its own. An optimizer's first moment (A
 momentum) adds a second, lagging average on top, and with many workers that lag is what holds learning
 back. The default by worker count is the planner's (driver/policy.py): at most 0.5 below 32 workers, where
 some momentum still filters each worker's noise out of what crosses τ, and off from 32; the measurements
-are on docs/guide/defaults.md.
+are on docs/research/defaults.md.
 
 The lowered value is set around each optimizer step and put back after it, as the lr factors are
 (task/worker.py): the optimizer's param groups, a scheduler that cycles momentum (OneCycleLR) and a

@@ -19,9 +19,9 @@ of every replica is a function of the data and the seed alone (k = 0 is synchron
 Own-update lookahead (k ≥ 1, `Compression.lookahead`): with stale parameters the step's gradient is taken
 at P, which lacks every worker's last k messages, so a worker keeps pushing in directions already-sent
 updates have covered (with Adam at lr 1e-3, k = 1 falls from ~89 % to ~19 % on the benchmark MLP after
-4 epochs; docs/guide/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the forward/backward
-and optimizer step run at P + (own sent messages the log has not applied yet), and u is measured from that
-point; afterwards P is restored bit for bit (exact for one worker, partial for several). P
+4 epochs; docs/research/convergence.md, "Staleness"). Its OWN missing messages are known locally, so the
+forward/backward and optimizer step run at P + (own sent messages the log has not applied yet), and u is
+measured from that point; afterwards P is restored bit for bit (exact for one worker, partial for several). P
 itself still changes only by applying the log, so replicas stay bit-identical (the lookahead is a local
 evaluation point, like the residual is local state). The residual and
 the optimizer state (e.g. Adam moments) stay local to the worker, as in DL4J; a resumed attempt starts
