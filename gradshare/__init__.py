@@ -12,6 +12,7 @@ from gradshare.errors import (
     DecodeError,
     GradshareError,
     LocalProtocolError,
+    MemoryLimitError,
     NonFiniteError,
     ProtocolError,
     RemoteProtocolError,
@@ -92,5 +93,6 @@ __all__ = [
     "ConsistencyError",
     "TrainingError",
     "CheckpointError",
+    "MemoryLimitError",
     "NonFiniteError",
 ]

@@ -60,6 +60,11 @@ class NonFiniteError(GradshareError, ValueError):
     """A value the encoder reads (residual, update, point) is NaN or ±inf; the message names its index."""
 
 
+class MemoryLimitError(GradshareError, ValueError):
+    """A worker cannot hold the model in the memory it is given: the message names the model's size, what a
+    worker holds per parameter and the limit (driver/capacity.py)."""
+
+
 class CheckpointError(GradshareError, ValueError):
     """A checkpoint cannot be loaded whole: no manifest, or a file that does not match it (checkpoint.py)."""
 
@@ -74,5 +79,6 @@ __all__ = [
     "ConsistencyError",
     "TrainingError",
     "CheckpointError",
+    "MemoryLimitError",
     "NonFiniteError",
 ]

@@ -28,6 +28,7 @@ from torch import nn
 from gradshare.checks import is_dataframe, is_distributed
 from gradshare.config import TrainConfig, check_checkpoint_staleness
 from gradshare.config.options import is_calibrated
+from gradshare.driver.capacity import check_worker_memory
 from gradshare.driver.checkpoint import (
     Manifest,
     job_of,
@@ -136,6 +137,9 @@ def prepare_data(
     timed = job.prepass()
     summaries = [s for s, _ in timed]
     layout = check_summaries(summaries)
+    # a model too large for a worker fails here, naming the sizes, not as an executor the OS kills
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    check_worker_memory(trainable, spec.optimizer, job.conf, job.world)
     features, label_kind, label_shape = layout.features, layout.label_kind, layout.label_shape
     # check_summaries raised for any partition with an error, and an empty one is an error
     assert features is not None and label_kind is not None and label_shape is not None

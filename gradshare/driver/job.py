@@ -63,6 +63,11 @@ class RddJob:
         self.world: int = rdd.getNumPartitions()
         self.group = ""
 
+    def conf(self, key: str) -> str | None:
+        """The session's Spark configuration value for ``key`` (None: not set)."""
+        value: str | None = self.spark_context.getConf().get(key)
+        return value
+
     def prepass(self) -> Timed:
         """Check the barrier slots, then validate every partition and count its rows (errors come back
         as data, so the driver names partition and row instead of Spark retrying a failing task)."""
@@ -134,6 +139,10 @@ class FrameJob:
         self.spark_context = None if is_connect(df) else df.sparkSession.sparkContext
         self.world = 0  # known after the pre-pass: Connect has no getNumPartitions
         self.tag = ""
+
+    def conf(self, key: str) -> str | None:
+        """The session's Spark configuration value for ``key`` (None: not set, or not readable on Connect)."""
+        return _conf(self.session, key)
 
     def prepass(self) -> Timed:
         rows = self.frame.mapInArrow(
