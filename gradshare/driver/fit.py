@@ -56,7 +56,7 @@ from gradshare.driver.validation import check_shards, shards_of, validation_rows
 from gradshare.encoding import apply_update, decode_update
 from gradshare.encoding.aggregate import AggregateState
 from gradshare.encoding.step_cap import StepCap, step_applier
-from gradshare.replica.flat import FlatParams
+from gradshare.replica.flat import FlatParams, frozen_digest
 from gradshare.replica.losses import accuracy, accuracy_sums, plan_loss
 from gradshare.reports import Counters, epoch_lines
 from gradshare.task.batches import input_names, validation_arrays
@@ -463,5 +463,6 @@ def worker_config(
             checkpoint=run.saving,
             resume=resume,
             n_state=int(run.initial.size),
+            frozen_digest=frozen_digest(prep.model),
         )
     )

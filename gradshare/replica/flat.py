@@ -25,6 +25,7 @@ in step by hand.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -241,6 +242,21 @@ class FlatParams:
         """The state as a NumPy array (hashing, snapshots): the state itself on the default path, a copy
         from the device otherwise."""
         return to_host(self.state)
+
+
+def frozen_digest(module: nn.Module) -> str | None:
+    """A digest of the parameters the flat state does not hold (requires_grad=False: a LoRA model's frozen
+    base), by name, dtype, shape and bytes; None where there are none. Every replica must start from the
+    driver's: a worker compares its own with the one the driver shipped (task/worker.py)."""
+    frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for name, p in frozen:
+        digest.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+        if p.device.type != "meta" and p.numel():  # the bytes as they lie: no copy on the host
+            digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def shared_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -109,6 +109,7 @@ class WorkerConfig:
     checkpoint: CheckpointPlan | None = None  # write state every plan.every epochs
     resume: dict[str, Any] | None = None  # checkpoint.read_manifest's dict: start each rank from its saved state
     n_state: int = 0  # parameters + float buffers (FlatParams.n_state): the peer exists before the model
+    frozen_digest: str | None = None  # the driver's frozen parameters' digest (flat.frozen_digest); None: none
     user_objects: bytes | None = None  # `user`, cloudpickled by fit (shipping.py); None: not packed
 
     @property

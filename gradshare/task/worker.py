@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradshare.encoding import SharingState, StepUpdate, buffer_change, skipped_step
-from gradshare.errors import NonFiniteError, TrainingError
+from gradshare.errors import ConsistencyError, NonFiniteError, TrainingError
 from gradshare.replica.capture import (
     DirectPath,
     UpdatePath,
@@ -55,7 +55,7 @@ from gradshare.replica.capture import (
     writes_update_only,
 )
 from gradshare.replica.device import resolve_device, select
-from gradshare.replica.flat import FlatParams, int_buffers
+from gradshare.replica.flat import FlatParams, frozen_digest, int_buffers
 from gradshare.replica.local_view import FoldedView, LocalView, NoView
 from gradshare.replica.lookahead import look_ahead, look_back
 from gradshare.replica.losses import LossStep
@@ -173,6 +173,12 @@ class Worker:
         self.device = select(resolve_device(cfg.runtime.device_name))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.data.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = (copy.deepcopy(cfg.code.model) if model is None else model).to(self.device)
+        if cfg.frozen_digest is not None and frozen_digest(self.model) != cfg.frozen_digest:
+            raise ConsistencyError(
+                f"rank {rank}: the frozen parameters (requires_grad=False) of {type(self.model).__name__} differ "
+                f"from the driver's (digest {frozen_digest(self.model)} here, {cfg.frozen_digest} there): every "
+                "replica must start from the driver's model; build the frozen weights once, on the driver"
+            )
         # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays
         # for the Numba kernels, unless a test or benchmark asks for the torch path there ("tensor_state").
         on_tensors = self.device.type != "cpu" or cfg.flag("tensor_state")
