@@ -225,6 +225,7 @@ def fit_elastic(
     world, restart, resume = start_world, None, resume_from
     rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
     reforms: list[dict[str, Any]] = []
+    steps_before = 0  # the log steps the jobs before this one completed (their work, redone or not)
     while True:
         job_config = replace(
             config, num_workers=world, batch_size=elastic.batch_size(config.batch_size, start_world, world)
@@ -299,11 +300,13 @@ def fit_elastic(
             restart = Restart(
                 left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done)
             )
+            steps_before += left.complete_through + 1
             world, resume = new_world, None
             continue
         result = collect_result(prep, run, outcome, t_start)
         own = [{**row, "workers": world} for row in result.history]
         result.history = rows + own
+        result.steps += steps_before  # the whole training's, not the last job's alone
         result.extra = replace(
             result.extra, reforms=[{k: v for k, v in r.items() if k != "detected_at"} for r in reforms]
         )

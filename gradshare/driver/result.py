@@ -73,7 +73,7 @@ class FitResult:
     param_hash: str
     world_size: int
     n_params: int
-    steps: int  # steps of the longest-running rank
+    steps: int  # steps of the longest-running rank; an elastic fit's, over all its jobs (a re-run epoch's twice)
     resumed_from: int  # 0, or the step a retried stage continued from
     seconds: float
     extra: FitExtras = field(default_factory=FitExtras)  # read like a dict too: extra["loss"]

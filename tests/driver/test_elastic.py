@@ -90,6 +90,8 @@ def test_a_free_slot_grows_the_fit_at_an_epoch_end(digits_rdd):
     assert [h["epoch"] for h in result.history] == list(range(8))  # every epoch once
     rows = len(X_test) * 3  # about the training rows: each epoch saw all of them, at one worker or two
     assert all(abs(h["steps"] * 16 - rows) < 16 * 4 for h in result.history)
+    grown = result.history[-1]["steps"] // 2  # a rank's steps per epoch at two workers
+    assert result.steps == grow["at_step"] + 1 + (8 - grow["epoch"]) * grown
     assert result.world_size == 2 and len({r["param_hash"] for r in result.worker_reports} | {result.param_hash}) == 1
     assert evaluate_accuracy(result.model, X_test, y_test) > 0.8
 
@@ -110,6 +112,8 @@ def test_a_failed_task_re_forms_the_job_from_the_relay_and_flapping_is_bounded(d
     assert shrink["steps_redone"] == shrink["at_step"] + 1 - spe >= 0 and shrink["rows_skipped"] == 0
     assert [h["epoch"] for h in result.history] == [0, 1, 2] and [h["workers"] for h in result.history] == [2] * 3
     assert all(h["steps"] == 2 * spe for h in result.history)
+    # the whole training's steps: the first job's complete log, then the second's from the re-run epoch on
+    assert result.steps == shrink["at_step"] + 1 + (3 - shrink["epoch"]) * spe
     assert len({r["param_hash"] for r in result.worker_reports} | {result.param_hash}) == 1
     assert evaluate_accuracy(result.model, X_test, y_test) > 0.8
     again = str(tmp_path / "died-again")
