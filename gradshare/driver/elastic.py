@@ -31,13 +31,11 @@ from typing import Any
 from gradshare.checks import is_dataframe
 from gradshare.config import TrainConfig
 from gradshare.config.options import Elastic
-from gradshare.driver.collect import collect_result, regrouped
-from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
+from gradshare.driver.collect import regrouped
 from gradshare.driver.history import merge_history
 from gradshare.driver.job import RddJob
-from gradshare.driver.plan import FitSpec
-from gradshare.driver.records import RunPlan
-from gradshare.driver.reform import Reform, Restart, shifted
+from gradshare.driver.records import Prepared, RunPlan, Started
+from gradshare.driver.reform import JobStart, Reformed, Restart, Retry, Stop, shifted
 from gradshare.driver.result import FitResult
 from gradshare.driver.session import busy_slots, is_connect, total_slots
 from gradshare.errors import TrainingError
@@ -106,7 +104,7 @@ def steady(sc: Any, bound: float = 10.0) -> None:
 
 
 class Watch:
-    """run_stage's watch for one job: raises `Reform` when a task failed, a rank is given up, or (every
+    """run_stage's watch for one job: a `Stop` when a task failed, a rank is given up, or (every
     SLOTS_EVERY s) slots are free for a larger job and the log just reached an epoch's end. Notes when the
     job's first step completed, which is what a re-form cost in seconds ends at."""
 
@@ -131,7 +129,7 @@ class Watch:
         self.first_step_at: float | None = None
         self.ends = [time.monotonic()]  # when the log completed each epoch of this job (its start first)
 
-    def __call__(self) -> None:
+    def __call__(self) -> Stop | None:
         now = time.monotonic()
         done = int(self.relay.complete_through)
         if self.first_step_at is None and done >= 0:
@@ -148,12 +146,12 @@ class Watch:
             self.ends.append(now)
         failed = self._failed_tasks()
         if failed:
-            raise Reform("shrink", f"{failed} task(s) of the stage failed (an executor lost?)", now)
+            return Stop("shrink", f"{failed} task(s) of the stage failed (an executor lost?)", now)
         given_up = self.relay.fatal_incident()
         if given_up is not None:
-            raise Reform("shrink", given_up.describe(), now)
+            return Stop("shrink", given_up.describe(), now)
         if self.world >= self.elastic.max_workers or done < 0:
-            return
+            return None
         if now - self.slots_at >= SLOTS_EVERY:
             self.slots_at = now
             # two counts in a row: an executor being removed or registered counts for a moment
@@ -164,8 +162,9 @@ class Watch:
                 self.grow_after = end
         if self.grow_after is not None and done >= self.grow_after and self.free_seen >= 2:
             if self._spare() > 0:  # still there: a grow never re-forms at the same size
-                raise Reform("grow", "free task slots at an epoch's end", now)
+                return Stop("grow", "free task slots at an epoch's end", now)
             self.grow_after, self.free_seen = None, 0
+        return None
 
     def seconds(self, epoch: int) -> float:
         """How long the log took over this job's `epoch` (0.0: it ended after the watch last looked)."""
@@ -205,111 +204,107 @@ class Watch:
         }
 
 
-def fit_elastic(
-    spec: FitSpec,
-    data: object,
-    features_col: str | list[str] | None,
-    label_col: str | None,
-    resume_from: str | None,
-    t_start: float,
-) -> FitResult:
-    """SharedTrainer.fit with `elastic`: jobs at the cluster's size, each re-formed from the relay's state."""
-    config = spec.config
-    elastic = config.elastic
-    assert elastic is not None  # the trainer calls this for an elastic fit only
-    check_elastic(config, data)
-    sc = _spark_context(data)
-    # a cluster master's executors may still be registering; a local master's slots are all there
-    settle = 0.0 if str(sc.master).startswith("local") else config.fault_tolerance.timeout
-    start_world = config.num_workers or slots_for(sc, elastic, elastic.max_workers, 0.0, settle, reform=False)
-    world, restart, resume = start_world, None, resume_from
-    rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
-    reforms: list[dict[str, Any]] = []
-    steps_before = 0  # the log steps the jobs before this one completed (their work, redone or not)
-    while True:
-        job_config = replace(
-            config, num_workers=world, batch_size=elastic.batch_size(config.batch_size, start_world, world)
-        )
-        job_spec = replace(spec, config=job_config)
-        prep = prepare_data(job_spec, data, features_col, label_col, resume, restart)
-        if resume is not None:  # a resume_from at another world size is the first re-form
-            reforms += [{**r, "detected_at": None} for r in regrouped(prep.resume, world)]
-        run = plan_run(job_config, prep, restart)
-        started = start_relay(job_config, prep, run)
+class ElasticRuns:
+    """The jobs of an elastic fit (driver/loop.py): each at the cluster's size, re-formed from the relay's
+    state when its watch stops it, at most max_reforms times; the result's history, steps and re-forms are
+    the whole training's."""
+
+    relay = "client"
+    restarts: tuple[dict[str, str | None], ...] = ()
+
+    def __init__(self, config: TrainConfig, data: object, resume_from: str | None) -> None:
+        elastic = config.elastic
+        assert elastic is not None  # the loop builds this for an elastic fit only
+        check_elastic(config, data)
+        self.config, self.elastic, self.resume_from = config, elastic, resume_from
+        self.sc = _spark_context(data)
+        # a cluster master's executors may still be registering; a local master's slots are all there
+        settle = 0.0 if str(self.sc.master).startswith("local") else config.fault_tolerance.timeout
+        self.start_world = config.num_workers or slots_for(self.sc, elastic, elastic.max_workers, 0.0, settle, False)
+        self.world = self.start_world
+        self.rows: list[dict[str, Any]] = []  # the finished epochs of the jobs before this one
+        self.reforms: list[dict[str, Any]] = []
+        self.steps_before = 0  # the log steps the jobs before this one completed (their work, redone or not)
+        self.watching: Watch | None = None
+
+    def first(self) -> JobStart:
+        return self._start(self.resume_from, None)
+
+    def _start(self, resume: str | None, restart: Restart | None) -> JobStart:
+        batch = self.elastic.batch_size(self.config.batch_size, self.start_world, self.world)
+        return JobStart(replace(self.config, num_workers=self.world, batch_size=batch), resume, restart)
+
+    def planned(self, prep: Prepared, start: JobStart) -> None:
+        if start.resume_from is not None:  # a resume_from at another world size is the first re-form
+            self.reforms += [{**r, "detected_at": None} for r in regrouped(prep.resume, self.world)]
+
+    def watch(self, prep: Prepared, started: Started, run: RunPlan) -> Watch:
         assert isinstance(prep.job, RddJob)  # check_elastic: a classic session (a DataFrame runs on its RDD)
+        reforms = self.reforms
         after = reforms[-1] if reforms and reforms[-1]["detected_at"] is not None else None
-        watch = Watch(prep.job, started.relay, run, elastic, world, after, config.verbose)
-        try:
-            outcome = run_job(job_spec, prep, run, started, watch)
-        except Reform as reform:
-            if len(reforms) >= elastic.max_reforms:
-                raise TrainingError(
-                    f"elastic fit: {len(reforms) + 1} re-forms, more than max_reforms="
-                    f"{elastic.max_reforms} (an executor that keeps being lost and coming back?); "
-                    f"the last: {reform}"
-                ) from reform
-            left = reform.left
-            assert left is not None  # run_job adds it
-            spe = watch.epoch_steps
-            # (a job lost after its last step runs its last epoch again: a job has at least one epoch)
-            local_done = min((left.complete_through + 1) // spe, run.epochs - 1)
-            epochs_done = run.first_epoch + local_done
-            finished, _ = merge_history([], left.tallies, run.steps_per_epoch, local_done)
-            # a cancelled job's rows come from the relay's tally; their seconds from the watch's clock
-            rows += [
-                replace(
-                    row,
-                    epoch=row.epoch + run.first_epoch,
-                    loss_fn=prep.plan.name,
-                    workers=world,
-                    seconds=watch.seconds(row.epoch),
-                ).as_dict()
-                for row in finished
-            ]
-            # a shrink waits for the lost slot to come back; a grow takes what is free
-            wanted = elastic.max_workers if reform.kind == "grow" else world
-            new_world = slots_for(
-                sc,
-                elastic,
-                wanted,
-                elastic.slot_wait if reform.kind == "shrink" else 0.0,
-                config.fault_tolerance.timeout,
+        self.watching = Watch(prep.job, started.relay, run, self.elastic, self.world, after, self.config.verbose)
+        return self.watching
+
+    def after(self, end: Retry | Reformed, prep: Prepared, run: RunPlan) -> JobStart:
+        assert isinstance(end, Reformed) and self.watching is not None  # a client relay's job: no Retry
+        elastic, stop, left, watch = self.elastic, end.stop, end.left, self.watching
+        if len(self.reforms) >= elastic.max_reforms:
+            raise TrainingError(
+                f"elastic fit: {len(self.reforms) + 1} re-forms, more than max_reforms="
+                f"{elastic.max_reforms} (an executor that keeps being lost and coming back?); the last: {stop}"
             )
-            reforms.append(
-                {
-                    "kind": reform.kind,
-                    "reason": reform.reason,
-                    "epoch": epochs_done,
-                    "from": world,
-                    "to": new_world,
-                    "at_step": left.complete_through,
-                    "steps_redone": left.complete_through + 1 - local_done * spe,
-                    "rows_skipped": 0,
-                    "detected_at": reform.detected_at,
-                    "seconds": None,
-                }
-            )
-            if config.verbose:
-                last = reforms[-1]
-                print(
-                    f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({reform.kind}: "
-                    f"{reform.reason}): {world} -> {new_world} workers, {last['steps_redone']} steps of the "
-                    "epoch run again, 0 rows skipped",
-                    flush=True,
-                )
-            restart = Restart(
-                left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done)
-            )
-            steps_before += left.complete_through + 1
-            world, resume = new_world, None
-            continue
-        result = collect_result(prep, run, outcome, t_start)
-        own = [{**row, "workers": world} for row in result.history]
-        result.history = rows + own
-        result.steps += steps_before  # the whole training's, not the last job's alone
-        result.extra = replace(
-            result.extra, reforms=[{k: v for k, v in r.items() if k != "detected_at"} for r in reforms]
+        spe = watch.epoch_steps
+        # (a job lost after its last step runs its last epoch again: a job has at least one epoch)
+        local_done = min((left.complete_through + 1) // spe, run.epochs - 1)
+        epochs_done = run.first_epoch + local_done
+        finished, _ = merge_history([], left.tallies, run.steps_per_epoch, local_done)
+        # a cancelled job's rows come from the relay's tally; their seconds from the watch's clock
+        self.rows += [
+            replace(
+                row,
+                epoch=row.epoch + run.first_epoch,
+                loss_fn=prep.plan.name,
+                workers=self.world,
+                seconds=watch.seconds(row.epoch),
+            ).as_dict()
+            for row in finished
+        ]
+        # a shrink waits for the lost slot to come back; a grow takes what is free
+        wanted = elastic.max_workers if stop.kind == "grow" else self.world
+        wait = elastic.slot_wait if stop.kind == "shrink" else 0.0
+        new_world = slots_for(self.sc, elastic, wanted, wait, self.config.fault_tolerance.timeout)
+        self.reforms.append(
+            {
+                "kind": stop.kind,
+                "reason": stop.reason,
+                "epoch": epochs_done,
+                "from": self.world,
+                "to": new_world,
+                "at_step": left.complete_through,
+                "steps_redone": left.complete_through + 1 - local_done * spe,
+                "rows_skipped": 0,
+                "detected_at": stop.detected_at,
+                "seconds": None,
+            }
         )
+        if self.config.verbose:
+            last = self.reforms[-1]
+            print(
+                f"gradshare: re-forming at epoch {epochs_done}, log step {last['at_step']} ({stop.kind}: "
+                f"{stop.reason}): {self.world} -> {new_world} workers, {last['steps_redone']} steps of the "
+                "epoch run again, 0 rows skipped",
+                flush=True,
+            )
+        restart = Restart(left.params, epochs_done, run.step_cap, shifted(left.notes, run.first_epoch - epochs_done))
+        self.steps_before += left.complete_through + 1
+        self.world = new_world
+        return self._start(None, restart)
+
+    def finish(self, result: FitResult) -> FitResult:
+        result.history = self.rows + [{**row, "workers": self.world} for row in result.history]
+        result.steps += self.steps_before  # the whole training's, not the last job's alone
+        reforms = [{k: v for k, v in r.items() if k != "detected_at"} for r in self.reforms]
+        result.extra = replace(result.extra, reforms=reforms)
         return result
 
 

@@ -1,5 +1,5 @@
-"""`SharedTrainer.fit` as five stages, each a plain function of the trainer's options (its TrainConfig, or
-plan.FitSpec where the model or the optimizer factory is read too):
+"""A fit's job as five stages (loop.py runs them, job after job), each a plain function of the trainer's
+options (its TrainConfig, or plan.FitSpec where the model or the optimizer factory is read too):
 
     prepare_data    the Spark job for the data, checkpoints opened, the model built, the pre-pass run and
                     checked, the loss planned on one row, validation shards zipped in (before any training)
@@ -48,7 +48,7 @@ from gradshare.driver.plan import (
     plan_steps,
 )
 from gradshare.driver.records import Outcome, Prepared, RunPlan, Started
-from gradshare.driver.reform import Left, Reform, Restart
+from gradshare.driver.reform import Left, Reformed, Restart, Stop
 from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.driver.session import check_summaries, dataframe_to_rdd, is_connect
 from gradshare.driver.stage import run_stage
@@ -346,10 +346,10 @@ def start_relay(config: TrainConfig, prep: Prepared, run: RunPlan) -> Started:
 
 
 def run_job(
-    spec: FitSpec, prep: Prepared, run: RunPlan, started: Started, watch: Callable[[], None] | None = None
-) -> Outcome:
+    spec: FitSpec, prep: Prepared, run: RunPlan, started: Started, watch: Callable[[], Stop | None] | None = None
+) -> Outcome | Reformed:
     """The barrier stage against the started relay, then the relay's end state; closes the relay (and
-    the checkpoint service) whatever happens. `watch`: run_stage's; a `Reform` it raises leaves with the
+    the checkpoint service) whatever happens. `watch`: run_stage's; a job it stops ends `Reformed`, with the
     relay's state as the cancelled job left it."""
     config, limits = spec.config, spec.config.fault_tolerance
     relay, service = started.relay, None
@@ -368,21 +368,18 @@ def run_job(
             started.job_id,
         )
         window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
-        try:
-            reports = run_stage(
-                prep.job,
-                cfg,
-                relay,
-                window,
-                config.verbose,
-                lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch),
-                watch,
-            )
-        except Reform as reform:  # the job is cancelled and settled: no task sends any more
-            reform.left = Left(
-                relay.params, relay.complete_through, relay.epoch_tallies(), relay.notes_at(relay.complete_through)
-            )
-            raise
+        reports = run_stage(
+            prep.job,
+            cfg,
+            relay,
+            window,
+            config.verbose,
+            lambda: epoch_lines(relay.epoch_tallies(), run.steps_per_epoch),
+            watch,
+        )
+        if isinstance(reports, Stop):  # the job is cancelled and settled: no task sends any more
+            done = relay.complete_through
+            return Reformed(reports, Left(relay.params, done, relay.epoch_tallies(), relay.notes_at(done)))
         relay.wait_finished(limits.timeout)
         relay_hash = relay.param_hash()
         counters = Counters.from_dict(relay.counters())

@@ -4,8 +4,8 @@ Rank 0's task hosts the relay (task/relay_host.py); this process ships it the fi
 follows its status when the executors can reach this process (a `StatusInbox`), and reads the relay's end
 state from rank 0's report. Nothing of a relay survives its task, so Spark does not retry the stage: a
 failed stage whose cause may pass (a task or executor that died, a timeout, a lost connection) is run
-again by `SharedTrainer.fit` from the last checkpoint of this fit, or from scratch without one; an error a
-retry would repeat (the user's model, data or code) is raised at once.
+again by the fit's loop (loop.py, `InJobRuns`) from the last checkpoint of this fit, or from scratch
+without one; an error a retry would repeat (the user's model, data or code) is raised at once.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import numpy as np
 from gradshare.checks import is_local
 from gradshare.config import TrainConfig
 from gradshare.driver.checkpoint import find
-from gradshare.driver.fit import plan_run, prepare_data, worker_config
+from gradshare.driver.fit import worker_config
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.records import Outcome, Prepared, RunPlan
+from gradshare.driver.reform import JobStart, Reformed, Retry, Stop
 from gradshare.driver.relay_setup import join_window, relay_tuning
+from gradshare.driver.result import FitResult
 from gradshare.driver.session import is_connect
 from gradshare.driver.stage import run_stage
 from gradshare.errors import CheckpointError, GradshareError
@@ -105,18 +107,9 @@ def status_host(job: RddJob | FrameJob, advertise_host: str | None) -> str | Non
         return None
 
 
-class Restart(Exception):
-    """The in-job stage failed in a way a new run may pass (`restartable`): `error` is what to raise when
-    no run is left."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
-    """The barrier stage with the relay in rank 0's task: its `Outcome` from rank 0's report. Raises
-    `Restart` for a failure a new run of the stage may pass, any other error as it is."""
+def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome | Retry:
+    """The barrier stage with the relay in rank 0's task: its `Outcome` from rank 0's report, or `Retry`
+    for a failure a new run of the stage may pass (any other error is raised as it is)."""
     config, net, limits = spec.config, spec.config.network, spec.config.fault_tolerance
     key, job_id = new_job_key(), secrets.randbits(31)
     host = status_host(prep.job, net.advertise_host)
@@ -141,15 +134,17 @@ def run_in_job(spec: FitSpec, prep: Prepared, run: RunPlan) -> Outcome:
         )
         cfg = worker_config(spec, prep, run, prep.resume, ("", 0), key, job_id, hosted)
         window = join_window(limits.timeout, limits.liveness_timeout, prep.load_seconds)
-        reports = run_stage(prep.job, cfg, relay, window, config.verbose, relay.epoch_lines)
+        ended = run_stage(prep.job, cfg, relay, window, config.verbose, relay.epoch_lines)
     except Exception as e:
         if relay.failure() is None and relay.fatal_incident() is None and restartable(e):
-            raise Restart(e) from e
+            return Retry(e)
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         if inbox is not None:
             inbox.close()
+    assert not isinstance(ended, Stop)  # no watch: the stage runs to its end
+    reports = ended
     hosts = [r.relay for r in reports if r.relay is not None]
     if len(hosts) != 1:
         raise GradshareError(f"the job's reports hold {len(hosts)} relay results (rank 0's task hosts the relay)")
@@ -197,34 +192,42 @@ def restartable(error: BaseException) -> bool:
     return failure.error_type in PASSING_TYPES or failure.error_class not in USER_CLASSES
 
 
-def fit_in_job(
-    spec: FitSpec, data: object, features_col: str | list[str] | None, label_col: str | None, resume_from: str | None
-) -> tuple[Prepared, RunPlan, Outcome, list[dict[str, str | None]]]:
-    """The fit's stages with the relay in the job, the stage run again after a `Restart` (at most
-    MAX_RESTARTS times) from this fit's last checkpoint, else from where the fit began (resume_from, or
-    scratch), each restart said in a warning and in the list returned (extra["restarts"])."""
-    config = spec.config
-    if not is_connect(data):  # on Connect, job.check_connect refuses the same, naming Connect
-        check_in_job(config, resume_from)
-    restarts: list[dict[str, str | None]] = []
-    start = resume_from
-    while True:
-        prep = prepare_data(spec, data, features_col, label_col, start)
-        run = plan_run(config, prep)
-        try:
-            return prep, run, run_in_job(spec, prep, run), restarts
-        except Restart as failed:
-            if len(restarts) >= MAX_RESTARTS:
-                raise failed.error from failed.error.__cause__
-            start = restart_point(config.fault_tolerance.checkpoint_root, resume_from)
-            line = str(failed.error).splitlines()[0][:300] if str(failed.error) else type(failed.error).__name__
-            restarts.append({"error": line, "from": start})
-            warnings.warn(
-                f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "
-                f"relay survives its task) from {start or 'scratch (no checkpoint_dir)'}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+class InJobRuns:
+    """The jobs of a fit with the relay in the job (driver/loop.py): the stage run again after a `Retry`, at
+    most MAX_RESTARTS times, from this fit's last checkpoint, else from where the fit began (resume_from, or
+    scratch), each run again said in a warning and in extra["restarts"]."""
+
+    relay = "in-job"
+
+    def __init__(self, config: TrainConfig, data: object, resume_from: str | None) -> None:
+        if not is_connect(data):  # on Connect, job.check_connect refuses the same, naming Connect
+            check_in_job(config, resume_from)
+        self.config, self.resume_from = config, resume_from
+        self.restarts: list[dict[str, str | None]] = []
+
+    def first(self) -> JobStart:
+        return JobStart(self.config, self.resume_from)
+
+    def planned(self, prep: Prepared, start: JobStart) -> None:
+        pass
+
+    def after(self, end: Retry | Reformed, prep: Prepared, run: RunPlan) -> JobStart:
+        assert isinstance(end, Retry)  # no watch stops an in-job stage
+        if len(self.restarts) >= MAX_RESTARTS:
+            raise end.error from end.error.__cause__
+        start = restart_point(self.config.fault_tolerance.checkpoint_root, self.resume_from)
+        line = str(end.error).splitlines()[0][:300] if str(end.error) else type(end.error).__name__
+        self.restarts.append({"error": line, "from": start})
+        warnings.warn(
+            f"the training stage failed ({line}); running it again (relay='in-job': nothing of the "
+            f"relay survives its task) from {start or 'scratch (no checkpoint_dir)'}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return JobStart(self.config, start)
+
+    def finish(self, result: FitResult) -> FitResult:
+        return result
 
 
 def restart_point(checkpoint_root: str | None, resume_from: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""The records an elastic fit's re-form passes between its jobs (elastic.py): why a job stops (`Reform`),
-what its relay held when it stopped (`Left`), and where the next job starts (`Restart`).
+"""How a job of a fit ended when it did not finish, and where the next one starts (driver/loop.py): an
+elastic fit's watch stopped it (`Stop`, `Reformed` with what its relay held, `Left`), or an in-job stage
+failed in a way a new run may pass (`Retry`); the next job starts from `Restart`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradshare.config import TrainConfig
 from gradshare.encoding.step_cap import StepCap
 
 
@@ -23,15 +25,33 @@ class Left:
     notes: tuple[tuple[str, float], ...] = ()  # rank 0's epoch-end state through complete_through
 
 
-class Reform(Exception):
-    """Raised by an elastic fit's watch to stop the job and start it again at another size: `kind` is
-    "shrink" (a task failed or a rank went silent past its bound) or "grow" (free slots at an epoch's end).
-    run_job adds `left`, the relay's state after the cancel. Never leaves `SharedTrainer.fit`."""
+@dataclass(frozen=True)
+class Stop:
+    """Why an elastic fit's watch stops its job to start it again at another size: `kind` is "shrink" (a
+    task failed or a rank went silent past its bound) or "grow" (free slots at an epoch's end)."""
 
-    def __init__(self, kind: str, reason: str, detected_at: float) -> None:
-        super().__init__(f"{kind}: {reason}")
-        self.kind, self.reason, self.detected_at = kind, reason, detected_at
-        self.left: Left | None = None
+    kind: str
+    reason: str
+    detected_at: float  # time.monotonic() when the watch saw it
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """How a job the watch stopped ended: why (`stop`), and the relay's state once its tasks were gone."""
+
+    stop: Stop
+    left: Left
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How an in-job stage ended that a new run may pass (in_job.restartable): the error to raise when no
+    run is left."""
+
+    error: Exception
 
 
 @dataclass(frozen=True)
@@ -50,3 +70,13 @@ def shifted(notes: tuple[tuple[str, float], ...], by: int) -> tuple[tuple[str, f
     """`notes` (AttemptNotes.at) with their epochs (the stop request, the stop epoch) moved by `by`: a job's
     log counts its epochs from its own start."""
     return tuple((k, v + by if k in ("stop_epoch", "stop_requested") else v) for k, v in notes)
+
+
+@dataclass(frozen=True)
+class JobStart:
+    """What a fit's next job runs with: its options (an elastic job's: its worker count and batch), the
+    checkpoint it resumes, and a re-formed job's start (the relay's parameters)."""
+
+    config: TrainConfig
+    resume_from: str | None
+    restart: Restart | None = None

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from gradshare.driver.failures import RelayReads, driver_error, incident_error, reported_error
 from gradshare.driver.job import FrameJob, RddJob
+from gradshare.driver.reform import Stop
 from gradshare.reports import EpochLine, Progress, WorkerReport
 from gradshare.task.config import WorkerConfig
 
@@ -24,11 +25,12 @@ def run_stage(
     window: float,
     verbose: int,
     lines: Callable[[], list[EpochLine]] | None = None,
-    watch: Callable[[], None] | None = None,
-) -> list[WorkerReport]:
+    watch: Callable[[], Stop | None] | None = None,
+) -> list[WorkerReport] | Stop:
     """Run the barrier stage in a thread (Spark's collect blocks) while the bar follows the relay, and
     prints each finished epoch of `lines` (the applied log's). `watch`: called as often, before the
-    failure checks; what it raises cancels the job (an elastic fit's re-form, elastic.py)."""
+    failure checks; a `Stop` it returns cancels the job, which then returns it (an elastic fit's re-form,
+    elastic.py)."""
     # what the job's thread leaves: collect's list, or the error it raised
     collected: list[list[WorkerReport]] = []
     errors: list[BaseException] = []
@@ -53,8 +55,12 @@ def run_stage(
         while thread.is_alive():
             thread.join(0.25)
             bar.update(relay.progress())
-            if watch is not None:
-                watch()
+            stop = None if watch is None else watch()
+            if stop is not None:
+                job.cancel()
+                thread.join(30.0)
+                job.settle(30.0)
+                return stop
             failed = relay.failure()
             if failed is not None:  # a worker's deterministic error: retries would repeat it
                 raise reported_error(failed)  # the handler below cancels the job

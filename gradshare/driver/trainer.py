@@ -57,10 +57,7 @@ from gradshare.config import (
 )
 from gradshare.config.grouping import grouped
 from gradshare.config.options import Compression, Elastic, FaultTolerance, Network, Runtime
-from gradshare.driver.collect import collect_result
-from gradshare.driver.elastic import fit_elastic
-from gradshare.driver.fit import plan_run, prepare_data, run_job, start_relay
-from gradshare.driver.in_job import fit_in_job, in_job
+from gradshare.driver.loop import fit_loop
 from gradshare.driver.plan import FitSpec
 from gradshare.driver.result import FitResult
 from gradshare.driver.tracking import tracked
@@ -211,13 +208,5 @@ class SharedTrainer:
         """
         t_start = time.monotonic()
         spec = FitSpec(self.config, self.model, self.optimizer)  # what the stages (fit.py) read
-        if in_job(self.config, data):  # the relay in rank 0's task (in_job.py)
-            prep, run, outcome, restarts = fit_in_job(spec, data, features_col, label_col, resume_from)
-            return collect_result(prep, run, outcome, t_start, relay="in-job", restarts=restarts)
-        if self.config.elastic is not None:  # the job re-forms as the cluster changes (elastic.py)
-            return fit_elastic(spec, data, features_col, label_col, resume_from, t_start)
-        prep = prepare_data(spec, data, features_col, label_col, resume_from)  # every check before training
-        run = plan_run(self.config, prep)
-        started = start_relay(self.config, prep, run)
-        outcome = run_job(spec, prep, run, started)  # closes the relay
-        return collect_result(prep, run, outcome, t_start, relay="client")
+        # one loop of jobs (loop.py): a plain fit's one, the in-job relay's runs again, an elastic fit's re-forms
+        return fit_loop(spec, data, features_col, label_col, resume_from, t_start)
