@@ -54,35 +54,54 @@ def parse_bytes(text: str) -> int:
     return int(float(value) * MIB)
 
 
+def _size(conf: Callable[[str], str | None], key: str, default: str) -> int:
+    """``key``'s size in bytes (``default`` where it is not set); a value Spark would not read names the key."""
+    text = conf(key) or default
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a size (e.g. 4g, 512m)") from None
+
+
+def _count(conf: Callable[[str], str | None], key: str) -> int:
+    text = conf(key) or "1"
+    try:
+        return max(1, int(text))
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a whole number") from None
+
+
 def worker_budget(conf: Callable[[str], str | None], world: int, available: int | None) -> tuple[int, str] | None:
     """(bytes one worker's Python process may hold, where that bound comes from), or None where nothing
     bounds it that the driver can read. ``conf``: the session's Spark configuration; ``available``: this
     host's available memory (a local master runs every worker here)."""
     pyspark = conf("spark.executor.pyspark.memory")
     if pyspark:  # Spark limits each Python worker to it
-        return parse_bytes(pyspark), f"spark.executor.pyspark.memory={pyspark}"
+        return _size(conf, "spark.executor.pyspark.memory", pyspark), f"spark.executor.pyspark.memory={pyspark}"
     master = conf("spark.master") or ""
     if master.startswith("local"):
         if available is None:
             return None
-        return available // max(
-            world, 1
-        ), f"this host's available memory ({available / MIB:,.0f} MiB) split over {world} workers"
+        share = available // max(world, 1)
+        return share, f"this host's available memory ({available / MIB:,.0f} MiB) split over {world} workers"
     if not master.startswith(("yarn", "k8s://")):  # standalone: no container limit the driver knows of
         return None
     # YARN and Kubernetes kill a container over spark.executor.memory + memoryOverhead; the JVM keeps its
     # heap, so Python's workers live in the overhead, split over the executor's concurrent tasks
     overhead = conf("spark.executor.memoryOverhead")
     if overhead:
-        total, said = parse_bytes(overhead), f"spark.executor.memoryOverhead={overhead}"
+        total, said = (
+            _size(conf, "spark.executor.memoryOverhead", overhead),
+            f"spark.executor.memoryOverhead={overhead}",
+        )
     else:
-        heap = parse_bytes(conf("spark.executor.memory") or "1g")
+        heap = _size(conf, "spark.executor.memory", "1g")
         total = max(DEFAULT_OVERHEAD_MIB * MIB, int(heap * OVERHEAD_FACTOR))
         said = (
             f"spark.executor.memoryOverhead's default ({total / MIB:,.0f} MiB: the larger of 384 MiB and 10 % "
             "of spark.executor.memory)"
         )
-    tasks = max(1, int(conf("spark.executor.cores") or 1) // max(1, int(conf("spark.task.cpus") or 1)))
+    tasks = max(1, _count(conf, "spark.executor.cores") // _count(conf, "spark.task.cpus"))
     return total // tasks, f"{said}, the executor's memory outside the JVM, split over its {tasks} task(s)"
 
 

@@ -25,7 +25,7 @@ from gradshare.driver.checkpoint import find
 from gradshare.driver.fit import worker_config
 from gradshare.driver.job import FrameJob, RddJob
 from gradshare.driver.plan import FitSpec
-from gradshare.driver.records import Outcome, Prepared, RunPlan
+from gradshare.driver.records import Outcome, Prepared, RunPlan, Started
 from gradshare.driver.reform import JobStart, Reformed, Retry, Stop
 from gradshare.driver.relay_setup import join_window, relay_tuning
 from gradshare.driver.result import FitResult
@@ -210,6 +210,9 @@ class InJobRuns:
 
     def planned(self, prep: Prepared, start: JobStart) -> None:
         pass
+
+    def watch(self, prep: Prepared, started: Started, run: RunPlan) -> None:
+        return None  # the relay runs in the stage (run_in_job): no client relay to watch
 
     def after(self, end: Retry | Reformed, prep: Prepared, run: RunPlan) -> JobStart:
         assert isinstance(end, Retry)  # no watch stops an in-job stage

@@ -41,6 +41,8 @@ class Runs(Protocol):
 
     def planned(self, prep: Prepared, start: JobStart) -> None: ...
 
+    def watch(self, prep: Prepared, started: Started, run: RunPlan) -> Callable[[], Stop | None] | None: ...
+
     def after(self, end: Retry | Reformed, prep: Prepared, run: RunPlan) -> JobStart: ...
 
     def finish(self, result: FitResult) -> FitResult: ...
@@ -60,6 +62,9 @@ class OneJob:
 
     def planned(self, prep: Prepared, start: JobStart) -> None:
         pass
+
+    def watch(self, prep: Prepared, started: Started, run: RunPlan) -> None:
+        return None
 
     def after(self, end: Retry | Reformed, prep: Prepared, run: RunPlan) -> JobStart:
         raise AssertionError(f"a plain fit's job ended with {end!r}: it has no watch and no retries")
@@ -98,13 +103,8 @@ def fit_loop(
             end = run_in_job(job, prep, run)
         else:
             started = start_relay(start.config, prep, run)
-            end = run_job(job, prep, run, started, watch_of(runs, prep, started, run))  # closes the relay
+            end = run_job(job, prep, run, started, runs.watch(prep, started, run))  # closes the relay
         if isinstance(end, Outcome):
             result = collect_result(prep, run, end, t_start, relay=runs.relay, restarts=list(runs.restarts))
             return runs.finish(result)
         start = runs.after(end, prep, run)
-
-
-def watch_of(runs: Runs, prep: Prepared, started: Started, run: RunPlan) -> Callable[[], Stop | None] | None:
-    """The job's watch: an elastic fit's (it stops a job to re-form it), or none."""
-    return runs.watch(prep, started, run) if isinstance(runs, ElasticRuns) else None

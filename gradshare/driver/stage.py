@@ -5,6 +5,7 @@ cancels the job at once instead of waiting out Spark's stage retries).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -57,9 +58,7 @@ def run_stage(
             bar.update(relay.progress())
             stop = None if watch is None else watch()
             if stop is not None:
-                job.cancel()
-                thread.join(30.0)
-                job.settle(30.0)
+                cancel(job, thread)
                 return stop
             failed = relay.failure()
             if failed is not None:  # a worker's deterministic error: retries would repeat it
@@ -69,9 +68,7 @@ def run_stage(
                 raise incident_error(given_up)
             job.check_started(relay, time.monotonic() - t_job, window)  # FrameJob: slots it could not count
     except BaseException:
-        job.cancel()
-        thread.join(30.0)
-        job.settle(30.0)
+        cancel(job, thread)
         raise
     finally:
         bar.close()
@@ -83,6 +80,14 @@ def run_stage(
     return collected[0]
 
 
+def cancel(job: RddJob | FrameJob, thread: threading.Thread) -> None:
+    """Cancel the job and wait (at most CANCEL_WAIT s each) for its thread and its tasks to be gone."""
+    job.cancel()
+    thread.join(CANCEL_WAIT)
+    job.settle(CANCEL_WAIT)
+
+
+CANCEL_WAIT = 30.0  # s: a cancelled job's collect thread returns, and its tasks end, within this
 LINES_EVERY = 1.0  # s between reads of the finished epochs (the client relay's tallies take its lock)
 
 

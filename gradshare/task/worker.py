@@ -173,10 +173,11 @@ class Worker:
         self.device = select(resolve_device(cfg.runtime.device_name))  # auto: the GPU Spark gave this task, if any
         torch.manual_seed(cfg.data.seed * 1_000_003 + rank)  # dropout etc.: seeded per rank
         self.model = (copy.deepcopy(cfg.code.model) if model is None else model).to(self.device)
-        if cfg.frozen_digest is not None and frozen_digest(self.model) != cfg.frozen_digest:
+        own = None if cfg.frozen_digest is None else frozen_digest(self.model)  # one pass over the frozen bytes
+        if own != cfg.frozen_digest:
             raise ConsistencyError(
                 f"rank {rank}: the frozen parameters (requires_grad=False) of {type(self.model).__name__} differ "
-                f"from the driver's (digest {frozen_digest(self.model)} here, {cfg.frozen_digest} there): every "
+                f"from the driver's (digest {own} here, {cfg.frozen_digest} there): every "
                 "replica must start from the driver's model; build the frozen weights once, on the driver"
             )
         # A GPU keeps the state, residual and twin as torch tensors there; on the CPU they are NumPy arrays

@@ -69,6 +69,8 @@ def test_the_budget_is_what_each_python_worker_may_hold_under_each_master():
     assert size == int(8 * GIB * 0.10) and "default" in said
     size, _ = worker_budget(conf_of(spark_master="yarn"), 8, None)  # 1g heap: the 384 MiB floor
     assert size == 384 * MIB
+    with pytest.raises(ValueError, match=r"spark.executor.memoryOverhead='lots' is not a size"):
+        worker_budget(conf_of(spark_master="yarn", spark_executor_memoryOverhead="lots"), 8, None)
 
 
 def test_a_model_over_the_budget_is_refused_naming_its_size_the_bytes_a_parameter_and_the_limit():
